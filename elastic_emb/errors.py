@@ -1,0 +1,69 @@
+"""Every error elastic_emb raises, in one place.
+
+Each message names the value at fault and what the caller should do about it. The classes
+derive from the builtin that a caller would naturally catch (``ValueError`` for bad values,
+``TimeoutError`` for bounded waits that ran out, ``RuntimeError`` for state misuse), so code
+that knows nothing of elastic_emb still handles them sensibly.
+"""
+
+from __future__ import annotations
+
+
+class ElasticEmbError(Exception):
+    """Base class of every elastic_emb error."""
+
+
+class TopologyError(ElasticEmbError, ValueError):
+    """A topology value (usually from an environment variable) is missing or invalid."""
+
+
+class TopologyDisagreement(ElasticEmbError, RuntimeError):
+    """The ranks of one generation do not hold the same topology.
+
+    ``details`` maps a rank (or ``"slot<N>"`` for a record that could not be tied to a rank)
+    to a list of ``(field, value, expected)`` triples.
+    """
+
+    def __init__(self, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
+
+
+class AgreementTimeout(ElasticEmbError, TimeoutError):
+    """Not every rank published its topology record within the timeout."""
+
+    def __init__(self, message: str, missing_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks or [])
+
+
+class WorldSizeChanged(ElasticEmbError, ValueError):
+    """``reset`` was asked for a world size the context was not built for."""
+
+    def __init__(self, old: int, new: int) -> None:
+        super().__init__(
+            f"world size changed from {old} to {new}: a context is sized for the world it was "
+            f"constructed with; close it and construct a new context for world size {new} "
+            f"(elastic_emb.lifecycle.Lifecycle does this for you)"
+        )
+        self.old = old
+        self.new = new
+
+
+class ContextClosed(ElasticEmbError, RuntimeError):
+    """A closed context was used."""
+
+
+class RestoreError(ElasticEmbError, RuntimeError):
+    """Committed state could not be restored completely.
+
+    ``missing`` lists ``(table, start_row, end_row)`` ranges that no tier could supply.
+    """
+
+    def __init__(self, message: str, missing: list[tuple[str, int, int]] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+
+class ChecksumMismatch(ElasticEmbError, RuntimeError):
+    """Restored bytes do not match the checksum recorded in the commit manifest."""

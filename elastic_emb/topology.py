@@ -1,0 +1,503 @@
+"""The topology record one rank believes, and the protocol by which all ranks agree on it.
+
+Nothing is built before every rank of a generation holds the same topology. A rank reads its
+view from torchrun's environment (:meth:`Topology.from_env`), then :func:`agree` proves over a
+store that all ``world_size`` ranks hold identical shared fields, that ranks ``0..world_size-1``
+each appear exactly once, and that node and local ranks are consistent.
+
+Agreement protocol (one decider, one verdict, so no two ranks can leave with different answers):
+
+1. Each rank takes an arrival slot with ``store.add(<scope>/arrivals, 1)`` and writes its record
+   (JSON) to ``<scope>/slot/<n>``. ``<scope>`` is ``elastic_emb/<run_id>/gen<generation>/agree``,
+   so two generations never share a key.
+2. The holder of slot 0 is the decider. It reads the slots as they arrive (``multi_get`` of the
+   new ones, so its cost is linear in the world size) and decides as soon as the outcome is fixed:
+   a record that disagrees with the decider's fails the generation at once, without waiting for
+   stragglers; exactly ``world_size`` consistent records (and no more) succeed it; the deadline
+   fails it with the missing ranks named.
+3. The decider writes the verdict (JSON) to ``<scope>/verdict``. Every other rank waits for that
+   one key, so each rank does O(1) store operations and every rank raises or returns the same
+   thing. A process that arrives after the verdict was written (a slot >= world_size) is told that
+   the generation closed without it.
+4. Stale generations: ``elastic_emb/<run_id>/generation`` holds the highest generation any rank
+   has announced (raised with ``compare_set``). A rank from an older generation raises at once
+   and posts an abort into the newer generation's scope, so the ranks there fail fast too; a
+   decider that sees the mark move past its generation fails its own generation the same way.
+
+Fallbacks (documented in the README): the generation is ``ELASTIC_EMB_GENERATION`` (the
+rendezvous round, set by the ``elastic_emb`` rendezvous backend); without it, 0. The run id is
+``TORCHELASTIC_RUN_ID``; without it, ``"none"`` (torchrun's own default). ``ep_size`` is
+``ELASTIC_EMB_EP_SIZE``; without it, the largest power of two <= world_size. The backend is
+``ELASTIC_EMB_BACKEND``; without it, ``nccl`` when CUDA is available, else ``gloo``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import timedelta
+from collections import Counter
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elastic_emb.errors import AgreementTimeout, TopologyDisagreement, TopologyError
+
+# Which environment variable each field comes from, so every error can name it.
+ENV_OF_FIELD: dict[str, str] = {
+    "run_id": "TORCHELASTIC_RUN_ID",
+    "generation": "ELASTIC_EMB_GENERATION",
+    "rank": "RANK",
+    "world_size": "WORLD_SIZE",
+    "local_rank": "LOCAL_RANK",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "node_rank": "GROUP_RANK",
+    "num_nodes": "GROUP_WORLD_SIZE",
+    "ep_size": "ELASTIC_EMB_EP_SIZE",
+    "backend": "ELASTIC_EMB_BACKEND",
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+}
+
+# Fields every rank of a generation must hold identically; the fingerprint covers exactly these.
+SHARED_FIELDS: tuple[str, ...] = (
+    "run_id",
+    "generation",
+    "world_size",
+    "num_nodes",
+    "ep_size",
+    "backend",
+    "master_addr",
+    "master_port",
+)
+
+
+def largest_power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return 1 << (n.bit_length() - 1)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+class Topology(BaseModel):
+    """What one rank believes about the job it is in. Immutable, strictly typed, validated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    run_id: str = Field(min_length=1)
+    generation: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    local_rank: int = Field(ge=0)
+    local_world_size: int = Field(ge=1)
+    node_rank: int = Field(ge=0)
+    num_nodes: int = Field(ge=1)
+    ep_size: int = Field(ge=1)
+    backend: Literal["nccl", "gloo"]
+    master_addr: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Topology":
+        def bad(field: str, msg: str) -> ValueError:
+            value = getattr(self, field)
+            return ValueError(f"{field}={value!r} (from {ENV_OF_FIELD[field]}): {msg}")
+
+        if self.rank >= self.world_size:
+            raise bad("rank", f"must be < world_size={self.world_size}")
+        if self.local_rank >= self.local_world_size:
+            raise bad("local_rank", f"must be < local_world_size={self.local_world_size}")
+        if self.local_world_size > self.world_size:
+            raise bad("local_world_size", f"must be <= world_size={self.world_size}")
+        if self.num_nodes > self.world_size:
+            raise bad("num_nodes", f"must be <= world_size={self.world_size} (every node runs a worker)")
+        if self.node_rank >= self.num_nodes:
+            raise bad("node_rank", f"must be < num_nodes={self.num_nodes}")
+        if not is_power_of_two(self.ep_size):
+            raise bad("ep_size", "must be a power of two (1, 2, 4, ...)")
+        if self.ep_size > self.world_size:
+            raise bad("ep_size", f"must be <= world_size={self.world_size}")
+        return self
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Topology":
+        """Read torchrun's worker environment. Every bad value raises :class:`TopologyError`
+        naming the variable and its value."""
+        env = os.environ if env is None else env
+
+        def integer(var: str, default: int | None = None, minimum: int = 0) -> int:
+            raw = env.get(var)
+            if raw is None:
+                if default is not None:
+                    return default
+                raise TopologyError(
+                    f"{var} is not set: elastic_emb reads the worker topology from torchrun's "
+                    f"environment; launch with torchrun (or set {var})"
+                )
+            try:
+                value = int(raw.strip())
+            except ValueError:
+                raise TopologyError(f"{var}={raw!r} is not an integer") from None
+            if value < minimum:
+                raise TopologyError(f"{var}={raw!r} must be >= {minimum}")
+            return value
+
+        world_size = integer("WORLD_SIZE", minimum=1)
+        local_world_size = integer("LOCAL_WORLD_SIZE", minimum=1)
+        has_group = "GROUP_RANK" in env or "GROUP_WORLD_SIZE" in env
+        if not has_group and local_world_size != world_size:
+            raise TopologyError(
+                f"GROUP_RANK and GROUP_WORLD_SIZE are not set while LOCAL_WORLD_SIZE="
+                f"{local_world_size} != WORLD_SIZE={world_size}: set both (torchrun does)"
+            )
+        ep_raw = env.get("ELASTIC_EMB_EP_SIZE")
+        ep_size = (
+            integer("ELASTIC_EMB_EP_SIZE", minimum=1)
+            if ep_raw is not None
+            else largest_power_of_two_at_most(world_size)
+        )
+        backend = env.get("ELASTIC_EMB_BACKEND")
+        if backend is None:
+            backend = "nccl" if _cuda_available() else "gloo"
+        master_addr = env.get("MASTER_ADDR")
+        if master_addr is None:
+            raise TopologyError("MASTER_ADDR is not set: launch with torchrun (or set MASTER_ADDR)")
+        values = dict(
+            run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+            generation=integer("ELASTIC_EMB_GENERATION", default=0),
+            rank=integer("RANK"),
+            world_size=world_size,
+            local_rank=integer("LOCAL_RANK"),
+            local_world_size=local_world_size,
+            node_rank=integer("GROUP_RANK", default=0 if not has_group else None),
+            num_nodes=integer("GROUP_WORLD_SIZE", default=1 if not has_group else None, minimum=1),
+            ep_size=ep_size,
+            backend=backend,
+            master_addr=master_addr,
+            master_port=integer("MASTER_PORT", minimum=1),
+        )
+        return cls.build(**values)
+
+    @classmethod
+    def build(cls, **values: object) -> "Topology":
+        """Construct and validate; turns pydantic's errors into a :class:`TopologyError` that
+        names the field, its value and the environment variable it comes from."""
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            raise TopologyError(_describe_validation_error(exc, values)) from None
+
+    # -- views ----------------------------------------------------------------------------
+
+    def shared(self) -> dict[str, object]:
+        """The fields every rank of the generation must hold identically."""
+        return {f: getattr(self, f) for f in SHARED_FIELDS}
+
+    def fingerprint(self) -> str:
+        """A stable hash of :meth:`shared`: equal on every rank of an agreed generation, and
+        independent of process, Python hash seed and field order."""
+        canonical = json.dumps(self.shared(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def owns_rows(self) -> bool:
+        """Ranks at or beyond ep_size own no rows but still look up and train."""
+        return self.rank < self.ep_size
+
+    def with_changes(self, **changes: object) -> "Topology":
+        """A validated copy with some fields replaced."""
+        return Topology.build(**{**self.model_dump(), **changes})
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "Topology":
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise TopologyError(f"invalid topology record {raw[:200]!r}: {exc}") from None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a dependency
+        return False
+
+
+def _describe_validation_error(exc: ValidationError, values: Mapping[str, object]) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        field = str(loc[0]) if loc else ""
+        msg = err.get("msg", "")
+        if field:
+            env = ENV_OF_FIELD.get(field, "?")
+            parts.append(f"{field}={values.get(field)!r} (from {env}): {msg}")
+        else:  # model-level validator: its message already names field, value and variable
+            parts.append(msg.removeprefix("Value error, "))
+    return "invalid topology: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement
+# ---------------------------------------------------------------------------------------------
+
+
+def scope(run_id: str, generation: int) -> str:
+    """Store key prefix private to one generation of one run."""
+    return f"elastic_emb/{run_id}/gen{generation}"
+
+
+def evaluate(records: list[dict], expected: dict) -> dict:
+    """Decide a generation from the records that arrived (pure; the decider runs it).
+
+    ``expected`` is the decider's own record. Returns a verdict dict: ``{"ok": True, ...}`` or
+    ``{"ok": False, "kind": ..., "message": ..., "details": ...}``. Shared fields are compared
+    with the decider's record; ranks and node layout are checked once all have arrived.
+    """
+    world_size = expected["world_size"]
+    details: dict[str, list] = {}
+    for i, rec in enumerate(records):
+        diffs = [
+            [f, rec.get(f), expected[f]] for f in SHARED_FIELDS if rec.get(f) != expected[f]
+        ]
+        if diffs:
+            details.setdefault(_who(rec, i), []).extend(diffs)
+    if details:
+        return _fail("disagreement", expected, "shared fields differ", details)
+    if len(records) > world_size:
+        extra = {_who(r, i): [["arrival", i, f"< {world_size}"]] for i, r in enumerate(records) if i >= world_size}
+        return _fail("disagreement", expected, f"{len(records)} processes joined a world of {world_size}", extra)
+    if len(records) < world_size:
+        return {"ok": None}  # not decided yet
+    ranks = Counter(r["rank"] for r in records)
+    dup = sorted(r for r, c in ranks.items() if c > 1)
+    missing = sorted(set(range(world_size)) - set(ranks))
+    if dup or missing:
+        for r in dup:
+            details[f"rank{r}"] = [["rank", r, f"claimed by {ranks[r]} processes"]]
+        for r in missing:
+            details[f"rank{r}"] = [["rank", None, f"rank {r} claimed by no process"]]
+        return _fail("disagreement", expected, f"duplicated ranks {dup}, unclaimed ranks {missing}", details)
+    # Node layout: distinct nodes 0..num_nodes-1; in each node local ranks 0..lws-1 once each.
+    nodes: dict[int, list[dict]] = {}
+    for r in records:
+        nodes.setdefault(r["node_rank"], []).append(r)
+    if sorted(nodes) != list(range(expected["num_nodes"])):
+        return _fail(
+            "disagreement",
+            expected,
+            f"node ranks {sorted(nodes)} are not 0..{expected['num_nodes'] - 1}",
+            {"nodes": [["node_rank", sorted(nodes), list(range(expected["num_nodes"]))]]},
+        )
+    for node, recs in nodes.items():
+        lws = {r["local_world_size"] for r in recs}
+        locals_ = sorted(r["local_rank"] for r in recs)
+        if len(lws) != 1 or locals_ != list(range(len(recs))) or lws != {len(recs)}:
+            return _fail(
+                "disagreement",
+                expected,
+                f"node {node}: local ranks {locals_} with local_world_size {sorted(lws)} are inconsistent",
+                {f"node{node}": [["local_rank", locals_, list(range(len(recs)))], ["local_world_size", sorted(lws), len(recs)]]},
+            )
+    return {"ok": True, "fingerprint": _fingerprint_of(expected), "world_size": world_size}
+
+
+def _who(rec: dict, slot: int) -> str:
+    return f"rank{rec['rank']}" if isinstance(rec.get("rank"), int) else f"slot{slot}"
+
+
+def _fingerprint_of(record: dict) -> str:
+    canonical = json.dumps({f: record[f] for f in SHARED_FIELDS}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _fail(kind: str, expected: dict, what: str, details: dict) -> dict:
+    lines = "; ".join(
+        f"{who}: " + ", ".join(f"{f}={v!r} (expected {e!r})" for f, v, e in diffs)
+        for who, diffs in sorted(details.items())
+    )
+    message = (
+        f"topology disagreement in run {expected['run_id']!r} generation {expected['generation']}: "
+        f"{what}. {lines}. Every rank must be launched by the same rendezvous round with the same "
+        f"WORLD_SIZE/ELASTIC_EMB_EP_SIZE/ELASTIC_EMB_GENERATION; restart the job's workers so they rejoin."
+    )
+    return {"ok": False, "kind": kind, "message": message, "details": details}
+
+
+def agree(topology: Topology, store, timeout: float = 60.0) -> Topology:
+    """Prove that every rank of ``topology.generation`` holds the same topology.
+
+    Returns ``topology`` when all ``world_size`` ranks agree. Raises
+    :class:`TopologyDisagreement` (on every rank) when they do not, :class:`AgreementTimeout`
+    naming the missing ranks when some never arrive within ``timeout`` seconds.
+    """
+    if timeout <= 0:
+        raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+    start = time.monotonic()
+    deadline = start + timeout
+    base = scope(topology.run_id, topology.generation) + "/agree"
+    record = json.loads(topology.to_json())
+    _raise_generation_mark(topology, store)
+
+    slot = store.add(f"{base}/arrivals", 1) - 1
+    store.set(f"{base}/slot/{slot}", topology.to_json())
+    if slot == 0:
+        verdict = _decide(topology, record, store, base, start + timeout * 0.9)
+        store.set(f"{base}/verdict", json.dumps(verdict))
+    else:
+        verdict = _await_verdict(store, base, deadline, topology)
+    _leave_together(store, base, verdict, slot, deadline)
+    if verdict["ok"] and slot >= topology.world_size:
+        raise TopologyDisagreement(
+            f"rank {topology.rank} arrived (as process {slot + 1}) after generation "
+            f"{topology.generation} of run {topology.run_id!r} closed with {topology.world_size} "
+            f"ranks: this process is not part of the job; exit and let the agent restart it",
+            {f"rank{topology.rank}": [["arrival", slot, f"< {topology.world_size}"]]},
+        )
+    if verdict["ok"]:
+        if verdict["fingerprint"] != topology.fingerprint():  # cannot differ once accepted; belt and braces
+            raise TopologyDisagreement(
+                f"agreed fingerprint {verdict['fingerprint']} != this rank's {topology.fingerprint()}"
+            )
+        return topology
+    if verdict["kind"] == "timeout":
+        raise AgreementTimeout(verdict["message"], verdict.get("missing_ranks"))
+    raise TopologyDisagreement(verdict["message"], verdict.get("details"))
+
+
+def _raise_generation_mark(topology: Topology, store) -> None:
+    """Raise the run's high-water generation mark, or fail if this rank is stale."""
+    key = f"elastic_emb/{topology.run_id}/generation"
+    mine = str(topology.generation)
+    for _ in range(64):  # bounded: each failed compare_set means another rank moved the mark
+        current = store.compare_set(key, "", mine) if not store.check([key]) else store.get(key)
+        current = current.decode() if isinstance(current, bytes) else str(current)
+        if int(current) == topology.generation:
+            return
+        if int(current) > topology.generation:
+            newer = scope(topology.run_id, int(current)) + "/agree/abort"
+            msg = (
+                f"rank {topology.rank} is from stale generation {topology.generation} of run "
+                f"{topology.run_id!r}; the job is at generation {current}. This process must exit "
+                f"and be restarted by its agent (ELASTIC_EMB_GENERATION={topology.generation})"
+            )
+            store.compare_set(newer, "", json.dumps({"message": msg, "rank": topology.rank, "generation": topology.generation}))
+            raise TopologyDisagreement(msg, {f"rank{topology.rank}": [["generation", topology.generation, int(current)]]})
+        swapped = store.compare_set(key, current, mine)
+        swapped = swapped.decode() if isinstance(swapped, bytes) else str(swapped)
+        if swapped == mine:
+            return
+    raise TopologyError(f"could not raise the generation mark to {mine} after 64 attempts")
+
+
+def _decide(topology: Topology, record: dict, store, base: str, deadline: float) -> dict:
+    records: list[dict] = [record]
+    mark_key = f"elastic_emb/{topology.run_id}/generation"
+    pause = 0.0005
+    while True:
+        arrived = int(store.add(f"{base}/arrivals", 0))
+        if arrived > len(records):
+            keys = [f"{base}/slot/{i}" for i in range(len(records), arrived)]
+            # A slot is taken before it is written; wait (bounded) for the write.
+            store.wait(keys, _remaining(deadline, floor=0.05))
+            for raw in store.multi_get(keys):
+                try:
+                    records.append(json.loads(raw))
+                except ValueError:
+                    records.append({"rank": None, "unparseable": raw[:100].decode(errors="replace")})
+        verdict = evaluate(records, record)
+        verdict["arrived"] = len(records)
+        if verdict["ok"] is not None:
+            if verdict["ok"]:
+                # Close the window: a process that took a slot meanwhile makes the world too big.
+                late = int(store.add(f"{base}/arrivals", 0))
+                if late > topology.world_size:
+                    continue
+            return verdict
+        if store.check([f"{base}/abort"]):
+            abort = json.loads(store.get(f"{base}/abort"))
+            return _fail(
+                "disagreement",
+                record,
+                f"a stale rank aborted this generation: {abort['message']}",
+                {f"rank{abort['rank']}": [["generation", abort["generation"], topology.generation]]},
+            )
+        mark = int(store.get(mark_key))
+        if mark > topology.generation:
+            return _fail(
+                "disagreement",
+                record,
+                f"the job moved on to generation {mark} while generation {topology.generation} was agreeing",
+                {"generation": [["generation", topology.generation, mark]]},
+            )
+        if time.monotonic() >= deadline:
+            seen = {r.get("rank") for r in records}
+            arrived = len(records)
+            missing = sorted(set(range(topology.world_size)) - seen)
+            return {
+                "ok": False,
+                "kind": "timeout",
+                "arrived": arrived,
+                "missing_ranks": missing,
+                "message": (
+                    f"topology agreement of run {topology.run_id!r} generation {topology.generation} "
+                    f"timed out: {len(records)} of {topology.world_size} ranks arrived; missing ranks "
+                    f"{missing}. Check that those workers started (their logs), or raise the timeout"
+                ),
+            }
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def _leave_together(store, base: str, verdict: dict, slot: int, deadline: float) -> None:
+    """Wait (bounded) until every process the verdict covers has read it.
+
+    Under torchrun, rank 0 hosts the store: if it returned and exited at once, the others could
+    lose the store before reading the verdict. So agree() ends with a barrier; its last arrival
+    sets one key that everybody waits for (O(1) store operations per rank).
+    """
+    expected = int(verdict.get("arrived", 1))
+    if slot >= expected:
+        return  # a late process: nobody waits for it
+    if store.add(f"{base}/read", 1) == expected:
+        store.set(f"{base}/all_read", "1")
+    try:
+        store.wait([f"{base}/all_read"], _remaining(deadline, floor=1.0))
+    except Exception:
+        if verdict.get("ok"):
+            raise AgreementTimeout(
+                f"topology agreed, but not every rank confirmed reading it before the timeout "
+                f"({base}); a rank died right after agreeing: let the agent restart the workers"
+            ) from None
+
+
+def _await_verdict(store, base: str, deadline: float, topology: Topology) -> dict:
+    key = f"{base}/verdict"
+    try:
+        store.wait([key], _remaining(deadline, floor=0.01))
+    except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
+        arrived = int(store.add(f"{base}/arrivals", 0))
+        raise AgreementTimeout(
+            f"topology agreement of run {topology.run_id!r} generation {topology.generation}: no "
+            f"verdict within the timeout ({arrived} of {topology.world_size} processes arrived). "
+            f"The deciding rank (first to arrive) died or is stuck; check its log, or raise the timeout",
+        ) from None
+    return json.loads(store.get(key))
+
+
+def _remaining(deadline: float, floor: float) -> timedelta:
+    return timedelta(seconds=max(floor, deadline - time.monotonic()))
