@@ -243,9 +243,10 @@ def _describe_validation_error(exc: ValidationError, values: Mapping[str, object
         loc = err.get("loc") or ()
         field = str(loc[0]) if loc else ""
         msg = err.get("msg", "")
-        if field:
-            env = ENV_OF_FIELD.get(field, "?")
-            parts.append(f"{field}={values.get(field)!r} (from {env}): {msg}")
+        if field and field not in ENV_OF_FIELD:
+            parts.append(f"{field}={values.get(field)!r} is not a topology field (known: {', '.join(ENV_OF_FIELD)})")
+        elif field:
+            parts.append(f"{field}={values.get(field)!r} (from {ENV_OF_FIELD[field]}): {msg}")
         else:  # model-level validator: its message already names field, value and variable
             parts.append(msg.removeprefix("Value error, "))
     return "invalid topology: " + "; ".join(parts)
