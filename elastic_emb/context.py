@@ -1,0 +1,912 @@
+"""EmbContext: one generation's sharded embedding context, a communicator plus a memory arena.
+
+This is the PyTorch counterpart of a C++ ``AsyncEmbContext``: it is built for exactly one
+topology (world size and expert-parallel size), and everything in it is sized for that world.
+
+Communicator
+    A process group of its own, built directly from a backend (``ProcessGroupGloo`` or
+    ``ProcessGroupNCCL``) on a store prefix private to the generation
+    (:func:`elastic_emb.store.generation_store`) and to this construction or reset, with an
+    explicit timeout. It is *not* the global default process group and is not registered with
+    ``torch.distributed``'s global state, so two contexts (the old and the new one during a live
+    reshard) can live in one process, and the user's own default group is never touched.
+
+Arena
+    One allocation per device holding every table's local rows and optimizer slots (carved into
+    views, 256-byte aligned), plus staging buffers for the all-to-alls, sized from the world
+    size (``staging_rows_per_rank * world_size`` rows of the widest table, each direction). A
+    batch larger than the staging grows it (logged); a second lookup in flight while the
+    staging is leased gets buffers of its own. :attr:`EmbContext.arena_bytes` reports the size.
+
+Lookup (``lookup(table, ids) -> LookupHandle``)
+    1. Validate ids locally (1-D integers in ``[0, num_rows)``).
+    2. Deduplicate with ``torch.unique(sorted, return_inverse)``: the unique ids are sorted, so
+       they are already grouped by owner (row-wise sharding is monotone) and the send buffer
+       needs no permutation. Only unique ids travel: that is what makes it fast.
+    3. Exchange per-peer counts (a tiny all-to-all; a rank that passed bad ids sends -1 here, so
+       the others raise :class:`PeerLookupError` instead of hanging, and the bad rank raises
+       :class:`InvalidIds` with the offending value), then the ids (all-to-all), gather the
+       requested rows on the owners, and start the row all-to-all with ``async_op``.
+    4. ``handle.wait()`` completes that exchange and reorders with the inverse index.
+    Every collective is issued inside ``lookup`` in program order, so handles may be waited in
+    any order on any rank without mismatching collectives.
+
+Gradients (``apply_gradients(table, ids, grads)``, collective)
+    Duplicates are summed locally, unique rows and their summed gradients travel to the owners
+    (all-to-all), the owner sums again across senders and applies the optimizer
+    (:mod:`elastic_emb.optim`) to unique rows.
+
+Lifecycle
+    ``reset(rank, world_size)`` re-forms the communicator for the same world size on a fresh
+    store prefix; if the rank mapping changed, local shards are moved to their new owner over
+    the new communicator so the table is kept. A different world size raises
+    :class:`WorldSizeChanged`. ``close()`` is idempotent: gloo shuts down; NCCL destroys when
+    healthy and aborts when not (bounded by the timeout, in a thread), see FACTS "NCCL
+    pitfalls". Anything after ``close`` raises :class:`ContextClosed`.
+
+Resharding
+    ``export_shard`` / ``import_shard`` hand the local rows and slots with their global row
+    range to the lifecycle layer. ``state_dict`` exposes them as DTensors (``Shard(0)`` over the
+    owner ranks, zero-copy views of the arena) that ``torch.distributed.checkpoint`` saves at
+    one world size and loads at another; see :meth:`EmbContext.state_dict` for the mesh.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb import optim
+from elastic_emb.errors import ContextClosed, ElasticEmbError, WorldSizeChanged
+from elastic_emb.events import get_logger
+from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.sharding import RowRange, owned_range, rows_per_owner
+from elastic_emb.store import generation_store
+from elastic_emb.topology import Topology, is_power_of_two
+
+__all__ = [
+    "EmbContext",
+    "LookupHandle",
+    "InvalidIds",
+    "PeerLookupError",
+    "CommunicationError",
+    "init_rows",
+    "INIT_BLOCK_ROWS",
+]
+
+log = get_logger("elastic_emb.context")
+
+# init_rows draws each block of this many global rows from its own generator, so a row's
+# initial value depends only on (seed, table name, row), never on who owns it.
+INIT_BLOCK_ROWS = 4096
+_ALIGN = 256
+_POISON = -1
+
+
+class InvalidIds(ElasticEmbError, IndexError):
+    """ids passed to lookup/apply_gradients are not a 1-D integer tensor of rows in range."""
+
+
+class PeerLookupError(ElasticEmbError, RuntimeError):
+    """Another rank passed invalid ids to the same collective call; this call was cancelled on
+    every rank (the communicator stays usable)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CommunicationError(ElasticEmbError, RuntimeError):
+    """A collective of the context failed or timed out; the context is now unhealthy."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic initial rows
+# ---------------------------------------------------------------------------------------------
+
+
+def init_rows(spec: TableSpec, seed: int, rows: RowRange) -> torch.Tensor:
+    """Initial values of global rows ``rows`` of ``spec``: uniform in ``±1/sqrt(dim)``.
+
+    Identical whatever the world size: every block of :data:`INIT_BLOCK_ROWS` global rows is
+    drawn from a CPU generator seeded with ``(seed, crc32(table name), block)``, and a range is
+    cut out of the blocks it touches.
+    """
+    out = torch.empty(len(rows), spec.dim, dtype=spec.torch_dtype)
+    if not len(rows):
+        return out
+    if rows.stop > spec.num_rows:
+        raise ValueError(f"rows [{rows.start}, {rows.stop}) exceed table {spec.name!r} of {spec.num_rows} rows")
+    bound = 1.0 / (spec.dim**0.5)
+    name_hash = zlib.crc32(spec.name.encode())
+    gen = torch.Generator()
+    first, last = rows.start // INIT_BLOCK_ROWS, (rows.stop - 1) // INIT_BLOCK_ROWS
+    for block in range(first, last + 1):
+        b0 = block * INIT_BLOCK_ROWS
+        b1 = min(b0 + INIT_BLOCK_ROWS, spec.num_rows)
+        gen.manual_seed((seed * 1_000_003 + name_hash) * 1_000_033 + block & 0x7FFF_FFFF_FFFF_FFFF)
+        vals = torch.rand(b1 - b0, spec.dim, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+        lo, hi = max(b0, rows.start), min(b1, rows.stop)
+        out[lo - rows.start : hi - rows.start] = vals[lo - b0 : hi - b0].to(spec.torch_dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Arena
+# ---------------------------------------------------------------------------------------------
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _carve(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return buf[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class _Arena:
+    """One device allocation: resident rows + slots per table; staging kept beside it."""
+
+    def __init__(self, device: torch.device, layout: dict[str, tuple[int, TableSpec, dict]], staging_bytes: int):
+        self.device = device
+        plan: list[tuple[str, str, tuple[int, ...], torch.dtype, int]] = []
+        offset = 0
+        for name, (nrows, spec, slot_shapes) in layout.items():
+            plan.append((name, "weight", (nrows, spec.dim), spec.torch_dtype, offset))
+            offset += _aligned(nrows * spec.bytes_per_row())
+            for slot, (shape, dtype) in slot_shapes.items():
+                full = (nrows, *shape)
+                plan.append((name, slot, full, dtype, offset))
+                numel = nrows
+                for s in shape:
+                    numel *= s
+                offset += _aligned(numel * torch.empty((), dtype=dtype).element_size())
+        self.resident_bytes = offset
+        self.buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.slots: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layout}
+        for name, what, shape, dtype, off in plan:
+            view = _carve(self.buffer, off, shape, dtype)
+            if what == "weight":
+                self.weights[name] = view
+            else:
+                self.slots[name][what] = view
+        self.staging = torch.empty(max(staging_bytes, 1), dtype=torch.uint8, device=device)
+        self._leased = False
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() + self.staging.numel()
+
+    def lease(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A byte buffer of at least ``nbytes``: the staging if free (grown if too small), else
+        a fresh allocation. Returns (buffer, leased)."""
+        with self._lock:
+            if self._leased:
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device), False
+            if self.staging.numel() < nbytes:
+                grown = max(nbytes, 2 * self.staging.numel())
+                log.info("arena.staging_grown", old_bytes=self.staging.numel(), new_bytes=grown)
+                self.staging = torch.empty(grown, dtype=torch.uint8, device=self.device)
+            self._leased = True
+            return self.staging, True
+
+    def release(self) -> None:
+        with self._lock:
+            self._leased = False
+
+
+class _Staging:
+    """Carves consecutive typed views out of a leased byte buffer."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.offset = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        view = _carve(self.buf, self.offset, shape, dtype)
+        self.offset += _aligned(view.numel() * view.element_size())
+        return view
+
+
+def _staging_need(counts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    total = 0
+    for shape, dtype in counts:
+        numel = 1
+        for s in shape:
+            numel *= s
+        total += _aligned(numel * torch.empty((), dtype=dtype).element_size())
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup handle
+# ---------------------------------------------------------------------------------------------
+
+
+class LookupHandle:
+    """An in-flight lookup. ``wait()`` completes the row exchange and returns the rows in the
+    order of the ids passed to ``lookup``. Waiting twice returns the same tensor."""
+
+    def __init__(self, ctx: "EmbContext", table: str, work, recv_rows: torch.Tensor, inverse: torch.Tensor,
+                 leased: bool, keep: tuple = ()):
+        self._ctx = ctx
+        self._table = table
+        self._work = work
+        self._recv = recv_rows
+        self._inverse = inverse
+        self._leased = leased
+        self._keep = keep  # send buffers must outlive the exchange
+        self._result: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._result is not None:
+            return self._result
+        ctx = self._ctx
+        if ctx.closed:
+            raise ContextClosed(
+                f"lookup of table {self._table!r} was waited on after its context "
+                f"(generation {ctx.topology.generation}) was closed; look up again on the new context"
+            )
+        try:
+            if self._work is not None:
+                ctx._wait(self._work, timeout, f"lookup({self._table!r}) row exchange")
+            # Reorder (and expand duplicates) into a tensor the caller owns.
+            self._result = self._recv.index_select(0, self._inverse)
+        finally:
+            if self._leased:
+                ctx._arena_release()
+                self._leased = False
+            self._work = None
+            self._keep = ()
+        return self._result
+
+
+# ---------------------------------------------------------------------------------------------
+# The context
+# ---------------------------------------------------------------------------------------------
+
+
+class EmbContext:
+    """A sharded embedding context for one topology. See the module docstring."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        store: dist.Store,
+        *,
+        tables: Sequence[TableSpec],
+        optimizer: OptimizerSpec = OptimizerSpec(),
+        device: torch.device | str | None = None,
+        timeout: float = 60.0,
+        require_power_of_two: bool = True,
+        seed: int | None = 0,
+        staging_rows_per_rank: int = 4096,
+    ) -> None:
+        started = time.monotonic()
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        if not tables:
+            raise ValueError("tables is empty: an EmbContext needs at least one TableSpec")
+        names = [t.name for t in tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"table names {dup} appear more than once in tables; names must be unique")
+        if staging_rows_per_rank < 0:
+            raise ValueError(f"staging_rows_per_rank={staging_rows_per_rank} must be >= 0")
+        self._check_ep(topology, require_power_of_two)
+        self.topology = topology
+        self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
+        self.optimizer = optimizer
+        self.timeout = float(timeout)
+        self.require_power_of_two = require_power_of_two
+        self.seed = seed
+        self.staging_rows_per_rank = staging_rows_per_rank
+        self.device = self._pick_device(topology, device)
+        self._base_store = store
+        self._closed = False
+        self._healthy = True
+        self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
+        self.process_group = self._form_group(topology, store)
+        self._arena = self._allocate(topology)
+        self._fill_initial_rows()
+        self._log.info(
+            "context.constructed",
+            world_size=topology.world_size,
+            ep_size=topology.ep_size,
+            backend=topology.backend,
+            device=str(self.device),
+            tables=len(self.tables),
+            arena_bytes=self.arena_bytes,
+            resident_bytes=self._arena.resident_bytes,
+            seconds=round(time.monotonic() - started, 4),
+        )
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the arena holds on the device now (resident rows and slots + staging)."""
+        return 0 if self._closed else self._arena.nbytes
+
+    def arena_report(self) -> dict:
+        """Sizes of the arena's parts, for logs and benchmarks."""
+        self._check_open("arena_report")
+        a = self._arena
+        return {
+            "device": str(self.device),
+            "resident_bytes": a.resident_bytes,
+            "staging_bytes": a.staging.numel(),
+            "total_bytes": a.nbytes,
+            "tables": {
+                n: {"local_rows": a.weights[n].shape[0], "rows": [self.owned(n).start, self.owned(n).stop]}
+                for n in self.tables
+            },
+        }
+
+    def owned(self, table: str) -> RowRange:
+        """The global rows of ``table`` this rank owns (empty on ranks >= ep_size)."""
+        spec = self._spec(table)
+        return owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank)
+
+    # -- construction helpers -----------------------------------------------------------------
+
+    @staticmethod
+    def _check_ep(topology: Topology, require_power_of_two: bool) -> None:
+        ep = topology.ep_size
+        if ep < 1 or ep > topology.world_size:
+            raise ValueError(f"ep_size={ep} must be in [1, world_size={topology.world_size}]")
+        if require_power_of_two and not is_power_of_two(ep):
+            raise ValueError(
+                f"ep_size={ep} is not a power of two; set ELASTIC_EMB_EP_SIZE to a power of two "
+                f"(1, 2, 4, ...) or construct with require_power_of_two=False"
+            )
+
+    @staticmethod
+    def _pick_device(topology: Topology, device) -> torch.device:
+        if device is not None:
+            dev = torch.device(device)
+        elif topology.backend == "nccl":
+            dev = torch.device("cuda", topology.local_rank)
+        else:
+            dev = torch.device("cpu")
+        if topology.backend == "nccl" and dev.type != "cuda":
+            raise ValueError(f"backend 'nccl' needs a CUDA device, got device={dev}; use backend 'gloo' on CPU")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={dev} but CUDA is not available; use backend 'gloo' and device 'cpu'")
+            if dev.index is None:
+                dev = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+        return dev
+
+    def _form_group(self, topology: Topology, store: dist.Store):
+        """A process group private to this context, on a fresh prefix of the generation's keys.
+
+        Each rank counts its own constructions/resets within the generation; the k-th one on
+        every rank pairs with the k-th on the others, so re-forming never reuses keys (FACTS:
+        reused keys hang)."""
+        started = time.monotonic()
+        gen_store = generation_store(store, topology, "ctx")
+        instance = int(gen_store.add(f"instances/rank{topology.rank}", 1))
+        pg_store = dist.PrefixStore(f"pg{instance}/", gen_store)
+        timeout = timedelta(seconds=self.timeout)
+        rank, size = topology.rank, topology.world_size
+        try:
+            if topology.backend == "gloo":
+                backend = dist.ProcessGroupGloo(pg_store, rank, size, timeout)
+                backend._set_sequence_number_for_group()
+                pg = dist.ProcessGroup(pg_store, rank, size)
+                pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+                pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+                if torch.cuda.is_available():
+                    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                backend = dist.ProcessGroupNCCL(pg_store, rank, size, opts)
+                backend._set_sequence_number_for_group()
+                torch.cuda.set_device(self.device)
+                backend.eager_connect_single_device(self.device)
+                pg = dist.ProcessGroup(pg_store, rank, size)
+                pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+                pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+        except Exception as exc:
+            raise CommunicationError(
+                f"could not form the {topology.backend} process group of rank {rank}/{size} "
+                f"(run {topology.run_id!r} generation {topology.generation}, instance {instance}) within "
+                f"{self.timeout}s: {exc}. Check that every rank constructs the context"
+            ) from exc
+        pg._set_group_name(f"elastic_emb.{topology.run_id}.gen{topology.generation}.{instance}")
+        self._backend = backend
+        self._instance = instance
+        # The first collective connects; do it now so construction fails here, not in a lookup.
+        probe = torch.ones(1, device=self.device)
+        self._wait(pg.allreduce([probe]), None, "construction probe")
+        if int(probe.item()) != size:
+            raise CommunicationError(f"construction probe summed to {probe.item()}, expected {size}")
+        self._log.info("context.group_formed", instance=instance, seconds=round(time.monotonic() - started, 4))
+        return pg
+
+    def _allocate(self, topology: Topology) -> _Arena:
+        layout = {}
+        for name, spec in self.tables.items():
+            nrows = len(owned_range(spec.num_rows, topology.ep_size, topology.rank))
+            layout[name] = (nrows, spec, optim.slot_shapes(self.optimizer, spec.dim))
+        widest = max(s.bytes_per_row() for s in self.tables.values())
+        cap = self.staging_rows_per_rank * topology.world_size
+        # each direction: rows + ids (int64)
+        staging = 2 * _aligned(cap * (widest + 8))
+        return _Arena(self.device, layout, staging)
+
+    def _fill_initial_rows(self) -> None:
+        a = self._arena
+        for name, spec in self.tables.items():
+            rows = self.owned(name)
+            if self.seed is None:
+                a.weights[name].zero_()
+            else:
+                a.weights[name].copy_(init_rows(spec, self.seed, rows))
+            optim.init_slots(self.optimizer, a.slots[name])
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ContextClosed(
+                f"{what} on a closed EmbContext (run {self.topology.run_id!r} generation "
+                f"{self.topology.generation}, world size {self.topology.world_size}); construct a new context"
+            )
+
+    def _spec(self, table: str) -> TableSpec:
+        try:
+            return self.tables[table]
+        except KeyError:
+            raise KeyError(f"unknown table {table!r}; this context holds {sorted(self.tables)}") from None
+
+    def _validate_ids(self, spec: TableSpec, ids) -> tuple[torch.Tensor | None, str | None]:
+        """(ids as int64 on the device, None) or (None, reason)."""
+        if not isinstance(ids, torch.Tensor):
+            return None, f"ids must be a torch.Tensor, got {type(ids).__name__}"
+        if ids.dim() != 1:
+            return None, f"ids must be 1-D, got shape {tuple(ids.shape)}"
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            return None, f"ids must be an integer tensor, got dtype {ids.dtype}"
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= spec.num_rows:
+                bad = lo if lo < 0 else hi
+                return None, (
+                    f"id {bad} is out of range for table {spec.name!r} of {spec.num_rows} rows "
+                    f"(valid ids are 0..{spec.num_rows - 1})"
+                )
+        return ids, None
+
+    # -- communication ------------------------------------------------------------------------
+
+    def _wait(self, work, timeout: float | None, what: str) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            ok = work.wait(timedelta(seconds=t))
+        except Exception as exc:
+            self._healthy = False
+            raise CommunicationError(
+                f"{what} failed on rank {self.topology.rank} (generation {self.topology.generation}): {exc}. "
+                f"A peer died or is stuck; close this context and let the lifecycle re-form the world"
+            ) from exc
+        if ok is False:
+            self._healthy = False
+            raise CommunicationError(f"{what} timed out after {t}s on rank {self.topology.rank}")
+
+    def _arena_release(self) -> None:
+        if self._arena is not None:
+            self._arena.release()
+
+    def _alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        try:
+            return self.process_group.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+        except Exception as exc:
+            self._healthy = False
+            raise CommunicationError(f"all-to-all failed on rank {self.topology.rank}: {exc}") from exc
+
+    def _exchange_counts(self, send_counts: torch.Tensor, what: str) -> list[int]:
+        """All-to-all of per-peer counts; raises PeerLookupError if any rank sent poison."""
+        world = self.topology.world_size
+        recv = torch.empty(world, dtype=torch.int64, device=self.device)
+        ones = [1] * world
+        self._wait(self._alltoall(recv, send_counts, ones, ones), None, f"{what} count exchange")
+        counts = recv.tolist()
+        bad = [r for r, c in enumerate(counts) if c < 0]
+        if bad:
+            raise PeerLookupError(
+                f"{what} was cancelled on rank {self.topology.rank}: rank(s) {bad} passed invalid ids "
+                f"(see the InvalidIds error on those ranks); the context stays usable",
+                bad,
+            )
+        return counts
+
+    def _route(self, spec: TableSpec, ids, what: str):
+        """Shared first half of lookup and apply_gradients: validate, dedup, exchange counts
+        and ids. Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
+        world = self.topology.world_size
+        checked, reason = self._validate_ids(spec, ids)
+        if checked is None:
+            # Tell the peers before raising, so nobody waits for this rank's ids.
+            poison = torch.full((world,), _POISON, dtype=torch.int64, device=self.device)
+            try:
+                self._exchange_counts(poison, what)
+            except PeerLookupError:
+                pass
+            raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
+        uniq, inverse = torch.unique(checked, sorted=True, return_inverse=True)
+        per = rows_per_owner(spec.num_rows, self.topology.ep_size)
+        owners = torch.div(uniq, per, rounding_mode="floor")
+        send_counts = torch.bincount(owners, minlength=world) if uniq.numel() else torch.zeros(
+            world, dtype=torch.int64, device=self.device
+        )
+        send_list = send_counts.tolist()
+        recv_list = self._exchange_counts(send_counts, what)
+        recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=self.device)
+        self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange")
+        return uniq, inverse, send_list, recv_list, recv_ids
+
+    # -- public operations ---------------------------------------------------------------------
+
+    def lookup(self, table: str, ids: torch.Tensor) -> LookupHandle:
+        """Start a lookup of ``ids`` (collective: every rank calls it, possibly with no ids).
+        Returns before the row exchange completes; ``handle.wait()`` gives ``[len(ids), dim]``."""
+        self._check_open(f"lookup({table!r})")
+        spec = self._spec(table)
+        what = f"lookup({table!r})"
+        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what)
+        weight = self._arena.weights[table]
+        start = self.owned(table).start
+        n_serve, n_get = len(recv_ids), len(uniq)
+        need = _staging_need([((n_serve, spec.dim), spec.torch_dtype), ((n_get, spec.dim), spec.torch_dtype)])
+        buf, leased = self._arena.lease(need)
+        staging = _Staging(buf)
+        serve = staging.take((n_serve, spec.dim), spec.torch_dtype)
+        if n_serve:
+            torch.index_select(weight, 0, recv_ids - start, out=serve)
+        got = staging.take((n_get, spec.dim), spec.torch_dtype)
+        try:
+            work = self._alltoall(got, serve, send_list, recv_list)
+        except Exception:
+            if leased:
+                self._arena.release()
+            raise
+        return LookupHandle(self, table, work, got, inverse, leased, keep=(serve,))
+
+    def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
+        there; gradients of duplicate ids are summed (collective: every rank calls it)."""
+        self._check_open(f"apply_gradients({table!r})")
+        spec = self._spec(table)
+        what = f"apply_gradients({table!r})"
+        shape_ok = (
+            isinstance(grads, torch.Tensor)
+            and isinstance(ids, torch.Tensor)
+            and grads.dim() == 2
+            and grads.shape[1] == spec.dim
+            and ids.dim() == 1
+            and grads.shape[0] == ids.shape[0]
+        )
+        if not shape_ok:
+            got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__
+            n = tuple(ids.shape) if isinstance(ids, torch.Tensor) else "?"
+            # Tell the peers before raising, so nobody waits for this rank.
+            poison = torch.full((self.topology.world_size,), _POISON, dtype=torch.int64, device=self.device)
+            try:
+                self._exchange_counts(poison, what)
+            except PeerLookupError:
+                pass
+            raise InvalidIds(
+                f"{what} on rank {self.topology.rank}: grads must be [len(ids), {spec.dim}] for ids of "
+                f"shape {n}, got {got}"
+            )
+        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what)
+        summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=self.device)
+        if len(uniq):
+            summed.index_add_(0, inverse, grads.to(device=self.device, dtype=spec.torch_dtype))
+        recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=self.device)
+        self._wait(self._alltoall(recv_grads, summed, recv_list, send_list), None, f"{what} gradient exchange")
+        if not len(recv_ids):
+            return
+        local = recv_ids - self.owned(table).start
+        # Several senders may have sent the same row: sum them before the (non-linear) update.
+        rows, inv = torch.unique(local, sorted=True, return_inverse=True)
+        if rows.numel() != local.numel():
+            total = torch.zeros(rows.numel(), spec.dim, dtype=spec.torch_dtype, device=self.device)
+            total.index_add_(0, inv, recv_grads)
+        else:
+            total = torch.empty_like(recv_grads).index_copy_(0, inv, recv_grads)
+        optim.apply_rows(self.optimizer, self._arena.weights[table], self._arena.slots[table], rows, total)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (a small all-reduce, bounded by the timeout)."""
+        self._check_open("barrier")
+        t = torch.zeros(1, device=self.device)
+        self._wait(self.process_group.allreduce([t]), None, "barrier")
+
+    # -- reset and close -----------------------------------------------------------------------
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+        """Re-form the communicator for the same world size (the rank mapping may change).
+
+        Raises ``ValueError`` for an invalid rank or world size, :class:`WorldSizeChanged` for a
+        different world size, ``ValueError`` for a non-power-of-two EP size (unless the rule is
+        off) or a changed EP size. Rows are kept: if this process's rank changed, its shard moves
+        to the process that now holds its old rank.
+        """
+        self._check_open("reset")
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an int")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if world_size != self.topology.world_size:
+            raise WorldSizeChanged(self.topology.world_size, world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, {world_size})")
+        if topology is None:
+            topology = self.topology.with_changes(rank=rank)
+        if topology.rank != rank or topology.world_size != world_size:
+            raise ValueError(
+                f"topology (rank={topology.rank}, world_size={topology.world_size}) does not match "
+                f"reset(rank={rank}, world_size={world_size})"
+            )
+        self._check_ep(topology, self.require_power_of_two)
+        if topology.ep_size != self.topology.ep_size:
+            raise ValueError(
+                f"ep_size changed from {self.topology.ep_size} to {topology.ep_size}: the arena is laid "
+                f"out for the old sharding; close this context and construct a new one"
+            )
+        if topology.backend != self.topology.backend:
+            raise ValueError(
+                f"backend changed from {self.topology.backend!r} to {topology.backend!r}: construct a new context"
+            )
+        started = time.monotonic()
+        old_rank = self.topology.rank
+        self._shutdown_group(abort=not self._healthy)
+        self._healthy = True
+        self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
+        self.process_group = self._form_group(topology, store if store is not None else self._base_store)
+        if store is not None:
+            self._base_store = store
+        self.topology = topology
+        moved = self._remap_rows(old_rank)
+        self._log.info("context.reset", old_rank=old_rank, moved_bytes=moved,
+                       seconds=round(time.monotonic() - started, 4))
+
+    def _remap_rows(self, old_rank: int) -> int:
+        """After a reset: move each process's resident arena to the process that now has its
+        old rank. One all-to-all of bytes; every rank takes part even when nothing moves."""
+        world, rank = self.topology.world_size, self.topology.rank
+        olds = torch.zeros(world, dtype=torch.int64, device=self.device)
+        olds[rank] = old_rank
+        self._wait(self.process_group.allreduce([olds]), None, "reset rank exchange")
+        old_of = olds.tolist()  # old_of[new rank] = old rank
+        if old_of == list(range(world)):
+            return 0
+        if sorted(old_of) != list(range(world)):
+            self._healthy = False
+            raise CommunicationError(f"reset: old ranks {old_of} are not a permutation of 0..{world - 1}")
+        new_arena = self._allocate(self.topology)
+        src = self._arena.buffer[: self._arena.resident_bytes]
+        dst = new_arena.buffer[: new_arena.resident_bytes]
+        in_splits = [0] * world
+        in_splits[old_rank] = src.numel()  # the process now holding my old rank needs my rows
+        out_splits = [0] * world
+        out_splits[old_of.index(rank)] = dst.numel()  # I take the rows of my new rank's old holder
+        self._wait(self._alltoall(dst, src, out_splits, in_splits), None, "reset row move")
+        self._arena = new_arena
+        return int(src.numel())
+
+    def _shutdown_group(self, abort: bool) -> None:
+        pg = getattr(self, "process_group", None)
+        if pg is None:
+            return
+        self.process_group = None
+        backend_name = self.topology.backend
+        method = "abort" if abort else "shutdown"
+
+        def run() -> None:
+            try:
+                getattr(pg, method)()
+            except Exception as exc:  # reported, not swallowed silently
+                self._log.warning("context.group_release_failed", method=method, error=str(exc))
+
+        if backend_name == "gloo" and not abort:
+            run()
+            return
+        # NCCL destroy/abort can block on a dead peer: bound it by the timeout in a thread.
+        t = threading.Thread(target=run, name=f"elastic_emb-{method}", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        if t.is_alive():
+            self._log.error("context.group_release_timeout", method=method, timeout=self.timeout)
+            if method == "shutdown":
+                # A destroy that hangs means a peer is gone: abort instead (FACTS: NCCL pitfalls).
+                ta = threading.Thread(target=lambda: pg.abort(), daemon=True)
+                ta.start()
+                ta.join(self.timeout)
+
+    def close(self, *, abort: bool | None = None) -> None:
+        """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
+        (False) aborting the communicator; by default it aborts only when unhealthy."""
+        if self._closed:
+            return
+        started = time.monotonic()
+        do_abort = (not self._healthy) if abort is None else abort
+        self._closed = True
+        self._shutdown_group(abort=do_abort)
+        arena_bytes = self._arena.nbytes
+        self._arena = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._log.info("context.closed", aborted=do_abort, released_bytes=arena_bytes,
+                       seconds=round(time.monotonic() - started, 4))
+
+    def __enter__(self) -> "EmbContext":
+        self._check_open("__enter__")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=True if exc_type is not None and not self._healthy else None)
+
+    def __del__(self) -> None:  # best effort; close() is the real interface
+        try:
+            if not self._closed and getattr(self, "process_group", None) is not None and self.topology.backend == "gloo":
+                self.close()
+        except Exception:
+            pass
+
+    # -- shards --------------------------------------------------------------------------------
+
+    def export_shard(self) -> dict[str, ShardData]:
+        """Copies of this rank's rows and slots of every table, with their global row range."""
+        self._check_open("export_shard")
+        a = self._arena
+        return {
+            name: ShardData(
+                table=name,
+                rows=self.owned(name),
+                weight=a.weights[name].clone(),
+                slots={k: v.clone() for k, v in a.slots[name].items()},
+            )
+            for name in self.tables
+        }
+
+    def import_shard(self, shards: Mapping[str, ShardData]) -> None:
+        """Overwrite this rank's rows with ``shards``: exactly this rank's owned range of every
+        table, with every optimizer slot. Local (no communication)."""
+        self._check_open("import_shard")
+        missing = sorted(set(self.tables) - set(shards))
+        extra = sorted(set(shards) - set(self.tables))
+        if missing or extra:
+            raise ValueError(f"import_shard: tables missing {missing}, unknown {extra}; expected {sorted(self.tables)}")
+        a = self._arena
+        for name, shard in shards.items():
+            want = self.owned(name)
+            if shard.rows != want:
+                raise ValueError(
+                    f"import_shard: table {name!r} shard covers rows [{shard.rows.start}, {shard.rows.stop}) but "
+                    f"rank {self.topology.rank} owns [{want.start}, {want.stop}); reshard first "
+                    f"(elastic_emb.sharding.reshard_plan)"
+                )
+            if tuple(shard.weight.shape) != tuple(a.weights[name].shape):
+                raise ValueError(f"import_shard: table {name!r} weight shape {tuple(shard.weight.shape)} != "
+                                 f"{tuple(a.weights[name].shape)}")
+            slot_names = set(a.slots[name])
+            if set(shard.slots) != slot_names:
+                raise ValueError(f"import_shard: table {name!r} slots {sorted(shard.slots)} != {sorted(slot_names)} "
+                                 f"(optimizer {self.optimizer.kind!r})")
+            for slot, t in shard.slots.items():
+                if tuple(t.shape) != tuple(a.slots[name][slot].shape):
+                    raise ValueError(f"import_shard: table {name!r} slot {slot!r} shape {tuple(t.shape)} != "
+                                     f"{tuple(a.slots[name][slot].shape)}")
+        for name, shard in shards.items():
+            a.weights[name].copy_(shard.weight)
+            for slot, t in shard.slots.items():
+                a.slots[name][slot].copy_(t)
+
+    # -- DTensor state dict -------------------------------------------------------------------
+
+    def device_mesh(self):
+        """A DeviceMesh over the owner ranks ``0..ep_size-1`` of the default process group.
+
+        DTensor and torch.distributed.checkpoint work only with process groups registered in
+        ``torch.distributed``'s global state, which this context's private group is not; so the
+        state dict uses the default group, which must be initialized with the same rank and world
+        size as this context (torchrun's ``init_process_group()`` gives exactly that). The mesh
+        covers the owner ranks only, because DTensor ``Shard(0)`` over that mesh is exactly the
+        row layout of :mod:`elastic_emb.sharding`; ranks >= ep_size are outside it and hold
+        empty shards.
+        """
+        self._check_open("device_mesh")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "state_dict needs torch.distributed's default process group (DTensor and DCP only use "
+                "registered groups): call torch.distributed.init_process_group() with the same rank "
+                "and world size first"
+            )
+        if dist.get_rank() != self.topology.rank or dist.get_world_size() != self.topology.world_size:
+            raise RuntimeError(
+                f"default process group is rank {dist.get_rank()} of {dist.get_world_size()}, but this "
+                f"context is rank {self.topology.rank} of {self.topology.world_size}; re-initialize it to match"
+            )
+        cached = getattr(self, "_mesh", None)
+        if cached is not None and cached[0] is dist.group.WORLD:
+            return cached[1]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh(self.device.type, list(range(self.topology.ep_size)))
+        self._mesh = (dist.group.WORLD, mesh)
+        return mesh
+
+    def state_dict(self) -> dict:
+        """``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over the owner
+        ranks; local tensors are views of the arena (DCP ``load`` into them writes the arena)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = self.device_mesh()
+        out = {}
+        a = self._arena
+        for name, spec in self.tables.items():
+            parts = {"weight": a.weights[name], **a.slots[name]}
+            for slot, local in parts.items():
+                shape = (spec.num_rows, *local.shape[1:])
+                stride = torch.empty(shape, device="meta").stride()
+                out[f"{name}.{slot}"] = DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride
+                )
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> None:
+        """Copy the local shards of ``state_dict`` (as returned by :meth:`state_dict`, possibly
+        loaded by DCP) into the arena."""
+        from torch.distributed.tensor import DTensor
+
+        self._check_open("load_state_dict")
+        a = self._arena
+        for name in self.tables:
+            for slot, dst in {"weight": a.weights[name], **a.slots[name]}.items():
+                key = f"{name}.{slot}"
+                if key not in state_dict:
+                    raise KeyError(f"load_state_dict: missing key {key!r}; have {sorted(state_dict)}")
+                src = state_dict[key]
+                local = src.to_local() if isinstance(src, DTensor) else src
+                if tuple(local.shape) != tuple(dst.shape):
+                    raise ValueError(f"load_state_dict: {key!r} local shape {tuple(local.shape)} != {tuple(dst.shape)}")
+                if local.data_ptr() != dst.data_ptr():
+                    dst.copy_(local)
+
+    def __repr__(self) -> str:
+        t = self.topology
+        state = "closed" if self._closed else ("healthy" if self._healthy else "unhealthy")
+        return (f"EmbContext(rank={t.rank}, world_size={t.world_size}, ep_size={t.ep_size}, "
+                f"backend={t.backend!r}, tables={sorted(self.tables)}, {state})")

@@ -1,0 +1,80 @@
+"""Sparse row-wise optimizers applied by the owner of the rows.
+
+The context routes every gradient to the rank that owns its row; that rank calls one of these
+functions with *unique* local row indices and the summed gradient of each row. Keeping the
+update in one place, as plain tensor arithmetic with no communication, means the single-process
+reference in the tests and the sharded context apply the very same formula.
+
+``sgd``: ``w[i] -= lr * g[i]``.
+
+``adagrad`` (row-wise, one float32 accumulator per row, as in DLRM / TorchRec's row-wise
+Adagrad): ``acc[i] += mean(g[i] ** 2)``; ``w[i] -= lr * g[i] / (sqrt(acc[i]) + eps)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_emb.protocol import OptimizerSpec
+
+
+def slot_shapes(spec: OptimizerSpec, dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per-row shape (after the row dimension) and dtype of each optimizer slot."""
+    if spec.kind == "adagrad":
+        return {"accumulator": ((), torch.float32)}
+    return {}
+
+
+def init_slots(spec: OptimizerSpec, slots: dict[str, torch.Tensor]) -> None:
+    """Fill freshly allocated slots with their initial values."""
+    if spec.kind == "adagrad":
+        slots["accumulator"].fill_(spec.initial_accumulator)
+
+
+def apply_rows(
+    spec: OptimizerSpec,
+    weight: torch.Tensor,
+    slots: dict[str, torch.Tensor],
+    index: torch.Tensor,
+    grad: torch.Tensor,
+) -> None:
+    """Update ``weight[index]`` (and its slots) in place with the summed gradients ``grad``.
+
+    ``index`` must hold unique local row indices (the caller deduplicates and sums); ``grad`` is
+    ``[len(index), dim]``.
+    """
+    if index.numel() == 0:
+        return
+    if spec.kind == "sgd":
+        weight.index_add_(0, index, grad.to(weight.dtype), alpha=-spec.lr)
+        return
+    if spec.kind == "adagrad":
+        acc = slots["accumulator"]
+        g32 = grad.to(torch.float32)
+        new_acc = acc.index_select(0, index) + g32.pow(2).mean(dim=1)
+        acc.index_copy_(0, index, new_acc)
+        step = g32 / (new_acc.sqrt() + spec.eps).unsqueeze(1)
+        rows = weight.index_select(0, index).to(torch.float32) - spec.lr * step
+        weight.index_copy_(0, index, rows.to(weight.dtype))
+        return
+    raise ValueError(f"optimizer kind={spec.kind!r} is not supported; use 'sgd' or 'adagrad'")
+
+
+def dense_reference_step(
+    spec: OptimizerSpec,
+    weight: torch.Tensor,
+    slots: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    grads: torch.Tensor,
+) -> None:
+    """The same update on a whole (unsharded) table given raw ids with duplicates.
+
+    Used as the single-process reference; sums duplicate gradients first, like
+    ``torch.nn.Embedding(sparse=True)`` followed by ``coalesce()``.
+    """
+    if ids.numel() == 0:
+        return
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(uniq.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    apply_rows(spec, weight, slots, uniq, summed)
