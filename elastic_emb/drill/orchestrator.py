@@ -1,0 +1,395 @@
+"""The drill orchestrator: real torchrun agents, real faults, bounded waits, nothing left behind.
+
+One simulated node is one ``torchrun`` agent process (``python -m torch.distributed.run``) with
+``--nproc-per-node`` workers running the training script, started with its own
+``ELASTIC_EMB_NODE_ID`` and its own node-local ``ELASTIC_EMB_STATE_DIR`` (so a node that dies
+takes its snapshots with it, as a real machine would), and, where network namespaces work, in a
+namespace of its own with its own address (see :mod:`elastic_emb.drill.network`).
+
+The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` in all):
+
+1. read the workers' progress lines (``<out>/run/events/*.jsonl``) from where it left off;
+2. fire every fault whose trigger has come (the committed step reached ``at_step``, or
+   ``at_time`` seconds passed since the first committed step);
+3. stop when every agent has exited (training done, or failed), or at the timeout.
+
+Whatever happens, the ``finally`` block SIGKILLs every process tree it started (agents, their
+workers, an etcd server) and removes the namespaces it made. Then the final tables are verified
+against the reference replay (:mod:`elastic_emb.drill.replay`) and the report is written
+(:mod:`elastic_emb.drill.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from elastic_emb.drill import procs
+from elastic_emb.drill.network import Network, pick_network
+from elastic_emb.drill.replay import EXAMPLE, LossDetected, verify
+from elastic_emb.drill.scenario import Fault, Scenario
+from elastic_emb.events import get_logger
+
+log = get_logger()
+
+
+class DrillError(RuntimeError):
+    """The drill could not run to the end (timeout, agents failed); the message says which and why."""
+
+
+@dataclass
+class Node:
+    number: int
+    proc: subprocess.Popen
+    log_path: Path
+    started: float
+    state: str = "running"  # running | leaving | left | killed | exited
+    exit_code: int | None = None
+    ended: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"node{self.number}"
+
+
+@dataclass
+class FiredFault:
+    index: int
+    fault: Fault
+    t: float
+    step: int
+    node: int | None
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self, t0: float) -> dict:
+        return {"index": self.index, "kind": self.fault.kind, "trigger": self.fault.when(), "node": self.node,
+                "t": round(self.t - t0, 3), "committed_step": self.step, **self.detail}
+
+
+class EventReader:
+    """Incremental reader of the workers' JSON-lines progress files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.offsets: dict[Path, int] = {}
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        new: list[dict] = []
+        if not self.directory.is_dir():
+            return new
+        for path in sorted(self.directory.glob("*.jsonl")):
+            offset = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n")
+            if end < 0:
+                continue
+            self.offsets[path] = offset + end + 1
+            for line in chunk[: end + 1].splitlines():
+                try:
+                    new.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn line from a killed process: skip it
+        new.sort(key=lambda e: e.get("t", 0))
+        self.events.extend(new)
+        return new
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DrillResult:
+    scenario: Scenario
+    out: Path
+    ok: bool
+    verification: dict
+    error: str | None
+    t0: float
+    t_end: float
+    events: list[dict]
+    faults: list[FiredFault]
+    nodes: list[Node]
+    network: str
+    report: dict = field(default_factory=dict)
+
+
+class Drill:
+    """Run one scenario end to end. ``Drill(scenario, out).run()`` returns a :class:`DrillResult`."""
+
+    def __init__(self, scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE,
+                 on_progress: Callable[[dict], None] | None = None, python: str = sys.executable) -> None:
+        self.scenario = scenario
+        self.out = Path(out).resolve()
+        self.script = Path(script).resolve()
+        self.on_progress = on_progress or (lambda status: None)
+        self.python = python
+        self.nodes: dict[int, Node] = {}
+        self.fired: list[FiredFault] = []
+        self.network: Network | None = None
+        self.store = None
+        self.store_proc: subprocess.Popen | None = None
+        self.max_step = -1
+        self.world = 0
+        self.t0 = 0.0
+        self.t_first_step: float | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _prepare_out(self) -> None:
+        if self.out.exists():
+            # Only ever remove a directory a drill made (it holds our marker), never a user's.
+            if not (self.out / "scenario.json").exists() and any(self.out.iterdir()):
+                raise DrillError(f"--out {self.out} exists and is not a drill directory; choose an empty or new one")
+            shutil.rmtree(self.out)
+        for sub in ("run/events", "run/final", "state", "logs"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+        (self.out / "scenario.json").write_text(self.scenario.model_dump_json(indent=2))
+
+    def _start_store(self) -> tuple[str, int, dict]:
+        """The rendezvous endpoint and the rdzv-conf keys that say who hosts its store."""
+        host = self.network.store_addr
+        if self.scenario.store == "drill":
+            port = free_port("127.0.0.1")
+            self.store_proc = self.network.spawn_store(self.python, port, self.out / "logs" / "store.log")
+            return host, port, {"is_host": "false"}
+        if self.scenario.store == "agent":
+            return self.network.node_addr(0), free_port("127.0.0.1"), {}
+        raise DrillError(
+            "store='etcd' is not wired in this build: the etcd-backed rendezvous needs tests/etcd.py "
+            "(etcd server on loopback) and the elastic_emb backend's etcd mode; run it with store='drill'"
+        )
+
+    def _agent_cmd(self, number: int) -> list[str]:
+        s = self.scenario
+        conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
+                "keep_alive_max_attempt": 3, "read_timeout": 60, **self.store_conf}
+        if s.store == "agent":
+            conf["is_host"] = "true" if number == 0 else "false"
+        return [
+            self.python, "-m", "torch.distributed.run",
+            f"--nnodes={s.min_nodes}:{s.max_nodes}", f"--nproc-per-node={s.nproc_per_node}",
+            f"--rdzv-backend={s.rendezvous}", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=drill-{s.name}",
+            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+            f"--max-restarts={s.max_restarts}", "--monitor-interval=0.1",
+            f"--local-addr={self.network.node_addr(number)}",
+            str(self.script), "--steps", str(s.steps), "--batch", str(s.batch), "--seed", str(s.seed),
+            "--step-delay", str(s.step_delay), "--out", str(self.out / "run"), "--checksums",
+        ]
+
+    def _start_node(self, number: int) -> Node:
+        state_dir = self.out / "state" / f"node{number}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_", "MASTER_"))}
+        env.update(
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # FACTS item 1: the shared agent store deadlocks resizes
+            ELASTIC_EMB_NODE_ID=f"node{number}", ELASTIC_EMB_DRILL_NODE=f"node{number}",
+            ELASTIC_EMB_STATE_DIR=str(state_dir),
+            ELASTIC_EMB_BACKEND="gloo", ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.network.node_env(number))
+        log_path = self.out / "logs" / f"node{number}.log"
+        logf = open(log_path, "ab")
+        cmd = self.network.wrap(self._agent_cmd(number), number)
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(self.out))
+        logf.close()
+        node = Node(number, proc, log_path, time.time())
+        self.nodes[number] = node
+        log.info("drill_node_started", node=node.name, pid=proc.pid, addr=self.network.node_addr(number))
+        return node
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _live(self) -> list[int]:
+        return [n for n, node in sorted(self.nodes.items()) if node.state == "running"]
+
+    def _workers(self, node: Node) -> list[int]:
+        script = str(self.script)
+        return [p for p in procs.descendants(node.proc.pid) if script in procs.cmdline(p)
+                and "torch.distributed.run" not in procs.cmdline(p)]
+
+    def _fire(self, index: int, fault: Fault) -> None:
+        live = self._live()
+        target = None
+        detail: dict = {}
+        if fault.kind == "join":
+            target = max(self.nodes) + 1
+            self._start_node(target)
+        elif fault.kind in ("leave", "kill_node"):
+            target = fault.node if fault.node is not None else Scenario.default_victim(live, fault.kind)
+            node = self.nodes.get(target)
+            if node is None or node.state != "running":
+                raise DrillError(f"fault #{index} {fault.kind} at {fault.when()}: node {target} is not running (live: {live})")
+            if fault.kind == "leave":
+                node.state = "leaving"
+                os.kill(node.proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
+            else:
+                node.state = "killed"
+                detail["pids"] = self.network.kill_node(target, node.proc.pid)
+        elif fault.kind in ("crash_worker", "corrupt"):
+            target = fault.node if fault.node is not None else live[-1]
+            node = self.nodes[target]
+            workers = self._workers(node)
+            if not workers:
+                raise DrillError(f"fault #{index} {fault.kind}: node {target} has no live worker to kill")
+            victims = workers[-1:] if fault.kind == "crash_worker" else workers
+            procs.signal_all(victims, signal.SIGKILL)
+            detail["pids"] = victims
+            if fault.kind == "corrupt":
+                detail.update(self._corrupt(target, victims))
+        elif fault.kind == "kill_store":
+            raise DrillError("fault kill_store needs store='etcd', which is not wired in this build")
+        self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
+        log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
+
+    def _corrupt(self, number: int, victims: list[int]) -> dict:
+        from elastic_emb.drill.corrupt import corrupt_newest_snapshot
+
+        deadline = time.monotonic() + 5.0
+        while any(procs.alive(p) for p in victims) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return corrupt_newest_snapshot(self.out / "state" / f"node{number}")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _observe(self, new: list[dict]) -> None:
+        for e in new:
+            if e.get("event") == "step":
+                if self.t_first_step is None:
+                    self.t_first_step = e["t"]
+                self.max_step = max(self.max_step, e["step"])
+                self.world = e["world"]
+        for node in self.nodes.values():
+            if node.exit_code is None and node.proc.poll() is not None:
+                node.exit_code = node.proc.returncode
+                node.ended = time.time()
+                node.state = {"running": "exited", "leaving": "left"}.get(node.state, node.state)
+                log.info("drill_node_ended", node=node.name, exit_code=node.exit_code, state=node.state)
+
+    def _due(self, fault: Fault) -> bool:
+        if fault.at_step is not None:
+            return self.max_step >= fault.at_step
+        return self.t_first_step is not None and time.time() - self.t_first_step >= fault.at_time
+
+    def run(self) -> DrillResult:
+        s = self.scenario
+        self._prepare_out()
+        self.network = pick_network(s.network, self.out.name)
+        self.t0 = time.time()
+        reader = EventReader(self.out / "run" / "events")
+        error: str | None = None
+        pending = list(enumerate(s.faults))
+        try:
+            self.network.setup(s.max_nodes + sum(f.kind == "join" for f in s.faults))
+            host, port, self.store_conf = self._start_store()
+            self.endpoint = f"{host}:{port}"
+            for n in range(s.initial_nodes):
+                self._start_node(n)
+            deadline = time.monotonic() + s.timeout
+            while True:
+                self._observe(reader.poll())
+                while pending and self._due(pending[0][1]):
+                    self._fire(*pending.pop(0))
+                # Time-triggered faults may come in any order relative to step ones.
+                for item in [p for p in pending if p[1].at_time is not None and self._due(p[1])]:
+                    pending.remove(item)
+                    self._fire(*item)
+                self.on_progress({"step": self.max_step, "steps": s.steps, "world": self.world,
+                                  "nodes": len(self._live()), "faults": len(self.fired), "t": time.time() - self.t0})
+                if all(node.exit_code is not None for node in self.nodes.values()):
+                    break
+                if time.monotonic() > deadline:
+                    error = (f"drill {s.name!r} timed out after {s.timeout:g}s at committed step {self.max_step} "
+                             f"of {s.steps}; live nodes {self._live()}; see {self.out / 'logs'}")
+                    break
+                time.sleep(0.1)
+            self._observe(reader.poll())
+            if error is None and pending:
+                error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
+                         f"fired (last committed step {self.max_step}); raise steps or step_delay")
+            failed = [n for n in self.nodes.values() if n.state == "exited" and n.exit_code != 0]
+            if error is None and failed:
+                error = "agents failed: " + ", ".join(
+                    f"{n.name} exit {n.exit_code} (log {n.log_path}: {_tail(n.log_path)})" for n in failed)
+        except DrillError as exc:
+            error = str(exc)
+        finally:
+            self._cleanup()
+        t_end = time.time()
+        verification: dict = {}
+        if error is None or s.expect_failure:
+            try:
+                verification = verify(self.out / "run", self.script)
+            except LossDetected as exc:
+                verification = {"ok": False, "error": str(exc), "findings": exc.findings}
+                error = error or str(exc)
+            except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+                verification = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                error = error or verification["error"]
+        return DrillResult(scenario=s, out=self.out, ok=error is None and verification.get("ok", False),
+                           verification=verification, error=error, t0=self.t0, t_end=t_end,
+                           events=reader.events, faults=self.fired, nodes=list(self.nodes.values()),
+                           network=self.network.kind if self.network else "none")
+
+    def _cleanup(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                procs.kill_tree(node.proc.pid, signal.SIGKILL)
+            else:
+                # The agent is gone but orphaned workers may remain (FACTS item 4).
+                procs.signal_all(self._orphans(node), signal.SIGKILL)
+        for node in self.nodes.values():
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("drill_agent_unkillable", node=node.name, pid=node.proc.pid)
+            if node.exit_code is None:
+                node.exit_code = node.proc.returncode
+                node.ended = time.time()
+        if self.store_proc is not None and self.store_proc.poll() is None:
+            procs.kill_tree(self.store_proc.pid, signal.SIGKILL)
+            self.store_proc.wait(timeout=10)
+        if self.network is not None:
+            self.network.teardown()
+
+    def _orphans(self, node: Node) -> list[int]:
+        """Workers of a dead agent: processes running our script with this node's id."""
+        marker = f"ELASTIC_EMB_STATE_DIR={self.out / 'state' / node.name}".encode()
+        out = []
+        for pid in procs.all_pids():
+            if str(self.script) not in procs.cmdline(pid):
+                continue
+            try:
+                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
+
+def _tail(path: Path, n: int = 400) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "<no log>"
+    lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+    return (lines[-1] if lines else text[-n:]).strip()[-n:]

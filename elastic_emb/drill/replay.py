@@ -1,0 +1,267 @@
+"""The reference replay and the bit-for-bit verification of a drill.
+
+The example script's result is a pure function of its configuration and of the last committed
+step ``S``: every step ``0..S`` applied exactly once to the deterministic initial rows
+(:func:`elastic_emb.context.init_rows`), whatever world sizes the steps ran at. The replay is one
+process holding each table as a ``torch.nn.Embedding`` and stepping it with ``torch.optim.SGD``
+on the same global batches, using the script's own data and gradient functions (imported from
+the script file, so the drill checks the script it ran, not a copy of it).
+
+Verification, loudest first:
+
+1. coverage: the final shards of the last complete world cover every row of every table exactly
+   once (a row missing or owned twice is named by range);
+2. every row equals the replay after step ``S``, bit for bit. For a row that does not, the
+   replay's history names what happened: the row equals the replay after an earlier step ``k``
+   (the updates of the steps after ``k`` that touched it were lost), or it equals no state of the
+   replay (corrupted, or an update applied twice). :class:`LossDetected` carries every finding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from elastic_emb.errors import ElasticEmbError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_recsys.py"
+
+
+class LossDetected(ElasticEmbError, AssertionError):
+    """The distributed tables differ from the reference replay. ``findings`` names rows and steps."""
+
+    def __init__(self, message: str, findings: list[dict]) -> None:
+        super().__init__(message)
+        self.findings = findings
+
+
+def load_script(path: Path | str = EXAMPLE) -> ModuleType:
+    """Import the training script as a module (its ``main`` is not run)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training script {path} not found; pass --script PATH (examples/train_recsys.py)")
+    spec = importlib.util.spec_from_file_location(f"_drill_script_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class FinalTables:
+    """The gathered final shards of one world: table -> full tensor, plus provenance."""
+
+    step: int
+    world_size: int
+    generation: int
+    config: dict
+    tables: dict[str, torch.Tensor]
+    files: list[str] = field(default_factory=list)
+
+
+def gather_final(out: Path) -> FinalTables:
+    """Assemble the newest complete world's final shards, checking coverage row by row."""
+    files = sorted((out / "final").glob("*.pt"))
+    if not files:
+        raise LossDetected(f"no final tables under {out / 'final'}: the training never finished", [])
+    payloads = [(f, torch.load(f, weights_only=True)) for f in files]
+    worlds: dict[tuple[int, int], list] = {}
+    for f, p in payloads:
+        worlds.setdefault((p["generation"], p["world_size"]), []).append((f, p))
+    # The newest world that wrote all of its ranks.
+    complete = [(max(p["time"] for _, p in v), k) for k, v in worlds.items() if {p["rank"] for _, p in v} >= set(range(k[1]))]
+    if not complete:
+        raise LossDetected(
+            f"no world wrote all of its final shards under {out / 'final'} "
+            f"(got {[(k, sorted(p['rank'] for _, p in v)) for k, v in worlds.items()]})", [])
+    _, key = max(complete)
+    group = sorted(worlds[key], key=lambda fp: (fp[1]["rank"], fp[1]["time"]))
+    # One file per rank (the newest, should a rank have written twice).
+    by_rank = {p["rank"]: (f, p) for f, p in group}
+    steps = {p["step"] for _, p in by_rank.values()}
+    if len(steps) != 1:
+        raise LossDetected(f"ranks of world {key} finished at different committed steps {sorted(steps)}", [])
+    config = next(iter(by_rank.values()))[1]["config"]
+    findings: list[dict] = []
+    tables: dict[str, torch.Tensor] = {}
+    names = sorted({n for _, p in by_rank.values() for n in p["shards"]})
+    for name in names:
+        parts = sorted(((p["shards"][name]["start"], p["shards"][name]["stop"], r, p["shards"][name]["weight"])
+                        for r, (_, p) in by_rank.items() if name in p["shards"]), key=lambda x: x[:2])
+        num_rows = max(stop for _, stop, _, _ in parts)
+        dim = parts[0][3].shape[1]
+        full = torch.empty(num_rows, dim, dtype=parts[0][3].dtype)
+        owners = torch.zeros(num_rows, dtype=torch.int64)
+        for start, stop, _, w in parts:
+            full[start:stop] = w
+            owners[start:stop] += 1
+        for bad, what in ((owners == 0, "no rank holds"), (owners > 1, "several ranks hold")):
+            if bad.any():
+                findings.append({"table": name, "problem": what, "rows": _ranges(bad.nonzero().flatten().tolist())})
+        tables[name] = full
+    if findings:
+        raise LossDetected("rows lost or duplicated across the final shards: " + _describe(findings), findings)
+    return FinalTables(step=steps.pop(), world_size=key[1], generation=key[0], config=config, tables=tables,
+                       files=[str(f) for f, _ in by_rank.values()])
+
+
+def replay(script: ModuleType, cfg, last_step: int, *, keep_history: bool = True, on_step=None):
+    """Apply steps ``0..last_step`` in one process. Returns (tables, history).
+
+    ``history[table]`` is a list of ``(step, rows, values)``: the rows each step changed and their
+    new values, so a mismatching row can be traced to the step where it went astray.
+    """
+    from elastic_emb.context import init_rows
+    from elastic_emb.sharding import RowRange
+
+    specs = {s.name: s for s in script.table_specs(cfg)}
+    tables = {}
+    for name, spec in specs.items():
+        emb = torch.nn.Embedding(spec.num_rows, spec.dim, dtype=spec.torch_dtype)
+        with torch.no_grad():
+            emb.weight.copy_(init_rows(spec, cfg.seed, RowRange(0, spec.num_rows)))
+        tables[name] = emb
+    opt = torch.optim.SGD([t.weight for t in tables.values()], lr=cfg.lr)
+    history: dict[str, list] = {name: [] for name in tables}
+    initial = {name: t.weight.detach().clone() for name, t in tables.items()}
+    dense_ids = torch.arange(cfg.dense_rows)
+    for step in range(last_step + 1):
+        users, items, labels = script.global_batch(step, cfg)
+        with torch.no_grad():
+            dense, u, i = tables["dense"].weight[dense_ids], tables["user"].weight[users], tables["item"].weight[items]
+        _, g_dense, g_u, g_i = script.sample_gradients(cfg, dense, u, i, labels)
+        grads = {
+            "user": torch.zeros_like(tables["user"].weight).index_add_(0, users, g_u),
+            "item": torch.zeros_like(tables["item"].weight).index_add_(0, items, g_i),
+            "dense": script.dense_gradient_rows(cfg, g_dense),
+        }
+        opt.zero_grad(set_to_none=True)
+        for name, g in grads.items():
+            tables[name].weight.grad = g
+        opt.step()
+        if on_step is not None:
+            on_step(step, {n: t.weight.detach() for n, t in tables.items()})
+        if keep_history:
+            for name, ids in (("user", users), ("item", items), ("dense", dense_ids)):
+                rows = torch.unique(ids)
+                history[name].append((step, rows, tables[name].weight.detach()[rows].clone()))
+    return {n: t.weight.detach().clone() for n, t in tables.items()}, history, initial
+
+
+def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int = 20) -> dict:
+    """Compare a drill's final tables with the replay; raise :class:`LossDetected` on any difference."""
+    out = Path(out)
+    final = gather_final(out)
+    script = load_script(script_path)
+    cfg = script.Config(**final.config)
+    checks = _step_checksums(out)
+    diverged: dict[str, dict] = {}
+
+    def check(step: int, tables: dict[str, torch.Tensor]) -> None:
+        for c in checks.get(step, []):
+            name, start, stop, crc = c["table"], c["start"], c["stop"], c["crc"]
+            if name in diverged or name not in tables:
+                continue
+            want = zlib.crc32(tables[name][start:stop].contiguous().view(torch.uint8).numpy())
+            if want != crc:
+                diverged[name] = {"table": name, "problem": "first divergence from the replay", "step": step,
+                                  "rows": [[start, stop]], "rank": c["rank"], "world_size": c["world"],
+                                  "generation": c["generation"], "node": c["node"]}
+
+    expected, history, initial = replay(script, cfg, final.step, on_step=check)
+    findings: list[dict] = sorted(diverged.values(), key=lambda f: f["step"])
+    rows_checked = 0
+    for name, want in expected.items():
+        got = final.tables.get(name)
+        if got is None or got.shape != want.shape:
+            findings.append({"table": name, "problem": f"shape {None if got is None else tuple(got.shape)} != {tuple(want.shape)}"})
+            continue
+        rows_checked += want.shape[0]
+        # Bit for bit: compare the raw bits, so -0.0 vs 0.0 and NaN payloads count too.
+        bad = (got.view(torch.int32) != want.view(torch.int32)).any(1).nonzero().flatten().tolist()
+        for row in bad[:max_named]:
+            findings.append(_diagnose(name, row, got[row], initial[name][row], history[name], final.step))
+        if len(bad) > max_named:
+            findings.append({"table": name, "problem": f"{len(bad) - max_named} more rows differ", "rows": _ranges(bad)})
+    if findings:
+        raise LossDetected(
+            f"LOSS DETECTED after step {final.step} (world {final.world_size}): " + _describe(findings), findings)
+    return {"ok": True, "step": final.step, "world_size": final.world_size, "rows_checked": rows_checked,
+            "step_checksums_checked": sum(len(v) for k, v in checks.items() if k <= final.step),
+            "tables": {n: list(t.shape) for n, t in expected.items()}, "files": final.files}
+
+
+def _step_checksums(out: Path) -> dict[int, list[dict]]:
+    """Per-step CRC32s the workers wrote (``--checksums``): step -> [{table, start, stop, crc, ...}].
+
+    A step may have been run more than once (a restart after a crash before its commit): every
+    run of it is checked, since each must have produced the committed rows."""
+    checks: dict[int, list[dict]] = {}
+    for path in sorted((out / "events").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") != "step" or not e.get("crc"):
+                continue
+            for name, (start, stop, crc) in e["crc"].items():
+                if stop > start:
+                    checks.setdefault(e["step"], []).append(
+                        {"table": name, "start": start, "stop": stop, "crc": crc, "rank": e.get("rank"),
+                         "world": e.get("world"), "generation": e.get("generation"), "node": e.get("node")})
+    return checks
+
+
+def _diagnose(table: str, row: int, got: torch.Tensor, initial: torch.Tensor, history: list, last: int) -> dict:
+    """Name the steps a wrong row is missing (or say it matches no state)."""
+    states = [(-1, initial)]
+    touched = []
+    for step, rows, values in history:
+        hit = (rows == row).nonzero().flatten()
+        if len(hit):
+            states.append((step, values[hit[0]]))
+            touched.append(step)
+    same = [s for s, v in states if torch.equal(v.view(torch.int32), got.view(torch.int32))]
+    if same:
+        k = same[-1]
+        missing = [s for s in touched if s > k]
+        return {"table": table, "row": row, "problem": "updates lost", "equals_replay_after_step": k,
+                "missing_steps": missing, "last_step": last}
+    return {"table": table, "row": row, "problem": "matches no replay state (corrupted or applied twice)",
+            "steps_touching_row": touched, "last_step": last}
+
+
+def _ranges(rows: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
+def _describe(findings: list[dict]) -> str:
+    parts = []
+    for f in findings[:12]:
+        if f.get("problem") == "first divergence from the replay":
+            parts.append(f"{f['table']} rows {f['rows'][0]} (rank {f['rank']} of world {f['world_size']} on "
+                         f"{f['node']}) first differ from the replay right after step {f['step']}")
+        elif "row" in f:
+            if f["problem"] == "updates lost":
+                parts.append(f"{f['table']}[{f['row']}] equals the replay after step {f['equals_replay_after_step']}: "
+                             f"updates of steps {f['missing_steps']} lost")
+            else:
+                parts.append(f"{f['table']}[{f['row']}] {f['problem']}; steps touching it: {f['steps_touching_row'][-8:]}")
+        else:
+            parts.append(f"{f['table']}: {f['problem']} {f.get('rows', '')}")
+    more = f" (+{len(findings) - 12} more)" if len(findings) > 12 else ""
+    return "; ".join(parts) + more

@@ -1,0 +1,207 @@
+"""The drill report: a JSON timeline, a PNG plot, and a one-screen summary table.
+
+Everything is derived from what the workers wrote (one JSON line per committed step, one at each
+process start with the lifecycle's restore report) and from the faults the orchestrator fired,
+so the report describes what happened, not what was planned.
+
+A *segment* is one incarnation of the world: from rank 0's ``start`` line to its last ``step``
+line. A *resize* is the boundary between two segments, with its phases:
+
+``ran_on``          fault -> last step of the old world (the old world kept committing meanwhile)
+``restart``         last old step -> the new worker begins ``Lifecycle.start`` (detection by the
+                    agent, stopping the workers, rendezvous, process start and imports)
+``lifecycle``       ``Lifecycle.start``: agree on the topology, construct the context, restore
+                    (``restore`` is the restore alone, from the lifecycle's report)
+``first_step``      lifecycle ready -> first committed step of the new world
+
+``recovery_seconds`` is fault -> first committed step of the new world (last old step when no
+fault caused it). ``steps_lost`` counts committed steps the new world had to redo (the restore
+came from an older commit than the newest one reported): with a commit every step it is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from elastic_emb.drill.orchestrator import DrillResult
+
+
+def segments(events: list[dict]) -> list[dict]:
+    """Rank 0's incarnations, in time order."""
+    segs: list[dict] = []
+    for e in sorted((e for e in events if e.get("rank") == 0), key=lambda e: e["t"]):
+        if e["event"] == "start":
+            segs.append({"start_t": e["t"], "lifecycle_seconds": e.get("start_seconds"), "world": e["world"],
+                         "generation": e.get("generation"), "restored_step": e.get("restored_step"),
+                         "restore": e.get("restore") or {}, "node": e.get("node"), "steps": []})
+        elif e["event"] == "step" and segs:
+            segs[-1]["steps"].append((e["t"], e["step"]))
+    return segs
+
+
+def build_report(result: DrillResult) -> dict:
+    s, t0 = result.scenario, result.t0
+    segs = segments(result.events)
+    faults = [f.as_dict(t0) for f in result.faults]
+    timeline, resizes = [], []
+    committed_max = -1
+    for i, seg in enumerate(segs):
+        steps = seg["steps"]
+        entry = {"world": seg["world"], "generation": seg["generation"], "node_of_rank0": seg["node"],
+                 "t_start": round(seg["start_t"] - t0, 3),
+                 "t_first_step": round(steps[0][0] - t0, 3) if steps else None,
+                 "t_last_step": round(steps[-1][0] - t0, 3) if steps else None,
+                 "first_step": steps[0][1] if steps else None, "last_step": steps[-1][1] if steps else None,
+                 "restored_step": seg["restored_step"]}
+        timeline.append(entry)
+        if i > 0:
+            prev = segs[i - 1]
+            prev_last_t = prev["steps"][-1][0] if prev["steps"] else prev["start_t"]
+            cause = [f for f in result.faults if prev["start_t"] <= f.t <= (steps[0][0] if steps else seg["start_t"])]
+            fault = cause[-1] if cause else None
+            t_fault = fault.t if fault else prev_last_t
+            lc_begin = seg["start_t"] - (seg["lifecycle_seconds"] or 0.0)
+            restored = seg["restored_step"] if seg["restored_step"] is not None else -1
+            restore = seg["restore"]
+            resizes.append({
+                "from_world": prev["world"], "to_world": seg["world"],
+                "cause": f"{fault.fault.kind} node{fault.node}" if fault else "unplanned",
+                "t": round(t_fault - t0, 3),
+                "restored_step": restored, "newest_committed_before": committed_max,
+                "steps_lost": max(0, committed_max - restored),
+                "source_tiers": restore.get("source_tiers") or [],
+                "fallback": restore.get("fallback"),
+                "phases": {
+                    "ran_on": round(max(0.0, prev_last_t - t_fault), 3),
+                    "restart": round(lc_begin - max(prev_last_t, t_fault), 3),
+                    "lifecycle": round(seg["lifecycle_seconds"] or 0.0, 3),
+                    "restore": round(float(restore.get("restore_s") or restore.get("seconds") or 0.0), 3),
+                    "first_step": round(steps[0][0] - seg["start_t"], 3) if steps else None,
+                },
+                "recovery_seconds": round(steps[0][0] - t_fault, 3) if steps else None,
+            })
+        if steps:
+            committed_max = max(committed_max, max(st for _, st in steps))
+    # World size over time (0 while no world is training) and throughput in 1 s bins.
+    world_series: list[list[float]] = [[0.0, 0]]
+    for seg in segs:
+        if seg["steps"]:
+            world_series.append([round(seg["steps"][0][0] - t0, 3), seg["world"]])
+            world_series.append([round(seg["steps"][-1][0] - t0, 3), seg["world"]])
+            world_series.append([round(seg["steps"][-1][0] - t0 + 1e-3, 3), 0])
+    step_times = sorted(t - t0 for seg in segs for t, _ in seg["steps"])
+    horizon = max(result.t_end - t0, step_times[-1] if step_times else 0.0)
+    bins = [0] * (int(math.ceil(horizon)) + 1)
+    for t in step_times:
+        bins[int(t)] += 1
+    throughput = [[i + 0.5, n * s.batch] for i, n in enumerate(bins)]
+    nodes = [{"node": n.name, "pid": n.proc.pid, "state": n.state, "exit_code": n.exit_code,
+              "t_start": round(n.started - t0, 3), "t_end": round(n.ended - t0, 3) if n.ended else None,
+              "log": str(n.log_path)} for n in result.nodes]
+    return {
+        "scenario": json.loads(s.model_dump_json()),
+        "ok": result.ok, "error": result.error, "network": result.network,
+        "duration_seconds": round(result.t_end - t0, 3),
+        "steps_committed": committed_max + 1, "steps_planned": s.steps,
+        "world_sizes": [seg["world"] for seg in segs],
+        "faults": faults, "segments": timeline, "resizes": resizes, "nodes": nodes,
+        "world_size_over_time": world_series, "throughput_samples_per_s": throughput,
+        "verification": _jsonable(result.verification),
+    }
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=str))
+
+
+def write_report(result: DrillResult) -> dict:
+    """Write ``report.json`` and ``report.png`` into the drill's out directory; return the report."""
+    report = build_report(result)
+    out = result.out
+    report["paths"] = {"json": str(out / "report.json"), "plot": str(out / "report.png")}
+    try:
+        plot(report, out / "report.png")
+    except Exception as exc:  # noqa: BLE001 - a broken plot must not hide the verdict; it is reported
+        report["paths"]["plot"] = None
+        report["plot_error"] = f"{type(exc).__name__}: {exc}"
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    result.report = report
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
+    xs = [p[0] for p in report["world_size_over_time"]]
+    ys = [p[1] for p in report["world_size_over_time"]]
+    ax1.step(xs, ys, where="post", color="tab:blue", linewidth=2)
+    ax1.set_ylabel("world size")
+    ax1.set_ylim(-0.2, max(ys + [1]) + 0.8)
+    ax1.yaxis.get_major_locator().set_params(integer=True)
+    tx = [p[0] for p in report["throughput_samples_per_s"]]
+    ty = [p[1] for p in report["throughput_samples_per_s"]]
+    ax2.plot(tx, ty, color="tab:green", linewidth=1.5, drawstyle="steps-mid")
+    ax2.set_ylabel("samples / s")
+    ax2.set_xlabel("seconds since the drill started")
+    for f in report["faults"]:
+        for ax in (ax1, ax2):
+            ax.axvline(f["t"], color="tab:red", linestyle="--", linewidth=1)
+        ax1.annotate(f"{f['kind']} node{f['node']}", (f["t"], ax1.get_ylim()[1]), textcoords="offset points",
+                     xytext=(3, -12), fontsize=8, color="tab:red")
+    for r in report["resizes"]:
+        if r["recovery_seconds"] is not None:
+            ax2.axvspan(r["t"], r["t"] + r["recovery_seconds"], color="tab:orange", alpha=0.15)
+    verdict = "PASS: tables equal the replay bit for bit" if report["ok"] else "FAIL"
+    s = report["scenario"]
+    fig.suptitle(f"elastic_emb drill '{s['name']}' ({report['network']}): {verdict}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_table(report: dict):
+    """A rich renderable: the verdict, the run in numbers, one row per resize."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    s = report["scenario"]
+    v = report["verification"] or {}
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    verdict = Text("PASS", style="bold green") if report["ok"] else Text("FAIL", style="bold red")
+    head.add_row("drill", f"{s['name']}: {s['description']}")
+    head.add_row("verdict", verdict)
+    head.add_row("network", report["network"])
+    head.add_row("steps", f"{report['steps_committed']} committed of {report['steps_planned']}, global batch {s['batch']}")
+    head.add_row("world sizes", " -> ".join(str(w) for w in report["world_sizes"]) or "-")
+    if v.get("ok"):
+        head.add_row("verification", f"{v['rows_checked']} rows of {len(v['tables'])} tables equal the replay after "
+                                     f"step {v['step']}, bit for bit; {v.get('step_checksums_checked', 0)} per-step shard checksums match")
+    elif v:
+        head.add_row("verification", Text(str(v.get("error", ""))[:600], style="red"))
+    if report["error"] and not (v and not v.get("ok")):
+        head.add_row("error", Text(report["error"][:600], style="red"))
+    head.add_row("duration", f"{report['duration_seconds']:.1f} s")
+    table = Table(title="resizes", title_justify="left", show_lines=False)
+    for col in ("t (s)", "cause", "world", "restored step", "steps lost", "tiers", "restart s", "lifecycle s", "recovery s"):
+        table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left")
+    for r in report["resizes"]:
+        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", str(r["restored_step"]),
+                      str(r["steps_lost"]), ",".join(r["source_tiers"]) or "-", f"{r['phases']['restart']:.2f}",
+                      f"{r['phases']['lifecycle']:.2f}", "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")
+    paths = Text(f"report: {report['paths']['json']}\nplot:   {report['paths']['plot']}")
+    return Group(head, table, paths)
+
+
+def print_summary(report: dict, console=None) -> None:
+    from rich.console import Console
+
+    (console or Console()).print(summary_table(report))

@@ -1,0 +1,271 @@
+"""Drill scenarios: what cluster to simulate and which faults to inject when.
+
+A scenario is data, not code: a frozen pydantic record that can come from a named preset
+(:data:`PRESETS`), from a YAML or JSON file (:func:`load_scenario`), or from a seed
+(:func:`chaos`). Validation happens before any process starts, so a scenario that would ask for
+an impossible cluster (a fifth node when ``max_nodes`` is 4, a kill of a node that already left,
+a fault after the last step) is refused with the fault and the remedy named, instead of
+surfacing as a hung drill ten minutes in.
+
+Faults are triggered either at a training step (the drill watches the committed steps the
+workers report) or at a time (seconds since the first committed step). Nodes are named by the
+order in which the drill started them: ``node 0`` is the first, a ``join`` starts the next free
+number. A fault that names no node picks the newest live node (never node 0 for ``leave``, so a
+1->2->1 drill keeps its original node), which is what an autoscaler removing the last-added
+machine does.
+
+Fault kinds and what they mean on a real cluster:
+
+=================  =============================================================================
+``join``           a new node starts its agent (scale-up by an autoscaler)
+``leave``          SIGTERM to a node's agent: a graceful scale-down (spot notice, drain)
+``kill_node``      SIGKILL to every process of a node at once: power loss, kernel panic
+``crash_worker``   SIGKILL to one training worker: OOM kill, segfault; its agent survives
+``kill_store``     SIGKILL the rendezvous store's host (etcd server), then start it again after
+                   ``duration`` seconds
+``corrupt``        flip bytes of the newest snapshot of a node: used to prove the drill detects
+                   a loss (the drill is then expected to FAIL)
+=================  =============================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+FaultKind = Literal["join", "leave", "kill_node", "crash_worker", "kill_store", "corrupt"]
+
+
+class Fault(BaseModel):
+    """One fault: what, when (a step or a time), and to which node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: FaultKind
+    at_step: int | None = Field(default=None, ge=0, description="Inject once this step is committed.")
+    at_time: float | None = Field(default=None, ge=0, description="Seconds after the first committed step.")
+    node: int | None = Field(default=None, ge=0, description="Target node number; default: the newest live node.")
+    duration: float = Field(default=3.0, ge=0, le=120, description="kill_store: seconds the store stays down.")
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> "Fault":
+        if (self.at_step is None) == (self.at_time is None):
+            raise ValueError(
+                f"fault {self.kind!r}: give exactly one of at_step or at_time "
+                f"(got at_step={self.at_step!r}, at_time={self.at_time!r})"
+            )
+        if self.kind == "join" and self.node is not None:
+            raise ValueError("fault 'join': node is chosen by the drill (the next free number); remove 'node'")
+        return self
+
+    def when(self) -> str:
+        return f"step {self.at_step}" if self.at_step is not None else f"t={self.at_time:g}s"
+
+
+class Scenario(BaseModel):
+    """A whole drill: the cluster, the training run, the faults, the limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    initial_nodes: int = Field(default=1, ge=1, le=8)
+    min_nodes: int = Field(default=1, ge=1, le=8)
+    max_nodes: int = Field(default=2, ge=1, le=8)
+    nproc_per_node: int = Field(default=1, ge=1, le=4)
+    steps: int = Field(default=60, ge=1, le=100_000, description="Training steps of the example (0..steps-1).")
+    batch: int = Field(default=256, ge=8, le=65_536, description="GLOBAL batch per step, whatever the world size.")
+    step_delay: float = Field(default=0.05, ge=0, le=10, description="Seconds each step sleeps, to pace the drill.")
+    seed: int = Field(default=0, ge=0)
+    rendezvous: Literal["elastic_emb", "c10d"] = Field(
+        default="elastic_emb", description="torchrun --rdzv-backend (elastic_emb: the project's backend)."
+    )
+    store: Literal["drill", "agent", "etcd"] = Field(
+        default="drill",
+        description="Who hosts the rendezvous store: the drill process (a TCPStore), the first agent "
+        "(torch's embedded c10d store), or an etcd server the drill starts.",
+    )
+    network: Literal["auto", "loopback", "netns"] = Field(
+        default="auto", description="netns: one network namespace per node (needs root); auto: netns when it works."
+    )
+    faults: tuple[Fault, ...] = ()
+    expect_failure: bool = Field(default=False, description="True for drills that plant a loss on purpose.")
+    timeout: float = Field(default=240.0, gt=0, le=3600, description="Hard limit for the whole drill, seconds.")
+    max_restarts: int = Field(default=8, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _feasible(self) -> "Scenario":
+        if not self.min_nodes <= self.initial_nodes <= self.max_nodes:
+            raise ValueError(
+                f"initial_nodes={self.initial_nodes} must lie in [min_nodes={self.min_nodes}, "
+                f"max_nodes={self.max_nodes}]"
+            )
+        if self.batch < self.max_nodes * self.nproc_per_node:
+            raise ValueError(
+                f"batch={self.batch} is smaller than the largest world ({self.max_nodes} x "
+                f"{self.nproc_per_node}): every rank needs at least one sample; raise batch"
+            )
+        if self.store == "etcd" and self.rendezvous != "elastic_emb":
+            raise ValueError("store='etcd' needs rendezvous='elastic_emb' (it drives etcd through the project's backend)")
+        steps = [f.at_step for f in self.faults if f.at_step is not None]
+        if steps != sorted(steps):
+            raise ValueError(f"step-triggered faults must be in step order, got steps {steps}")
+        for f in self.faults:
+            if f.at_step is not None and f.at_step >= self.steps - 1:
+                raise ValueError(
+                    f"fault {f.kind!r} at step {f.at_step} cannot happen: training ends at step "
+                    f"{self.steps - 1}; raise steps or move the fault earlier"
+                )
+            if f.kind == "kill_store" and self.store == "drill":
+                raise ValueError("fault 'kill_store' needs store='etcd' or store='agent' (the drill's own store cannot die)")
+        self.simulate()  # raises on a membership that leaves [min_nodes, max_nodes]
+        return self
+
+    def simulate(self) -> list[list[int]]:
+        """The live node numbers after each fault, as the drill will see them (no timing).
+
+        Raises ``ValueError`` naming the fault that makes the membership infeasible.
+        """
+        live = list(range(self.initial_nodes))
+        next_node = self.initial_nodes
+        history = [list(live)]
+        for i, f in enumerate(self.faults):
+            where = f"fault #{i} ({f.kind} at {f.when()})"
+            if f.kind == "join":
+                if len(live) >= self.max_nodes:
+                    raise ValueError(f"{where}: {len(live)} nodes already live, max_nodes={self.max_nodes}")
+                live.append(next_node)
+                next_node += 1
+            elif f.kind in ("leave", "kill_node"):
+                target = f.node if f.node is not None else self.default_victim(live, f.kind)
+                if target not in live:
+                    raise ValueError(f"{where}: node {target} is not live then (live nodes: {live})")
+                if len(live) - 1 < self.min_nodes:
+                    raise ValueError(f"{where}: would leave {len(live) - 1} nodes, min_nodes={self.min_nodes}")
+                live.remove(target)
+            elif f.kind in ("crash_worker", "corrupt"):
+                target = f.node if f.node is not None else live[-1]
+                if target not in live:
+                    raise ValueError(f"{where}: node {target} is not live then (live nodes: {live})")
+            history.append(list(live))
+        return history
+
+    @staticmethod
+    def default_victim(live: list[int], kind: str) -> int:
+        """The newest live node; for ``leave``, never node 0 unless it is alone."""
+        candidates = [n for n in live if n != 0] if kind == "leave" else list(live)
+        return (candidates or live)[-1]
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+_STEP = dict(steps=70, step_delay=0.05)
+PRESETS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="demo",
+            description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store (the README's demo).",
+            initial_nodes=1, max_nodes=2, store="agent", network="loopback", steps=90, step_delay=0.05,
+            faults=(Fault(kind="join", at_step=10), Fault(kind="leave", at_step=55)),
+        ),
+        Scenario(
+            name="scale-up", description="A second node joins a running 1-node job.",
+            initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), **_STEP,
+        ),
+        Scenario(
+            name="scale-down", description="One of two nodes leaves gracefully (SIGTERM to its agent).",
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="leave", at_step=8),), **_STEP,
+        ),
+        Scenario(
+            name="node-loss", description="One of two nodes dies at once (SIGKILL of its agent and workers).",
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_node", at_step=8, node=1),), **_STEP,
+        ),
+        Scenario(
+            name="worker-crash", description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="crash_worker", at_step=8, node=1),), **_STEP,
+        ),
+        Scenario(
+            name="flapping", description="A node joins and leaves, twice.",
+            initial_nodes=1, max_nodes=2, steps=160, step_delay=0.05,
+            faults=(
+                Fault(kind="join", at_step=8), Fault(kind="leave", at_step=45),
+                Fault(kind="join", at_step=75), Fault(kind="kill_node", at_step=115),
+            ),
+        ),
+        Scenario(
+            name="store-host-loss",
+            description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
+            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05,
+            faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
+        ),
+        Scenario(
+            name="corrupt-snapshot",
+            description="Plants a loss (bytes of node 0's newest snapshot flipped, then a restart): the drill must fail.",
+            initial_nodes=1, max_nodes=2, steps=60, step_delay=0.05, expect_failure=True,
+            faults=(Fault(kind="corrupt", at_step=10, node=0), Fault(kind="join", at_step=11)),
+        ),
+    )
+}
+
+
+def chaos(seed: int, *, faults: int = 5, max_nodes: int = 3, steps_between: int = 25) -> Scenario:
+    """A random but reproducible scenario: ``faults`` faults drawn with ``random.Random(seed)``.
+
+    Each fault is drawn among the kinds that are feasible at that point (a join only below
+    ``max_nodes``, a leave or kill only above one node), so every seed gives a valid scenario.
+    """
+    rng = random.Random(seed)
+    live, drawn, step = 1, [], 8
+    for _ in range(faults):
+        kinds = ["crash_worker"]
+        if live < max_nodes:
+            kinds += ["join", "join"]
+        if live > 1:
+            kinds += ["leave", "kill_node"]
+        kind = rng.choice(kinds)
+        drawn.append(Fault(kind=kind, at_step=step))
+        live += {"join": 1, "leave": -1, "kill_node": -1}.get(kind, 0)
+        step += steps_between + rng.randrange(0, 10)
+    return Scenario(
+        name=f"chaos-{seed}", description=f"random chaos, seed {seed}: " + ", ".join(f.kind for f in drawn),
+        initial_nodes=1, max_nodes=max_nodes, steps=step + 20, step_delay=0.05, faults=tuple(drawn), seed=seed,
+    )
+
+
+def load_scenario(spec: str) -> Scenario:
+    """A preset name, ``chaos:SEED``, or a path to a ``.yaml``/``.yml``/``.json`` scenario file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec.startswith("chaos"):
+        _, _, seed = spec.partition(":")
+        try:
+            return chaos(int(seed or 0))
+        except ValueError:
+            raise ValueError(f"scenario {spec!r}: write chaos:SEED with an integer seed, e.g. chaos:7") from None
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"scenario {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}, chaos:SEED) "
+            f"nor an existing .yaml/.json file"
+        )
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"scenario file {spec!r}: use a .yaml, .yml or .json suffix")
+    if not isinstance(data, dict):
+        raise ValueError(f"scenario file {spec!r} must hold a mapping (name:, faults:, ...), got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"scenario file {spec!r} is invalid:\n{exc}") from None
