@@ -1,0 +1,487 @@
+"""Worker side: a thread that watches the rendezvous and tells the lifecycle what changed.
+
+torchrun tells a worker nothing about membership (FACTS items 2-5). :class:`Watcher` polls the
+rendezvous state every ``interval`` seconds (bounded: every store read has a timeout and the
+loop sleeps on an Event, so ``stop()`` returns within one interval plus one read) and turns
+differences into :class:`MembershipEvent` records:
+
+``join_pending`` (a node waits in the wait list: a scale-up restart is coming), ``departure``
+(a participant of the worker's round is gone from the state: heartbeat expired or it left),
+``round_advanced`` (the rendezvous moved past the worker's round), ``agent_lost`` (the worker's
+own agent process vanished: its parent changed, FACTS item 4), ``evicted`` (the worker's node is
+outside the membership), ``drain_requested``.
+
+**Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store
+(FACTS item 7): unpickling it with ``pickle.loads`` runs whatever code a writer to that store
+chose. :func:`decode_state` uses an unpickler whose ``find_class`` admits only the handful of
+classes the state is made of (torch's ``_RendezvousState`` and ``_NodeDesc``, ``datetime``'s
+``datetime``/``timezone``/``timedelta``, ``set``/``frozenset``) and raises
+:class:`UnsafeStateError` for anything else, before any object of that class is made.
+
+**Orphans.** A worker whose agent was SIGKILLed keeps running (torch starts workers in a new
+session). The watcher notices within one interval that its parent process is no longer the
+agent (``ELASTIC_EMB_AGENT_PID``, else the parent at start), reports the node dead under the
+round's store keys (the surviving agents then evict it from the rendezvous and restart at
+once, see ``rendezvous.py``), marks itself evicted and stops the worker: it interrupts the main
+thread with SIGTERM (the worker's own clean-up runs) and, if the process is still alive
+``evict_grace`` seconds later, exits it with status 3. A worker outside the membership never
+touches shared state: ``evicted`` is True before the stop begins, and the lifecycle checks it.
+
+**Drain.** When the agent asks the running workers to drain before a scale-up (a round-scoped
+``drain`` key), every rank must stop after the same step or the rank that stopped first would
+leave the others blocked in a collective. ``drain_requested(step)`` settles that: the first rank
+to see the request after committing step ``s`` fixes the last step at ``s + 1`` (no rank can
+have started ``s + 2``: that needs this rank in step ``s + 1``'s collective), and every rank
+then stops after committing it and calls ``ack_drain(step)``.
+
+Without the elastic_emb backend (plain ``--rdzv-backend=c10d``) the watcher works from
+torchrun's variables plus ``ELASTIC_EMB_RDZV_ENDPOINT`` (the ``--rdzv-endpoint``, which torchrun
+does not pass on); the worker's node is the participant whose pid is its parent's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from elastic_emb.errors import ElasticEmbError
+from elastic_emb.events import get_logger
+from elastic_emb.rendezvous import (
+    C10D_NULL_STATE,
+    C10D_STATE_KEY,
+    ENV_AGENT_PID,
+    ENV_DRAIN,
+    ENV_GENERATION,
+    ENV_NODE_ID,
+    ENV_RDZV_BACKEND,
+    ENV_RDZV_ENDPOINT,
+    ENV_WATCH_INTERVAL,
+    ETCD_STATE_KEY,
+    ETCD_STORE_PREFIX,
+    round_prefix,
+)
+
+
+class UnsafeStateError(ElasticEmbError, ValueError):
+    """A rendezvous state value names a class outside the allow-list (or is not a state)."""
+
+
+# -- safe decoding ------------------------------------------------------------------------------
+
+_DR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+ALLOWED_CLASSES: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DR, "_RendezvousState"),
+        (_DR, "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ALLOWED_CLASSES:
+            raise UnsafeStateError(
+                f"rendezvous state names {module}.{name}, which is not an allowed class "
+                f"({sorted(f'{m}.{n}' for m, n in ALLOWED_CLASSES)}): refusing to decode it. Someone "
+                f"wrote a foreign value to the rendezvous store; check who can reach the endpoint"
+            )
+        return super().find_class(module, name)
+
+
+class Participant(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str  # addr_pid_localid
+    addr: str
+    pid: int
+    rank: int
+
+
+class StateView(BaseModel):
+    """The decoded rendezvous state: plain data, no torch classes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    round: int
+    complete: bool
+    closed: bool
+    participants: tuple[Participant, ...]  # in group-rank order
+    wait_list: tuple[str, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(p.node for p in self.participants)
+
+
+def decode_state(raw: bytes) -> StateView:
+    """Decode ``base64(pickle(_RendezvousState))`` with the restricted unpickler."""
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise UnsafeStateError(f"rendezvous state {raw[:60]!r} is not base64: {exc}") from None
+    try:
+        state = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except UnsafeStateError:
+        raise
+    except Exception as exc:
+        raise UnsafeStateError(f"rendezvous state does not unpickle ({type(exc).__name__}: {exc})") from None
+    if type(state).__name__ != "_RendezvousState" or type(state).__module__ != _DR:
+        raise UnsafeStateError(f"rendezvous state decoded to {type(state).__module__}.{type(state).__name__}, not _RendezvousState")
+    try:
+        parts = sorted(state.participants.items(), key=lambda kv: (kv[1], repr(kv[0])))
+        return StateView(
+            round=int(state.round),
+            complete=bool(state.complete),
+            closed=bool(state.closed),
+            participants=tuple(
+                Participant(node=f"{n.addr}_{n.pid}_{n.local_id}", addr=str(n.addr), pid=int(n.pid), rank=int(r))
+                for n, r in parts
+            ),
+            wait_list=tuple(sorted(f"{n.addr}_{n.pid}_{n.local_id}" for n in state.wait_list)),
+        )
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise UnsafeStateError(f"rendezvous state has an unexpected shape: {exc}") from None
+
+
+# -- reading the rendezvous ---------------------------------------------------------------------
+
+
+class RendezvousReader:
+    """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{ENV_RDZV_ENDPOINT}={endpoint!r} must be HOST:PORT")
+        if backend == "c10d":
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
+            )
+            self._state_key = C10D_STATE_KEY.format(run_id=run_id)
+            self._client = None
+        elif backend == "etcd-v2":
+            import etcd  # python-etcd
+            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+            self._client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
+            self.store = EtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
+            self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
+        else:
+            raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d or etcd-v2")
+
+    def raw_state(self) -> bytes | None:
+        if self._client is None:
+            if not self.store.check([self._state_key]):
+                return None
+            raw = self.store.get(self._state_key)
+            return None if raw == C10D_NULL_STATE else raw
+        import etcd
+
+        try:
+            return self._client.read(self._state_key).value.encode()
+        except etcd.EtcdKeyNotFound:
+            return None
+
+    def state(self) -> StateView | None:
+        raw = self.raw_state()
+        return None if raw is None else decode_state(raw)
+
+
+# -- events -------------------------------------------------------------------------------------
+
+EventKind = Literal["join_pending", "departure", "round_advanced", "agent_lost", "evicted", "drain_requested"]
+
+
+class MembershipEvent(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: EventKind
+    round: int  # the worker's round (generation)
+    state_round: int | None = None
+    nodes: tuple[str, ...] = ()
+    participants: tuple[str, ...] = ()
+    at: float  # time.time()
+
+
+# -- the watcher --------------------------------------------------------------------------------
+
+
+class Watcher:
+    """Polls the rendezvous for one worker; see the module docstring."""
+
+    def __init__(
+        self,
+        reader: RendezvousReader,
+        *,
+        round_: int | None,
+        rank: int,
+        world_size: int,
+        node: str | None,
+        agent_pid: int,
+        interval: float = 0.1,
+        drain: bool = True,
+        evict_grace: float = 1.0,
+        on_evicted: Callable[[MembershipEvent], None] | None = None,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval={interval!r} must be > 0 seconds")
+        self._reader = reader
+        self.round = round_
+        self.rank = rank
+        self.world_size = world_size
+        self.node = node
+        self.agent_pid = agent_pid
+        self.interval = interval
+        self.drain_enabled = drain
+        self.evict_grace = evict_grace
+        self._on_evicted = on_evicted
+        self._events: list[MembershipEvent] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._evicted = False
+        self._drain_seen = False
+        self._stop_step: int | None = None
+        self._acked = False
+        self._members: tuple[str, ...] = ()
+        self._reported: set[tuple[str, tuple[str, ...]]] = set()
+        self.last_state: StateView | None = None
+        self._log = get_logger("elastic_emb.watch", rank=rank)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> "Watcher | None":
+        """A watcher for this worker, or None when the rendezvous endpoint is unknown."""
+        env = os.environ if env is None else env
+        endpoint = env.get(ENV_RDZV_ENDPOINT)
+        if not endpoint:
+            get_logger("elastic_emb.watch").info(
+                "watcher_disabled",
+                reason=f"{ENV_RDZV_ENDPOINT} is not set: launch with --rdzv-backend=elastic_emb, or set it "
+                f"to the --rdzv-endpoint",
+            )
+            return None
+        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+        backend = env.get(ENV_RDZV_BACKEND, "c10d")
+        reader = RendezvousReader(backend, endpoint, run_id)
+        agent_pid = int(env.get(ENV_AGENT_PID) or os.getppid())
+        gen = env.get(ENV_GENERATION)
+        kwargs.setdefault("interval", float(env.get(ENV_WATCH_INTERVAL, "0.1")))
+        kwargs.setdefault("drain", env.get(ENV_DRAIN, "1") == "1")
+        return cls(
+            reader,
+            round_=int(gen) if gen is not None else None,
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            node=env.get(ENV_NODE_ID),
+            agent_pid=agent_pid,
+            **kwargs,
+        )
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted
+
+    def start(self) -> "Watcher":
+        if self._thread is not None:
+            return self
+        self._poll()  # learn the round and membership before the worker builds anything
+        if self.round is not None:
+            try:  # tells the agent how many acknowledgements a drain needs
+                self._reader.store.set(self._prefix() + "world_size", str(self.world_size))
+            except Exception as exc:
+                self._log.warning("watch_store_error", op="world_size", error=repr(exc))
+        self._thread = threading.Thread(target=self._run, name="elastic_emb-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Watcher":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def events(self) -> list[MembershipEvent]:
+        """Membership events since the last call."""
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def drain_requested(self, step: int | None = None) -> bool:
+        """Whether the worker must stop stepping for a drain.
+
+        With ``step`` (the step just committed): True once ``step`` reaches the last step all ranks
+        agreed on (the first rank to see the request fixes it at ``step + 1``). Without: whether a
+        request is pending at all.
+        """
+        if not self.drain_enabled or self.round is None or self._evicted:
+            return self._evicted
+        if not self._drain_seen:
+            self._drain_seen = self._check("drain")
+            if not self._drain_seen:
+                return False
+            self._emit("drain_requested")
+        if step is None:
+            return True
+        if self._stop_step is None:
+            self._stop_step = self._agree_stop_step(step)
+        return step >= self._stop_step
+
+    @property
+    def stop_step(self) -> int | None:
+        return self._stop_step
+
+    def ack_drain(self, step: int) -> None:
+        """Tell the agent this worker committed ``step`` and stopped stepping."""
+        if self._acked or self.round is None:
+            return
+        store = self._reader.store
+        store.set(self._prefix() + f"ack/{self.rank}", str(step))
+        store.add(self._prefix() + "acks", 1)
+        self._acked = True
+        self._log.info("drain_acknowledged", round=self.round, step=step)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _prefix(self) -> str:
+        return round_prefix(self._reader.run_id, self.round)
+
+    def _check(self, name: str) -> bool:
+        try:
+            return bool(self._reader.store.check([self._prefix() + name]))
+        except Exception as exc:
+            self._log.warning("watch_store_error", op=name, error=repr(exc))
+            return False
+
+    def _agree_stop_step(self, step: int) -> int:
+        store = self._reader.store
+        key = self._prefix() + "stop_step"
+        if int(store.add(self._prefix() + "stop_claim", 1)) == 1:
+            store.set(key, str(step + 1))
+            return step + 1
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # the claimer sets it right after claiming
+            if store.check([key]):
+                return int(store.get(key))
+            time.sleep(0.005)
+        raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
+
+    def _emit(self, kind: EventKind, *, nodes: tuple[str, ...] = (), state_round: int | None = None, once: bool = True) -> None:
+        if once:
+            key = (kind, nodes)
+            if key in self._reported:
+                return
+            self._reported.add(key)
+        event = MembershipEvent(
+            kind=kind, round=self.round if self.round is not None else -1, state_round=state_round,
+            nodes=nodes, participants=self._members, at=time.time(),
+        )
+        with self._lock:
+            self._events.append(event)
+        self._log.info("membership_event", kind=kind, round=event.round, state_round=state_round, nodes=list(nodes))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._poll()
+            if self._evicted:
+                return
+
+    def _own_node(self, view: StateView) -> str | None:
+        if self.node is not None:
+            return self.node
+        host = {socket.getfqdn(), socket.gethostname()}
+        mine = [p.node for p in view.participants if p.pid == self.agent_pid and (p.addr in host or len(view.participants) == 1)]
+        if not mine:  # loopback launches may use --local-addr; the pid alone then decides
+            mine = [p.node for p in view.participants if p.pid == self.agent_pid]
+        return mine[0] if len(mine) == 1 else None
+
+    def _poll(self) -> None:
+        if os.getppid() != self.agent_pid:
+            self._orphaned()
+            return
+        try:
+            view = self._reader.state()
+        except UnsafeStateError as exc:
+            self._log.error("unsafe_rendezvous_state", error=str(exc))
+            return
+        except Exception as exc:
+            self._log.warning("watch_store_error", op="state", error=repr(exc))
+            return
+        if view is None:
+            return
+        self.last_state = view
+        if self.round is None and view.complete:
+            self.round = view.round
+        if self.node is None:
+            self.node = self._own_node(view)
+        if not self._members and view.round == self.round:
+            self._members = view.nodes
+        if self.round is None:
+            return
+        if view.wait_list:
+            self._emit("join_pending", nodes=view.wait_list, state_round=view.round)
+        gone = tuple(n for n in self._members if n not in view.nodes)
+        if gone:
+            self._emit("departure", nodes=gone, state_round=view.round)
+        if view.round > self.round:
+            self._emit("round_advanced", state_round=view.round)
+        if self.node is not None and view.round >= self.round and self.node not in view.nodes and self.node not in view.wait_list:
+            self._evict("evicted", nodes=(self.node,), state_round=view.round)
+
+    def _orphaned(self) -> None:
+        """Our agent is gone: report the node dead for the survivors, then stop."""
+        if self._evicted:
+            return
+        if self.round is not None and self.node is not None:
+            try:
+                store = self._reader.store
+                store.set(self._prefix() + f"dead/{self.node}", str(os.getpid()))
+                store.add(self._prefix() + "dead", 1)
+            except Exception as exc:
+                self._log.warning("watch_store_error", op="report_dead", error=repr(exc))
+        self._evict("agent_lost", nodes=(self.node or "",), state_round=None)
+
+    def _evict(self, kind: EventKind, *, nodes: tuple[str, ...], state_round: int | None) -> None:
+        if self._evicted:
+            return
+        self._evicted = True
+        self._emit(kind, nodes=nodes, state_round=state_round)
+        event = self._events[-1] if self._events else None
+        if self._on_evicted is not None and event is not None:
+            self._on_evicted(event)
+            return
+        self._log.warning("worker_stopping", reason=kind, grace_s=self.evict_grace)
+        # A clean stop first: the SIGTERM an agent would send (the worker's handler, if any, runs);
+        # then a hard exit, so an orphan blocked in a collective cannot outlive the grace.
+        os.kill(os.getpid(), signal.SIGTERM)
+        timer = threading.Timer(self.evict_grace, os._exit, args=(3,))
+        timer.daemon = True
+        timer.start()

@@ -1,0 +1,147 @@
+"""Real torchrun agents on loopback for the rendezvous tests and bench/resize.py.
+
+``Agent`` starts ``python -m torch.distributed.run`` (stock torchrun) running
+``tests/rdzv_worker.py`` in a process group of its own, so a test can signal exactly one agent,
+and ``kill_all`` in teardown can SIGKILL each agent's whole group (the agent and, since torch
+starts workers in new sessions, the workers tracked by pid) so nothing outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "rdzv_worker.py")
+
+FAST_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+
+
+@dataclass
+class Agent:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    worker_pids_seen: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> float:
+        t = time.time()
+        os.kill(self.proc.pid, sig)
+        return t
+
+    def output(self) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb", nnodes: str = "1:3",
+                run_id: str = "rdzvtest", conf: str = FAST_CONF, mode: str = "busy", step_s: float = 0.05,
+                inner: str = "c10d", drain: bool = True, drain_timeout: float = 10.0,
+                extra_env: dict | None = None) -> Agent:
+    """Start one torchrun agent (one worker per node) as a real subprocess."""
+    log_dir = os.path.join(tmp, "workers")
+    os.makedirs(log_dir, exist_ok=True)
+    rdzv_conf = conf
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_EMB_", "TORCHELASTIC_", "RDZV_TEST_"))}
+    if backend == "elastic_emb":
+        rdzv_conf += (f",inner={inner},event_file={os.path.join(tmp, 'events-' + name + '.jsonl')}"
+                      f",drain={int(drain)},drain_timeout={drain_timeout}")
+    else:
+        # The stock baseline needs this to survive a resize at all (FACTS item 1).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(
+        RDZV_TEST_LOG_DIR=log_dir, RDZV_TEST_MODE=mode, RDZV_TEST_STEP_S=str(step_s), PYTHONPATH=REPO,
+        ELASTIC_EMB_LOG_FORMAT="json", ELASTIC_EMB_BACKEND="gloo", OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra_env or {})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
+        WORKER,
+    ]
+    log_path = os.path.join(tmp, f"agent-{name}.log")
+    out = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    out.close()
+    return Agent(name, proc, log_path)
+
+
+def worker_records(tmp: str) -> list[dict]:
+    """Every record every worker logged, in time order."""
+    recs = []
+    log_dir = os.path.join(tmp, "workers")
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass
+    return sorted(recs, key=lambda r: r["t"])
+
+
+def events(tmp: str, name: str) -> list[dict]:
+    path = os.path.join(tmp, f"events-{name}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(pred, timeout: float, what: str, agents: list[Agent] = (), pause: float = 0.05):
+    """Poll ``pred()`` until it returns a truthy value or ``timeout`` s pass (then fail, with logs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(pause)
+    logs = "\n".join(f"--- agent {a.name} (pid {a.pid}, rc {a.proc.poll()}):\n{a.output()[-4000:]}" for a in agents)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def first_commit_at(tmp: str, *, world_size: int, after: float) -> float | None:
+    """Time of the first step committed by a world of ``world_size`` after time ``after``."""
+    for r in worker_records(tmp):
+        if r["ev"] == "commit" and r["ws"] == world_size and r["t"] > after:
+            return r["t"]
+    return None
+
+
+def kill_all(agents: list[Agent], tmp: str | None = None) -> None:
+    """SIGKILL every agent's process group and every worker pid the logs name (teardown)."""
+    pids = set()
+    if tmp is not None:
+        pids = {r["pid"] for r in worker_records(tmp)}
+    for a in agents:
+        try:
+            os.killpg(a.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # torch starts each worker as a session leader
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for a in agents:
+        try:
+            a.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
