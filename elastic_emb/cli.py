@@ -53,5 +53,87 @@ def agree_demo(nproc: int) -> None:
     raise SystemExit(subprocess.run(cmd, env=env, timeout=120).returncode)
 
 
+# -- deploy (issue 7): the Kubernetes preStop hook ---------------------------------------------
+
+
+@main.command("drain")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              help="Seconds to wait for every worker's acknowledgement (keep below the pod's terminationGracePeriodSeconds).")
+@click.option("--endpoint", default=None, help="Rendezvous HOST:PORT [default: ELASTIC_EMB_RDZV_ENDPOINT, else PET_RDZV_ENDPOINT].")
+@click.option("--run-id", default=None, help="Rendezvous run id [default: TORCHELASTIC_RUN_ID, else PET_RDZV_ID, else none].")
+@click.option("--inner", type=click.Choice(["c10d", "etcd-v2"]), default=None,
+              help="Inner rendezvous backend [default: ELASTIC_EMB_RDZV_BACKEND, else inner= in PET_RDZV_CONF, else c10d].")
+@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              help="Seconds to reach the rendezvous store.")
+def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: str | None, connect_timeout: float) -> None:
+    """Ask the running workers to finish their step, commit, and acknowledge; wait (bounded).
+
+    Meant as a pod's preStop hook: kubelet sends torchrun SIGTERM only after it returns. Prints
+    the outcome as JSON; exit 0 when acknowledged (or nothing to drain), 3 on timeout, 2 when the
+    rendezvous cannot be reached.
+    """
+    from elastic_emb.drain import DrainError, DrainTarget, request_drain
+    from elastic_emb.events import get_logger
+
+    log = get_logger("elastic_emb.drain")
+    try:
+        target = DrainTarget.from_env(endpoint=endpoint, run_id=run_id, inner=inner)
+        result = request_drain(target, timeout=timeout, connect_timeout=connect_timeout)
+    except DrainError as exc:
+        log.error("drain_failed", message=str(exc))
+        raise SystemExit(2) from None
+    log.info("drain_finished", endpoint=target.endpoint, run_id=target.run_id, **result.model_dump())
+    click.echo(result.model_dump_json())
+    raise SystemExit(0 if result.ok else 3)
+
+
+# -- drills (issue 6: elastic_emb/drill/) ------------------------------------------------------
+
+
+@main.command("drill")
+@click.option("--scenario", "scenario_spec", required=True,
+              help="A preset (scale-up, scale-down, node-loss, worker-crash, flapping, store-host-loss, "
+                   "corrupt-snapshot, demo), chaos:SEED, or a .yaml/.json scenario file.")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Directory for logs, tables and the report.")
+@click.option("--network", type=click.Choice(["auto", "loopback", "netns"]), default=None,
+              help="Override the scenario's network (netns: one namespace per node, needs root).")
+@click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
+              help="Override the scenario's torchrun --rdzv-backend.")
+@click.option("--script", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Training script to drill (default: examples/train_recsys.py).")
+@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto",
+              help="Progress bar on a terminal, plain lines otherwise.")
+@click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
+def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_presets) -> None:
+    """Run a restart drill: real torchrun agents, real faults, tables checked bit for bit."""
+    from elastic_emb.drill import EXAMPLE, PRESETS, load_scenario, run_drill
+
+    if list_presets:
+        for name, s in PRESETS.items():
+            click.echo(f"{name:18} {s.description}")
+        return
+    try:
+        scenario = load_scenario(scenario_spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--scenario") from None
+    update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
+    if update:
+        scenario = scenario.model_validate({**scenario.model_dump(), **update})
+    report = run_drill(scenario, out, script=script or EXAMPLE, progress=progress)
+    expected = not report["ok"] if scenario.expect_failure else report["ok"]
+    raise SystemExit(0 if expected else 1)
+
+
+@main.command("demo")
+@click.option("--out", type=click.Path(file_okay=False), default="drill-demo", help="Directory for the report.")
+def demo_cmd(out) -> None:
+    """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes."""
+    from elastic_emb.drill import PRESETS, run_drill
+
+    report = run_drill(PRESETS["demo"], out)
+    click.echo(f"report: {report['paths']['json']}")
+    raise SystemExit(0 if report["ok"] else 1)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,153 @@
+"""Drain on request: the client side of a Kubernetes ``preStop`` hook (``elastic-emb drain``).
+
+Before a pod is stopped (node drain, autoscaler scale-down, preemption with notice), kubelet runs
+the container's preStop hook and only then sends SIGTERM to torchrun. The hook asks the running
+workers to finish their step and commit, and returns once they acknowledged (or after a bounded
+timeout), so the departing node's rows are in a commit before its workers die.
+
+The request travels through the rendezvous backend's own drain protocol (``rendezvous.py`` /
+``watch.py``, the rendezvous engineer's): a round-scoped ``drain`` key under
+:func:`elastic_emb.rendezvous.round_prefix`, which every worker's ``Watcher`` polls; the workers
+agree on a last step, commit it, and count themselves in ``acks``; each watcher published the
+number of acknowledgements to expect as ``world_size``. This module writes nothing else and
+reads only those keys, through the same :class:`elastic_emb.watch.RendezvousReader` the workers
+use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs this
+client against real watchers.
+
+A drain is job-wide by nature: all ranks take part in every collective, so no rank can stop
+alone; "drain this node" means "let the whole world stop after the same committed step". After
+the acknowledgement the workers wait; torchrun's SIGTERM (sent by kubelet once this hook returns)
+then ends this pod, and the other agents start the next, smaller round.
+
+Where the hook finds the rendezvous: the same variables torchrun reads in the pod (``PET_*``, set
+by the templates or the training operator), or elastic_emb's own (``ELASTIC_EMB_RDZV_*``) when
+present; every value can be given on the command line instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_emb.errors import ElasticEmbError
+
+# The drain protocol's key names under round_prefix(run_id, round), as rendezvous.py and watch.py
+# use them (agent: `drain`, reads `world_size` and `acks`; watcher: writes `world_size`, `acks`,
+# `stop_step`). Kept in one place here; tests/test_deploy.py proves them against real watchers.
+KEY_DRAIN = "drain"
+KEY_EXPECTED = "world_size"
+KEY_ACKS = "acks"
+KEY_STOP_STEP = "stop_step"
+
+
+class DrainError(ElasticEmbError, RuntimeError):
+    """The drain request could not be made (bad settings, rendezvous store unreachable)."""
+
+
+class DrainTarget(BaseModel):
+    """Where the running job's rendezvous is."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inner: Literal["c10d", "etcd-v2"]
+    endpoint: str = Field(min_length=3)
+    run_id: str = Field(min_length=1)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, endpoint: str | None = None,
+                 run_id: str | None = None, inner: str | None = None) -> "DrainTarget":
+        """Explicit values first, then elastic_emb's worker variables, then torchrun's ``PET_*``
+        ones (what a preStop hook sees in the pod)."""
+        env = os.environ if env is None else env
+        endpoint = endpoint or env.get("ELASTIC_EMB_RDZV_ENDPOINT") or env.get("PET_RDZV_ENDPOINT")
+        if not endpoint:
+            raise DrainError(
+                "no rendezvous endpoint: neither ELASTIC_EMB_RDZV_ENDPOINT nor PET_RDZV_ENDPOINT is set; "
+                "pass --endpoint HOST:PORT (the job's --rdzv-endpoint)"
+            )
+        inner = inner or env.get("ELASTIC_EMB_RDZV_BACKEND") or _conf_value(env.get("PET_RDZV_CONF", ""), "inner") or "c10d"
+        run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("PET_RDZV_ID") or "none"
+        if inner not in ("c10d", "etcd-v2"):
+            raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d or etcd-v2")
+        return cls(inner=inner, endpoint=endpoint, run_id=run_id)
+
+
+class DrainOutcome(BaseModel):
+    """What the drain request ended with (printed as JSON by ``elastic-emb drain``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    outcome: Literal["acknowledged", "no_running_round", "no_watchers", "timeout"]
+    round: int | None
+    acks: int
+    expected: int
+    stop_step: int | None
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome != "timeout"
+
+
+def _conf_value(conf: str, key: str) -> str | None:
+    """The value of ``key`` in a torchrun ``--rdzv-conf`` string ``k=v,k=v``."""
+    for item in conf.split(","):
+        k, sep, v = item.partition("=")
+        if sep and k.strip() == key:
+            return v.strip()
+    return None
+
+
+def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0.05, reason: str = "prestop",
+                  connect_timeout: float = 5.0) -> DrainOutcome:
+    """Ask the workers of the running round to stop after a committed step; wait for their acks.
+
+    Returns when every worker acknowledged, at once when there is no complete round or no worker
+    runs a watcher, and after ``timeout`` seconds otherwise (outcome ``timeout``). Raises
+    :class:`DrainError` when the rendezvous store cannot be reached within ``connect_timeout``.
+    """
+    if timeout <= 0 or poll <= 0:
+        raise ValueError(f"timeout={timeout!r} and poll={poll!r} must be > 0 seconds")
+    from elastic_emb.rendezvous import round_prefix
+    from elastic_emb.watch import RendezvousReader
+
+    start = time.monotonic()
+    try:
+        reader = RendezvousReader(target.inner, target.endpoint, target.run_id, timeout=connect_timeout)
+        state = reader.state()
+    except Exception as exc:  # connection refused / timed out: name what was tried
+        raise DrainError(
+            f"cannot read the rendezvous of run {target.run_id!r} at {target.endpoint} ({target.inner}): "
+            f"{type(exc).__name__}: {exc}. Check --endpoint/--run-id/--inner (PET_RDZV_ENDPOINT, PET_RDZV_ID, "
+            f"PET_RDZV_CONF inner=...)"
+        ) from None
+
+    def done(outcome: str, round_: int | None, acks: int = 0, expected: int = 0, stop: int | None = None) -> DrainOutcome:
+        return DrainOutcome(outcome=outcome, round=round_, acks=acks, expected=expected, stop_step=stop,
+                            elapsed_s=round(time.monotonic() - start, 3))
+
+    if state is None or not state.complete or state.closed:
+        return done("no_running_round", None if state is None else state.round)
+    store = reader.store
+    prefix = round_prefix(target.run_id, state.round)
+    if not store.check([prefix + KEY_EXPECTED]):
+        return done("no_watchers", state.round)
+    expected = int(store.get(prefix + KEY_EXPECTED))
+    if not store.check([prefix + KEY_DRAIN]):
+        store.set(prefix + KEY_DRAIN, json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()}))
+    deadline = start + timeout
+    acks = 0
+    while True:
+        acks = int(store.add(prefix + KEY_ACKS, 0))
+        if acks >= expected:
+            stop = int(store.get(prefix + KEY_STOP_STEP)) if store.check([prefix + KEY_STOP_STEP]) else None
+            return done("acknowledged", state.round, acks, expected, stop)
+        if time.monotonic() >= deadline:
+            return done("timeout", state.round, acks, expected)
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
