@@ -77,7 +77,8 @@ def main() -> int:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step = int(t.item()) + 1
     log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": step,
-         "boot_s": time.time() - t_start})
+         "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+         "node": os.environ.get("ELASTIC_EMB_NODE_ID"), "agent_pid": os.getppid()})
     while step <= MAX_STEPS:
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
