@@ -75,7 +75,10 @@ def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMP
 
     from elastic_emb.drill.report import print_summary, write_report
 
-    console = console or Console(stderr=False, highlight=False)
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console.width = max(console.width, 110)  # a log file has no screen edge to fit
     with _Progress(scenario, console, progress) as bar:
         result = Drill(scenario, out, script=script, on_progress=bar).run()
     report = write_report(result)

@@ -150,6 +150,9 @@ class Drill:
         self.world = 0
         self.t0 = 0.0
         self.t_first_step: float | None = None
+        self.slow_file = self.out / "run" / "slow"
+        self.rank0_pid: int | None = None
+        self.awaiting: tuple[int | None, float] | None = None  # (rank 0's pid at the fault, deadline)
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class Drill:
             f"--local-addr={self.network.node_addr(number)}",
             str(self.script), "--steps", str(s.steps), "--batch", str(s.batch), "--seed", str(s.seed),
             "--step-delay", str(s.step_delay), "--out", str(self.out / "run"), "--checksums",
+            "--slow-file", str(self.slow_file), "--slow-delay", str(s.slow_delay),
         ]
 
     def _start_node(self, number: int) -> Node:
@@ -258,6 +262,10 @@ class Drill:
                 detail.update(self._corrupt(target, victims))
         elif fault.kind == "kill_store":
             raise DrillError("fault kill_store needs store='etcd', which is not wired in this build")
+        if fault.kind != "kill_store":
+            # Slow training down until a new world steps, so a short drill cannot end first.
+            self.slow_file.touch()
+            self.awaiting = (self.rank0_pid, time.monotonic() + 60.0)
         self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
         log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
 
@@ -278,6 +286,14 @@ class Drill:
                     self.t_first_step = e["t"]
                 self.max_step = max(self.max_step, e["step"])
                 self.world = e["world"]
+                if e.get("rank") == 0:
+                    self.rank0_pid = e.get("pid")
+        if self.awaiting is not None:
+            pid, deadline = self.awaiting
+            if (self.rank0_pid is not None and self.rank0_pid != pid) or time.monotonic() > deadline:
+                # A new incarnation is stepping (or we gave up waiting): full speed again.
+                self.awaiting = None
+                self.slow_file.unlink(missing_ok=True)
         for node in self.nodes.values():
             if node.exit_code is None and node.proc.poll() is not None:
                 node.exit_code = node.proc.returncode

@@ -175,7 +175,12 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
                                   "rows": [[start, stop]], "rank": c["rank"], "world_size": c["world"],
                                   "generation": c["generation"], "node": c["node"]}
 
-    expected, history, initial = replay(script, cfg, final.step, on_step=check)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: threads only contend (10x slower on a busy 2-core machine)
+    try:
+        expected, history, initial = replay(script, cfg, final.step, on_step=check)
+    finally:
+        torch.set_num_threads(threads)
     findings: list[dict] = sorted(diverged.values(), key=lambda f: f["step"])
     rows_checked = 0
     for name, want in expected.items():

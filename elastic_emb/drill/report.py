@@ -191,11 +191,11 @@ def summary_table(report: dict):
         head.add_row("error", Text(report["error"][:600], style="red"))
     head.add_row("duration", f"{report['duration_seconds']:.1f} s")
     table = Table(title="resizes", title_justify="left", show_lines=False)
-    for col in ("t (s)", "cause", "world", "restored step", "steps lost", "tiers", "restart s", "lifecycle s", "recovery s"):
-        table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left")
+    for col in ("t s", "cause", "world", "from step", "lost", "tiers", "restart s", "start s", "recovery s"):
+        table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left", no_wrap=True)
     for r in report["resizes"]:
         table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", str(r["restored_step"]),
-                      str(r["steps_lost"]), ",".join(r["source_tiers"]) or "-", f"{r['phases']['restart']:.2f}",
+                      str(r["steps_lost"]), "+".join(r["source_tiers"]) or "-", f"{r['phases']['restart']:.2f}",
                       f"{r['phases']['lifecycle']:.2f}", "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")
     paths = Text(f"report: {report['paths']['json']}\nplot:   {report['paths']['plot']}")
     return Group(head, table, paths)
@@ -204,4 +204,8 @@ def summary_table(report: dict):
 def print_summary(report: dict, console=None) -> None:
     from rich.console import Console
 
-    (console or Console()).print(summary_table(report))
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console.width = max(console.width, 110)  # a log file has no screen edge to fit
+    console.print(summary_table(report))

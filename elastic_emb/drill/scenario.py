@@ -80,6 +80,8 @@ class Scenario(BaseModel):
     steps: int = Field(default=60, ge=1, le=100_000, description="Training steps of the example (0..steps-1).")
     batch: int = Field(default=256, ge=8, le=65_536, description="GLOBAL batch per step, whatever the world size.")
     step_delay: float = Field(default=0.05, ge=0, le=10, description="Seconds each step sleeps, to pace the drill.")
+    slow_delay: float = Field(default=0.25, ge=0, le=10,
+                              description="Seconds per step while a resize is in flight (keeps a short run from ending first).")
     seed: int = Field(default=0, ge=0)
     rendezvous: Literal["elastic_emb", "c10d"] = Field(
         default="elastic_emb", description="torchrun --rdzv-backend (elastic_emb: the project's backend)."
