@@ -27,6 +27,7 @@ class Agent:
     name: str
     proc: subprocess.Popen
     log_path: str
+    port: int
     worker_pids_seen: set[int] = field(default_factory=set)
 
     @property
@@ -49,7 +50,7 @@ class Agent:
 def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb", nnodes: str = "1:3",
                 run_id: str = "rdzvtest", conf: str = FAST_CONF, mode: str = "busy", step_s: float = 0.05,
                 inner: str = "c10d", drain: bool = True, drain_timeout: float = 10.0,
-                extra_env: dict | None = None) -> Agent:
+                endpoint: str | None = None, extra_env: dict | None = None) -> Agent:
     """Start one torchrun agent (one worker per node) as a real subprocess."""
     log_dir = os.path.join(tmp, "workers")
     os.makedirs(log_dir, exist_ok=True)
@@ -69,7 +70,7 @@ def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb",
     env.update(extra_env or {})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-        f"--rdzv-backend={backend}", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}", f"--rdzv-id={run_id}",
         f"--rdzv-conf={rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
         WORKER,
     ]
@@ -77,7 +78,7 @@ def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb",
     out = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     out.close()
-    return Agent(name, proc, log_path)
+    return Agent(name, proc, log_path, port)
 
 
 def worker_records(tmp: str) -> list[dict]:

@@ -1,0 +1,222 @@
+"""The elastic_emb rendezvous backend with real torchrun agents on loopback and real signals.
+
+Each scenario starts stock ``torchrun --rdzv-backend=elastic_emb`` agents (one gloo worker each,
+tests/rdzv_worker.py), changes the membership by starting agents and by SIGTERM / SIGKILL of
+an agent, and checks what the workers did (their per-step logs) and what the agents reported
+(their event files). Timings are printed for the record, never asserted (bench/resize.py
+measures them); the bounds here only keep a hang from passing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from procs import free_port
+from rdzv_agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+
+WAIT = 60.0  # generous: a busy 2-core machine takes seconds per torchrun start
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    agents: list[Agent] = []
+    yield str(tmp_path), agents
+    kill_all(agents, str(tmp_path))
+
+
+def _node(agent: Agent) -> str:
+    return f"127.0.0.1_{agent.pid}_0"
+
+
+def _gen_of(tmp: str, ws: int, after: float) -> int:
+    for r in worker_records(tmp):
+        if r["ev"] == "ready" and r["ws"] == ws and r["t"] > after:
+            return r["gen"]
+    raise AssertionError(f"no generation of world size {ws} started after {after}")
+
+
+def _ready(tmp: str, gen: int) -> list[dict]:
+    return [r for r in worker_records(tmp) if r["ev"] == "ready" and r["gen"] == gen]
+
+
+def _steps(tmp: str, gen: int, ev: str) -> list[int]:
+    return [r["step"] for r in worker_records(tmp) if r["ev"] == ev and r["gen"] == gen]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _grow(tmp, agents, name, ws, **kw) -> tuple[float, int]:
+    t = time.time()
+    agents.append(start_agent(name, tmp, agents[0].port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=ws, after=t), WAIT, f"world size {ws} after {name} joined", agents)
+    return t, _gen_of(tmp, ws, t)
+
+
+def _check_drained(tmp: str, old_gen: int, new_gen: int) -> None:
+    """Zero steps lost: the last step any worker started in the old generation was committed by
+    every rank of it, and the new generation resumed right after it."""
+    started = _steps(tmp, old_gen, "start")
+    committed = _steps(tmp, old_gen, "commit")
+    ranks = {r["rank"] for r in _ready(tmp, old_gen)}
+    last = max(started)
+    assert max(committed) == last, f"gen {old_gen}: last started step {last}, last committed {max(committed)}"
+    assert sorted(r for r in ranks) == sorted(
+        r["rank"] for r in worker_records(tmp) if r["ev"] == "commit" and r["gen"] == old_gen and r["step"] == last
+    ), f"gen {old_gen}: not every rank committed step {last}"
+    drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["gen"] == old_gen]
+    assert sorted(r["rank"] for r in drained) == sorted(ranks) and {r["step"] for r in drained} == {last}
+    resumed = {r["resume"] for r in _ready(tmp, new_gen)}
+    assert resumed == {last + 1}, f"gen {new_gen} resumed at {resumed}, expected {last + 1}"
+
+
+def _check_membership_restart(tmp: str, gen: int, ws: int) -> None:
+    ready = _ready(tmp, gen)
+    assert len(ready) == ws and sorted(r["rank"] for r in ready) == list(range(ws))
+    # A membership change is not a failure: torch's restart budget is untouched.
+    assert {r["restart_count"] for r in ready} == {0}, ready
+
+
+def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    gen1 = _gen_of(tmp, 1, 0)
+
+    t_b, gen2 = _grow(tmp, agents, "b", 2)
+    _check_drained(tmp, gen1, gen2)
+    _check_membership_restart(tmp, gen2, 2)
+    t_c, gen3 = _grow(tmp, agents, "c", 3)
+    _check_drained(tmp, gen2, gen3)
+    _check_membership_restart(tmp, gen3, 3)
+    b, c = agents[1], agents[2]
+
+    # Scale-down by SIGTERM while the workers run collectives.
+    time.sleep(0.5)
+    t_term = c.signal(signal.SIGTERM)
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents)
+    gen4 = _gen_of(tmp, 2, t_term)
+    _check_membership_restart(tmp, gen4, 2)
+    print(f"\nSIGTERM (busy): fault to first step {t_first - t_term:.2f} s")
+
+    # Scale-down by SIGKILL: b's worker is orphaned and must stop itself.
+    time.sleep(0.5)
+    orphan = next(r["pid"] for r in _ready(tmp, gen4) if r["agent_pid"] == b.pid)
+    t_kill = b.signal(signal.SIGKILL)
+    t_orphan = wait_for(lambda: (not _alive(orphan)) and time.time(), WAIT, "the orphan to stop", agents, pause=0.02)
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents)
+    gen5 = _gen_of(tmp, 1, t_kill)
+    _check_membership_restart(tmp, gen5, 1)
+    print(f"SIGKILL (busy): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s")
+    # The orphan never committed after its node left: every commit of gen4 precedes the
+    # survivors' first step of gen5, and no record of the orphan follows its eviction.
+    orphan_recs = [r for r in worker_records(tmp) if r["pid"] == orphan]
+    assert orphan_recs[-1]["t"] < t_first
+
+    # Steps: each generation resumed after the highest step committed before it; nothing repeats.
+    per_gen = {}
+    for r in worker_records(tmp):
+        if r["ev"] == "commit" and r["rank"] == 0:
+            per_gen.setdefault(r["gen"], []).append(r["step"])
+    gens = sorted(per_gen)
+    for g0, g1 in zip(gens, gens[1:]):
+        assert min(per_gen[g1]) == max(per_gen[g0]) + 1, (g0, g1, per_gen[g0][-3:], per_gen[g1][:3])
+        assert per_gen[g1] == list(range(min(per_gen[g1]), max(per_gen[g1]) + 1))
+
+    # What agent a reported.
+    ev = events(tmp, "a")
+    rounds = [e for e in ev if e["event"] == "rendezvous_round"]
+    assert [e["world_size"] for e in rounds] == [1, 2, 3, 2, 1]
+    assert [e["round"] for e in rounds] == [gen1, gen2, gen3, gen4, gen5]
+    assert rounds[1]["joins"] == [_node(b)] and rounds[2]["joins"] == [_node(c)]
+    assert rounds[3]["departures"] == [_node(c)] and rounds[3]["deaths"] == []
+    assert rounds[4]["deaths"] == [_node(b)] and rounds[4]["departures"] == []
+    a = agents[0]
+    assert all(_node(a) in e["participants"] and len(e["participants"]) == e["world_size"] for e in rounds)
+    assert all(e["duration_s"] >= 0 for e in rounds)
+    drains = [e for e in ev if e["event"] == "drain_finished"]
+    assert [d["outcome"] for d in drains] == ["acknowledged", "acknowledged"]
+    assert [d["acks"] for d in drains] == [1, 2]
+    changes = [e for e in ev if e["event"] == "membership_changed"]
+    assert [(e["departures"], e["deaths"]) for e in changes] == [([_node(c)], []), ([], [_node(b)])]
+    assert any(e["event"] == "dead_node_evicted" and e["nodes"] == [_node(b)] for e in ev)
+    assert any(e["event"] == "node_left" and e["reason"] == "agent_exit" for e in events(tmp, "c"))
+
+
+def test_idle_scale_down_and_drain_timeout(cluster):
+    """Idle workers (no collectives in flight): the stock agent would never notice a lost node."""
+    tmp, agents = cluster
+    port = free_port()
+    kw = dict(mode="idle", drain_timeout=1.0)
+    a = start_agent("a", tmp, port, **kw)
+    agents.append(a)
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    agents.append(start_agent("b", tmp, port, **kw))
+    agents.append(start_agent("c", tmp, port, **kw))
+    t0 = time.time()
+    wait_for(lambda: first_commit_at(tmp, world_size=3, after=0), WAIT, "world size 3", agents)
+    b, c = agents[1], agents[2]
+    time.sleep(1.0)  # idle: the workers sit outside any collective
+
+    t_term = c.signal(signal.SIGTERM)
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents)
+    _check_membership_restart(tmp, _gen_of(tmp, 2, t_term), 2)
+    print(f"\nSIGTERM (idle): fault to first step {t_first - t_term:.2f} s")
+    time.sleep(1.0)
+
+    gen = _gen_of(tmp, 2, t_term)
+    orphan = next(r["pid"] for r in _ready(tmp, gen) if r["agent_pid"] == b.pid)
+    t_kill = b.signal(signal.SIGKILL)
+    t_orphan = wait_for(lambda: (not _alive(orphan)) and time.time(), WAIT, "the orphan to stop", agents, pause=0.02)
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents)
+    _check_membership_restart(tmp, _gen_of(tmp, 1, t_kill), 1)
+    print(f"SIGKILL (idle): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s")
+
+    # A join while the workers idle: nobody commits, so the drain ends by its timeout.
+    t_d = time.time()
+    agents.append(start_agent("d", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_d), WAIT, "world size 2 after d joined", agents)
+    drains = [e for e in events(tmp, "a") if e["event"] == "drain_finished"]
+    assert drains and drains[-1]["outcome"] == "timeout" and drains[-1]["acks"] == 0 and drains[-1]["expected"] == 1
+    assert drains[-1]["duration_s"] >= 1.0
+    assert t0 > 0
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed (Debian package etcd-server)")
+def test_etcd_v2_inner_backend_scale_down(cluster):
+    pytest.importorskip("etcd", reason="python-etcd is not installed (test extra)")
+    from etcd_server import EtcdServer
+
+    tmp, agents = cluster
+    with EtcdServer(os.path.join(tmp, "etcd")) as server:
+        kw = dict(inner="etcd-v2", endpoint=server.endpoint)
+        a = start_agent("a", tmp, 0, **kw)
+        agents.append(a)
+        wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1 (etcd-v2)", agents)
+        t_b = time.time()
+        agents.append(start_agent("b", tmp, 0, **kw))
+        wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2 (etcd-v2)", agents)
+        gen = _gen_of(tmp, 2, t_b)
+        b = agents[1]
+        orphan = next(r["pid"] for r in _ready(tmp, gen) if r["agent_pid"] == b.pid)
+        time.sleep(0.5)
+        t_kill = b.signal(signal.SIGKILL)
+        wait_for(lambda: not _alive(orphan), WAIT, "the orphan to stop (etcd-v2)", agents, pause=0.02)
+        t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 (etcd-v2)", agents)
+        print(f"\nSIGKILL (etcd-v2, busy): fault to first step {t_first - t_kill:.2f} s")
+        ev = events(tmp, "a")
+        rounds = [e for e in ev if e["event"] == "rendezvous_round"]
+        assert [e["world_size"] for e in rounds] == [1, 2, 1]
+        assert rounds[-1]["deaths"] == [_node(b)]
+        assert [e["outcome"] for e in ev if e["event"] == "drain_finished"] == ["acknowledged"]
