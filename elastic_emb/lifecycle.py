@@ -1,0 +1,446 @@
+"""Lifecycle: build a context for an agreed topology, commit its rows, and on a resize destroy it,
+construct a new one, and carry every row and optimizer slot across, resharded.
+
+The one rule: ``reset`` is for a same-size re-form only. :meth:`Lifecycle.on_membership_change`
+branches once on ``(world_size, ep_size)``: equal, it calls :meth:`_reform_same_size` (the only
+place ``reset`` is called, and it checks the sizes again); different, it calls
+:meth:`_rebuild`, which has no reference to ``reset`` at all: commit (if the context is healthy
+and has uncommitted progress), export the live shard, close, agree on the new topology,
+construct, restore. A context that refuses ``reset`` across sizes (``WorldSizeChanged``) is
+therefore never asked to.
+
+Start (:meth:`Lifecycle.start`): topology from the environment, agree over the store,
+construct, then the same restore as a resize, minus the live tier: the newest commit that is
+complete for every row across the node snapshots (own and replicas) and the durable tier, with
+checksums verified. With no state anywhere, the context keeps its seeded initial rows (the
+context decides those; ``EmbContext`` makes them identical whatever the world size).
+
+Commits (:meth:`Lifecycle.commit`, at step boundaries): every ``commit_every`` steps a node
+snapshot (+ replicas), every ``durable_every`` steps also a DCP checkpoint. Call ``commit(step)``
+after *every* step: the cadence decides what is written, and the lifecycle learns how far
+training got, which tells a resize whether the live rows are newer than the last commit.
+
+Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
+durations (teardown, agreement, construct, restore), bytes moved, source tiers, steps.
+
+A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` (``topology``,
+``reset``, ``close``, ``export_shard``, ``import_shard``) and a factory ``(topology, store) ->
+context``. A ``process_group`` attribute (a c10d ProcessGroup) is used for row transfer when
+present; otherwise the state layer forms a gloo group of its own per generation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from elastic_emb.errors import ElasticEmbError
+from elastic_emb.events import bind_topology, get_logger
+from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext
+from elastic_emb.state import (
+    Comm,
+    DurableTier,
+    RestoreReport,
+    SnapshotTier,
+    node_id_from_env,
+    restore,
+)
+from elastic_emb.topology import Topology, agree
+
+log = get_logger("elastic_emb.lifecycle")
+
+
+class LifecycleConfig(BaseModel):
+    """Where state lives and how often it is committed.
+
+    ``state_dir``: root of the node-local snapshots (default: env ``ELASTIC_EMB_STATE_DIR``, else
+    ``/dev/shm/elastic_emb``); shards go to ``<state_dir>/<run_id>/<node_id>/``.
+    ``durable_dir``: DCP checkpoints (default: env ``ELASTIC_EMB_DURABLE_DIR``; none if unset).
+    ``node_id``: default env ``ELASTIC_EMB_NODE_ID``, else the host name.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    state_dir: str | None = None
+    durable_dir: str | None = None
+    node_id: str | None = None
+    commit_every: int = Field(default=1, ge=1)
+    durable_every: int = Field(default=0, ge=0)  # 0: never (unless durable_dir is set: then every commit)
+    replication: int = Field(default=1, ge=0)
+    keep: int = Field(default=2, ge=1)
+    seed: int = 0
+    agree_timeout: float = Field(default=60.0, gt=0)
+    transfer_timeout: float = Field(default=300.0, gt=0)
+    require_state: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "LifecycleConfig":
+        if self.durable_every and self.durable_every % self.commit_every:
+            raise ValueError(
+                f"durable_every={self.durable_every} must be a multiple of commit_every={self.commit_every} "
+                f"(a durable checkpoint is taken at a commit)"
+            )
+        return self
+
+    def resolved(self, env: Mapping[str, str]) -> "LifecycleConfig":
+        """A copy with environment defaults filled in."""
+        durable = self.durable_dir or env.get("ELASTIC_EMB_DURABLE_DIR") or None
+        durable_every = self.durable_every or (self.commit_every if durable else 0)
+        return self.model_copy(update=dict(
+            state_dir=self.state_dir or env.get("ELASTIC_EMB_STATE_DIR") or "/dev/shm/elastic_emb",
+            durable_dir=durable,
+            durable_every=durable_every,
+            node_id=self.node_id or node_id_from_env(env),
+        ))
+
+
+class CommitReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    step: int
+    tiers: list[str]
+    bytes_snapshot: int
+    bytes_replicated: int
+    bytes_durable: int
+    seconds: float
+
+
+class ResizeEvent(BaseModel):
+    """One membership change handled: what was done and how long each phase took."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: str  # "reset" (same size) | "rebuild" (new size) | "start"
+    old_world_size: int | None
+    new_world_size: int
+    old_generation: int | None
+    new_generation: int
+    rank: int
+    teardown_s: float
+    agreement_s: float
+    construct_s: float
+    restore_s: float
+    total_s: float
+    bytes_moved: int
+    bytes_local: int
+    source_tiers: list[str]
+    shard_tiers: dict[str, list[list]]
+    restored_step: int
+    committed_before: bool
+    fallback: str | None = None
+
+
+class Lifecycle:
+    """See the module docstring. Build with :meth:`start`."""
+
+    def __init__(self, factory: ContextFactory, config: LifecycleConfig, topology: Topology, store,
+                 watcher=None, env: Mapping[str, str] | None = None) -> None:
+        self.factory = factory
+        self.config = config
+        self.topology = topology
+        self.store = store
+        self.watcher = watcher
+        self.context: ShardedContext | None = None
+        self.step = -1
+        self._seen_step = -1
+        self.draining = False
+        self.events: list[ResizeEvent] = []
+        self._comm: Comm | None = None
+        self._owns_default_pg = False
+        self._sigterm = threading.Event()
+        self._num_rows: dict[str, int] = {}
+        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id,
+                                     replication=config.replication, keep=config.keep)
+        self.durable = DurableTier(config.durable_dir, topology.run_id) if config.durable_dir else None
+
+    # -- start -------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, factory: ContextFactory, config: LifecycleConfig | None = None, *,
+              env: Mapping[str, str] | None = None, store=None, watcher=None) -> "Lifecycle":
+        """Topology from env -> agree -> construct -> restore the newest complete commit."""
+        env = os.environ if env is None else env
+        config = (config or LifecycleConfig()).resolved(env)
+        t0 = time.perf_counter()
+        topology = Topology.from_env(env)
+        bind_topology(topology)
+        if store is None:
+            from elastic_emb.store import worker_store
+
+            store = worker_store(topology, timeout=config.agree_timeout, env=env)
+        lc = cls(factory, config, topology, store, watcher=watcher, env=env)
+        t1 = time.perf_counter()
+        agree(topology, store, timeout=config.agree_timeout)
+        t2 = time.perf_counter()
+        lc.context = factory(topology, store)
+        t3 = time.perf_counter()
+        report = lc._restore(live=None, live_commit=None)
+        t4 = time.perf_counter()
+        lc.step = report.step
+        lc._seen_step = report.step
+        event = lc._event("start", None, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
+        lc.events.append(event)
+        return lc
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def next_step(self) -> int:
+        return self.step + 1
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def commit(self, step: int, *, force: bool = False) -> CommitReport | None:
+        """Record that training finished ``step``; write the tiers the cadence asks for.
+
+        Collective: every rank calls it with the same ``step``. Returns None when nothing was
+        written. After a commit, a drain requested by the watcher is acknowledged and
+        :attr:`draining` becomes True."""
+        if step <= self.step:
+            raise ValueError(f"step={step} was already committed (last committed step {self.step}); "
+                             f"steps must increase: resume at lifecycle.next_step={self.next_step}")
+        self._seen_step = max(self._seen_step, step)
+        if self.watcher is not None and getattr(self.watcher, "evicted", False):
+            raise ElasticEmbError(f"rank {self.topology.rank} was evicted from the job: it must not commit step "
+                                  f"{step}; exit and let the agent restart it")
+        drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
+        report = None
+        if force or drain or step % self.config.commit_every == 0:
+            report = self._commit(step)
+        if drain:
+            self.watcher.ack_drain(step)
+            self.draining = True
+            log.info("lifecycle.draining", step=step)
+        return report
+
+    def _commit(self, step: int) -> CommitReport:
+        t0 = time.perf_counter()
+        ctx = self._require_context()
+        shards = ctx.export_shard()
+        comm = self._comm_for(ctx)
+        num_rows = self._table_rows(shards, comm)
+        written, replicated = self.snapshot.commit(step, shards, comm, num_rows)
+        tiers = ["snapshot"] + (["replica"] if replicated or self.config.replication else [])
+        durable_bytes = 0
+        if self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0:
+            durable_bytes = self.durable.commit(step, shards, comm, num_rows, self._durable_group())
+            tiers.append("durable")
+        self.snapshot.prune()
+        self.step = step
+        report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
+                              bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
+        log.info("lifecycle.commit", **report.model_dump())
+        return report
+
+    # -- membership changes ------------------------------------------------------------------
+
+    def on_membership_change(self, new_topology: Topology, store=None) -> ResizeEvent:
+        """Same world and EP size: ``reset``. Otherwise: commit, close, construct, restore."""
+        store = self.store if store is None else store
+        old = self.topology
+        if new_topology.run_id != old.run_id:
+            raise ValueError(f"new topology is for run {new_topology.run_id!r}, this lifecycle for {old.run_id!r}")
+        if new_topology.generation <= old.generation:
+            raise ValueError(f"new topology generation {new_topology.generation} must be > current "
+                             f"{old.generation}: each membership change is a new rendezvous round")
+        if (new_topology.world_size, new_topology.ep_size) == (old.world_size, old.ep_size):
+            event = self._reform_same_size(new_topology, store)
+        else:
+            event = self._rebuild(new_topology, store)
+        self.events.append(event)
+        return event
+
+    def _reform_same_size(self, new: Topology, store) -> ResizeEvent:
+        """The only caller of ``reset``."""
+        old = self.topology
+        if (new.world_size, new.ep_size) != (old.world_size, old.ep_size):  # structural guard
+            raise AssertionError(f"reset across sizes {old.world_size}->{new.world_size} must never happen")
+        t0 = time.perf_counter()
+        agree(new, store, timeout=self.config.agree_timeout)
+        t1 = time.perf_counter()
+        ctx = self._require_context()
+        kwargs = {}
+        params = inspect.signature(ctx.reset).parameters
+        if "topology" in params:
+            kwargs["topology"] = new
+        if "store" in params:
+            kwargs["store"] = store
+        ctx.reset(new.rank, new.world_size, **kwargs)
+        if getattr(ctx, "topology", None) is not new and "topology" not in params:
+            try:
+                ctx.topology = new
+            except AttributeError:
+                pass
+        t2 = time.perf_counter()
+        self._close_comm()
+        self.topology, self.store = new, store
+        bind_topology(new)
+        self._ensure_default_pg()
+        report = RestoreReport(step=self.step, generation=new.generation, fingerprint=new.fingerprint(),
+                               source_tiers=["live"])
+        return self._event("reset", old, None, 0.0, t1 - t0, t2 - t1, 0.0, t2 - t0, report, False)
+
+    def _rebuild(self, new: Topology, store) -> ResizeEvent:
+        """Destroy and construct: the path for a new world or EP size. Never calls reset."""
+        old = self.topology
+        t0 = time.perf_counter()
+        ctx = self._require_context()
+        committed = False
+        healthy = bool(getattr(ctx, "healthy", True)) and not getattr(ctx, "closed", False)
+        if healthy and self._seen_step > self.step:
+            try:
+                self._commit(self._seen_step)
+                committed = True
+            except Exception as exc:  # a peer is gone: the live rows still count, older commits cover the rest
+                log.warning("lifecycle.resize_commit_failed", step=self._seen_step, error=repr(exc)[:300])
+        live: list[ShardData] | None = None
+        try:
+            live = list(ctx.export_shard().values()) if not getattr(ctx, "closed", False) else None
+        except Exception as exc:
+            log.warning("lifecycle.export_failed", error=repr(exc)[:300])
+        live_commit = (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
+        self._close_comm()
+        ctx.close()
+        self.context = None
+        t1 = time.perf_counter()
+        agree(new, store, timeout=self.config.agree_timeout)
+        self.topology, self.store = new, store
+        bind_topology(new)
+        t2 = time.perf_counter()
+        self.context = self.factory(new, store)
+        t3 = time.perf_counter()
+        report = self._restore(live=live, live_commit=live_commit)
+        t4 = time.perf_counter()
+        self.step = report.step
+        self._seen_step = report.step
+        return self._event("rebuild", old, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, committed)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def _restore(self, *, live, live_commit) -> RestoreReport:
+        ctx = self._require_context()
+        comm = self._comm_for(ctx)
+        group = self._ensure_default_pg() if self.durable is not None else None
+        report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
+                         live_commit=live_commit, require_state=self.config.require_state, durable_group=group)
+        log.info("lifecycle.restored", **report.as_dict())
+        return report
+
+    # -- the default process group for DCP ---------------------------------------------------
+
+    def _ensure_default_pg(self):
+        """DCP and DTensor need a registered group: (re)initialize the default gloo group for this
+        generation on a private store prefix, unless the user already owns a matching one."""
+        if self.durable is None:
+            return None
+        import torch.distributed as dist
+
+        from elastic_emb.store import generation_store
+
+        t = self.topology
+        if dist.is_initialized():
+            if not self._owns_default_pg:
+                if dist.get_world_size() == t.world_size and dist.get_rank() == t.rank:
+                    return dist.group.WORLD
+                raise ElasticEmbError(
+                    f"the default process group (rank {dist.get_rank()} of {dist.get_world_size()}) was created "
+                    f"outside elastic_emb and does not match rank {t.rank} of {t.world_size}; destroy it before "
+                    f"a resize, or leave durable_dir unset"
+                )
+            if getattr(self, "_default_pg_gen", None) == t.generation:
+                return dist.group.WORLD
+            dist.destroy_process_group()
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", store=generation_store(self.store, t, "dcp"), rank=t.rank,
+                                world_size=t.world_size, timeout=timedelta(seconds=self.config.transfer_timeout))
+        self._owns_default_pg = True
+        self._default_pg_gen = t.generation
+        return dist.group.WORLD
+
+    def _durable_group(self):
+        return self._ensure_default_pg()
+
+    # -- draining ----------------------------------------------------------------------------
+
+    def wait_for_restart(self, timeout: float) -> bool:
+        """After a drain: block until the agent's SIGTERM (True) or ``timeout`` seconds (False)."""
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
+            try:
+                return self._sigterm.wait(timeout)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        return self._sigterm.wait(timeout)
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._close_comm()
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+        if self._owns_default_pg:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_default_pg = False
+
+    def __enter__(self) -> "Lifecycle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _require_context(self) -> ShardedContext:
+        if self.context is None:
+            raise ElasticEmbError("the lifecycle has no context (closed, or a resize failed): start a new Lifecycle")
+        return self.context
+
+    def _comm_for(self, ctx) -> Comm:
+        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not getattr(ctx, "process_group", self._comm.pg):
+            self._close_comm()
+            self._comm = Comm(self.topology, self.store, getattr(ctx, "process_group", None),
+                              timeout=self.config.transfer_timeout)
+        return self._comm
+
+    def _close_comm(self) -> None:
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    def _table_rows(self, shards: dict[str, ShardData], comm: Comm) -> dict[str, int]:
+        tables = getattr(self.context, "tables", None)
+        if isinstance(tables, Mapping) and all(hasattr(v, "num_rows") for v in tables.values()):
+            return {name: int(spec.num_rows) for name, spec in tables.items()}
+        if not self._num_rows:
+            everyone = comm.exchange("table-rows", {n: s.rows.stop for n, s in shards.items()})
+            self._num_rows = {n: max(e[n] for e in everyone) for n in shards}
+        return self._num_rows
+
+    def _event(self, kind, old: Topology | None, _unused, teardown, agreement, construct, restore_s, total,
+               report: RestoreReport, committed: bool) -> ResizeEvent:
+        new = self.topology
+        event = ResizeEvent(
+            kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
+            old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
+            teardown_s=round(teardown, 6), agreement_s=round(agreement, 6), construct_s=round(construct, 6),
+            restore_s=round(restore_s, 6), total_s=round(total, 6), bytes_moved=report.bytes_moved,
+            bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
+            shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
+            committed_before=committed, fallback=report.fallback,
+        )
+        log.info("lifecycle.resize" if kind != "start" else "lifecycle.start", **event.model_dump())
+        return event

@@ -1,0 +1,218 @@
+"""A worker process for the lifecycle and state tests: one rank of a real gloo world.
+
+Run as ``python -c "import lifecycle_worker; lifecycle_worker.main()"`` with the rank's torchrun
+environment plus ``LCW_SPEC`` (JSON, see :func:`main`). It starts a :class:`Lifecycle`, trains
+with integer-valued data, commits every step, optionally goes through a membership change, and
+dumps its shard after every phase (``<out>/<phase>-g<generation>-r<rank>.pt``) for the test to
+compare bit for bit against a reference. Its last stdout line is JSON.
+
+:class:`MiniContext` is the second, minimal context class that proves the context protocol: a
+raw gloo process group of its own (not exposed, so the state layer forms its own), plain
+tensors, and a ``reset`` that refuses other world sizes; it records every call it gets.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.errors import RestoreError, WorldSizeChanged
+from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.sharding import owned_range
+from elastic_emb.store import generation_store
+from elastic_emb.topology import Topology
+
+
+def int_init(num_rows_range, dim: int, dtype=torch.float32) -> torch.Tensor:
+    """Integer-valued initial rows, the same for a row whatever the world size."""
+    rows = torch.arange(num_rows_range.start, num_rows_range.stop, dtype=torch.int64)[:, None]
+    cols = torch.arange(dim, dtype=torch.int64)[None, :]
+    return ((rows * 31 + cols * 7) % 97 - 48).to(dtype)
+
+
+class MiniContext:
+    """A minimal ShardedContext: plain float64 tensors, a private gloo group, strict reset."""
+
+    def __init__(self, topology: Topology, store, *, tables, calls_file: str | None = None) -> None:
+        self.topology = topology
+        self.tables = {t.name: t for t in tables}
+        self._store = store
+        self._calls_file = calls_file
+        self._instance = 0
+        self.closed = False
+        self._pg = self._form(topology, store)
+        self._rows = {}
+        for name, spec in self.tables.items():
+            rr = owned_range(spec.num_rows, topology.ep_size, topology.rank)
+            self._rows[name] = (rr, int_init(rr, spec.dim, torch.float64), torch.zeros(len(rr), dtype=torch.float64))
+        self._record("construct", world_size=topology.world_size, rank=topology.rank)
+
+    def _form(self, topology: Topology, store):
+        self._instance += 1
+        pg_store = dist.PrefixStore(f"mini{self._instance}/", generation_store(store, topology, "mini"))
+        pg = dist.ProcessGroupGloo(pg_store, topology.rank, topology.world_size, timedelta(seconds=60))
+        t = torch.ones(1)
+        pg.allreduce([t]).wait()
+        assert int(t.item()) == topology.world_size
+        return pg
+
+    def _record(self, what: str, **kw) -> None:
+        if self._calls_file:
+            with open(self._calls_file, "a") as f:
+                f.write(json.dumps({"call": what, **kw}) + "\n")
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+        self._record("reset", rank=rank, world_size=world_size, built_for=self.topology.world_size)
+        if world_size != self.topology.world_size:
+            raise WorldSizeChanged(self.topology.world_size, world_size)
+        if rank != self.topology.rank:
+            raise ValueError("MiniContext.reset keeps ranks (the tests re-form with the same mapping)")
+        self.topology = topology or self.topology
+        self._store = store or self._store
+        self._pg = self._form(self.topology, self._store)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._record("close", world_size=self.topology.world_size)
+            self.closed = True
+            self._pg = None
+
+    def export_shard(self) -> dict[str, ShardData]:
+        return {n: ShardData(n, rr, w.clone(), {"accumulator": a.clone()}) for n, (rr, w, a) in self._rows.items()}
+
+    def import_shard(self, shards) -> None:
+        for n, s in shards.items():
+            rr, w, a = self._rows[n]
+            assert s.rows == rr, (s.rows, rr)
+            w.copy_(s.weight)
+            a.copy_(s.slots["accumulator"])
+
+    def train_step(self, step: int) -> None:
+        for n, (rr, w, a) in self._rows.items():
+            rows = torch.arange(rr.start, rr.stop, dtype=torch.int64)
+            w += ((rows + step) % 5 - 2).to(torch.float64)[:, None]
+            a += 1
+        t = torch.ones(1)
+        self._pg.allreduce([t]).wait()  # every rank steps together
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def global_batch(step: int, num_rows: int, size: int = 64):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, num_rows, (size,), generator=g)
+    return ids, ((ids + step) % 7 - 3).to(torch.float32)
+
+
+def train_step(ctx, step: int) -> None:
+    """One step. EmbContext: the global batch split over ranks, lookup + gradient. Mini: local."""
+    if isinstance(ctx, MiniContext):
+        ctx.train_step(step)
+        return
+    t = ctx.topology
+    for name, spec in ctx.tables.items():
+        ids, g = global_batch(step, spec.num_rows)
+        mine = ids[t.rank:: t.world_size]
+        ctx.lookup(name, mine).wait(timeout=60)
+        grads = g[t.rank:: t.world_size][:, None].expand(-1, spec.dim).contiguous()
+        ctx.apply_gradients(name, mine, grads)
+
+
+def integer_start(ctx) -> None:
+    """First start: integer-valued rows and slots, identical whatever the world size."""
+    shards = ctx.export_shard()
+    for name, s in shards.items():
+        s.weight.copy_(int_init(s.rows, s.weight.shape[1], s.weight.dtype))
+        for k, v in s.slots.items():
+            v.copy_((torch.arange(s.rows.start, s.rows.stop) % 3).to(v.dtype).reshape(-1, *([1] * (v.dim() - 1))).expand_as(v))
+    ctx.import_shard(shards)
+
+
+def dump(ctx, out: str, phase: str) -> None:
+    t = ctx.topology
+    data = {n: (s.rows.start, s.rows.stop, s.weight.cpu(), {k: v.cpu() for k, v in s.slots.items()})
+            for n, s in ctx.export_shard().items()}
+    torch.save(data, os.path.join(out, f"{phase}-g{t.generation}-r{t.rank}.pt"))
+
+
+def make_factory(spec: dict):
+    tables = [TableSpec(**t) for t in spec["tables"]]
+    if spec.get("context", "emb") == "mini":
+        return functools.partial(MiniContext, tables=tables, calls_file=spec.get("calls_file"))
+    from elastic_emb.context import EmbContext
+
+    return functools.partial(EmbContext, tables=tables, optimizer=OptimizerSpec(kind="adagrad", lr=0.5),
+                             timeout=60.0, staging_rows_per_rank=64)
+
+
+def new_env(overrides: dict) -> dict:
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def main() -> None:
+    """LCW_SPEC keys: out, tables, context (emb|mini), config (LifecycleConfig fields),
+    train_until (last step of phase 1), resize (null | {"env": overrides or null to depart}),
+    then_until (last step after the resize), reform (null | env overrides for a same-size
+    re-form after the resize)."""
+    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+
+    spec = json.loads(os.environ["LCW_SPEC"])
+    out = spec["out"]
+    factory = make_factory(spec)
+    config = LifecycleConfig(**spec.get("config", {}))
+    result: dict = {"events": []}
+    joiner = bool(spec.get("joiner"))
+    if spec.get("wait_file"):  # a joiner starts once the running world finished its phase
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spec["wait_file"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    try:
+        lc = Lifecycle.start(factory, config)
+    except RestoreError as exc:
+        print(json.dumps({"error": "RestoreError", "message": str(exc), "missing": exc.missing}), flush=True)
+        sys.exit(3)
+    result["events"].append(lc.events[-1].model_dump())
+    result["start_step"] = lc.step
+    if lc.step == -1 and not isinstance(lc.context, MiniContext):
+        integer_start(lc.context)
+    dump(lc.context, out, "resized" if joiner else "start")
+    for step in range(lc.next_step, spec.get("train_until", -1) + 1):
+        train_step(lc.context, step)
+        lc.commit(step)
+    dump(lc.context, out, "final" if joiner else "phase1")
+    resize = spec.get("resize")
+    if resize is not None:
+        if resize.get("env") is None:  # this process leaves the job
+            result["departed"] = True
+            print(json.dumps(result), flush=True)
+            os._exit(0)  # like a node going away: no clean-up, no goodbye
+        topo = Topology.from_env(new_env(resize["env"]))
+        ev = lc.on_membership_change(topo)
+        result["events"].append(ev.model_dump())
+        dump(lc.context, out, "resized")
+        for step in range(lc.next_step, spec.get("then_until", -1) + 1):
+            train_step(lc.context, step)
+            lc.commit(step)
+        if spec.get("reform"):
+            ev = lc.on_membership_change(Topology.from_env(new_env(spec["reform"])))
+            result["events"].append(ev.model_dump())
+        dump(lc.context, out, "final")
+    result["step"] = lc.step
+    lc.close()
+    print(json.dumps(result), flush=True)
+
+
+CODE = "import lifecycle_worker; lifecycle_worker.main()"
+
+if __name__ == "__main__":
+    main()

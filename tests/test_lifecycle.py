@@ -1,0 +1,311 @@
+"""Lifecycle with real processes: resizes in-process (live tier) and across restarts (snapshot
+tier), torn commits, lost nodes, and the rule that ``reset`` is never used across sizes.
+
+Every rank is a separate interpreter (tests/procs.py) on a real TCPStore and gloo groups. Data
+are integer-valued; after each scenario every row and optimizer slot of every table is compared
+bit for bit with a reference run at world size 1 (same global batches, no resize), and training
+continues from the committed step. Simulated nodes: each node id has its own state directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from procs import REPO, free_port, run_ranks, torchrun_env
+import lifecycle_worker as lw
+
+TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]
+
+
+# -- environment of a simulated multi-node world ------------------------------------------------
+
+
+def layout_env(layout: list[str], rank: int, port: int, gen: int) -> dict:
+    """torchrun's variables for ``rank`` when rank r runs on node ``layout[r]``."""
+    nodes = list(dict.fromkeys(layout))
+    node = layout[rank]
+    members = [r for r, n in enumerate(layout) if n == node]
+    return {
+        "RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
+        "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
+        "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port,
+    }
+
+
+def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None) -> dict:
+    base = {k: str(v) for k, v in layout_env(layout, rank, port, gen).items()}
+    node = layout[rank]
+    env = torchrun_env(rank, len(layout), port, generation=gen, extra={
+        **base,
+        "ELASTIC_EMB_NODE_ID": node,
+        "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
+        "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests"),
+        "LCW_SPEC": json.dumps(spec),
+        **(extra or {}),
+    })
+    return env
+
+
+# -- reference ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def reference(steps: int) -> tuple:
+    """Full tables after steps 0..steps-1 at world size 1 (integer start), for every prefix."""
+    from elastic_emb.topology import Topology
+    import torch.distributed as dist
+
+    port = free_port()
+    topo = Topology.build(run_id="reference", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    ctx = lw.make_factory({"tables": TABLES})(topo, store)
+    lw.integer_start(ctx)
+    out = [_full(ctx)]  # out[k]: after steps 0..k-1
+    for s in range(steps):
+        lw.train_step(ctx, s)
+        out.append(_full(ctx))
+    ctx.close()
+    return tuple(out)
+
+
+def _full(ctx) -> dict:
+    return {n: (s.weight.clone(), {k: v.clone() for k, v in s.slots.items()}) for n, s in ctx.export_shard().items()}
+
+
+def ref_after(step: int) -> dict:
+    """State after committed step ``step`` (-1: the integer start)."""
+    return reference(8)[step + 1]
+
+
+def gather(out, phase: str, gen: int) -> dict:
+    """Assemble the full tables from every rank's dump of one phase."""
+    files = sorted(glob.glob(str(out / f"{phase}-g{gen}-r*.pt")))
+    assert files, f"no dumps {phase}-g{gen}-r*.pt in {out}"
+    parts: dict[str, list] = {}
+    for f in files:
+        for name, (start, stop, w, slots) in torch.load(f).items():
+            parts.setdefault(name, []).append((start, stop, w, slots))
+    full = {}
+    for name, ps in parts.items():
+        ps.sort(key=lambda p: p[0])
+        covered = [(a, b) for a, b, _, _ in ps if b > a]
+        for (a0, b0), (a1, b1) in zip(covered, covered[1:]):
+            assert b0 == a1, f"{name}: shards {covered} overlap or leave a gap"
+        full[name] = (torch.cat([p[2] for p in ps]), {k: torch.cat([p[3][k] for p in ps]) for k in ps[0][3]})
+    return full
+
+
+def assert_bit_exact(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for name in want:
+        gw, gs = got[name]
+        ww, ws = want[name]
+        assert gw.shape == ww.shape, f"{what}: {name} weight shape {tuple(gw.shape)} != {tuple(ww.shape)}"
+        bad = (gw != ww).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{what}: table {name} rows {bad[:10]} differ from the reference"
+        for k in ws:
+            assert torch.equal(gs[k], ws[k]), f"{what}: table {name} slot {k} differs from the reference"
+
+
+def ok(results) -> list[dict]:
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+    return [r.value for r in results]
+
+
+def spec_of(out, **kw) -> dict:
+    return {"out": str(out), "tables": TABLES, **kw}
+
+
+# -- resize in one process: live tier -----------------------------------------------------------
+
+CASES = {
+    "4to2": (["A", "A", "B", "B"], ["A", "A"]),
+    "2to4": (["A", "B"], ["A", "B", "C", "D"]),
+    "4to3": (["A", "B", "C", "D"], ["A", "B", "C"]),
+    "3to1": (["A", "B", "B"], ["A"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resize_in_process(tmp_path, case):
+    old, new = CASES[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    envs = []
+    for r in range(max(len(old), len(new))):
+        if r < len(old):
+            resize = {"env": layout_env(new, r, port, 1)} if r < len(new) else {"env": None}
+            spec = spec_of(out, train_until=2, resize=resize, then_until=4)
+            envs.append(rank_env(tmp_path, old, r, port, 0, spec))
+        else:  # a joiner: starts in generation 1 once the old world finished phase 1
+            spec = spec_of(out, train_until=4, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"))
+            envs.append(rank_env(tmp_path, new, r, port, 1, spec))
+    values = ok(run_ranks(lw.CODE, envs, timeout=120))
+    assert_bit_exact(gather(out, "phase1", 0), ref_after(2), f"{case}: before the resize")
+    assert_bit_exact(gather(out, "resized", 1), ref_after(2), f"{case}: right after the resize")
+    assert_bit_exact(gather(out, "final", 1), ref_after(4), f"{case}: after training on")
+    survivors = [v for v in values if not v.get("departed")]
+    assert len(survivors) == len(new)
+    for v in survivors:
+        ev = v["events"][-1]
+        assert ev["restored_step"] == 2 and v["step"] == 4
+        if ev["kind"] == "rebuild":  # the old ranks: destroy + construct, never reset
+            assert ev["old_world_size"] == len(old) and ev["new_world_size"] == len(new)
+            assert "live" in ev["source_tiers"], ev
+            for key in ("teardown_s", "agreement_s", "construct_s", "restore_s"):
+                assert ev[key] >= 0
+    tiers = set().union(*(set(v["events"][-1]["source_tiers"]) for v in survivors))
+    if len(new) < len(old):
+        # The departed node's rows come from the replicas its neighbours hold.
+        assert tiers == {"live", "replica"}, tiers
+    else:
+        assert tiers == {"live"}, tiers
+    moved = sum(v["events"][-1]["bytes_moved"] for v in survivors)
+    local = sum(v["events"][-1]["bytes_local"] for v in survivors)
+    assert (moved > 0) == (len(new) > 1) and moved + local > 0, (moved, local)
+
+
+# -- resize across a restart: snapshot tier -----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resize_across_restart(tmp_path, case):
+    old, new = CASES[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    p0 = free_port()
+    ok(run_ranks(lw.CODE, [rank_env(tmp_path, old, r, p0, 0, spec_of(out, train_until=2)) for r in range(len(old))], 90))
+    assert_bit_exact(gather(out, "phase1", 0), ref_after(2), f"{case}: phase 1")
+    p1 = free_port()
+    values = ok(run_ranks(lw.CODE, [rank_env(tmp_path, new, r, p1, 1, spec_of(out, train_until=4)) for r in range(len(new))], 90))
+    assert_bit_exact(gather(out, "start", 1), ref_after(2), f"{case}: restored in new processes")
+    assert_bit_exact(gather(out, "phase1", 1), ref_after(4), f"{case}: after training on")
+    for v in values:
+        assert v["start_step"] == 2 and v["step"] == 4
+        assert set(v["events"][0]["source_tiers"]) <= {"snapshot", "replica"}, v["events"][0]
+        assert "snapshot" in v["events"][0]["source_tiers"]
+
+
+# -- torn commit ----------------------------------------------------------------------------------
+
+
+def test_kill_between_data_and_manifest_uses_previous_commit(tmp_path):
+    layout = ["A", "B"]
+    out = tmp_path / "out"
+    out.mkdir()
+    p0 = free_port()
+    fault = {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@2"}
+    results = run_ranks(lw.CODE, [rank_env(tmp_path, layout, r, p0, 0, spec_of(out, train_until=3), fault) for r in range(2)], 90)
+    assert [r.returncode for r in results] == [-9, -9], [(r.returncode, r.stderr[-1500:]) for r in results]
+    # The torn commit: data of step 2 on both nodes, no manifest for it anywhere.
+    step2 = glob.glob(str(tmp_path / "nodes" / "*" / "test" / "*" / "step-000000000002-*"))
+    assert len(step2) == 2
+    for d in step2:
+        assert glob.glob(os.path.join(d, "*.bin")) and not glob.glob(os.path.join(d, "*.json")), os.listdir(d)
+    p1 = free_port()
+    values = ok(run_ranks(lw.CODE, [rank_env(tmp_path, layout, r, p1, 1, spec_of(out, train_until=3)) for r in range(2)], 90))
+    assert [v["start_step"] for v in values] == [1, 1]
+    assert_bit_exact(gather(out, "start", 1), ref_after(1), "restored after the torn commit")
+    assert_bit_exact(gather(out, "phase1", 1), ref_after(3), "trained on from step 2")
+
+
+# -- a lost node ----------------------------------------------------------------------------------
+
+
+def _two_nodes_then_lose_b(tmp_path, out, config: dict) -> None:
+    p0 = free_port()
+    envs = [rank_env(tmp_path, ["A", "B"], r, p0, 0, spec_of(out, train_until=2, config=config)) for r in range(2)]
+    ok(run_ranks(lw.CODE, envs, 90))
+    shutil.rmtree(tmp_path / "nodes" / "B")
+
+
+def test_lost_node_with_replication_loses_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _two_nodes_then_lose_b(tmp_path, out, {"replication": 1})
+    p1 = free_port()
+    [v] = ok(run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=3, config={"replication": 1}))], 90))
+    assert v["start_step"] == 2
+    assert v["events"][0]["source_tiers"] == ["replica", "snapshot"]
+    assert_bit_exact(gather(out, "start", 1), ref_after(2), "restored from A's own snapshot + B's replica")
+    assert_bit_exact(gather(out, "phase1", 1), ref_after(3), "trained on")
+
+
+def test_lost_node_without_replication_durable_then_error(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    durable = tmp_path / "durable"
+    config = {"replication": 0, "durable_dir": str(durable)}
+    _two_nodes_then_lose_b(tmp_path, out, config)
+    p1 = free_port()
+    [v] = ok(run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=2, config=config))], 90))
+    ev = v["events"][0]
+    assert v["start_step"] == 2 and ev["source_tiers"] == ["durable"], ev
+    assert ev["fallback"] and "durable" in ev["fallback"], ev
+    assert_bit_exact(gather(out, "start", 1), ref_after(2), "restored from the durable tier")
+    # Neither a replica nor a durable checkpoint: a clear error naming the rows, no fresh rows.
+    shutil.rmtree(durable)
+    p2 = free_port()
+    [r] = run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p2, 2, spec_of(out / "x", config={"replication": 0}))], 90)
+    assert r.returncode == 3, r.stderr[-3000:]
+    err = r.value
+    assert err["error"] == "RestoreError"
+    # Node B (old rank 1) held items [102, 203) and users [31, 61).
+    assert sorted(map(tuple, err["missing"])) == [("items", 102, 203), ("users", 31, 61)], err
+    assert "items[102, 203)" in err["message"] and "users[31, 61)" in err["message"]
+
+
+# -- reset is for same-size re-forms only; a second context class proves the protocol --------------
+
+
+def test_minimal_context_resize_never_resets_across_sizes(tmp_path):
+    old, new = ["A", "A", "B", "B"], ["A", "A"]
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    envs = []
+    for r in range(4):
+        calls = str(tmp_path / f"calls{r}.jsonl")
+        if r < 2:
+            spec = spec_of(out, context="mini", calls_file=calls, train_until=2, then_until=4,
+                           resize={"env": layout_env(new, r, port, 1)}, reform=layout_env(new, r, port, 2))
+        else:
+            spec = spec_of(out, context="mini", calls_file=calls, train_until=2, resize={"env": None})
+        envs.append(rank_env(tmp_path, old, r, port, 0, spec))
+    values = ok(run_ranks(lw.CODE, envs, 120))
+    for r in range(2):
+        calls = [json.loads(line) for line in open(tmp_path / f"calls{r}.jsonl")]
+        kinds = [c["call"] for c in calls]
+        # construct(4) ... close(4), construct(2), reset(2 on a 2-world context), close(2)
+        assert kinds == ["construct", "close", "construct", "reset", "close"], calls
+        assert [c["world_size"] for c in calls] == [4, 4, 2, 2, 2]
+        resets = [c for c in calls if c["call"] == "reset"]
+        assert all(c["world_size"] == c["built_for"] for c in resets), resets
+        assert [e["kind"] for e in values[r]["events"]] == ["start", "rebuild", "reset"]
+    # Mini training is local and closed-form: w = init + sum_s ((row + s) % 5 - 2), acc = steps.
+    final = gather(out, "final", 2)
+    for t in TABLES:
+        n, dim = t["num_rows"], t["dim"]
+        rows = torch.arange(n)
+        want = _mini_init(n, dim)
+        for s in range(5):
+            want = want + ((rows + s) % 5 - 2).to(torch.float64)[:, None]
+        w, slots = final[t["name"]]
+        assert torch.equal(w, want)
+        assert torch.equal(slots["accumulator"], torch.full((n,), 5.0, dtype=torch.float64))
+
+
+def _mini_init(n: int, dim: int) -> torch.Tensor:
+    from elastic_emb.sharding import RowRange
+
+    return lw.int_init(RowRange(0, n), dim, torch.float64)
