@@ -173,7 +173,8 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
             if want != crc:
                 diverged[name] = {"table": name, "problem": "first divergence from the replay", "step": step,
                                   "rows": [[start, stop]], "rank": c["rank"], "world_size": c["world"],
-                                  "generation": c["generation"], "node": c["node"]}
+                                  "generation": c["generation"], "node": c["node"],
+                                  "process_restored_step": c["restored_step"]}
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: threads only contend (10x slower on a busy 2-core machine)
@@ -192,7 +193,9 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
         # Bit for bit: compare the raw bits, so -0.0 vs 0.0 and NaN payloads count too.
         bad = (got.view(torch.int32) != want.view(torch.int32)).any(1).nonzero().flatten().tolist()
         for row in bad[:max_named]:
-            findings.append(_diagnose(name, row, got[row], initial[name][row], history[name], final.step))
+            finding = _diagnose(name, row, got[row], initial[name][row], history[name], final.step)
+            finding["max_abs_diff"] = float((got[row].double() - want[row].double()).abs().max())
+            findings.append(finding)
         if len(bad) > max_named:
             findings.append({"table": name, "problem": f"{len(bad) - max_named} more rows differ", "rows": _ranges(bad)})
     if findings:
@@ -210,18 +213,22 @@ def _step_checksums(out: Path) -> dict[int, list[dict]]:
     run of it is checked, since each must have produced the committed rows."""
     checks: dict[int, list[dict]] = {}
     for path in sorted((out / "events").glob("*.jsonl")):
+        restored = None
         for line in path.read_text().splitlines():
             try:
                 e = json.loads(line)
             except ValueError:
                 continue
+            if e.get("event") == "start":
+                restored = e.get("restored_step")
             if e.get("event") != "step" or not e.get("crc"):
                 continue
             for name, (start, stop, crc) in e["crc"].items():
                 if stop > start:
                     checks.setdefault(e["step"], []).append(
                         {"table": name, "start": start, "stop": stop, "crc": crc, "rank": e.get("rank"),
-                         "world": e.get("world"), "generation": e.get("generation"), "node": e.get("node")})
+                         "world": e.get("world"), "generation": e.get("generation"), "node": e.get("node"),
+                         "restored_step": restored})
     return checks
 
 
@@ -258,15 +265,19 @@ def _describe(findings: list[dict]) -> str:
     parts = []
     for f in findings[:12]:
         if f.get("problem") == "first divergence from the replay":
-            parts.append(f"{f['table']} rows {f['rows'][0]} (rank {f['rank']} of world {f['world_size']} on "
-                         f"{f['node']}) first differ from the replay right after step {f['step']}")
+            start, stop = f["rows"][0]
+            parts.append(f"{f['table']} rows [{start}, {stop}) (rank {f['rank']} of world {f['world_size']} on "
+                         f"{f['node']}, a process that restored step {f['process_restored_step']}) first differ "
+                         f"from the replay right after step {f['step']}")
         elif "row" in f:
             if f["problem"] == "updates lost":
                 parts.append(f"{f['table']}[{f['row']}] equals the replay after step {f['equals_replay_after_step']}: "
                              f"updates of steps {f['missing_steps']} lost")
             else:
-                parts.append(f"{f['table']}[{f['row']}] {f['problem']}; steps touching it: {f['steps_touching_row'][-8:]}")
+                parts.append(f"{f['table']}[{f['row']}] {f['problem']}, off by up to {f.get('max_abs_diff', 0):.3g}; "
+                             f"steps touching it: {f['steps_touching_row'][-8:]}")
         else:
-            parts.append(f"{f['table']}: {f['problem']} {f.get('rows', '')}")
+            rows = ", ".join(f"[{a}, {b})" for a, b in f.get("rows", []))
+            parts.append(f"{f['table']}: {f['problem']} rows {rows}" if rows else f"{f['table']}: {f['problem']}")
     more = f" (+{len(findings) - 12} more)" if len(findings) > 12 else ""
     return "; ".join(parts) + more
