@@ -1,0 +1,167 @@
+"""Communicator teardown on NCCL: destroy (shutdown) against abort, healthy and with a dead peer,
+and the context's destroy + reconstruct time.
+
+Each trial starts two fresh worker processes (one GPU each) that build an EmbContext, look up
+once, then:
+
+1. destroy + reconstruct: ``close()`` then a new ``EmbContext`` for the next generation and its
+   first lookup, timed as one figure and by part;
+2. teardown, by mode (``shutdown`` = ncclCommDestroy path, ``abort`` = ncclCommAbort path):
+   ``healthy``: both ranks close together; ``broken``: rank 1 exits hard (``os._exit``) and
+   rank 0 closes. Every close is bounded by the context's timeout, so a hang shows as a time at
+   the bound rather than a stuck benchmark.
+
+    python3 bench/teardown.py --runs 3 --out out/teardown.json      # on the 2-GPU machine
+
+Prints a table of medians and writes JSON. Without two CUDA devices it says so and exits 0 with
+no figures (it is a GPU benchmark; CI never runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from elastic_emb.context import EmbContext
+from elastic_emb.protocol import TableSpec
+from elastic_emb.topology import Topology
+
+rank, port, mode, scenario, rows = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+torch.cuda.set_device(rank)
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=60))
+tables = [TableSpec(name="t", num_rows=rows, dim=128)]
+
+def topo(gen):
+    return Topology.build(run_id="teardown", generation=gen, rank=rank, world_size=2, local_rank=rank,
+                          local_world_size=2, node_rank=0, num_nodes=1, ep_size=2, backend="nccl",
+                          master_addr="127.0.0.1", master_port=port)
+
+def barrier(name):
+    store.add(name, 1)
+    deadline = time.monotonic() + 60
+    while int(store.add(name, 0)) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name} timed out")
+        time.sleep(0.001)
+
+ids = torch.randint(0, rows, (1 << 16,), device=f"cuda:{rank}")
+t0 = time.perf_counter()
+ctx = EmbContext(topo(0), store, tables=tables, timeout=20.0)
+ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
+first_build = time.perf_counter() - t0
+
+barrier("rebuild")
+t0 = time.perf_counter()
+ctx.close()
+t1 = time.perf_counter()
+ctx = EmbContext(topo(1), store, tables=tables, timeout=20.0)
+t2 = time.perf_counter()
+ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
+t3 = time.perf_counter()
+out = {"rank": rank, "first_build_s": first_build, "close_s": t1 - t0, "construct_s": t2 - t1,
+       "first_lookup_s": t3 - t2, "rebuild_s": t3 - t0}
+
+barrier("teardown")
+if scenario == "broken" and rank == 1:
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+if scenario == "broken":
+    time.sleep(0.5)  # let the peer be gone
+t0 = time.perf_counter()
+ctx.close(abort=(mode == "abort"))
+out["teardown_s"] = time.perf_counter() - t0
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trial(mode: str, scenario: str, rows: int) -> list[dict]:
+    port = free_port()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", ELASTIC_EMB_LOG_LEVEL="warning")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), mode, scenario, str(rows)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"worker printed no result (rc={p.returncode}):\n{err[-2000:]}")
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="NCCL teardown: destroy vs abort, and rebuild time")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=1 << 22, help="rows of the one table (dim 128, fp32)")
+    ap.add_argument("--out", default="out/teardown.json")
+    args = ap.parse_args()
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("bench/teardown.py: needs 2 CUDA devices; none measured")
+        return
+    rows: dict[tuple[str, str], list[list[dict]]] = {}
+    for _ in range(args.runs):
+        for scenario in ("healthy", "broken"):
+            for mode in ("shutdown", "abort"):
+                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows))
+    med = statistics.median
+    table = []
+    for (scenario, mode), trials in rows.items():
+        r0 = [t[0] for t in trials]
+        table.append({
+            "scenario": scenario, "mode": mode, "runs": len(trials),
+            "teardown_rank0_s": med(t["teardown_s"] for t in r0),
+            "teardown_rank0_max_s": max(t["teardown_s"] for t in r0),
+        })
+    rebuild = [t[0] for trials in rows.values() for t in trials]
+    summary = {
+        "rebuild_s": med(t["rebuild_s"] for t in rebuild),
+        "close_s": med(t["close_s"] for t in rebuild),
+        "construct_s": med(t["construct_s"] for t in rebuild),
+        "first_lookup_s": med(t["first_lookup_s"] for t in rebuild),
+        "first_build_s": med(t["first_build_s"] for t in rebuild),
+        "samples": len(rebuild),
+    }
+    print(f"{'scenario':9} {'mode':9} {'teardown median s':>18} {'max s':>8}")
+    for row in table:
+        print(f"{row['scenario']:9} {row['mode']:9} {row['teardown_rank0_s']:18.4f} {row['teardown_rank0_max_s']:8.4f}")
+    print(f"destroy + reconstruct (close, construct, first lookup): median {summary['rebuild_s']:.4f} s "
+          f"= {summary['close_s']:.4f} + {summary['construct_s']:.4f} + {summary['first_lookup_s']:.4f} "
+          f"(cold first build {summary['first_build_s']:.3f} s; n={summary['samples']})")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"benchmark": "teardown", "torch": torch.__version__,
+                   "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                   "device": torch.cuda.get_device_name(0), "rows": args.rows,
+                   "teardown": table, "rebuild": summary}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
