@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU suite (issue 8): everything elastic_emb measures on NCCL, in one call on the 2-GPU machine.
+#
+#   bench/gpu_suite.sh [STEP ...]      STEP in: env tests lookup reshard teardown drill (default: all)
+#
+# Run from the repository root on the device machine, with the wheels of the packages its image
+# lacks carried in .whl/ (pydantic, pydantic-core, annotated-types, typing-inspection,
+# typing-extensions, structlog; see BENCHMARKS.md). Writes one JSON per benchmark and a log to
+# $OUT (or out/gpu), and prints a short table at the end. Never changes GPU settings; keeps
+# NVLink multicast off.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export ELASTIC_EMB_LOG_LEVEL=${ELASTIC_EMB_LOG_LEVEL:-warning}
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+steps=${*:-env tests lookup reshard teardown drill}
+PY=${PY:-python3}
+
+if [ -d .whl ]; then
+    # Install the carried wheels and elastic_emb itself (its metadata carries the torchrun.handlers
+    # entry point, so `torchrun --rdzv-backend=elastic_emb` finds the backend).
+    rm -rf /tmp/site && mkdir -p /tmp/site
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+
+run() {  # run NAME TIMEOUT CMD...: bounded, logged, never stops the suite
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*" | tee -a "$OUT/suite.log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >>"$OUT/suite.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/suite.log"
+}
+
+for step in $steps; do
+    case $step in
+    env) run env 60 bash -c "nvidia-smi -L; $PY -c 'import torch,sys; print(sys.version); print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count(), torch.cuda.get_device_name(0))'" ;;
+    tests) run tests 300 $PY -m pytest -x -q -p no:cacheprovider tests/test_context_nccl.py ;;
+    lookup) run lookup 240 $PY bench/lookup.py --device cuda --runs 5 --out "$OUT/lookup.json" ;;
+    reshard) run reshard 300 $PY bench/reshard.py --device cuda --runs 3 --out "$OUT/reshard.json" ;;
+    teardown) run teardown 300 $PY bench/teardown.py --runs 3 --out "$OUT/teardown.json" ;;
+    drill) run drill 420 $PY -m elastic_emb.cli drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
+    *) echo "unknown step $step (use: env tests lookup reshard teardown drill)"; exit 2 ;;
+    esac
+done
+grep -E '^(=== |ranks|table|scenario|healthy|broken|destroy|live|snapshot|dcp|lookup|gather|all_to_all|PASS|FAIL|zero)' "$OUT/suite.log" | tail -80
