@@ -825,9 +825,13 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                   "Bring back a node directory holding them, raise replication, or configure a durable_dir",
                 missing,
             )
+        notes = []
+        if bad_handles:
+            bad_commits = sorted({everyone[r]["pieces"][h]["commit"] for r, h in bad_handles})
+            notes.append(f"rejected {len(bad_handles)} corrupt snapshot pieces (checksum) of commits {bad_commits}")
         if first_missing is not None and first_missing[0] != chosen[1]:
-            fallback = (f"commit {first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers; "
-                        f"used {chosen[0]} commit {chosen[1]}")
+            notes.append(f"commit {first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
+        fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
         kind, cid, plan = chosen
         step, gen, fp = _parse_commit(cid)
         if kind == "durable":

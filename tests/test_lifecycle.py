@@ -247,6 +247,16 @@ def test_lost_node_without_replication_durable_then_error(tmp_path):
     durable = tmp_path / "durable"
     config = {"replication": 0, "durable_dir": str(durable)}
     _two_nodes_then_lose_b(tmp_path, out, config)
+    # The durable checkpoint is plain DCP: load it here, one process, no elastic_emb involved.
+    import torch.distributed.checkpoint as dcp
+
+    [ckpt] = glob.glob(str(durable / "test" / "step-000000000002-*"))
+    want = ref_after(2)
+    sd = {f"{n}.weight": torch.empty_like(w) for n, (w, _) in want.items()}
+    sd.update({f"{n}.{k}": torch.empty_like(v) for n, (_, slots) in want.items() for k, v in slots.items()})
+    dcp.load(sd, checkpoint_id=ckpt)
+    assert_bit_exact({n: (sd[f"{n}.weight"], {k: sd[f"{n}.{k}"] for k in slots}) for n, (_, slots) in want.items()},
+                     want, "durable checkpoint read by plain DCP")
     p1 = free_port()
     [v] = ok(run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=2, config=config))], 90))
     ev = v["events"][0]
