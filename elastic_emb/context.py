@@ -731,6 +731,7 @@ class EmbContext:
         if pg is None:
             return
         self.process_group = None
+        self._backend = None  # the group must not outlive close (no teardown at interpreter exit)
         backend_name = self.topology.backend
         method = "abort" if abort else "shutdown"
 
@@ -740,7 +741,12 @@ class EmbContext:
             except Exception as exc:  # reported, not swallowed silently
                 self._log.warning("context.group_release_failed", method=method, error=str(exc))
 
-        if backend_name == "gloo" and not abort:
+        if backend_name == "gloo":
+            # Gloo: abort() only closes this rank's connections. Every collective of the context
+            # has completed by now (handles are waited or void), so no peer loses data; shutdown()
+            # left a joinable thread behind when a peer had died ("terminate called without an
+            # active exception" at interpreter exit), abort did not.
+            method = "abort"
             run()
             return
         # NCCL destroy/abort can block on a dead peer: bound it by the timeout in a thread.
@@ -900,6 +906,8 @@ class EmbContext:
                     raise KeyError(f"load_state_dict: missing key {key!r}; have {sorted(state_dict)}")
                 src = state_dict[key]
                 local = src.to_local() if isinstance(src, DTensor) else src
+                if dst.numel() == 0:
+                    continue  # ranks outside the owner mesh hold an empty (shapeless) local tensor
                 if tuple(local.shape) != tuple(dst.shape):
                     raise ValueError(f"load_state_dict: {key!r} local shape {tuple(local.shape)} != {tuple(dst.shape)}")
                 if local.data_ptr() != dst.data_ptr():
