@@ -75,6 +75,7 @@ class LifecycleConfig(BaseModel):
     commit_every: int = Field(default=1, ge=1)
     durable_every: int = Field(default=0, ge=0)  # 0: never (unless durable_dir is set: then every commit)
     replication: int = Field(default=1, ge=0)
+    durable_async: bool = True  # dcp.async_save in a background thread; False: dcp.save
     keep: int = Field(default=2, ge=1)
     seed: int = 0
     agree_timeout: float = Field(default=60.0, gt=0)
@@ -155,6 +156,7 @@ class Lifecycle:
         self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._num_rows: dict[str, int] = {}
+        self._pending_durable = None
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id,
                                      replication=config.replication, keep=config.keep)
         self.durable = DurableTier(config.durable_dir, topology.run_id) if config.durable_dir else None
@@ -229,7 +231,9 @@ class Lifecycle:
         tiers = ["snapshot"] + (["replica"] if replicated or self.config.replication else [])
         durable_bytes = 0
         if self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0:
-            durable_bytes = self.durable.commit(step, shards, comm, num_rows, self._durable_group())
+            self.wait_durable()
+            durable_bytes, self._pending_durable = self.durable.commit(
+                step, shards, comm, num_rows, self._durable_group(), asynchronous=self.config.durable_async)
             tiers.append("durable")
         self.snapshot.prune()
         self.step = step
@@ -262,6 +266,7 @@ class Lifecycle:
         if (new.world_size, new.ep_size) != (old.world_size, old.ep_size):  # structural guard
             raise AssertionError(f"reset across sizes {old.world_size}->{new.world_size} must never happen")
         t0 = time.perf_counter()
+        self.wait_durable()
         agree(new, store, timeout=self.config.agree_timeout)
         t1 = time.perf_counter()
         ctx = self._require_context()
@@ -291,6 +296,7 @@ class Lifecycle:
         old = self.topology
         t0 = time.perf_counter()
         ctx = self._require_context()
+        self.wait_durable()
         committed = False
         healthy = bool(getattr(ctx, "healthy", True)) and not getattr(ctx, "closed", False)
         if healthy and self._seen_step > self.step:
@@ -367,6 +373,17 @@ class Lifecycle:
     def _durable_group(self):
         return self._ensure_default_pg()
 
+    def wait_durable(self, timeout: float | None = None) -> None:
+        """Block until the asynchronous durable checkpoint in flight (if any) is written."""
+        fut, self._pending_durable = self._pending_durable, None
+        if fut is None:
+            return
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        try:
+            fut.result(timeout=timeout)
+        except Exception as exc:  # reported; the snapshot tier still holds the commit
+            log.error("lifecycle.durable_failed", error=repr(exc)[:500])
+
     # -- draining ----------------------------------------------------------------------------
 
     def wait_for_restart(self, timeout: float) -> bool:
@@ -385,6 +402,7 @@ class Lifecycle:
     # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.wait_durable()
         self._close_comm()
         if self.context is not None:
             self.context.close()

@@ -477,10 +477,16 @@ class DurableTier:
                 out.append(m)
         return out
 
-    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group) -> int:
+    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
+               asynchronous: bool = False):
         """Save through DCP (collective). ``group``: a gloo process group registered with
-        torch.distributed with this world's ranks (DCP and DTensor accept no other). Returns bytes
-        this rank wrote."""
+        torch.distributed with this world's ranks (DCP and DTensor accept no other).
+
+        Returns ``(bytes this rank wrote, future or None)``. Asynchronous: DCP stages the tensors
+        and writes them in a background thread (``dcp.async_save``); rank 0 writes the manifest
+        when its upload completes (DCP's coordinator finishes only after every rank's writes), so
+        a checkpoint cut short by a crash has no manifest. Wait on the future before the next
+        durable commit, a resize or exit."""
         import torch.distributed.checkpoint as dcp
 
         topo = comm.topology
@@ -492,20 +498,36 @@ class DurableTier:
         for name, shard in world_shards.items():
             for tname, t in _tensor_items(shard):
                 sums[f"{name}.{tname}"] = [shard.rows.start, shard.rows.stop, checksum(t)]
-        dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
         gathered = comm.exchange(f"durable{step}", sums)
+        manifest = None
         if topo.rank == 0:
             checksums: dict[str, dict[str, list]] = {}
             for r, s in enumerate(gathered):
                 for key, v in s.items():
                     checksums.setdefault(key, {})[str(r)] = v
-            m = DurableManifest(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
-                                world_size=topo.world_size, tables=dict(num_rows), tensors=specs, checksums=checksums,
-                                checkpoint_dir=str(cdir), written_at=time.time())
+            manifest = DurableManifest(step=step, generation=topo.generation, fingerprint=topo.fingerprint(),
+                                       run_id=topo.run_id, world_size=topo.world_size, tables=dict(num_rows),
+                                       tensors=specs, checksums=checksums, checkpoint_dir=str(cdir), written_at=time.time())
+        nbytes = sum(s.nbytes() for s in world_shards.values())
+
+        def finish(error: BaseException | None = None) -> None:
+            if manifest is None:
+                return
+            if error is not None:
+                log.error("durable_commit_failed", step=step, dir=str(cdir), error=repr(error)[:500])
+                return
             faultpoint("durable_before_manifest", step)
-            write_atomic(cdir / "elastic_emb_manifest.json", m.model_dump_json())
-        comm.barrier(f"durable{step}-done")
-        return sum(s.nbytes() for s in world_shards.values())
+            write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json())
+
+        if not asynchronous:
+            dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
+            finish()
+            comm.barrier(f"durable{step}-done")
+            return nbytes, None
+        resp = dcp.async_save(sd, checkpoint_id=str(cdir), process_group=group)
+        fut = getattr(resp, "upload_completion", resp)  # torch >= 2.9 may return an AsyncSaveResponse
+        fut.add_done_callback(lambda f: finish(f.exception()))
+        return nbytes, fut
 
     def load(self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData],
              num_rows: dict[str, int], group) -> dict[str, ShardData]:
