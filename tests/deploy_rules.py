@@ -1,0 +1,764 @@
+"""Offline checks for the Kubernetes templates in deploy/ and the Dockerfile (used by test_deploy.py).
+
+Three layers, each returning a list of human-readable findings (empty = clean), so a test can
+assert on the exact rule a planted error breaks:
+
+1. :func:`render` runs ``kubectl kustomize`` (kubectl ships kustomize; no cluster is contacted).
+2. Schemas. Core kinds go through ``kubernetes-validate --strict`` for every supported
+   Kubernetes version (:data:`K8S_VERSIONS`). PyTorchJob is a custom resource that tool only
+   warns about, so it has a schema of our own here: :class:`PyTorchJob` (pydantic, strict types,
+   unknown fields rejected) for the fields the project uses, plus :func:`admission_errors`, the
+   checks the training operator's admission webhook (v1.9) applies on create; its pod template
+   goes through the core ``PodTemplateSpec`` schema. ``test_deploy.py`` cross-checks our schema
+   against the operator's CRD when ``../shared/schemas`` is present (:func:`crd_errors`).
+3. :func:`wiring_errors`: rules no schema can express, which decide whether the job works at all:
+   the rendezvous endpoint names a Service that selects the job's pods and serves the port;
+   replicas lie within the node range; the preStop and main commands exist in the image; the
+   NetworkPolicy and the PodDisruptionBudget select the job's pods and open the rendezvous port;
+   the grace period outlasts the drain; /dev/shm is a sized memory volume within the memory
+   limit; the durable tier is a mounted PVC; GPUs requested = workers per node.
+
+How the training operator turns a PyTorchJob into pods is modelled from its documented
+behaviour (v1.9): pods get the labels ``training.kubeflow.org/job-name``, ``replica-type``
+(lower case) and ``replica-index``; each replica gets a headless Service
+``<job>-<type>-<index>`` selecting exactly that pod and exposing the container port named
+``pytorchjob-port``; with an elasticPolicy torchrun gets ``PET_RDZV_ENDPOINT=<rdzvHost or
+<job>-worker-0>:<rdzvPort or pytorchjob-port>`` and ``PET_NNODES=<minReplicas>:<maxReplicas>``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("pytorchjob", "indexed-job")
+# Kubernetes versions the templates support: Indexed Jobs with the batch.kubernetes.io/job-name
+# pod label exist from 1.27; the newest is what kubernetes-validate knows.
+K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(27, 38))
+CONTAINER = "pytorch"  # the training operator's default container name; the templates use it everywhere
+OPERATOR_PORT_NAME = "pytorchjob-port"
+OPERATOR_DEFAULT_PORT = 23456
+DRAIN_MARGIN_S = 30  # grace period beyond the drain timeout: the commit flush and torchrun's own shutdown
+EPHEMERAL = (32768, 60999)  # Linux ip_local_port_range default: MASTER_PORT store, gloo and NCCL sockets
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+
+class RenderError(RuntimeError):
+    pass
+
+
+def kubectl() -> str | None:
+    return shutil.which("kubectl")
+
+
+def render(overlay: str | Path, timeout: float = 60.0) -> list[dict]:
+    """The resources ``kubectl kustomize <overlay>`` renders (offline; no cluster is contacted)."""
+    exe = kubectl()
+    if exe is None:
+        raise RenderError("kubectl is not on PATH: install kubectl (it bundles kustomize) to render deploy/")
+    path = Path(overlay) if Path(overlay).is_absolute() else DEPLOY / overlay
+    proc = subprocess.run([exe, "kustomize", str(path)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RenderError(f"kubectl kustomize {path} failed (rc={proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+# -- layer 2a: core kinds through kubernetes-validate -------------------------------------------------
+
+
+def core_schema_errors(resources: list[dict], versions: tuple[str, ...] = K8S_VERSIONS) -> list[str]:
+    """Strict schema findings for every core resource (and every PyTorchJob pod template)."""
+    import kubernetes_validate as kv
+
+    errors = []
+    for version in versions:
+        for res in resources:
+            docs = [res]
+            if res.get("kind") == "PyTorchJob":
+                docs = [
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name(res)}-{rtype.lower()}"},
+                     "template": spec.get("template")}
+                    for rtype, spec in (res.get("spec", {}).get("pytorchReplicaSpecs") or {}).items()
+                    if isinstance(spec, dict)
+                ]
+            for doc in docs:
+                try:
+                    kv.validate(doc, version, strict=True)
+                except kv.ValidationError as exc:
+                    path = "/".join(str(p) for p in exc.absolute_path)
+                    errors.append(f"k8s {version} {doc.get('kind')}/{name(doc)} at {path or '<root>'}: {exc.message}")
+                except kv.SchemaNotFoundError as exc:
+                    errors.append(f"k8s {version} has no schema for {doc.get('apiVersion')} {doc.get('kind')}: {exc}")
+    return errors
+
+
+# -- layer 2b: our own PyTorchJob schema and the operator's admission rules ----------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+Int32 = Field(ge=-(2**31), le=2**31 - 1)
+
+
+class ObjectMeta(_Strict):
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class RdzvConf(_Strict):
+    key: str = Field(min_length=1)
+    value: str
+
+
+class ElasticPolicy(_Strict):
+    minReplicas: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    maxReplicas: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    maxRestarts: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    rdzvBackend: str | None = None
+    rdzvConf: list[RdzvConf] | None = None
+    rdzvHost: str | None = None
+    rdzvId: str | None = None
+    rdzvPort: int | None = Field(default=None, ge=1, le=65535)
+    nProcPerNode: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    standalone: bool | None = None
+
+
+class RunPolicy(_Strict):
+    cleanPodPolicy: Literal["None", "Running", "All"] | None = None
+    backoffLimit: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    activeDeadlineSeconds: int | None = Field(default=None, ge=1)
+    ttlSecondsAfterFinished: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    suspend: bool | None = None
+
+
+class ReplicaSpec(_Strict):
+    replicas: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    restartPolicy: Literal["Always", "OnFailure", "Never", "ExitCode"] | None = None
+    template: dict[str, Any]  # a core PodTemplateSpec: checked by core_schema_errors
+
+
+class PyTorchJobSpec(_Strict):
+    elasticPolicy: ElasticPolicy | None = None
+    nprocPerNode: str | None = Field(default=None, pattern=r"^(auto|cpu|gpu|[1-9][0-9]*)$")
+    runPolicy: RunPolicy | None = None
+    pytorchReplicaSpecs: dict[Literal["Master", "Worker"], ReplicaSpec]
+
+
+class PyTorchJob(_Strict):
+    """The subset of kubeflow.org/v1 PyTorchJob this project writes (anything else is rejected)."""
+
+    apiVersion: Literal["kubeflow.org/v1"]
+    kind: Literal["PyTorchJob"]
+    metadata: ObjectMeta
+    spec: PyTorchJobSpec
+
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def pytorchjob_schema_errors(job: dict) -> list[str]:
+    try:
+        PyTorchJob.model_validate(job)
+    except ValidationError as exc:
+        return [f"PyTorchJob/{name(job)} {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    return []
+
+
+def admission_errors(job: dict) -> list[str]:
+    """The training operator's admission webhook checks (v1.9) for a PyTorchJob create."""
+    errors = []
+    jname = name(job)
+    if len(jname) > 63 or not DNS1035.match(jname):
+        errors.append(f"metadata.name {jname!r} must be a DNS-1035 label (lower-case alphanumerics and '-', "
+                      f"starting with a letter, at most 63 characters)")
+    spec = job.get("spec") or {}
+    specs = spec.get("pytorchReplicaSpecs") or {}
+    ep = spec.get("elasticPolicy")
+    if ep is not None:
+        if spec.get("nprocPerNode") is not None and ep.get("nProcPerNode") is not None:
+            errors.append("spec.elasticPolicy.nProcPerNode must not be set together with spec.nprocPerNode")
+        worker = specs.get("Worker")
+        if worker is None:
+            errors.append("spec.pytorchReplicaSpecs.Worker must be configured when spec.elasticPolicy is set")
+        else:
+            replicas = worker.get("replicas", 1)
+            lo, hi = ep.get("minReplicas"), ep.get("maxReplicas")
+            if lo is not None and hi is not None and lo > hi:
+                errors.append(f"spec.elasticPolicy.minReplicas={lo} must be <= maxReplicas={hi}")
+            if lo is not None and replicas < lo:
+                errors.append(f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be >= elasticPolicy.minReplicas={lo}")
+            if hi is not None and replicas > hi:
+                errors.append(f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be <= elasticPolicy.maxReplicas={hi}")
+    for rtype, rspec in specs.items():
+        where = f"spec.pytorchReplicaSpecs.{rtype}"
+        containers = ((rspec or {}).get("template") or {}).get("spec", {}).get("containers") or []
+        if not containers:
+            errors.append(f"{where}.template.spec.containers must not be empty")
+        for i, c in enumerate(containers):
+            if not c.get("image"):
+                errors.append(f"{where}.template.spec.containers[{i}].image must be set")
+        if containers and not any(c.get("name") == CONTAINER for c in containers):
+            errors.append(f"{where}: there must be a container named {CONTAINER!r} (the operator's default container)")
+        if rtype == "Master" and (rspec or {}).get("replicas", 1) != 1:
+            errors.append(f"{where}.replicas must be 1")
+    return errors
+
+
+# -- layer 2c: cross-check against the operator's CRD ---------------------------------------------
+
+
+def crd_schema(crd_path: Path) -> dict:
+    crd = yaml.safe_load(crd_path.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _structural_to_jsonschema(node: Any) -> Any:
+    """A CRD structural schema as strict JSON Schema: objects with declared properties reject
+    unknown fields (the API server would silently prune them: for us that is an error),
+    int-or-string becomes anyOf, Kubernetes extensions are dropped."""
+    if isinstance(node, list):
+        return [_structural_to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _structural_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_errors(job: dict, schema: dict) -> list[str]:
+    """Findings of the CRD's own schema (made strict) on a rendered PyTorchJob."""
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(_structural_to_jsonschema(schema))
+    body = {k: v for k, v in job.items() if k != "status"}
+    return [f"CRD {'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def _leaf_type(ann: Any) -> tuple[str, Any]:
+    """(JSON type, the annotation without Optional) of a pydantic field annotation."""
+    import types
+    import typing
+
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        (ann,) = [a for a in typing.get_args(ann) if a is not type(None)]
+    origin = typing.get_origin(ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "object", ann
+    if origin is list:
+        return "array", ann
+    if origin is dict:
+        return "object", ann
+    if origin is Literal:
+        return "string", ann
+    return {bool: "boolean", int: "integer", str: "string"}.get(ann, "object"), ann
+
+
+def model_paths(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Field path -> JSON type for every field our PyTorchJob schema allows. ``metadata``'s
+    children are left out: the CRD declares metadata as a bare object (the API server checks
+    ObjectMeta itself)."""
+    import typing
+
+    out: dict[str, str] = {}
+    for fname, field in model.model_fields.items():
+        path = f"{prefix}.{fname}" if prefix else fname
+        kind, ann = _leaf_type(field.annotation)
+        out[path] = kind
+        if ann is ObjectMeta:
+            continue
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(model_paths(ann, path))
+        elif typing.get_origin(ann) is list:
+            (item,) = typing.get_args(ann)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                out.update(model_paths(item, path + "[]"))
+        elif typing.get_origin(ann) is dict:
+            key, val = typing.get_args(ann)
+            if isinstance(val, type) and issubclass(val, BaseModel):
+                for k in typing.get_args(key) or ("*",):
+                    out.update(model_paths(val, f"{path}.{k}"))
+    return out
+
+
+def crd_path_type(schema: dict, path: str) -> str | None:
+    """The CRD's type at a model_paths() path, or None when the CRD has no such field."""
+    node = schema
+    for part in path.split("."):
+        array = part.endswith("[]")
+        part = part.removesuffix("[]")
+        props = node.get("properties")
+        if props is not None and part in props:
+            node = props[part]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return None
+        if array:
+            if node.get("type") != "array":
+                return None
+            node = node["items"]
+    return node.get("type") or ("string" if node.get("x-kubernetes-int-or-string") else None)
+
+
+# -- layer 3: wiring ------------------------------------------------------------------------
+
+
+def name(res: dict) -> str:
+    return str((res.get("metadata") or {}).get("name", ""))
+
+
+def of_kind(resources: list[dict], kind: str) -> list[dict]:
+    return [r for r in resources if r.get("kind") == kind]
+
+
+class Workload(BaseModel):
+    """The one training workload in a rendering, reduced to what the wiring rules look at."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    kind: str
+    name: str
+    pod_template: dict
+    pod_labels: dict[str, str]  # template labels + the labels the controller adds (pod 0's)
+    replicas: int
+    min_nodes: int
+    max_nodes: int
+    nproc: str | None
+    endpoint: str | None
+    endpoint_services: list[dict]  # Services that exist for the pods (rendered or operator-made)
+    rdzv_backend: str | None
+
+
+def _env(container: dict) -> dict[str, Any]:
+    return {e.get("name"): e for e in container.get("env") or []}
+
+
+def _env_value(container: dict, key: str) -> str | None:
+    e = _env(container).get(key)
+    return None if e is None else e.get("value")
+
+
+def _container(pod_template: dict) -> dict:
+    for c in (pod_template.get("spec") or {}).get("containers") or []:
+        if c.get("name") == CONTAINER:
+            return c
+    return {}
+
+
+def _nnodes(value: str | None) -> tuple[int, int]:
+    if not value:
+        return (1, 1)
+    lo, _, hi = str(value).partition(":")
+    return int(lo), int(hi or lo)
+
+
+def workload(resources: list[dict]) -> Workload:
+    jobs = of_kind(resources, "PyTorchJob") + of_kind(resources, "Job")
+    if len(jobs) != 1:
+        raise ValueError(f"expected exactly one PyTorchJob or Job in the rendering, found {[name(j) for j in jobs]}")
+    job = jobs[0]
+    jname = name(job)
+    if job["kind"] == "PyTorchJob":
+        spec = job["spec"]
+        worker = spec["pytorchReplicaSpecs"]["Worker"]
+        tmpl = worker["template"]
+        ep = spec.get("elasticPolicy") or {}
+        c = _container(tmpl)
+        port = ep.get("rdzvPort")
+        if port is None:
+            ports = [p for p in c.get("ports") or [] if p.get("name") == OPERATOR_PORT_NAME]
+            port = ports[0]["containerPort"] if ports else OPERATOR_DEFAULT_PORT
+        host = ep.get("rdzvHost") or f"{jname}-worker-0"
+        replicas = worker.get("replicas", 1)
+        labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
+        operator_labels = {"training.kubeflow.org/job-name": jname, "training.kubeflow.org/replica-type": "worker"}
+        labels.update(operator_labels, **{"training.kubeflow.org/replica-index": "0"})
+        # The per-replica headless Services the operator creates (one per worker index).
+        op_ports = [p for p in c.get("ports") or [] if p.get("name") == OPERATOR_PORT_NAME]
+        services = [
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{jname}-worker-{i}"},
+             "spec": {"clusterIP": "None",
+                      "selector": dict(operator_labels, **{"training.kubeflow.org/replica-index": str(i)}),
+                      "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
+                                for p in op_ports]},
+             "_operator_made": True}
+            for i in range(replicas)
+        ]
+        return Workload(kind="PyTorchJob", name=jname, pod_template=tmpl, pod_labels=labels, replicas=replicas,
+                        min_nodes=ep.get("minReplicas", replicas), max_nodes=ep.get("maxReplicas", replicas),
+                        nproc=spec.get("nprocPerNode"), endpoint=f"{host}:{port}",
+                        endpoint_services=services + of_kind(resources, "Service"),
+                        rdzv_backend=ep.get("rdzvBackend"))
+    spec = job["spec"]
+    tmpl = spec["template"]
+    c = _container(tmpl)
+    lo, hi = _nnodes(_env_value(c, "PET_NNODES"))
+    labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
+    labels.update({"batch.kubernetes.io/job-name": jname, "job-name": jname,
+                   "batch.kubernetes.io/job-completion-index": "0"})
+    return Workload(kind="Job", name=jname, pod_template=tmpl, pod_labels=labels,
+                    replicas=spec.get("parallelism", 1), min_nodes=lo, max_nodes=hi,
+                    nproc=_env_value(c, "PET_NPROC_PER_NODE"), endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
+                    endpoint_services=of_kind(resources, "Service"), rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"))
+
+
+def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    """matchLabels/matchExpressions (or a Service's plain selector) against a pod's labels."""
+    if not selector:
+        return False
+    match = selector.get("matchLabels", selector if "matchExpressions" not in selector else {})
+    if not isinstance(match, dict) or not all(labels.get(k) == v for k, v in match.items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, vals = expr["key"], expr["operator"], expr.get("values") or []
+        if op == "In" and labels.get(key) not in vals:
+            return False
+        if op == "NotIn" and labels.get(key) in vals:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return bool(match) or bool(selector.get("matchExpressions"))
+
+
+def _port_number(container: dict, ref: Any) -> int | None:
+    if isinstance(ref, int):
+        return ref
+    for p in container.get("ports") or []:
+        if p.get("name") == ref:
+            return p.get("containerPort")
+    return None
+
+
+def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
+    """The rendezvous endpoint names a Service that selects the job's pod 0 and serves the port."""
+    if not w.endpoint:
+        return [f"{w.kind}/{w.name}: no rendezvous endpoint (PET_RDZV_ENDPOINT or elasticPolicy)"]
+    host, _, port_s = w.endpoint.rpartition(":")
+    if not host or not port_s.isdigit():
+        return [f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} is not HOST:PORT"]
+    port = int(port_s)
+    c = _container(w.pod_template)
+    pod_spec = w.pod_template.get("spec") or {}
+    errors = []
+    parts = host.split(".")
+    if w.kind == "Job":
+        # <hostname>.<subdomain>[.<namespace>...]: pod i of an Indexed Job is `<job>-<i>`.
+        if len(parts) < 2:
+            return [f"Job/{w.name}: rendezvous host {host!r} must be `<job>-0.<headless service>` (a pod DNS name)"]
+        if parts[0] != f"{w.name}-0":
+            errors.append(f"Job/{w.name}: rendezvous host {host!r} must start with pod 0's hostname {w.name}-0")
+        svc_name = parts[1]
+        if pod_spec.get("subdomain") != svc_name:
+            errors.append(f"Job/{w.name}: pod subdomain {pod_spec.get('subdomain')!r} must equal the endpoint's "
+                          f"service {svc_name!r}, or `{host}` does not resolve")
+    else:
+        svc_name = parts[0]
+    svcs = [s for s in w.endpoint_services if name(s) == svc_name]
+    if not svcs:
+        return errors + [f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} names Service {svc_name!r}, "
+                         f"which neither the rendering nor the operator provides "
+                         f"(have {[name(s) for s in w.endpoint_services]})"]
+    svc = svcs[0]
+    sspec = svc.get("spec") or {}
+    if not _selects(sspec.get("selector"), w.pod_labels):
+        errors.append(f"Service/{svc_name}: selector {sspec.get('selector')} does not select the job's pod 0 "
+                      f"(labels {w.pod_labels})")
+    if w.kind == "Job":
+        if sspec.get("clusterIP") != "None":
+            errors.append(f"Service/{svc_name}: must be headless (clusterIP: None) to give pods DNS names")
+        served = [p for p in sspec.get("ports") or [] if _port_number(c, p.get("targetPort", p.get("port"))) == port]
+        if not served:
+            errors.append(f"Service/{svc_name}: no port targets the rendezvous port {port}")
+    else:
+        served = [p for p in sspec.get("ports") or [] if p.get("port") == port]
+        if not served:
+            errors.append(f"{w.kind}/{w.name}: rendezvous port {port} is not the pytorch container's "
+                          f"{OPERATOR_PORT_NAME!r} port, so the operator's Service {svc_name} does not serve it")
+    if not any(p.get("containerPort") == port for p in c.get("ports") or []):
+        errors.append(f"{w.kind}/{w.name}: container {CONTAINER!r} does not declare the rendezvous port {port}")
+    return errors
+
+
+def rule_replicas(resources: list[dict], w: Workload) -> list[str]:
+    errors = []
+    if not 1 <= w.min_nodes <= w.max_nodes:
+        errors.append(f"{w.kind}/{w.name}: node range {w.min_nodes}:{w.max_nodes} must satisfy 1 <= min <= max")
+    if not w.min_nodes <= w.replicas <= w.max_nodes:
+        errors.append(f"{w.kind}/{w.name}: replicas={w.replicas} outside the node range [{w.min_nodes}, {w.max_nodes}]")
+    if w.kind == "Job":
+        spec = next(j for j in of_kind(resources, "Job"))["spec"]
+        if spec.get("completionMode") != "Indexed":
+            errors.append(f"Job/{w.name}: completionMode must be Indexed (pods need stable hostnames <job>-<i>)")
+        if spec.get("completions") != w.replicas:
+            errors.append(f"Job/{w.name}: completions={spec.get('completions')} must equal parallelism={w.replicas} "
+                          f"(one index per node)")
+    for pdb in of_kind(resources, "PodDisruptionBudget"):
+        ma = (pdb.get("spec") or {}).get("minAvailable")
+        if ma != w.min_nodes:
+            errors.append(f"PodDisruptionBudget/{name(pdb)}: minAvailable={ma!r} must equal the minimum node count "
+                          f"{w.min_nodes}")
+    return errors
+
+
+def _console_scripts() -> set[str]:
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return set(data.get("project", {}).get("scripts", {}))
+
+
+def dockerfile_facts(dockerfile: Path = REPO / "Dockerfile") -> dict:
+    """What the runtime image provides, read from the Dockerfile (no image is built here)."""
+    text = dockerfile.read_text()
+    joined = re.sub(r"\\\n", " ", text)
+    runs = [ln[4:] for ln in joined.splitlines() if ln.startswith("RUN ")]
+    copies = [ln.split()[1:] for ln in joined.splitlines() if ln.startswith("COPY ")]
+    installs_project = any("uv pip install" in r and re.search(r"\s/src(\s|$|\[)", r + " ") for r in runs)
+    installs_torch = any("uv pip install" in r and "torch==" in r for r in runs)
+    path_has_venv = any(ln.startswith("ENV ") and "PATH=/opt/venv/bin" in ln for ln in joined.splitlines())
+    app_copies = {}
+    for args in copies:
+        args = [a for a in args if not a.startswith("--")]
+        if len(args) == 2:
+            app_copies[args[1].rstrip("/")] = args[0].rstrip("/")
+    users = [ln.split()[1] for ln in joined.splitlines() if ln.startswith("USER ")]
+    return {"installs_project": installs_project, "installs_torch": installs_torch, "path_has_venv": path_has_venv,
+            "copies": app_copies, "user": users[-1] if users else None}
+
+
+def image_has_command(argv: list[str], facts: dict) -> str | None:
+    """None when the image can run ``argv[0]`` (and, for our CLI, the subcommand); else why not."""
+    if not argv:
+        return "empty command"
+    exe = argv[0]
+    if not facts["path_has_venv"]:
+        return "the Dockerfile does not put /opt/venv/bin on PATH"
+    if exe == "torchrun":
+        return None if facts["installs_torch"] else "the Dockerfile does not install torch (torchrun)"
+    if exe in _console_scripts():
+        if not facts["installs_project"]:
+            return f"{exe!r} is this project's console script, but the Dockerfile does not install the project"
+        from click.testing import CliRunner
+
+        from elastic_emb.cli import main
+
+        sub = argv[1] if len(argv) > 1 else None
+        if sub not in main.commands:
+            return f"`{exe} {sub}`: no such subcommand (have {sorted(main.commands)})"
+        # Parse the options exactly as the CLI would, without running the command.
+        try:
+            main.commands[sub].make_context(sub, list(argv[2:]), resilient_parsing=False)
+        except Exception as exc:  # click.UsageError and friends
+            return f"`{shlex.join(argv)}`: {exc}"
+        return None
+    return f"{exe!r} is neither torchrun nor a console script of this project"
+
+
+def rule_commands(resources: list[dict], w: Workload, facts: dict | None = None) -> list[str]:
+    """The main command and the preStop hook exist in the image; the backend is elastic_emb."""
+    facts = facts or dockerfile_facts()
+    c = _container(w.pod_template)
+    errors = []
+    cmd = list(c.get("command") or [])
+    why = image_has_command(cmd, facts)
+    if why:
+        errors.append(f"{w.kind}/{w.name} command: {why}")
+    backend = None
+    for arg in cmd:
+        if arg.startswith("--rdzv-backend="):
+            backend = arg.split("=", 1)[1]
+    backend = backend or w.rdzv_backend
+    if backend != "elastic_emb":
+        errors.append(f"{w.kind}/{w.name}: rendezvous backend {backend!r} must be elastic_emb")
+    if w.kind == "PyTorchJob" and w.rdzv_backend not in (None, "elastic_emb"):
+        errors.append(f"PyTorchJob/{w.name}: elasticPolicy.rdzvBackend={w.rdzv_backend!r} contradicts the command")
+    scripts = [a for a in cmd[1:] if a.endswith(".py")]
+    for script in scripts:
+        src = None
+        for dest, source in facts["copies"].items():
+            if script.startswith(dest + "/"):
+                src = REPO / source / script[len(dest) + 1:]
+        if src is None:
+            errors.append(f"{w.kind}/{w.name}: script {script} is not under any directory the Dockerfile copies")
+        elif not src.exists():
+            errors.append(f"{w.kind}/{w.name}: script {script} comes from {src.relative_to(REPO)}, which does not exist")
+    # The root filesystem is read-only: whatever the script writes must go to a mounted volume.
+    mounts = [m.get("mountPath", "").rstrip("/") for m in c.get("volumeMounts") or []]
+    for flag, value in zip(cmd, cmd[1:]):
+        if flag == "--out" and not any(value == m or value.startswith(m + "/") for m in mounts):
+            errors.append(f"{w.kind}/{w.name}: --out {value} is not on a mounted volume (the root filesystem is read-only)")
+    pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+    if not pre:
+        errors.append(f"{w.kind}/{w.name}: container {CONTAINER!r} has no preStop exec hook (the drain)")
+    else:
+        why = image_has_command(list(pre), facts)
+        if why:
+            errors.append(f"{w.kind}/{w.name} preStop: {why}")
+        elif pre[:2] != ["elastic-emb", "drain"]:
+            errors.append(f"{w.kind}/{w.name} preStop: {shlex.join(pre)} is not `elastic-emb drain`")
+    return errors
+
+
+def drain_timeout(pre: list[str]) -> float:
+    from elastic_emb.cli import main
+
+    ctx = main.commands["drain"].make_context("drain", list(pre[2:]))
+    return float(ctx.params["timeout"])
+
+
+def rule_grace(resources: list[dict], w: Workload) -> list[str]:
+    c = _container(w.pod_template)
+    pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command") or []
+    if pre[:2] != ["elastic-emb", "drain"]:
+        return []  # rule_commands reports it
+    grace = (w.pod_template.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+    need = drain_timeout(pre) + DRAIN_MARGIN_S
+    if grace < need:
+        return [f"{w.kind}/{w.name}: terminationGracePeriodSeconds={grace} must be >= drain timeout + "
+                f"{DRAIN_MARGIN_S} s = {need:g} (kubelet kills the pod at the grace period, drain or not)"]
+    return []
+
+
+def _quantity(q: Any) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    s = str(q)
+    for u, f in units.items():
+        if s.endswith(u):
+            return float(s[: -len(u)]) * f
+    return float(s)
+
+
+def rule_volumes(resources: list[dict], w: Workload) -> list[str]:
+    """/dev/shm: a sized Memory emptyDir within the memory limit, holding ELASTIC_EMB_STATE_DIR;
+    the durable tier: a PVC that exists, mounted at ELASTIC_EMB_DURABLE_DIR."""
+    spec = w.pod_template.get("spec") or {}
+    c = _container(w.pod_template)
+    vols = {v.get("name"): v for v in spec.get("volumes") or []}
+    mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts") or []}
+    errors = []
+    shm = vols.get(mounts.get("/dev/shm"))
+    if shm is None:
+        errors.append(f"{w.kind}/{w.name}: nothing is mounted at /dev/shm (the node-local snapshot tier)")
+    else:
+        ed = shm.get("emptyDir") or {}
+        if ed.get("medium") != "Memory" or not ed.get("sizeLimit"):
+            errors.append(f"{w.kind}/{w.name}: /dev/shm must be an emptyDir with medium Memory and a sizeLimit, got {shm}")
+        else:
+            limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+            if limit is None or _quantity(ed["sizeLimit"]) >= _quantity(limit):
+                errors.append(f"{w.kind}/{w.name}: /dev/shm sizeLimit {ed['sizeLimit']} must be below the memory "
+                              f"limit {limit} (a Memory emptyDir counts against it)")
+    state = _env_value(c, "ELASTIC_EMB_STATE_DIR")
+    if not state or not (state == "/dev/shm" or state.startswith("/dev/shm/")):
+        errors.append(f"{w.kind}/{w.name}: ELASTIC_EMB_STATE_DIR={state!r} must lie under /dev/shm")
+    durable = _env_value(c, "ELASTIC_EMB_DURABLE_DIR")
+    vol = vols.get(mounts.get(durable)) if durable else None
+    claim = ((vol or {}).get("persistentVolumeClaim") or {}).get("claimName")
+    if not claim:
+        errors.append(f"{w.kind}/{w.name}: ELASTIC_EMB_DURABLE_DIR={durable!r} must be the mount path of a "
+                      f"persistentVolumeClaim volume")
+    elif claim not in {name(p) for p in of_kind(resources, "PersistentVolumeClaim")}:
+        errors.append(f"{w.kind}/{w.name}: PVC {claim!r} is not in the rendering")
+    return errors
+
+
+def rule_gpus(resources: list[dict], w: Workload) -> list[str]:
+    c = _container(w.pod_template)
+    gpus = ((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu")
+    if not isinstance(gpus, int) or gpus < 1:
+        return [f"{w.kind}/{w.name}: limits nvidia.com/gpu={gpus!r} must be a positive integer"]
+    if str(w.nproc) != str(gpus):
+        return [f"{w.kind}/{w.name}: workers per node {w.nproc!r} must equal nvidia.com/gpu={gpus} (one rank per GPU)"]
+    return []
+
+
+def rule_policies(resources: list[dict], w: Workload) -> list[str]:
+    """NetworkPolicy and PodDisruptionBudget select the job's pods; the policy admits only the
+    job's own pods, on the rendezvous port and the ephemeral range."""
+    errors = []
+    nps = of_kind(resources, "NetworkPolicy")
+    pdbs = of_kind(resources, "PodDisruptionBudget")
+    if not nps:
+        errors.append("no NetworkPolicy in the rendering")
+    if not pdbs:
+        errors.append("no PodDisruptionBudget in the rendering")
+    for pdb in pdbs:
+        if not _selects((pdb.get("spec") or {}).get("selector"), w.pod_labels):
+            errors.append(f"PodDisruptionBudget/{name(pdb)}: selector does not select the job's pods ({w.pod_labels})")
+    port = int(w.endpoint.rpartition(":")[2]) if w.endpoint and w.endpoint.rpartition(":")[2].isdigit() else None
+    for np_ in nps:
+        spec = np_.get("spec") or {}
+        if not _selects(spec.get("podSelector"), w.pod_labels):
+            errors.append(f"NetworkPolicy/{name(np_)}: podSelector does not select the job's pods ({w.pod_labels})")
+        if "Ingress" not in (spec.get("policyTypes") or []):
+            errors.append(f"NetworkPolicy/{name(np_)}: policyTypes must include Ingress")
+        rules = spec.get("ingress") or []
+        open_ports: list[tuple[int, int]] = []
+        for rule in rules:
+            peers = rule.get("from") or []
+            if not peers:
+                errors.append(f"NetworkPolicy/{name(np_)}: an ingress rule without `from` admits every source")
+            for peer in peers:
+                if set(peer) != {"podSelector"} or not _selects(peer["podSelector"], w.pod_labels):
+                    errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} is not (only) the job's own pods")
+            for p in rule.get("ports") or []:
+                lo = p.get("port")
+                if isinstance(lo, int):
+                    open_ports.append((lo, p.get("endPort", lo)))
+        if port is not None and not any(lo <= port <= hi for lo, hi in open_ports):
+            errors.append(f"NetworkPolicy/{name(np_)}: the rendezvous port {port} is not open to the job's pods")
+        if not any(lo <= EPHEMERAL[0] and EPHEMERAL[1] <= hi for lo, hi in open_ports):
+            errors.append(f"NetworkPolicy/{name(np_)}: the ephemeral range {EPHEMERAL[0]}-{EPHEMERAL[1]} "
+                          f"(store on MASTER_PORT, gloo/NCCL sockets) is not open to the job's pods")
+    return errors
+
+
+WIRING_RULES = {
+    "endpoint": rule_endpoint,
+    "replicas": rule_replicas,
+    "commands": rule_commands,
+    "grace": rule_grace,
+    "volumes": rule_volumes,
+    "gpus": rule_gpus,
+    "policies": rule_policies,
+}
+
+
+def wiring_errors(resources: list[dict], only: str | None = None) -> list[str]:
+    w = workload(resources)
+    errors = []
+    for rule_name, rule in WIRING_RULES.items():
+        if only is None or only == rule_name:
+            errors += rule(resources, w)
+    return errors
+
+
+def hadolint(dockerfile: Path, config: Path = REPO / ".hadolint.yaml", timeout: float = 60.0) -> tuple[int, str]:
+    exe = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
+    proc = subprocess.run([exe, "--no-color", "--config", str(config), str(dockerfile)],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr

@@ -1,0 +1,514 @@
+"""The Kubernetes templates, the Dockerfile and the preStop drain, checked offline.
+
+Every manifest of deploy/ is rendered with ``kubectl kustomize`` and must pass: strict core
+schemas for every supported Kubernetes version, our PyTorchJob schema plus the training
+operator's admission rules (cross-checked against the operator's CRD when ../shared/schemas is
+there), and the wiring rules of tests/deploy_rules.py. Each rule also gets a planted error that
+must make it fail, so no rule passes by being unable to fail. The drain hook is run for real:
+torchrun with the elastic_emb backend, two workers running the real Watcher, and the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import deploy_rules as R
+from procs import free_port
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SHARED_SCHEMAS = R.REPO.parent / "shared" / "schemas"
+CRD = SHARED_SCHEMAS / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
+
+
+def _need_kubectl() -> None:
+    if R.kubectl() is None:
+        if CI:
+            pytest.fail("kubectl is not installed in CI: it is part of this machine kind's image (kubectl bundles "
+                        "kustomize); install it so deploy/ can be rendered")
+        pytest.skip("kubectl (which bundles kustomize) is not installed here; CI has it")
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    _need_kubectl()
+    return {o: R.render(o) for o in R.OVERLAYS}
+
+
+def pick(resources: list[dict], kind: str) -> dict:
+    (res,) = R.of_kind(resources, kind)
+    return res
+
+
+def container(pod_template: dict) -> dict:
+    return R._container(pod_template)
+
+
+def pod_template(resources: list[dict]) -> dict:
+    return R.workload(resources).pod_template
+
+
+def env_set(c: dict, key: str, value: str) -> None:
+    for e in c["env"]:
+        if e["name"] == key:
+            e.clear()
+            e.update(name=key, value=value)
+            return
+    c["env"].append({"name": key, "value": value})
+
+
+# -- rendering and the one place for parameters -----------------------------------------------
+
+
+def test_every_overlay_renders_the_expected_kinds(rendered):
+    kinds = {o: sorted(r["kind"] for r in res) for o, res in rendered.items()}
+    assert kinds["pytorchjob"] == ["NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "PyTorchJob"]
+    assert kinds["indexed-job"] == ["Job", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]
+    for res in rendered.values():  # the params object is local config: it never reaches the cluster
+        assert not R.of_kind(res, "DeployParams")
+
+
+def test_params_file_is_the_one_place(tmp_path):
+    """Changing image, node range and GPUs in deploy/params/params.yaml changes every field that
+    depends on them, in both workloads, with the right types."""
+    _need_kubectl()
+    tree = tmp_path / "deploy"
+    shutil.copytree(R.DEPLOY, tree)
+    params_file = tree / "params" / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["spec"].update(image="example.org/team/emb:9.9.9", minNodes=3, maxNodes=7, gpusPerNode=2)
+    params_file.write_text(yaml.safe_dump(params))
+    job = R.render(tree / "pytorchjob")
+    pj = pick(job, "PyTorchJob")
+    w = R.workload(job)
+    c = container(w.pod_template)
+    assert c["image"] == "example.org/team/emb:9.9.9"
+    assert (pj["spec"]["elasticPolicy"]["minReplicas"], pj["spec"]["elasticPolicy"]["maxReplicas"]) == (3, 7)
+    assert pj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 7
+    assert pj["spec"]["nprocPerNode"] == "2" and c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert pick(job, "PodDisruptionBudget")["spec"]["minAvailable"] == 3
+    ij = R.render(tree / "indexed-job")
+    jb = pick(ij, "Job")
+    c = container(jb["spec"]["template"])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert c["image"] == "example.org/team/emb:9.9.9"
+    assert (jb["spec"]["parallelism"], jb["spec"]["completions"]) == (7, 7)
+    assert env["PET_NNODES"] == "3:7" and env["PET_NPROC_PER_NODE"] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert pick(ij, "PodDisruptionBudget")["spec"]["minAvailable"] == 3
+    for res in (job, ij):
+        assert R.core_schema_errors(res, ("1.30.0",)) == []
+        assert R.wiring_errors(res) == []
+
+
+# -- strict core schemas over the supported versions -------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", R.OVERLAYS)
+def test_core_schemas_strict_on_every_supported_version(rendered, overlay):
+    assert R.core_schema_errors(rendered[overlay]) == []
+
+
+def test_core_schema_planted_errors_fail(rendered):
+    res = copy.deepcopy(rendered["indexed-job"])
+    pick(res, "Job")["spec"]["parallelism"] = "4"  # a string where an integer belongs
+    errs = R.core_schema_errors(res, ("1.30.0",))
+    assert any("parallelism" in e and "integer" in e for e in errs), errs
+    res = copy.deepcopy(rendered["indexed-job"])
+    pick(res, "Service")["spec"]["clusterIp"] = "None"  # misspelt field: strict mode rejects it
+    errs = R.core_schema_errors(res, ("1.30.0",))
+    assert any("clusterIp" in e for e in errs), errs
+    res = copy.deepcopy(rendered["pytorchjob"])  # the PyTorchJob's pod template goes through PodTemplateSpec
+    container(pod_template(res))["resources"]["limit"] = {"cpu": "1"}
+    errs = R.core_schema_errors(res, ("1.30.0",))
+    assert any("PodTemplate" in e and "limit" in e for e in errs), errs
+
+
+# -- our PyTorchJob schema and the operator's admission rules ------------------------------------
+
+
+def test_pytorchjob_schema_and_admission_clean(rendered):
+    job = pick(rendered["pytorchjob"], "PyTorchJob")
+    assert R.pytorchjob_schema_errors(job) == []
+    assert R.admission_errors(job) == []
+
+
+SCHEMA_PLANTS = {
+    "unknown field": (lambda j: j["spec"]["elasticPolicy"].update(minReplica=1), "minReplica"),
+    "wrong type": (lambda j: j["spec"]["elasticPolicy"].update(rdzvPort="29400"), "rdzvPort"),
+    "bad enum": (lambda j: j["spec"]["runPolicy"].update(cleanPodPolicy="Sometimes"), "cleanPodPolicy"),
+    "unknown replica type": (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief={"template": {}}), "Chief"),
+    "bad nprocPerNode": (lambda j: j["spec"].update(nprocPerNode="eight"), "nprocPerNode"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(SCHEMA_PLANTS))
+def test_pytorchjob_schema_planted_error_fails(rendered, plant):
+    job = copy.deepcopy(pick(rendered["pytorchjob"], "PyTorchJob"))
+    mutate, needle = SCHEMA_PLANTS[plant]
+    mutate(job)
+    errs = R.pytorchjob_schema_errors(job)
+    assert any(needle in e for e in errs), errs
+
+
+def _worker(j: dict) -> dict:
+    return j["spec"]["pytorchReplicaSpecs"]["Worker"]
+
+
+ADMISSION_PLANTS = {
+    "name not DNS-1035": (lambda j: j["metadata"].update(name="Elastic_Emb"), "DNS-1035"),
+    "name starts with a digit": (lambda j: j["metadata"].update(name="1-emb"), "DNS-1035"),
+    "no container named pytorch": (lambda j: container(_worker(j)["template"]).update(name="trainer"), "named 'pytorch'"),
+    "container without image": (lambda j: container(_worker(j)["template"]).update(image=""), "image must be set"),
+    "replicas below min": (lambda j: _worker(j).update(replicas=1), ">= elasticPolicy.minReplicas"),
+    "replicas above max": (lambda j: _worker(j).update(replicas=9), "<= elasticPolicy.maxReplicas"),
+    "min above max": (lambda j: j["spec"]["elasticPolicy"].update(minReplicas=5), "minReplicas=5 must be <="),
+    "elastic without Worker": (lambda j: j["spec"].update(pytorchReplicaSpecs={"Master": _worker(j) | {"replicas": 1}}),
+                               "Worker must be configured"),
+    "two Masters": (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Master=_worker(j) | {"replicas": 2}),
+                    "Master.replicas must be 1"),
+    "both nproc settings": (lambda j: j["spec"]["elasticPolicy"].update(nProcPerNode=8), "nProcPerNode must not"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(ADMISSION_PLANTS))
+def test_admission_planted_error_fails(rendered, plant):
+    job = copy.deepcopy(pick(rendered["pytorchjob"], "PyTorchJob"))
+    mutate, needle = ADMISSION_PLANTS[plant]
+    mutate(job)
+    errs = R.admission_errors(job)
+    assert any(needle in e for e in errs), errs
+
+
+@pytest.mark.skipif(not CRD.exists(), reason=f"{CRD} is absent: the operator's CRD is reference data kept outside the "
+                                             f"project (../shared/schemas), not copied into it")
+def test_own_schema_agrees_with_the_operator_crd(rendered):
+    schema = R.crd_schema(CRD)
+    # Every field our schema admits exists in the CRD with the same JSON type.
+    paths = R.model_paths(R.PyTorchJob)
+    assert len(paths) > 25
+    mismatched = {p: (t, R.crd_path_type(schema, p)) for p, t in paths.items() if R.crd_path_type(schema, p) != t}
+    assert mismatched == {}
+    # The rendered job passes the CRD's schema (made strict), and so do our schema's planted
+    # unknown fields fail there too: the two agree on what is a field.
+    job = pick(rendered["pytorchjob"], "PyTorchJob")
+    assert R.crd_errors(job, schema) == []
+    bad = copy.deepcopy(job)
+    bad["spec"]["elasticPolicy"]["minReplica"] = 1
+    assert any("minReplica" in e for e in R.crd_errors(bad, schema))
+    assert any("minReplica" in e for e in R.pytorchjob_schema_errors(bad))
+    bad = copy.deepcopy(job)
+    bad["spec"]["elasticPolicy"]["rdzvPort"] = "29400"
+    assert any("rdzvPort" in e for e in R.crd_errors(bad, schema))
+
+
+# -- wiring -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", R.OVERLAYS)
+def test_wiring_clean(rendered, overlay):
+    assert R.wiring_errors(rendered[overlay]) == []
+
+
+def _job_env(res, key, value):
+    env_set(container(pod_template(res)), key, value)
+
+
+def _np(res):
+    return pick(res, "NetworkPolicy")["spec"]
+
+
+WIRING_PLANTS = {
+    # endpoint: names a Service that selects the job's pods and serves the port
+    ("indexed-job", "endpoint", "service name"): (
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"), "subdomain"),
+    ("indexed-job", "endpoint", "unknown service"): (
+        lambda r: (_job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"),
+                   pod_template(r)["spec"].update(subdomain="rdzv")), "neither the rendering nor the operator"),
+    ("indexed-job", "endpoint", "selector misses pods"): (
+        lambda r: pick(r, "Service")["spec"].update(selector={"app.kubernetes.io/instance": "other"}), "does not select"),
+    ("indexed-job", "endpoint", "not pod 0"): (
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-1.elastic-emb:29400"), "pod 0's hostname"),
+    ("indexed-job", "endpoint", "port not served"): (
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.elastic-emb:29500"), "no port targets"),
+    ("pytorchjob", "endpoint", "rdzvHost nowhere"): (
+        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvHost="etcd-client"), "names Service 'etcd-client'"),
+    ("pytorchjob", "endpoint", "rdzvPort not the operator port"): (
+        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvPort=29500), "does not serve it"),
+    # replicas within min and max; PDB keeps the minimum
+    ("indexed-job", "replicas", "parallelism above max"): (
+        lambda r: pick(r, "Job")["spec"].update(parallelism=9, completions=9), "outside the node range"),
+    ("indexed-job", "replicas", "min above max"): (
+        lambda r: _job_env(r, "PET_NNODES", "5:4"), "1 <= min <= max"),
+    ("indexed-job", "replicas", "not indexed"): (
+        lambda r: pick(r, "Job")["spec"].update(completionMode="NonIndexed"), "Indexed"),
+    ("pytorchjob", "replicas", "replicas below min"): (
+        lambda r: _worker(pick(r, "PyTorchJob")).update(replicas=1), "outside the node range"),
+    ("pytorchjob", "replicas", "pdb below min"): (
+        lambda r: pick(r, "PodDisruptionBudget")["spec"].update(minAvailable=1), "minAvailable=1"),
+    # commands exist in the image
+    ("pytorchjob", "commands", "preStop subcommand typo"): (
+        lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
+            command=["elastic-emb", "drian", "--timeout", "60"]), "no such subcommand"),
+    ("indexed-job", "commands", "preStop option typo"): (
+        lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
+            command=["elastic-emb", "drain", "--timeot", "60"]), "--timeot"),
+    ("indexed-job", "commands", "preStop not in image"): (
+        lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
+            command=["/usr/local/bin/drain.sh"]), "neither torchrun nor a console script"),
+    ("indexed-job", "commands", "no preStop"): (
+        lambda r: container(pod_template(r)).pop("lifecycle"), "no preStop"),
+    ("pytorchjob", "commands", "script missing"): (
+        lambda r: container(pod_template(r)).update(
+            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/nope.py", "--out", "/checkpoints/x"]),
+        "does not exist"),
+    ("pytorchjob", "commands", "wrong backend"): (
+        lambda r: container(pod_template(r)).update(
+            command=["torchrun", "--rdzv-backend=c10d", "/app/examples/train_recsys.py", "--out", "/checkpoints/x"]),
+        "must be elastic_emb"),
+    ("indexed-job", "commands", "output on read-only root"): (
+        lambda r: container(pod_template(r)).update(
+            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/train_recsys.py", "--out", "/data/x"]),
+        "read-only"),
+    # grace period outlasts the drain
+    ("pytorchjob", "grace", "too short"): (
+        lambda r: pod_template(r)["spec"].update(terminationGracePeriodSeconds=60), "terminationGracePeriodSeconds=60"),
+    # volumes
+    ("indexed-job", "volumes", "shm on disk"): (
+        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].pop("medium"), "medium Memory"),
+    ("indexed-job", "volumes", "shm above memory limit"): (
+        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="300Gi"), "below the memory limit"),
+    ("pytorchjob", "volumes", "state dir off shm"): (
+        lambda r: _job_env(r, "ELASTIC_EMB_STATE_DIR", "/tmp/state"), "under /dev/shm"),
+    ("pytorchjob", "volumes", "durable dir not mounted"): (
+        lambda r: _job_env(r, "ELASTIC_EMB_DURABLE_DIR", "/ckpt"), "persistentVolumeClaim"),
+    ("indexed-job", "volumes", "pvc missing"): (
+        lambda r: r.remove(pick(r, "PersistentVolumeClaim")), "not in the rendering"),
+    # GPUs = workers per node
+    ("pytorchjob", "gpus", "gpus differ from nproc"): (
+        lambda r: container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 4}), "must equal nvidia.com/gpu"),
+    ("indexed-job", "gpus", "no gpus"): (
+        lambda r: container(pod_template(r))["resources"]["limits"].pop("nvidia.com/gpu"), "positive integer"),
+    # NetworkPolicy / PDB select the job's pods; only the job's pods, on the right ports
+    ("indexed-job", "policies", "policy selects other pods"): (
+        lambda r: _np(r).update(podSelector={"matchLabels": {"app": "web"}}), "podSelector does not select"),
+    ("pytorchjob", "policies", "policy admits a namespace"): (
+        lambda r: _np(r)["ingress"][0]["from"].append({"namespaceSelector": {}}), "not (only) the job's own pods"),
+    ("pytorchjob", "policies", "policy admits everyone"): (
+        lambda r: _np(r)["ingress"][0].pop("from"), "admits every source"),
+    ("indexed-job", "policies", "rendezvous port closed"): (
+        lambda r: _np(r)["ingress"][0]["ports"].pop(0), "rendezvous port 29400 is not open"),
+    ("pytorchjob", "policies", "ephemeral range closed"): (
+        lambda r: _np(r)["ingress"][0]["ports"].pop(1), "ephemeral range"),
+    ("indexed-job", "policies", "pdb selects other pods"): (
+        lambda r: pick(r, "PodDisruptionBudget")["spec"].update(selector={"matchLabels": {"app": "web"}}),
+        "PodDisruptionBudget/elastic-emb: selector does not select"),
+    ("pytorchjob", "policies", "no network policy"): (
+        lambda r: r.remove(pick(r, "NetworkPolicy")), "no NetworkPolicy"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(WIRING_PLANTS), ids=lambda k: "-".join(k).replace(" ", "_"))
+def test_wiring_planted_error_fails_its_rule(rendered, key):
+    overlay, rule, _ = key
+    res = copy.deepcopy(rendered[overlay])
+    mutate, needle = WIRING_PLANTS[key]
+    assert R.wiring_errors(res, only=rule) == []
+    mutate(res)
+    errs = R.wiring_errors(res, only=rule)
+    assert any(needle in e for e in errs), errs
+
+
+def test_every_wiring_rule_has_a_planted_error():
+    assert {rule for _, rule, _ in WIRING_PLANTS} == set(R.WIRING_RULES)
+
+
+def test_prestop_fails_when_the_image_does_not_install_the_project(rendered, tmp_path):
+    text = (R.REPO / "Dockerfile").read_text()
+    planted = tmp_path / "Dockerfile"
+    planted.write_text(text.replace('/src "python-etcd==0.4.5"', '"python-etcd==0.4.5"'))
+    facts = R.dockerfile_facts(planted)
+    assert R.dockerfile_facts()["installs_project"] and not facts["installs_project"]
+    errs = R.rule_commands(rendered["pytorchjob"], R.workload(rendered["pytorchjob"]), facts)
+    assert any("does not install the project" in e for e in errs), errs
+
+
+# -- Dockerfile --------------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_hadolint_clean_with_the_committed_config():
+    rc, out = R.hadolint(R.REPO / "Dockerfile")
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("FROM debian\nLABEL org.opencontainers.image.title=x\n", "DL3006"),                       # untagged base
+    ("FROM quay.io/x/y:1\n", "DL3026"),                                                      # untrusted registry
+    ("FROM debian:12.12-slim\nRUN apt-get install -y curl\n", "DL3008"),                    # unpinned packages
+    ("FROM debian:12.12-slim\nLABEL org.opencontainers.image.version=latest\n", "DL3056"),  # label schema
+])
+def test_hadolint_planted_error_fails(tmp_path, body, needle):
+    planted = tmp_path / "Dockerfile"
+    planted.write_text(body)
+    rc, out = R.hadolint(planted)
+    assert rc != 0 and needle in out, out
+
+
+def test_dockerfile_shape():
+    text = (R.REPO / "Dockerfile").read_text()
+    facts = R.dockerfile_facts()
+    assert "ARG VARIANT=cuda" in text and "AS base-cuda" in text and "AS base-cpu" in text
+    assert "FROM base-${VARIANT} AS runtime" in text
+    assert facts["user"] is not None and facts["user"].split(":")[0].isdigit() and facts["user"].split(":")[0] != "0"
+    assert 'ENTRYPOINT ["torchrun", "--rdzv-backend=elastic_emb"]' in text
+    assert facts["copies"].get("/app/examples") == "examples" and (R.REPO / "examples" / "train_recsys.py").exists()
+    # The image's user is the one the templates run as (runAsUser), so volumes and fsGroup agree.
+    uid = int(facts["user"].split(":")[0])
+    for o in R.OVERLAYS:
+        assert f"runAsUser: {uid}" in (R.DEPLOY / ("pytorchjob/pytorchjob.yaml" if o == "pytorchjob" else "indexed-job/job.yaml")).read_text()
+    # Everything the image copies is let through .dockerignore's allow-list.
+    ignore = (R.REPO / ".dockerignore").read_text().split()
+    for src in ["pyproject.toml", "README.md", "elastic_emb/", "examples/", "deploy/image-constraints.txt"]:
+        assert f"!{src}" in ignore, src
+
+
+# -- the preStop drain, for real ---------------------------------------------------------------------
+
+DRAIN_WORKER = r'''
+import json, os, sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch, torch.distributed as dist
+from elastic_emb.watch import Watcher
+
+out = Path(sys.argv[1]); rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+w = Watcher.from_env()
+assert w is not None, "no watcher: ELASTIC_EMB_RDZV_ENDPOINT missing"
+w.start()
+(out / f"ready{rank}").write_text("1")
+if os.environ.get("DRAIN_TEST_STUCK"):     # a step that outlasts the drain timeout
+    time.sleep(8)
+step, deadline = 0, time.monotonic() + 60
+while time.monotonic() < deadline:
+    t = torch.ones(1)
+    dist.all_reduce(t)                     # the step's collective keeps the ranks in lockstep
+    time.sleep(0.02)                       # ... and its commit
+    if w.drain_requested(step):
+        w.ack_drain(step)
+        (out / f"stopped{rank}.json").write_text(json.dumps({"rank": rank, "step": step, "stop": w.stop_step}))
+        break
+    step += 1
+time.sleep(1.0)                            # what wait_for_restart does: stop stepping, stay alive
+w.stop()
+dist.destroy_process_group()
+'''
+
+
+def _torchrun(tmp_path: Path, port: int, nproc: int, extra_env: dict | None = None) -> subprocess.Popen:
+    script = tmp_path / "drain_worker.py"
+    script.write_text(DRAIN_WORKER)
+    env = dict(os.environ, PYTHONPATH=str(R.REPO), OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_FORMAT="json", **(extra_env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=elastic_emb", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=drainjob",
+           "--rdzv-conf=inner=c10d,is_host=1,join_timeout=30", "--max-restarts=0", "--monitor-interval=0.1",
+           str(script), str(tmp_path)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """SIGTERM torchrun (the agent then stops its workers: a SIGKILL would orphan them), bounded."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate(timeout=10)
+    return out or ""
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in paths):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    out = _stop(proc)
+    pytest.fail(f"workers never wrote {[p.name for p in paths if not p.exists()]}; torchrun output:\n{out[-4000:]}")
+
+
+def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path):
+    port = free_port()
+    proc = _torchrun(tmp_path, port, nproc=2)
+    try:
+        _wait_for([tmp_path / "ready0", tmp_path / "ready1"], proc, 60)
+        # As the preStop hook runs it: only the pod's PET_* variables, no flags but the timeout.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTIC_EMB_RDZV", "TORCHELASTIC_"))}
+        env.update(PET_RDZV_ENDPOINT=f"127.0.0.1:{port}", PET_RDZV_ID="drainjob", PET_RDZV_CONF="inner=c10d,join_timeout=30")
+        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--timeout", "20"],
+                               env=env, capture_output=True, text=True, timeout=60)
+        assert drain.returncode == 0, drain.stderr[-3000:]
+        outcome = json.loads(drain.stdout.strip().splitlines()[-1])
+        assert outcome["outcome"] == "acknowledged" and outcome["acks"] == outcome["expected"] == 2, outcome
+        _wait_for([tmp_path / "stopped0.json", tmp_path / "stopped1.json"], proc, 10)
+        stopped = [json.loads((tmp_path / f"stopped{r}.json").read_text()) for r in (0, 1)]
+        # Both ranks stopped after the same step, the one the CLI reports.
+        assert stopped[0]["step"] == stopped[1]["step"] == outcome["stop_step"], (stopped, outcome)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        _stop(proc)
+
+
+def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
+    """A worker stuck in a step longer than the drain timeout: the hook's wait is bounded, exit 3."""
+    port = free_port()
+    proc = _torchrun(tmp_path, port, nproc=1, extra_env={"DRAIN_TEST_STUCK": "1"})
+    try:
+        _wait_for([tmp_path / "ready0"], proc, 60)
+        start = time.monotonic()
+        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--timeout", "1.5",
+                                "--endpoint", f"127.0.0.1:{port}", "--run-id", "drainjob", "--inner", "c10d"],
+                               capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+        assert drain.returncode == 3, drain.stderr[-3000:]
+        outcome = json.loads(drain.stdout.strip().splitlines()[-1])
+        assert outcome["outcome"] == "timeout" and outcome["acks"] == 0 and outcome["expected"] == 1, outcome
+        assert 1.5 <= outcome["elapsed_s"] < elapsed
+    finally:
+        _stop(proc)
+
+
+def test_drain_cli_reports_an_unreachable_rendezvous():
+    port = free_port()  # nothing listens there
+    drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--endpoint", f"127.0.0.1:{port}",
+                            "--connect-timeout", "0.5"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("PET_")})
+    assert drain.returncode == 2
+    assert f"127.0.0.1:{port}" in drain.stderr and "drain_failed" in drain.stderr
+
+
+def test_drain_target_reads_the_pod_environment():
+    from elastic_emb.drain import DrainError, DrainTarget
+
+    t = DrainTarget.from_env({"PET_RDZV_ENDPOINT": "etcd:2379", "PET_RDZV_ID": "job", "PET_RDZV_CONF": "a=1,inner=etcd-v2"})
+    assert (t.endpoint, t.run_id, t.inner) == ("etcd:2379", "job", "etcd-v2")
+    t = DrainTarget.from_env({"PET_RDZV_ENDPOINT": "x:1", "ELASTIC_EMB_RDZV_ENDPOINT": "y:2", "ELASTIC_EMB_RDZV_BACKEND": "c10d",
+                              "TORCHELASTIC_RUN_ID": "r"})
+    assert (t.endpoint, t.run_id, t.inner) == ("y:2", "r", "c10d")
+    with pytest.raises(DrainError, match="PET_RDZV_ENDPOINT"):
+        DrainTarget.from_env({})
+    with pytest.raises(DrainError, match="'zk'"):
+        DrainTarget.from_env({"PET_RDZV_ENDPOINT": "x:1", "PET_RDZV_CONF": "inner=zk"})
