@@ -172,7 +172,7 @@ class _Arena:
                     numel *= s
                 offset += _aligned(numel * torch.empty((), dtype=dtype).element_size())
         self.resident_bytes = offset
-        self.buffer = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         self.weights: dict[str, torch.Tensor] = {}
         self.slots: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layout}
         for name, what, shape, dtype, off in plan:

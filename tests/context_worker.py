@@ -1,0 +1,456 @@
+"""One rank of the EmbContext multi-process tests (tests/test_context.py, tests/test_context_nccl.py).
+
+Started once per rank with torchrun's environment (tests/procs.py) and a JSON config in
+``CTX_TEST_CFG``: ``{"dir": shared tmp dir, "load_from": world size whose DCP checkpoint to load
+or null, "shrink_to": world size to re-construct at or null, "tag": name of this run}``.
+
+Every rank computes the single-process reference itself: batches are drawn from a generator
+seeded by (step, rank), so each rank knows every rank's ids and gradients, replays them on a whole
+``torch.nn.Embedding`` (SGD) or a dense row-wise Adagrad, and compares with what the sharded
+context returns. Data are small integers and learning rates powers of two, so every comparison
+is exact (``torch.equal``). The last stdout line is a JSON dict ``check -> {"ok": bool, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.context import EmbContext, InvalidIds, PeerLookupError
+from elastic_emb.errors import ContextClosed, WorldSizeChanged
+from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.sharding import RowRange, owned_range, reshard_plan
+from elastic_emb.store import generation_store, worker_store
+from elastic_emb.topology import Topology
+
+CFG = json.loads(os.environ.get("CTX_TEST_CFG", "{}"))
+TABLES = [TableSpec(name="big", num_rows=37, dim=4), TableSpec(name="tiny", num_rows=5, dim=2)]
+SGD = OptimizerSpec(kind="sgd", lr=1.0)
+ADAGRAD = OptimizerSpec(kind="adagrad", lr=0.5, eps=1e-10, initial_accumulator=1.0)
+STEPS = 3
+TIMEOUT = 20.0
+
+results: dict[str, dict] = {}
+
+
+def check(name):
+    def deco(fn):
+        def run(*a, **kw):
+            t0 = time.monotonic()
+            try:
+                detail = fn(*a, **kw) or {}
+                results[name] = {"ok": True, **detail}
+            except Exception as exc:  # recorded, and reported by the test with the traceback
+                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-2500:]}
+            results[name]["seconds"] = round(time.monotonic() - t0, 3)
+
+        return run
+
+    return deco
+
+
+def expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(what)
+
+
+def initial_table(spec: TableSpec) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + spec.num_rows)
+    return torch.randint(-8, 9, (spec.num_rows, spec.dim), generator=g).to(spec.torch_dtype)
+
+
+def batch(spec: TableSpec, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uneven sizes per rank (0 included), many duplicates."""
+    g = torch.Generator().manual_seed(step * 7919 + rank * 104729 + spec.num_rows)
+    size = [0, 1, 9, 23, 4][(rank + step) % 5]
+    high = spec.num_rows if step % 2 == 0 else min(spec.num_rows, 6)
+    ids = torch.randint(0, high, (size,), generator=g)
+    grads = torch.randint(-3, 4, (size, spec.dim), generator=g).to(spec.torch_dtype)
+    return ids, grads
+
+
+class Reference:
+    """The whole tables in one process: nn.Embedding + torch.optim.SGD, or dense row-wise Adagrad."""
+
+    def __init__(self, opt: OptimizerSpec):
+        self.opt = opt
+        self.emb = {s.name: torch.nn.Embedding.from_pretrained(initial_table(s), freeze=False, sparse=True) for s in TABLES}
+        self.acc = {s.name: torch.full((s.num_rows,), opt.initial_accumulator) for s in TABLES}
+        if opt.kind == "sgd":
+            self.sgd = torch.optim.SGD([e.weight for e in self.emb.values()], lr=opt.lr)
+
+    def weight(self, table: str) -> torch.Tensor:
+        return self.emb[table].weight.detach()
+
+    def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb[table](ids).detach()
+
+    def step(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        if self.opt.kind == "sgd":
+            self.sgd.zero_grad()
+            (self.emb[table](ids) * grads).sum().backward()
+            self.sgd.step()
+            return
+        w, acc = self.emb[table].weight.data, self.acc[table]
+        g = torch.zeros_like(w).index_add_(0, ids, grads)
+        rows = torch.unique(ids)
+        acc[rows] += g[rows].pow(2).mean(dim=1)
+        w[rows] -= self.opt.lr * g[rows] / (acc[rows].sqrt() + self.opt.eps).unsqueeze(1)
+
+
+def import_full(ctx: EmbContext, full: dict[str, torch.Tensor], acc: dict[str, torch.Tensor] | None = None) -> None:
+    shards = {}
+    for name in ctx.tables:
+        r = ctx.owned(name)
+        slots = {}
+        if ctx.optimizer.kind == "adagrad":
+            slots["accumulator"] = (acc[name] if acc else torch.full((ctx.tables[name].num_rows,), ctx.optimizer.initial_accumulator))[r.start:r.stop].to(ctx.device)
+        shards[name] = ShardData(name, r, full[name][r.start:r.stop].to(ctx.device), slots)
+    ctx.import_shard(shards)
+
+
+def all_rows(ctx: EmbContext, table: str) -> torch.Tensor:
+    n = ctx.tables[table].num_rows
+    return ctx.lookup(table, torch.arange(n)).wait().cpu()
+
+
+def train_and_compare(ctx: EmbContext, ref: Reference, t: Topology, label: str) -> dict:
+    world, rank = t.world_size, t.rank
+    mismatches = []
+    for step in range(STEPS):
+        # Two lookups in flight at once, waited in reverse order (the second gets its own staging).
+        handles = {}
+        for spec in TABLES:
+            ids, _ = batch(spec, step, rank, world)
+            handles[spec.name] = (ids, ctx.lookup(spec.name, ids))
+        for spec in reversed(TABLES):
+            ids, h = handles[spec.name]
+            got = h.wait().cpu()
+            if got.shape != (len(ids), spec.dim) or not torch.equal(got, ref.lookup(spec.name, ids)):
+                mismatches.append(f"{label} step {step} lookup {spec.name}")
+        for spec in TABLES:
+            ids, grads = batch(spec, step, rank, world)
+            ctx.apply_gradients(spec.name, ids.to(ctx.device), grads.to(ctx.device))
+            every = [batch(spec, step, r, world) for r in range(world)]
+            ref.step(spec.name, torch.cat([e[0] for e in every]), torch.cat([e[1] for e in every]))
+    for spec in TABLES:
+        if not torch.equal(all_rows(ctx, spec.name), ref.weight(spec.name)):
+            mismatches.append(f"{label} final table {spec.name}")
+        shard = ctx.export_shard()[spec.name]
+        r = owned_range(spec.num_rows, t.ep_size, t.rank)
+        if shard.rows != r or not torch.equal(shard.weight.cpu(), ref.weight(spec.name)[r.start:r.stop]):
+            mismatches.append(f"{label} exported shard {spec.name}")
+        if ctx.optimizer.kind == "adagrad" and not torch.equal(shard.slots["accumulator"].cpu(), ref.acc[spec.name][r.start:r.stop]):
+            mismatches.append(f"{label} accumulator {spec.name}")
+    expect(not mismatches, f"mismatches: {mismatches}")
+    return {}
+
+
+def main() -> None:
+    t = Topology.from_env()
+    store = worker_store(t, timeout=60)
+    device = None
+    if t.backend == "nccl":
+        torch.cuda.set_device(t.local_rank)
+    world, rank = t.world_size, t.rank
+
+    def make(opt, topo=t, **kw):
+        return EmbContext(topo, store, tables=TABLES, optimizer=opt, device=device, timeout=TIMEOUT, **kw)
+
+    ctx = make(SGD)
+    results["arena"] = {"ok": ctx.arena_bytes > 0, **ctx.arena_report()}
+
+    @check("sgd_matches_reference")
+    def _sgd():
+        import_full(ctx, {s.name: initial_table(s) for s in TABLES})
+        return train_and_compare(ctx, ref_sgd, t, "sgd")
+
+    ref_sgd = Reference(SGD)
+    _sgd()
+
+    @check("invalid_ids")
+    def _invalid():
+        bad_rank = world - 1
+        seen = []
+        t0 = time.monotonic()
+        for what, culprit, ids in (
+            ("lookup", bad_rank, torch.tensor([1, TABLES[0].num_rows])),
+            ("apply_gradients", 0, torch.tensor([-2, 3])),
+            ("lookup", 0, torch.tensor([[1, 2]])),
+        ):
+            mine = ids if rank == culprit else torch.tensor([0, 1])
+            try:
+                if what == "lookup":
+                    ctx.lookup("big", mine).wait()
+                else:
+                    ctx.apply_gradients("big", mine, torch.zeros(mine.shape[0], 4, device=ctx.device))
+                seen.append(("no error", what))
+            except InvalidIds as exc:
+                expect(rank == culprit, f"InvalidIds on rank {rank}, culprit {culprit}: {exc}")
+                msg = str(exc)
+                if ids.dim() == 1:
+                    bad = int(ids[-1]) if int(ids[-1]) >= TABLES[0].num_rows else int(ids.min())
+                    expect(str(bad) in msg and "out of range" in msg, f"message lacks the id {bad}: {msg}")
+                else:
+                    expect("1-D" in msg, msg)
+                expect(isinstance(exc, IndexError), "InvalidIds must be an IndexError")
+                seen.append(("invalid", what))
+            except PeerLookupError as exc:
+                expect(rank != culprit and exc.ranks == [culprit], f"PeerLookupError {exc.ranks} on rank {rank}")
+                expect(str(culprit) in str(exc), str(exc))
+                seen.append(("peer", what))
+        elapsed = time.monotonic() - t0
+        expect(elapsed < TIMEOUT / 2, f"invalid-id rounds took {elapsed:.1f}s: someone waited for a timeout")
+        expect(all(k != "no error" for k, _ in seen), f"{seen}")
+        # The context stays usable.
+        expect(torch.equal(all_rows(ctx, "big"), ref_sgd.weight("big")), "table changed by cancelled calls")
+        return {"seen": seen, "elapsed": elapsed}
+
+    _invalid()
+
+    @check("reset_rules")
+    def _reset_rules():
+        errs = {}
+        for args in ((0, world + 1), (0, world - 1 if world > 1 else 2)):
+            try:
+                ctx.reset(*args)
+                raise AssertionError(f"reset{args} did not raise")
+            except WorldSizeChanged as exc:
+                expect(isinstance(exc, ValueError), "WorldSizeChanged must be a ValueError")
+                expect(f"world size changed from {world} to {args[1]}" in str(exc), str(exc))
+                expect("construct a new context" in str(exc), str(exc))
+                errs[str(args)] = str(exc)
+        for args in ((-1, world), (world, world), (0, 0), (True, world)):
+            try:
+                ctx.reset(*args)
+                raise AssertionError(f"reset{args} did not raise")
+            except WorldSizeChanged:
+                if args != (0, 0):
+                    raise
+            except ValueError as exc:
+                errs[str(args)] = str(exc)
+        if world >= 3:
+            odd = Topology.model_construct(**{**t.model_dump(), "ep_size": 3})
+            try:
+                ctx.reset(rank, world, topology=odd)
+                raise AssertionError("non-power-of-two ep_size accepted by reset")
+            except ValueError as exc:
+                expect("power of two" in str(exc), str(exc))
+                errs["ep3"] = str(exc)
+            try:
+                make(SGD, topo=odd)
+                raise AssertionError("non-power-of-two ep_size accepted by the constructor")
+            except ValueError as exc:
+                expect("power of two" in str(exc), str(exc))
+        if t.ep_size > 1:
+            other = t.with_changes(ep_size=t.ep_size // 2)
+            try:
+                ctx.reset(rank, world, topology=other)
+                raise AssertionError("changed ep_size accepted by reset")
+            except ValueError as exc:
+                expect("ep_size changed" in str(exc), str(exc))
+        expect(not ctx.closed and ctx.healthy, "a refused reset must leave the context as it was")
+        return {"errors": errs}
+
+    _reset_rules()
+
+    @check("reset_same_world")
+    def _reset_same():
+        before = ctx.process_group
+        ctx.reset(rank, world)
+        expect(ctx.process_group is not before, "reset did not re-form the communicator")
+        for s in TABLES:
+            expect(torch.equal(all_rows(ctx, s.name), ref_sgd.weight(s.name)), f"rows changed by reset ({s.name})")
+        return {}
+
+    _reset_same()
+
+    @check("reset_new_rank_mapping")
+    def _reset_remap():
+        new_rank = (rank + 1) % world
+        ctx.reset(new_rank, world)
+        expect(ctx.topology.rank == new_rank, "topology not updated")
+        for s in TABLES:
+            expect(torch.equal(all_rows(ctx, s.name), ref_sgd.weight(s.name)), f"rows lost by remap ({s.name})")
+            shard = ctx.export_shard()[s.name]
+            r = owned_range(s.num_rows, t.ep_size, new_rank)
+            expect(shard.rows == r and torch.equal(shard.weight.cpu(), ref_sgd.weight(s.name)[r.start:r.stop]),
+                   f"shard of new rank {new_rank} wrong ({s.name})")
+        ctx.reset(rank, world)  # back, so the rest of the run keeps the launch ranks
+        expect(torch.equal(all_rows(ctx, "big"), ref_sgd.weight("big")), "rows lost by remap back")
+        return {}
+
+    _reset_remap()
+
+    @check("close_and_use_after_close")
+    def _close():
+        pending = ctx.lookup("big", torch.tensor([0, 1]))
+        ctx.close()
+        ctx.close()  # idempotent
+        expect(ctx.closed and not ctx.healthy and ctx.arena_bytes == 0, "close did not release")
+        refused = []
+        for name, call in (
+            ("lookup", lambda: ctx.lookup("big", torch.tensor([0]))),
+            ("apply_gradients", lambda: ctx.apply_gradients("big", torch.tensor([0]), torch.zeros(1, 4))),
+            ("reset", lambda: ctx.reset(rank, world)),
+            ("export_shard", lambda: ctx.export_shard()),
+            ("import_shard", lambda: ctx.import_shard({})),
+            ("handle.wait", lambda: pending.wait()),
+            ("barrier", lambda: ctx.barrier()),
+        ):
+            try:
+                call()
+                raise AssertionError(f"{name} after close did not raise")
+            except ContextClosed:
+                refused.append(name)
+        with make(SGD) as c2:
+            expect(not c2.closed, "context manager closed early")
+            c2.barrier()
+        expect(c2.closed, "context manager did not close")
+        return {"refused": refused}
+
+    _close()
+
+    ref_ada = Reference(ADAGRAD)
+    ada = make(ADAGRAD)
+
+    @check("adagrad_matches_reference")
+    def _ada():
+        import_full(ada, {s.name: initial_table(s) for s in TABLES})
+        return train_and_compare(ada, ref_ada, t, "adagrad")
+
+    _ada()
+
+    if world >= 3:
+        @check("non_power_of_two_ep_when_allowed")
+        def _odd():
+            odd = Topology.model_construct(**{**t.model_dump(), "ep_size": 3})
+            c = make(SGD, topo=odd, require_power_of_two=False)
+            try:
+                import_full(c, {s.name: initial_table(s) for s in TABLES})
+                return train_and_compare(c, Reference(SGD), odd, "ep3")
+            finally:
+                c.close()
+
+        _odd()
+
+    @check("init_rows_independent_of_world")
+    def _init():
+        c = make(SGD, seed=7)
+        try:
+            from elastic_emb.context import init_rows
+
+            for s in TABLES:
+                expect(torch.equal(all_rows(c, s.name), init_rows(s, 7, RowRange(0, s.num_rows))),
+                       f"initial rows of {s.name} differ from init_rows over the whole table")
+        finally:
+            c.close()
+        return {}
+
+    _init()
+
+    # -- DCP: save this world's final Adagrad state; load the previous run's at this world size --
+    @check("dcp")
+    def _dcp():
+        import torch.distributed.checkpoint as dcp
+
+        gstore = generation_store(store, t, "dcp_world")
+        if t.backend == "nccl":
+            dist.init_process_group("cpu:gloo,cuda:nccl", store=gstore, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=TIMEOUT), device_id=torch.device("cuda", t.local_rank))
+        else:
+            dist.init_process_group("gloo", store=gstore, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+        try:
+            out = {}
+            path = os.path.join(CFG["dir"], f"dcp_{CFG['tag']}")
+            dcp.save(ada.state_dict(), checkpoint_id=path)
+            if rank == 0:
+                torch.save({s.name: (ref_ada.weight(s.name).clone(), ref_ada.acc[s.name].clone()) for s in TABLES},
+                           os.path.join(CFG["dir"], f"ref_{CFG['tag']}.pt"))
+            if CFG.get("load_from"):
+                src = CFG["load_from"]
+                expected = torch.load(os.path.join(CFG["dir"], f"ref_{src}.pt"))
+                fresh = make(ADAGRAD, seed=None)
+                try:
+                    sd = fresh.state_dict()
+                    dcp.load(sd, checkpoint_id=os.path.join(CFG["dir"], f"dcp_{src}"))
+                    fresh.load_state_dict(sd)
+                    for s in TABLES:
+                        w, acc = expected[s.name]
+                        expect(torch.equal(all_rows(fresh, s.name), w), f"DCP-loaded {s.name} differs from run {src}")
+                        r = fresh.owned(s.name)
+                        got_acc = fresh.export_shard()[s.name].slots["accumulator"].cpu()
+                        expect(torch.equal(got_acc, acc[r.start:r.stop]), f"DCP-loaded accumulator of {s.name}")
+                finally:
+                    fresh.close()
+                out["loaded_from"] = src
+            return out
+        finally:
+            dist.destroy_process_group()
+
+    _dcp()
+
+    # -- a context closed and constructed anew at another world size holds exactly the old rows --
+    shrink = CFG.get("shrink_to")
+    if shrink:
+        @check("reconstruct_at_other_world_size")
+        def _reconstruct():
+            final = {s.name: (ref_ada.weight(s.name).clone(), ref_ada.acc[s.name].clone()) for s in TABLES}
+            shards = ada.export_shard()
+            torch.save({k: (v.rows.start, v.rows.stop, v.weight.cpu(), {n: x.cpu() for n, x in v.slots.items()})
+                        for k, v in shards.items()}, os.path.join(CFG["dir"], f"shard_{CFG['tag']}_{rank}.pt"))
+            ada.close()
+            store.add(f"test/{CFG['tag']}/exported", 1)
+            if rank >= shrink:
+                return {"role": "left"}
+            deadline = time.monotonic() + TIMEOUT
+            while int(store.add(f"test/{CFG['tag']}/exported", 0)) < world:
+                expect(time.monotonic() < deadline, "not every rank exported its shard")
+                time.sleep(0.01)
+            new_t = t.with_changes(world_size=shrink, generation=t.generation + 1, ep_size=1 << (shrink.bit_length() - 1),
+                                   local_world_size=shrink, num_nodes=1, node_rank=0, local_rank=rank)
+            old = {r: torch.load(os.path.join(CFG["dir"], f"shard_{CFG['tag']}_{r}.pt")) for r in range(world)}
+            c = make(ADAGRAD, topo=new_t, seed=None)
+            try:
+                imported = {}
+                for s in TABLES:
+                    mine = c.owned(s.name)
+                    w = torch.empty(len(mine), s.dim, dtype=s.torch_dtype)
+                    acc = torch.empty(len(mine))
+                    for tr in reshard_plan(s.num_rows, t.ep_size, new_t.ep_size):
+                        if tr.dst != new_t.rank:
+                            continue
+                        start, _, ow, oslots = old[tr.src][s.name]
+                        a, b = tr.rows.start - start, tr.rows.stop - start
+                        w[tr.rows.start - mine.start:tr.rows.stop - mine.start] = ow[a:b]
+                        acc[tr.rows.start - mine.start:tr.rows.stop - mine.start] = oslots["accumulator"][a:b]
+                    imported[s.name] = ShardData(s.name, mine, w.to(c.device), {"accumulator": acc.to(c.device)})
+                c.import_shard(imported)
+                for s in TABLES:
+                    expect(torch.equal(all_rows(c, s.name), final[s.name][0]), f"rows of {s.name} differ after re-construction")
+                    r = c.owned(s.name)
+                    expect(torch.equal(c.export_shard()[s.name].slots["accumulator"].cpu(), final[s.name][1][r.start:r.stop]),
+                           f"accumulator of {s.name} differs after re-construction")
+                # and it still trains like the reference
+                train_and_compare(c, ref_ada, new_t, "after-reconstruct")
+            finally:
+                c.close()
+            return {"new_world": shrink}
+
+        _reconstruct()
+    else:
+        ada.close()
+
+    print(json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
