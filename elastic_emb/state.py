@@ -253,17 +253,19 @@ class Comm:
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         """Send ``send[d]`` (uint8) to rank d; return the byte buffers received from each rank."""
         in_splits = [int(t.numel()) for t in send]
-        inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
-        if inp.device != self.device:
-            inp = inp.to(self.device)
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        if True:  # every rank must join, even with nothing to move
-            import torch.distributed as dist
+        inp = torch.cat([t.to(self.device) for t in send]) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
+        return self.all_to_all_flat(inp, in_splits, recv_sizes)
 
-            opts = dist.AllToAllOptions()
-            opts.timeout = timedelta(seconds=self.timeout)
-            work = self.pg.alltoall_base(out, inp, list(recv_sizes), in_splits, opts)
-            work.wait()
+    def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int]) -> list[torch.Tensor]:
+        """One ``alltoall_base`` of a flat uint8 buffer; every rank must call it, even with nothing to move."""
+        import torch.distributed as dist
+
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        opts = dist.AllToAllOptions()
+        opts.timeout = timedelta(seconds=self.timeout)
+        work = self.pg.alltoall_base(out, inp, list(recv_sizes), list(in_splits), opts)
+        if not work.wait():
+            raise RuntimeError(f"all_to_all of {sum(in_splits)} bytes failed on rank {self.rank}")
         return list(torch.split(out, list(recv_sizes)))
 
     def barrier(self, name: str) -> None:
@@ -445,7 +447,10 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True) -
                         f"{path}: table {rec.table!r} tensor {tr.name!r} rows [{rec.start}, {rec.stop}) has CRC32 "
                         f"{got:#010x}, manifest says {tr.crc32:#010x}; the snapshot is corrupt: delete {path.parent}"
                     )
-            tensors[tr.name] = b.view(getattr(torch, tr.dtype)).reshape(n, *tr.row_shape)
+            dtype = getattr(torch, tr.dtype)
+            if tr.offset % torch.empty((), dtype=dtype).element_size():
+                b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
+            tensors[tr.name] = b.view(dtype).reshape(n, *tr.row_shape)
         out[rec.table] = tensors
     return out
 
@@ -697,25 +702,29 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
     me = comm.rank
     row_bytes = {name: [_row_bytes(s) for s in spec] for name, spec in _specs_of(template).items()}
     order = sorted(plan, key=lambda a: (a.dst, a.src, a.table, a.start))
-    send_parts: list[list[torch.Tensor]] = [[] for _ in range(comm.size)]
+    in_splits = [0] * comm.size
     recv_sizes = [0] * comm.size
-    local_copies = 0
     for a in order:
         nbytes = (a.stop - a.start) * sum(row_bytes[a.table])
         if a.src == me and a.dst == me:
             # Rows staying on this rank: copy directly, never through the collective.
             _fill(template[a.table], a, handles[a.handle], starts[a.handle])
-            local_copies += nbytes
-            continue
-        if a.src == me:
-            lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
-            for _, t in sorted(handles[a.handle].items(), key=lambda kv: (kv[0] != "weight", kv[0])):
-                send_parts[a.dst].append(t[lo:hi].to(comm.device).reshape(-1).view(torch.uint8))
-        if a.dst == me:
+        elif a.src == me:
+            in_splits[a.dst] += nbytes
+        elif a.dst == me:
             recv_sizes[a.src] += nbytes
-    send = [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8, device=comm.device) for p in send_parts]
-    sent = sum(int(t.numel()) for t in send)
-    got = comm.all_to_all(send, recv_sizes)
+    # Pack straight into one send buffer (one copy per byte), in the order the receivers expect.
+    inp = torch.empty(sum(in_splits), dtype=torch.uint8, device=comm.device)
+    off = 0
+    for a in order:
+        if a.src != me or a.dst == me:
+            continue
+        lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
+        for _, t in sorted(handles[a.handle].items(), key=lambda kv: (kv[0] != "weight", kv[0])):
+            b = t[lo:hi].reshape(-1).view(torch.uint8)
+            inp[off: off + b.numel()].copy_(b)
+            off += b.numel()
+    got = comm.all_to_all_flat(inp, in_splits, recv_sizes)
     offsets = [0] * comm.size
     for a in order:
         if a.dst != me or a.src == me:
@@ -723,12 +732,12 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
         shard = template[a.table]
         n = a.stop - a.start
         buf = got[a.src]
+        lo = a.start - shard.rows.start
         for (tname, t), rb in zip(_tensor_items(shard), row_bytes[a.table]):
             seg = buf[offsets[a.src]: offsets[a.src] + n * rb]
             offsets[a.src] += n * rb
-            lo = a.start - shard.rows.start
-            t[lo: lo + n].copy_(seg.view(t.dtype).reshape(n, *t.shape[1:]))
-    return sent
+            t[lo: lo + n].reshape(-1).view(torch.uint8).copy_(seg)
+    return int(inp.numel())
 
 
 def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_start: int) -> None:
@@ -770,9 +779,9 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
     = (step, generation, fingerprint). Raises :class:`RestoreError` when state exists but no
     commit is complete (or when ``require_state`` and there is none)."""
     t0 = time.perf_counter()
+    # The new context's own shards give shapes and dtypes; they are filled and imported back
+    # (export_shard returns copies or views: either way import_shard writes the right rows).
     template = context.export_shard()
-    template = {name: ShardData(name, s.rows, s.weight.detach().clone(), {k: v.detach().clone() for k, v in s.slots.items()})
-                for name, s in template.items()}
     specs = _specs_of(template)
     # 1. Inventory: what this rank can supply.
     handles_meta: list[dict] = []
