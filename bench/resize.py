@@ -1,0 +1,164 @@
+"""Fault-to-first-step of an elastic resize: the elastic_emb backend against stock c10d, same run.
+
+One sequence per backend and run, with real torchrun agents on loopback (one gloo worker per
+node, tests/rdzv_worker.py, 50 ms steps), elastic_emb with
+``keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1``, stock c10d with
+``keep_alive_max_attempt=3`` (with 2 it split-brains on this machine: torch's keep-alive timer
+lets a live node's heartbeat age to ~2 intervals, a joiner declares it dead and forms a world of
+its own, so two worlds train side by side; elastic_emb refreshes its heartbeat every half
+interval):
+
+1. two nodes running; a third agent starts: **scale-up**, timed from the agent's start to the
+   first step committed at world size 3 (includes the joiner's own torchrun start);
+2. SIGTERM of that agent: **scale-down (SIGTERM)**, timed from the signal to the first step at
+   world size 2;
+3. SIGKILL of the second agent: **scale-down (SIGKILL)**, to the first step at world size 1.
+
+``--mode idle`` runs with idle workers (one step per generation, then no collective; the
+drain before the scale-up then ends by its 1 s timeout). A resize that does not happen within ``--cap`` seconds is recorded as ``null``
+(the stock agent never notices a dead node while its workers are healthy, FACTS item 3) and the
+sequence ends there. For the elastic_emb backend each fault is split at the agent's
+``rendezvous_round`` event: agent side (fault to new round) and worker side (round to first
+step: torchrun starting Python, importing torch, agreeing, gloo init).
+
+    .venv/bin/python bench/resize.py --runs 3 --out out/resize.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from procs import free_port  # noqa: E402
+from rdzv_agents import FAST_CONF, events, first_commit_at, kill_all, start_agent, wait_for  # noqa: E402
+
+SCENARIOS = ("scale_up", "scale_down_sigterm", "scale_down_sigkill")
+
+
+def _round_after(tmp: str, t: float) -> float | None:
+    for e in events(tmp, "a"):
+        if e["event"] == "rendezvous_round":
+            ts = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            if ts > t:
+                return ts
+    return None
+
+
+def _until(tmp: str, agents, ws: int, after: float, cap: float) -> float | None:
+    deadline = time.monotonic() + cap
+    while time.monotonic() < deadline:
+        t = first_commit_at(tmp, world_size=ws, after=after)
+        if t is not None:
+            return t
+        time.sleep(0.02)
+    return None
+
+
+def sequence(backend: str, mode: str, cap: float, conf: str) -> dict:
+    tmp = tempfile.mkdtemp(prefix=f"resize-{backend}-")
+    port = free_port()
+    agents = []
+    out: dict = {s: None for s in SCENARIOS}
+    split: dict = {}
+    try:
+        kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf)
+        agents.append(start_agent("a", tmp, port, **kw))
+        wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), 60, "world size 1", agents)
+        agents.append(start_agent("b", tmp, port, **kw))
+        wait_for(lambda: first_commit_at(tmp, world_size=2, after=0), 60, "world size 2", agents)
+        time.sleep(1.0)
+        t0 = time.time()
+        agents.append(start_agent("c", tmp, port, **kw))
+        t = _until(tmp, agents, 3, t0, cap)
+        if t is None:
+            return {"results": out, "split": split}
+        out["scale_up"] = t - t0
+        time.sleep(1.5)
+        for scenario, victim, sig, ws in (("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
+                                          ("scale_down_sigkill", agents[1], signal.SIGKILL, 1)):
+            t0 = victim.signal(sig)
+            t = _until(tmp, agents, ws, t0, cap)
+            if t is None:
+                break
+            out[scenario] = t - t0
+            if backend == "elastic_emb":
+                r = _round_after(tmp, t0)
+                if r is not None:
+                    split[scenario] = {"agent_s": r - t0, "worker_s": t - r}
+            time.sleep(1.5)
+        return {"results": out, "split": split}
+    finally:
+        kill_all(agents, tmp)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mode", choices=["busy", "idle"], default="busy", help="workers during the scale-downs")
+    ap.add_argument("--cap", type=float, default=20.0, help="seconds to wait for a resize before recording null")
+    ap.add_argument("--backends", default="elastic_emb,c10d")
+    ap.add_argument("--out", default="out/resize.json")
+    ap.add_argument("--conf", default=FAST_CONF, help="--rdzv-conf of the elastic_emb agents")
+    ap.add_argument("--stock-conf", default="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
+                    help="--rdzv-conf of the stock c10d agents (with keep_alive_max_attempt=2 stock c10d "
+                         "split-brains here: a joiner declares the running node dead and forms its own world)")
+    args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs={args.runs} must be >= 1")
+    backends = args.backends.split(",")
+    raw: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
+    splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}
+    for run in range(args.runs):
+        for b in backends:  # interleaved, so load drifts hit both backends alike
+            res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf)
+            for s in SCENARIOS:
+                raw[b][s].append(res["results"][s])
+            for s, v in res["split"].items():
+                for k in v:
+                    splits[s][k].append(v[k])
+            print(f"run {run + 1}/{args.runs} {b}: " + ", ".join(
+                f"{s}={'-' if v is None else f'{v:.2f}s'}" for s, v in res["results"].items()), flush=True)
+
+    def med(values):
+        vals = [v for v in values if v is not None]
+        return statistics.median(vals) if len(vals) == len(values) and vals else None
+
+    summary = {b: {s: med(raw[b][s]) for s in SCENARIOS} for b in backends}
+    split_med = {s: {k: (statistics.median(v) if v else None) for k, v in d.items()} for s, d in splits.items()}
+    print(f"\nfault-to-first-step, median of {args.runs} runs, workers {args.mode} during scale-down (s); "
+          f"null = no resize within {args.cap:.0f} s")
+    head = f"| scenario | {' | '.join(backends)} | ratio c10d/elastic_emb | elastic_emb agent side | elastic_emb worker side |"
+    print(head)
+    print("| --- |" + " ---: |" * (len(backends) + 3))
+    for s in SCENARIOS:
+        e = summary.get("elastic_emb", {}).get(s)
+        c = summary.get("c10d", {}).get(s)
+        ratio = f"{c / e:.2f}" if (e and c) else ("> " + f"{args.cap / e:.1f}" if e and c is None and "c10d" in backends else "-")
+        sp = split_med.get(s, {})
+        cells = " | ".join("-" if summary[b][s] is None else f"{summary[b][s]:.2f}" for b in backends)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"| {s} | {cells} | {ratio} | {fmt(sp.get('agent_s'))} | {fmt(sp.get('worker_s'))} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({
+            "benchmark": "resize", "runs": args.runs, "mode": args.mode, "cap_s": args.cap,
+            "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
+            "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
+            "elastic_emb_split_raw_s": splits,
+            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+        }, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
