@@ -322,7 +322,7 @@ class EmbContext:
         self._closed = False
         self._healthy = True
         self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
-        self.process_group = self._form_group(topology, store)
+        self.process_group, self._backend = self._form_group(topology, store)
         self._arena = self._allocate(topology)
         self._fill_initial_rows()
         self._log.info(
@@ -440,15 +440,13 @@ class EmbContext:
                 f"{self.timeout}s: {exc}. Check that every rank constructs the context"
             ) from exc
         pg._set_group_name(f"elastic_emb.{topology.run_id}.gen{topology.generation}.{instance}")
-        self._backend = backend
-        self._instance = instance
         # The first collective connects; do it now so construction fails here, not in a lookup.
         probe = torch.ones(1, device=self.device)
         self._wait(pg.allreduce([probe]), None, "construction probe")
         if int(probe.item()) != size:
             raise CommunicationError(f"construction probe summed to {probe.item()}, expected {size}")
         self._log.info("context.group_formed", instance=instance, seconds=round(time.monotonic() - started, 4))
-        return pg
+        return pg, backend
 
     def _allocate(self, topology: Topology) -> _Arena:
         layout = {}
@@ -691,10 +689,15 @@ class EmbContext:
             )
         started = time.monotonic()
         old_rank = self.topology.rank
-        self._shutdown_group(abort=not self._healthy)
-        self._healthy = True
+        was_healthy = self._healthy
         self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
-        self.process_group = self._form_group(topology, store if store is not None else self._base_store)
+        # Form the new communicator before releasing the old one: NCCL destroy immediately
+        # followed by init races (FACTS, pytorch#119196), and a failed re-form leaves the old
+        # context as it was.
+        new_pg, new_backend = self._form_group(topology, store if store is not None else self._base_store)
+        self._shutdown_group(abort=not was_healthy)
+        self.process_group, self._backend = new_pg, new_backend
+        self._healthy = True
         if store is not None:
             self._base_store = store
         self.topology = topology

@@ -1,0 +1,276 @@
+"""Sharded lookup throughput of EmbContext against what one process (or the hardware) can do.
+
+CPU (default): for each world size in ``--ranks`` (1, 2, 4), real gloo ranks (one process each,
+OMP_NUM_THREADS=1) look up ``--batch`` uniformly random ids each from a table of ``--rows`` x
+``--dim`` fp32 sharded over them; the baseline is ``torch.nn.functional.embedding`` in this
+process (one thread) on the same total table with the same total number of ids, measured in the
+same invocation. Reported: rows/s (ids served per second, all ranks together) as the median of
+``--runs`` runs of ``--iters`` lookups, and the ratio to the baseline.
+
+GPU (``--device cuda``): NCCL ranks, one per GPU. Each rank also measures, on its own GPU and
+communicator, the two ceilings a sharded lookup cannot beat (../shared/FACTS.md): the *gather*
+ceiling (``F.embedding`` of ``--batch`` random ids from its local shard) and the *all-to-all*
+ceiling (``all_to_all_single`` of ``--batch`` rows of ``--dim`` fp32, evenly split), both as rows/s
+summed over ranks; the lookup's fraction of ``min(gather, all-to-all)`` is the figure of merit
+(target >= 0.5 for ``--batch`` >= 1M, ``--dim`` 128). The single-GPU ``F.embedding`` on the whole
+table is reported as well.
+
+    python bench/lookup.py --runs 5 --out bench/results/lookup_cpu.json
+    python bench/lookup.py --device cuda --ranks 2 --rows 20000000 --dim 128 --batch 1048576 \\
+        --runs 5 --out bench/results/lookup_gpu.json
+
+Prints a table and writes JSON (configuration, per-run samples, medians, ratios) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker (one rank)
+# ---------------------------------------------------------------------------------------------
+
+
+def worker(args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from elastic_emb.context import EmbContext
+    from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+    from elastic_emb.store import worker_store
+    from elastic_emb.topology import Topology
+
+    t = Topology.from_env()
+    if t.backend == "nccl":
+        torch.cuda.set_device(t.local_rank)
+    store = worker_store(t, timeout=120)
+    spec = TableSpec(name="t", num_rows=args.rows, dim=args.dim)
+    ctx = EmbContext(t, store, tables=[spec], optimizer=OptimizerSpec(), timeout=120.0, seed=None,
+                     staging_rows_per_rank=max(1, args.batch // t.world_size + 1))
+    dev = ctx.device
+    mine = ctx.owned("t")
+    w = torch.empty(len(mine), args.dim, device=dev).uniform_(-1, 1)
+    ctx.import_shard({"t": ShardData("t", mine, w)})
+    del w
+    gen = torch.Generator(device=dev).manual_seed(1234 + t.rank)
+    batches = [torch.randint(0, args.rows, (args.batch,), device=dev, generator=gen) for _ in range(2)]
+
+    def timed(fn) -> list[float]:
+        """Per-run seconds per iteration, bracketed by barriers so the slowest rank counts."""
+        for i in range(args.warmup):
+            fn(i)
+        _sync(dev)
+        out = []
+        for _ in range(args.runs):
+            ctx.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            for i in range(args.iters):
+                fn(i)
+            _sync(dev)
+            ctx.barrier()
+            _sync(dev)
+            out.append((time.perf_counter() - t0) / args.iters)
+        return out
+
+    result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report()}
+    result["lookup_s"] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
+    uniq = torch.unique(batches[0]).numel()
+    result["unique_fraction"] = uniq / args.batch
+    if args.device == "cuda":
+        import torch.distributed as dist
+
+        local = torch.empty(max(1, len(mine)), args.dim, device=dev).uniform_(-1, 1)
+        local_ids = [torch.randint(0, local.shape[0], (args.batch,), device=dev, generator=gen) for _ in range(2)]
+        result["gather_s"] = timed(lambda i: F.embedding(local_ids[i % 2], local))
+        del local
+        send = torch.empty(args.batch, args.dim, device=dev).uniform_(-1, 1)
+        recv = torch.empty_like(send)
+        per = args.batch // t.world_size
+        splits = [per] * (t.world_size - 1) + [args.batch - per * (t.world_size - 1)]
+        # Every rank sends the same split sizes, so what it receives equals what it sends.
+        result["alltoall_s"] = timed(
+            lambda i: ctx.process_group.alltoall_base(recv, send, splits, splits, dist.AllToAllOptions()).wait()
+        )
+    ctx.close()
+    print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+
+def baseline(args, total_ids: int) -> list[float]:
+    """Single-process F.embedding on the whole table: seconds per lookup of total_ids ids."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    table = torch.empty(args.rows, args.dim, device=dev).uniform_(-1, 1)
+    gen = torch.Generator(device=dev).manual_seed(99)
+    ids = [torch.randint(0, args.rows, (total_ids,), device=dev, generator=gen) for _ in range(2)]
+    for i in range(args.warmup):
+        F.embedding(ids[i % 2], table)
+    out = []
+    for _ in range(args.runs):
+        _sync(dev)
+        t0 = time.perf_counter()
+        for i in range(args.iters):
+            F.embedding(ids[i % 2], table)
+        _sync(dev)
+        out.append((time.perf_counter() - t0) / args.iters)
+    del table, ids
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def launch(args, world: int) -> list[dict]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            TORCHELASTIC_RUN_ID=f"bench-lookup-{world}", TORCHELASTIC_USE_AGENT_STORE="False",
+            ELASTIC_EMB_BACKEND="nccl" if args.device == "cuda" else "gloo",
+            ELASTIC_EMB_EP_SIZE=str(world), ELASTIC_EMB_LOG_LEVEL="warning",
+            OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        if args.device == "cuda":
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
+               "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
+               "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    deadline = time.monotonic() + args.timeout
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"world {world}: rank {rank} did not finish within --timeout {args.timeout}s")
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"world {world}: rank {rank} exited {p.returncode}:\n{err[-3000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (default: 1 2 4 on cpu, GPU count on cuda)")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="total table rows")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=65536, help="ids per rank per lookup")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
+    ap.add_argument("--iters", type=int, default=5, help="lookups per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for name in ("rows", "dim", "batch", "runs", "iters"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.worker:
+        worker(args)
+        return
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (run on the GPU machine)")
+    if args.ranks is None:
+        args.ranks = [torch.cuda.device_count()] if args.device == "cuda" else [1, 2, 4]
+    if args.device == "cuda" and max(args.ranks) > torch.cuda.device_count():
+        ap.error(f"--ranks {args.ranks} needs more than the {torch.cuda.device_count()} GPUs here")
+    torch.set_num_threads(1)
+
+    rows = []
+    for world in args.ranks:
+        total_ids = args.batch * world
+        base = baseline(args, total_ids)
+        per_rank = launch(args, world)
+        # barriers bracket each run, so every rank measured the same span: take rank 0's.
+        lookup = per_rank[0]["lookup_s"]
+        entry = {
+            "world_size": world,
+            "total_ids": total_ids,
+            "baseline_s": base,
+            "lookup_s": lookup,
+            "baseline_rows_per_s": total_ids / statistics.median(base),
+            "lookup_rows_per_s": total_ids / statistics.median(lookup),
+            "unique_fraction": per_rank[0]["unique_fraction"],
+            "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
+        }
+        entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
+        if args.device == "cuda":
+            gather = total_ids / statistics.median(per_rank[0]["gather_s"])
+            a2a = total_ids / statistics.median(per_rank[0]["alltoall_s"])
+            entry.update(gather_s=per_rank[0]["gather_s"], alltoall_s=per_rank[0]["alltoall_s"],
+                         gather_ceiling_rows_per_s=gather, alltoall_ceiling_rows_per_s=a2a,
+                         fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a))
+        rows.append(entry)
+
+    report = {
+        "benchmark": "lookup",
+        "device": args.device,
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                 "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None},
+        "results": rows,
+    }
+    head = f"{'ranks':>5} {'ids/step':>10} {'F.embedding rows/s':>19} {'sharded rows/s':>15} {'ratio':>6}"
+    if args.device == "cuda":
+        head += f" {'gather ceil':>12} {'a2a ceil':>12} {'of min ceil':>11}"
+    print(head)
+    for e in rows:
+        line = (f"{e['world_size']:>5} {e['total_ids']:>10} {e['baseline_rows_per_s']:>19.3e} "
+                f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}")
+        if args.device == "cuda":
+            line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
+                     f" {e['fraction_of_ceiling']:>11.2f}")
+        print(line)
+    print(f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
+          f"{args.batch} ids per rank)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
