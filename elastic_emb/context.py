@@ -494,8 +494,7 @@ class EmbContext:
             return None, f"ids must be an integer tensor, got dtype {ids.dtype}"
         ids = ids.to(device=self.device, dtype=torch.int64)
         if ids.numel():
-            lo, hi = torch.aminmax(ids)
-            lo, hi = int(lo), int(hi)
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one device sync, not two
             if lo < 0 or hi >= spec.num_rows:
                 bad = lo if lo < 0 else hi
                 return None, (
@@ -531,13 +530,15 @@ class EmbContext:
             self._healthy = False
             raise CommunicationError(f"all-to-all failed on rank {self.topology.rank}: {exc}") from exc
 
-    def _exchange_counts(self, send_counts: torch.Tensor, what: str) -> list[int]:
-        """All-to-all of per-peer counts; raises PeerLookupError if any rank sent poison."""
+    def _exchange_counts(self, send_counts: torch.Tensor, what: str) -> tuple[list[int], list[int]]:
+        """All-to-all of per-peer counts: (sent, received) as lists (one device sync for both).
+        Raises PeerLookupError if any rank sent poison."""
         world = self.topology.world_size
         recv = torch.empty(world, dtype=torch.int64, device=self.device)
         ones = [1] * world
         self._wait(self._alltoall(recv, send_counts, ones, ones), None, f"{what} count exchange")
-        counts = recv.tolist()
+        both = torch.cat([send_counts, recv]).tolist()
+        sent, counts = both[:world], both[world:]
         bad = [r for r, c in enumerate(counts) if c < 0]
         if bad:
             raise PeerLookupError(
@@ -545,7 +546,7 @@ class EmbContext:
                 f"(see the InvalidIds error on those ranks); the context stays usable",
                 bad,
             )
-        return counts
+        return sent, counts
 
     def _route(self, spec: TableSpec, ids, what: str):
         """Shared first half of lookup and apply_gradients: validate, dedup, exchange counts
@@ -566,8 +567,7 @@ class EmbContext:
         send_counts = torch.bincount(owners, minlength=world) if uniq.numel() else torch.zeros(
             world, dtype=torch.int64, device=self.device
         )
-        send_list = send_counts.tolist()
-        recv_list = self._exchange_counts(send_counts, what)
+        send_list, recv_list = self._exchange_counts(send_counts, what)
         recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=self.device)
         self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange")
         return uniq, inverse, send_list, recv_list, recv_ids
