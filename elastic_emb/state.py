@@ -232,6 +232,11 @@ class Comm:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if topology.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
+        # How rows travel: "p2p" (CPU: every send/recv posted at once, no staging copy) or
+        # "alltoall" (one collective over a packed buffer: the only safe way for NCCL).
+        self.transport = os.environ.get("ELASTIC_EMB_TRANSPORT") or ("p2p" if self.device.type == "cpu" else "alltoall")
+        if self.transport not in ("p2p", "alltoall") or (self.transport == "p2p" and self.device.type != "cpu"):
+            raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall', or 'p2p' on CPU only")
         self._op = 0
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
@@ -713,6 +718,8 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
             in_splits[a.dst] += nbytes
         elif a.dst == me:
             recv_sizes[a.src] += nbytes
+    if comm.transport == "p2p":
+        return _execute_p2p(comm, order, handles, starts, template)
     # Pack straight into one send buffer (one copy per byte), in the order the receivers expect.
     inp = torch.empty(sum(in_splits), dtype=torch.uint8, device=comm.device)
     off = 0
@@ -738,6 +745,37 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
             offsets[a.src] += n * rb
             t[lo: lo + n].reshape(-1).view(torch.uint8).copy_(seg)
     return int(inp.numel())
+
+
+def _execute_p2p(comm: Comm, order: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
+                 starts: dict[int, int], template: dict[str, ShardData]) -> int:
+    """CPU transport (gloo): post every send and receive at once, straight from the source rows
+    into the destination rows, no staging copy, then wait for all of them (bounded by the
+    communicator's timeout). The tag is the assignment's index in the shared plan order, so every
+    message pairs with exactly one receive. NCCL would need the sends grouped to avoid a
+    deadlock, so device tensors take the single all-to-all path instead."""
+    me = comm.rank
+    works, sent = [], 0
+    for i, a in enumerate(order):
+        if a.src == a.dst or me not in (a.src, a.dst):
+            continue
+        if a.src == me:
+            lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
+            srcs = handles[a.handle]
+            for j, (tname, _) in enumerate(_tensor_items(template[a.table])):
+                t = srcs[tname][lo:hi].contiguous()
+                works.append(comm.pg.send([t], a.dst, i * 64 + j))
+                sent += t.numel() * t.element_size()
+        else:
+            shard = template[a.table]
+            lo = a.start - shard.rows.start
+            for j, (tname, t) in enumerate(_tensor_items(shard)):
+                works.append(comm.pg.recv([t[lo: lo + (a.stop - a.start)]], a.src, i * 64 + j))
+    deadline = time.monotonic() + comm.timeout
+    for w in works:
+        if not w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic()))):
+            raise RuntimeError(f"row transfer on rank {me} failed")
+    return sent
 
 
 def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_start: int) -> None:

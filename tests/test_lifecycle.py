@@ -141,15 +141,17 @@ def test_resize_in_process(tmp_path, case):
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
+    # Rows travel by posted send/recv on CPU; two cases take the packed all-to-all that NCCL uses.
+    transport = {"ELASTIC_EMB_TRANSPORT": "alltoall" if case in ("4to2", "2to4") else "p2p"}
     envs = []
     for r in range(max(len(old), len(new))):
         if r < len(old):
             resize = {"env": layout_env(new, r, port, 1)} if r < len(new) else {"env": None}
             spec = spec_of(out, train_until=2, resize=resize, then_until=4)
-            envs.append(rank_env(tmp_path, old, r, port, 0, spec))
+            envs.append(rank_env(tmp_path, old, r, port, 0, spec, transport))
         else:  # a joiner: starts in generation 1 once the old world finished phase 1
             spec = spec_of(out, train_until=4, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"))
-            envs.append(rank_env(tmp_path, new, r, port, 1, spec))
+            envs.append(rank_env(tmp_path, new, r, port, 1, spec, transport))
     values = ok(run_ranks(lw.CODE, envs, timeout=120))
     assert_bit_exact(gather(out, "phase1", 0), ref_after(2), f"{case}: before the resize")
     assert_bit_exact(gather(out, "resized", 1), ref_after(2), f"{case}: right after the resize")
