@@ -92,6 +92,18 @@ ETCD_STORE_PREFIX = "/torch/elastic/store"
 C10D_NULL_STATE = b"Y2FuaW1hZGFt"  # torch's "no state yet" sentinel in the c10d backend
 
 
+# Key names under round_prefix() (the drain protocol and death/leave reports). elastic_emb.drain
+# (the preStop client) speaks the same protocol: rename nothing without it.
+KEY_DRAIN = "drain"  # agent (or preStop hook) -> workers: stop after an agreed step
+KEY_WORLD_SIZE = "world_size"  # watchers -> agent: acknowledgements to expect
+KEY_ACKS = "acks"  # counter of workers that committed the last step and stopped
+KEY_ACK = "ack/"  # + rank: the step that worker stopped after
+KEY_STOP_CLAIM = "stop_claim"  # counter: the first rank to see a drain fixes the last step
+KEY_STOP_STEP = "stop_step"  # the agreed last step
+KEY_DEAD = "dead"  # counter of death reports; + "/" + node id: one report
+KEY_LEFT = "left/"  # + node id: the node left on purpose (reason)
+
+
 def round_prefix(run_id: str, round_: int) -> str:
     """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves).
 
@@ -407,11 +419,11 @@ class ElasticEmbRendezvousHandler:
         store = self._round_store
         prefix = round_prefix(self._run_id, self._round)
         try:
-            if int(store.add(prefix + "dead", 0)) == 0:
+            if int(store.add(prefix + KEY_DEAD, 0)) == 0:
                 return
             reported = [
                 n for n in self._members
-                if n not in self._known_dead and store.check([prefix + f"dead/{n}"])
+                if n not in self._known_dead and store.check([prefix + f"{KEY_DEAD}/{n}"])
             ]
         except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
             self._log.warning("dead_report_unreadable", round=self._round, error=repr(exc))
@@ -463,7 +475,7 @@ class ElasticEmbRendezvousHandler:
         try:
             inner._stop_heartbeats()
             store = self._round_store
-            store.set(round_prefix(self._run_id, self._round) + f"left/{self._node}", why)
+            store.set(round_prefix(self._run_id, self._round) + KEY_LEFT + self._node, why)
             with inner._heartbeat_lock:
                 inner._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + 5.0)
             self._log.info("node_left", round=self._round, reason=why, duration_s=round(time.monotonic() - start, 3))
@@ -485,11 +497,11 @@ class ElasticEmbRendezvousHandler:
             return waiting
         if self._drain_started is None:
             self._drain_started = now
-            store.set(prefix + "drain", json.dumps({"round": self._round, "waiting": list(view.wait_list)}))
+            store.set(prefix + KEY_DRAIN, json.dumps({"round": self._round, "waiting": list(view.wait_list)}))
             self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
         try:
-            expected = int(store.get(prefix + "world_size")) if store.check([prefix + "world_size"]) else 0
-            acks = int(store.add(prefix + "acks", 0))
+            expected = int(store.get(prefix + KEY_WORLD_SIZE)) if store.check([prefix + KEY_WORLD_SIZE]) else 0
+            acks = int(store.add(prefix + KEY_ACKS, 0))
         except Exception as exc:
             self._log.warning("drain_unreadable", round=self._round, error=repr(exc))
             expected, acks = -1, 0
@@ -503,8 +515,8 @@ class ElasticEmbRendezvousHandler:
         if outcome is None:
             return 0
         stop_step = None
-        if store.check([prefix + "stop_step"]):
-            stop_step = int(store.get(prefix + "stop_step"))
+        if store.check([prefix + KEY_STOP_STEP]):
+            stop_step = int(store.get(prefix + KEY_STOP_STEP))
         self._drain_done = True
         self._log.info(
             "drain_finished",

@@ -22,9 +22,9 @@ classes the state is made of (torch's ``_RendezvousState`` and ``_NodeDesc``, ``
 session). The watcher notices within one interval that its parent process is no longer the
 agent (``ELASTIC_EMB_AGENT_PID``, else the parent at start), reports the node dead under the
 round's store keys (the surviving agents then evict it from the rendezvous and restart at
-once, see ``rendezvous.py``), marks itself evicted and stops the worker: it interrupts the main
-thread with SIGTERM (the worker's own clean-up runs) and, if the process is still alive
-``evict_grace`` seconds later, exits it with status 3. A worker outside the membership never
+once, see ``rendezvous.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
+later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
+alive ``evict_grace`` seconds after the eviction, exits it with status 3. A worker outside the membership never
 touches shared state: ``evicted`` is True before the stop begins, and the lifecycle checks it.
 
 **Drain.** When the agent asks the running workers to drain before a scale-up (a round-scoped
@@ -71,6 +71,13 @@ from elastic_emb.rendezvous import (
     ENV_WATCH_INTERVAL,
     ETCD_STATE_KEY,
     ETCD_STORE_PREFIX,
+    KEY_ACK,
+    KEY_ACKS,
+    KEY_DEAD,
+    KEY_DRAIN,
+    KEY_STOP_CLAIM,
+    KEY_STOP_STEP,
+    KEY_WORLD_SIZE,
     round_prefix,
 )
 
@@ -242,7 +249,8 @@ class Watcher:
         agent_pid: int,
         interval: float = 0.1,
         drain: bool = True,
-        evict_grace: float = 1.0,
+        stop_delay: float = 0.3,
+        evict_grace: float = 1.5,
         on_evicted: Callable[[MembershipEvent], None] | None = None,
     ) -> None:
         if interval <= 0:
@@ -255,6 +263,9 @@ class Watcher:
         self.agent_pid = agent_pid
         self.interval = interval
         self.drain_enabled = drain
+        if not 0 <= stop_delay <= evict_grace:
+            raise ValueError(f"stop_delay={stop_delay!r} must be within [0, evict_grace={evict_grace!r}]")
+        self.stop_delay = stop_delay
         self.evict_grace = evict_grace
         self._on_evicted = on_evicted
         self._events: list[MembershipEvent] = []
@@ -311,7 +322,7 @@ class Watcher:
         self._poll()  # learn the round and membership before the worker builds anything
         if self.round is not None:
             try:  # tells the agent how many acknowledgements a drain needs
-                self._reader.store.set(self._prefix() + "world_size", str(self.world_size))
+                self._reader.store.set(self._prefix() + KEY_WORLD_SIZE, str(self.world_size))
             except Exception as exc:
                 self._log.warning("watch_store_error", op="world_size", error=repr(exc))
         self._thread = threading.Thread(target=self._run, name="elastic_emb-watch", daemon=True)
@@ -345,7 +356,7 @@ class Watcher:
         if not self.drain_enabled or self.round is None or self._evicted:
             return self._evicted
         if not self._drain_seen:
-            self._drain_seen = self._check("drain")
+            self._drain_seen = self._check(KEY_DRAIN)
             if not self._drain_seen:
                 return False
             self._emit("drain_requested")
@@ -354,6 +365,25 @@ class Watcher:
         if self._stop_step is None:
             self._stop_step = self._agree_stop_step(step)
         return step >= self._stop_step
+
+    def membership_change_pending(self, timeout: float = 2.0) -> bool:
+        """After a collective failed: whether a membership change explains it.
+
+        Polls (bounded by ``timeout``) until the state shows a departure, a newer round, a
+        waiting node, or this worker's eviction. True means the agent is about to restart the
+        workers: wait for its SIGTERM instead of exiting with an error, which torch would count
+        against the restart budget. False means the failure is a real one.
+        """
+        explaining = {"departure", "round_advanced", "join_pending", "agent_lost", "evicted"}
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._evicted or any(kind in explaining for kind, _ in self._reported):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self._thread is None:
+                self._poll()
+            time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
 
     @property
     def stop_step(self) -> int | None:
@@ -364,8 +394,8 @@ class Watcher:
         if self._acked or self.round is None:
             return
         store = self._reader.store
-        store.set(self._prefix() + f"ack/{self.rank}", str(step))
-        store.add(self._prefix() + "acks", 1)
+        store.set(self._prefix() + KEY_ACK + str(self.rank), str(step))
+        store.add(self._prefix() + KEY_ACKS, 1)
         self._acked = True
         self._log.info("drain_acknowledged", round=self.round, step=step)
 
@@ -383,8 +413,8 @@ class Watcher:
 
     def _agree_stop_step(self, step: int) -> int:
         store = self._reader.store
-        key = self._prefix() + "stop_step"
-        if int(store.add(self._prefix() + "stop_claim", 1)) == 1:
+        key = self._prefix() + KEY_STOP_STEP
+        if int(store.add(self._prefix() + KEY_STOP_CLAIM, 1)) == 1:
             store.set(key, str(step + 1))
             return step + 1
         deadline = time.monotonic() + 10.0
@@ -463,8 +493,8 @@ class Watcher:
         if self.round is not None and self.node is not None:
             try:
                 store = self._reader.store
-                store.set(self._prefix() + f"dead/{self.node}", str(os.getpid()))
-                store.add(self._prefix() + "dead", 1)
+                store.set(self._prefix() + f"{KEY_DEAD}/{self.node}", str(os.getpid()))
+                store.add(self._prefix() + KEY_DEAD, 1)
             except Exception as exc:
                 self._log.warning("watch_store_error", op="report_dead", error=repr(exc))
         self._evict("agent_lost", nodes=(self.node or "",), state_round=None)
@@ -478,10 +508,14 @@ class Watcher:
         if self._on_evicted is not None and event is not None:
             self._on_evicted(event)
             return
-        self._log.warning("worker_stopping", reason=kind, grace_s=self.evict_grace)
-        # A clean stop first: the SIGTERM an agent would send (the worker's handler, if any, runs);
-        # then a hard exit, so an orphan blocked in a collective cannot outlive the grace.
-        os.kill(os.getpid(), signal.SIGTERM)
-        timer = threading.Timer(self.evict_grace, os._exit, args=(3,))
-        timer.daemon = True
-        timer.start()
+        self._log.warning("worker_stopping", reason=kind, delay_s=self.stop_delay, grace_s=self.evict_grace)
+        # The stop waits stop_delay first: the surviving agents need a few monitor intervals to
+        # read the death report and SIGTERM their own workers; an orphan that vanished at once
+        # would fail their collective first, and torch counts a failure against the restart
+        # budget. Then the SIGTERM an agent would send (the worker's handler, if any, runs), and a
+        # hard exit at evict_grace, so an orphan blocked in a collective cannot outlive it.
+        for delay, action in ((self.stop_delay, lambda: os.kill(os.getpid(), signal.SIGTERM)),
+                              (self.evict_grace, lambda: os._exit(3))):
+            timer = threading.Timer(delay, action)
+            timer.daemon = True
+            timer.start()

@@ -50,8 +50,11 @@ class Agent:
 def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb", nnodes: str = "1:3",
                 run_id: str = "rdzvtest", conf: str = FAST_CONF, mode: str = "busy", step_s: float = 0.05,
                 inner: str = "c10d", drain: bool = True, drain_timeout: float = 10.0,
-                endpoint: str | None = None, extra_env: dict | None = None) -> Agent:
-    """Start one torchrun agent (one worker per node) as a real subprocess."""
+                endpoint: str | None = None, worker: str = "plain", extra_env: dict | None = None) -> Agent:
+    """Start one torchrun agent (one worker per node) as a real subprocess.
+
+    ``worker``: ``plain`` (an all_reduce per step) or ``lifecycle`` (elastic_emb's Lifecycle over
+    an EmbContext, rows verified at every start); see tests/rdzv_worker.py."""
     log_dir = os.path.join(tmp, "workers")
     os.makedirs(log_dir, exist_ok=True)
     rdzv_conf = conf
@@ -65,7 +68,7 @@ def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb",
     env.update(
         RDZV_TEST_LOG_DIR=log_dir, RDZV_TEST_MODE=mode, RDZV_TEST_STEP_S=str(step_s), PYTHONPATH=REPO,
         ELASTIC_EMB_LOG_FORMAT="json", ELASTIC_EMB_BACKEND="gloo", OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
+        PYTHONUNBUFFERED="1", RDZV_TEST_WORKER=worker, ELASTIC_EMB_STATE_DIR=os.path.join(tmp, "state"),
     )
     env.update(extra_env or {})
     cmd = [

@@ -11,6 +11,10 @@ With the elastic_emb watcher (``ELASTIC_EMB_RDZV_ENDPOINT`` set) the worker drai
 commit it asks ``drain_requested(step)``, and once the agreed last step is committed it
 acknowledges and idles until the agent's SIGTERM.
 
+``RDZV_TEST_WORKER=lifecycle`` runs the acceptance worker instead (:func:`main_lifecycle`):
+elastic_emb's Lifecycle over an EmbContext, committing every step, checking at every start that
+the restored rows are bit-exact.
+
 Environment: ``RDZV_TEST_LOG_DIR`` (where the per-rank logs go), ``RDZV_TEST_MODE`` (``busy``:
 step continuously; ``idle``: one step per generation, then sleep), ``RDZV_TEST_STEP_S`` (sleep
 per step, default 0.05), ``RDZV_TEST_MAX_STEPS`` (stop after this step, default 100000).
@@ -107,8 +111,87 @@ def main() -> int:
     return 0
 
 
+# -- the acceptance worker: elastic_emb's Lifecycle and EmbContext --------------------------------
+
+TABLE_ROWS, TABLE_DIM = 64, 4
+
+
+def expected_rows(lo: int, hi: int, last_step: int) -> torch.Tensor:
+    """The table after steps 0..last_step: step s added 1.0 to row s % TABLE_ROWS (exact in fp32)."""
+    from elastic_emb.context import init_rows
+    from elastic_emb.protocol import TableSpec
+    from elastic_emb.sharding import RowRange
+
+    spec = TableSpec(name="t", num_rows=TABLE_ROWS, dim=TABLE_DIM)
+    rows = init_rows(spec, 0, RowRange(lo, hi)).clone()
+    for r in range(lo, hi):
+        hits = 0 if last_step < r else (last_step - r) // TABLE_ROWS + 1
+        rows[r - lo] += float(hits)
+    return rows
+
+
+def main_lifecycle() -> int:
+    """Each step: rank 0 sends a gradient of -1 for row ``step % 64`` (SGD, lr 1: +1.0), every
+    rank takes part in the collective apply, then the lifecycle commits. At every start the
+    restored rows must equal the closed form for the restored step, bit for bit."""
+    import functools
+
+    from elastic_emb.context import EmbContext
+    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+    from elastic_emb.protocol import OptimizerSpec, TableSpec
+
+    t_start = time.time()
+    factory = functools.partial(EmbContext, tables=[TableSpec(name="t", num_rows=TABLE_ROWS, dim=TABLE_DIM)],
+                                optimizer=OptimizerSpec(kind="sgd", lr=1.0), seed=0)
+    watcher = Watcher.from_env()
+    if watcher is not None:
+        watcher.start()
+    lc = Lifecycle.start(factory, LifecycleConfig(seed=0, agree_timeout=30.0), watcher=watcher)
+    topo = lc.topology
+    shard = lc.context.export_shard()["t"]
+    want = expected_rows(shard.rows.start, shard.rows.stop, lc.step)
+    rows_ok = bool(torch.equal(shard.weight, want))
+    log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": lc.next_step,
+         "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+         "node": os.environ.get("ELASTIC_EMB_NODE_ID"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
+         "rows": [shard.rows.start, shard.rows.stop]})
+    if not rows_ok:
+        raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the closed form")
+    while lc.next_step <= MAX_STEPS:
+        step = lc.next_step
+        log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
+        ids = torch.tensor([step % TABLE_ROWS] if topo.rank == 0 else [], dtype=torch.int64)
+        try:
+            lc.context.apply_gradients("t", ids, -torch.ones(len(ids), TABLE_DIM))
+            lc.commit(step)
+        except Exception:
+            # A peer vanished mid-collective. If the membership changed, the agent is about to
+            # restart us: wait for its SIGTERM rather than fail (a failure spends restart budget).
+            if watcher is not None and watcher.membership_change_pending(timeout=3.0):
+                log({"ev": "collective_failed_membership", "gen": topo.generation, "rank": topo.rank, "step": step})
+                time.sleep(30)
+            raise
+        log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
+        if lc.draining:
+            log({"ev": "drained", "gen": topo.generation, "rank": topo.rank, "step": step})
+            lc.wait_for_restart(60)
+            return 3
+        if MODE == "idle":
+            break
+        time.sleep(STEP_S)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:  # idle: no collectives, wait for a restart or an eviction
+        if watcher is not None and watcher.evicted:
+            log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
+            return 3
+        time.sleep(0.05)
+    return 0
+
+
 if __name__ == "__main__":
-    # The agent's SIGTERM ends the generation: every step is already committed (logged), so exit
-    # at once rather than through a slow interpreter teardown the restart would wait for.
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    sys.exit(main())
+    # The agent's SIGTERM ends the generation: every step is already committed, so let the
+    # kernel's default action end the process at once. A Python-level handler would run only
+    # when the main thread returns to the interpreter: blocked in a store wait of a commit whose
+    # peer is gone, that is up to the wait's timeout, and the restart waits for it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(main_lifecycle() if os.environ.get("RDZV_TEST_WORKER") == "lifecycle" else main())

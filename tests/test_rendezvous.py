@@ -58,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 def _grow(tmp, agents, name, ws, **kw) -> tuple[float, int]:
     t = time.time()
-    agents.append(start_agent(name, tmp, agents[0].port, **kw))
+    agents.append(start_agent(name, tmp, agents[0].port, worker="lifecycle", **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=ws, after=t), WAIT, f"world size {ws} after {name} joined", agents)
     return t, _gen_of(tmp, ws, t)
 
@@ -83,6 +83,11 @@ def _check_drained(tmp: str, old_gen: int, new_gen: int) -> None:
 def _check_membership_restart(tmp: str, gen: int, ws: int) -> None:
     ready = _ready(tmp, gen)
     assert len(ready) == ws and sorted(r["rank"] for r in ready) == list(range(ws))
+    # Every row of the table came back, bit-exact (each worker checked its restored shard
+    # against the closed form, and the shards tile the table).
+    assert all(r["rows_ok"] for r in ready), ready
+    spans = sorted(tuple(r["rows"]) for r in ready if r["rows"][1] > r["rows"][0])
+    assert spans[0][0] == 0 and spans[-1][1] == 64 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
     # A membership change is not a failure: torch's restart budget is untouched.
     assert {r["restart_count"] for r in ready} == {0}, ready
 
@@ -90,7 +95,7 @@ def _check_membership_restart(tmp: str, gen: int, ws: int) -> None:
 def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     tmp, agents = cluster
     port = free_port()
-    agents.append(start_agent("a", tmp, port))
+    agents.append(start_agent("a", tmp, port, worker="lifecycle"))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
     gen1 = _gen_of(tmp, 1, 0)
 
@@ -158,7 +163,7 @@ def test_idle_scale_down_and_drain_timeout(cluster):
     """Idle workers (no collectives in flight): the stock agent would never notice a lost node."""
     tmp, agents = cluster
     port = free_port()
-    kw = dict(mode="idle", drain_timeout=1.0)
+    kw = dict(mode="idle", drain_timeout=1.0, worker="lifecycle")
     a = start_agent("a", tmp, port, **kw)
     agents.append(a)
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
@@ -196,11 +201,11 @@ def test_idle_scale_down_and_drain_timeout(cluster):
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed (Debian package etcd-server)")
 def test_etcd_v2_inner_backend_scale_down(cluster):
     pytest.importorskip("etcd", reason="python-etcd is not installed (test extra)")
-    from etcd_server import EtcdServer
+    from elastic_emb.etcd_server import EtcdServer
 
     tmp, agents = cluster
     with EtcdServer(os.path.join(tmp, "etcd")) as server:
-        kw = dict(inner="etcd-v2", endpoint=server.endpoint)
+        kw = dict(inner="etcd-v2", endpoint=server.endpoint, worker="lifecycle")
         a = start_agent("a", tmp, 0, **kw)
         agents.append(a)
         wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1 (etcd-v2)", agents)
