@@ -15,9 +15,9 @@ summed over ranks; the lookup's fraction of ``min(gather, all-to-all)`` is the f
 (target >= 0.5 for ``--batch`` >= 1M, ``--dim`` 128). The single-GPU ``F.embedding`` on the whole
 table is reported as well.
 
-    python bench/lookup.py --runs 5 --out bench/results/lookup_cpu.json
-    python bench/lookup.py --device cuda --ranks 2 --rows 20000000 --dim 128 --batch 1048576 \\
-        --runs 5 --out bench/results/lookup_gpu.json
+    python bench/lookup.py --runs 5 --out out/lookup_cpu.json
+    python bench/lookup.py --device cuda --runs 5 --out out/gpu/lookup.json
+        (defaults on cuda: --ranks <GPU count> --rows 20000000 --dim 128 --batch 1048576)
 
 Prints a table and writes JSON (configuration, per-run samples, medians, ratios) to ``--out``.
 """
@@ -191,9 +191,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (default: 1 2 4 on cpu, GPU count on cuda)")
-    ap.add_argument("--rows", type=int, default=1_000_000, help="total table rows")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=65536, help="ids per rank per lookup")
+    ap.add_argument("--rows", type=int, default=None, help="total table rows (default 1M on cpu, 20M on cuda)")
+    ap.add_argument("--dim", type=int, default=None, help="row width (default 64 on cpu, 128 on cuda)")
+    ap.add_argument("--batch", type=int, default=None, help="ids per rank per lookup (default 65536 on cpu, 1M on cuda)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
     ap.add_argument("--iters", type=int, default=5, help="lookups per run")
     ap.add_argument("--warmup", type=int, default=2)
@@ -201,6 +201,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    defaults = {"cpu": (1_000_000, 64, 65536), "cuda": (20_000_000, 128, 1 << 20)}[args.device]
+    for name, value in zip(("rows", "dim", "batch"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("rows", "dim", "batch", "runs", "iters"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}={getattr(args, name)} must be >= 1")
