@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-OVERLAYS = ("pytorchjob", "indexed-job")
+OVERLAYS = ("pytorchjob", "indexed-job", "pytorchjob-etcd", "indexed-job-etcd")
 # Kubernetes versions the templates support: Indexed Jobs with the batch.kubernetes.io/job-name
 # pod label exist from 1.27; the newest is what kubernetes-validate knows.
 K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(27, 38))
@@ -349,6 +349,7 @@ class Workload(BaseModel):
     endpoint: str | None
     endpoint_services: list[dict]  # Services that exist for the pods (rendered or operator-made)
     rdzv_backend: str | None
+    inner: str  # the elastic_emb backend's inner rendezvous: c10d (pod 0 hosts it) or etcd-v2
 
 
 def _env(container: dict) -> dict[str, Any]:
@@ -356,8 +357,25 @@ def _env(container: dict) -> dict[str, Any]:
 
 
 def _env_value(container: dict, key: str) -> str | None:
-    e = _env(container).get(key)
-    return None if e is None else e.get("value")
+    """The value the container sees, with ``$(VAR)`` expanded as the kubelet does: only from
+    variables defined earlier in the list; an unresolvable reference stays as written."""
+    seen: dict[str, str] = {}
+    for e in container.get("env") or []:
+        value = e.get("value")
+        if value is not None:
+            value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: seen.get(m.group(1), m.group(0)), str(value))
+            seen[e.get("name")] = value
+        if e.get("name") == key:
+            return value
+    return None
+
+
+def _conf_value(conf: str | None, key: str) -> str | None:
+    for item in (conf or "").split(","):
+        k, sep, v = item.partition("=")
+        if sep and k.strip() == key:
+            return v.strip()
+    return None
 
 
 def _container(pod_template: dict) -> dict:
@@ -406,11 +424,12 @@ def workload(resources: list[dict]) -> Workload:
              "_operator_made": True}
             for i in range(replicas)
         ]
+        inner = {c.get("key"): c.get("value") for c in ep.get("rdzvConf") or []}.get("inner", "c10d")
         return Workload(kind="PyTorchJob", name=jname, pod_template=tmpl, pod_labels=labels, replicas=replicas,
                         min_nodes=ep.get("minReplicas", replicas), max_nodes=ep.get("maxReplicas", replicas),
                         nproc=spec.get("nprocPerNode"), endpoint=f"{host}:{port}",
                         endpoint_services=services + of_kind(resources, "Service"),
-                        rdzv_backend=ep.get("rdzvBackend"))
+                        rdzv_backend=ep.get("rdzvBackend"), inner=inner)
     spec = job["spec"]
     tmpl = spec["template"]
     c = _container(tmpl)
@@ -421,7 +440,8 @@ def workload(resources: list[dict]) -> Workload:
     return Workload(kind="Job", name=jname, pod_template=tmpl, pod_labels=labels,
                     replicas=spec.get("parallelism", 1), min_nodes=lo, max_nodes=hi,
                     nproc=_env_value(c, "PET_NPROC_PER_NODE"), endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
-                    endpoint_services=of_kind(resources, "Service"), rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"))
+                    endpoint_services=of_kind(resources, "Service"), rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"),
+                    inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d")
 
 
 def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
@@ -461,6 +481,10 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
     if not host or not port_s.isdigit():
         return [f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} is not HOST:PORT"]
     port = int(port_s)
+    if w.inner == "etcd-v2":
+        return _etcd_endpoint_errors(resources, w, host, port)
+    if w.inner != "c10d":
+        return [f"{w.kind}/{w.name}: inner rendezvous {w.inner!r} must be c10d or etcd-v2 (an unexpanded $(VAR)?)"]
     c = _container(w.pod_template)
     pod_spec = w.pod_template.get("spec") or {}
     errors = []
@@ -503,6 +527,44 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
     return errors
 
 
+def store_pods(resources: list[dict], svc: dict) -> list[tuple[dict, dict]]:
+    """(workload, pod template) of every StatefulSet/Deployment whose pods ``svc`` selects."""
+    out = []
+    for res in of_kind(resources, "StatefulSet") + of_kind(resources, "Deployment"):
+        tmpl = (res.get("spec") or {}).get("template") or {}
+        labels = (tmpl.get("metadata") or {}).get("labels") or {}
+        if _selects((svc.get("spec") or {}).get("selector"), labels):
+            out.append((res, tmpl))
+    return out
+
+
+def _etcd_endpoint_errors(resources: list[dict], w: Workload, host: str, port: int) -> list[str]:
+    """inner=etcd-v2: the endpoint is a Service selecting etcd pods (v2 API on) that serve the port."""
+    svc_name = host.split(".")[0]
+    svcs = [s for s in of_kind(resources, "Service") if name(s) == svc_name]
+    if not svcs:
+        return [f"{w.kind}/{w.name}: etcd endpoint {host}:{port} names Service {svc_name!r}, which is not in the rendering"]
+    svc = svcs[0]
+    backing = store_pods(resources, svc)
+    if not backing:
+        return [f"Service/{svc_name}: selector {(svc.get('spec') or {}).get('selector')} selects no pods of the rendering"]
+    errors = []
+    for res, tmpl in backing:
+        containers = (tmpl.get("spec") or {}).get("containers") or []
+        etcds = [c for c in containers if any("etcd" in str(a) for a in (c.get("command") or [])[:1])]
+        if not etcds:
+            errors.append(f"{res['kind']}/{name(res)}: pods behind {svc_name} run no etcd")
+            continue
+        argv = etcds[0].get("command", []) + etcds[0].get("args", [])
+        if "--enable-v2=true" not in argv:
+            errors.append(f"{res['kind']}/{name(res)}: etcd without --enable-v2=true: torch's etcd-v2 rendezvous needs the v2 API")
+        served = [p for p in (svc.get("spec") or {}).get("ports") or [] if p.get("port") == port
+                  and _port_number(etcds[0], p.get("targetPort", port)) == port]
+        if not served:
+            errors.append(f"Service/{svc_name}: no port {port} reaching the etcd container's client port")
+    return errors
+
+
 def rule_replicas(resources: list[dict], w: Workload) -> list[str]:
     errors = []
     if not 1 <= w.min_nodes <= w.max_nodes:
@@ -517,6 +579,8 @@ def rule_replicas(resources: list[dict], w: Workload) -> list[str]:
             errors.append(f"Job/{w.name}: completions={spec.get('completions')} must equal parallelism={w.replicas} "
                           f"(one index per node)")
     for pdb in of_kind(resources, "PodDisruptionBudget"):
+        if not _selects((pdb.get("spec") or {}).get("selector"), w.pod_labels):
+            continue  # another component's budget (the etcd store's); rule_policies checks the job has one
         ma = (pdb.get("spec") or {}).get("minAvailable")
         if ma != w.min_nodes:
             errors.append(f"PodDisruptionBudget/{name(pdb)}: minAvailable={ma!r} must equal the minimum node count "
@@ -696,44 +760,66 @@ def rule_gpus(resources: list[dict], w: Workload) -> list[str]:
     return []
 
 
+def _admitted(np_spec: dict, peer_labels: dict[str, str]) -> list[tuple[int, int]]:
+    """Port ranges a NetworkPolicy opens to pods with ``peer_labels``."""
+    out = []
+    for rule in np_spec.get("ingress") or []:
+        peers = rule.get("from") or []
+        if peers and not any(set(p) == {"podSelector"} and _selects(p["podSelector"], peer_labels) for p in peers):
+            continue
+        for p in rule.get("ports") or []:
+            if isinstance(p.get("port"), int):
+                out.append((p["port"], p.get("endPort", p["port"])))
+    return out
+
+
 def rule_policies(resources: list[dict], w: Workload) -> list[str]:
-    """NetworkPolicy and PodDisruptionBudget select the job's pods; the policy admits only the
-    job's own pods, on the rendezvous port and the ephemeral range."""
+    """NetworkPolicy and PodDisruptionBudget select the job's pods; every policy admits only the
+    job's own pods (or the store's own members), on the rendezvous port and the ephemeral range;
+    with inner=etcd-v2 the store's pods are isolated the same way."""
     errors = []
-    nps = of_kind(resources, "NetworkPolicy")
-    pdbs = of_kind(resources, "PodDisruptionBudget")
-    if not nps:
-        errors.append("no NetworkPolicy in the rendering")
+    pdbs = [p for p in of_kind(resources, "PodDisruptionBudget") if _selects((p.get("spec") or {}).get("selector"), w.pod_labels)]
     if not pdbs:
-        errors.append("no PodDisruptionBudget in the rendering")
-    for pdb in pdbs:
-        if not _selects((pdb.get("spec") or {}).get("selector"), w.pod_labels):
-            errors.append(f"PodDisruptionBudget/{name(pdb)}: selector does not select the job's pods ({w.pod_labels})")
+        errors.append("no PodDisruptionBudget in the rendering selects the job's pods")
+    nps = of_kind(resources, "NetworkPolicy")
+    job_nps = [n for n in nps if _selects((n.get("spec") or {}).get("podSelector"), w.pod_labels)]
+    if not job_nps:
+        errors.append(f"no NetworkPolicy in the rendering selects the job's pods ({w.pod_labels}): "
+                      f"{[name(n) for n in nps] or 'none at all'}")
     port = int(w.endpoint.rpartition(":")[2]) if w.endpoint and w.endpoint.rpartition(":")[2].isdigit() else None
     for np_ in nps:
         spec = np_.get("spec") or {}
-        if not _selects(spec.get("podSelector"), w.pod_labels):
-            errors.append(f"NetworkPolicy/{name(np_)}: podSelector does not select the job's pods ({w.pod_labels})")
+        selected = spec.get("podSelector") or {}
+        own = selected.get("matchLabels") or {}
         if "Ingress" not in (spec.get("policyTypes") or []):
             errors.append(f"NetworkPolicy/{name(np_)}: policyTypes must include Ingress")
-        rules = spec.get("ingress") or []
-        open_ports: list[tuple[int, int]] = []
-        for rule in rules:
+        for rule in spec.get("ingress") or []:
             peers = rule.get("from") or []
             if not peers:
                 errors.append(f"NetworkPolicy/{name(np_)}: an ingress rule without `from` admits every source")
             for peer in peers:
-                if set(peer) != {"podSelector"} or not _selects(peer["podSelector"], w.pod_labels):
+                ok = set(peer) == {"podSelector"} and (_selects(peer["podSelector"], w.pod_labels)
+                                                        or _selects(peer["podSelector"], own))
+                if not ok:
                     errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} is not (only) the job's own pods")
-            for p in rule.get("ports") or []:
-                lo = p.get("port")
-                if isinstance(lo, int):
-                    open_ports.append((lo, p.get("endPort", lo)))
-        if port is not None and not any(lo <= port <= hi for lo, hi in open_ports):
+    for np_ in job_nps:
+        open_ports = _admitted(np_["spec"], w.pod_labels)
+        if w.inner == "c10d" and port is not None and not any(lo <= port <= hi for lo, hi in open_ports):
             errors.append(f"NetworkPolicy/{name(np_)}: the rendezvous port {port} is not open to the job's pods")
         if not any(lo <= EPHEMERAL[0] and EPHEMERAL[1] <= hi for lo, hi in open_ports):
             errors.append(f"NetworkPolicy/{name(np_)}: the ephemeral range {EPHEMERAL[0]}-{EPHEMERAL[1]} "
                           f"(store on MASTER_PORT, gloo/NCCL sockets) is not open to the job's pods")
+    if w.inner == "etcd-v2" and port is not None and w.endpoint:
+        svc_name = w.endpoint.rpartition(":")[0].split(".")[0]
+        for svc in [s for s in of_kind(resources, "Service") if name(s) == svc_name]:
+            for res, tmpl in store_pods(resources, svc):
+                labels = (tmpl.get("metadata") or {}).get("labels") or {}
+                store_nps = [n for n in nps if _selects((n.get("spec") or {}).get("podSelector"), labels)]
+                if not store_nps:
+                    errors.append(f"{res['kind']}/{name(res)}: no NetworkPolicy isolates the rendezvous store's pods "
+                                  f"(anyone in the cluster could write the rendezvous state)")
+                elif not any(lo <= port <= hi for n in store_nps for lo, hi in _admitted(n["spec"], w.pod_labels)):
+                    errors.append(f"{res['kind']}/{name(res)}: the store's client port {port} is not open to the job's pods")
     return errors
 
 

@@ -73,6 +73,10 @@ def test_every_overlay_renders_the_expected_kinds(rendered):
     kinds = {o: sorted(r["kind"] for r in res) for o, res in rendered.items()}
     assert kinds["pytorchjob"] == ["NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "PyTorchJob"]
     assert kinds["indexed-job"] == ["Job", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]
+    store = ["NetworkPolicy", "PodDisruptionBudget", "Service", "StatefulSet"]
+    assert kinds["pytorchjob-etcd"] == sorted(kinds["pytorchjob"] + store)
+    assert kinds["indexed-job-etcd"] == sorted(kinds["indexed-job"] + store)
+    assert [R.workload(rendered[o]).inner for o in R.OVERLAYS] == ["c10d", "c10d", "etcd-v2", "etcd-v2"]
     for res in rendered.values():  # the params object is local config: it never reaches the cluster
         assert not R.of_kind(res, "DeployParams")
 
@@ -224,7 +228,18 @@ def _job_env(res, key, value):
 
 
 def _np(res):
-    return pick(res, "NetworkPolicy")["spec"]
+    return _named(res, "NetworkPolicy", "elastic-emb")["spec"]
+
+
+def _named(res, kind, nm):
+    (hit,) = [r for r in R.of_kind(res, kind) if R.name(r) == nm]
+    return hit
+
+
+def _move_env_last(c, key):
+    (e,) = [e for e in c["env"] if e["name"] == key]
+    c["env"].remove(e)
+    c["env"].append(e)
 
 
 WIRING_PLANTS = {
@@ -300,7 +315,7 @@ WIRING_PLANTS = {
         lambda r: container(pod_template(r))["resources"]["limits"].pop("nvidia.com/gpu"), "positive integer"),
     # NetworkPolicy / PDB select the job's pods; only the job's pods, on the right ports
     ("indexed-job", "policies", "policy selects other pods"): (
-        lambda r: _np(r).update(podSelector={"matchLabels": {"app": "web"}}), "podSelector does not select"),
+        lambda r: _np(r).update(podSelector={"matchLabels": {"app": "web"}}), "no NetworkPolicy in the rendering selects"),
     ("pytorchjob", "policies", "policy admits a namespace"): (
         lambda r: _np(r)["ingress"][0]["from"].append({"namespaceSelector": {}}), "not (only) the job's own pods"),
     ("pytorchjob", "policies", "policy admits everyone"): (
@@ -311,9 +326,22 @@ WIRING_PLANTS = {
         lambda r: _np(r)["ingress"][0]["ports"].pop(1), "ephemeral range"),
     ("indexed-job", "policies", "pdb selects other pods"): (
         lambda r: pick(r, "PodDisruptionBudget")["spec"].update(selector={"matchLabels": {"app": "web"}}),
-        "PodDisruptionBudget/elastic-emb: selector does not select"),
+        "no PodDisruptionBudget in the rendering selects the job's pods"),
     ("pytorchjob", "policies", "no network policy"): (
         lambda r: r.remove(pick(r, "NetworkPolicy")), "no NetworkPolicy"),
+    # inner=etcd-v2: the endpoint is an etcd Service with the v2 API, isolated to the job's pods
+    ("indexed-job-etcd", "endpoint", "store service selects nothing"): (
+        lambda r: _named(r, "Service", "elastic-emb-etcd")["spec"].update(selector={"app": "etcd"}), "selects no pods"),
+    ("pytorchjob-etcd", "endpoint", "etcd without the v2 API"): (
+        lambda r: pick(r, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"].remove("--enable-v2=true"),
+        "--enable-v2=true"),
+    ("indexed-job-etcd", "endpoint", "inner defined after its use"): (
+        lambda r: _move_env_last(container(pod_template(r)), "RDZV_INNER"), "must be c10d or etcd-v2"),
+    ("pytorchjob-etcd", "policies", "store not isolated"): (
+        lambda r: r.remove(_named(r, "NetworkPolicy", "elastic-emb-etcd")), "no NetworkPolicy isolates"),
+    ("indexed-job-etcd", "policies", "store client port closed"): (
+        lambda r: _named(r, "NetworkPolicy", "elastic-emb-etcd")["spec"]["ingress"][0]["ports"][0].update(port=2380),
+        "client port 2379 is not open"),
 }
 
 
@@ -373,8 +401,8 @@ def test_dockerfile_shape():
     assert facts["copies"].get("/app/examples") == "examples" and (R.REPO / "examples" / "train_recsys.py").exists()
     # The image's user is the one the templates run as (runAsUser), so volumes and fsGroup agree.
     uid = int(facts["user"].split(":")[0])
-    for o in R.OVERLAYS:
-        assert f"runAsUser: {uid}" in (R.DEPLOY / ("pytorchjob/pytorchjob.yaml" if o == "pytorchjob" else "indexed-job/job.yaml")).read_text()
+    for manifest in ("pytorchjob/pytorchjob.yaml", "indexed-job/job.yaml"):
+        assert f"runAsUser: {uid}" in (R.DEPLOY / manifest).read_text()
     # Everything the image copies is let through .dockerignore's allow-list.
     ignore = (R.REPO / ".dockerignore").read_text().split()
     for src in ["pyproject.toml", "README.md", "elastic_emb/", "examples/", "deploy/image-constraints.txt"]:
