@@ -170,8 +170,18 @@ def dense_gradient_rows(cfg: Config, g_dense: torch.Tensor) -> torch.Tensor:
     return flat.view(cfg.dense_rows, DENSE_DIM)
 
 
-def train_step(ctx, step: int, cfg: Config) -> float:
-    """One step of this rank's slice; every rank calls every collective (possibly with no samples)."""
+def lookup_checksum(dense: torch.Tensor, u: torch.Tensor, i: torch.Tensor) -> int:
+    """CRC32 of the rows a step looked up (dense, user, item, in that order)."""
+    crc = 0
+    for t in (dense, u, i):
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
+    """One step of this rank's slice; every rank calls every collective (possibly with no samples).
+
+    ``seen``, when given, receives ``lookup_crc``: the checksum of the rows this rank looked up."""
     rank, world = ctx.topology.rank, ctx.topology.world_size
     users, items, labels = global_batch(step, cfg)
     mine = rank_slice(cfg.batch, rank, world)
@@ -180,6 +190,8 @@ def train_step(ctx, step: int, cfg: Config) -> float:
     # Issue the three lookups, then wait: the context may overlap their communication.
     h_dense, h_user, h_item = (ctx.lookup("dense", dense_ids), ctx.lookup("user", users), ctx.lookup("item", items))
     dense, u, i = h_dense.wait(), h_user.wait(), h_item.wait()
+    if seen is not None:
+        seen["lookup_crc"] = lookup_checksum(dense, u, i)
     loss, g_dense, g_u, g_i = sample_gradients(cfg, dense, u, i, labels)
     ctx.apply_gradients("user", users, g_u)
     ctx.apply_gradients("item", items, g_i)
@@ -218,7 +230,8 @@ def write_final(lc, cfg: Config, out: Path) -> Path:
     """This rank's rows of every table, with the committed step they reflect."""
     topo = lc.context.topology
     shards = {
-        name: {"start": s.rows.start, "stop": s.rows.stop, "weight": s.weight.detach().cpu().clone()}
+        name: {"start": s.rows.start, "stop": s.rows.stop, "num_rows": lc.context.tables[name].num_rows,
+               "weight": s.weight.detach().cpu().clone()}
         for name, s in lc.context.export_shard().items()
     }
     (out / "final").mkdir(parents=True, exist_ok=True)
@@ -286,14 +299,15 @@ def main(argv=None) -> int:
         while lc.next_step < args.steps:
             step = lc.next_step
             t0 = time.time()
-            loss = train_step(lc.context, step, cfg)
+            seen: dict = {}
+            loss = train_step(lc.context, step, cfg, seen if args.checksums else None)
             report = lc.commit(step)
             delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
             if delay:
                 time.sleep(delay)
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                            loss=round(loss, 6), seconds=time.time() - t0, commit=_record(report),
-                           crc=shard_checksums(lc.context) if args.checksums else None)
+                           crc=shard_checksums(lc.context) if args.checksums else None, **seen)
             if lc.draining:
                 # The agent is about to restart us for a new world: everything up to `step` is
                 # committed; stop stepping and wait (bounded) for its SIGTERM.

@@ -95,7 +95,11 @@ def gather_final(out: Path) -> FinalTables:
     for name in names:
         parts = sorted(((p["shards"][name]["start"], p["shards"][name]["stop"], r, p["shards"][name]["weight"])
                         for r, (_, p) in by_rank.items() if name in p["shards"]), key=lambda x: x[:2])
-        num_rows = max(stop for _, stop, _, _ in parts)
+        declared = {p["shards"][name].get("num_rows") for _, p in by_rank.values() if name in p["shards"]} - {None}
+        if len(declared) > 1:
+            findings.append({"table": name, "problem": f"ranks disagree on the table size: {sorted(declared)}"})
+        # The table's size as the ranks declare it, so unowned trailing rows are not silently cut off.
+        num_rows = max(declared | {max(stop for _, stop, _, _ in parts)})
         dim = parts[0][3].shape[1]
         full = torch.empty(num_rows, dim, dtype=parts[0][3].dtype)
         owners = torch.zeros(num_rows, dtype=torch.int64)
@@ -132,6 +136,8 @@ def replay(script: ModuleType, cfg, last_step: int, *, keep_history: bool = True
     history: dict[str, list] = {name: [] for name in tables}
     initial = {name: t.weight.detach().clone() for name, t in tables.items()}
     dense_ids = torch.arange(cfg.dense_rows)
+    if on_step is not None:
+        on_step(-1, {n: t.weight.detach() for n, t in tables.items()})
     for step in range(last_step + 1):
         users, items, labels = script.global_batch(step, cfg)
         with torch.no_grad():
@@ -164,7 +170,21 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
     checks = _step_checksums(out)
     diverged: dict[str, dict] = {}
 
+    lookups = _lookup_checksums(out)
+
     def check(step: int, tables: dict[str, torch.Tensor]) -> None:
+        # The rows each rank looked up in step+1 must be the replay's rows after `step`.
+        if step + 1 in lookups and "lookup" not in diverged:
+            users, items, _ = script.global_batch(step + 1, cfg)
+            for c in lookups[step + 1]:
+                mine = script.rank_slice(cfg.batch, c["rank"], c["world"])
+                want = script.lookup_checksum(tables["dense"][: cfg.dense_rows], tables["user"][users[mine]],
+                                              tables["item"][items[mine]])
+                if want != c["crc"]:
+                    diverged["lookup"] = {"table": "dense+user+item", "problem": "looked-up rows differ from the replay",
+                                          "step": step + 1, "rank": c["rank"], "world_size": c["world"],
+                                          "node": c["node"], "pid": c["pid"]}
+                    break
         for c in checks.get(step, []):
             name, start, stop, crc = c["table"], c["start"], c["stop"], c["crc"]
             if name in diverged or name not in tables:
@@ -232,6 +252,21 @@ def _step_checksums(out: Path) -> dict[int, list[dict]]:
     return checks
 
 
+def _lookup_checksums(out: Path) -> dict[int, list[dict]]:
+    """step -> [{rank, world, crc, node, pid}] of the rows each process looked up in that step."""
+    found: dict[int, list[dict]] = {}
+    for path in sorted((out / "events").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") == "step" and e.get("lookup_crc") is not None:
+                found.setdefault(e["step"], []).append({"rank": e["rank"], "world": e["world"], "crc": e["lookup_crc"],
+                                                        "node": e.get("node"), "pid": e.get("pid")})
+    return found
+
+
 def _diagnose(table: str, row: int, got: torch.Tensor, initial: torch.Tensor, history: list, last: int) -> dict:
     """Name the steps a wrong row is missing (or say it matches no state)."""
     states = [(-1, initial)]
@@ -264,7 +299,10 @@ def _ranges(rows: list[int]) -> list[list[int]]:
 def _describe(findings: list[dict]) -> str:
     parts = []
     for f in findings[:12]:
-        if f.get("problem") == "first divergence from the replay":
+        if f.get("problem") == "looked-up rows differ from the replay":
+            parts.append(f"rank {f['rank']} of world {f['world_size']} (on {f['node']}, pid {f['pid']}) looked up rows "
+                         f"in step {f['step']} that differ from the replay's")
+        elif f.get("problem") == "first divergence from the replay":
             start, stop = f["rows"][0]
             parts.append(f"{f['table']} rows [{start}, {stop}) (rank {f['rank']} of world {f['world_size']} on "
                          f"{f['node']}, a process that restored step {f['process_restored_step']}) first differ "

@@ -1,0 +1,305 @@
+"""Drills end to end: real torchrun agents, real SIGTERM/SIGKILL, tables checked bit for bit.
+
+The fast tests check the pieces a drill's verdict rests on (the exactness of the example's
+gradient scheme, scenario validation, the verifier on tampered outputs). The drill tests run
+whole scenarios (scale-up, scale-down, node loss, worker crash, a planted silent corruption)
+through :func:`elastic_emb.drill.run_drill` and assert zero loss, the world sizes seen, and that
+no process or network namespace is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_emb.drill import PRESETS, LossDetected, Scenario, chaos, load_scenario, run_drill, verify
+from elastic_emb.drill import procs
+from elastic_emb.drill.network import netns_works
+from elastic_emb.drill.replay import EXAMPLE, load_script
+
+REPO = Path(__file__).resolve().parents[1]
+NETNS_OK, NETNS_WHY = netns_works()
+
+# -- the exactness scheme ---------------------------------------------------------------------
+
+
+def test_gradients_are_independent_of_the_rank_slicing_and_match_torch_func():
+    """A sample's quantised gradient is the same whatever rank slice it is computed in, and the
+    closed-form backward equals torch.func's per-sample gradients after quantisation."""
+    from torch.func import grad, vmap
+
+    m = load_script()
+    cfg = m.Config()
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(cfg.dense_rows, 16, generator=gen) * 0.3
+    table = torch.randn(4096, cfg.dim, generator=gen) * 0.3
+    for step in range(5):
+        users, items, labels = m.global_batch(step, cfg)
+        u, i = table[users], table[items % 4096]
+        _, gd, gu, gi = m.sample_gradients(cfg, dense, u, i, labels)
+        for world in (2, 3, 5, 8):
+            parts = [m.sample_gradients(cfg, dense, u[s], i[s], labels[s])
+                     for s in (m.rank_slice(cfg.batch, r, world) for r in range(world))]
+            for k, full in ((1, gd), (2, gu), (3, gi)):
+                assert torch.equal(torch.cat([p[k] for p in parts]), full), (step, world, k)
+        per_sample = vmap(grad(lambda d, uu, ii, yy: m.tower_loss(cfg, d, uu[None], ii[None], yy[None]).sum(),
+                               argnums=(0, 1, 2)), in_dims=(None, 0, 0, 0))
+        fd, fu, fi = per_sample(dense.double(), u.double(), i.double(), labels)
+        assert torch.equal(m.quantise(fd.reshape(len(labels), -1)[:, : cfg.dense_params]), gd)
+        assert torch.equal(m.quantise(fu), gu) and torch.equal(m.quantise(fi), gi)
+
+
+def test_quantised_sums_are_exact_in_any_order():
+    m = load_script()
+    g = m.quantise(torch.randn(m.Config().batch, 545, generator=torch.Generator().manual_seed(0)) * 3)
+    forward = g.sum(0)
+    for seed in range(3):
+        perm = torch.randperm(len(g), generator=torch.Generator().manual_seed(seed))
+        acc = torch.zeros_like(forward)
+        for chunk in g[perm].split(7):  # ranks summing their slices, then an all-reduce
+            acc += chunk.sum(0)
+        assert torch.equal(acc, forward)
+
+
+def test_rank_slices_partition_the_global_batch():
+    m = load_script()
+    for n in (8, 255, 256):
+        for world in range(1, 9):
+            idx = [i for r in range(world) for i in range(n)[m.rank_slice(n, r, world)]]
+            assert idx == list(range(n))
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def test_presets_validate_and_simulate():
+    for name, s in PRESETS.items():
+        history = s.simulate()
+        assert history[0] == list(range(s.initial_nodes)), name
+    assert PRESETS["demo"].simulate() == [[0], [0, 1], [0]]
+
+
+def test_scenario_file_yaml_and_json(tmp_path):
+    s = load_scenario(str(REPO / "examples" / "scenarios" / "rolling.yaml"))
+    assert s.name == "rolling" and [f.kind for f in s.faults] == ["join", "join", "crash_worker", "kill_node"]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"initial_nodes": 2, "faults": [{"kind": "leave", "at_step": 5}]}))
+    assert load_scenario(str(path)).name == "mine"
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"faults": [{"kind": "join", "at_step": 5}, {"kind": "join", "at_step": 9}]}, "max_nodes=2"),
+    ({"initial_nodes": 2, "faults": [{"kind": "kill_node", "at_step": 5, "node": 3}]}, "node 3 is not live"),
+    ({"faults": [{"kind": "join", "at_step": 5, "at_time": 1.0}]}, "exactly one of at_step or at_time"),
+    ({"steps": 10, "faults": [{"kind": "join", "at_step": 10}]}, "training ends at step 9"),
+    ({"faults": [{"kind": "explode", "at_step": 1}]}, "kind"),
+    ({"initial_nodes": 1, "faults": [{"kind": "leave", "at_step": 3}]}, "min_nodes=1"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_invalid_scenarios_are_refused_naming_the_fault(tmp_path, data, needle):
+    path = tmp_path / "bad.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_scenario(str(path))
+
+
+def test_chaos_is_reproducible_and_always_feasible():
+    assert chaos(7) == chaos(7)
+    assert chaos(7) != chaos(8)
+    for seed in range(200):
+        s = chaos(seed)
+        assert all(1 <= len(live) <= s.max_nodes for live in s.simulate())
+
+
+def test_unknown_scenario_names_the_presets():
+    with pytest.raises(ValueError, match="scale-up"):
+        load_scenario("no-such-drill")
+
+
+# -- drills end to end ----------------------------------------------------------------------------
+
+EXPECTED_WORLDS = {"scale-up": [1, 2], "scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2, 2]}
+# Loopback for two drills, one namespace per node for the other two (when root can make them),
+# so both network modes run in every test pass.
+NETWORK = {"scale-up": "loopback", "scale-down": "loopback", "node-loss": "auto", "worker-crash": "auto"}
+
+
+def _leftovers(out: Path) -> list[str]:
+    """Processes of this drill still alive (agents or workers), by their state dir or out dir."""
+    marker = str(out).encode()
+    found = []
+    for pid in procs.all_pids():
+        if pid == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (marker in env or marker in cmd) and procs.alive(pid):
+            found.append(f"{pid}: {procs.cmdline(pid)[:120]}")
+    return found
+
+
+def _namespaces() -> set[str]:
+    if not NETNS_OK:
+        return set()
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in r.stdout.splitlines() if line.startswith("ee")}
+
+
+def _run(name: str, tmp_path: Path, **update) -> tuple[dict, Path]:
+    scenario = PRESETS[name]
+    if update:
+        scenario = Scenario.model_validate({**scenario.model_dump(), **update})
+    out = tmp_path / name
+    before = _namespaces()
+    report = run_drill(scenario, out, progress="lines")
+    assert not _leftovers(out), f"processes left behind: {_leftovers(out)}"
+    assert _namespaces() <= before, f"namespaces left behind: {_namespaces() - before}"
+    return report, out
+
+
+def _explain(report: dict, out: Path) -> str:
+    """The failure message (evaluated only when an assertion fails): the error, the log tails, and
+    a copy of the whole drill directory outside pytest's rotating tmp dirs, for a post-mortem."""
+    keep = Path(os.environ.get("ELASTIC_EMB_FAILED_DRILLS", "/tmp/elastic_emb-failed-drills")) / f"{out.name}-{os.getpid()}"
+    shutil.copytree(out, keep, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+    tails = [f"drill directory kept at {keep}"]
+    for log in sorted((out / "logs").glob("*.log")):
+        tails.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return f"error: {report['error']}\nverification: {report['verification']}\n" + "\n".join(tails)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(EXPECTED_WORLDS))
+def test_drill_loses_nothing(name, tmp_path):
+    report, out = _run(name, tmp_path, network=NETWORK[name])
+    assert report["ok"], _explain(report, out)
+    v = report["verification"]
+    assert v["ok"] and v["step"] == PRESETS[name].steps - 1
+    assert v["rows_checked"] == 4096 + 4096 + 35
+    assert v["step_checksums_checked"] >= PRESETS[name].steps  # every committed step was checked
+    assert report["world_sizes"] == EXPECTED_WORLDS[name], _explain(report, out)
+    assert [r["steps_lost"] for r in report["resizes"]] == [0]
+    assert report["network"] == ("netns" if NETWORK[name] == "auto" and NETNS_OK else "loopback")
+    assert (out / "report.png").stat().st_size > 10_000
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["resizes"][0]["recovery_seconds"] > 0 and saved["faults"][0]["kind"] == PRESETS[name].faults[0].kind
+    if name == "node-loss":
+        # The dead node's rows can only have come from the replicas on the survivor.
+        assert "replica" in report["resizes"][0]["source_tiers"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path):
+    """Rows of the newest snapshot are changed *with matching checksums* (a state-layer bug, not
+    a disk error), then the workers are killed so they restore from it: only the comparison with
+    the replay can tell, and it must name the rows and the step."""
+    report, out = _run("corrupt-snapshot", tmp_path, network="loopback")
+    assert report["ok"] is False
+    v = report["verification"]
+    assert v["ok"] is False and "LOSS DETECTED" in v["error"]
+    planted = report["faults"][0]["corrupted"][0]
+    assert planted["table"] == "user" and planted["rows"] == [0, 3]
+    rows = {(f["table"], f["row"]) for f in v["findings"] if "row" in f}
+    assert {("user", 0), ("user", 1), ("user", 2)} <= rows
+    first = [f for f in v["findings"] if f["problem"] == "first divergence from the replay" and f["table"] == "user"]
+    assert first and first[0]["step"] == planted["step"] + 1 and first[0]["process_restored_step"] == planted["step"]
+    assert f"right after step {planted['step'] + 1}" in v["error"]
+
+
+# -- the verifier on tampered outputs (no processes: reuses a finished drill's files) -------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A small real run (torchrun, 2 workers, 12 steps) whose output the tamper tests copy."""
+    out = tmp_path_factory.mktemp("run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_"))}
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_BACKEND="gloo", OMP_NUM_THREADS="1",
+               ELASTIC_EMB_STATE_DIR=str(out / "state"), ELASTIC_EMB_LOG_FORMAT="json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE),
+           "--steps", "12", "--out", str(out / "run"), "--checksums"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "run"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def test_verify_accepts_the_untouched_run(finished_run):
+    v = verify(finished_run)
+    assert v["ok"] and v["step"] == 11 and v["world_size"] == 2
+
+
+def test_verify_names_a_changed_row(finished_run, tmp_path):
+    run = _copy(finished_run, tmp_path)
+    path = sorted((run / "final").glob("*-r1-*.pt"))[0]
+    payload = torch.load(path, weights_only=True)
+    shard = payload["shards"]["item"]
+    shard["weight"][5] = torch.nextafter(shard["weight"][5], torch.full_like(shard["weight"][5], 9.0))  # 1 ulp
+    torch.save(payload, path)
+    with pytest.raises(LossDetected) as err:
+        verify(run)
+    row = shard["start"] + 5
+    assert any(f.get("table") == "item" and f.get("row") == row for f in err.value.findings)
+    assert f"item[{row}]" in str(err.value)
+
+
+def test_verify_names_missing_and_duplicated_rows(finished_run, tmp_path):
+    run = _copy(finished_run, tmp_path)
+    path = sorted((run / "final").glob("*-r1-*.pt"))[0]
+    payload = torch.load(path, weights_only=True)
+    user = payload["shards"]["user"]
+    user["start"], user["weight"] = user["start"] - 10, torch.cat([user["weight"][:10], user["weight"][:-10]])
+    user["stop"] -= 10  # now overlaps rank 0 by 10 rows and leaves the last 10 rows unowned
+    torch.save(payload, path)
+    with pytest.raises(LossDetected, match=r"rows lost or duplicated") as err:
+        verify(run)
+    problems = {(f["table"], f["problem"], tuple(map(tuple, f["rows"]))) for f in err.value.findings}
+    assert ("user", "no rank holds", ((4086, 4096),)) in problems
+    assert ("user", "several ranks hold", ((2038, 2048),)) in problems
+
+
+def test_verify_detects_a_step_applied_twice(finished_run, tmp_path):
+    """Re-applying the last step's gradients on top of the final rows is caught (row-level)."""
+    run = _copy(finished_run, tmp_path)
+    m = load_script()
+    cfg = m.Config()
+    from elastic_emb.drill.replay import replay
+
+    tables, _, _ = replay(m, cfg, 11, keep_history=False)
+    users, items, labels = m.global_batch(11, cfg)
+    _, _, gu, _ = m.sample_gradients(cfg, tables["dense"], tables["user"][users], tables["item"][items], labels)
+    for path in sorted((run / "final").glob("*.pt")):
+        payload = torch.load(path, weights_only=True)
+        sh = payload["shards"]["user"]
+        mine = (users >= sh["start"]) & (users < sh["stop"])
+        sh["weight"].index_add_(0, users[mine] - sh["start"], gu[mine], alpha=-cfg.lr)
+        torch.save(payload, path)
+    with pytest.raises(LossDetected) as err:
+        verify(run)
+    wrong = {f["row"] for f in err.value.findings if f.get("table") == "user" and "row" in f}
+    assert wrong and wrong <= set(users.tolist())
+
+
+def test_verify_without_final_tables_says_so(tmp_path):
+    (tmp_path / "final").mkdir()
+    with pytest.raises(LossDetected, match="never finished"):
+        verify(tmp_path)
