@@ -540,3 +540,30 @@ def test_drain_target_reads_the_pod_environment():
         DrainTarget.from_env({})
     with pytest.raises(DrainError, match="'zk'"):
         DrainTarget.from_env({"PET_RDZV_ENDPOINT": "x:1", "PET_RDZV_CONF": "inner=zk"})
+
+
+# -- the README describes what the templates do ------------------------------------------------------
+
+
+def test_readme_deploy_section_matches_the_templates(rendered):
+    readme = (R.REPO / "README.md").read_text()
+    section = readme.split("## Deploy on Kubernetes", 1)[1].split("\n## ", 1)[0]
+    # The same overlays, no more, no fewer.
+    named = set(__import__("re").findall(r"kubectl apply -k deploy/([a-z0-9-]+)`", section))
+    assert named == set(R.OVERLAYS)
+    # The params block shown is the params file's.
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    shown = yaml.safe_load(block)["spec"]
+    assert shown == yaml.safe_load((R.DEPLOY / "params" / "params.yaml").read_text())["spec"]
+    # The numbers it states are the rendered ones.
+    for overlay in R.OVERLAYS:
+        w = R.workload(rendered[overlay])
+        spec, c = w.pod_template["spec"], container(w.pod_template)
+        shm = next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+        pre = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert f"terminationGracePeriodSeconds: {spec['terminationGracePeriodSeconds']}" in section
+        assert f"`{' '.join(pre)}`" in section and f"at most {R.drain_timeout(pre):g} s" in section
+        assert f"sizeLimit: {shm}" in section and f"{c['resources']['limits']['memory']} memory limit" in section
+        assert f"{R.EPHEMERAL[0]}-{R.EPHEMERAL[1]}" in section
+        host, _, port = w.endpoint.rpartition(":")
+        assert f"{host}:{port}" in section or (w.inner == "etcd-v2" and host in section and port in section), w.endpoint
