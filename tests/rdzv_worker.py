@@ -49,6 +49,13 @@ def log(record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def log_watch_events(watcher, gen: int, rank: int) -> None:
+    if watcher is not None:
+        for e in watcher.events():
+            log({"ev": "membership", "gen": gen, "rank": rank, "kind": e.kind, "nodes": list(e.nodes),
+                 "state_round": e.state_round, "watch_round": e.round, "watch_node": watcher.node})
+
+
 def last_committed() -> int:
     best = -1
     for name in os.listdir(LOG_DIR):
@@ -87,9 +94,17 @@ def main() -> int:
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
             return 3
+        log_watch_events(watcher, topo.generation, topo.rank)
         log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
         x = torch.tensor([step], dtype=torch.int64)
-        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except Exception:
+            log_watch_events(watcher, topo.generation, topo.rank)
+            if watcher is not None and watcher.membership_change_pending(timeout=5.0):
+                log_watch_events(watcher, topo.generation, topo.rank)
+                log({"ev": "collective_failed_membership", "gen": topo.generation, "rank": topo.rank, "step": step})
+            raise
         if int(x.item()) != step * topo.world_size:
             raise RuntimeError(f"step {step}: all_reduce gave {int(x.item())}, expected {step * topo.world_size}")
         log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
@@ -104,6 +119,7 @@ def main() -> int:
     # Idle (or drained): no collectives, wait for the agent to restart or stop us.
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
+        log_watch_events(watcher, topo.generation, topo.rank)
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
             return 3

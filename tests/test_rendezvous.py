@@ -225,3 +225,36 @@ def test_etcd_v2_inner_backend_scale_down(cluster):
         assert [e["world_size"] for e in rounds] == [1, 2, 1]
         assert rounds[-1]["deaths"] == [_node(b)]
         assert [e["outcome"] for e in ev if e["event"] == "drain_finished"] == ["acknowledged"]
+
+
+def test_watcher_alone_under_stock_c10d(cluster):
+    """No elastic_emb backend: stock c10d agents, the watcher told only the endpoint. It still
+    sees the join and the departure, and the SIGKILLed agent's orphan stops itself."""
+    tmp, agents = cluster
+    port = free_port()
+    kw = dict(backend="c10d", conf="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
+              extra_env={"ELASTIC_EMB_RDZV_ENDPOINT": f"127.0.0.1:{port}"})
+    agents.append(start_agent("a", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1 (stock c10d)", agents)
+    t_b = time.time()
+    agents.append(start_agent("b", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2 (stock c10d)", agents)
+    a, b = agents
+    recs = worker_records(tmp)
+    first = next(r for r in recs if r["ev"] == "ready" and r["ws"] == 1)
+    joins = [r for r in recs if r["ev"] == "membership" and r["pid"] == first["pid"] and r["kind"] == "join_pending"]
+    assert joins and joins[0]["nodes"] == [_node(b)], joins
+    assert joins[0]["watch_node"] == _node(a)  # found its own node by the agent's pid
+    ready2 = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2]
+    survivor = next(r["pid"] for r in ready2 if r["agent_pid"] == a.pid)
+    orphan = next(r["pid"] for r in ready2 if r["agent_pid"] == b.pid)
+    time.sleep(0.5)
+    t_kill = b.signal(signal.SIGKILL)
+    wait_for(lambda: not _alive(orphan), WAIT, "the orphan to stop (stock c10d)", agents, pause=0.02)
+    t_orphan = time.time()
+    departures = wait_for(
+        lambda: [r for r in worker_records(tmp) if r["ev"] == "membership" and r["pid"] == survivor
+                 and r["kind"] == "departure"], WAIT, "the survivor's watcher to see the departure", agents)
+    assert departures[0]["nodes"] == [_node(b)]
+    print(f"\nstock c10d + watcher: orphan stopped {t_orphan - t_kill:.2f} s after SIGKILL, survivor saw the "
+          f"departure after {departures[0]['t'] - t_kill:.2f} s")
