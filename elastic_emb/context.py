@@ -29,7 +29,8 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        requested rows on the owners, and start the row all-to-all with ``async_op``.
     4. ``handle.wait()`` completes that exchange and reorders with the inverse index.
     Every collective is issued inside ``lookup`` in program order, so handles may be waited in
-    any order on any rank without mismatching collectives.
+    any order on any rank without mismatching collectives. A world of one rank skips all of it:
+    a lookup is then a plain gather.
 
 Gradients (``apply_gradients(table, ids, grads)``, collective)
     Duplicates are summed locally, unique rows and their summed gradients travel to the owners
@@ -267,7 +268,7 @@ class LookupHandle:
             if self._work is not None:
                 ctx._wait(self._work, timeout, f"lookup({self._table!r}) row exchange")
             # Reorder (and expand duplicates) into a tensor the caller owns.
-            self._result = self._recv.index_select(0, self._inverse)
+            self._result = self._recv if self._inverse is None else self._recv.index_select(0, self._inverse)
         finally:
             if self._leased:
                 ctx._arena_release()
@@ -580,6 +581,13 @@ class EmbContext:
         self._check_open(f"lookup({table!r})")
         spec = self._spec(table)
         what = f"lookup({table!r})"
+        if self.topology.world_size == 1:
+            # One rank owns everything: no exchange, no dedup; a plain gather.
+            checked, reason = self._validate_ids(spec, ids)
+            if checked is None:
+                raise InvalidIds(f"{what} on rank 0: {reason}")
+            rows = self._arena.weights[table].index_select(0, checked)
+            return LookupHandle(self, table, None, rows, None, False)
         uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what)
         weight = self._arena.weights[table]
         start = self.owned(table).start

@@ -103,3 +103,49 @@ def test_arena_sized_from_world(runs):
             assert arena["total_bytes"] == arena["resident_bytes"] + arena["staging_bytes"]
         sizes[world] = per_rank[0]["arena"]["staging_bytes"]
     assert sizes[4] > sizes[3] > sizes[2], sizes
+
+
+PEER_DIES = r"""
+import json, os, signal, time, torch
+from elastic_emb.context import EmbContext, CommunicationError
+from elastic_emb.protocol import TableSpec
+from elastic_emb.store import worker_store
+from elastic_emb.topology import Topology
+t = Topology.from_env()
+store = worker_store(t, timeout=30)
+ctx = EmbContext(t, store, tables=[TableSpec(name="a", num_rows=100, dim=8)], timeout=20.0)
+ctx.lookup("a", torch.arange(10)).wait()
+ctx.barrier()
+if t.rank == 1:
+    store.set("dying", "1")
+    os.kill(os.getpid(), signal.SIGKILL)
+store.wait(["dying"])
+time.sleep(0.3)
+t0 = time.monotonic()
+try:
+    ctx.lookup("a", torch.arange(10)).wait()
+    err = None
+except CommunicationError as exc:
+    err = str(exc)
+failed_after = time.monotonic() - t0
+healthy = ctx.healthy
+t1 = time.monotonic()
+ctx.close()
+ctx.close()
+print(json.dumps({"err": err, "failed_after": failed_after, "healthy_after_error": healthy,
+                  "close_s": time.monotonic() - t1, "closed": ctx.closed}), flush=True)
+"""
+
+
+def test_peer_killed_fails_fast_and_close_aborts():
+    """SIGKILL of a peer: the next lookup raises CommunicationError well before the 20 s timeout,
+    the context reports unhealthy, and close() (abort) returns at once and is idempotent."""
+    port = free_port()
+    res = run_ranks(PEER_DIES, [torchrun_env(r, 2, port, run_id="ctx-kill") for r in range(2)], timeout=60)
+    assert res[1].returncode == -9, f"rank 1 should have died by SIGKILL: {res[1].returncode}\n{res[1].stderr[-2000:]}"
+    assert res[0].returncode == 0, res[0].stderr[-3000:]
+    v = res[0].value
+    assert v["err"] and "rank 0" in v["err"], v
+    assert v["failed_after"] < 10, v
+    assert v["healthy_after_error"] is False and v["closed"] is True, v
+    assert v["close_s"] < 5, v
