@@ -108,7 +108,7 @@ def worker(args) -> None:
         if got != want or not bool((w[:, -1] == w[:, 0]).all()):
             raise SystemExit(f"rank {rank}: {what}: rows {probe} hold {got}, expected {want}")
 
-    state_root = Path(args.state_dir) / f"bench-{os.getpid() if rank == 0 else 'x'}"
+    state_root = Path(args.state_dir) / f"elastic_emb-bench-{os.getppid()}-r{rank}"
     results: list[dict] = []
     ctx = factory(next_topo())
     fill(ctx)
@@ -219,6 +219,7 @@ def worker(args) -> None:
         r["shard_bytes"] = shard_bytes
         results.append(r)
     ctx.close()
+    shutil.rmtree(state_root, ignore_errors=True)
     dist.destroy_process_group()
     print(json.dumps({"rank": rank, "runs": results}), flush=True)
 
