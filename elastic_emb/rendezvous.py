@@ -321,6 +321,13 @@ class ElasticEmbRendezvousHandler:
     def settings(self):
         return self._inner.settings
 
+    def __getattr__(self, name: str) -> Any:
+        # Anything a newer torch agent asks of its handler that this wrapper does not override.
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
     def next_rendezvous(self):
         start = time.monotonic()
         previous = self._members
@@ -400,6 +407,12 @@ class ElasticEmbRendezvousHandler:
             return {"reason": "round_advanced", "state_round": view.round, "participants": list(view.participants)}
         gone = [n for n in self._members if n not in view.participants]
         if gone:
+            # A node that left on purpose said so (KEY_LEFT); any other absence is a death:
+            # reported by its orphans, or its heartbeat expired (hung, partitioned, lost host).
+            prefix = round_prefix(self._run_id, self._round)
+            for n in gone:
+                if n not in self._known_dead and not self._said_left(prefix, n):
+                    self._known_dead.add(n)
             dead = [n for n in gone if n in self._known_dead]
             return {
                 "reason": "participant_gone",
@@ -408,6 +421,13 @@ class ElasticEmbRendezvousHandler:
                 "participants": list(view.participants),
             }
         return None
+
+    def _said_left(self, prefix: str, node: str) -> bool:
+        try:
+            return bool(self._round_store.check([prefix + KEY_LEFT + node]))
+        except Exception as exc:  # unreadable: call it a departure, the restart is the same
+            self._log.warning("left_mark_unreadable", round=self._round, node=node, error=repr(exc))
+            return True
 
     def _evict_reported_dead(self) -> None:
         """Remove nodes that their orphaned workers reported dead from torch's state.

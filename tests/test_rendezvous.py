@@ -258,3 +258,35 @@ def test_watcher_alone_under_stock_c10d(cluster):
     assert departures[0]["nodes"] == [_node(b)]
     print(f"\nstock c10d + watcher: orphan stopped {t_orphan - t_kill:.2f} s after SIGKILL, survivor saw the "
           f"departure after {departures[0]['t'] - t_kill:.2f} s")
+
+
+def test_hung_agent_is_declared_dead_and_its_worker_leaves(cluster):
+    """SIGSTOP an agent (hung, not dead: no orphan report). Its heartbeat expires, the survivor
+    restarts without it (a death, not a departure), and the hung node's idle worker sees its
+    node outside the membership and stops itself."""
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, mode="idle"))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    t_b = time.time()
+    agents.append(start_agent("b", tmp, port, mode="idle"))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
+    b = agents[1]
+    stuck = next(r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["agent_pid"] == b.pid)
+    time.sleep(0.5)
+    t_stop = b.signal(signal.SIGSTOP)
+    try:
+        t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_stop), WAIT, "world size 1 after SIGSTOP", agents)
+        wait_for(lambda: not _alive(stuck), WAIT, "the hung node's worker to stop", agents, pause=0.02)
+        t_gone = time.time()
+    finally:
+        b.signal(signal.SIGCONT)
+    print(f"\nSIGSTOP (idle): survivor's first step after {t_first - t_stop:.2f} s, hung node's worker gone after "
+          f"{t_gone - t_stop:.2f} s")
+    mine = [r for r in worker_records(tmp) if r["pid"] == stuck]
+    assert any(r["ev"] == "evicted" or (r["ev"] == "membership" and r["kind"] == "evicted") for r in mine), mine[-5:]
+    ev = events(tmp, "a")
+    changes = [e for e in ev if e["event"] == "membership_changed"]
+    assert changes[-1]["deaths"] == [_node(b)] and changes[-1]["departures"] == []
+    last_round = [e for e in ev if e["event"] == "rendezvous_round"][-1]
+    assert last_round["world_size"] == 1 and last_round["deaths"] == [_node(b)]
