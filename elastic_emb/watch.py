@@ -354,7 +354,7 @@ class Watcher:
         request is pending at all.
         """
         if not self.drain_enabled or self.round is None or self._evicted:
-            return self._evicted
+            return False  # an evicted worker stops through its eviction, not a drain
         if not self._drain_seen:
             self._drain_seen = self._check(KEY_DRAIN)
             if not self._drain_seen:
@@ -377,7 +377,9 @@ class Watcher:
         explaining = {"departure", "round_advanced", "join_pending", "agent_lost", "evicted"}
         deadline = time.monotonic() + timeout
         while True:
-            if self._evicted or any(kind in explaining for kind, _ in self._reported):
+            with self._lock:
+                seen = {kind for kind, _ in self._reported}
+            if self._evicted or seen & explaining:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -391,8 +393,8 @@ class Watcher:
 
     def ack_drain(self, step: int) -> None:
         """Tell the agent this worker committed ``step`` and stopped stepping."""
-        if self._acked or self.round is None:
-            return
+        if self._acked or self.round is None or self._evicted:
+            return  # outside the membership: touch no shared state
         store = self._reader.store
         store.set(self._prefix() + KEY_ACK + str(self.rank), str(step))
         store.add(self._prefix() + KEY_ACKS, 1)
@@ -424,12 +426,14 @@ class Watcher:
             time.sleep(0.005)
         raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
 
-    def _emit(self, kind: EventKind, *, nodes: tuple[str, ...] = (), state_round: int | None = None, once: bool = True) -> None:
-        if once:
-            key = (kind, nodes)
-            if key in self._reported:
-                return
-            self._reported.add(key)
+    def _emit(self, kind: EventKind, *, nodes: tuple[str, ...] = (), state_round: int | None = None,
+              once: bool = True) -> MembershipEvent | None:
+        with self._lock:
+            if once:
+                key = (kind, nodes)
+                if key in self._reported:
+                    return None
+                self._reported.add(key)
         event = MembershipEvent(
             kind=kind, round=self.round if self.round is not None else -1, state_round=state_round,
             nodes=nodes, participants=self._members, at=time.time(),
@@ -437,6 +441,7 @@ class Watcher:
         with self._lock:
             self._events.append(event)
         self._log.info("membership_event", kind=kind, round=event.round, state_round=state_round, nodes=list(nodes))
+        return event
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -503,8 +508,7 @@ class Watcher:
         if self._evicted:
             return
         self._evicted = True
-        self._emit(kind, nodes=nodes, state_round=state_round)
-        event = self._events[-1] if self._events else None
+        event = self._emit(kind, nodes=nodes, state_round=state_round, once=False)
         if self._on_evicted is not None and event is not None:
             self._on_evicted(event)
             return
