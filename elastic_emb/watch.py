@@ -44,7 +44,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import os
 import pickle
 import signal
