@@ -119,6 +119,7 @@ def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_pr
     update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
     if update:
         scenario = scenario.model_validate({**scenario.model_dump(), **update})
+    _drill_logs()
     report = run_drill(scenario, out, script=script or EXAMPLE, progress=progress)
     expected = not report["ok"] if scenario.expect_failure else report["ok"]
     raise SystemExit(0 if expected else 1)
@@ -130,9 +131,17 @@ def demo_cmd(out) -> None:
     """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes."""
     from elastic_emb.drill import PRESETS, run_drill
 
+    _drill_logs()
     report = run_drill(PRESETS["demo"], out)
-    click.echo(f"report: {report['paths']['json']}")
     raise SystemExit(0 if report["ok"] else 1)
+
+
+def _drill_logs() -> None:
+    """The drill's own events go to its report and logs; on the console, warnings only
+    (ELASTIC_EMB_LOG_LEVEL=info brings them back)."""
+    from elastic_emb.events import configure_logging
+
+    configure_logging(level=os.environ.get("ELASTIC_EMB_LOG_LEVEL", "warning"), force=True)
 
 
 if __name__ == "__main__":
