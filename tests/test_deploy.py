@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 import deploy_rules as R
+from etcd_fixture import etcd_server  # noqa: F401  (the fixture, for the etcd-v2 drain)
 from procs import free_port
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -442,13 +443,15 @@ dist.destroy_process_group()
 '''
 
 
-def _torchrun(tmp_path: Path, port: int, nproc: int, extra_env: dict | None = None) -> subprocess.Popen:
+def _torchrun(tmp_path: Path, port: int, nproc: int, extra_env: dict | None = None, *, inner: str = "c10d",
+              endpoint: str | None = None) -> subprocess.Popen:
     script = tmp_path / "drain_worker.py"
     script.write_text(DRAIN_WORKER)
     env = dict(os.environ, PYTHONPATH=str(R.REPO), OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_FORMAT="json", **(extra_env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=elastic_emb", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=drainjob",
-           "--rdzv-conf=inner=c10d,is_host=1,join_timeout=30", "--max-restarts=0", "--monitor-interval=0.1",
+           "--rdzv-backend=elastic_emb", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}", "--rdzv-id=drainjob",
+           f"--rdzv-conf=inner={inner},join_timeout=30" + (",is_host=1" if inner == "c10d" else ""),
+           "--max-restarts=0", "--monitor-interval=0.1",
            str(script), str(tmp_path)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -477,14 +480,18 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float) -> None
     pytest.fail(f"workers never wrote {[p.name for p in paths if not p.exists()]}; torchrun output:\n{out[-4000:]}")
 
 
-def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path):
+@pytest.mark.parametrize("inner", ["c10d", "etcd-v2"])
+def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path, request, inner):
     port = free_port()
-    proc = _torchrun(tmp_path, port, nproc=2)
+    endpoint = f"127.0.0.1:{port}"
+    if inner == "etcd-v2":  # the -etcd overlays: the rendezvous (and the drain keys) live in etcd
+        endpoint = request.getfixturevalue("etcd_server").endpoint
+    proc = _torchrun(tmp_path, port, nproc=2, inner=inner, endpoint=endpoint)
     try:
         _wait_for([tmp_path / "ready0", tmp_path / "ready1"], proc, 60)
         # As the preStop hook runs it: only the pod's PET_* variables, no flags but the timeout.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTIC_EMB_RDZV", "TORCHELASTIC_"))}
-        env.update(PET_RDZV_ENDPOINT=f"127.0.0.1:{port}", PET_RDZV_ID="drainjob", PET_RDZV_CONF="inner=c10d,join_timeout=30")
+        env.update(PET_RDZV_ENDPOINT=endpoint, PET_RDZV_ID="drainjob", PET_RDZV_CONF=f"inner={inner},join_timeout=30")
         drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--timeout", "20"],
                                env=env, capture_output=True, text=True, timeout=60)
         assert drain.returncode == 0, drain.stderr[-3000:]
