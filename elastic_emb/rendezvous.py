@@ -394,6 +394,10 @@ class ElasticEmbRendezvousHandler:
                 return max(waiting, 1)
             if waiting > 0:
                 return self._drain_gate(waiting, view)
+            if self._drain_started is not None:
+                # The node that asked to join went away mid-drain, but the workers stop (or
+                # stopped) stepping for it: finish the drain and restart them all the same.
+                return self._drain_gate(1, view)
             return 0
 
     # -- heartbeats -----------------------------------------------------------------------
