@@ -110,9 +110,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
-Int32 = Field(ge=-(2**31), le=2**31 - 1)
-
-
 class ObjectMeta(_Strict):
     name: str = Field(min_length=1)
     namespace: str | None = None
@@ -626,8 +623,6 @@ def image_has_command(argv: list[str], facts: dict) -> str | None:
     if exe in _console_scripts():
         if not facts["installs_project"]:
             return f"{exe!r} is this project's console script, but the Dockerfile does not install the project"
-        from click.testing import CliRunner
-
         from elastic_emb.cli import main
 
         sub = argv[1] if len(argv) > 1 else None
@@ -672,7 +667,7 @@ def rule_commands(resources: list[dict], w: Workload, facts: dict | None = None)
             errors.append(f"{w.kind}/{w.name}: script {script} comes from {src.relative_to(REPO)}, which does not exist")
     # The root filesystem is read-only: whatever the script writes must go to a mounted volume.
     mounts = [m.get("mountPath", "").rstrip("/") for m in c.get("volumeMounts") or []]
-    for flag, value in zip(cmd, cmd[1:]):
+    for flag, value in zip(cmd, cmd[1:], strict=False):
         if flag == "--out" and not any(value == m or value.startswith(m + "/") for m in mounts):
             errors.append(f"{w.kind}/{w.name}: --out {value} is not on a mounted volume (the root filesystem is read-only)")
     pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
