@@ -25,8 +25,10 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        needs no permutation. Only unique ids travel: that is what makes it fast.
     3. Exchange per-peer counts (a tiny all-to-all; a rank that passed bad ids sends -1 here, so
        the others raise :class:`PeerLookupError` instead of hanging, and the bad rank raises
-       :class:`InvalidIds` with the offending value), then the ids (all-to-all), gather the
-       requested rows on the owners, and start the row all-to-all with ``async_op``.
+       :class:`InvalidIds` with the offending value; each count travels with a tag naming the
+       call, so ranks in different calls all raise :class:`CollectiveMismatch` instead of
+       trading wrong rows), then the ids (all-to-all), gather the requested rows on the owners,
+       and start the row all-to-all with ``async_op``.
     4. ``handle.wait()`` completes that exchange and reorders with the inverse index.
     Every collective is issued inside ``lookup`` in program order, so handles may be waited in
     any order on any rank without mismatching collectives. A world of one rank skips all of it:
@@ -77,6 +79,7 @@ __all__ = [
     "InvalidIds",
     "PeerLookupError",
     "CommunicationError",
+    "CollectiveMismatch",
     "init_rows",
     "INIT_BLOCK_ROWS",
 ]
@@ -105,6 +108,12 @@ class PeerLookupError(ElasticEmbError, RuntimeError):
 
 class CommunicationError(ElasticEmbError, RuntimeError):
     """A collective of the context failed or timed out; the context is now unhealthy."""
+
+
+class CollectiveMismatch(ElasticEmbError, RuntimeError):
+    """Ranks made different calls at the same point (say ``lookup('a')`` on one rank and
+    ``apply_gradients('a')`` or ``lookup('b')`` on another). Detected in the count exchange, on
+    every rank, before any id or row moves; the context stays usable."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,36 +540,71 @@ class EmbContext:
             self._healthy = False
             raise CommunicationError(f"all-to-all failed on rank {self.topology.rank}: {exc}") from exc
 
-    def _exchange_counts(self, send_counts: torch.Tensor, what: str) -> tuple[list[int], list[int]]:
-        """All-to-all of per-peer counts: (sent, received) as lists (one device sync for both).
-        Raises PeerLookupError if any rank sent poison."""
+    _OPS = {1: "lookup", 2: "apply_gradients"}
+
+    def _tag(self, op: int, table: str) -> int:
+        """Identifies a call (operation and table) so the count exchange can prove that every
+        rank is in the same call."""
+        names = sorted(self.tables)
+        return op * (1 << 20) + (names.index(table) if table in self.tables else (1 << 20) - 1)
+
+    def _describe_tag(self, tag: int) -> str:
+        names = sorted(self.tables)
+        op, idx = divmod(tag, 1 << 20)
+        table = names[idx] if idx < len(names) else "<unknown table>"
+        return f"{self._OPS.get(op, f'op{op}')}({table!r})"
+
+    def _exchange_counts(self, send_counts: torch.Tensor, what: str, tag: int) -> tuple[list[int], list[int]]:
+        """All-to-all of (count, call tag) per peer: (sent, received) counts as lists, one
+        device sync for both. Raises PeerLookupError if a rank sent poison (invalid input there),
+        CollectiveMismatch if a rank is in a different call."""
         world = self.topology.world_size
-        recv = torch.empty(world, dtype=torch.int64, device=self.device)
-        ones = [1] * world
-        self._wait(self._alltoall(recv, send_counts, ones, ones), None, f"{what} count exchange")
+        send = torch.stack([send_counts, torch.full_like(send_counts, tag)], dim=1).reshape(-1)
+        recv = torch.empty(2 * world, dtype=torch.int64, device=self.device)
+        twos = [2] * world
+        self._wait(self._alltoall(recv, send, twos, twos), None, f"{what} count exchange")
         both = torch.cat([send_counts, recv]).tolist()
-        sent, counts = both[:world], both[world:]
+        sent, got = both[:world], both[world:]
+        counts, tags = got[0::2], got[1::2]
         bad = [r for r, c in enumerate(counts) if c < 0]
         if bad:
             raise PeerLookupError(
-                f"{what} was cancelled on rank {self.topology.rank}: rank(s) {bad} passed invalid ids "
+                f"{what} was cancelled on rank {self.topology.rank}: rank(s) {bad} passed invalid input "
                 f"(see the InvalidIds error on those ranks); the context stays usable",
                 bad,
             )
+        other = {r: tg for r, tg in enumerate(tags) if tg != tag}
+        if other:
+            calls = ", ".join(f"rank {r} called {self._describe_tag(tg)}" for r, tg in sorted(other.items()))
+            raise CollectiveMismatch(
+                f"rank {self.topology.rank} called {what} but {calls}: every rank must make the same "
+                f"lookup/apply_gradients calls in the same order (an empty ids tensor where it has none)"
+            )
         return sent, counts
 
-    def _route(self, spec: TableSpec, ids, what: str):
+    def _cancel(self, what: str, tag: int) -> None:
+        """Send poison in place of counts, so the peers raise instead of waiting for this rank."""
+        poison = torch.full((self.topology.world_size,), _POISON, dtype=torch.int64, device=self.device)
+        try:
+            self._exchange_counts(poison, what, tag)
+        except (PeerLookupError, CollectiveMismatch):
+            pass
+
+    def _spec_or_cancel(self, table: str, what: str, op: int) -> TableSpec:
+        if table in self.tables:
+            return self.tables[table]
+        if self.topology.world_size > 1:
+            self._cancel(what, self._tag(op, table))
+        return self._spec(table)  # raises the KeyError naming the tables
+
+    def _route(self, spec: TableSpec, ids, what: str, tag: int):
         """Shared first half of lookup and apply_gradients: validate, dedup, exchange counts
         and ids. Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
         world = self.topology.world_size
         checked, reason = self._validate_ids(spec, ids)
         if checked is None:
             # Tell the peers before raising, so nobody waits for this rank's ids.
-            poison = torch.full((world,), _POISON, dtype=torch.int64, device=self.device)
-            try:
-                self._exchange_counts(poison, what)
-            except PeerLookupError:
-                pass
+            self._cancel(what, tag)
             raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
         uniq, inverse = torch.unique(checked, sorted=True, return_inverse=True)
         per = rows_per_owner(spec.num_rows, self.topology.ep_size)
@@ -568,7 +612,7 @@ class EmbContext:
         send_counts = torch.bincount(owners, minlength=world) if uniq.numel() else torch.zeros(
             world, dtype=torch.int64, device=self.device
         )
-        send_list, recv_list = self._exchange_counts(send_counts, what)
+        send_list, recv_list = self._exchange_counts(send_counts, what, tag)
         recv_ids = torch.empty(sum(recv_list), dtype=torch.int64, device=self.device)
         self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange")
         return uniq, inverse, send_list, recv_list, recv_ids
@@ -579,8 +623,8 @@ class EmbContext:
         """Start a lookup of ``ids`` (collective: every rank calls it, possibly with no ids).
         Returns before the row exchange completes; ``handle.wait()`` gives ``[len(ids), dim]``."""
         self._check_open(f"lookup({table!r})")
-        spec = self._spec(table)
         what = f"lookup({table!r})"
+        spec = self._spec_or_cancel(table, what, 1)
         if self.topology.world_size == 1:
             # One rank owns everything: no exchange, no dedup; a plain gather.
             checked, reason = self._validate_ids(spec, ids)
@@ -588,7 +632,7 @@ class EmbContext:
                 raise InvalidIds(f"{what} on rank 0: {reason}")
             rows = self._arena.weights[table].index_select(0, checked)
             return LookupHandle(self, table, None, rows, None, False)
-        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what)
+        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what, self._tag(1, table))
         weight = self._arena.weights[table]
         start = self.owned(table).start
         n_serve, n_get = len(recv_ids), len(uniq)
@@ -611,8 +655,9 @@ class EmbContext:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
         there; gradients of duplicate ids are summed (collective: every rank calls it)."""
         self._check_open(f"apply_gradients({table!r})")
-        spec = self._spec(table)
         what = f"apply_gradients({table!r})"
+        spec = self._spec_or_cancel(table, what, 2)
+        tag = self._tag(2, table)
         shape_ok = (
             isinstance(grads, torch.Tensor)
             and isinstance(ids, torch.Tensor)
@@ -625,16 +670,12 @@ class EmbContext:
             got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__
             n = tuple(ids.shape) if isinstance(ids, torch.Tensor) else "?"
             # Tell the peers before raising, so nobody waits for this rank.
-            poison = torch.full((self.topology.world_size,), _POISON, dtype=torch.int64, device=self.device)
-            try:
-                self._exchange_counts(poison, what)
-            except PeerLookupError:
-                pass
+            self._cancel(what, tag)
             raise InvalidIds(
                 f"{what} on rank {self.topology.rank}: grads must be [len(ids), {spec.dim}] for ids of "
                 f"shape {n}, got {got}"
             )
-        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what)
+        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what, tag)
         summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=self.device)
         if len(uniq):
             summed.index_add_(0, inverse, grads.to(device=self.device, dtype=spec.torch_dtype))

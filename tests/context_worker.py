@@ -215,6 +215,44 @@ def main() -> None:
 
     _invalid()
 
+    @check("mismatched_calls")
+    def _mismatch():
+        from elastic_emb.context import CollectiveMismatch
+
+        if world == 1:
+            return {"skipped": "one rank cannot disagree with itself"}
+        seen = []
+        t0 = time.monotonic()
+        # rank 0 names a table that does not exist: KeyError there, the others are told
+        try:
+            ctx.lookup("nope" if rank == 0 else "big", torch.tensor([0]))
+            seen.append("no error")
+        except KeyError as exc:
+            expect(rank == 0 and "nope" in str(exc), f"KeyError on rank {rank}: {exc}")
+            seen.append("keyerror")
+        except PeerLookupError as exc:
+            expect(rank != 0 and exc.ranks == [0], f"{exc.ranks}")
+            seen.append("peer")
+        # rank 0 looks up 'tiny' while the others look up 'big'; then rank 0 applies gradients
+        for mine, other in ((("lookup", "tiny"), ("lookup", "big")), (("apply_gradients", "big"), ("lookup", "big"))):
+            op, table = mine if rank == 0 else other
+            try:
+                if op == "lookup":
+                    ctx.lookup(table, torch.tensor([0, 1])).wait()
+                else:
+                    ctx.apply_gradients(table, torch.tensor([0, 1]), torch.zeros(2, 4, device=ctx.device))
+                seen.append("no error")
+            except CollectiveMismatch as exc:
+                expect(f"{mine[0]}({mine[1]!r})" in str(exc) or rank == 0, str(exc))
+                seen.append("mismatch")
+        expect(seen[1:] == ["mismatch", "mismatch"], f"{seen}")
+        expect(seen[0] == ("keyerror" if rank == 0 else "peer"), f"{seen}")
+        expect(time.monotonic() - t0 < TIMEOUT / 2, "mismatched calls waited for a timeout")
+        expect(torch.equal(all_rows(ctx, "big"), ref_sgd.weight("big")), "table changed by refused calls")
+        return {"seen": seen}
+
+    _mismatch()
+
     @check("reset_rules")
     def _reset_rules():
         errs = {}

@@ -32,7 +32,7 @@ pytestmark = [
 
 WORKER = os.path.join(REPO, "tests", "context_worker.py")
 RUNS = [("n2", 2, 2, None, 1), ("n1", 1, 1, "n2", None)]
-CHECKS = ["sgd_matches_reference", "adagrad_matches_reference", "invalid_ids", "reset_rules",
+CHECKS = ["sgd_matches_reference", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
           "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
           "init_rows_independent_of_world", "dcp"]
 
