@@ -56,6 +56,19 @@ def agree_demo(nproc: int) -> None:
 # -- deploy (issue 7): the Kubernetes preStop hook ---------------------------------------------
 
 
+@main.command("rdzv-state")
+@click.option("--endpoint", required=True, help="The --rdzv-endpoint, HOST:PORT.")
+@click.option("--run-id", required=True, help="The --rdzv-id.")
+@click.option("--inner", type=click.Choice(["c10d", "etcd-v2"]), default="c10d", help="The rendezvous state backend.")
+@click.option("--count", type=click.IntRange(1, 100000), default=1, help="Reads to print.")
+@click.option("--interval", type=float, default=1.0, help="Seconds between reads.")
+def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: float) -> None:
+    """Print torch's rendezvous state as JSON (decoded with elastic_emb's restricted unpickler)."""
+    from elastic_emb.watch import print_state
+
+    raise SystemExit(print_state(endpoint, run_id, inner, interval, count))
+
+
 @main.command("drain")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
               help="Seconds to wait for every worker's acknowledgement (keep below the pod's terminationGracePeriodSeconds).")

@@ -522,3 +522,30 @@ class Watcher:
             timer = threading.Timer(delay, action)
             timer.daemon = True
             timer.start()
+
+
+# -- command line: print the rendezvous state (restricted decoding) ----------------------------
+
+
+def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float = 0.0, count: int = 1) -> int:
+    """Print the decoded rendezvous state as JSON lines (``count`` reads, ``follow`` s apart)."""
+    reader = RendezvousReader(inner, endpoint, run_id)
+    for i in range(max(1, count)):
+        view = reader.state()
+        print(view.model_dump_json() if view is not None else '{"state": null}', flush=True)
+        if i + 1 < count:
+            time.sleep(follow)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m elastic_emb.watch", description=print_state.__doc__)
+    ap.add_argument("--endpoint", required=True, help="the --rdzv-endpoint, HOST:PORT")
+    ap.add_argument("--run-id", required=True, help="the --rdzv-id")
+    ap.add_argument("--inner", choices=["c10d", "etcd-v2"], default="c10d")
+    ap.add_argument("--count", type=int, default=1)
+    ap.add_argument("--interval", type=float, default=1.0)
+    a = ap.parse_args()
+    raise SystemExit(print_state(a.endpoint, a.run_id, a.inner, a.interval, a.count))

@@ -223,3 +223,21 @@ def test_watcher_stop_is_bounded(rdzv_store):
     w.stop()
     assert time.monotonic() - t < 2.0
     assert not any(t.name == "elastic_emb-watch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_rdzv_state_cli_prints_the_decoded_state(rdzv_store):
+    import json
+    import subprocess
+    import sys
+
+    port, _, backend = rdzv_store
+    a, w = _NodeDesc("127.0.0.1", 101, 0), _NodeDesc("127.0.0.1", 102, 0)
+    _write(backend, _state(4, {a: 0}, wait=[w]))
+    out = subprocess.run(
+        [sys.executable, "-m", "elastic_emb.cli", "rdzv-state", "--endpoint", f"127.0.0.1:{port}", "--run-id", "wtest"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    view = json.loads(out.stdout.strip().splitlines()[-1])
+    assert view["round"] == 4 and [p["node"] for p in view["participants"]] == ["127.0.0.1_101_0"]
+    assert view["wait_list"] == ["127.0.0.1_102_0"]
