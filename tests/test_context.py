@@ -149,3 +149,37 @@ def test_peer_killed_fails_fast_and_close_aborts():
     assert v["failed_after"] < 10, v
     assert v["healthy_after_error"] is False and v["closed"] is True, v
     assert v["close_s"] < 5, v
+
+
+PEER_ABSENT = r"""
+import json, time, torch
+from elastic_emb.context import EmbContext, CommunicationError
+from elastic_emb.protocol import TableSpec
+from elastic_emb.store import worker_store
+from elastic_emb.topology import Topology
+t = Topology.from_env()
+store = worker_store(t, timeout=30)
+if t.rank == 1:
+    store.wait(["done"])  # alive, but never constructs its context
+    raise SystemExit(0)
+t0 = time.monotonic()
+try:
+    EmbContext(t, store, tables=[TableSpec(name="a", num_rows=10, dim=2)], timeout=2.0)
+    err = None
+except CommunicationError as exc:
+    err = str(exc)
+print(json.dumps({"err": err, "seconds": time.monotonic() - t0}), flush=True)
+store.set("done", "1")
+time.sleep(0.5)
+"""
+
+
+def test_construction_is_bounded_by_its_timeout():
+    """A peer that never constructs: construction raises CommunicationError after about the
+    context's timeout (2 s here), naming the rank, instead of waiting for ever."""
+    port = free_port()
+    res = run_ranks(PEER_ABSENT, [torchrun_env(r, 2, port, run_id="ctx-absent") for r in range(2)], timeout=60)
+    assert res[0].returncode == 0, res[0].stderr[-3000:]
+    v = res[0].value
+    assert v["err"] and "rank 0/2" in v["err"] and "within 2.0s" in v["err"], v
+    assert 1.5 <= v["seconds"] < 15, v
