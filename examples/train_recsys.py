@@ -302,17 +302,20 @@ def main(argv=None) -> int:
             seen: dict = {}
             loss = train_step(lc.context, step, cfg, seen if args.checksums else None)
             report = lc.commit(step)
-            delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
-            if delay:
-                time.sleep(delay)
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                            loss=round(loss, 6), seconds=time.time() - t0, commit=_record(report),
                            crc=shard_checksums(lc.context) if args.checksums else None, **seen)
+            # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
+            delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
+            if delay and not lc.draining:
+                time.sleep(delay)
             if lc.draining:
                 # The agent is about to restart us for a new world: everything up to `step` is
                 # committed; stop stepping and wait (bounded) for its SIGTERM.
                 progress.write("draining", step=step, rank=topo.rank)
-                lc.wait_for_restart(args.drain_timeout)
+                if lc.wait_for_restart(args.drain_timeout):
+                    log.info("drained_for_restart", step=step)
+                    return 0
                 log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
                 return 3
         path = write_final(lc, cfg, args.out)

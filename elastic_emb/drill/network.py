@@ -25,9 +25,14 @@ import sys
 from pathlib import Path
 
 from elastic_emb.drill import procs
-from elastic_emb.events import get_logger
+import structlog
 
-log = get_logger()
+from elastic_emb.events import configure_logging
+
+# A lazy proxy (not get_logger(), which binds now): it follows a later configure_logging(), so
+# the CLI can turn the drill's info events down after this module was imported.
+configure_logging()
+log = structlog.get_logger("elastic_emb.drill")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
