@@ -410,6 +410,35 @@ def test_dockerfile_shape():
         assert f"!{src}" in ignore, src
 
 
+def test_image_pins_every_runtime_dependency():
+    """deploy/image-constraints.txt pins (==) every runtime dependency of the package (torch is
+    pinned by the Dockerfile's TORCH_VERSION), each pin inside pyproject's range."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pins = {}
+    for line in (R.DEPLOY / "image-constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"{line}: image constraints must be exact pins"
+            pins[req.name.lower().replace("_", "-")] = Version(spec.version)
+    deps = tomllib.loads((R.REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in map(Requirement, deps):
+        key = dep.name.lower().replace("_", "-")
+        if key == "torch":
+            text = (R.REPO / "Dockerfile").read_text()
+            version = text.split("ARG TORCH_VERSION=", 1)[1].split()[0]
+            assert dep.specifier.contains(version), (dep, version)
+            continue
+        assert key in pins, f"{dep.name} is a runtime dependency but deploy/image-constraints.txt does not pin it"
+        assert dep.specifier.contains(pins[key]), f"{dep.name}=={pins[key]} is outside pyproject's {dep.specifier}"
+    assert "python-etcd" in pins  # torch's etcd-v2 rendezvous client, for the -etcd overlays
+
+
 # -- the preStop drain, for real ---------------------------------------------------------------------
 
 DRAIN_WORKER = r'''
