@@ -84,7 +84,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     ELASTIC_EMB_LOG_FORMAT=json \
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+    XDG_CACHE_HOME=/tmp/.cache \
+    MPLCONFIGDIR=/tmp/matplotlib
+# Caches go to /tmp: the Kubernetes templates mount the root filesystem read-only.
 USER 10001:10001
 # torchrun reads every other option from PET_* variables (nnodes, nproc-per-node, rdzv endpoint,
 # id and conf), which the Kubernetes templates set; the rendezvous backend is fixed here.
