@@ -603,3 +603,22 @@ def test_readme_deploy_section_matches_the_templates(rendered):
         assert f"{R.EPHEMERAL[0]}-{R.EPHEMERAL[1]}" in section
         host, _, port = w.endpoint.rpartition(":")
         assert f"{host}:{port}" in section or (w.inner == "etcd-v2" and host in section and port in section), w.endpoint
+
+
+def test_drain_with_no_rendezvous_round_returns_at_once():
+    """A preStop during start-up (the store is up, no round has completed): nothing to drain."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastic_emb.drain import DrainTarget, request_drain
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), use_libuv=True)
+    try:
+        out = request_drain(DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="nothing-yet"), timeout=5)
+        assert out.outcome == "no_running_round" and out.ok and out.round is None and out.elapsed_s < 5
+        with pytest.raises(ValueError, match="timeout"):
+            request_drain(DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="x"), timeout=0)
+    finally:
+        del store
