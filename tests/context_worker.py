@@ -429,6 +429,16 @@ def main() -> None:
                 finally:
                     fresh.close()
                 out["loaded_from"] = src
+                # Plain DCP, no elastic_emb and no sharding: one process reads whole tensors.
+                if rank == 0:
+                    plain = {f"{s.name}.{k}": torch.empty(shape) for s in TABLES
+                             for k, shape in (("weight", (s.num_rows, s.dim)), ("accumulator", (s.num_rows,)))}
+                    dcp.load(plain, checkpoint_id=os.path.join(CFG["dir"], f"dcp_{src}"), no_dist=True)
+                    for s in TABLES:
+                        w, acc = expected[s.name]
+                        expect(torch.equal(plain[f"{s.name}.weight"], w) and torch.equal(plain[f"{s.name}.accumulator"], acc),
+                               f"plain DCP load of {s.name} from run {src} differs")
+                    out["plain_load"] = True
             return out
         finally:
             dist.destroy_process_group()

@@ -85,6 +85,7 @@ def test_context_gloo(runs, tag, check):
         load_from = {t: lf for t, _, _, lf, _ in RUNS}[tag]
         if load_from:
             assert all(res[check].get("loaded_from") == load_from for res in per_rank)
+            assert per_rank[0][check].get("plain_load") is True
     if check == "close_and_use_after_close":
         assert all(len(res[check]["refused"]) == 7 for res in per_rank)
 
