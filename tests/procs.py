@@ -59,7 +59,8 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
         GROUP_WORLD_SIZE=str(num_nodes or max(1, world_size // lws)),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
         ELASTIC_EMB_GENERATION=str(generation), ELASTIC_EMB_BACKEND="gloo",
-        TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+        TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
         ELASTIC_EMB_LOG_FORMAT="json",
     )
     env.update(extra or {})
