@@ -151,6 +151,8 @@ class Drill:
         self.network: Network | None = None
         self.store = None
         self.store_proc: subprocess.Popen | None = None
+        self.etcd = None  # elastic_emb.etcd_server.EtcdServer when store == "etcd"
+        self.store_back_at: float | None = None
         self.max_step = -1
         self.world = 0
         self.t0 = 0.0
@@ -180,10 +182,17 @@ class Drill:
             return host, port, {"is_host": "false"}
         if self.scenario.store == "agent":
             return self.network.node_addr(0), free_port("127.0.0.1"), {}
-        raise DrillError(
-            "store='etcd' is not wired in this build: the etcd-backed rendezvous needs tests/etcd.py "
-            "(etcd server on loopback) and the elastic_emb backend's etcd mode; run it with store='drill'"
-        )
+        from elastic_emb.etcd_server import EtcdServer, EtcdUnavailable
+
+        # etcd listens on loopback only (EtcdServer refuses other hosts), so etcd drills run on
+        # loopback: pick_network() is told so in run().
+        self.etcd = EtcdServer(self.out / "etcd", host="127.0.0.1", start_timeout=30.0)
+        try:
+            self.etcd.start()
+        except EtcdUnavailable as exc:
+            raise DrillError(f"store='etcd': {exc}") from None
+        host, port = self.etcd.endpoint.rsplit(":", 1)
+        return host, int(port), {"inner": "etcd-v2"}
 
     def _agent_cmd(self, number: int) -> list[str]:
         s = self.scenario
@@ -266,7 +275,11 @@ class Drill:
             if fault.kind == "corrupt":
                 detail.update(self._corrupt(target, victims))
         elif fault.kind == "kill_store":
-            raise DrillError("fault kill_store needs store='etcd', which is not wired in this build")
+            if self.etcd is None:
+                raise DrillError("fault kill_store needs store='etcd'")
+            self.etcd.kill()
+            self.store_back_at = time.monotonic() + fault.duration
+            detail["down_seconds"] = fault.duration
         if fault.kind != "kill_store":
             # Slow training down until a new world steps, so a short drill cannot end first.
             self.slow_file.touch()
@@ -314,7 +327,10 @@ class Drill:
     def run(self) -> DrillResult:
         s = self.scenario
         self._prepare_out()
-        self.network = pick_network(s.network, self.out.name)
+        self.network = pick_network("loopback" if s.store == "etcd" and s.network == "auto" else s.network,
+                                    self.out.name)
+        if s.store == "etcd" and self.network.kind != "loopback":
+            raise DrillError("store='etcd' runs on loopback only (the test etcd listens on 127.0.0.1); set network: loopback")
         self.t0 = time.time()
         reader = EventReader(self.out / "run" / "events")
         error: str | None = None
@@ -328,6 +344,10 @@ class Drill:
             deadline = time.monotonic() + s.timeout
             while True:
                 self._observe(reader.poll())
+                if self.store_back_at is not None and time.monotonic() >= self.store_back_at:
+                    self.store_back_at = None
+                    self.etcd.start()  # same ports, same data directory: the member comes back
+                    log.info("drill_store_restarted", seconds_to_healthy=self.etcd.started_in)
                 while pending and self._due(pending[0][1]):
                     self._fire(*pending.pop(0))
                 # Time-triggered faults may come in any order relative to step ones.
@@ -386,6 +406,8 @@ class Drill:
             if node.exit_code is None:
                 node.exit_code = node.proc.returncode
                 node.ended = time.time()
+        if self.etcd is not None:
+            self.etcd.stop()
         if self.store_proc is not None and self.store_proc.poll() is None:
             procs.kill_tree(self.store_proc.pid, signal.SIGKILL)
             self.store_proc.wait(timeout=10)

@@ -141,7 +141,7 @@ def plot(report: dict, path: Path) -> None:
     xs = [p[0] for p in report["world_size_over_time"]]
     ys = [p[1] for p in report["world_size_over_time"]]
     ax1.step(xs, ys, where="post", color="tab:blue", linewidth=2)
-    ax1.set_ylabel("world size")
+    ax1.set_ylabel("world size\n(0: restarting)")
     ax1.set_ylim(-0.2, max(ys + [1]) + 0.8)
     ax1.yaxis.get_major_locator().set_params(integer=True)
     tx = [p[0] for p in report["throughput_samples_per_s"]]
@@ -160,7 +160,9 @@ def plot(report: dict, path: Path) -> None:
     verdict = "PASS: tables equal the replay bit for bit" if report["ok"] else "FAIL"
     s = report["scenario"]
     fig.suptitle(f"elastic_emb drill '{s['name']}' ({report['network']}): {verdict}", fontsize=11)
-    fig.tight_layout()
+    fig.text(0.01, 0.005, f"training is paced by the drill: {s['step_delay']:g} s per step, {s['slow_delay']:g} s while "
+             f"a resize is in flight; shaded: fault -> first step of the new world", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -21,8 +21,8 @@ Fault kinds and what they mean on a real cluster:
 ``leave``          SIGTERM to a node's agent: a graceful scale-down (spot notice, drain)
 ``kill_node``      SIGKILL to every process of a node at once: power loss, kernel panic
 ``crash_worker``   SIGKILL to one training worker: OOM kill, segfault; its agent survives
-``kill_store``     SIGKILL the rendezvous store's host (etcd server), then start it again after
-                   ``duration`` seconds
+``kill_store``     SIGKILL the etcd server holding the rendezvous (``store: etcd``), then start
+                   it again on the same ports and data after ``duration`` seconds
 ``corrupt``        flip bytes of the newest snapshot of a node: used to prove the drill detects
                    a loss (the drill is then expected to FAIL)
 =================  =============================================================================
@@ -122,8 +122,9 @@ class Scenario(BaseModel):
                     f"fault {f.kind!r} at step {f.at_step} cannot happen: training ends at step "
                     f"{self.steps - 1}; raise steps or move the fault earlier"
                 )
-            if f.kind == "kill_store" and self.store == "drill":
-                raise ValueError("fault 'kill_store' needs store='etcd' or store='agent' (the drill's own store cannot die)")
+            if f.kind == "kill_store" and self.store != "etcd":
+                raise ValueError(f"fault 'kill_store' needs store='etcd' (got store={self.store!r}): only an etcd "
+                                 f"rendezvous store can die and come back; with torch's c10d store, kill node 0 instead")
         self.simulate()  # raises on a membership that leaves [min_nodes, max_nodes]
         return self
 
