@@ -40,7 +40,7 @@ for step in $steps; do
     tests) run tests 300 $PY -m pytest -x -q -p no:cacheprovider tests/test_context_nccl.py ;;
     lookup) run lookup 240 $PY bench/lookup.py --device cuda --runs 5 --out "$OUT/lookup.json" ;;
     reshard) run reshard 300 $PY bench/reshard.py --device cuda --runs 3 --out "$OUT/reshard.json" ;;
-    teardown) run teardown 300 $PY bench/teardown.py --runs 3 --out "$OUT/teardown.json" ;;
+    teardown) run teardown 400 $PY bench/teardown.py --runs 2 --out "$OUT/teardown.json" ;;
     drill) run drill 420 $PY -m elastic_emb.cli drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
     *) echo "unknown step $step (use: env tests lookup reshard teardown drill)"; exit 2 ;;
     esac

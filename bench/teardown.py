@@ -55,7 +55,7 @@ def barrier(name):
 
 ids = torch.randint(0, rows, (1 << 16,), device=f"cuda:{rank}")
 t0 = time.perf_counter()
-ctx = EmbContext(topo(0), store, tables=tables, timeout=20.0)
+ctx = EmbContext(topo(0), store, tables=tables, timeout=float(sys.argv[6]))
 ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
 first_build = time.perf_counter() - t0
 
@@ -63,7 +63,7 @@ barrier("rebuild")
 t0 = time.perf_counter()
 ctx.close()
 t1 = time.perf_counter()
-ctx = EmbContext(topo(1), store, tables=tables, timeout=20.0)
+ctx = EmbContext(topo(1), store, tables=tables, timeout=float(sys.argv[6]))
 t2 = time.perf_counter()
 ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
 t3 = time.perf_counter()
@@ -92,18 +92,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trial(mode: str, scenario: str, rows: int) -> list[dict]:
+def trial(mode: str, scenario: str, rows: int, timeout: float) -> list[dict]:
     port = free_port()
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", ELASTIC_EMB_LOG_LEVEL="warning")
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), mode, scenario, str(rows)],
+        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), mode, scenario, str(rows), str(timeout)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]
     results = []
     for p in procs:
         try:
-            out, err = p.communicate(timeout=180)
+            out, err = p.communicate(timeout=60 + 3 * timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
@@ -111,6 +111,8 @@ def trial(mode: str, scenario: str, rows: int) -> list[dict]:
         if not lines:
             raise RuntimeError(f"worker printed no result (rc={p.returncode}):\n{err[-2000:]}")
         results.append(json.loads(lines[-1]))
+    print(f"  trial {scenario}/{mode}: rank0 teardown {results[0].get('teardown_s', float('nan')):.4f} s, "
+          f"rebuild {results[0]['rebuild_s']:.4f} s", file=sys.stderr, flush=True)
     return results
 
 
@@ -118,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="NCCL teardown: destroy vs abort, and rebuild time")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rows", type=int, default=1 << 22, help="rows of the one table (dim 128, fp32)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="the context's timeout: bounds every close")
     ap.add_argument("--out", default="out/teardown.json")
     args = ap.parse_args()
     import torch
@@ -129,7 +132,7 @@ def main() -> None:
     for _ in range(args.runs):
         for scenario in ("healthy", "broken"):
             for mode in ("shutdown", "abort"):
-                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows))
+                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows, args.timeout))
     med = statistics.median
     table = []
     for (scenario, mode), trials in rows.items():
