@@ -135,6 +135,7 @@ def worker(args) -> None:
             if cuda:
                 torch.cuda.synchronize()
             r["live_s"] = time.perf_counter() - t0
+            r["live_transfer_s"] = rep.transfer_seconds
             r["live_bytes"] = rep.bytes_moved
             check(ctx, -1 if world > 1 else 0, "live")
             fill(ctx)
@@ -239,6 +240,8 @@ def launch(args, size_mb: int) -> list[dict]:
                    TORCHELASTIC_RUN_ID="bench", ELASTIC_EMB_BACKEND="nccl" if args.device == "cuda" else "gloo",
                    TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS=str(args.threads),
                    PYTHONPATH=str(REPO), ELASTIC_EMB_LOG_LEVEL="warning", NCCL_NVLS_ENABLE="0")
+        if args.transport:
+            env["ELASTIC_EMB_TRANSPORT"] = args.transport
         cmd = [sys.executable, __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),
                "--device", args.device, "--state-dir", args.state_dir, "--dcp-dir", args.dcp_dir,
                "--methods", ",".join(args.methods)]
@@ -270,6 +273,7 @@ def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
     if "live_s" in med:
         sent = [statistics.median(run["live_bytes"] for run in r["runs"]) for r in per_rank]
         row["live_gbps_per_rank"] = min(s / med["live_s"] for s in sent) / 1e9
+        row["live_transfer_gbps_per_rank"] = min(s / med["live_transfer_s"] for s in sent) / 1e9
         row["live_bytes_per_rank"] = min(sent)
     if "crc32_s" in med:
         row["crc32_gbps"] = shard / med["crc32_s"] / 1e9
@@ -296,6 +300,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--transport", choices=("p2p", "alltoall"), default=None,
+                    help="row transport (default: p2p on CPU, alltoall on CUDA)")
     ap.add_argument("--methods", default=",".join(METHODS[1:]), help="subset of live,snapshot,durable,dcp (rebuild always runs)")
     ap.add_argument("--state-dir", default=None, help="snapshot root (default /dev/shm if it has room, else a temp dir)")
     ap.add_argument("--dcp-dir", default=None, help="DCP checkpoints (storage; default a temp dir on disk)")
@@ -329,7 +335,7 @@ def main() -> None:
             rows.append(summarize(size, per_rank, args.world))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    hdr = ["size MB", "rebuild s", "live s", "live GB/s/rank", "snap commit s", "snap restore s", "durable c+r s",
+    hdr = ["size MB", "rebuild s", "live s", "live GB/s/rank", "transfer GB/s/rank", "snap commit s", "snap restore s", "durable c+r s",
            "DCP save+load s", "live x", "snap restore x", "snap c+r x", "crc32 GB/s"]
     print(" | ".join(hdr))
     print(" | ".join("---" for _ in hdr))
@@ -341,12 +347,14 @@ def main() -> None:
 
         print(" | ".join([
             str(r["size_mb"]), f(m.get("rebuild_s")), f(m.get("live_s")), f(r.get("live_gbps_per_rank"), 2),
+            f(r.get("live_transfer_gbps_per_rank"), 2),
             f(m.get("snap_commit_s")), f(m.get("snap_restore_s")),
             f(m["durable_commit_s"] + m["durable_restore_s"]) if "durable_commit_s" in m else "-",
             f(m.get("dcp_s")), f(sp.get("live_vs_dcp_save_load"), 1), f(sp.get("snap_restore_vs_dcp_save_load"), 1),
             f(sp.get("snap_commit+restore_vs_dcp_save_load"), 1), f(r.get("crc32_gbps"), 2),
         ]))
     doc = {"bench": "reshard", "device": args.device, "world": args.world, "runs": args.runs,
+           "transport": args.transport or ("alltoall" if args.device == "cuda" else "p2p"),
            "state_dir": args.state_dir, "argv": sys.argv[1:], "results": rows,
            "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time"}
     path = Path(args.json or REPO / "bench" / "results" / f"reshard-{args.device}.json")

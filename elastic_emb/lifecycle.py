@@ -127,6 +127,7 @@ class ResizeEvent(BaseModel):
     agreement_s: float
     construct_s: float
     restore_s: float
+    transfer_s: float = 0.0  # the row exchange inside restore
     total_s: float
     bytes_moved: int
     bytes_local: int
@@ -455,7 +456,8 @@ class Lifecycle:
             kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
             old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
             teardown_s=round(teardown, 6), agreement_s=round(agreement, 6), construct_s=round(construct, 6),
-            restore_s=round(restore_s, 6), total_s=round(total, 6), bytes_moved=report.bytes_moved,
+            restore_s=round(restore_s, 6), transfer_s=round(report.transfer_seconds, 6), total_s=round(total, 6),
+            bytes_moved=report.bytes_moved,
             bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
             shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
             committed_before=committed, fallback=report.fallback,

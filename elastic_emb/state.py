@@ -261,11 +261,16 @@ class Comm:
         inp = torch.cat([t.to(self.device) for t in send]) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
         return self.all_to_all_flat(inp, in_splits, recv_sizes)
 
-    def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int]) -> list[torch.Tensor]:
-        """One ``alltoall_base`` of a flat uint8 buffer; every rank must call it, even with nothing to move."""
+    def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int],
+                        out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One ``alltoall_base`` of a flat uint8 buffer (into ``out`` if given); every rank must
+        call it, even with nothing to move."""
         import torch.distributed as dist
 
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        if out is None:
+            out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        elif out.numel() != sum(recv_sizes):
+            raise ValueError(f"all_to_all_flat: out has {out.numel()} bytes, expected {sum(recv_sizes)}")
         opts = dist.AllToAllOptions()
         opts.timeout = timedelta(seconds=self.timeout)
         work = self.pg.alltoall_base(out, inp, list(recv_sizes), list(in_splits), opts)
@@ -722,18 +727,37 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
             recv_sizes[a.src] += nbytes
     if comm.transport == "p2p":
         return _execute_p2p(comm, order, handles, starts, template)
-    # Pack straight into one send buffer (one copy per byte), in the order the receivers expect.
-    inp = torch.empty(sum(in_splits), dtype=torch.uint8, device=comm.device)
-    off = 0
-    for a in order:
-        if a.src != me or a.dst == me:
-            continue
-        lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
-        for _, t in sorted(handles[a.handle].items(), key=lambda kv: (kv[0] != "weight", kv[0])):
-            b = t[lo:hi].reshape(-1).view(torch.uint8)
-            inp[off: off + b.numel()].copy_(b)
-            off += b.numel()
-    got = comm.all_to_all_flat(inp, in_splits, recv_sizes)
+    outgoing = [a for a in order if a.src == me and a.dst != me]
+    incoming = [a for a in order if a.dst == me and a.src != me]
+    # Zero copy where this rank sends (or receives) a single block of a single tensor: the
+    # collective then reads the rows (writes the rows) in place. That is the shape of most
+    # transfers of a table without optimizer slots between few ranks.
+    inp = out = None
+    if len(outgoing) == 1 and len(handles[outgoing[0].handle]) == 1:
+        a = outgoing[0]
+        t = next(iter(handles[a.handle].values()))
+        v = t[a.start - starts[a.handle]: a.stop - starts[a.handle]]
+        if v.is_contiguous() and v.device == comm.device:
+            inp = v.reshape(-1).view(torch.uint8)
+    if len(incoming) == 1 and not template[incoming[0].table].slots:
+        a = incoming[0]
+        shard = template[a.table]
+        v = shard.weight[a.start - shard.rows.start: a.stop - shard.rows.start]
+        if v.is_contiguous() and v.device == comm.device:
+            out = v.reshape(-1).view(torch.uint8)
+    if inp is None:
+        # Pack straight into one send buffer (one copy per byte), in the order the receivers expect.
+        inp = torch.empty(sum(in_splits), dtype=torch.uint8, device=comm.device)
+        off = 0
+        for a in outgoing:
+            lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
+            for _, t in sorted(handles[a.handle].items(), key=lambda kv: (kv[0] != "weight", kv[0])):
+                b = t[lo:hi].reshape(-1).view(torch.uint8)
+                inp[off: off + b.numel()].copy_(b)
+                off += b.numel()
+    got = comm.all_to_all_flat(inp, in_splits, recv_sizes, out=out)
+    if out is not None:
+        return int(inp.numel())  # received in place
     offsets = [0] * comm.size
     for a in order:
         if a.dst != me or a.src == me:
@@ -800,13 +824,14 @@ class RestoreReport:
     bytes_local: int = 0  # bytes this rank copied without the communicator
     fallback: str | None = None  # why an older commit or the durable tier was used
     seconds: float = 0.0
+    transfer_seconds: float = 0.0  # the row exchange alone (device synchronized)
 
     def as_dict(self) -> dict:
         return {
             "step": self.step, "generation": self.generation, "fingerprint": self.fingerprint,
             "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()}, "source_tiers": self.source_tiers,
             "bytes_moved": self.bytes_moved, "bytes_local": self.bytes_local, "fallback": self.fallback,
-            "seconds": round(self.seconds, 6),
+            "seconds": round(self.seconds, 6), "transfer_seconds": round(self.transfer_seconds, 6),
         }
 
 
@@ -943,7 +968,11 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             for r, hs in enumerate(bad_all):
                 bad_handles.update((r, h) for h in hs)
             continue
+        tx = time.perf_counter()
         sent = _execute(comm, plan, handles, starts, template)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        transfer_s = time.perf_counter() - tx
         context.import_shard(template)
         mine_tiers: dict[str, list[tuple[int, int, str]]] = {}
         local = 0
@@ -954,7 +983,7 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                     local += (a.stop - a.start) * sum(_row_bytes(s) for s in specs[a.table])
         return RestoreReport(step=step, generation=gen, fingerprint=fp, tiers=mine_tiers,
                              source_tiers=sorted({a.tier for a in plan}), bytes_moved=sent, bytes_local=local,
-                             fallback=fallback, seconds=time.perf_counter() - t0)
+                             fallback=fallback, seconds=time.perf_counter() - t0, transfer_seconds=transfer_s)
     raise RestoreError(f"restore gave up after {max_attempts} attempts: corrupt snapshot pieces {sorted(bad_handles)}")
 
 
