@@ -165,7 +165,7 @@ def sample_gradients(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch
 
 def dense_gradient_rows(cfg: Config, g_dense: torch.Tensor) -> torch.Tensor:
     """Sum per-sample dense gradients (exact) and lay them out as rows of the ``dense`` table."""
-    flat = torch.zeros(cfg.dense_rows * DENSE_DIM, dtype=torch.float32)
+    flat = torch.zeros(cfg.dense_rows * DENSE_DIM, dtype=torch.float32, device=g_dense.device)
     flat[: cfg.dense_params] = g_dense.sum(0)
     return flat.view(cfg.dense_rows, DENSE_DIM)
 
@@ -183,10 +183,11 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
 
     ``seen``, when given, receives ``lookup_crc``: the checksum of the rows this rank looked up."""
     rank, world = ctx.topology.rank, ctx.topology.world_size
+    device = getattr(ctx, "device", None) or torch.device("cpu")  # cuda:LOCAL_RANK under nccl
     users, items, labels = global_batch(step, cfg)
     mine = rank_slice(cfg.batch, rank, world)
-    users, items, labels = users[mine], items[mine], labels[mine]
-    dense_ids = torch.arange(cfg.dense_rows)
+    users, items, labels = users[mine].to(device), items[mine].to(device), labels[mine].to(device)
+    dense_ids = torch.arange(cfg.dense_rows, device=device)
     # Issue the three lookups, then wait: the context may overlap their communication.
     h_dense, h_user, h_item = (ctx.lookup("dense", dense_ids), ctx.lookup("user", users), ctx.lookup("item", items))
     dense, u, i = h_dense.wait(), h_user.wait(), h_item.wait()
@@ -195,7 +196,7 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     loss, g_dense, g_u, g_i = sample_gradients(cfg, dense, u, i, labels)
     ctx.apply_gradients("user", users, g_u)
     ctx.apply_gradients("item", items, g_i)
-    ctx.apply_gradients("dense", dense_ids, dense_gradient_rows(cfg, g_dense))
+    ctx.apply_gradients("dense", dense_ids, dense_gradient_rows(cfg, g_dense).to(device))
     return loss / max(1, len(labels))
 
 
@@ -300,7 +301,17 @@ def main(argv=None) -> int:
             step = lc.next_step
             t0 = time.time()
             seen: dict = {}
-            loss = train_step(lc.context, step, cfg, seen if args.checksums else None)
+            try:
+                loss = train_step(lc.context, step, cfg, seen if args.checksums else None)
+            except Exception as exc:
+                # A peer died mid-step. If a membership change explains it, the agent is about to
+                # restart us into a new world (free of --max-restarts): wait for its SIGTERM rather
+                # than exit with a failure. Nothing of this step was committed; it will be redone.
+                if watcher is not None and watcher.membership_change_pending(timeout=2.0):
+                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
+                    log.warning("step_failed_membership_changed", step=step, error=type(exc).__name__)
+                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
+                raise
             report = lc.commit(step)
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                            loss=round(loss, 6), seconds=time.time() - t0, commit=_record(report),

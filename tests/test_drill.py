@@ -303,3 +303,14 @@ def test_verify_without_final_tables_says_so(tmp_path):
     (tmp_path / "final").mkdir()
     with pytest.raises(LossDetected, match="never finished"):
         verify(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl, one GPU per simulated node)")
+def test_gpu_drill_2_1_2_loses_nothing(tmp_path):
+    report, out = _run("gpu-2-1-2", tmp_path)
+    assert report["ok"], _explain(report, out)
+    assert report["world_sizes"] == [2, 1, 2, 1, 2], _explain(report, out)
+    assert all(r["steps_lost"] == 0 for r in report["resizes"])

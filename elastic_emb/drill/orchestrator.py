@@ -152,6 +152,7 @@ class Drill:
         self.store = None
         self.store_proc: subprocess.Popen | None = None
         self.etcd = None  # elastic_emb.etcd_server.EtcdServer when store == "etcd"
+        self.gpus: dict[int, list[int]] = {}  # node -> GPU indices (backend nccl)
         self.store_back_at: float | None = None
         self.max_step = -1
         self.world = 0
@@ -212,6 +213,26 @@ class Drill:
             "--slow-file", str(self.slow_file), "--slow-delay", str(s.slow_delay),
         ]
 
+    def _gpu_env(self, number: int) -> dict:
+        """Node ``number`` gets ``nproc_per_node`` GPUs that no live node holds."""
+        import torch
+
+        count = torch.cuda.device_count()
+        n = self.scenario.nproc_per_node
+        if count < n:
+            raise DrillError(f"backend='nccl' needs {n} GPU(s) per node; this machine has {count}: use backend='gloo'")
+        # The lowest GPUs no live node holds: a joiner must not share a GPU with a survivor (NCCL
+        # refuses a communicator with a duplicate GPU).
+        held = {d for k, devs in self.gpus.items() if k in self.nodes and self.nodes[k].exit_code is None
+                and self.nodes[k].state in ("running", "leaving") for d in devs}
+        free = [d for d in range(count) if d not in held]
+        if len(free) < n:
+            raise DrillError(f"node{number} needs {n} free GPU(s); live nodes hold {sorted(held)} of {count}")
+        devices = [str(d) for d in free[:n]]
+        self.gpus[number] = [int(d) for d in devices]
+        # NVLink multicast off on the lent machines (FACTS: NCCL pitfalls).
+        return {"CUDA_VISIBLE_DEVICES": ",".join(devices), "NCCL_NVLS_ENABLE": "0"}
+
     def _start_node(self, number: int) -> Node:
         state_dir = self.out / "state" / f"node{number}"
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -220,10 +241,12 @@ class Drill:
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # FACTS item 1: the shared agent store deadlocks resizes
             ELASTIC_EMB_NODE_ID=f"node{number}", ELASTIC_EMB_DRILL_NODE=f"node{number}",
             ELASTIC_EMB_STATE_DIR=str(state_dir),
-            ELASTIC_EMB_BACKEND="gloo", ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
+            ELASTIC_EMB_BACKEND=self.scenario.backend, ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
         env.update(self.network.node_env(number))
+        if self.scenario.backend == "nccl":
+            env.update(self._gpu_env(number))
         log_path = self.out / "logs" / f"node{number}.log"
         logf = open(log_path, "ab")
         cmd = self.network.wrap(self._agent_cmd(number), number)
@@ -327,8 +350,9 @@ class Drill:
     def run(self) -> DrillResult:
         s = self.scenario
         self._prepare_out()
-        self.network = pick_network("loopback" if s.store == "etcd" and s.network == "auto" else s.network,
-                                    self.out.name)
+        # etcd listens on loopback only; NCCL between namespaces of one host is untested: loopback.
+        loopback_only = s.store == "etcd" or s.backend == "nccl"
+        self.network = pick_network("loopback" if loopback_only and s.network == "auto" else s.network, self.out.name)
         if s.store == "etcd" and self.network.kind != "loopback":
             raise DrillError("store='etcd' runs on loopback only (the test etcd listens on 127.0.0.1); set network: loopback")
         self.t0 = time.time()

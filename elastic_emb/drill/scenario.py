@@ -94,6 +94,8 @@ class Scenario(BaseModel):
     network: Literal["auto", "loopback", "netns"] = Field(
         default="auto", description="netns: one network namespace per node (needs root); auto: netns when it works."
     )
+    backend: Literal["gloo", "nccl"] = Field(
+        default="gloo", description="Collective backend of the workers; nccl gives each node GPUs no live node holds.")
     faults: tuple[Fault, ...] = ()
     expect_failure: bool = Field(default=False, description="True for drills that plant a loss on purpose.")
     timeout: float = Field(default=240.0, gt=0, le=3600, description="Hard limit for the whole drill, seconds.")
@@ -205,6 +207,15 @@ PRESETS: dict[str, Scenario] = {
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
             initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05,
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
+        ),
+        Scenario(
+            name="gpu-2-1-2",
+            description="GPU (nccl, one GPU per node): 2 nodes, one leaves, one joins, one dies, one joins.",
+            initial_nodes=2, max_nodes=2, backend="nccl", network="loopback", steps=150, step_delay=0.05,
+            faults=(
+                Fault(kind="leave", at_step=10), Fault(kind="join", at_step=40),
+                Fault(kind="kill_node", at_step=75), Fault(kind="join", at_step=105),
+            ),
         ),
         Scenario(
             name="corrupt-snapshot",
