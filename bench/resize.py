@@ -32,6 +32,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,14 +65,24 @@ def _until(tmp: str, agents, ws: int, after: float, cap: float) -> float | None:
     return None
 
 
-def sequence(backend: str, mode: str, cap: float, conf: str) -> dict:
+def import_floor() -> float:
+    """Seconds a fresh interpreter takes to import torch and elastic_emb: the floor under every
+    restart's worker side (torchrun starts each worker as a new process)."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed, elastic_emb.lifecycle, elastic_emb.watch"],
+                   check=True, timeout=120)
+    return time.perf_counter() - t
+
+
+def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"resize-{backend}-")
     port = free_port()
     agents = []
     out: dict = {s: None for s in SCENARIOS}
     split: dict = {}
     try:
-        kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf)
+        kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf,
+                  worker=worker)
         agents.append(start_agent("a", tmp, port, **kw))
         wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), 60, "world size 1", agents)
         agents.append(start_agent("b", tmp, port, **kw))
@@ -105,6 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mode", choices=["busy", "idle"], default="busy", help="workers during the scale-downs")
+    ap.add_argument("--worker", choices=["plain", "lifecycle"], default="plain",
+                    help="plain: one all_reduce per step; lifecycle: elastic_emb's Lifecycle over an EmbContext")
     ap.add_argument("--cap", type=float, default=20.0, help="seconds to wait for a resize before recording null")
     ap.add_argument("--backends", default="elastic_emb,c10d")
     ap.add_argument("--out", default="out/resize.json")
@@ -118,9 +131,11 @@ def main() -> None:
     backends = args.backends.split(",")
     raw: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
     splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}
+    floors: list[float] = []
     for run in range(args.runs):
+        floors.append(import_floor())
         for b in backends:  # interleaved, so load drifts hit both backends alike
-            res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf)
+            res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf, args.worker)
             for s in SCENARIOS:
                 raw[b][s].append(res["results"][s])
             for s, v in res["split"].items():
@@ -148,13 +163,15 @@ def main() -> None:
         cells = " | ".join("-" if summary[b][s] is None else f"{summary[b][s]:.2f}" for b in backends)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"| {s} | {cells} | {ratio} | {fmt(sp.get('agent_s'))} | {fmt(sp.get('worker_s'))} |")
+    print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
+          f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({
-            "benchmark": "resize", "runs": args.runs, "mode": args.mode, "cap_s": args.cap,
+            "benchmark": "resize", "runs": args.runs, "mode": args.mode, "worker": args.worker, "cap_s": args.cap,
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
             "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
-            "elastic_emb_split_raw_s": splits,
+            "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
             "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
         }, f, indent=2)
     print(f"\nwrote {args.out}")
