@@ -290,3 +290,20 @@ def test_hung_agent_is_declared_dead_and_its_worker_leaves(cluster):
     assert changes[-1]["deaths"] == [_node(b)] and changes[-1]["departures"] == []
     last_round = [e for e in ev if e["event"] == "rendezvous_round"][-1]
     assert last_round["world_size"] == 1 and last_round["deaths"] == [_node(b)]
+
+
+def test_entry_point_registers_the_backend_and_conf_errors_name_the_key():
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elastic_emb.rendezvous import ListenerConfig, create_handler
+
+    assert rendezvous_handler_registry._registry["elastic_emb"] is create_handler
+    cfg = ListenerConfig.from_params({"inner": "etcd-v2", "drain": "0", "drain_timeout": "2.5", "timeout": 900,
+                                      "last_call_timeout": "1"})
+    assert (cfg.inner, cfg.drain, cfg.drain_timeout) == ("etcd-v2", False, 2.5)
+    with pytest.raises(ValueError, match=r"inner='zk'"):
+        ListenerConfig.from_params({"inner": "zk"})
+    with pytest.raises(ValueError, match=r"drain='maybe'"):
+        ListenerConfig.from_params({"drain": "maybe"})
+    with pytest.raises(ValueError, match=r"sync_interval='0'"):
+        ListenerConfig.from_params({"sync_interval": "0"})
