@@ -104,10 +104,10 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
 
 
 @main.command("drill")
-@click.option("--scenario", "scenario_spec", required=True,
+@click.option("--scenario", "scenario_spec", default=None,
               help="A preset (scale-up, scale-down, node-loss, worker-crash, flapping, store-host-loss, "
                    "corrupt-snapshot, demo), chaos:SEED, or a .yaml/.json scenario file.")
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Directory for logs, tables and the report.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Directory for logs, tables and the report.")
 @click.option("--network", type=click.Choice(["auto", "loopback", "netns"]), default=None,
               help="Override the scenario's network (netns: one namespace per node, needs root).")
 @click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
@@ -125,6 +125,9 @@ def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_pr
         for name, s in PRESETS.items():
             click.echo(f"{name:18} {s.description}")
         return
+    for value, name in ((scenario_spec, "--scenario"), (out, "--out")):
+        if not value:
+            raise click.UsageError(f"{name} is required (or --list to see the presets)")
     try:
         scenario = load_scenario(scenario_spec)
     except ValueError as exc:
