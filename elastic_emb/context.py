@@ -279,7 +279,9 @@ class LookupHandle:
             )
         try:
             if self._work is not None:
-                ctx._wait(self._work, timeout, f"lookup({self._table!r}) row exchange")
+                # Without a timeout, NCCL only orders the current stream after the exchange (CUDA
+                # semantics: the result is ready for any later work on that stream).
+                ctx._wait(self._work, timeout, f"lookup({self._table!r}) row exchange", host=timeout is not None)
             # Reorder (and expand duplicates) into a tensor the caller owns.
             self._result = self._recv if self._inverse is None else self._recv.index_select(0, self._inverse)
         finally:
@@ -519,10 +521,32 @@ class EmbContext:
 
     # -- communication ------------------------------------------------------------------------
 
-    def _wait(self, work, timeout: float | None, what: str) -> None:
+    def _wait(self, work, timeout: float | None, what: str, host: bool = True) -> None:
+        """Complete ``work`` within ``timeout`` (default: the context's).
+
+        Gloo: ``Work.wait(timeout)`` blocks on a condition variable. NCCL: ``Work.wait(timeout)``
+        polls with 10 ms sleeps (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), far too coarse
+        for a lookup of a few ms, so the host polls ``is_completed()`` itself with short sleeps
+        when it needs the result (``host=True``), and otherwise only orders the current stream
+        after the collective (``host=False``; the communicator's own timeout still bounds it).
+        """
         t = self.timeout if timeout is None else timeout
         try:
-            ok = work.wait(timedelta(seconds=t))
+            if self.topology.backend != "nccl":
+                ok = work.wait(timedelta(seconds=t))
+            else:
+                ok = True
+                if host:
+                    deadline = time.monotonic() + t
+                    spins = 0
+                    while not work.is_completed():
+                        if time.monotonic() > deadline:
+                            ok = False
+                            break
+                        spins += 1
+                        time.sleep(0 if spins < 2000 else 0.0002)
+                if ok:
+                    work.wait()
         except Exception as exc:
             self._healthy = False
             raise CommunicationError(
@@ -531,7 +555,11 @@ class EmbContext:
             ) from exc
         if ok is False:
             self._healthy = False
-            raise CommunicationError(f"{what} timed out after {t}s on rank {self.topology.rank}")
+            raise CommunicationError(
+                f"{what} timed out after {t}s on rank {self.topology.rank} (generation "
+                f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
+                f"let the lifecycle re-form the world"
+            )
 
     def _arena_release(self) -> None:
         if self._arena is not None:
@@ -621,7 +649,7 @@ class EmbContext:
         )
         send_list, recv_list = self._exchange_counts(send_counts, what, tag)
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
-        self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange")
+        self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange", host=False)
         return uniq, inverse, send_list, recv_list, recv_ids
 
     # -- public operations ---------------------------------------------------------------------
@@ -707,7 +735,8 @@ class EmbContext:
         if len(uniq):
             summed.index_add_(0, inverse, grads.to(device=self.device, dtype=spec.torch_dtype))
         recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=self.device)
-        self._wait(self._alltoall(recv_grads, summed, recv_list, send_list), None, f"{what} gradient exchange")
+        self._wait(self._alltoall(recv_grads, summed, recv_list, send_list), None, f"{what} gradient exchange",
+                   host=False)
         if not len(recv_ids):
             return
         local = recv_ids.long() - self.owned(table).start
