@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--state-dir", default=None, help="snapshot root (default /dev/shm if it has room, else a temp dir)")
     ap.add_argument("--dcp-dir", default=None, help="DCP checkpoints (storage; default a temp dir on disk)")
     ap.add_argument("--json", "--out", dest="json", default=None,
-                    help="write results here (default bench/results/reshard-<device>.json)")
+                    help="write results here (default out/reshard-<device>.json)")
     ap.add_argument("--timeout", type=float, default=580.0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
@@ -357,7 +357,7 @@ def main() -> None:
            "transport": args.transport or ("alltoall" if args.device == "cuda" else "p2p"),
            "state_dir": args.state_dir, "argv": sys.argv[1:], "results": rows,
            "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time"}
-    path = Path(args.json or REPO / "bench" / "results" / f"reshard-{args.device}.json")
+    path = Path(args.json or REPO / "out" / f"reshard-{args.device}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")

@@ -313,7 +313,12 @@ class Lifecycle:
             log.warning("lifecycle.export_failed", error=repr(exc)[:300])
         live_commit = (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
         self._close_comm()
-        ctx.close()
+        # Ranks left: their ends of the communicator are gone without a destroy, and a destroy
+        # waits for peers (NCCL); abort instead, on every survivor alike (FACTS: NCCL pitfalls).
+        if new.world_size < old.world_size and "abort" in inspect.signature(ctx.close).parameters:
+            ctx.close(abort=True)
+        else:
+            ctx.close()
         self.context = None
         t1 = time.perf_counter()
         agree(new, store, timeout=self.config.agree_timeout)

@@ -118,11 +118,12 @@ def train_step(ctx, step: int) -> None:
         ctx.train_step(step)
         return
     t = ctx.topology
+    dev = getattr(ctx, "device", torch.device("cpu"))
     for name, spec in ctx.tables.items():
         ids, g = global_batch(step, spec.num_rows)
-        mine = ids[t.rank:: t.world_size]
+        mine = ids[t.rank:: t.world_size].to(dev)
         ctx.lookup(name, mine).wait(timeout=60)
-        grads = g[t.rank:: t.world_size][:, None].expand(-1, spec.dim).contiguous()
+        grads = g[t.rank:: t.world_size][:, None].expand(-1, spec.dim).contiguous().to(dev)
         ctx.apply_gradients(name, mine, grads)
 
 
@@ -149,8 +150,9 @@ def make_factory(spec: dict):
         return functools.partial(MiniContext, tables=tables, calls_file=spec.get("calls_file"))
     from elastic_emb.context import EmbContext
 
-    return functools.partial(EmbContext, tables=tables, optimizer=OptimizerSpec(kind="adagrad", lr=0.5),
-                             timeout=60.0, staging_rows_per_rank=64)
+    kind = spec.get("optimizer", "adagrad")
+    opt = OptimizerSpec(kind="adagrad", lr=0.5) if kind == "adagrad" else OptimizerSpec(kind="sgd", lr=1.0)
+    return functools.partial(EmbContext, tables=tables, optimizer=opt, timeout=60.0, staging_rows_per_rank=64)
 
 
 def new_env(overrides: dict) -> dict:

@@ -57,7 +57,7 @@ def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def reference(steps: int) -> tuple:
+def reference(steps: int, optimizer: str = "adagrad") -> tuple:
     """Full tables after steps 0..steps-1 at world size 1 (integer start), for every prefix."""
     from elastic_emb.topology import Topology
     import torch.distributed as dist
@@ -66,7 +66,7 @@ def reference(steps: int) -> tuple:
     topo = Topology.build(run_id="reference", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    ctx = lw.make_factory({"tables": TABLES})(topo, store)
+    ctx = lw.make_factory({"tables": TABLES, "optimizer": optimizer})(topo, store)
     lw.integer_start(ctx)
     out = [_full(ctx)]  # out[k]: after steps 0..k-1
     for s in range(steps):
@@ -80,9 +80,9 @@ def _full(ctx) -> dict:
     return {n: (s.weight.clone(), {k: v.clone() for k, v in s.slots.items()}) for n, s in ctx.export_shard().items()}
 
 
-def ref_after(step: int) -> dict:
+def ref_after(step: int, optimizer: str = "adagrad") -> dict:
     """State after committed step ``step`` (-1: the integer start)."""
-    return reference(8)[step + 1]
+    return reference(8, optimizer)[step + 1]
 
 
 def gather(out, phase: str, gen: int) -> dict:
@@ -135,27 +135,26 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_resize_in_process(tmp_path, case):
-    old, new = CASES[case]
+def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer: str = "adagrad") -> list[dict]:
+    """Old world trains steps 0-2; then in the same processes the new world is formed (leavers
+    exit, joiners start), restores, trains steps 3-4. Checks every row and slot at each point."""
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
-    # Rows travel by posted send/recv on CPU; two cases take the packed all-to-all that NCCL uses.
-    transport = {"ELASTIC_EMB_TRANSPORT": "alltoall" if case in ("4to2", "2to4") else "p2p"}
     envs = []
     for r in range(max(len(old), len(new))):
         if r < len(old):
             resize = {"env": layout_env(new, r, port, 1)} if r < len(new) else {"env": None}
-            spec = spec_of(out, train_until=2, resize=resize, then_until=4)
-            envs.append(rank_env(tmp_path, old, r, port, 0, spec, transport))
+            spec = spec_of(out, train_until=2, resize=resize, then_until=4, optimizer=optimizer)
+            envs.append(rank_env(tmp_path, old, r, port, 0, spec, extra))
         else:  # a joiner: starts in generation 1 once the old world finished phase 1
-            spec = spec_of(out, train_until=4, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"))
-            envs.append(rank_env(tmp_path, new, r, port, 1, spec, transport))
+            spec = spec_of(out, train_until=4, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"), optimizer=optimizer)
+            envs.append(rank_env(tmp_path, new, r, port, 1, spec, extra))
     values = ok(run_ranks(lw.CODE, envs, timeout=120))
-    assert_bit_exact(gather(out, "phase1", 0), ref_after(2), f"{case}: before the resize")
-    assert_bit_exact(gather(out, "resized", 1), ref_after(2), f"{case}: right after the resize")
-    assert_bit_exact(gather(out, "final", 1), ref_after(4), f"{case}: after training on")
+    what = f"{len(old)}->{len(new)}"
+    assert_bit_exact(gather(out, "phase1", 0), ref_after(2, optimizer), f"{what}: before the resize")
+    assert_bit_exact(gather(out, "resized", 1), ref_after(2, optimizer), f"{what}: right after the resize")
+    assert_bit_exact(gather(out, "final", 1), ref_after(4, optimizer), f"{what}: after training on")
     survivors = [v for v in values if not v.get("departed")]
     assert len(survivors) == len(new)
     for v in survivors:
@@ -166,15 +165,37 @@ def test_resize_in_process(tmp_path, case):
             assert "live" in ev["source_tiers"], ev
             for key in ("teardown_s", "agreement_s", "construct_s", "restore_s"):
                 assert ev[key] >= 0
+    moved = sum(v["events"][-1]["bytes_moved"] for v in survivors)
+    local = sum(v["events"][-1]["bytes_local"] for v in survivors)
+    assert (moved > 0) == (len(new) > 1) and moved + local > 0, (moved, local)
+    return survivors
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resize_in_process(tmp_path, case):
+    old, new = CASES[case]
+    # Rows travel by posted send/recv on CPU; two cases take the packed all-to-all that NCCL uses.
+    transport = {"ELASTIC_EMB_TRANSPORT": "alltoall" if case in ("4to2", "2to4") else "p2p"}
+    survivors = _in_process(tmp_path, old, new, transport)
     tiers = set().union(*(set(v["events"][-1]["source_tiers"]) for v in survivors))
     if len(new) < len(old):
         # The departed node's rows come from the replicas its neighbours hold.
         assert tiers == {"live", "replica"}, tiers
     else:
         assert tiers == {"live"}, tiers
-    moved = sum(v["events"][-1]["bytes_moved"] for v in survivors)
-    local = sum(v["events"][-1]["bytes_local"] for v in survivors)
-    assert (moved > 0) == (len(new) > 1) and moved + local > 0, (moved, local)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs with NCCL (the lead runs it on the GPU machine)")
+@pytest.mark.parametrize("case", ["2to1", "1to2"])
+def test_resize_in_process_nccl(tmp_path, case):
+    """The same on NCCL, one GPU per rank on one node; SGD keeps integer rows exact on any device."""
+    old, new = {"2to1": (["A", "A"], ["A"]), "1to2": (["A"], ["A", "A"])}[case]
+    survivors = _in_process(tmp_path, old, new, {"ELASTIC_EMB_BACKEND": "nccl"}, optimizer="sgd")
+    tiers = set().union(*(set(v["events"][-1]["source_tiers"]) for v in survivors))
+    # 2->1: the leaver's rows come from its snapshot on the shared node directory.
+    assert tiers == ({"live", "snapshot"} if case == "2to1" else {"live"}), tiers
 
 
 # -- resize across a restart: snapshot tier -----------------------------------------------------
