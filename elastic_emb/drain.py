@@ -36,14 +36,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import ElasticEmbError
-
-# The drain protocol's key names under round_prefix(run_id, round), as rendezvous.py and watch.py
-# use them (agent: `drain`, reads `world_size` and `acks`; watcher: writes `world_size`, `acks`,
-# `stop_step`). Kept in one place here; tests/test_deploy.py proves them against real watchers.
-KEY_DRAIN = "drain"
-KEY_EXPECTED = "world_size"
-KEY_ACKS = "acks"
-KEY_STOP_STEP = "stop_step"
+# The drain protocol's keys under round_prefix(run_id, round) are the rendezvous backend's own
+# (importing rendezvous.py has no side effect); tests/test_deploy.py runs this client against
+# real watchers.
+from elastic_emb.rendezvous import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
+from elastic_emb.rendezvous import KEY_WORLD_SIZE as KEY_EXPECTED
 
 
 class DrainError(ElasticEmbError, RuntimeError):
@@ -114,8 +111,7 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     """
     if timeout <= 0 or poll <= 0:
         raise ValueError(f"timeout={timeout!r} and poll={poll!r} must be > 0 seconds")
-    from elastic_emb.rendezvous import round_prefix
-    from elastic_emb.watch import RendezvousReader
+    from elastic_emb.watch import RendezvousReader  # imports torch.distributed: only when draining
 
     start = time.monotonic()
     try:
