@@ -26,7 +26,9 @@ durations (teardown, agreement, construct, restore), bytes moved, source tiers, 
 A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` (``topology``,
 ``reset``, ``close``, ``export_shard``, ``import_shard``) and a factory ``(topology, store) ->
 context``. A ``process_group`` attribute (a c10d ProcessGroup) is used for row transfer when
-present; otherwise the state layer forms a gloo group of its own per generation.
+present; otherwise the state layer forms a gloo group of its own per generation. An optional
+``shard_views()`` (same shape as ``export_shard()``, but the context's own writable tensors)
+lets restore write rows in place instead of into a copy that ``import_shard`` copies again.
 """
 
 from __future__ import annotations

@@ -844,9 +844,12 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
     = (step, generation, fingerprint). Raises :class:`RestoreError` when state exists but no
     commit is complete (or when ``require_state`` and there is none)."""
     t0 = time.perf_counter()
-    # The new context's own shards give shapes and dtypes; they are filled and imported back
-    # (export_shard returns copies or views: either way import_shard writes the right rows).
-    template = context.export_shard()
+    # The new context's own shards give shapes and dtypes and receive the rows. A context that
+    # offers ``shard_views()`` (its own storage, writable) is filled in place: no copy of the
+    # shard, no import; otherwise the exported copy is filled and imported back.
+    views = getattr(context, "shard_views", None)
+    in_place = callable(views)
+    template = views() if in_place else context.export_shard()
     specs = _specs_of(template)
     # 1. Inventory: what this rank can supply.
     handles_meta: list[dict] = []
@@ -934,7 +937,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             m = next(m for m in durable_ms if _commit_id(m.step, m.generation, m.fingerprint) == cid)
             world = durable.load(m, comm, template, num_rows, durable_group)
             shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners)
-            context.import_shard(shards)
+            if not in_place:
+                context.import_shard(shards)
             log.warning("restore_from_durable", step=step, reason=fallback)
             return RestoreReport(step=step, generation=gen, fingerprint=fp,
                                  tiers={t: [(s.rows.start, s.rows.stop, "durable")] for t, s in shards.items()},
@@ -973,7 +977,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         transfer_s = time.perf_counter() - tx
-        context.import_shard(template)
+        if not in_place:
+            context.import_shard(template)
         mine_tiers: dict[str, list[tuple[int, int, str]]] = {}
         local = 0
         for a in sorted(plan, key=lambda a: (a.table, a.start)):

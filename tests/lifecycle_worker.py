@@ -87,6 +87,11 @@ class MiniContext:
     def export_shard(self) -> dict[str, ShardData]:
         return {n: ShardData(n, rr, w.clone(), {"accumulator": a.clone()}) for n, (rr, w, a) in self._rows.items()}
 
+    def shard_views(self) -> dict[str, ShardData]:
+        """Optional capability: this rank's shards as the context's own tensors (restore fills
+        them in place, skipping a copy and import_shard)."""
+        return {n: ShardData(n, rr, w, {"accumulator": a}) for n, (rr, w, a) in self._rows.items()}
+
     def import_shard(self, shards) -> None:
         for n, s in shards.items():
             rr, w, a = self._rows[n]
