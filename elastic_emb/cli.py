@@ -160,5 +160,20 @@ def _drill_logs() -> None:
     configure_logging(level=os.environ.get("ELASTIC_EMB_LOG_LEVEL", "warning"), force=True)
 
 
+@main.command("state")
+@click.option("--state-dir", default=None, help="Snapshot root [default: ELASTIC_EMB_STATE_DIR, else /dev/shm/elastic_emb].")
+@click.option("--run-id", default=None, help="Run id [default: TORCHELASTIC_RUN_ID, else none].")
+@click.option("--durable-dir", default=None, help="DCP root [default: ELASTIC_EMB_DURABLE_DIR, if set].")
+def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None) -> None:
+    """List committed state (newest first): per commit, the nodes holding it, and the row ranges
+    missing from this host's view (empty: restorable from here). Reads manifests only."""
+    from elastic_emb.state import inspect_state
+
+    state_dir = state_dir or os.environ.get("ELASTIC_EMB_STATE_DIR") or "/dev/shm/elastic_emb"
+    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    durable_dir = durable_dir or os.environ.get("ELASTIC_EMB_DURABLE_DIR") or None
+    click.echo(json.dumps(inspect_state(state_dir, run_id, durable_dir), indent=2))
+
+
 if __name__ == "__main__":
     main()

@@ -1016,3 +1016,41 @@ def _num_rows_from(everyone: list[dict], comm: Comm) -> dict[str, int]:
         if n < 1:
             raise RestoreError(f"table {name!r}: no rank reports any rows; the context exported empty shards everywhere")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspection (operators: which commits are complete where)
+# ---------------------------------------------------------------------------------------------
+
+
+def inspect_state(state_dir: str | os.PathLike, run_id: str, durable_dir: str | os.PathLike | None = None) -> dict:
+    """Every commit found under ``<state_dir>/<run_id>/*/`` (all node directories visible from
+    here) and ``<durable_dir>/<run_id>/``: for each, the nodes and tiers holding pieces, and the
+    row ranges of each table nobody holds (empty: complete). Newest first. Reads manifests only."""
+    root = Path(state_dir) / run_id
+    pieces: dict[str, list[tuple[str, SnapshotManifest, ShardRecord]]] = {}
+    if root.is_dir():
+        for node in sorted(p.name for p in root.iterdir() if p.is_dir()):
+            for _, m in SnapshotTier(state_dir, run_id, node).manifests():
+                for rec in m.shards:
+                    pieces.setdefault(_commit_id(m.step, m.generation, m.fingerprint), []).append((node, m, rec))
+    out = []
+    for cid in sorted(pieces, key=_commit_order, reverse=True):
+        step, gen, fp = _parse_commit(cid)
+        num_rows = {rec.table: rec.num_rows for _, _, rec in pieces[cid]}
+        specs = {rec.table: [[t.dtype, t.row_shape] for t in rec.tensors] for _, _, rec in pieces[cid]}
+        inv = [[{"table": rec.table, "start": rec.start, "stop": rec.stop, "tier": "replica" if m.replica else "snapshot",
+                 "commit": cid, "handle": i, "spec": [[t.dtype, t.row_shape] for t in rec.tensors]}
+                for i, (_, m, rec) in enumerate(pieces[cid])]]
+        _, missing = plan_assignments(inv, cid, num_rows, 1, specs)
+        out.append({"tier": "snapshot", "step": step, "generation": gen, "fingerprint": fp,
+                    "complete": not missing, "missing": [list(x) for x in missing], "tables": num_rows,
+                    "nodes": sorted({node for node, _, _ in pieces[cid]}),
+                    "shards": sorted({(m.source_rank, m.replica, node) for node, m, _ in pieces[cid]})})
+    if durable_dir is not None:
+        for m in DurableTier(durable_dir, run_id).manifests():
+            out.append({"tier": "durable", "step": m.step, "generation": m.generation, "fingerprint": m.fingerprint,
+                        "complete": True, "missing": [], "tables": m.tables, "dir": m.checkpoint_dir})
+    out.sort(key=lambda c: (c["step"], c["generation"]), reverse=True)
+    return {"run_id": run_id, "state_dir": str(state_dir), "durable_dir": str(durable_dir) if durable_dir else None,
+            "commits": out}

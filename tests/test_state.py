@@ -204,6 +204,15 @@ def test_missing_rows_raise_restore_error_never_fresh_rows(tmp_path, world1):
     assert info.value.missing == [("t", 25, 40)]
     assert "t[25, 40)" in str(info.value)
     assert torch.equal(ctx.w, torch.full((40, 3), -1.0))  # untouched: no zeros, no fresh rows
+    # The operator's view (`elastic-emb state`) says the same.
+    from click.testing import CliRunner
+    from elastic_emb.cli import main
+
+    res = CliRunner().invoke(main, ["state", "--state-dir", str(tmp_path), "--run-id", "unit"])
+    assert res.exit_code == 0, res.output
+    [commit] = json.loads(res.output)["commits"]
+    assert commit["step"] == 3 and not commit["complete"] and commit["missing"] == [["t", 25, 40]]
+    assert commit["nodes"] == ["nodeA"]
 
 
 def test_first_start_without_state_keeps_initial_rows(tmp_path, world1):
