@@ -972,6 +972,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             for r, hs in enumerate(bad_all):
                 bad_handles.update((r, h) for h in hs)
             continue
+        if fallback:
+            log.warning("restore_fallback", step=step, reason=fallback)
         tx = time.perf_counter()
         sent = _execute(comm, plan, handles, starts, template)
         if comm.device.type == "cuda":
