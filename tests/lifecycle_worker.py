@@ -190,7 +190,7 @@ def main() -> None:
         sys.exit(3)
     result["events"].append(lc.events[-1].model_dump())
     result["start_step"] = lc.step
-    if lc.step == -1 and not isinstance(lc.context, MiniContext):
+    if lc.step == -1 and not isinstance(lc.context, MiniContext) and not spec.get("seeded_start"):
         integer_start(lc.context)
     dump(lc.context, out, "resized" if joiner else "start")
     for step in range(lc.next_step, spec.get("train_until", -1) + 1):

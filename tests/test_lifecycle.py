@@ -219,6 +219,27 @@ def test_resize_across_restart(tmp_path, case):
         assert "snapshot" in v["events"][0]["source_tiers"]
 
 
+# -- first start ------------------------------------------------------------------------------------
+
+
+def test_first_start_rows_are_the_same_whatever_the_world_size(tmp_path):
+    """No state anywhere: every world size starts from the same seeded rows (the context's init)."""
+    starts = {}
+    for world in (1, 3):
+        out = tmp_path / f"out{world}"
+        out.mkdir()
+        p = free_port()
+        layout = ["A"] * world
+        values = ok(run_ranks(lw.CODE, [rank_env(tmp_path / f"w{world}", layout, r, p, 0, spec_of(out, seeded_start=True))
+                                        for r in range(world)], 90))
+        assert all(v["start_step"] == -1 and v["events"][0]["source_tiers"] == ["init"] for v in values)
+        starts[world] = gather(out, "start", 0)
+    for name, (w1, s1) in starts[1].items():
+        w3, s3 = starts[3][name]
+        assert torch.equal(w1, w3) and all(torch.equal(s1[k], s3[k]) for k in s1)
+        assert w1.abs().sum() > 0  # seeded values, not zeros
+
+
 # -- torn commit ----------------------------------------------------------------------------------
 
 
