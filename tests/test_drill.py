@@ -314,3 +314,22 @@ def test_gpu_drill_2_1_2_loses_nothing(tmp_path):
     assert report["ok"], _explain(report, out)
     assert report["world_sizes"] == [2, 1, 2, 1, 2], _explain(report, out)
     assert all(r["steps_lost"] == 0 for r in report["resizes"])
+
+
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable here: {NETNS_WHY}")
+def test_namespaces_left_by_a_killed_drill_are_removed():
+    """A drill killed with SIGKILL cannot clean up; the next drill removes its namespaces (their
+    names carry the creating pid), and leaves those of live drills alone."""
+    from elastic_emb.drill.network import remove_stale_namespaces
+
+    dead = next(p for p in range(4_000_000, 4_100_000) if not procs.alive(p))
+    stale, live = f"ee{dead}xabcn0", f"ee{os.getpid()}xabcn0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        removed = remove_stale_namespaces()
+        assert stale in removed and live not in removed
+        assert stale not in _namespaces() and live in _namespaces()
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)

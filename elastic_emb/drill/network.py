@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,8 +85,10 @@ class Netns(Network):
     kind = "netns"
 
     def __init__(self, tag: str) -> None:
-        digest = hashlib.sha1(f"{tag}-{os.getpid()}".encode()).hexdigest()
-        self.id = digest[:5]
+        digest = hashlib.sha1(f"{tag}-{os.getpid()}-{id(self)}".encode()).hexdigest()
+        # The creating pid is in every name, so a later drill can remove what a killed one left.
+        # (veth names are limited to 15 characters: "e" + 7 digits + "x" + 3 + "h" + node.)
+        self.id = f"{os.getpid()}x{digest[:3]}"
         self.subnet = 100 + int(digest[5:7], 16) % 150  # 10.<100..249>.0.0/24
         self.store_addr = f"10.{self.subnet}.0.1"
         self.hub = f"ee{self.id}hub"
@@ -98,6 +101,7 @@ class Netns(Network):
         return self.hub
 
     def setup(self, max_nodes: int) -> None:
+        remove_stale_namespaces()
         _ip("netns", "add", self.hub)
         self.made.append(self.hub)
         _ip("-n", self.hub, "link", "set", "lo", "up")
@@ -143,6 +147,27 @@ class Netns(Network):
             procs.signal_all(self._pids(ns), signal.SIGKILL)
             _ip("netns", "del", ns, check=False)
         self.made.clear()
+
+
+STALE = re.compile(r"^ee(\d+)x[0-9a-f]{3}(hub|n\d+)$")
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete drill namespaces whose creating process is gone (a drill that was SIGKILLed)."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for line in listed:
+        name = line.split(" ")[0].strip()
+        m = STALE.match(name)
+        if not m or procs.alive(int(m.group(1))):
+            continue
+        pids = [int(x) for x in _ip("netns", "pids", name, check=False).stdout.split()]
+        procs.signal_all(pids, signal.SIGKILL)
+        _ip("netns", "del", name, check=False)
+        removed.append(name)
+    if removed:
+        log.warning("drill_stale_namespaces_removed", namespaces=removed)
+    return removed
 
 
 def netns_works() -> tuple[bool, str]:
