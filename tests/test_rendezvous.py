@@ -307,3 +307,32 @@ def test_entry_point_registers_the_backend_and_conf_errors_name_the_key():
         ListenerConfig.from_params({"drain": "maybe"})
     with pytest.raises(ValueError, match=r"sync_interval='0'"):
         ListenerConfig.from_params({"sync_interval": "0"})
+
+
+def test_whole_node_death_restarts_without_spending_budget(cluster):
+    """SIGKILL of an agent and its worker together (a lost host: no orphan reports anything).
+    The survivors' agent sees the node's heartbeat expire and restarts its worker as a
+    membership change (restart count 0, rows intact); a worker whose collective failed first
+    waits for that restart (Watcher.membership_change_pending) instead of failing."""
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, worker="lifecycle"))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    t_b, gen2 = _grow(tmp, agents, "b", 2)
+    b = agents[1]
+    victim = next(r["pid"] for r in _ready(tmp, gen2) if r["agent_pid"] == b.pid)
+    time.sleep(0.5)
+    t_kill = b.signal(signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after the node died", agents)
+    gen3 = _gen_of(tmp, 1, t_kill)
+    _check_membership_restart(tmp, gen3, 1)
+    print(f"\nwhole node SIGKILL (busy): fault to first step {t_first - t_kill:.2f} s")
+    ev = events(tmp, "a")
+    assert [e for e in ev if e["event"] == "rendezvous_round"][-1]["deaths"] == [_node(b)]
+    assert not any(e["event"] == "dead_node_evicted" for e in ev)  # nobody reported it: heartbeat expiry
+    # Whether the survivor's worker was in a gloo collective (fails at once: it then waits via
+    # membership_change_pending) or in a commit's store wait (blocks until the agent's SIGTERM)
+    # depends on timing; either way the restart above was a membership restart (count 0).
+    waited = [r for r in worker_records(tmp) if r["ev"] == "collective_failed_membership" and r["gen"] == gen2]
+    print(f"survivor waited on a failed collective: {bool(waited)}")
