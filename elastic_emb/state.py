@@ -221,12 +221,17 @@ class Comm:
         self.rank = topology.rank
         self.size = topology.world_size
         self.timeout = timeout
-        self.store = generation_store(store, topology, purpose)
+        import torch.distributed as dist
+
+        # The k-th communicator a rank makes in a generation pairs with the k-th on every other
+        # rank (same program order), and gets keys of its own: reused keys would hand one
+        # exchange the values of an earlier one (and a reused process group prefix hangs).
+        gen_store = generation_store(store, topology, purpose)
+        self.instance = int(gen_store.add(f"instances/rank{self.rank}", 1))
+        self.store = dist.PrefixStore(f"c{self.instance}/", gen_store)
         self._own_pg = process_group is None
         if process_group is None:
-            import torch.distributed as dist
-
-            pg_store = generation_store(store, topology, purpose + "_pg")
+            pg_store = dist.PrefixStore(f"c{self.instance}/pg/", gen_store)
             process_group = dist.ProcessGroupGloo(pg_store, self.rank, self.size, timedelta(seconds=timeout))
         self.pg = process_group
         if device is None:
