@@ -43,6 +43,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def draw_ids(n: int, rows: int, skew: float, device, gen):
+    """``n`` ids in ``[0, rows)``: uniform for skew 0; for skew > 1 a power law (``rows * u**skew``,
+    hot ids many times over, as in recommendation traffic), scattered over the table by a
+    multiplicative hash so that the hot rows do not all live on one owner."""
+    import torch
+
+    if skew <= 0:
+        return torch.randint(0, rows, (n,), device=device, generator=gen)
+    u = torch.rand(n, device=device, generator=gen, dtype=torch.float64)
+    base = (u.pow(skew) * rows).long().clamp_(max=rows - 1)
+    return (base * 2654435761) % rows
+
+
 def _sync(device):
     import torch
 
@@ -77,7 +90,7 @@ def worker(args) -> None:
     ctx.import_shard({"t": ShardData("t", mine, w)})
     del w
     gen = torch.Generator(device=dev).manual_seed(1234 + t.rank)
-    batches = [torch.randint(0, args.rows, (args.batch,), device=dev, generator=gen) for _ in range(2)]
+    batches = [draw_ids(args.batch, args.rows, args.skew, dev, gen) for _ in range(2)]
 
     def timed(fn) -> list[float]:
         """Per-run seconds per iteration, bracketed by barriers so the slowest rank counts."""
@@ -133,7 +146,7 @@ def baseline(args, total_ids: int) -> list[float]:
     dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     table = torch.empty(args.rows, args.dim, device=dev).uniform_(-1, 1)
     gen = torch.Generator(device=dev).manual_seed(99)
-    ids = [torch.randint(0, args.rows, (total_ids,), device=dev, generator=gen) for _ in range(2)]
+    ids = [draw_ids(total_ids, args.rows, args.skew, dev, gen) for _ in range(2)]
     for i in range(args.warmup):
         F.embedding(ids[i % 2], table)
     out = []
@@ -168,7 +181,7 @@ def launch(args, world: int) -> list[dict]:
             env.setdefault("NCCL_NVLS_ENABLE", "0")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
-               "--iters", str(args.iters), "--warmup", str(args.warmup)]
+               "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -195,6 +208,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dim", type=int, default=None, help="row width (default 64 on cpu, 128 on cuda)")
     ap.add_argument("--batch", type=int, default=None, help="ids per rank per lookup (default 65536 on cpu, 1M on cuda)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
+    ap.add_argument("--skew", type=float, default=0.0, help="0: uniform ids; > 1: power-law ids (duplicates)")
     ap.add_argument("--iters", type=int, default=5, help="lookups per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
@@ -268,7 +282,7 @@ def main(argv=None) -> None:
                      f" {e['fraction_of_ceiling']:>11.2f}")
         print(line)
     print(f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
-          f"{args.batch} ids per rank)")
+          f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
