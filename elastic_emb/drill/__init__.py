@@ -52,6 +52,12 @@ class _Progress:
             self.bar.stop()
 
     def __call__(self, st: dict) -> None:
+        if st.get("phase") == "verify":
+            if self.bar:
+                self.bar.stop()
+            self.console.print(f"[drill {self.scenario.name}] verifying steps 0..{st['step']} against the "
+                               f"single-process replay, bit for bit", highlight=False)
+            return
         if self.bar:
             self.bar.update(self.task, completed=st["step"] + 1, world=st["world"], faults=st["faults"])
             return

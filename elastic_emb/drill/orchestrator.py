@@ -402,6 +402,7 @@ class Drill:
         t_end = time.time()
         verification: dict = {}
         if error is None or s.expect_failure:
+            self.on_progress({"phase": "verify", "step": self.max_step, "steps": s.steps})
             try:
                 verification = verify(self.out / "run", self.script)
             except LossDetected as exc:
