@@ -19,8 +19,9 @@ classes the state is made of (torch's ``_RendezvousState`` and ``_NodeDesc``, ``
 :class:`UnsafeStateError` for anything else, before any object of that class is made.
 
 **Orphans.** A worker whose agent was SIGKILLed keeps running (torch starts workers in a new
-session). The watcher notices within one interval that its parent process is no longer the
-agent (``ELASTIC_EMB_AGENT_PID``, else the parent at start), reports the node dead under the
+session). The watcher notices within one interval that its parent process changed (it was
+reparented), or that the agent's pid (``ELASTIC_EMB_AGENT_PID``) is gone when a wrapper sits
+between agent and worker, reports the node dead under the
 round's store keys (the surviving agents then evict it from the rendezvous and restart at
 once, see ``rendezvous.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
 later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
@@ -260,6 +261,7 @@ class Watcher:
         self.world_size = world_size
         self.node = node
         self.agent_pid = agent_pid
+        self._initial_parent = os.getppid()
         self.interval = interval
         self.drain_enabled = drain
         if not 0 <= stop_delay <= evict_grace:
@@ -457,8 +459,22 @@ class Watcher:
             mine = [p.node for p in view.participants if p.pid == self.agent_pid]
         return mine[0] if len(mine) == 1 else None
 
+    def _agent_gone(self) -> bool:
+        """Our agent died: our parent changed (we were reparented), or, when a wrapper (a shell,
+        a launcher script) sits between the agent and us, the agent's pid no longer exists."""
+        if os.getppid() != self._initial_parent:
+            return True
+        if self.agent_pid != self._initial_parent:
+            try:
+                os.kill(self.agent_pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # exists, owned by someone else: alive
+                return False
+        return False
+
     def _poll(self) -> None:
-        if os.getppid() != self.agent_pid:
+        if self._agent_gone():
             self._orphaned()
             return
         try:

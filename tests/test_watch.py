@@ -127,9 +127,10 @@ def _write(backend: C10dRendezvousBackend, state: _RendezvousState) -> None:
 
 def _watcher(port, node: _NodeDesc, rank: int, world: int, round_: int, evicted: list, **kw) -> Watcher:
     reader = RendezvousReader("c10d", f"127.0.0.1:{port}", "wtest")
+    kw.setdefault("agent_pid", os.getppid())
     return Watcher(
         reader, round_=round_, rank=rank, world_size=world, node=f"{node.addr}_{node.pid}_{node.local_id}",
-        agent_pid=os.getppid(), interval=0.02, on_evicted=evicted.append, **kw,
+        interval=0.02, on_evicted=evicted.append, **kw,
     )
 
 
@@ -241,3 +242,33 @@ def test_rdzv_state_cli_prints_the_decoded_state(rdzv_store):
     view = json.loads(out.stdout.strip().splitlines()[-1])
     assert view["round"] == 4 and [p["node"] for p in view["participants"]] == ["127.0.0.1_101_0"]
     assert view["wait_list"] == ["127.0.0.1_102_0"]
+
+
+def test_agent_death_behind_a_wrapper_is_reported(rdzv_store):
+    """The agent is not our parent (a wrapper in between): its pid vanishing still makes the
+    watcher report the node dead under the round's keys and evict itself."""
+    import subprocess
+    import sys
+
+    port, master, backend = rdzv_store
+    a = _NodeDesc("127.0.0.1", 101, 0)
+    _write(backend, _state(3, {a: 0}))
+    fake_agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    evicted: list = []
+    w = _watcher(port, a, 0, 1, 3, evicted, agent_pid=fake_agent.pid).start()
+    try:
+        time.sleep(0.2)
+        assert not w.evicted  # alive agent, unchanged parent: nothing happens
+        fake_agent.kill()
+        fake_agent.wait(10)
+        _wait_events(w, {"agent_lost"})
+        p = round_prefix("wtest", 3)
+        assert w.evicted and evicted[0].kind == "agent_lost"
+        assert int(master.add(p + "dead", 0)) == 1 and master.check([p + "dead/127.0.0.1_101_0"])
+        assert w.drain_requested(5) is False  # outside the membership: no drain, no ack
+        w.ack_drain(5)
+        assert int(master.add(p + "acks", 0)) == 0
+    finally:
+        w.stop()
+        if fake_agent.poll() is None:
+            fake_agent.kill()
