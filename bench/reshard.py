@@ -239,7 +239,8 @@ def launch(args, size_mb: int) -> list[dict]:
                    GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    TORCHELASTIC_RUN_ID="bench", ELASTIC_EMB_BACKEND="nccl" if args.device == "cuda" else "gloo",
                    TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS=str(args.threads),
-                   PYTHONPATH=str(REPO), ELASTIC_EMB_LOG_LEVEL="warning", NCCL_NVLS_ENABLE="0")
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+                   ELASTIC_EMB_LOG_LEVEL="warning", NCCL_NVLS_ENABLE="0")
         if args.transport:
             env["ELASTIC_EMB_TRANSPORT"] = args.transport
         cmd = [sys.executable, __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),

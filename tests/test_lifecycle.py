@@ -46,7 +46,7 @@ def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None
         **base,
         "ELASTIC_EMB_NODE_ID": node,
         "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
-        "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests"),
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")) if p),
         "LCW_SPEC": json.dumps(spec),
         **(extra or {}),
     })
