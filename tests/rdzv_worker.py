@@ -93,7 +93,7 @@ def main() -> int:
     while step <= MAX_STEPS:
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
-            return 3
+            os._exit(3)  # outside the membership: no teardown that could touch shared state
         log_watch_events(watcher, topo.generation, topo.rank)
         log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
         x = torch.tensor([step], dtype=torch.int64)
@@ -122,7 +122,7 @@ def main() -> int:
         log_watch_events(watcher, topo.generation, topo.rank)
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
-            return 3
+            os._exit(3)  # outside the membership: no teardown that could touch shared state
         time.sleep(0.05)
     return 0
 
@@ -199,7 +199,7 @@ def main_lifecycle() -> int:
     while time.monotonic() < deadline:  # idle: no collectives, wait for a restart or an eviction
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
-            return 3
+            os._exit(3)  # outside the membership: no teardown that could touch shared state
         time.sleep(0.05)
     return 0
 
