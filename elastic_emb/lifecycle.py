@@ -39,8 +39,6 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 

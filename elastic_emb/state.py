@@ -47,7 +47,7 @@ import signal
 import socket
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -59,12 +59,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
-from elastic_emb.sharding import RowRange, owned_range
-from elastic_emb.topology import Topology, scope
+from elastic_emb.sharding import owned_range
+from elastic_emb.topology import Topology
 
 log = get_logger("elastic_emb.state")
 
-Tier = Literal["live", "snapshot", "replica", "durable", "init"]
 TIER_PRIORITY = {"live": 0, "snapshot": 1, "replica": 2}
 MANIFEST_VERSION = 1
 
@@ -289,33 +288,15 @@ class Comm:
     def close(self) -> None:
         if self._own_pg:
             try:
-                import torch.distributed as dist
-
                 if hasattr(self.pg, "shutdown"):
                     self.pg.shutdown()
             except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
                 log.warning("state_comm_close_failed", error=repr(exc))
 
 
-def comm_for(context, topology: Topology, store, timeout: float) -> Comm:
-    """The communicator of ``context`` (its ``process_group`` if it has one)."""
-    pg = getattr(context, "process_group", None)
-    return Comm(topology, store, pg, timeout=timeout)
-
-
 # ---------------------------------------------------------------------------------------------
 # Snapshot tier (node-local directory + replicas on other nodes)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CommitResult:
-    step: int
-    tiers: list[str]
-    bytes_written: int
-    bytes_replicated: int
-    seconds: float
-    durable_pending: bool = False
 
 
 def replica_holders(records: list[dict], rank: int, replication: int) -> list[int]:

@@ -9,9 +9,6 @@ gloo group in this process) drives the same code paths on files that the tests t
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,10 +18,9 @@ from hypothesis import strategies as st
 from procs import free_port
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.protocol import ShardData
-from elastic_emb.sharding import RowRange, owned_range
+from elastic_emb.sharding import owned_range
 from elastic_emb.state import (
     Comm,
-    SnapshotManifest,
     SnapshotTier,
     plan_assignments,
     read_snapshot,
