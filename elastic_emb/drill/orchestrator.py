@@ -10,7 +10,10 @@ The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` 
 
 1. read the workers' progress lines (``<out>/run/events/*.jsonl``) from where it left off;
 2. fire every fault whose trigger has come (the committed step reached ``at_step``, or
-   ``at_time`` seconds passed since the first committed step);
+   ``at_time`` seconds passed since the first committed step). After a fault the drill creates
+   the workers' slow-down file (``--slow-file``: ``slow_delay`` per step instead of
+   ``step_delay``) until rank 0 of a new incarnation commits a step, so a short run cannot
+   finish before the resize lands; the next step-triggered fault waits for that too;
 3. stop when every agent has exited (training done, or failed), or at the timeout.
 
 Whatever happens, the ``finally`` block SIGKILLs every process tree it started (agents, their
@@ -372,12 +375,16 @@ class Drill:
                     self.store_back_at = None
                     self.etcd.start()  # same ports, same data directory: the member comes back
                     log.info("drill_store_restarted", seconds_to_healthy=self.etcd.started_in)
-                while pending and self._due(pending[0][1]):
-                    self._fire(*pending.pop(0))
-                # Time-triggered faults may come in any order relative to step ones.
-                for item in [p for p in pending if p[1].at_time is not None and self._due(p[1])]:
-                    pending.remove(item)
-                    self._fire(*item)
+                for item in list(pending):
+                    index, fault = item
+                    # A step-triggered fault waits until the previous fault's new world is stepping
+                    # (bounded by that wait's deadline), so faults land one resize at a time; a
+                    # time-triggered fault fires when its time comes, overlapping or not.
+                    if fault.at_step is not None and self.awaiting is not None:
+                        continue
+                    if self._due(fault):
+                        pending.remove(item)
+                        self._fire(index, fault)
                 self.on_progress({"step": self.max_step, "steps": s.steps, "world": self.world,
                                   "nodes": len(self._live()), "faults": len(self.fired), "t": time.time() - self.t0})
                 if all(node.exit_code is not None for node in self.nodes.values()):
