@@ -25,7 +25,8 @@ between agent and worker, reports the node dead under the
 round's store keys (the surviving agents then evict it from the rendezvous and restart at
 once, see ``rendezvous.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
 later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
-alive ``evict_grace`` seconds after the eviction, exits it with status 3. A worker outside the membership never
+alive ``evict_grace`` seconds after the eviction, the kernel ends it (SIGALRM from an interval
+timer, which needs no Python thread, so it also cuts a slow interpreter teardown short). A worker outside the membership never
 touches shared state: ``evicted`` is True before the stop begins, and the lifecycle checks it.
 
 **Drain.** When the agent asks the running workers to drain before a scale-up (a round-scoped
@@ -533,11 +534,18 @@ class Watcher:
         # would fail their collective first, and torch counts a failure against the restart
         # budget. Then the SIGTERM an agent would send (the worker's handler, if any, runs), and a
         # hard exit at evict_grace, so an orphan blocked in a collective cannot outlive it.
-        for delay, action in ((self.stop_delay, lambda: os.kill(os.getpid(), signal.SIGTERM)),
-                              (self.evict_grace, lambda: os._exit(3))):
-            timer = threading.Timer(delay, action)
-            timer.daemon = True
-            timer.start()
+        # The hard deadline is the kernel's: an interval timer whose SIGALRM (default action:
+        # terminate) needs no Python thread, so it fires even while the interpreter is tearing
+        # down. A process that handles SIGALRM itself gets a Python timer instead.
+        if signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
+            signal.setitimer(signal.ITIMER_REAL, self.evict_grace)
+        else:
+            hard = threading.Timer(self.evict_grace, os._exit, args=(3,))
+            hard.daemon = True
+            hard.start()
+        term = threading.Timer(self.stop_delay, os.kill, args=(os.getpid(), signal.SIGTERM))
+        term.daemon = True
+        term.start()
 
 
 # -- command line: print the rendezvous state (restricted decoding) ----------------------------
