@@ -393,11 +393,26 @@ class SnapshotTier:
                 out.append((cdir / m.data_file, m))
         return out
 
-    def prune(self, keep_fingerprint_steps: list[tuple[int, str]] | None = None) -> None:
-        """Delete all but the newest ``keep`` commit directories of this node (local, not collective)."""
-        dirs = sorted(self.node_dir.glob("step-*"))
-        for d in dirs[: max(0, len(dirs) - self.keep)]:
-            shutil.rmtree(d, ignore_errors=True)
+    def prune(self) -> None:
+        """Keep this node's newest ``keep`` commit directories that hold a manifest; delete older
+        ones, and torn directories (no manifest) older than the newest kept (local, not collective)."""
+        def step_of(d: Path) -> int:
+            try:
+                return int(d.name.split("-")[1])
+            except (IndexError, ValueError):
+                return -1
+
+        dirs = sorted(self.node_dir.glob("step-*"), key=lambda d: (step_of(d), d.stat().st_mtime))
+        complete = [d for d in dirs if any(d.glob("rank*.json"))]
+        kept = complete[-self.keep:]
+        if not kept:
+            return
+        newest_kept = step_of(kept[-1])
+        for d in dirs:
+            if d in kept:
+                continue
+            if d in complete or step_of(d) < newest_kept:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor]:

@@ -220,3 +220,23 @@ def test_first_start_without_state_keeps_initial_rows(tmp_path, world1):
     assert torch.equal(ctx.w, torch.full((40, 3), 3.0))
     with pytest.raises(RestoreError, match="state was required"):
         restore(ctx, comm, snapshot=SnapshotTier(tmp_path, "unit", "nodeA"), durable=None, require_state=True)
+
+
+def test_prune_keeps_newest_complete_commits(tmp_path):
+    import time
+
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", keep=2)
+    layout = [("step-000000000004-aa", True), ("step-000000000005-aa", True), ("step-000000000005-zz", False),
+              ("step-000000000006-bb", True), ("step-000000000007-bb", False)]
+    for name, complete in layout:
+        d = tier.node_dir / name
+        d.mkdir(parents=True)
+        (d / "rank0.bin").write_bytes(b"x")
+        if complete:
+            (d / "rank0.json").write_text("{}")
+        time.sleep(0.01)
+    tier.prune()
+    # Two newest complete commits stay (5, 6); step 4 goes; the torn step-5 of another
+    # generation goes; a newer torn directory (a commit in progress) stays.
+    assert sorted(p.name for p in tier.node_dir.iterdir()) == [
+        "step-000000000005-aa", "step-000000000006-bb", "step-000000000007-bb"]
