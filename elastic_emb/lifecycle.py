@@ -300,7 +300,10 @@ class Lifecycle:
         self.wait_durable()
         committed = False
         healthy = bool(getattr(ctx, "healthy", True)) and not getattr(ctx, "closed", False)
-        if healthy and self._seen_step > self.step:
+        # A commit is collective over the old world: only when nobody left (leavers commit before
+        # they go, on a drain; ranks that died cannot). Otherwise restore takes the newest commit
+        # complete across tiers, and the survivors' newer live rows wait for the next commit.
+        if healthy and self._seen_step > self.step and new.world_size >= old.world_size:
             try:
                 self._commit(self._seen_step)
                 committed = True
