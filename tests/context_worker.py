@@ -164,7 +164,8 @@ def main() -> None:
     def make(opt, topo=t, **kw):
         return EmbContext(topo, store, tables=TABLES, optimizer=opt, device=device, timeout=TIMEOUT, **kw)
 
-    ctx = make(SGD)
+    # Staging for 2 rows per peer: the lookups below must grow it (and stay exact).
+    ctx = make(SGD, staging_rows_per_rank=2)
     results["arena"] = {"ok": ctx.arena_bytes > 0, **ctx.arena_report()}
 
     @check("sgd_matches_reference")
@@ -174,6 +175,9 @@ def main() -> None:
 
     ref_sgd = Reference(SGD)
     _sgd()
+    grown = ctx.arena_report()["staging_bytes"]
+    results["staging_grown"] = {"ok": grown > results["arena"]["staging_bytes"],
+                                "before": results["arena"]["staging_bytes"], "after": grown}
 
     @check("invalid_ids")
     def _invalid():
