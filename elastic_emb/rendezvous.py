@@ -273,7 +273,6 @@ class ElasticEmbRendezvousHandler:
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
         self._round_store: Any = None
-        self._round_started = 0.0
         self._known_dead: set[str] = set()
         self._expected_next: frozenset[str] | None = None
         self._changed_reported = False
@@ -343,10 +342,17 @@ class ElasticEmbRendezvousHandler:
         with self._rdzv_lock:  # no heartbeat of ours interleaves with torch's join operation
             try:
                 info = self._inner.next_rendezvous()
+            except Exception as exc:
+                self._log.error("rendezvous_failed", previous_round=previous_round, error=f"{type(exc).__name__}: {exc}",
+                                duration_s=round(time.monotonic() - start, 3))
+                raise
             finally:
                 if early is not None:
                     early.stop()
-            self._heartbeat()
+            try:
+                self._heartbeat()
+            except Exception as exc:  # torch's own timer still beats; the next tick of ours retries
+                self._log.warning("heartbeat_failed", error=repr(exc))
         state = Membership.of(self._inner._state_holder.state)
         members = state.participants
         joins = [n for n in members if n not in previous]
@@ -356,7 +362,6 @@ class ElasticEmbRendezvousHandler:
             self._members = members
             self._round = state.round
             self._round_store = self._inner._store
-            self._round_started = time.monotonic()
             self._changed_reported = False
             self._drain_started = None
             self._drain_done = False
