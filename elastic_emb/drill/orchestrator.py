@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +363,13 @@ class Drill:
         reader = EventReader(self.out / "run" / "events")
         error: str | None = None
         pending = list(enumerate(s.faults))
+        previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # A SIGTERMed drill still cleans up (processes, namespaces): turn it into an error.
+            def _terminated(signum, frame):
+                raise DrillError(f"the drill was sent signal {signum}; stopped and cleaned up")
+
+            previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
         try:
             self.network.setup(s.max_nodes + sum(f.kind == "join" for f in s.faults))
             host, port, self.store_conf = self._start_store()
@@ -406,6 +414,8 @@ class Drill:
             error = str(exc)
         finally:
             self._cleanup()
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
         t_end = time.time()
         verification: dict = {}
         if error is None or s.expect_failure:
