@@ -135,7 +135,8 @@ CASES = {
 }
 
 
-def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer: str = "adagrad") -> list[dict]:
+def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer: str = "adagrad",
+                until: int = 2, config: dict | None = None) -> list[dict]:
     """Old world trains steps 0-2; then in the same processes the new world is formed (leavers
     exit, joiners start), restores, trains steps 3-4. Checks every row and slot at each point."""
     out = tmp_path / "out"
@@ -145,21 +146,24 @@ def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer
     for r in range(max(len(old), len(new))):
         if r < len(old):
             resize = {"env": layout_env(new, r, port, 1)} if r < len(new) else {"env": None}
-            spec = spec_of(out, train_until=2, resize=resize, then_until=4, optimizer=optimizer)
+            spec = spec_of(out, train_until=until, resize=resize, then_until=until + 2, optimizer=optimizer,
+                           config=config or {})
             envs.append(rank_env(tmp_path, old, r, port, 0, spec, extra))
         else:  # a joiner: starts in generation 1 once the old world finished phase 1
-            spec = spec_of(out, train_until=4, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"), optimizer=optimizer)
+            spec = spec_of(out, train_until=until + 2, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"),
+                           optimizer=optimizer, config=config or {})
             envs.append(rank_env(tmp_path, new, r, port, 1, spec, extra))
     values = ok(run_ranks(lw.CODE, envs, timeout=120))
     what = f"{len(old)}->{len(new)}"
-    assert_bit_exact(gather(out, "phase1", 0), ref_after(2, optimizer), f"{what}: before the resize")
-    assert_bit_exact(gather(out, "resized", 1), ref_after(2, optimizer), f"{what}: right after the resize")
-    assert_bit_exact(gather(out, "final", 1), ref_after(4, optimizer), f"{what}: after training on")
+    assert_bit_exact(gather(out, "phase1", 0), ref_after(until, optimizer), f"{what}: before the resize")
+    assert_bit_exact(gather(out, "resized", 1), ref_after(until, optimizer), f"{what}: right after the resize")
+    assert_bit_exact(gather(out, "final", 1), ref_after(until + 2, optimizer), f"{what}: after training on")
     survivors = [v for v in values if not v.get("departed")]
     assert len(survivors) == len(new)
     for v in survivors:
         ev = v["events"][-1]
-        assert ev["restored_step"] == 2 and v["step"] == 4
+        every = (config or {}).get("commit_every", 1)
+        assert ev["restored_step"] == until and v["step"] == (until + 2) // every * every  # last committed
         if ev["kind"] == "rebuild":  # the old ranks: destroy + construct, never reset
             assert ev["old_world_size"] == len(old) and ev["new_world_size"] == len(new)
             assert "live" in ev["source_tiers"], ev
@@ -183,6 +187,15 @@ def test_resize_in_process(tmp_path, case):
         assert tiers == {"live", "replica"}, tiers
     else:
         assert tiers == {"live"}, tiers
+
+
+def test_scale_up_commits_uncommitted_progress_first(tmp_path):
+    """commit_every=2 and the resize comes after step 3, which the cadence did not commit: the
+    healthy old world commits it before tearing down, and the new world goes on from step 3."""
+    survivors = _in_process(tmp_path, ["A", "B"], ["A", "B", "C", "D"], {}, until=3, config={"commit_every": 2})
+    old_ranks = [v for v in survivors if v["events"][-1]["kind"] == "rebuild"]
+    assert len(old_ranks) == 2 and all(v["events"][-1]["committed_before"] for v in old_ranks)
+    assert {t for v in survivors for t in v["events"][-1]["source_tiers"]} == {"live"}
 
 
 @pytest.mark.gpu
