@@ -293,9 +293,13 @@ class Drill:
         elif fault.kind in ("crash_worker", "corrupt"):
             target = fault.node if fault.node is not None else live[-1]
             node = self.nodes[target]
+            deadline = time.monotonic() + 15.0  # its agent may be between two sets of workers
             workers = self._workers(node)
+            while not workers and time.monotonic() < deadline and node.proc.poll() is None:
+                time.sleep(0.05)
+                workers = self._workers(node)
             if not workers:
-                raise DrillError(f"fault #{index} {fault.kind}: node {target} has no live worker to kill")
+                raise DrillError(f"fault #{index} {fault.kind}: node {target} has no live worker to kill within 15 s")
             victims = workers[-1:] if fault.kind == "crash_worker" else workers
             procs.signal_all(victims, signal.SIGKILL)
             detail["pids"] = victims
