@@ -365,7 +365,7 @@ class ElasticEmbRendezvousHandler:
             self._changed_reported = False
             self._drain_started = None
             self._drain_done = False
-            self._known_dead -= set(gone)
+            self._known_dead.clear()  # the dead are no members now; a rejoining node starts clean
         self._export_env(state)
         self._log.info(
             "rendezvous_round",
@@ -393,8 +393,9 @@ class ElasticEmbRendezvousHandler:
             if changed is not None:
                 if not self._changed_reported:
                     self._changed_reported = True
-                    if changed["reason"] == "participant_gone":
-                        self._expected_next = frozenset(view.participants)
+                    expected = changed.pop("expected")
+                    if expected is not None:
+                        self._expected_next = frozenset(expected)
                     self._log.info("membership_changed", round=self._round, **changed)
                 return max(waiting, 1)
             if waiting > 0:
@@ -416,25 +417,35 @@ class ElasticEmbRendezvousHandler:
     # -- scale-down -----------------------------------------------------------------------
 
     def _membership_change(self, view: Membership) -> dict | None:
-        """What differs between the running round and the current state, or None."""
+        """What differs between the running round and the current state, or None.
+
+        Every event carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
+        heartbeat expired) and ``restarting`` (members already in the wait list: their agent
+        restarted first, they are coming back), and ``expected``: who should form the next round.
+        """
         if view.round != self._round:
-            return {"reason": "round_advanced", "state_round": view.round, "participants": list(view.participants)}
-        gone = [n for n in self._members if n not in view.participants]
-        if gone:
-            # A node that left on purpose said so (KEY_LEFT); any other absence is a death:
-            # reported by its orphans, or its heartbeat expired (hung, partitioned, lost host).
-            prefix = round_prefix(self._run_id, self._round)
-            for n in gone:
-                if n not in self._known_dead and not self._said_left(prefix, n):
-                    self._known_dead.add(n)
-            dead = [n for n in gone if n in self._known_dead]
-            return {
-                "reason": "participant_gone",
-                "departures": [n for n in gone if n not in dead],
-                "deaths": dead,
-                "participants": list(view.participants),
-            }
-        return None
+            return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
+                    "restarting": [], "participants": list(view.participants), "expected": None}
+        absent = [n for n in self._members if n not in view.participants]
+        if not absent:
+            return None
+        restarting = [n for n in absent if n in view.wait_list]
+        gone = [n for n in absent if n not in restarting]
+        # A node that left on purpose said so (KEY_LEFT); any other absence is a death:
+        # reported by its orphans, or its heartbeat expired (hung, partitioned, lost host).
+        prefix = round_prefix(self._run_id, self._round)
+        for n in gone:
+            if n not in self._known_dead and not self._said_left(prefix, n):
+                self._known_dead.add(n)
+        dead = [n for n in gone if n in self._known_dead]
+        return {
+            "reason": "participant_gone" if gone else "peer_restarting",
+            "departures": [n for n in gone if n not in dead],
+            "deaths": dead,
+            "restarting": restarting,
+            "participants": list(view.participants),
+            "expected": sorted(set(view.participants) | set(restarting)),
+        }
 
     def _said_left(self, prefix: str, node: str) -> bool:
         try:
