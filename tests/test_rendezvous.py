@@ -336,3 +336,39 @@ def test_whole_node_death_restarts_without_spending_budget(cluster):
     # depends on timing; either way the restart above was a membership restart (count 0).
     waited = [r for r in worker_records(tmp) if r["ev"] == "collective_failed_membership" and r["gen"] == gen2]
     print(f"survivor waited on a failed collective: {bool(waited)}")
+
+
+def test_membership_change_classification_against_a_real_store(monkeypatch):
+    """Departure (left mark), death (no mark) and a peer restarting (already in the wait list)
+    are told apart; the restarting peer stays expected in the next round."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    # create_handler changes the agent process (env, torch's poll pause): undo it after the test.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+
+    from elastic_emb.rendezvous import KEY_LEFT, Membership, create_handler, round_prefix
+
+    port = free_port()
+    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{port}", run_id="cls", min_nodes=1,
+                                  max_nodes=4, is_host="1", keep_alive_interval="1")
+    h = create_handler(params)
+    try:
+        h._members, h._round, h._round_store = ("A", "B", "C", "D"), 7, h._inner._store
+        h._round_store.set(round_prefix("cls", 7) + KEY_LEFT + "B", "agent_exit")
+        view = Membership(round=7, complete=True, closed=False, participants=("A",), wait_list=("D", "J"))
+        change = h._membership_change(view)
+        assert change["reason"] == "participant_gone"
+        assert (change["departures"], change["deaths"], change["restarting"]) == (["B"], ["C"], ["D"])
+        assert change["expected"] == ["A", "D"]
+        assert h._membership_change(Membership(round=7, complete=True, closed=False, participants=("A", "B", "C", "D"),
+                                               wait_list=("J",))) is None  # a joiner is no change
+        only_restart = h._membership_change(Membership(round=7, complete=True, closed=False,
+                                                       participants=("A", "B", "C"), wait_list=("D",)))
+        assert only_restart["reason"] == "peer_restarting" and only_restart["restarting"] == ["D"]
+        assert h._membership_change(Membership(round=8, complete=False, closed=False, participants=(),
+                                               wait_list=()))["reason"] == "round_advanced"
+    finally:
+        h._closed.set()
+        h._left = True
