@@ -240,3 +240,14 @@ def test_prune_keeps_newest_complete_commits(tmp_path):
     # generation goes; a newer torn directory (a commit in progress) stays.
     assert sorted(p.name for p in tier.node_dir.iterdir()) == [
         "step-000000000005-aa", "step-000000000006-bb", "step-000000000007-bb"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000))
+def test_crc32_combine_matches_crc_of_concatenation(a, b):
+    """What lets a durable checkpoint saved at one world size be verified at another."""
+    import zlib
+
+    from elastic_emb.state import crc32_combine
+
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
