@@ -12,7 +12,6 @@ line; :func:`run_drill` is the same thing from Python.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 

@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from elastic_emb.drill import procs
