@@ -59,8 +59,10 @@ Resharding
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -95,6 +97,10 @@ INIT_BLOCK_ROWS = 4096
 _ALIGN = 256
 _INT32_MAX = 2**31 - 1
 _POISON = -1
+# Pipeline pieces per lookup at most. The count exchange always carries this many counts (plus
+# the call tag) per peer, so two ranks in different calls still exchange equal byte counts and
+# can tell each other so, instead of corrupting the transport (gloo aborts on a size mismatch).
+_MAX_CHUNKS = 16
 
 
 class InvalidIds(ElasticEmbError, IndexError):
@@ -244,29 +250,60 @@ def _staging_need(counts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
     return total
 
 
+# Contexts not yet closed: closed at interpreter exit, before torch's own teardown, so that no
+# communicator is destroyed by static destructors (gloo then aborts the process).
+_OPEN: "weakref.WeakSet[EmbContext]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_contexts() -> None:
+    for ctx in list(_OPEN):
+        try:
+            ctx.close()
+        except Exception:
+            pass
+
+
 # ---------------------------------------------------------------------------------------------
 # Lookup handle
 # ---------------------------------------------------------------------------------------------
 
 
 class LookupHandle:
-    """An in-flight lookup. ``wait()`` completes the row exchange and returns the rows in the
-    order of the ids passed to ``lookup``. Waiting twice returns the same tensor."""
+    """An in-flight lookup. ``wait()`` completes the row exchanges and returns the rows in the
+    order of the ids passed to ``lookup``. Waiting twice returns the same tensor.
 
-    def __init__(self, ctx: "EmbContext", table: str, work, recv_rows: torch.Tensor, inverse: torch.Tensor,
-                 leased: bool, keep: tuple = ()):
+    Holds one work object, receive buffer and inverse index per pipeline piece (or a finished
+    result, for a world of one rank); ``bounds`` are the pieces' positions in the ids."""
+
+    def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, inverses, leased: bool,
+                 keep: tuple = (), bounds: list[int] | None = None):
         self._ctx = ctx
         self._table = table
-        self._work = work
+        self._works = works
         self._recv = recv_rows
-        self._inverse = inverse
+        self._inverses = inverses
+        self._bounds = bounds
         self._leased = leased
         self._keep = keep  # send buffers must outlive the exchange
-        self._result: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None if bounds is not None else recv_rows
+        if works:
+            ctx._pending.add(self)
 
     @property
     def done(self) -> bool:
         return self._result is not None
+
+    def _drain(self, timeout: float) -> None:
+        """Complete the exchanges without producing a result (the context is closing): a
+        communicator must not be torn down under a collective its peers are still in."""
+        for work in self._works:
+            try:
+                work.wait(timedelta(seconds=timeout)) if self._ctx.topology.backend != "nccl" else work.wait()
+            except Exception as exc:  # the context is going away; report, do not raise
+                self._ctx._log.warning("context.pending_lookup_failed", table=self._table, error=str(exc)[:200])
+                break
+        self._works = []
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._result is not None:
@@ -277,19 +314,25 @@ class LookupHandle:
                 f"lookup of table {self._table!r} was waited on after its context "
                 f"(generation {ctx.topology.generation}) was closed; look up again on the new context"
             )
+        spec = ctx.tables[self._table]
+        bounds = self._bounds
         try:
-            if self._work is not None:
+            result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=ctx.device)
+            for k, work in enumerate(self._works):
                 # Without a timeout, NCCL only orders the current stream after the exchange (CUDA
                 # semantics: the result is ready for any later work on that stream).
-                ctx._wait(self._work, timeout, f"lookup({self._table!r}) row exchange", host=timeout is not None)
-            # Reorder (and expand duplicates) into a tensor the caller owns.
-            self._result = self._recv if self._inverse is None else self._recv.index_select(0, self._inverse)
+                ctx._wait(work, timeout, f"lookup({self._table!r}) row exchange", host=timeout is not None)
+                # Reorder (and expand duplicates) piece k into the caller's tensor.
+                if bounds[k + 1] > bounds[k]:
+                    torch.index_select(self._recv[k], 0, self._inverses[k], out=result[bounds[k] : bounds[k + 1]])
+            self._result = result
         finally:
             if self._leased:
                 ctx._arena_release()
                 self._leased = False
-            self._work = None
+            self._works = []
             self._keep = ()
+            ctx._pending.discard(self)
         return self._result
 
 
@@ -313,6 +356,7 @@ class EmbContext:
         require_power_of_two: bool = True,
         seed: int | None = 0,
         staging_rows_per_rank: int = 4096,
+        pipeline_chunks: int | None = None,
     ) -> None:
         started = time.monotonic()
         if timeout <= 0:
@@ -325,6 +369,13 @@ class EmbContext:
             raise ValueError(f"table names {dup} appear more than once in tables; names must be unique")
         if staging_rows_per_rank < 0:
             raise ValueError(f"staging_rows_per_rank={staging_rows_per_rank} must be >= 0")
+        if pipeline_chunks is None:
+            # NCCL: overlap gathers and reorders with the row exchanges (separate streams).
+            # Gloo: a CPU process does one thing at a time, pieces would only add round trips.
+            pipeline_chunks = 4 if topology.backend == "nccl" else 1
+        if not 1 <= pipeline_chunks <= _MAX_CHUNKS:
+            raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {_MAX_CHUNKS}]")
+        self.pipeline_chunks = pipeline_chunks
         self._check_ep(topology, require_power_of_two)
         self.topology = topology
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
@@ -338,10 +389,12 @@ class EmbContext:
         self._closed = False
         self._healthy = True
         self._firsts: dict = {}
+        self._pending: weakref.WeakSet[LookupHandle] = weakref.WeakSet()
         self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
         self.process_group, self._backend = self._form_group(topology, store)
         self._arena = self._allocate(topology)
         self._fill_initial_rows()
+        _OPEN.add(self)
         self._log.info(
             "context.constructed",
             world_size=topology.world_size,
@@ -575,31 +628,41 @@ class EmbContext:
 
     _OPS = {1: "lookup", 2: "apply_gradients"}
 
-    def _tag(self, op: int, table: str) -> int:
-        """Identifies a call (operation and table) so the count exchange can prove that every
-        rank is in the same call."""
+    def _tag(self, op: int, table: str, chunks: int = 1) -> int:
+        """Identifies a call (operation, table, pipeline chunks) so the count exchange can prove
+        that every rank is in the same call."""
         names = sorted(self.tables)
-        return op * (1 << 20) + (names.index(table) if table in self.tables else (1 << 20) - 1)
+        idx = names.index(table) if table in self.tables else (1 << 20) - 1
+        return (chunks << 40) | (op << 20) | idx
 
     def _describe_tag(self, tag: int) -> str:
         names = sorted(self.tables)
-        op, idx = divmod(tag, 1 << 20)
+        chunks, rest = divmod(tag, 1 << 40)
+        op, idx = divmod(rest, 1 << 20)
         table = names[idx] if idx < len(names) else "<unknown table>"
-        return f"{self._OPS.get(op, f'op{op}')}({table!r})"
+        return f"{self._OPS.get(op, f'op{op}')}({table!r}) in {chunks} chunk(s)"
 
-    def _exchange_counts(self, send_counts: torch.Tensor, what: str, tag: int) -> tuple[list[int], list[int]]:
-        """All-to-all of (count, call tag) per peer: (sent, received) counts as lists, one
-        device sync for both. Raises PeerLookupError if a rank sent poison (invalid input there),
-        CollectiveMismatch if a rank is in a different call."""
+    def _exchange_counts(self, send_counts: torch.Tensor, what: str, tag: int) -> tuple[list[list[int]], list[list[int]]]:
+        """All-to-all of per-peer counts ``[world, chunks]`` plus a call tag: returns (sent,
+        received) as ``[peer][chunk]`` lists, with one device sync for both. Raises
+        PeerLookupError if a rank sent poison (invalid input there), CollectiveMismatch if a
+        rank is in a different call."""
         world = self.topology.world_size
-        send = torch.stack([send_counts, torch.full_like(send_counts, tag)], dim=1).reshape(-1)
-        recv = torch.empty(2 * world, dtype=torch.int64, device=self.device)
-        twos = [2] * world
-        self._wait(self._alltoall(recv, send, twos, twos), None, f"{what} count exchange")
-        both = torch.cat([send_counts, recv]).tolist()
-        sent, got = both[:world], both[world:]
-        counts, tags = got[0::2], got[1::2]
-        bad = [r for r, c in enumerate(counts) if c < 0]
+        counts2d = send_counts.reshape(world, -1)
+        chunks = counts2d.shape[1]
+        width = _MAX_CHUNKS + 1
+        send = torch.zeros(world, width, dtype=torch.int64, device=self.device)
+        send[:, :chunks] = counts2d
+        send[:, _MAX_CHUNKS] = tag
+        recv = torch.empty(world * width, dtype=torch.int64, device=self.device)
+        splits = [width] * world
+        self._wait(self._alltoall(recv, send.reshape(-1), splits, splits), None, f"{what} count exchange")
+        both = torch.cat([send.reshape(-1), recv]).tolist()
+        rows_sent = [both[p * width : (p + 1) * width] for p in range(world)]
+        rows = [both[(world + p) * width : (world + p + 1) * width] for p in range(world)]
+        tags = [r[_MAX_CHUNKS] for r in rows]
+        sent, got = [r[:chunks] for r in rows_sent], [r[:chunks] for r in rows]
+        bad = [r for r, row in enumerate(rows) if any(x < 0 for x in row[:_MAX_CHUNKS])]
         if bad:
             raise PeerLookupError(
                 f"{what} was cancelled on rank {self.topology.rank}: rank(s) {bad} passed invalid input "
@@ -610,25 +673,42 @@ class EmbContext:
         if other:
             calls = ", ".join(f"rank {r} called {self._describe_tag(tg)}" for r, tg in sorted(other.items()))
             raise CollectiveMismatch(
-                f"rank {self.topology.rank} called {what} but {calls}: every rank must make the same "
-                f"lookup/apply_gradients calls in the same order (an empty ids tensor where it has none)"
+                f"rank {self.topology.rank} called {self._describe_tag(tag)} but {calls}: every rank must "
+                f"make the same lookup/apply_gradients calls in the same order (an empty ids tensor where it "
+                f"has none) on contexts built with the same pipeline_chunks"
             )
-        return sent, counts
+        return sent, got
 
     def _cancel(self, what: str, tag: int) -> None:
         """Send poison in place of counts, so the peers raise instead of waiting for this rank."""
-        poison = torch.full((self.topology.world_size,), _POISON, dtype=torch.int64, device=self.device)
+        chunks = max(1, tag >> 40)
+        poison = torch.full((self.topology.world_size, chunks), _POISON, dtype=torch.int64, device=self.device)
         try:
             self._exchange_counts(poison, what, tag)
         except (PeerLookupError, CollectiveMismatch):
             pass
 
-    def _spec_or_cancel(self, table: str, what: str, op: int) -> TableSpec:
+    def _spec_or_cancel(self, table: str, what: str, op: int, chunks: int = 1) -> TableSpec:
         if table in self.tables:
             return self.tables[table]
         if self.topology.world_size > 1:
-            self._cancel(what, self._tag(op, table))
+            self._cancel(what, self._tag(op, table, chunks))
         return self._spec(table)  # raises the KeyError naming the tables
+
+    def _owner_counts(self, spec: TableSpec, uniq: torch.Tensor) -> torch.Tensor:
+        """How many of the sorted unique ids ``uniq`` each rank owns (int64 ``[world]``).
+
+        uniq is sorted, so each owner's ids are one run: the counts are differences of the
+        positions of the owners' first rows (searchsorted: no device sync, unlike bincount)."""
+        world = self.topology.world_size
+        key = (spec.name, uniq.dtype)
+        firsts = self._firsts.get(key)
+        if firsts is None:  # same world and ep size for the context's life: cache per table
+            per = rows_per_owner(spec.num_rows, self.topology.ep_size)
+            firsts = torch.tensor([min(k * per, spec.num_rows) for k in range(world + 1)], dtype=uniq.dtype)
+            firsts = self._firsts[key] = firsts.to(self.device)
+        edges = torch.searchsorted(uniq, firsts)
+        return (edges[1:] - edges[:-1]).to(torch.int64)
 
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
         """Shared first half of lookup and apply_gradients: validate, dedup, exchange counts
@@ -643,17 +723,9 @@ class EmbContext:
             # 32-bit keys: the radix sort behind unique makes half the passes, ids travel in half the bytes.
             checked = checked.to(torch.int32)
         uniq, inverse = torch.unique(checked, sorted=True, return_inverse=True)
-        # uniq is sorted, so each owner's ids are one run: the counts are differences of the
-        # positions of the owners' first rows (searchsorted: no device sync, unlike bincount).
-        per = rows_per_owner(spec.num_rows, self.topology.ep_size)
-        key = (spec.name, uniq.dtype)
-        firsts = self._firsts.get(key)
-        if firsts is None:  # same world and ep size for the context's life: cache per table
-            firsts = torch.tensor([min(k * per, spec.num_rows) for k in range(world + 1)], dtype=uniq.dtype)
-            firsts = self._firsts[key] = firsts.to(self.device)
-        edges = torch.searchsorted(uniq, firsts)
-        send_counts = (edges[1:] - edges[:-1]).to(torch.int64)
-        send_list, recv_list = self._exchange_counts(send_counts, what, tag)
+        send_counts = self._owner_counts(spec, uniq)
+        sent, got = self._exchange_counts(send_counts, what, tag)
+        send_list, recv_list = [c[0] for c in sent], [c[0] for c in got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
         self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange", host=False)
         return uniq, inverse, send_list, recv_list, recv_ids
@@ -665,52 +737,99 @@ class EmbContext:
         Returns before the row exchange completes; ``handle.wait()`` gives ``[len(ids), dim]``."""
         self._check_open(f"lookup({table!r})")
         what = f"lookup({table!r})"
-        spec = self._spec_or_cancel(table, what, 1)
+        spec = self._spec_or_cancel(table, what, 1, self.pipeline_chunks)
         if self.topology.world_size == 1:
             # One rank owns everything: no exchange, no dedup; a plain gather.
             checked, reason = self._validate_ids(spec, ids)
             if checked is None:
                 raise InvalidIds(f"{what} on rank 0: {reason}")
             rows = self._arena.weights[table].index_select(0, checked)
-            return LookupHandle(self, table, None, rows, None, False)
-        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what, self._tag(1, table))
+            return LookupHandle(self, table, [], rows, None, False)
+        return self._pipelined_lookup(spec, ids, what)
+
+    def _pipelined_lookup(self, spec: TableSpec, ids, what: str) -> LookupHandle:
+        """The batch is cut into ``pipeline_chunks`` consecutive pieces, each deduplicated on its
+        own. One count exchange and one id exchange serve all pieces; then, per piece, the owner
+        gathers the rows asked of it and starts that piece's row all-to-all, so gathering piece
+        k+1 overlaps sending piece k, and (in ``wait``) reordering piece k overlaps sending the
+        next ones. Rows a rank owns itself never enter an exchange: they are gathered into the
+        piece's buffer, laid out ``[remote rows as delivered (by peer) | local rows]``."""
+        table = spec.name
+        world, me = self.topology.world_size, self.topology.rank
+        chunks = self.pipeline_chunks
+        tag = self._tag(1, table, chunks)
+        checked, reason = self._validate_ids(spec, ids)
+        if checked is None:
+            self._cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
+            raise InvalidIds(f"{what} on rank {me}: {reason}")
+        if spec.num_rows <= _INT32_MAX:
+            # 32-bit keys: the radix sort behind unique makes half the passes, ids travel in half the bytes.
+            checked = checked.to(torch.int32)
+        n = checked.numel()
+        bounds = [n * k // chunks for k in range(chunks + 1)]
+        uniqs, inverses, counts = [], [], []
+        for k in range(chunks):
+            u, inv = torch.unique(checked[bounds[k] : bounds[k + 1]], sorted=True, return_inverse=True)
+            uniqs.append(u)
+            inverses.append(inv)
+            counts.append(self._owner_counts(spec, u))
+        sent, got = self._exchange_counts(torch.stack(counts, dim=1), what, tag)  # [peer][chunk]
+
+        # One id exchange for every piece: to peer p go its ids of piece 0, then of piece 1, ...
+        # (nothing to myself: I serve my own rows directly).
+        starts = [[sum(sent[q][k] for q in range(p)) for k in range(chunks)] for p in range(world)]
+        pieces = [uniqs[k][starts[p][k] : starts[p][k] + sent[p][k]]
+                  for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
+        id_dtype = checked.dtype
+        send_ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=id_dtype, device=self.device)
+        in_tot = [0 if p == me else sum(sent[p]) for p in range(world)]
+        out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
+        recv_ids = torch.empty(sum(out_tot), dtype=id_dtype, device=self.device)
+        self._wait(self._alltoall(recv_ids, send_ids, out_tot, in_tot), None, f"{what} id exchange", host=False)
+
         weight = self._arena.weights[table]
         start = self.owned(table).start
-        me = self.topology.rank
-        # Rows this rank owns never enter the all-to-all: they are gathered straight into the
-        # result buffer while the exchange runs. Layout of that buffer: [remote rows as the
-        # all-to-all delivers them (by peer) | local rows].
-        n_local = send_list[me]
-        local_off = sum(send_list[:me])  # where my own ids sit in uniq (uniq is grouped by owner)
-        self_off = sum(recv_list[:me])  # where my own ids sit in recv_ids
-        n_get, n_remote = len(uniq), len(uniq) - n_local
-        n_serve = len(recv_ids) - n_local
-        need = _staging_need([((n_serve, spec.dim), spec.torch_dtype), ((n_get, spec.dim), spec.torch_dtype)])
+        n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
+        n_get = [u.numel() for u in uniqs]
+        need = _staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
+                             + [((n_get[k], spec.dim), spec.torch_dtype) for k in range(chunks)])
         buf, leased = self._arena.lease(need)
         staging = _Staging(buf)
-        serve = staging.take((n_serve, spec.dim), spec.torch_dtype)
-        if self_off:
-            torch.index_select(weight, 0, recv_ids[:self_off] - start, out=serve[:self_off])
-        if n_serve > self_off:
-            torch.index_select(weight, 0, recv_ids[self_off + n_local:] - start, out=serve[self_off:])
-        got = staging.take((n_get, spec.dim), spec.torch_dtype)
-        out_splits, in_splits = list(send_list), list(recv_list)
-        out_splits[me] = in_splits[me] = 0
+        base = [sum(out_tot[:p]) for p in range(world)]  # where peer p's ids start in recv_ids
+        works, gots, serves = [], [], []
         try:
-            work = self._alltoall(got[:n_remote], serve, out_splits, in_splits)
+            for k in range(chunks):
+                serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
+                asked = [recv_ids[base[p] + sum(got[p][:k]) : base[p] + sum(got[p][: k + 1])]
+                         for p in range(world) if p != me and got[p][k]]
+                if asked:
+                    index = (asked[0] if len(asked) == 1 else torch.cat(asked)) - start
+                    torch.index_select(weight, 0, index, out=serve)
+                g = staging.take((n_get[k], spec.dim), spec.torch_dtype)
+                n_remote = n_get[k] - sent[me][k]
+                out_splits = [0 if p == me else sent[p][k] for p in range(world)]
+                in_splits = [0 if p == me else got[p][k] for p in range(world)]
+                works.append(self._alltoall(g[:n_remote], serve, out_splits, in_splits))
+                gots.append(g)
+                serves.append(serve)
         except Exception:
             if leased:
                 self._arena.release()
             raise
-        if n_local:
-            torch.index_select(weight, 0, uniq[local_off:local_off + n_local] - start, out=got[n_remote:])
-            # Position of each unique id in `got`: ids before mine stay, mine move to the end,
-            # ids after mine move up by n_local.
-            pos = torch.arange(n_get, device=self.device)
+        # My own rows, while the exchanges run; remap each piece's inverse to the buffer layout.
+        for k in range(chunks):
+            n_local = sent[me][k]
+            if not n_local:
+                continue
+            local_off = starts[me][k]
+            n_remote = n_get[k] - n_local
+            torch.index_select(weight, 0, uniqs[k][local_off : local_off + n_local] - start, out=gots[k][n_remote:])
+            # ids owned before me stay, mine move to the end, those after mine move up by n_local
+            pos = torch.arange(n_get[k], device=self.device)
             pos = torch.where(pos < local_off, pos,
                               torch.where(pos < local_off + n_local, pos - local_off + n_remote, pos - n_local))
-            inverse = pos.index_select(0, inverse)
-        return LookupHandle(self, table, work, got, inverse, leased, keep=(serve,))
+            inverses[k] = pos.index_select(0, inverses[k])
+        return LookupHandle(self, table, works, gots, inverses, leased, keep=tuple(serves), bounds=bounds)
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
@@ -806,6 +925,8 @@ class EmbContext:
         # followed by init races (FACTS, pytorch#119196), and a failed re-form leaves the old
         # context as it was.
         new_pg, new_backend = self._form_group(topology, store if store is not None else self._base_store)
+        if was_healthy:
+            self._drain_pending()
         self._shutdown_group(abort=not was_healthy)
         self.process_group, self._backend = new_pg, new_backend
         self._healthy = True
@@ -856,8 +977,8 @@ class EmbContext:
                 self._log.warning("context.group_release_failed", method=method, error=str(exc))
 
         if backend_name == "gloo":
-            # Gloo: abort() only closes this rank's connections. Every collective of the context
-            # has completed by now (handles are waited or void), so no peer loses data; shutdown()
+            # Gloo: abort() only closes this rank's connections. A healthy close has drained every
+            # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
             # left a joinable thread behind when a peer had died ("terminate called without an
             # active exception" at interpreter exit), abort did not.
             method = "abort"
@@ -875,6 +996,13 @@ class EmbContext:
                 ta.start()
                 ta.join(self.timeout)
 
+    def _drain_pending(self) -> None:
+        """Let lookups that were started but never waited finish their exchanges (every rank
+        started them, so they complete), so that no collective is in flight at teardown."""
+        for handle in list(self._pending):
+            handle._drain(self.timeout)
+        self._pending.clear()
+
     def close(self, *, abort: bool | None = None) -> None:
         """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
         (False) aborting the communicator; by default it aborts only when unhealthy."""
@@ -882,7 +1010,10 @@ class EmbContext:
             return
         started = time.monotonic()
         do_abort = (not self._healthy) if abort is None else abort
+        if not do_abort:
+            self._drain_pending()
         self._closed = True
+        _OPEN.discard(self)
         self._shutdown_group(abort=do_abort)
         arena_bytes = self._arena.nbytes
         self._arena = None  # type: ignore[assignment]
