@@ -32,7 +32,11 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        exchange: they are gathered into the result buffer while it runs (on NCCL, on the
        compute stream, overlapping the communication stream). Ids are 32-bit when the table
        allows, which halves the radix-sort passes of ``unique`` and the id bytes sent.
-    4. ``handle.wait()`` completes that exchange and reorders with the inverse index.
+       With ``pipeline_chunks`` > 1 (the NCCL default is 4) the batch is cut into that many
+       pieces, each deduplicated on its own; one count and one id exchange serve them all, then
+       each piece gets its own gather and row all-to-all, so gathering piece k+1 and reordering
+       piece k overlap the exchanges.
+    4. ``handle.wait()`` completes the exchanges and reorders with the inverse indices.
     Every collective is issued inside ``lookup`` in program order, so handles may be waited in
     any order on any rank without mismatching collectives. A world of one rank skips all of it:
     a lookup is then a plain gather.
@@ -1049,6 +1053,19 @@ class EmbContext:
                 weight=a.weights[name].clone(),
                 slots={k: v.clone() for k, v in a.slots[name].items()},
             )
+            for name in self.tables
+        }
+
+    def shard_views(self) -> dict[str, ShardData]:
+        """This rank's rows and slots as the arena's own tensors: writable views, no copy.
+
+        For a restore that writes rows in place (skipping export's clone and import's copy).
+        The views are valid until ``close()`` or a ``reset`` that changes this rank's rank
+        (which re-lays the arena); take them again after either."""
+        self._check_open("shard_views")
+        a = self._arena
+        return {
+            name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name], slots=dict(a.slots[name]))
             for name in self.tables
         }
 

@@ -248,6 +248,11 @@ def test_two_contexts_live_in_one_process_without_a_default_group():
             expect.index_add_(0, ids, -grads.to(t.torch_dtype))
             assert torch.equal(old.lookup(t.name, torch.arange(50)).wait(), expect), t.dtype
             full[t.name] = expect
+        # shard_views are the arena itself: writes through them are what lookups return
+        views = old.shard_views()
+        views[tables[0].name].weight[7] = 1000
+        assert old.lookup(tables[0].name, torch.tensor([7])).wait()[0].tolist() == [1000.0] * 3
+        views[tables[0].name].weight[7] = full[tables[0].name][7]
         # the live transfer: export from the old context, import into the new one, both open
         new.import_shard(old.export_shard())
         for t in tables:
