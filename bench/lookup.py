@@ -13,7 +13,8 @@ ceiling (``F.embedding`` of ``--batch`` random ids from its local shard) and the
 ceiling (``all_to_all_single`` of ``--batch`` rows of ``--dim`` fp32, evenly split), both as rows/s
 summed over ranks; the lookup's fraction of ``min(gather, all-to-all)`` is the figure of merit
 (target >= 0.5 for ``--batch`` >= 1M, ``--dim`` 128). The single-GPU ``F.embedding`` on the whole
-table is reported as well.
+table is reported as well. ``--chunks`` measures several ``pipeline_chunks`` settings of one
+context in the same run (default 1 2 4 on cuda).
 
     python bench/lookup.py --runs 5 --out out/lookup_cpu.json
     python bench/lookup.py --device cuda --runs 5 --out out/gpu/lookup.json
@@ -110,8 +111,11 @@ def worker(args) -> None:
             out.append((time.perf_counter() - t0) / args.iters)
         return out
 
-    result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report()}
-    result["lookup_s"] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
+    result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report(), "lookup_s": {}}
+    for chunks in args.chunks:
+        # Every rank changes it between the same two calls, as the contract requires.
+        ctx.pipeline_chunks = chunks
+        result["lookup_s"][str(chunks)] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
     uniq = torch.unique(batches[0]).numel()
     result["unique_fraction"] = uniq / args.batch
     if args.device == "cuda":
@@ -181,7 +185,8 @@ def launch(args, world: int) -> list[dict]:
             env.setdefault("NCCL_NVLS_ENABLE", "0")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
-               "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew)]
+               "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
+               "--chunks", *map(str, args.chunks)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -209,6 +214,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="ids per rank per lookup (default 65536 on cpu, 1M on cuda)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
     ap.add_argument("--skew", type=float, default=0.0, help="0: uniform ids; > 1: power-law ids (duplicates)")
+    ap.add_argument("--chunks", type=int, nargs="+", default=None,
+                    help="EmbContext pipeline_chunks values to measure (default: 1 on cpu; 1 2 4 on cuda)")
     ap.add_argument("--iters", type=int, default=5, help="lookups per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
@@ -219,8 +226,12 @@ def main(argv=None) -> None:
     for name, value in zip(("rows", "dim", "batch"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.chunks is None:
+        args.chunks = [1, 2, 4] if args.device == "cuda" else [1]
+    if any(not 1 <= c <= 16 for c in args.chunks):
+        ap.error(f"--chunks {args.chunks}: each must be in [1, 16] (EmbContext's limit)")
     for name in ("rows", "dim", "batch", "runs", "iters"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name}={getattr(args, name)} must be >= 1")
     if args.worker:
         worker(args)
@@ -242,25 +253,27 @@ def main(argv=None) -> None:
         base = baseline(args, total_ids)
         per_rank = launch(args, world)
         # barriers bracket each run, so every rank measured the same span: take rank 0's.
-        lookup = per_rank[0]["lookup_s"]
-        entry = {
-            "world_size": world,
-            "total_ids": total_ids,
-            "baseline_s": base,
-            "lookup_s": lookup,
-            "baseline_rows_per_s": total_ids / statistics.median(base),
-            "lookup_rows_per_s": total_ids / statistics.median(lookup),
-            "unique_fraction": per_rank[0]["unique_fraction"],
-            "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
-        }
-        entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
-        if args.device == "cuda":
-            gather = total_ids / statistics.median(per_rank[0]["gather_s"])
-            a2a = total_ids / statistics.median(per_rank[0]["alltoall_s"])
-            entry.update(gather_s=per_rank[0]["gather_s"], alltoall_s=per_rank[0]["alltoall_s"],
-                         gather_ceiling_rows_per_s=gather, alltoall_ceiling_rows_per_s=a2a,
-                         fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a))
-        rows.append(entry)
+        for chunks in args.chunks:
+            lookup = per_rank[0]["lookup_s"][str(chunks)]
+            entry = {
+                "world_size": world,
+                "pipeline_chunks": chunks,
+                "total_ids": total_ids,
+                "baseline_s": base,
+                "lookup_s": lookup,
+                "baseline_rows_per_s": total_ids / statistics.median(base),
+                "lookup_rows_per_s": total_ids / statistics.median(lookup),
+                "unique_fraction": per_rank[0]["unique_fraction"],
+                "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
+            }
+            entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
+            if args.device == "cuda":
+                gather = total_ids / statistics.median(per_rank[0]["gather_s"])
+                a2a = total_ids / statistics.median(per_rank[0]["alltoall_s"])
+                entry.update(gather_s=per_rank[0]["gather_s"], alltoall_s=per_rank[0]["alltoall_s"],
+                             gather_ceiling_rows_per_s=gather, alltoall_ceiling_rows_per_s=a2a,
+                             fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a))
+            rows.append(entry)
 
     report = {
         "benchmark": "lookup",
@@ -270,12 +283,12 @@ def main(argv=None) -> None:
                  "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None},
         "results": rows,
     }
-    head = f"{'ranks':>5} {'ids/step':>10} {'F.embedding rows/s':>19} {'sharded rows/s':>15} {'ratio':>6}"
+    head = f"{'ranks':>5} {'chunks':>6} {'ids/step':>10} {'F.embedding rows/s':>19} {'sharded rows/s':>15} {'ratio':>6}"
     if args.device == "cuda":
         head += f" {'gather ceil':>12} {'a2a ceil':>12} {'of min ceil':>11}"
     print(head)
     for e in rows:
-        line = (f"{e['world_size']:>5} {e['total_ids']:>10} {e['baseline_rows_per_s']:>19.3e} "
+        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6} {e['total_ids']:>10} {e['baseline_rows_per_s']:>19.3e} "
                 f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}")
         if args.device == "cuda":
             line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"

@@ -32,7 +32,7 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        exchange: they are gathered into the result buffer while it runs (on NCCL, on the
        compute stream, overlapping the communication stream). Ids are 32-bit when the table
        allows, which halves the radix-sort passes of ``unique`` and the id bytes sent.
-       With ``pipeline_chunks`` > 1 (the NCCL default is 4) the batch is cut into that many
+       With ``pipeline_chunks`` > 1 (the NCCL default is 2) the batch is cut into that many
        pieces, each deduplicated on its own; one count and one id exchange serve them all, then
        each piece gets its own gather and row all-to-all, so gathering piece k+1 and reordering
        piece k overlap the exchanges.
@@ -376,7 +376,9 @@ class EmbContext:
         if pipeline_chunks is None:
             # NCCL: overlap gathers and reorders with the row exchanges (separate streams).
             # Gloo: a CPU process does one thing at a time, pieces would only add round trips.
-            pipeline_chunks = 4 if topology.backend == "nccl" else 1
+            # Two pieces: all-to-alls lose efficiency below ~128 MiB (FACTS), more pieces buy
+            # less overlap than that costs; bench/lookup.py --chunks measures the choice.
+            pipeline_chunks = 2 if topology.backend == "nccl" else 1
         if not 1 <= pipeline_chunks <= _MAX_CHUNKS:
             raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {_MAX_CHUNKS}]")
         self.pipeline_chunks = pipeline_chunks

@@ -165,7 +165,7 @@ def main() -> None:
         return EmbContext(topo, store, tables=TABLES, optimizer=opt, device=device, timeout=TIMEOUT, **kw)
 
     # Staging for 2 rows per peer: the lookups below must grow it (and stay exact). Lookups in 3
-    # pipelined pieces (the NCCL default is 4; gloo's is 1, which the Adagrad context uses).
+    # pipelined pieces (the NCCL default is 2; gloo's is 1, which the Adagrad context uses).
     ctx = make(SGD, staging_rows_per_rank=2, pipeline_chunks=3)
     results["arena"] = {"ok": ctx.arena_bytes > 0, **ctx.arena_report()}
 
