@@ -333,3 +333,26 @@ def test_namespaces_left_by_a_killed_drill_are_removed():
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+
+
+def test_cli_lists_presets_and_refuses_a_bad_scenario(tmp_path):
+    from click.testing import CliRunner
+
+    from elastic_emb.cli import main
+
+    runner = CliRunner()
+    listed = runner.invoke(main, ["drill", "--list"])
+    assert listed.exit_code == 0 and all(name in listed.output for name in PRESETS)
+    bad = runner.invoke(main, ["drill", "--scenario", "nope", "--out", str(tmp_path / "d")])
+    assert bad.exit_code == 2 and "neither a preset" in bad.output
+    missing = runner.invoke(main, ["drill", "--scenario", "scale-up"])
+    assert missing.exit_code == 2 and "--out is required" in missing.output
+
+
+def test_drill_refuses_to_overwrite_a_directory_it_did_not_make(tmp_path):
+    from elastic_emb.drill import Drill, DrillError
+
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(DrillError, match="not a drill directory"):
+        Drill(PRESETS["scale-up"], tmp_path).run()
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
