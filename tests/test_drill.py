@@ -127,10 +127,12 @@ def test_unknown_scenario_names_the_presets():
 
 # -- drills end to end ----------------------------------------------------------------------------
 
-EXPECTED_WORLDS = {"scale-up": [1, 2], "scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2, 2]}
+EXPECTED_WORLDS = {"scale-up": [1, 2], "scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2, 2],
+                   "agent-loss": [2, 1]}
 # Loopback for two drills, one namespace per node for the other two (when root can make them),
 # so both network modes run in every test pass.
-NETWORK = {"scale-up": "loopback", "scale-down": "loopback", "node-loss": "auto", "worker-crash": "auto"}
+NETWORK = {"scale-up": "loopback", "scale-down": "loopback", "node-loss": "auto", "worker-crash": "auto",
+           "agent-loss": "loopback"}
 
 
 def _leftovers(out: Path) -> list[str]:
@@ -196,7 +198,10 @@ def test_drill_loses_nothing(name, tmp_path):
     assert (out / "report.png").stat().st_size > 10_000
     saved = json.loads((out / "report.json").read_text())
     assert saved["resizes"][0]["recovery_seconds"] > 0 and saved["faults"][0]["kind"] == PRESETS[name].faults[0].kind
-    if name == "node-loss":
+    if name == "agent-loss":
+        # The orphaned worker (its agent SIGKILLed) left by itself, before the drill's cleanup.
+        assert report["faults"][0]["orphans"] and report["orphans_alive_at_end"] == []
+    if name in ("node-loss", "agent-loss"):
         # The dead node's rows can only have come from the replicas on the survivor.
         assert "replica" in report["resizes"][0]["source_tiers"]
 

@@ -137,6 +137,7 @@ class DrillResult:
     faults: list[FiredFault]
     nodes: list[Node]
     network: str
+    orphans_alive_at_end: list[int] = field(default_factory=list)
     report: dict = field(default_factory=dict)
 
 
@@ -157,6 +158,7 @@ class Drill:
         self.store_proc: subprocess.Popen | None = None
         self.etcd = None  # elastic_emb.etcd_server.EtcdServer when store == "etcd"
         self.gpus: dict[int, list[int]] = {}  # node -> GPU indices (backend nccl)
+        self.orphans_alive: list[int] = []
         self.store_back_at: float | None = None
         self.max_step = -1
         self.world = 0
@@ -279,7 +281,7 @@ class Drill:
         if fault.kind == "join":
             target = max(self.nodes) + 1
             self._start_node(target)
-        elif fault.kind in ("leave", "kill_node"):
+        elif fault.kind in ("leave", "kill_node", "kill_agent"):
             target = fault.node if fault.node is not None else Scenario.default_victim(live, fault.kind)
             node = self.nodes.get(target)
             if node is None or node.state != "running":
@@ -287,6 +289,11 @@ class Drill:
             if fault.kind == "leave":
                 node.state = "leaving"
                 os.kill(node.proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
+            elif fault.kind == "kill_agent":
+                node.state = "killed"
+                detail["orphans"] = self._workers(node)  # they outlive the agent (FACTS item 4)
+                os.kill(node.proc.pid, signal.SIGKILL)
+                detail["pids"] = [node.proc.pid]
             else:
                 node.state = "killed"
                 detail["pids"] = self.network.kill_node(target, node.proc.pid)
@@ -417,6 +424,9 @@ class Drill:
         except DrillError as exc:
             error = str(exc)
         finally:
+            # Workers orphaned by a kill_agent fault must have left by themselves; note any that
+            # did not before the cleanup below kills them.
+            self.orphans_alive = [p for f in self.fired for p in f.detail.get("orphans", []) if procs.alive(p)]
             self._cleanup()
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
@@ -435,7 +445,8 @@ class Drill:
         return DrillResult(scenario=s, out=self.out, ok=error is None and verification.get("ok", False),
                            verification=verification, error=error, t0=self.t0, t_end=t_end,
                            events=reader.events, faults=self.fired, nodes=list(self.nodes.values()),
-                           network=self.network.kind if self.network else "none")
+                           network=self.network.kind if self.network else "none",
+                           orphans_alive_at_end=self.orphans_alive)
 
     def _cleanup(self) -> None:
         for node in self.nodes.values():

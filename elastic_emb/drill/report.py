@@ -106,6 +106,7 @@ def build_report(result: DrillResult) -> dict:
         "duration_seconds": round(result.t_end - t0, 3),
         "steps_committed": committed_max + 1, "steps_planned": s.steps,
         "world_sizes": [seg["world"] for seg in segs],
+        "orphans_alive_at_end": result.orphans_alive_at_end,
         "faults": faults, "segments": timeline, "resizes": resizes, "nodes": nodes,
         "world_size_over_time": world_series, "throughput_samples_per_s": throughput,
         "verification": _jsonable(result.verification),

@@ -20,6 +20,8 @@ Fault kinds and what they mean on a real cluster:
 ``join``           a new node starts its agent (scale-up by an autoscaler)
 ``leave``          SIGTERM to a node's agent: a graceful scale-down (spot notice, drain)
 ``kill_node``      SIGKILL to every process of a node at once: power loss, kernel panic
+``kill_agent``     SIGKILL to the node's torchrun agent only: its workers live on as orphans
+                   (FACTS item 4) and must notice and leave by themselves
 ``crash_worker``   SIGKILL to one training worker: OOM kill, segfault; its agent survives
 ``kill_store``     SIGKILL the etcd server holding the rendezvous (``store: etcd``), then start
                    it again on the same ports and data after ``duration`` seconds
@@ -37,7 +39,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-FaultKind = Literal["join", "leave", "kill_node", "crash_worker", "kill_store", "corrupt"]
+FaultKind = Literal["join", "leave", "kill_node", "kill_agent", "crash_worker", "kill_store", "corrupt"]
 
 
 class Fault(BaseModel):
@@ -145,7 +147,7 @@ class Scenario(BaseModel):
                     raise ValueError(f"{where}: {len(live)} nodes already live, max_nodes={self.max_nodes}")
                 live.append(next_node)
                 next_node += 1
-            elif f.kind in ("leave", "kill_node"):
+            elif f.kind in ("leave", "kill_node", "kill_agent"):
                 target = f.node if f.node is not None else self.default_victim(live, f.kind)
                 if target not in live:
                     raise ValueError(f"{where}: node {target} is not live then (live nodes: {live})")
@@ -189,6 +191,11 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="node-loss", description="One of two nodes dies at once (SIGKILL of its agent and workers).",
             initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_node", at_step=8, node=1),), **_STEP,
+        ),
+        Scenario(
+            name="agent-loss",
+            description="One of two agents is SIGKILLed alone; its orphaned worker must leave by itself.",
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_agent", at_step=8, node=1),), **_STEP,
         ),
         Scenario(
             name="worker-crash", description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",
