@@ -414,13 +414,13 @@ class Drill:
                     break
                 time.sleep(0.1)
             self._observe(reader.poll())
-            if error is None and pending:
-                error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
-                         f"fired (last committed step {self.max_step}); raise steps or step_delay")
             failed = [n for n in self.nodes.values() if n.state == "exited" and n.exit_code != 0]
             if error is None and failed:
                 error = "agents failed: " + ", ".join(
                     f"{n.name} exit {n.exit_code} (log {n.log_path}: {_tail(n.log_path)})" for n in failed)
+            if error is None and pending:
+                error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
+                         f"fired (last committed step {self.max_step}); raise steps or step_delay")
         except DrillError as exc:
             error = str(exc)
         finally:
