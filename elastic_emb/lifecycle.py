@@ -179,11 +179,15 @@ class Lifecycle:
             store = worker_store(topology, timeout=config.agree_timeout, env=env)
         lc = cls(factory, config, topology, store, watcher=watcher, env=env)
         t1 = time.perf_counter()
-        agree(topology, store, timeout=config.agree_timeout)
-        t2 = time.perf_counter()
-        lc.context = factory(topology, store)
-        t3 = time.perf_counter()
-        report = lc._restore(live=None, live_commit=None)
+        try:
+            agree(topology, store, timeout=config.agree_timeout)
+            t2 = time.perf_counter()
+            lc.context = factory(topology, store)
+            t3 = time.perf_counter()
+            report = lc._restore(live=None, live_commit=None)
+        except BaseException:
+            lc.close()  # release what was built (communicator, arena, default group) before raising
+            raise
         t4 = time.perf_counter()
         lc.step = report.step
         lc._seen_step = report.step
@@ -229,7 +233,7 @@ class Lifecycle:
         comm = self._comm_for(ctx)
         num_rows = self._table_rows(shards, comm)
         written, replicated = self.snapshot.commit(step, shards, comm, num_rows)
-        tiers = ["snapshot"] + (["replica"] if replicated or self.config.replication else [])
+        tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
         if self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0:
             self.wait_durable()
