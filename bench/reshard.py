@@ -112,6 +112,7 @@ def worker(args) -> None:
     results: list[dict] = []
     ctx = factory(next_topo())
     fill(ctx)
+    bench_start = time.monotonic()
     for run in range(args.runs):
         r: dict = {}
         sync()
@@ -219,6 +220,13 @@ def worker(args) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         r["shard_bytes"] = shard_bytes
         results.append(r)
+        # Stop early (all ranks alike, rank 0 decides) when another run would not fit the budget.
+        elapsed = time.monotonic() - bench_start
+        go = [elapsed + 1.2 * elapsed / (run + 1) < args.max_seconds]
+        dist.broadcast_object_list(go, src=0)
+        if not go[0] and run + 1 < args.runs:
+            print(f"rank {rank}: stopping after {run + 1} runs (--max-seconds {args.max_seconds})", file=sys.stderr)
+            break
     ctx.close()
     shutil.rmtree(state_root, ignore_errors=True)
     dist.destroy_process_group()
@@ -245,7 +253,7 @@ def launch(args, size_mb: int) -> list[dict]:
             env["ELASTIC_EMB_TRANSPORT"] = args.transport
         cmd = [sys.executable, __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),
                "--device", args.device, "--state-dir", args.state_dir, "--dcp-dir", args.dcp_dir,
-               "--methods", ",".join(args.methods)]
+               "--methods", ",".join(args.methods), "--max-seconds", str(args.max_seconds)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     deadline = time.monotonic() + args.timeout
@@ -308,7 +316,11 @@ def main() -> None:
     ap.add_argument("--dcp-dir", default=None, help="DCP checkpoints (storage; default a temp dir on disk)")
     ap.add_argument("--json", "--out", dest="json", default=None,
                     help="write results here (default out/reshard-<device>.json)")
-    ap.add_argument("--timeout", type=float, default=580.0)
+    ap.add_argument("--timeout", type=float, default=580.0, help="hard limit per table size (seconds)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="per table size, start no run that would end past this (default: 230 on CUDA, "
+                         "so 3 runs of a 8 GiB table fit a 300 s slot; unlimited on CPU); fewer runs are "
+                         "recorded in the JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,6 +334,8 @@ def main() -> None:
     if args.runs < 1:
         ap.error(f"--runs={args.runs} must be >= 1")
     args.sizes_mb = args.sizes_mb or ("8192" if args.device == "cuda" else "256,2048")
+    if args.max_seconds is None:
+        args.max_seconds = 230.0 if args.device == "cuda" else 1e9
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     biggest = max(sizes) * 2**20
     tmp = tempfile.mkdtemp(prefix="elastic_emb_bench_", dir=os.environ.get("TMPDIR", "/var/tmp"))
