@@ -17,7 +17,7 @@ a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c
    ``ELASTIC_EMB_GENERATION``            the rendezvous round (read by ``Topology.from_env``)
    ``ELASTIC_EMB_RDZV_BACKEND``          ``c10d`` or ``etcd-v2`` (the inner backend)
    ``ELASTIC_EMB_RDZV_ENDPOINT``         the rendezvous endpoint (what the watcher reads)
-   ``ELASTIC_EMB_NODE_ID``               this agent's node id in the rendezvous state
+   ``ELASTIC_EMB_RDZV_NODE``             this agent's node id in the rendezvous (one per agent process)
    ``ELASTIC_EMB_MEMBERSHIP``            JSON list of node ids, index = group rank
    ``ELASTIC_EMB_AGENT_PID``             the agent's pid (a worker that outlives it is orphaned)
    ``ELASTIC_EMB_DRAIN``                 ``1`` when the agent drains before a scale-up
@@ -83,7 +83,7 @@ BACKEND_NAME = "elastic_emb"
 ENV_GENERATION = "ELASTIC_EMB_GENERATION"
 ENV_RDZV_BACKEND = "ELASTIC_EMB_RDZV_BACKEND"
 ENV_RDZV_ENDPOINT = "ELASTIC_EMB_RDZV_ENDPOINT"
-ENV_NODE_ID = "ELASTIC_EMB_NODE_ID"
+ENV_NODE_ID = "ELASTIC_EMB_RDZV_NODE"
 ENV_MEMBERSHIP = "ELASTIC_EMB_MEMBERSHIP"
 ENV_AGENT_PID = "ELASTIC_EMB_AGENT_PID"
 ENV_DRAIN = "ELASTIC_EMB_DRAIN"

@@ -207,7 +207,7 @@ class Progress:
 
     def __init__(self, out: Path) -> None:
         # The drill names its simulated nodes; otherwise the node id the rendezvous backend gives.
-        node = os.environ.get("ELASTIC_EMB_DRILL_NODE") or os.environ.get("ELASTIC_EMB_NODE_ID") or "node"
+        node = os.environ.get("ELASTIC_EMB_NODE_ID") or "node"
         (out / "events").mkdir(parents=True, exist_ok=True)
         self.file = open(out / "events" / f"{node}-{os.getpid()}.jsonl", "a", buffering=1)
         self.node = node

@@ -89,7 +89,7 @@ def main() -> int:
     step = int(t.item()) + 1
     log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": step,
          "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
-         "node": os.environ.get("ELASTIC_EMB_NODE_ID"), "agent_pid": os.getppid()})
+         "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid()})
     while step <= MAX_STEPS:
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
@@ -169,7 +169,7 @@ def main_lifecycle() -> int:
     rows_ok = bool(torch.equal(shard.weight, want))
     log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": lc.next_step,
          "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
-         "node": os.environ.get("ELASTIC_EMB_NODE_ID"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
+         "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
          "rows": [shard.rows.start, shard.rows.stop]})
     if not rows_ok:
         raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the closed form")

@@ -245,7 +245,7 @@ class Drill:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_", "MASTER_"))}
         env.update(
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # FACTS item 1: the shared agent store deadlocks resizes
-            ELASTIC_EMB_NODE_ID=f"node{number}", ELASTIC_EMB_DRILL_NODE=f"node{number}",
+            ELASTIC_EMB_NODE_ID=f"node{number}",
             ELASTIC_EMB_STATE_DIR=str(state_dir),
             ELASTIC_EMB_BACKEND=self.scenario.backend, ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
