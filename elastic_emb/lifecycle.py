@@ -77,7 +77,6 @@ class LifecycleConfig(BaseModel):
     replication: int = Field(default=1, ge=0)
     durable_async: bool = True  # dcp.async_save in a background thread; False: dcp.save
     keep: int = Field(default=2, ge=1)
-    seed: int = 0
     agree_timeout: float = Field(default=60.0, gt=0)
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     if watcher is not None:
         watcher.start()
     started = time.time()
-    lc = Lifecycle.start(factory, LifecycleConfig(seed=cfg.seed), watcher=watcher)
+    lc = Lifecycle.start(factory, LifecycleConfig(), watcher=watcher)
     try:
         topo = lc.topology
         bind_topology(topo)

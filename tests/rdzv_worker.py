@@ -162,7 +162,7 @@ def main_lifecycle() -> int:
     watcher = Watcher.from_env()
     if watcher is not None:
         watcher.start()
-    lc = Lifecycle.start(factory, LifecycleConfig(seed=0, agree_timeout=30.0), watcher=watcher)
+    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0), watcher=watcher)
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
     want = expected_rows(shard.rows.start, shard.rows.stop, lc.step)
