@@ -22,6 +22,7 @@ a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c
    ``ELASTIC_EMB_AGENT_PID``             the agent's pid (a worker that outlives it is orphaned)
    ``ELASTIC_EMB_DRAIN``                 ``1`` when the agent drains before a scale-up
    ``ELASTIC_EMB_WATCH_INTERVAL``        the watcher's polling interval in seconds
+   ``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``  how long the watcher treats an unreachable store as unknown
    ====================================  =====================================================
 
    torch's shared agent store is always disabled (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
@@ -55,7 +56,29 @@ about two intervals, and with ``keep_alive_max_attempt=2`` a live node is then d
 ``read_timeout``, ``is_host``, ``store_type``, and the etcd ssl/protocol keys, all passed on):
 
 ``inner`` (``c10d``), ``event_file`` (none), ``drain`` (``1``), ``drain_timeout`` (30 s),
-``sync_interval`` (0.1 s), ``watch_interval`` (0.1 s, handed to the workers).
+``sync_interval`` (0.1 s), ``watch_interval`` (0.1 s, handed to the workers),
+``store_outage_timeout`` (30 s; handed to the workers).
+
+**Store outages.** The point of ``inner=etcd-v2`` is a store that outlives every node, so a
+short outage of the store itself (etcd restarted, a network blip) must not end the job: the
+workers' own collectives do not touch it. Every call the agent makes on the store (torch's
+state reads and compare-and-set writes through the inner backend, and elastic_emb's round
+keys) goes through one :class:`OutageGuard`: on a connection error it retries with
+exponential backoff (0.05 s doubling to 1 s, jitter 50-100 %) until the store answers or the
+outage (measured from the first failed call, shared by all threads) reaches
+``store_outage_timeout``; then it raises :class:`StoreOutageError` naming the endpoint, the
+outage length and the remedy, and the agent fails as before. Events: ``store_unreachable``
+(once per outage), ``store_reachable`` (with ``outage_s``), ``store_outage_exceeded``. Nobody
+can write a heartbeat while the store is down, so after an outage the heartbeats that were
+alive when it began are moved forward by its length (in the state this agent reads, and so in
+the next state it writes): torch would otherwise call every node dead at the first read.
+Other errors (a corrupt state, a compare-and-set conflict) are not retried here. Limit: a node
+that did not see the outage (one starting just then) cannot credit it; if its first read comes
+before a survivor has written the credited state, and the outage outlasted
+``keep_alive_interval x keep_alive_max_attempt``, it removes the others as dead and they restart
+into its round (a membership restart: free, nothing lost; the ``store-host-loss`` drill, whose
+joiner starts during the outage, can show this). A heartbeat expiry above the outages you
+expect avoids it.
 
 Caveat (FACTS item 6): torch imports this module in every process that imports
 ``torch.distributed.elastic.rendezvous``, so importing it has no side effect; the patches and
@@ -67,6 +90,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pickle
+import random
 import sys
 import threading
 import time
@@ -88,6 +113,7 @@ ENV_MEMBERSHIP = "ELASTIC_EMB_MEMBERSHIP"
 ENV_AGENT_PID = "ELASTIC_EMB_AGENT_PID"
 ENV_DRAIN = "ELASTIC_EMB_DRAIN"
 ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
+ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Where each inner backend keeps torch's pickled _RendezvousState (FACTS item 7).
@@ -128,6 +154,7 @@ class ListenerConfig(BaseModel):
     drain_timeout: float = Field(default=30.0, ge=0.0)
     sync_interval: float = Field(default=0.1, gt=0.0, le=1.0)
     watch_interval: float = Field(default=0.1, gt=0.0, le=10.0)
+    store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
 
     @classmethod
     def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
@@ -183,6 +210,195 @@ def event_logger(path: str | None, **bound: Any):
             structlog.processors.JSONRenderer(),
         ],
     ).bind(**bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# Store outages
+# ---------------------------------------------------------------------------------------------
+
+
+class StoreOutageError(ConnectionError):
+    """The rendezvous store stayed unreachable longer than ``store_outage_timeout``."""
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store could not be reached (worth a retry), as opposed to an
+    answer the store gave (a missing key, a corrupt state, a compare-and-set conflict)."""
+    if isinstance(exc, StoreOutageError):
+        return False  # the bound already passed: never retried again
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    # torch's RendezvousConnectionError (both inner backends), c10d's DistNetworkError, and
+    # python-etcd's EtcdConnectionFailed (EtcdStore raises it unwrapped); by name, so this
+    # module imports neither at import time (see the caveat in the module docstring).
+    return bool(names & {"RendezvousConnectionError", "DistNetworkError", "EtcdConnectionFailed"})
+
+
+class OutageGuard:
+    """Retries store calls across an outage of at most ``timeout`` seconds (module docstring).
+
+    One guard per agent, shared by every thread that calls the store, so the bound is on the
+    outage, not on each call: a call that starts late in an outage gets only what is left.
+    """
+
+    def __init__(self, endpoint: str, timeout: float, log: Any, *, base: float = 0.05, cap: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._log = log
+        self._base = base
+        self._cap = cap
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._down_since: float | None = None  # monotonic, first failed call of this outage
+        self._down_wall: datetime | None = None
+        self._exceeded_reported = False
+        self.closing = threading.Event()  # set at exit: fail at once instead of waiting
+        self.last_outage: tuple[datetime, float] | None = None  # (began, seconds) of the last one
+        self.outages = 0
+
+    @property
+    def down_for(self) -> float | None:
+        with self._lock:
+            return None if self._down_since is None else self._clock() - self._down_since
+
+    def call(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                delay = self._failed(op, exc, attempt)
+                attempt += 1
+                time.sleep(delay)
+                continue
+            self._succeeded(op)
+            return result
+
+    def _failed(self, op: str, exc: Exception, attempt: int) -> float:
+        """Seconds to wait before the next try; raises once the outage outlasts the bound."""
+        now = self._clock()
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = now
+                self._down_wall = datetime.now(timezone.utc)
+                self._exceeded_reported = False
+                self._log.warning("store_unreachable", endpoint=self.endpoint, op=op, error=repr(exc),
+                                  bound_s=self.timeout)
+            down = now - self._down_since
+            left = self.timeout - down
+            report = left <= 0 and not self._exceeded_reported
+            if report:
+                self._exceeded_reported = True
+        if left <= 0 or self.closing.is_set():
+            if report:
+                self._log.error("store_outage_exceeded", endpoint=self.endpoint, op=op, outage_s=round(down, 3),
+                                bound_s=self.timeout, error=repr(exc))
+            raise StoreOutageError(
+                f"the rendezvous store at {self.endpoint} has been unreachable for {down:.1f} s (op {op}: "
+                f"{type(exc).__name__}: {exc}), longer than store_outage_timeout={self.timeout:g} s"
+                + (" (the agent is exiting, so it did not wait)" if self.closing.is_set() and left > 0 else "")
+                + ": bring the store back (is etcd running and reachable from this node?), or raise "
+                f"--rdzv-conf store_outage_timeout if outages this long are expected"
+            ) from exc
+        # Exponential backoff with jitter (50-100 %): agents that lost the store together do not
+        # come back in lockstep; never sleep past the bound, so the error comes on time.
+        return min(left, min(self._cap, self._base * 2 ** min(attempt, 30)) * random.uniform(0.5, 1.0))
+
+    def _succeeded(self, op: str) -> None:
+        if self._down_since is None:  # the common case: no lock
+            return
+        now = self._clock()
+        with self._lock:
+            if self._down_since is None:
+                return
+            outage = now - self._down_since
+            self.last_outage = (self._down_wall, outage)
+            self.outages += 1
+            self._down_since = self._down_wall = None
+        self._log.info("store_reachable", endpoint=self.endpoint, op=op, outage_s=round(outage, 3))
+
+
+class _GuardedBackend:
+    """torch's ``RendezvousBackend`` (get_state/set_state) with its calls under an OutageGuard.
+
+    After an outage, heartbeats that were alive when it began are moved forward by its length
+    in every state read for one expiry period (until live nodes have written fresh ones): no node
+    could write a heartbeat while the store was down, and torch's sync would otherwise remove
+    every node as dead at its first read.
+    """
+
+    def __init__(self, inner: Any, guard: OutageGuard, expiry: timedelta) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._expiry = expiry
+        self._shifted_outages = 0
+        self._shift_until = 0.0
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_inner"], name)
+
+    def get_state(self):
+        result = self._guard.call("get_state", self._inner.get_state)
+        if result is None:
+            return None
+        bits, token = result
+        return self._credit_outage(bits), token
+
+    def set_state(self, state: bytes, token: Any = None):
+        result = self._guard.call("set_state", self._inner.set_state, state, token)
+        if result is None:
+            return None
+        bits, token, has_set = result
+        return self._credit_outage(bits), token, has_set
+
+    def _credit_outage(self, bits: bytes) -> bytes:
+        guard = self._guard
+        if guard.last_outage is None:
+            return bits
+        now = time.monotonic()
+        if guard.outages != self._shifted_outages:  # a new outage ended: credit it for one expiry
+            self._shifted_outages = guard.outages
+            self._shift_until = now + self._expiry.total_seconds() + guard.last_outage[1]
+        if now > self._shift_until:
+            return bits
+        began, length = guard.last_outage
+        state = pickle.loads(bits)  # torch's own state, from the same store torch unpickles it from
+        credit = timedelta(seconds=length)
+        changed = False
+        for node, beat in list(state.last_heartbeats.items()):
+            # Alive when the outage began (not yet expired), and not refreshed since: credit it.
+            if began - self._expiry <= beat < began:
+                state.last_heartbeats[node] = beat + credit
+                changed = True
+        return pickle.dumps(state) if changed else bits
+
+
+class _GuardedStore:
+    """The round-key store (``set``/``get``/``add``/``check``) under an OutageGuard."""
+
+    def __init__(self, inner: Any, guard: OutageGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def set(self, key: str, value: Any) -> None:
+        return self._guard.call("store.set", self._inner.set, key, value)
+
+    def get(self, key: str) -> Any:
+        return self._guard.call("store.get", self._inner.get, key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._guard.call("store.add", self._inner.add, key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._guard.call("store.check", self._inner.check, keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +486,12 @@ class ElasticEmbRendezvousHandler:
         self._node = node_id(inner._this_node)
         self._run_id = inner._settings.run_id
         self._log = event_logger(config.event_file, component="rendezvous", run_id=self._run_id, node=self._node)
+        # Every store call of this agent (torch's and ours) rides out a store outage up to the bound.
+        self._guard = OutageGuard(endpoint, config.store_outage_timeout, self._log)
+        settings = inner._settings
+        holder._backend = _GuardedBackend(
+            holder._backend, self._guard, settings.keep_alive_interval * settings.keep_alive_max_attempt
+        )
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
         self._round_store: Any = None
@@ -361,7 +583,7 @@ class ElasticEmbRendezvousHandler:
         with self._lock:
             self._members = members
             self._round = state.round
-            self._round_store = self._inner._store
+            self._round_store = _GuardedStore(self._inner._store, self._guard)
             self._changed_reported = False
             self._drain_started = None
             self._drain_done = False
@@ -450,6 +672,8 @@ class ElasticEmbRendezvousHandler:
     def _said_left(self, prefix: str, node: str) -> bool:
         try:
             return bool(self._round_store.check([prefix + KEY_LEFT + node]))
+        except StoreOutageError:
+            raise  # the bound passed: the agent fails, naming the store
         except Exception as exc:  # unreadable: call it a departure, the restart is the same
             self._log.warning("left_mark_unreadable", round=self._round, node=node, error=repr(exc))
             return True
@@ -470,6 +694,8 @@ class ElasticEmbRendezvousHandler:
                 n for n in self._members
                 if n not in self._known_dead and store.check([prefix + f"{KEY_DEAD}/{n}"])
             ]
+        except StoreOutageError:
+            raise
         except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
             self._log.warning("dead_report_unreadable", round=self._round, error=repr(exc))
             return
@@ -513,6 +739,7 @@ class ElasticEmbRendezvousHandler:
             return
         self._left = True
         self._closed.set()
+        self._guard.closing.set()  # at exit, an unreachable store is not waited for
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
         start = time.monotonic()
@@ -547,6 +774,8 @@ class ElasticEmbRendezvousHandler:
         try:
             expected = int(store.get(prefix + KEY_WORLD_SIZE)) if store.check([prefix + KEY_WORLD_SIZE]) else 0
             acks = int(store.add(prefix + KEY_ACKS, 0))
+        except StoreOutageError:
+            raise
         except Exception as exc:
             self._log.warning("drain_unreadable", round=self._round, error=repr(exc))
             expected, acks = -1, 0
@@ -588,6 +817,7 @@ class ElasticEmbRendezvousHandler:
                 ENV_AGENT_PID: str(os.getpid()),
                 ENV_DRAIN: "1" if self._config.drain else "0",
                 ENV_WATCH_INTERVAL: str(self._config.watch_interval),
+                ENV_STORE_OUTAGE_TIMEOUT: str(self._config.store_outage_timeout),
             }
         )
 
