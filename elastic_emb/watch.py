@@ -36,6 +36,16 @@ to see the request after committing step ``s`` fixes the last step at ``s + 1`` 
 have started ``s + 2``: that needs this rank in step ``s + 1``'s collective), and every rank
 then stops after committing it and calls ``ack_drain(step)``.
 
+**Store outages.** The workers' own collectives do not use the rendezvous store, so while it
+is unreachable (etcd restarting, say) they keep training, and the watcher treats the
+membership as *unknown*: no departure, eviction or round change is inferred from a failed read,
+a drain cannot be seen (it needs the store), and ``membership_change_pending()`` says False
+(a failed collective is then a real failure). It logs ``store_unreachable`` once per outage and
+``store_reachable`` with ``outage_s`` when a read succeeds again; past ``store_outage_timeout``
+(``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``, the agent's bound, default 30 s) it logs
+``store_outage_exceeded`` once and sets ``store_outage_exceeded``: the agent fails at the same
+bound and stops its workers. ``store_outage_s`` says how long the current outage has lasted.
+
 Without the elastic_emb backend (plain ``--rdzv-backend=c10d``) the watcher works from
 torchrun's variables plus ``ELASTIC_EMB_RDZV_ENDPOINT`` (the ``--rdzv-endpoint``, which torchrun
 does not pass on); the worker's node is the participant whose pid is its parent's.
@@ -69,6 +79,7 @@ from elastic_emb.rendezvous import (
     ENV_NODE_ID,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
+    ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
     ETCD_STATE_KEY,
     ETCD_STORE_PREFIX,
@@ -253,9 +264,15 @@ class Watcher:
         stop_delay: float = 0.3,
         evict_grace: float = 1.5,
         on_evicted: Callable[[MembershipEvent], None] | None = None,
+        store_outage_timeout: float = 30.0,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval={interval!r} must be > 0 seconds")
+        if store_outage_timeout < 0:
+            raise ValueError(f"store_outage_timeout={store_outage_timeout!r} must be >= 0 seconds")
+        self.store_outage_timeout = store_outage_timeout
+        self._down_since: float | None = None
+        self._outage_exceeded = False
         self._reader = reader
         self.round = round_
         self.rank = rank
@@ -302,6 +319,7 @@ class Watcher:
         gen = env.get(ENV_GENERATION)
         kwargs.setdefault("interval", float(env.get(ENV_WATCH_INTERVAL, "0.1")))
         kwargs.setdefault("drain", env.get(ENV_DRAIN, "1") == "1")
+        kwargs.setdefault("store_outage_timeout", float(env.get(ENV_STORE_OUTAGE_TIMEOUT, "30")))
         return cls(
             reader,
             round_=int(gen) if gen is not None else None,
@@ -317,6 +335,17 @@ class Watcher:
     @property
     def evicted(self) -> bool:
         return self._evicted
+
+    @property
+    def store_outage_s(self) -> float | None:
+        """Seconds the rendezvous store has been unreachable, or None when the last read worked."""
+        since = self._down_since
+        return None if since is None else time.monotonic() - since
+
+    @property
+    def store_outage_exceeded(self) -> bool:
+        """The current outage outlasted ``store_outage_timeout`` (the agent fails at that bound)."""
+        return self._outage_exceeded
 
     def start(self) -> "Watcher":
         if self._thread is not None:
@@ -410,10 +439,17 @@ class Watcher:
 
     def _check(self, name: str) -> bool:
         try:
-            return bool(self._reader.store.check([self._prefix() + name]))
+            found = bool(self._reader.store.check([self._prefix() + name]))
         except Exception as exc:
-            self._log.warning("watch_store_error", op=name, error=repr(exc))
+            from elastic_emb.rendezvous import is_connection_error
+
+            if is_connection_error(exc):
+                self._store_failed(exc)  # logged once per outage; the answer is unknown: not yet
+            else:
+                self._log.warning("watch_store_error", op=name, error=repr(exc))
             return False
+        self._store_back()
+        return found
 
     def _agree_stop_step(self, step: int) -> int:
         store = self._reader.store
@@ -484,8 +520,9 @@ class Watcher:
             self._log.error("unsafe_rendezvous_state", error=str(exc))
             return
         except Exception as exc:
-            self._log.warning("watch_store_error", op="state", error=repr(exc))
-            return
+            self._store_failed(exc)
+            return  # unknown, not a change: nothing is inferred from a failed read
+        self._store_back()
         if view is None:
             return
         self.last_state = view
@@ -506,6 +543,34 @@ class Watcher:
             self._emit("round_advanced", state_round=view.round)
         if self.node is not None and view.round >= self.round and self.node not in view.nodes and self.node not in view.wait_list:
             self._evict("evicted", nodes=(self.node,), state_round=view.round)
+
+    def _store_failed(self, exc: Exception) -> None:
+        from elastic_emb.rendezvous import is_connection_error
+
+        if not is_connection_error(exc):
+            self._log.warning("watch_store_error", op="state", error=repr(exc))
+            return
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            self._log.warning("store_unreachable", round=self.round, bound_s=self.store_outage_timeout,
+                              error=repr(exc))
+        down = now - self._down_since
+        if down >= self.store_outage_timeout and not self._outage_exceeded:
+            self._outage_exceeded = True
+            self._log.error(
+                "store_outage_exceeded", round=self.round, outage_s=round(down, 3), bound_s=self.store_outage_timeout,
+                error=repr(exc), remedy="bring the rendezvous store back; the agent fails at the same bound and "
+                "stops this worker (raise --rdzv-conf store_outage_timeout for longer outages)",
+            )
+
+    def _store_back(self) -> None:
+        if self._down_since is None:
+            return
+        outage = time.monotonic() - self._down_since
+        self._down_since = None
+        self._outage_exceeded = False
+        self._log.info("store_reachable", round=self.round, outage_s=round(outage, 3))
 
     def _orphaned(self) -> None:
         """Our agent is gone: report the node dead for the survivors, then stop."""
