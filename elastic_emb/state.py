@@ -995,6 +995,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners)
             if not in_place:
                 context.import_shard(shards)
+            else:
+                _wrote_every_row(context)
             log.warning("restore_from_durable", step=step, reason=fallback)
             return RestoreReport(step=step, generation=gen, fingerprint=fp,
                                  tiers={t: [(s.rows.start, s.rows.stop, "durable")] for t, s in shards.items()},
@@ -1037,6 +1039,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         transfer_s = time.perf_counter() - tx
         if not in_place:
             context.import_shard(template)
+        else:
+            _wrote_every_row(context)
         mine_tiers: dict[str, list[tuple[int, int, str]]] = {}
         local = 0
         for a in sorted(plan, key=lambda a: (a.table, a.start)):
@@ -1048,6 +1052,14 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                              source_tiers=sorted({a.tier for a in plan}), bytes_moved=sent, bytes_local=local,
                              fallback=fallback, seconds=time.perf_counter() - t0, transfer_seconds=transfer_s)
     raise RestoreError(f"restore gave up after {max_attempts} attempts: corrupt snapshot pieces {sorted(bad_handles)}")
+
+
+def _wrote_every_row(context) -> None:
+    """Tell a context whose rows were all written in place through ``shard_views()`` that it
+    need not initialise them (``EmbContext`` initialises rows lazily; optional hook)."""
+    hook = getattr(context, "mark_restored", None)
+    if callable(hook):
+        hook()
 
 
 def _commit_id(step: int, generation: int, fingerprint: str) -> str:

@@ -263,3 +263,39 @@ def test_two_contexts_live_in_one_process_without_a_default_group():
         new.close()
         store = None
     assert not dist.is_initialized()
+
+
+def test_rows_are_initialised_lazily_and_never_when_overwritten(monkeypatch):
+    """A context built for a resize has its rows overwritten by the restore at once; seeding them
+    first (seconds for large tables) would be wasted. Rows are seeded at the first read, and not
+    at all after import_shard or a restore in place that calls mark_restored()."""
+    import elastic_emb.context as context_mod
+
+    calls = []
+    real = context_mod.init_rows
+    monkeypatch.setattr(context_mod, "init_rows", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    spec = TableSpec(name="t", num_rows=40, dim=2)
+    ctx = EmbContext(_solo(0, port), store, tables=[spec], seed=5)
+    try:
+        assert calls == [], "construction must not seed the rows"
+        got = ctx.lookup("t", torch.arange(40)).wait()
+        assert calls == [RowRange(0, 40)] and torch.equal(got, real(spec, 5, RowRange(0, 40)))
+    finally:
+        ctx.close()
+    calls.clear()
+    imported = EmbContext(_solo(1, port), store, tables=[spec], seed=5)
+    restored = EmbContext(_solo(2, port), store, tables=[spec], seed=5)
+    try:
+        rows = torch.arange(80, dtype=torch.float32).reshape(40, 2)
+        imported.import_shard({"t": ShardData("t", RowRange(0, 40), rows)})
+        restored.shard_views()["t"].weight.copy_(rows)
+        restored.mark_restored()
+        for ctx in (imported, restored):
+            assert torch.equal(ctx.lookup("t", torch.arange(40)).wait(), rows)
+            assert torch.equal(ctx.export_shard()["t"].weight, rows)
+        assert calls == [], "rows overwritten before their first read must never be seeded"
+    finally:
+        imported.close()
+        restored.close()
