@@ -38,6 +38,7 @@ for step in $steps; do
     case $step in
     env) run env 60 bash -c "nvidia-smi -L; $PY -c 'import torch,sys; print(sys.version); print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count(), torch.cuda.get_device_name(0))'" ;;
     tests) run tests 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_nccl.py tests/test_lifecycle.py tests/test_drill.py ;;
+    unit) run unit 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_nccl.py tests/test_lifecycle.py ;;
     lookup) run lookup 240 $PY bench/lookup.py --device cuda --runs 5 --out "$OUT/lookup.json" ;;
     reshard) run reshard 400 $PY bench/reshard.py --device cuda --world 2 --sizes-mb 8192 --runs 3 --out "$OUT/reshard.json" ;;
     teardown) run teardown 400 $PY bench/teardown.py --runs 2 --out "$OUT/teardown.json" ;;
