@@ -218,7 +218,25 @@ def event_logger(path: str | None, **bound: Any):
 
 
 class StoreOutageError(ConnectionError):
-    """The rendezvous store stayed unreachable longer than ``store_outage_timeout``."""
+    """The rendezvous store stayed unreachable longer than ``store_outage_timeout``.
+
+    The agent raises :func:`torch_store_outage_error`'s subclass, which is also torch's
+    ``RendezvousConnectionError``: torch's own keep-alive timer then logs it instead of dying.
+    """
+
+
+_TORCH_OUTAGE_ERROR: list[type] = []
+
+
+def torch_store_outage_error() -> type[StoreOutageError]:
+    """StoreOutageError that is also torch's RendezvousConnectionError (built on first use: this
+    module may not import torch.distributed.elastic at import time, see the module docstring)."""
+    if not _TORCH_OUTAGE_ERROR:
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        _TORCH_OUTAGE_ERROR.append(type("StoreOutageError", (StoreOutageError, RendezvousConnectionError), {
+            "__module__": __name__, "__doc__": StoreOutageError.__doc__}))
+    return _TORCH_OUTAGE_ERROR[0]
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -243,8 +261,9 @@ class OutageGuard:
     """
 
     def __init__(self, endpoint: str, timeout: float, log: Any, *, base: float = 0.05, cap: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, error: type[StoreOutageError] = StoreOutageError) -> None:
         self.endpoint = endpoint
+        self._error = error
         self.timeout = timeout
         self._log = log
         self._base = base
@@ -297,7 +316,7 @@ class OutageGuard:
             if report:
                 self._log.error("store_outage_exceeded", endpoint=self.endpoint, op=op, outage_s=round(down, 3),
                                 bound_s=self.timeout, error=repr(exc))
-            raise StoreOutageError(
+            raise self._error(
                 f"the rendezvous store at {self.endpoint} has been unreachable for {down:.1f} s (op {op}: "
                 f"{type(exc).__name__}: {exc}), longer than store_outage_timeout={self.timeout:g} s"
                 + (" (the agent is exiting, so it did not wait)" if self.closing.is_set() and left > 0 else "")
@@ -468,7 +487,7 @@ class ElasticEmbRendezvousHandler:
     """A ``RendezvousHandler`` that delegates to torch's dynamic rendezvous and adds events,
     worker environment, scale-down detection and drain gating (see the module docstring)."""
 
-    def __init__(self, inner: Any, config: ListenerConfig, endpoint: str) -> None:
+    def __init__(self, inner: Any, config: ListenerConfig, endpoint: str, guard: OutageGuard | None = None) -> None:
         self._inner = inner
         self._config = config
         self._endpoint = endpoint
@@ -487,7 +506,10 @@ class ElasticEmbRendezvousHandler:
         self._run_id = inner._settings.run_id
         self._log = event_logger(config.event_file, component="rendezvous", run_id=self._run_id, node=self._node)
         # Every store call of this agent (torch's and ours) rides out a store outage up to the bound.
-        self._guard = OutageGuard(endpoint, config.store_outage_timeout, self._log)
+        if guard is None:
+            guard = OutageGuard(endpoint, config.store_outage_timeout, self._log, error=torch_store_outage_error())
+        guard._log = self._log  # from here on its events name this node
+        self._guard = guard
         settings = inner._settings
         holder._backend = _GuardedBackend(
             holder._backend, self._guard, settings.keep_alive_interval * settings.keep_alive_max_attempt
@@ -930,9 +952,12 @@ def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
             raise RuntimeError(
                 f"--rdzv-conf inner=etcd-v2 needs the python-etcd package ({exc}); pip install python-etcd"
             ) from exc
-    backend, store = create_backend(params)
+    # etcd's backend connects at creation: an agent (re)started during a store outage waits too.
+    log = event_logger(config.event_file, component="rendezvous", run_id=params.run_id)
+    guard = OutageGuard(params.endpoint, config.store_outage_timeout, log, error=torch_store_outage_error())
+    backend, store = guard.call("create_backend", create_backend, params)
     inner = dr.create_handler(store, backend, params)
-    return ElasticEmbRendezvousHandler(inner, config, params.endpoint)
+    return ElasticEmbRendezvousHandler(inner, config, params.endpoint, guard)
 
 
 def handler_factory() -> Callable[[Any], ElasticEmbRendezvousHandler]:
