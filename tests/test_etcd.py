@@ -85,3 +85,193 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     print(f"\ndrill tool, store=etcd: node0 SIGKILLed at world 2, world 1 stepping after {resize['recovery_seconds']} s, "
           f"restored step {resize['restored_step']} from {resize['source_tiers']}; "
           f"{report['verification']['rows_checked']} rows equal the replay")
+
+
+# -- a store outage: ridden out within the bound, a clear error past it ----------------------------
+
+
+def _agent_handler(server, tmp_path, monkeypatch, **conf):
+    """An elastic_emb agent-side handler (inner=etcd-v2) on the real etcd, in this process, one
+    node (min=max=1), after its first round. create_handler changes the agent process (env,
+    torch's poll pause): monkeypatch undoes that after the test."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from elastic_emb import rendezvous as rz
+
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+    for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", rz.ENV_GENERATION, rz.ENV_RDZV_BACKEND, rz.ENV_RDZV_ENDPOINT,
+                rz.ENV_NODE_ID, rz.ENV_MEMBERSHIP, rz.ENV_AGENT_PID, rz.ENV_DRAIN, rz.ENV_WATCH_INTERVAL,
+                rz.ENV_STORE_OUTAGE_TIMEOUT):
+        monkeypatch.delenv(key, raising=False)
+    events = tmp_path / "rdzv.jsonl"
+    params = RendezvousParameters(
+        backend="elastic_emb", endpoint=server.endpoint, run_id=f"outage{os.getpid()}", min_nodes=1, max_nodes=1,
+        inner="etcd-v2", event_file=str(events), keep_alive_interval="1", keep_alive_max_attempt="1",
+        read_timeout="5", **conf,
+    )
+    handler = rz.create_handler(params)
+    handler.next_rendezvous()
+    return handler, events
+
+
+def _events(path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def _close(handler) -> None:
+    handler._guard.closing.set()  # the store may be down: no waiting at teardown
+    handler._inner._stop_heartbeats()
+    handler._closed.set()
+    handler._left = True
+
+
+def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_path, monkeypatch):
+    """etcd SIGKILLed for 2.5 s, bound 20 s: num_nodes_waiting (what torch's agent polls while its
+    workers train) blocks through the outage and then answers 0, with no membership change, although
+    the outage outlasted the heartbeat expiry (1 s x 1): the heartbeats were credited."""
+    import threading
+    import time
+
+    from elastic_emb.rendezvous import node_id
+
+    handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
+    try:
+        me = node_id(handler._inner._this_node)
+        assert handler.num_nodes_waiting() == 0
+        etcd_server.kill()
+        restart = threading.Timer(2.5, etcd_server.start)
+        restart.start()
+        start = time.monotonic()
+        assert handler.num_nodes_waiting() == 0
+        took = time.monotonic() - start
+        restart.join(30)
+        assert took >= 2.0, f"num_nodes_waiting returned after {took:.2f} s, before etcd was back"
+        deadline = time.monotonic() + 3.0  # a few more polls after the outage: still no change
+        while time.monotonic() < deadline:
+            assert handler.num_nodes_waiting() == 0
+            time.sleep(0.2)
+        assert me in [node_id(n) for n in handler._inner._state_holder.state.participants]
+        seen = _events(events)
+        kinds = [e["event"] for e in seen]
+        assert kinds.count("store_unreachable") == 1 and kinds.count("store_reachable") == 1, kinds
+        back = next(e for e in seen if e["event"] == "store_reachable")
+        assert back["endpoint"] == etcd_server.endpoint and back["outage_s"] >= 2.0, back
+        assert "membership_changed" not in kinds and "store_outage_exceeded" not in kinds, kinds
+        print(f"\netcd down 2.5 s (+ restart): num_nodes_waiting blocked {took:.2f} s, outage_s {back['outage_s']}")
+    finally:
+        _close(handler)
+
+
+def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bound(etcd_server, tmp_path,
+                                                                                    monkeypatch):
+    """etcd stopped for longer than store_outage_timeout=2 s: the retries stop at the bound and
+    StoreOutageError names the endpoint, the outage length and the remedy; later calls fail at once."""
+    import time
+
+    from elastic_emb.rendezvous import StoreOutageError
+
+    handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="2")
+    try:
+        etcd_server.kill()
+        start = time.monotonic()
+        with pytest.raises(StoreOutageError) as info:
+            handler.num_nodes_waiting()
+        took = time.monotonic() - start
+        message = str(info.value)
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        assert isinstance(info.value, RendezvousConnectionError)  # torch's keep-alive timer logs it, lives on
+        assert etcd_server.endpoint in message and "store_outage_timeout" in message, message
+        assert "unreachable for" in message and "bring the store back" in message, message
+        assert 2.0 <= took < 6.0, f"failed after {took:.2f} s; the bound is 2 s"
+        start = time.monotonic()
+        with pytest.raises(StoreOutageError):
+            handler.num_nodes_waiting()  # the outage continues: no second wait
+        assert time.monotonic() - start < 1.0
+        kinds = [e["event"] for e in _events(events)]
+        assert kinds.count("store_unreachable") == 1 and kinds.count("store_outage_exceeded") == 1, kinds
+        assert "store_reachable" not in kinds, kinds
+        print(f"\netcd down past a 2 s bound: StoreOutageError after {took:.2f} s: {message[:160]}...")
+    finally:
+        _close(handler)
+
+
+@pytest.mark.timeout(120)
+def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path):
+    """The ``store-host-loss`` preset (``elastic-emb drill --scenario store-host-loss``): etcd
+    SIGKILLed for 3 s at step 8, a node joins at step 20. The agent rides the outage out (events
+    store_unreachable -> store_reachable), the worker keeps committing steps while etcd is down,
+    the job finishes at world 2, and every row equals the single-process replay, bit for bit."""
+    require_etcd()
+    import json
+    from datetime import datetime
+
+    from elastic_emb.drill import PRESETS, run_drill
+
+    scenario = PRESETS["store-host-loss"]
+    out = tmp_path / "drill"
+    report = run_drill(scenario, out, progress="lines", summary=False)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
+    assert report["ok"], (report.get("error"), report.get("verification"), logs)
+    assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
+    assert report["world_sizes"] == [1, 2], report["world_sizes"]
+    assert [r["steps_lost"] for r in report["resizes"]] == [0], report["resizes"]
+    assert [f["kind"] for f in report["faults"]] == ["kill_store", "join"], report["faults"]
+
+    agent = [json.loads(line) for line in (out / "logs" / "node0.log").read_text().splitlines()
+             if line.startswith('{"component": "rendezvous"')]
+    kinds = [e["event"] for e in agent]
+    assert "store_unreachable" in kinds and "store_reachable" in kinds, kinds
+    assert "store_outage_exceeded" not in kinds and "rendezvous_failed" not in kinds, kinds
+    down = next(e for e in agent if e["event"] == "store_unreachable")
+    back = next(e for e in agent if e["event"] == "store_reachable")
+    assert back["outage_s"] >= 2.5, back  # etcd was down 3 s (the first failed call may come late)
+    t0, t1 = (datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp() for e in (down, back))
+    # The first worker of node 0 kept committing steps while the store was unreachable.
+    first = min((out / "run" / "events").glob("node0-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]))
+    during = [e["step"] for e in map(json.loads, first.read_text().splitlines())
+              if e.get("event") == "step" and t0 < e["t"] < t1]
+    assert len(during) >= 3, f"node 0 committed steps {during} during the outage {t0:.2f}..{t1:.2f}"
+    print(f"\nstore-host-loss: etcd unreachable {back['outage_s']} s, node 0 committed {len(during)} steps "
+          f"meanwhile; {report['verification']['rows_checked']} rows equal the replay")
+
+
+def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server, tmp_path, monkeypatch):
+    """A worker's watcher during an etcd outage: no departure, eviction or round change is inferred;
+    past its bound (1 s here) it says so (store_outage_exceeded), and when etcd is back the outage
+    ends (store_outage_s None) with the membership unchanged."""
+    import time
+
+    from elastic_emb.watch import RendezvousReader, Watcher
+
+    handler, _ = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
+    evicted: list = []
+    try:
+        reader = RendezvousReader("etcd-v2", etcd_server.endpoint, handler._run_id)
+        watcher = Watcher(reader, round_=handler._round, rank=0, world_size=1, node=handler._node,
+                          agent_pid=os.getppid(), interval=0.05, store_outage_timeout=1.0, on_evicted=evicted.append)
+        with watcher:
+            time.sleep(0.3)
+            assert watcher.store_outage_s is None and watcher.events() == []
+            etcd_server.kill()
+            time.sleep(0.5)
+            assert watcher.store_outage_s is not None and not watcher.store_outage_exceeded
+            assert watcher.drain_requested(5) is False  # unknown: no drain can be seen
+            assert watcher.membership_change_pending(timeout=0.3) is False
+            deadline = time.monotonic() + 10.0
+            while not watcher.store_outage_exceeded and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert watcher.store_outage_exceeded and watcher.store_outage_s >= 1.0
+            assert not watcher.evicted and evicted == [] and watcher.events() == []
+            etcd_server.start()
+            deadline = time.monotonic() + 20.0
+            while watcher.store_outage_s is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert watcher.store_outage_s is None and not watcher.store_outage_exceeded
+            time.sleep(0.5)  # a few polls of the restored state
+            assert not watcher.evicted and evicted == [] and watcher.events() == [], watcher.last_state
+    finally:
+        _close(handler)
