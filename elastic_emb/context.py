@@ -291,6 +291,7 @@ class LookupHandle:
         self._leased = leased
         self._keep = keep  # send buffers must outlive the exchange
         self._result: torch.Tensor | None = None if bounds is not None else recv_rows
+        self._delivered = False  # wait() returned the rows once: later waits return them again
         if works:
             ctx._pending.add(self)
 
@@ -310,14 +311,19 @@ class LookupHandle:
         self._works = []
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if self._result is not None:
-            return self._result
+        if self._delivered:
+            return self._result  # type: ignore[return-value]
         ctx = self._ctx
         if ctx.closed:
+            # Also for a one-rank world, whose rows were gathered at lookup time: a handle not
+            # waited on before close() behaves the same whatever the world size.
             raise ContextClosed(
                 f"lookup of table {self._table!r} was waited on after its context "
                 f"(generation {ctx.topology.generation}) was closed; look up again on the new context"
             )
+        if self._result is not None:  # a one-rank world gathered the rows at lookup time
+            self._delivered = True
+            return self._result
         spec = ctx.tables[self._table]
         bounds = self._bounds
         try:
@@ -337,6 +343,7 @@ class LookupHandle:
             self._works = []
             self._keep = ()
             ctx._pending.discard(self)
+        self._delivered = True
         return self._result
 
 

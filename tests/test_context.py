@@ -299,3 +299,20 @@ def test_rows_are_initialised_lazily_and_never_when_overwritten(monkeypatch):
     finally:
         imported.close()
         restored.close()
+
+
+def test_one_rank_handle_after_close_behaves_like_any_other():
+    """A one-rank world gathers rows at lookup time; a handle not waited on before close() must
+    still raise ContextClosed (as in larger worlds), and one already waited returns its rows."""
+    from elastic_emb.errors import ContextClosed
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    ctx = EmbContext(_solo(0, port), store, tables=[TableSpec(name="t", num_rows=8, dim=2)])
+    waited = ctx.lookup("t", torch.tensor([1, 2]))
+    rows = waited.wait()
+    pending = ctx.lookup("t", torch.tensor([3]))
+    ctx.close()
+    assert waited.wait() is rows
+    with pytest.raises(ContextClosed, match="was closed"):
+        pending.wait()
