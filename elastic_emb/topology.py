@@ -361,7 +361,7 @@ def agree(topology: Topology, store, timeout: float = 60.0) -> Topology:
         store.set(f"{base}/verdict", json.dumps(verdict))
     else:
         verdict = _await_verdict(store, base, deadline, topology)
-    _leave_together(store, base, verdict, slot, deadline)
+    _leave_together(store, base, verdict, slot, deadline, topology)
     if verdict["ok"] and slot >= topology.world_size:
         raise TopologyDisagreement(
             f"rank {topology.rank} arrived (as process {slot + 1}) after generation "
@@ -464,16 +464,24 @@ def _decide(topology: Topology, record: dict, store, base: str, deadline: float)
         pause = min(pause * 2, 0.01)
 
 
-def _leave_together(store, base: str, verdict: dict, slot: int, deadline: float) -> None:
+# How long the rank that may host the store (rank 0) stays after a failed agreement, so that ranks
+# still starting up can connect and read the verdict instead of losing the store.
+LATE_READER_GRACE_S = 2.0
+
+
+def _leave_together(store, base: str, verdict: dict, slot: int, deadline: float, topology: Topology) -> None:
     """Wait (bounded) until every process the verdict covers has read it.
 
     Under torchrun, rank 0 hosts the store: if it returned and exited at once, the others could
     lose the store before reading the verdict. So agree() ends with a barrier; its last arrival
-    sets one key that everybody waits for (O(1) store operations per rank).
+    sets one key that everybody waits for (O(1) store operations per rank). After a failed
+    agreement rank 0 also waits up to LATE_READER_GRACE_S for processes that arrive after the
+    verdict (slow starters), so they too raise the verdict's error rather than a connection error.
     """
     expected = int(verdict.get("arrived", 1))
     if slot >= expected:
-        return  # a late process: nobody waits for it
+        store.add(f"{base}/late_read", 1)  # a late process: nobody waits for it, but rank 0 counts it
+        return
     if store.add(f"{base}/read", 1) == expected:
         store.set(f"{base}/all_read", "1")
     try:
@@ -484,6 +492,12 @@ def _leave_together(store, base: str, verdict: dict, slot: int, deadline: float)
                 f"topology agreed, but not every rank confirmed reading it before the timeout "
                 f"({base}); a rank died right after agreeing: let the agent restart the workers"
             ) from None
+    if topology.rank == 0 and verdict.get("ok") is False and verdict.get("kind") != "timeout":
+        end = min(deadline, time.monotonic() + LATE_READER_GRACE_S)
+        while time.monotonic() < end:  # bounded by the grace and the agreement's deadline
+            if int(store.add(f"{base}/read", 0)) + int(store.add(f"{base}/late_read", 0)) >= topology.world_size:
+                break
+            time.sleep(0.01)
 
 
 def _await_verdict(store, base: str, deadline: float, topology: Topology) -> dict:
