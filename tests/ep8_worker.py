@@ -152,8 +152,9 @@ def rank_main(spec: dict, me: str) -> None:
             term = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: term.set())
             _flag(out, f"ready-{me}")
-            # Poll: gloo's threads may take the signal, and a main thread blocked in one long
-            # Event.wait would run the Python handler only when the wait times out.
+            # Poll rather than one long Event.wait: in one run with a single 60 s wait the
+            # leaver did not see the hub's SIGTERM before the wait timed out (not reproduced
+            # in a minimal script; polling bounds the delay either way).
             deadline = time.monotonic() + 60
             while not term.is_set() and time.monotonic() < deadline:
                 time.sleep(0.02)
