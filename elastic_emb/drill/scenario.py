@@ -225,6 +225,26 @@ PRESETS: dict[str, Scenario] = {
             ),
         ),
         Scenario(
+            name="ep8",
+            description="Issue 9 on CPU: 4 nodes x 2 ranks (EP 8); nodes 1 and 3 SIGKILLed one after the other "
+                        "(8 -> 6 -> 4), then two nodes join (4 -> 6 -> 8).",
+            initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
+            faults=(
+                Fault(kind="kill_node", at_step=8, node=1), Fault(kind="kill_node", at_step=20, node=3),
+                Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
+            ),
+        ),
+        Scenario(
+            name="ep8-term",
+            description="Issue 9 on CPU, SIGTERM flavour: 4 nodes x 2 ranks; nodes 1 and 3 leave (8 -> 6 -> 4), "
+                        "two nodes join (4 -> 6 -> 8).",
+            initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
+            faults=(
+                Fault(kind="leave", at_step=8, node=1), Fault(kind="leave", at_step=20, node=3),
+                Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
+            ),
+        ),
+        Scenario(
             name="corrupt-snapshot",
             description="Plants a loss (bytes of node 0's newest snapshot flipped, then a restart): the drill must fail.",
             initial_nodes=1, max_nodes=2, steps=60, step_delay=0.05, expect_failure=True,
