@@ -17,6 +17,10 @@ two phases:
   ``kill`` (every rank starts the next step; leavers finish the first table's lookup and
   gradients, then are SIGKILLed by the hub while the survivors wait inside the second table's
   lookup, so the survivors' live rows are *newer* than the last commit and partly torn);
+* ``restart-kill``: every process of the earlier phase ends. Those on nodes absent from the
+  later phase are SIGKILLed mid-step as in ``kill``; the others see that step fail and exit 0
+  (a torchrun worker whose collective failed); the later phase's processes are new incarnations
+  (``"A0.1"``) on the same nodes that restore from the node directories;
 * a process only in the later one is a **joiner**: forked at the start, it waits until the
   previous phase is done and then starts a Lifecycle (restore from the survivors' live rows).
 
