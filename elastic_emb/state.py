@@ -402,8 +402,21 @@ class SnapshotTier:
             except (IndexError, ValueError):
                 return -1
 
-        dirs = sorted(self.node_dir.glob("step-*"), key=lambda d: (step_of(d), d.stat().st_mtime))
-        complete = [d for d in dirs if any(d.glob("rank*.json"))]
+        def mtime(d: Path) -> float:
+            # Every rank of a node prunes the same directory: another may have removed d already.
+            try:
+                return d.stat().st_mtime
+            except FileNotFoundError:
+                return 0.0
+
+        dirs = sorted(self.node_dir.glob("step-*"), key=lambda d: (step_of(d), mtime(d)))
+        def has_manifest(d: Path) -> bool:
+            try:
+                return any(d.glob("rank*.json"))
+            except FileNotFoundError:  # removed by another rank of this node meanwhile
+                return False
+
+        complete = [d for d in dirs if has_manifest(d)]
         kept = complete[-self.keep:]
         if not kept:
             return
