@@ -46,7 +46,9 @@ def configure_logging(stream=None, fmt: str | None = None, level: str | None = N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write() per event: the agent and its workers often share a log file, and print()
+        # writes the text and the newline separately, so lines of two processes could merge.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     _configured = True

@@ -192,7 +192,10 @@ class _Tee:
 
     def msg(self, message: str) -> None:
         with self._lock:
-            print(message, file=sys.stderr, flush=True)
+            # One write() per line: the agent's workers share its stderr, and print() writes the
+            # text and the newline separately, so two processes' lines could merge into one.
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
             if self._file is not None:
                 self._file.write(message + "\n")
                 self._file.flush()
