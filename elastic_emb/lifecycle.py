@@ -328,10 +328,13 @@ class Lifecycle:
         self._close_comm()
         # Ranks left: their ends of the communicator are gone without a destroy, and a destroy
         # waits for peers (NCCL); abort instead, on every survivor alike (FACTS: NCCL pitfalls).
-        if new.world_size < old.world_size and "abort" in inspect.signature(ctx.close).parameters:
-            ctx.close(abort=True)
-        else:
-            ctx.close()
+        params = inspect.signature(ctx.close).parameters
+        how = {"abort": True} if new.world_size < old.world_size and "abort" in params else {}
+        if "wait" in params:
+            # The communicator is destroyed by a background thread while the new one forms
+            # (EmbContext.close(wait=False)): NCCL's destroy is most of a serial rebuild.
+            how["wait"] = False
+        ctx.close(**how)
         self.context = None
         t1 = time.perf_counter()
         agree(new, store, timeout=self.config.agree_timeout)
