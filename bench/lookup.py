@@ -84,7 +84,8 @@ def worker(args) -> None:
     store = worker_store(t, timeout=120)
     spec = TableSpec(name="t", num_rows=args.rows, dim=args.dim)
     ctx = EmbContext(t, store, tables=[spec], optimizer=OptimizerSpec(), timeout=120.0, seed=None,
-                     staging_rows_per_rank=max(1, args.batch // t.world_size + 1))
+                     staging_rows_per_rank=max(1, args.batch // t.world_size + 1),
+                     high_priority_stream=not args.normal_priority)
     dev = ctx.device
     mine = ctx.owned("t")
     w = torch.empty(len(mine), args.dim, device=dev).uniform_(-1, 1)
@@ -111,13 +112,54 @@ def worker(args) -> None:
             out.append((time.perf_counter() - t0) / args.iters)
         return out
 
-    result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report(), "lookup_s": {}}
+    def phases(n: int = 10) -> dict:
+        """Host-side split of single lookups (medians, ms): until lookup() returns (validation,
+        dedup, the count exchange's sync, launching the exchanges), until wait() returns
+        (launching the reorders), until the device is done."""
+        marks = []
+        for i in range(n):
+            ctx.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            h = ctx.lookup("t", batches[i % 2])
+            t1 = time.perf_counter()
+            h.wait()
+            t2 = time.perf_counter()
+            _sync(dev)
+            marks.append((t1 - t0, t2 - t0, time.perf_counter() - t0))
+        med = lambda j: round(1e3 * statistics.median(m[j] for m in marks), 3)  # noqa: E731
+        return {"lookup_returned_ms": med(0), "wait_returned_ms": med(1), "done_ms": med(2)}
+
+    result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report(), "lookup_s": {}, "phases": {}}
     for chunks in args.chunks:
-        # Every rank changes it between the same two calls, as the contract requires.
-        ctx.pipeline_chunks = chunks
-        result["lookup_s"][str(chunks)] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
+        for capture in ([True, False] if args.compare_capture else [True]):
+            # Every rank changes them between the same two calls, as the contract requires.
+            ctx.pipeline_chunks = chunks
+            ctx.capture_dedup = capture
+            key = str(chunks) if capture else f"{chunks}-eager"
+            result["lookup_s"][key] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
+            result["phases"][key] = phases()
+    ctx.capture_dedup = True
     uniq = torch.unique(batches[0]).numel()
     result["unique_fraction"] = uniq / args.batch
+    if args.profile:
+        # Where a lookup's time goes: a torch.profiler trace of a few lookups (Chrome trace JSON
+        # for chrome://tracing or Perfetto) and the per-op table, written by rank 0.
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        ctx.pipeline_chunks = args.chunks[0]
+        ctx.barrier()
+        with profile(activities=acts) as prof:
+            for i in range(4):
+                ctx.lookup("t", batches[i % 2]).wait()
+            _sync(dev)
+        if t.rank == 0:
+            os.makedirs(args.profile, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.profile, "lookup_trace.json"))
+            key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+            with open(os.path.join(args.profile, "lookup_ops.txt"), "w") as fh:
+                fh.write(prof.key_averages().table(sort_by=key, row_limit=60))
     if args.device == "cuda":
         import torch.distributed as dist
 
@@ -186,7 +228,7 @@ def launch(args, world: int) -> list[dict]:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
-               "--chunks", *map(str, args.chunks)]
+               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--profile", args.profile] if args.profile else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -220,6 +262,12 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--compare-capture", action="store_true",
+                    help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)")
+    ap.add_argument("--normal-priority", action="store_true",
+                    help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also write a torch.profiler trace of 4 lookups (rank 0) to DIR")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     defaults = {"cpu": (1_000_000, 64, 65536), "cuda": (20_000_000, 128, 1 << 20)}[args.device]
@@ -253,11 +301,13 @@ def main(argv=None) -> None:
         base = baseline(args, total_ids)
         per_rank = launch(args, world)
         # barriers bracket each run, so every rank measured the same span: take rank 0's.
-        for chunks in args.chunks:
-            lookup = per_rank[0]["lookup_s"][str(chunks)]
+        for key in per_rank[0]["lookup_s"]:
+            chunks = int(key.split("-")[0])
+            lookup = per_rank[0]["lookup_s"][key]
             entry = {
                 "world_size": world,
                 "pipeline_chunks": chunks,
+                "dedup": "eager" if key.endswith("-eager") else "graph",
                 "total_ids": total_ids,
                 "baseline_s": base,
                 "lookup_s": lookup,
@@ -265,6 +315,7 @@ def main(argv=None) -> None:
                 "lookup_rows_per_s": total_ids / statistics.median(lookup),
                 "unique_fraction": per_rank[0]["unique_fraction"],
                 "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
+                "phases_rank0": per_rank[0]["phases"][key],
             }
             entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
             if args.device == "cuda":
@@ -288,12 +339,16 @@ def main(argv=None) -> None:
         head += f" {'gather ceil':>12} {'a2a ceil':>12} {'of min ceil':>11}"
     print(head)
     for e in rows:
-        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6} {e['total_ids']:>10} {e['baseline_rows_per_s']:>19.3e} "
+        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6}{'e' if e['dedup'] == 'eager' else ' '} {e['total_ids']:>9} {e['baseline_rows_per_s']:>19.3e} "
                 f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}")
         if args.device == "cuda":
             line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
                      f" {e['fraction_of_ceiling']:>11.2f}")
         print(line)
+    for e in rows:
+        ph = e["phases_rank0"]
+        print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} dedup {e['dedup']}: one lookup on rank 0: lookup() returned at "
+              f"{ph['lookup_returned_ms']} ms, wait() at {ph['wait_returned_ms']} ms, device done at {ph['done_ms']} ms")
     print(f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
           f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f})")
     if args.out:

@@ -64,6 +64,7 @@ Resharding
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -91,6 +92,8 @@ __all__ = [
     "CollectiveMismatch",
     "init_rows",
     "INIT_BLOCK_ROWS",
+    "wait_releases",
+    "apply_nccl_defaults",
 ]
 
 log = get_logger("elastic_emb.context")
@@ -105,6 +108,36 @@ _POISON = -1
 # the call tag) per peer, so two ranks in different calls still exchange equal byte counts and
 # can tell each other so, instead of corrupting the transport (gloo aborts on a size mismatch).
 _MAX_CHUNKS = 16
+
+
+# NCCL settings elastic_emb applies when the user has not set them (os.environ.setdefault), before
+# the process's first communicator: NCCL reads them once per process.
+#   NCCL_CUMEM_ENABLE=0: with cuMem buffers (NCCL's default since 2.19) a new communicator's first
+#   all-reduce and all-to-all took 0.15 + 0.20 s to connect on 2 H200s and its destroy 0.41 s;
+#   with plain device buffers 0.00 + 0.02 s and 0.10 s, at the same all-to-all bandwidth
+#   (bench/nccl_setup.py, BENCHMARKS.md). A resize destroys and builds a communicator, so this is
+#   most of its cost. Set NCCL_CUMEM_ENABLE=1 yourself where cuMem is required (multi-node NVLink,
+#   NVLS multicast).
+NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+_nccl_defaults_applied = False
+
+
+def apply_nccl_defaults() -> dict[str, str]:
+    """Set :data:`NCCL_DEFAULTS` where the environment does not; returns what was set. Called by
+    the first NCCL context of the process (it must precede the process's first NCCL
+    communicator to take effect); callers that create NCCL communicators of their own earlier
+    can call it first."""
+    global _nccl_defaults_applied
+    applied = {}
+    for key, value in NCCL_DEFAULTS.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    if not _nccl_defaults_applied:
+        _nccl_defaults_applied = True
+        log.info("context.nccl_env", set_by_elastic_emb=applied,
+                 effective={k: os.environ.get(k) for k in NCCL_DEFAULTS})
+    return applied
 
 
 class InvalidIds(ElasticEmbError, IndexError):
@@ -266,6 +299,115 @@ def _close_open_contexts() -> None:
             ctx.close()
         except Exception:
             pass
+    # Communicators still being released in the background: let them finish before torch's
+    # own teardown (bounded by their timeouts).
+    wait_releases()
+
+
+class _Release:
+    """Destroy or abort one communicator, bounded: a destroy still running after ``timeout``
+    means a peer is gone, and is followed by an abort (FACTS: NCCL pitfalls); an abort still
+    running after another ``timeout`` is reported and left to the process's exit."""
+
+    def __init__(self, pg, method: str, timeout: float, log_, keep=None):
+        self.pg, self.method, self.timeout, self._log, self._keep = pg, method, timeout, log_, keep
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.seconds: float | None = None
+        self.done = threading.Event()
+
+    def _call(self, method: str) -> bool:
+        def target() -> None:
+            try:
+                getattr(self.pg, method)()
+            except Exception as exc:  # reported, not swallowed silently
+                self.error = f"{method}: {exc}"
+                self._log.warning("context.group_release_failed", method=method, error=str(exc))
+
+        t = threading.Thread(target=target, name=f"elastic_emb-{method}", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        return not t.is_alive()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            finished = self._call(self.method)
+            if not finished:
+                self._log.error("context.group_release_timeout", method=self.method, timeout=self.timeout)
+                self.error = f"{self.method} did not finish within {self.timeout}s"
+                if self.method == "shutdown" and self._call("abort"):
+                    self.error += "; aborted instead"
+            self.seconds = time.monotonic() - started
+            self._log.info("context.group_released", method=self.method, seconds=round(self.seconds, 4),
+                           error=self.error)
+        finally:
+            self.pg = self._keep = None
+            self.done.set()
+
+    def start(self) -> None:
+        with _RELEASES_LOCK:
+            _RELEASES.append(self)
+        self.thread = threading.Thread(target=self.run, name="elastic_emb-release", daemon=True)
+        self.thread.start()
+
+
+_RELEASES: list[_Release] = []
+_RELEASES_LOCK = threading.Lock()
+
+
+def wait_releases(timeout: float | None = None) -> list[dict]:
+    """Wait for the communicators that ``close(wait=False)`` handed to background threads, at
+    most ``timeout`` seconds in all (default: each release's own bound, twice the context's
+    timeout). Returns one record per release: method, seconds, error (None when clean), done."""
+    with _RELEASES_LOCK:
+        pending = list(_RELEASES)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for r in pending:
+        left = 2 * r.timeout + 1 if deadline is None else max(0.0, deadline - time.monotonic())
+        finished = r.done.wait(left)
+        out.append({"method": r.method, "seconds": r.seconds, "error": r.error, "done": finished})
+        if finished:
+            with _RELEASES_LOCK:
+                if r in _RELEASES:
+                    _RELEASES.remove(r)
+    return out
+
+
+# Batches at least this long have their dedup kernels replayed from a CUDA graph; at most this
+# many graphs (call x batch size) are kept per context.
+_CAPTURE_MIN_IDS = 16384
+_MAX_GRAPHS = 8
+
+
+class _DedupGraph:
+    """The dedup kernels of one (call, batch size) captured in a CUDA graph, with static input
+    and outputs. A replay overwrites the outputs, so it first orders the stream after the last
+    lookup that read them (``last_done``; that lookup's reorders are the last readers)."""
+
+    def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int):
+        dev = ctx.device
+        self.inputs = ctx._dedup_inputs(spec, n, chunks, tag)  # held: the graph reads their memory
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        current = torch.cuda.current_stream(dev)
+        warm = torch.cuda.Stream(device=dev)
+        warm.wait_stream(current)
+        with torch.cuda.stream(warm):  # first run outside capture: library workspaces get allocated
+            ctx._dedup_compute(spec, self.ids, chunks, *self.inputs)
+        current.wait_stream(warm)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = ctx._dedup_compute(spec, self.ids, chunks, *self.inputs)
+        self.last_done: torch.cuda.Event | None = None
+
+    def replay(self, ids: torch.Tensor) -> tuple:
+        current = torch.cuda.current_stream(ids.device)
+        if self.last_done is not None:
+            current.wait_event(self.last_done)
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +419,16 @@ class LookupHandle:
     """An in-flight lookup. ``wait()`` completes the row exchanges and returns the rows in the
     order of the ids passed to ``lookup``. Waiting twice returns the same tensor.
 
-    Holds one work object, receive buffer and inverse index per pipeline piece (or a finished
-    result, for a world of one rank); ``bounds`` are the pieces' positions in the ids."""
+    Holds one work object per pipeline piece, the receive buffer of every piece's unique rows
+    and the inverse index of the whole batch into it (or a finished result, for a world of one
+    rank); ``bounds`` are the pieces' positions in the ids.
+
+    On CUDA the reorders are queued at once, by :meth:`_reorder_on_side_stream`, on a stream of
+    the context's own: piece k is reordered as soon as its exchange lands, while later pieces
+    are still on the wire, whenever the caller gets round to ``wait()``; and the caller's
+    stream is not held up meanwhile (it could run the dense part of the model). ``wait()``
+    then orders the caller's stream after that work. On the CPU (gloo) ``wait()`` does the
+    reorders itself."""
 
     def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, inverses, leased: bool,
                  keep: tuple = (), bounds: list[int] | None = None):
@@ -291,6 +441,7 @@ class LookupHandle:
         self._leased = leased
         self._keep = keep  # send buffers must outlive the exchange
         self._result: torch.Tensor | None = None if bounds is not None else recv_rows
+        self._queued: tuple[torch.Tensor, torch.cuda.Event] | None = None  # (result, done) on CUDA
         self._delivered = False  # wait() returned the rows once: later waits return them again
         if works:
             ctx._pending.add(self)
@@ -298,6 +449,27 @@ class LookupHandle:
     @property
     def done(self) -> bool:
         return self._result is not None
+
+    def _reorder_on_side_stream(self) -> None:
+        ctx = self._ctx
+        spec = ctx.tables[self._table]
+        dev = ctx.device
+        bounds = self._bounds
+        result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=dev)
+        side = ctx._side_stream()
+        side.wait_stream(torch.cuda.current_stream(dev))  # the local rows and the remap are in place
+        with torch.cuda.stream(side):
+            for k, work in enumerate(self._works):
+                work.wait()  # orders this stream after the exchange of piece k; does not block the host
+                if bounds[k + 1] > bounds[k]:
+                    torch.index_select(self._recv, 0, self._inverses[bounds[k] : bounds[k + 1]],
+                                       out=result[bounds[k] : bounds[k + 1]])
+            done = torch.cuda.Event()
+            done.record(side)
+        # Made on the caller's stream, used on the side stream: tell the allocator.
+        for t in (result, self._recv, self._inverses):
+            t.record_stream(side)
+        self._queued = (result, done)
 
     def _drain(self, timeout: float) -> None:
         """Complete the exchanges without producing a result (the context is closing): a
@@ -308,9 +480,15 @@ class LookupHandle:
             except Exception as exc:  # the context is going away; report, do not raise
                 self._ctx._log.warning("context.pending_lookup_failed", table=self._table, error=str(exc)[:200])
                 break
+        if self._queued is not None:
+            torch.cuda.current_stream(self._ctx.device).wait_event(self._queued[1])
         self._works = []
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows, ``[len(ids), dim]``. Without ``timeout`` on CUDA this only orders the
+        caller's stream after the lookup (CUDA semantics: the rows are ready for any later work
+        on that stream); with ``timeout`` the host waits until they are ready, at most that long,
+        and raises :class:`CommunicationError` past it."""
         if self._delivered:
             return self._result  # type: ignore[return-value]
         ctx = self._ctx
@@ -324,17 +502,23 @@ class LookupHandle:
         if self._result is not None:  # a one-rank world gathered the rows at lookup time
             self._delivered = True
             return self._result
-        spec = ctx.tables[self._table]
-        bounds = self._bounds
+        what = f"lookup({self._table!r}) row exchange"
         try:
-            result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=ctx.device)
-            for k, work in enumerate(self._works):
-                # Without a timeout, NCCL only orders the current stream after the exchange (CUDA
-                # semantics: the result is ready for any later work on that stream).
-                ctx._wait(work, timeout, f"lookup({self._table!r}) row exchange", host=timeout is not None)
-                # Reorder (and expand duplicates) piece k into the caller's tensor.
-                if bounds[k + 1] > bounds[k]:
-                    torch.index_select(self._recv[k], 0, self._inverses[k], out=result[bounds[k] : bounds[k + 1]])
+            if self._queued is not None:
+                result, done = self._queued
+                if timeout is not None:
+                    ctx._wait_event(done, timeout, what)
+                torch.cuda.current_stream(ctx.device).wait_event(done)
+            else:
+                spec = ctx.tables[self._table]
+                bounds = self._bounds
+                result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=ctx.device)
+                for k, work in enumerate(self._works):
+                    ctx._wait(work, timeout, what, host=timeout is not None)
+                    # Reorder (and expand duplicates) piece k into the caller's tensor.
+                    if bounds[k + 1] > bounds[k]:
+                        torch.index_select(self._recv, 0, self._inverses[bounds[k] : bounds[k + 1]],
+                                           out=result[bounds[k] : bounds[k + 1]])
             self._result = result
         finally:
             if self._leased:
@@ -342,6 +526,7 @@ class LookupHandle:
                 self._leased = False
             self._works = []
             self._keep = ()
+            self._queued = None
             ctx._pending.discard(self)
         self._delivered = True
         return self._result
@@ -368,6 +553,8 @@ class EmbContext:
         seed: int | None = 0,
         staging_rows_per_rank: int = 4096,
         pipeline_chunks: int | None = None,
+        high_priority_stream: bool | None = None,
+        capture_dedup: bool = True,
     ) -> None:
         started = time.monotonic()
         if timeout <= 0:
@@ -389,6 +576,9 @@ class EmbContext:
         if not 1 <= pipeline_chunks <= _MAX_CHUNKS:
             raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {_MAX_CHUNKS}]")
         self.pipeline_chunks = pipeline_chunks
+        # NCCL: the exchanges' kernels go first when they compete with gathers and reorders for
+        # the GPU (bench/lookup.py: 0.36 -> 0.43 of the all-to-all ceiling in 4 pieces).
+        self.high_priority_stream = topology.backend == "nccl" if high_priority_stream is None else bool(high_priority_stream)
         self._check_ep(topology, require_power_of_two)
         self.topology = topology
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
@@ -401,7 +591,13 @@ class EmbContext:
         self._base_store = store
         self._closed = False
         self._healthy = True
-        self._firsts: dict = {}
+        self._firsts: dict = {}  # owner boundaries per (table, pieces, key dtype)
+        self._headers: dict = {}  # count-exchange header templates per call tag
+        self._offsets: tuple | None = None  # piece offsets of the last batch size
+        self._side: torch.cuda.Stream | None = None  # NCCL: where lookups reorder (see LookupHandle)
+        self.capture_dedup = bool(capture_dedup)  # CUDA: replay the dedup kernels from a graph
+        self._graphs: dict = {}  # (call tag, batch size) -> _DedupGraph
+        self._capture_failed: str | None = None
         self._pending: weakref.WeakSet[LookupHandle] = weakref.WeakSet()
         self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
         self.process_group, self._backend = self._form_group(topology, store)
@@ -513,8 +709,10 @@ class EmbContext:
                 if torch.cuda.is_available():
                     pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
             else:
+                apply_nccl_defaults()
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
+                opts.is_high_priority_stream = self.high_priority_stream
                 backend = dist.ProcessGroupNCCL(pg_store, rank, size, opts)
                 backend._set_sequence_number_for_group()
                 torch.cuda.set_device(self.device)
@@ -591,24 +789,34 @@ class EmbContext:
         except KeyError:
             raise KeyError(f"unknown table {table!r}; this context holds {sorted(self.tables)}") from None
 
-    def _validate_ids(self, spec: TableSpec, ids) -> tuple[torch.Tensor | None, str | None]:
-        """(ids as int64 on the device, None) or (None, reason)."""
+    def _check_ids(self, ids) -> tuple[torch.Tensor | None, str | None]:
+        """Host-side checks (type, shape, dtype): (ids as int64 on the device, None) or (None, reason).
+        The range check is done on the device (:meth:`_dedup`) or by :meth:`_validate_ids`."""
         if not isinstance(ids, torch.Tensor):
             return None, f"ids must be a torch.Tensor, got {type(ids).__name__}"
         if ids.dim() != 1:
             return None, f"ids must be 1-D, got shape {tuple(ids.shape)}"
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             return None, f"ids must be an integer tensor, got dtype {ids.dtype}"
-        ids = ids.to(device=self.device, dtype=torch.int64)
-        if ids.numel():
-            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one device sync, not two
-            if lo < 0 or hi >= spec.num_rows:
-                bad = lo if lo < 0 else hi
-                return None, (
-                    f"id {bad} is out of range for table {spec.name!r} of {spec.num_rows} rows "
-                    f"(valid ids are 0..{spec.num_rows - 1})"
-                )
-        return ids, None
+        return ids.to(device=self.device, dtype=torch.int64), None
+
+    @staticmethod
+    def _range_error(spec: TableSpec, lo: int, hi: int) -> str | None:
+        if lo >= 0 and hi < spec.num_rows:
+            return None
+        bad = lo if lo < 0 else hi
+        return (f"id {bad} is out of range for table {spec.name!r} of {spec.num_rows} rows "
+                f"(valid ids are 0..{spec.num_rows - 1})")
+
+    def _validate_ids(self, spec: TableSpec, ids) -> tuple[torch.Tensor | None, str | None]:
+        """Host checks plus the range check, which costs one device sync (a one-rank world has
+        no count exchange to fold it into)."""
+        ids, reason = self._check_ids(ids)
+        if ids is None or not ids.numel():
+            return ids, reason
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+        reason = self._range_error(spec, lo, hi)
+        return (None, reason) if reason else (ids, None)
 
     # -- communication ------------------------------------------------------------------------
 
@@ -652,6 +860,26 @@ class EmbContext:
                 f"let the lifecycle re-form the world"
             )
 
+    def _side_stream(self) -> "torch.cuda.Stream":
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def _wait_event(self, event, timeout: float, what: str) -> None:
+        """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not event.query():
+            if time.monotonic() > deadline:
+                self._healthy = False
+                raise CommunicationError(
+                    f"{what} timed out after {timeout}s on rank {self.topology.rank} (generation "
+                    f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
+                    f"let the lifecycle re-form the world"
+                )
+            spins += 1
+            time.sleep(0 if spins < 2000 else 0.0002)
+
     def _arena_release(self) -> None:
         if self._arena is not None:
             self._arena.release()
@@ -679,26 +907,45 @@ class EmbContext:
         table = names[idx] if idx < len(names) else "<unknown table>"
         return f"{self._OPS.get(op, f'op{op}')}({table!r}) in {chunks} chunk(s)"
 
-    def _exchange_counts(self, send_counts: torch.Tensor, what: str, tag: int) -> tuple[list[list[int]], list[list[int]]]:
-        """All-to-all of per-peer counts ``[world, chunks]`` plus a call tag: returns (sent,
-        received) as ``[peer][chunk]`` lists, with one device sync for both. Raises
-        PeerLookupError if a rank sent poison (invalid input there), CollectiveMismatch if a
-        rank is in a different call."""
-        world = self.topology.world_size
-        counts2d = send_counts.reshape(world, -1)
-        chunks = counts2d.shape[1]
-        width = _MAX_CHUNKS + 1
-        send = torch.zeros(world, width, dtype=torch.int64, device=self.device)
-        send[:, :chunks] = counts2d
-        send[:, _MAX_CHUNKS] = tag
-        recv = torch.empty(world * width, dtype=torch.int64, device=self.device)
+    def _header_template(self, tag: int) -> torch.Tensor:
+        """``[2, world, width]`` int64: row 0 the headers to send (counts, tag, lo, hi per peer),
+        row 1 where the peers' land; one buffer, so one copy to the host reads both."""
+        template = self._headers.get(tag)
+        if template is None:
+            world = self.topology.world_size
+            template = torch.zeros(2, world, _MAX_CHUNKS + 3, dtype=torch.int64)
+            template[0, :, _MAX_CHUNKS] = tag
+            template = self._headers[tag] = template.to(self.device)
+        return template
+
+    def _exchange_counts(self, hdr: torch.Tensor, chunks: int, what: str, tag: int,
+                         spec: TableSpec | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        """All-to-all of a header per peer (``hdr[0]``, see :meth:`_header_template`): the
+        counts ``[world, chunks]`` meant for it, the call tag and the smallest and largest id of
+        the sender's batch. Returns (sent, received) as ``[peer][chunk]`` lists; one device sync
+        reads everything.
+
+        The ids are range-checked here, on the host, from the headers (no sync of its own): the
+        rank whose ids are out of ``spec``'s range raises :class:`InvalidIds` naming the id, its
+        peers raise :class:`PeerLookupError`; a count of -1 (poison, sent by :meth:`_cancel`)
+        means the sender failed before counting; a rank in a different call gives
+        :class:`CollectiveMismatch`. All of it happens before any id or row travels."""
+        world, me = self.topology.world_size, self.topology.rank
+        width = _MAX_CHUNKS + 3  # counts, tag, lo, hi
         splits = [width] * world
-        self._wait(self._alltoall(recv, send.reshape(-1), splits, splits), None, f"{what} count exchange")
-        both = torch.cat([send.reshape(-1), recv]).tolist()
+        self._wait(self._alltoall(hdr[1].reshape(-1), hdr[0].reshape(-1), splits, splits), None, f"{what} count exchange")
+        both = hdr.reshape(-1).tolist()
         rows_sent = [both[p * width : (p + 1) * width] for p in range(world)]
         rows = [both[(world + p) * width : (world + p + 1) * width] for p in range(world)]
         tags = [r[_MAX_CHUNKS] for r in rows]
         sent, got = [r[:chunks] for r in rows_sent], [r[:chunks] for r in rows]
+        out_of_range = []
+        if spec is not None:
+            out_of_range = [p for p, r in enumerate(rows)
+                            if tags[p] == tag and self._range_error(spec, r[_MAX_CHUNKS + 1], r[_MAX_CHUNKS + 2])]
+        if me in out_of_range:
+            lo, hi = rows[me][_MAX_CHUNKS + 1 :]
+            raise InvalidIds(f"{what} on rank {me}: {self._range_error(spec, lo, hi)}")
         bad = [r for r, row in enumerate(rows) if any(x < 0 for x in row[:_MAX_CHUNKS])]
         if bad:
             raise PeerLookupError(
@@ -714,14 +961,21 @@ class EmbContext:
                 f"make the same lookup/apply_gradients calls in the same order (an empty ids tensor where it "
                 f"has none) on contexts built with the same pipeline_chunks"
             )
+        if out_of_range:
+            raise PeerLookupError(
+                f"{what} was cancelled on rank {self.topology.rank}: rank(s) {out_of_range} passed ids out of "
+                f"range (see the InvalidIds error on those ranks); the context stays usable",
+                out_of_range,
+            )
         return sent, got
 
     def _cancel(self, what: str, tag: int) -> None:
         """Send poison in place of counts, so the peers raise instead of waiting for this rank."""
         chunks = max(1, tag >> 40)
-        poison = torch.full((self.topology.world_size, chunks), _POISON, dtype=torch.int64, device=self.device)
+        hdr = self._header_template(tag).clone()
+        hdr[0, :, :chunks] = _POISON
         try:
-            self._exchange_counts(poison, what, tag)
+            self._exchange_counts(hdr, chunks, what, tag)
         except (PeerLookupError, CollectiveMismatch):
             pass
 
@@ -732,36 +986,120 @@ class EmbContext:
             self._cancel(what, self._tag(op, table, chunks))
         return self._spec(table)  # raises the KeyError naming the tables
 
-    def _owner_counts(self, spec: TableSpec, uniq: torch.Tensor) -> torch.Tensor:
-        """How many of the sorted unique ids ``uniq`` each rank owns (int64 ``[world]``).
+    def _key_bounds(self, spec: TableSpec, chunks: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[chunks, world + 1]`` keys where each owner's rows start, per piece (piece k's keys
+        are ``k * num_rows + id``). Cached: world and EP size are fixed for the context's life."""
+        key = (spec.name, chunks, dtype)
+        bounds = self._firsts.get(key)
+        if bounds is None:
+            world, rows = self.topology.world_size, spec.num_rows
+            per = rows_per_owner(rows, self.topology.ep_size)
+            firsts = [min(p * per, rows) for p in range(world + 1)]
+            bounds = torch.tensor([[k * rows + f for f in firsts] for k in range(chunks)], dtype=dtype)
+            bounds = self._firsts[key] = bounds.to(self.device)
+        return bounds
 
-        uniq is sorted, so each owner's ids are one run: the counts are differences of the
-        positions of the owners' first rows (searchsorted: no device sync, unlike bincount)."""
-        world = self.topology.world_size
-        key = (spec.name, uniq.dtype)
-        firsts = self._firsts.get(key)
-        if firsts is None:  # same world and ep size for the context's life: cache per table
-            per = rows_per_owner(spec.num_rows, self.topology.ep_size)
-            firsts = torch.tensor([min(k * per, spec.num_rows) for k in range(world + 1)], dtype=uniq.dtype)
-            firsts = self._firsts[key] = firsts.to(self.device)
-        edges = torch.searchsorted(uniq, firsts)
-        return (edges[1:] - edges[:-1]).to(torch.int64)
+    def _piece_offsets(self, n: int, chunks: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """``k * rows`` for each position of piece k of a batch of ``n`` (cached for the last
+        batch size: training batches repeat it)."""
+        key = (n, chunks, rows, dtype)
+        if self._offsets is None or self._offsets[0] != key:
+            bounds = [n * k // chunks for k in range(chunks + 1)]
+            off = torch.cat([torch.full((bounds[k + 1] - bounds[k],), k * rows, dtype=dtype)
+                             for k in range(chunks)]).to(self.device)
+            self._offsets = (key, off)
+        return self._offsets[1]
+
+    def _dedup(self, spec: TableSpec, ids, what: str, tag: int, chunks: int):
+        """Validate, deduplicate per piece and exchange counts with ONE host synchronisation.
+
+        The batch is cut into ``chunks`` consecutive pieces; piece k's ids become the keys
+        ``k * num_rows + id``, so one sort deduplicates every piece and leaves the unique keys
+        grouped by piece, then by owner (row-wise sharding is monotone). Nothing here needs a
+        size on the host (``torch.unique`` would sync for its output size): the unique keys are
+        scattered to their slots in a buffer of the batch's length, and the per-(owner, piece)
+        counts are differences of a running count of first occurrences at the owners'
+        boundaries. The range check rides the count exchange: each rank's smallest and largest
+        id travel in its count headers, so every rank learns in that one exchange whose ids are
+        out of range, and that rank raises :class:`InvalidIds` naming the id, before any id or
+        row is sent.
+
+        On CUDA these ~20 small kernels cost more to launch from Python than to run, so for
+        batches of :data:`_CAPTURE_MIN_IDS` ids or more they are captured once per (call, batch
+        size) in a CUDA graph (:class:`_DedupGraph`) and replayed.
+
+        Returns (uniq, inverse, sent, got, n_unique): ``uniq[:n_unique]`` the unique keys
+        (piece-major, sorted), ``inverse[i]`` the slot of position i's key, and the exchanged
+        counts as ``[peer][piece]`` lists."""
+        checked, reason = self._check_ids(ids)
+        if checked is None:
+            self._cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
+            raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
+        n = checked.numel()
+        graph = self._dedup_graph(spec, n, chunks, tag) if n >= _CAPTURE_MIN_IDS else None
+        if graph is not None:
+            uniq, inverse, hdr = graph.replay(checked)
+        else:
+            uniq, inverse, hdr = self._dedup_compute(spec, checked, chunks, *self._dedup_inputs(spec, n, chunks, tag))
+        sent, got = self._exchange_counts(hdr, chunks, what, tag, spec=spec)
+        n_unique = sum(sum(c) for c in sent)
+        return uniq, inverse, sent, got, n_unique
+
+    def _key_dtype(self, spec: TableSpec, chunks: int) -> torch.dtype:
+        # 32-bit keys when they fit: the radix sort makes half the passes, ids travel in half the bytes.
+        return torch.int32 if chunks * spec.num_rows <= _INT32_MAX else torch.int64
+
+    def _dedup_inputs(self, spec: TableSpec, n: int, chunks: int, tag: int) -> tuple:
+        """The constant tensors :meth:`_dedup_compute` reads: piece offsets, owner boundaries, header."""
+        dtype = self._key_dtype(spec, chunks)
+        offsets = self._piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
+        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag)
+
+    def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template):
+        """The device half of :meth:`_dedup`: no host synchronisation, no allocation sized from
+        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header)."""
+        n, dev = checked.numel(), checked.device
+        keys = checked.to(self._key_dtype(spec, chunks))
+        if offsets is not None:
+            keys = keys + offsets
+        sorted_keys, perm = torch.sort(keys)
+        head = torch.ones(n, dtype=torch.bool, device=dev)
+        if n > 1:
+            torch.ne(sorted_keys[1:], sorted_keys[:-1], out=head[1:])
+        firsts = torch.zeros(n + 1, dtype=torch.int64, device=dev)  # first occurrences before each position
+        torch.cumsum(head, 0, out=firsts[1:])
+        slot = firsts[1:] - 1
+        uniq = torch.empty(n, dtype=keys.dtype, device=dev).scatter_(0, slot, sorted_keys)
+        inverse = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, perm, slot)
+        at = firsts[torch.searchsorted(sorted_keys, bounds)]
+        hdr = template.clone()
+        hdr[0, :, :chunks] = (at[:, 1:] - at[:, :-1]).t()  # [world, chunks]
+        if n:
+            hdr[0, :, _MAX_CHUNKS + 1 :] = torch.stack(torch.aminmax(checked))  # range-checked from the headers
+        return uniq, inverse, hdr
+
+    def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int) -> "_DedupGraph | None":
+        if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
+            return None
+        key = (tag, n)
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = _DedupGraph(self, spec, n, chunks, tag)
+            except Exception as exc:  # reported once; the eager path is equivalent, only slower
+                self._capture_failed = repr(exc)[:300]
+                self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
+                return None
+            if len(self._graphs) >= _MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[key] = graph
+        return graph
 
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
-        """Shared first half of lookup and apply_gradients: validate, dedup, exchange counts
-        and ids. Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
-        world = self.topology.world_size
-        checked, reason = self._validate_ids(spec, ids)
-        if checked is None:
-            # Tell the peers before raising, so nobody waits for this rank's ids.
-            self._cancel(what, tag)
-            raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
-        if spec.num_rows <= _INT32_MAX:
-            # 32-bit keys: the radix sort behind unique makes half the passes, ids travel in half the bytes.
-            checked = checked.to(torch.int32)
-        uniq, inverse = torch.unique(checked, sorted=True, return_inverse=True)
-        send_counts = self._owner_counts(spec, uniq)
-        sent, got = self._exchange_counts(send_counts, what, tag)
+        """First half of apply_gradients: validate, dedup, exchange counts and ids (own ids
+        included). Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
+        uniq, inverse, sent, got, n_unique = self._dedup(spec, ids, what, tag, 1)
+        uniq = uniq[:n_unique]
         send_list, recv_list = [c[0] for c in sent], [c[0] for c in got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
         self._wait(self._alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange", host=False)
@@ -786,88 +1124,101 @@ class EmbContext:
         return self._pipelined_lookup(spec, ids, what)
 
     def _pipelined_lookup(self, spec: TableSpec, ids, what: str) -> LookupHandle:
-        """The batch is cut into ``pipeline_chunks`` consecutive pieces, each deduplicated on its
-        own. One count exchange and one id exchange serve all pieces; then, per piece, the owner
-        gathers the rows asked of it and starts that piece's row all-to-all, so gathering piece
-        k+1 overlaps sending piece k, and (in ``wait``) reordering piece k overlaps sending the
-        next ones. Rows a rank owns itself never enter an exchange: they are gathered into the
-        piece's buffer, laid out ``[remote rows as delivered (by peer) | local rows]``."""
+        """The batch is cut into ``pipeline_chunks`` consecutive pieces; one sort deduplicates
+        them all (:meth:`_dedup`, the lookup's only host synchronisation), one count exchange
+        and one id exchange serve all pieces. Then, per piece, the owner gathers the rows asked
+        of it and starts that piece's row all-to-all, so gathering piece k+1 overlaps sending
+        piece k, and (in ``wait``) reordering piece k overlaps sending the next ones.
+
+        Rows a rank owns itself never enter an exchange: they are gathered straight into the
+        receive buffer while the exchanges run. The buffer holds every piece's unique rows in
+        key order (piece, then owner), except that a rank with owners on both sides of it keeps
+        its own rows at the end of each piece (an all-to-all writes its output contiguously);
+        the inverse index is remapped for that case only."""
         table = spec.name
         world, me = self.topology.world_size, self.topology.rank
         chunks = self.pipeline_chunks
         tag = self._tag(1, table, chunks)
-        checked, reason = self._validate_ids(spec, ids)
-        if checked is None:
-            self._cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
-            raise InvalidIds(f"{what} on rank {me}: {reason}")
-        if spec.num_rows <= _INT32_MAX:
-            # 32-bit keys: the radix sort behind unique makes half the passes, ids travel in half the bytes.
-            checked = checked.to(torch.int32)
-        n = checked.numel()
-        bounds = [n * k // chunks for k in range(chunks + 1)]
-        uniqs, inverses, counts = [], [], []
-        for k in range(chunks):
-            u, inv = torch.unique(checked[bounds[k] : bounds[k + 1]], sorted=True, return_inverse=True)
-            uniqs.append(u)
-            inverses.append(inv)
-            counts.append(self._owner_counts(spec, u))
-        sent, got = self._exchange_counts(torch.stack(counts, dim=1), what, tag)  # [peer][chunk]
+        n = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        uniq, inverse, sent, got, n_unique = self._dedup(spec, ids, what, tag, chunks)
+        rows = spec.num_rows
+        start = self.owned(table).start
+        dev = self.device
 
-        # One id exchange for every piece: to peer p go its ids of piece 0, then of piece 1, ...
-        # (nothing to myself: I serve my own rows directly).
+        # Where each piece's unique keys start, and where each peer's keys start within a piece.
+        size = [sum(sent[p][k] for p in range(world)) for k in range(chunks)]
+        base = [sum(size[:k]) for k in range(chunks + 1)]
         starts = [[sum(sent[q][k] for q in range(p)) for k in range(chunks)] for p in range(world)]
-        pieces = [uniqs[k][starts[p][k] : starts[p][k] + sent[p][k]]
+
+        # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
+        pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
                   for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
-        id_dtype = checked.dtype
-        send_ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=id_dtype, device=self.device)
+        if len(pieces) == 1:
+            send_keys = pieces[0]
+        else:
+            send_keys = torch.cat(pieces) if pieces else uniq[:0]
         in_tot = [0 if p == me else sum(sent[p]) for p in range(world)]
         out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
-        recv_ids = torch.empty(sum(out_tot), dtype=id_dtype, device=self.device)
-        self._wait(self._alltoall(recv_ids, send_ids, out_tot, in_tot), None, f"{what} id exchange", host=False)
+        recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
+        self._wait(self._alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange", host=False)
+        # The owners' row index of every key asked of me (piece k's keys are k * rows + id).
+        asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
 
         weight = self._arena.weights[table]
-        start = self.owned(table).start
         n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
-        n_get = [u.numel() for u in uniqs]
         need = _staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
-                             + [((n_get[k], spec.dim), spec.torch_dtype) for k in range(chunks)])
+                             + [((n_unique, spec.dim), spec.torch_dtype)])
         buf, leased = self._arena.lease(need)
         staging = _Staging(buf)
-        base = [sum(out_tot[:p]) for p in range(world)]  # where peer p's ids start in recv_ids
-        works, gots, serves = [], [], []
+        got_rows = staging.take((n_unique, spec.dim), spec.torch_dtype)
+        peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in recv_keys
+        works, serves, locals_ = [], [], []
         try:
             for k in range(chunks):
                 serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
-                asked = [recv_ids[base[p] + sum(got[p][:k]) : base[p] + sum(got[p][: k + 1])]
+                asked = [asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
                          for p in range(world) if p != me and got[p][k]]
                 if asked:
-                    index = (asked[0] if len(asked) == 1 else torch.cat(asked)) - start
-                    torch.index_select(weight, 0, index, out=serve)
-                g = staging.take((n_get[k], spec.dim), spec.torch_dtype)
-                n_remote = n_get[k] - sent[me][k]
+                    torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
+                n_local = sent[me][k]
+                n_remote = size[k] - n_local
+                local_first = starts[me][k] == 0
+                lo = base[k] + (n_local if local_first else 0)
                 out_splits = [0 if p == me else sent[p][k] for p in range(world)]
                 in_splits = [0 if p == me else got[p][k] for p in range(world)]
-                works.append(self._alltoall(g[:n_remote], serve, out_splits, in_splits))
-                gots.append(g)
+                works.append(self._alltoall(got_rows[lo : lo + n_remote], serve, out_splits, in_splits))
                 serves.append(serve)
+                locals_.append((k, n_local, n_remote, local_first))
         except Exception:
             if leased:
                 self._arena.release()
             raise
-        # My own rows, while the exchanges run; remap each piece's inverse to the buffer layout.
-        for k in range(chunks):
-            n_local = sent[me][k]
+        # My own rows, while the exchanges run.
+        remap = None
+        for k, n_local, n_remote, local_first in locals_:
             if not n_local:
                 continue
-            local_off = starts[me][k]
-            n_remote = n_get[k] - n_local
-            torch.index_select(weight, 0, uniqs[k][local_off : local_off + n_local] - start, out=gots[k][n_remote:])
-            # ids owned before me stay, mine move to the end, those after mine move up by n_local
-            pos = torch.arange(n_get[k], device=self.device)
-            pos = torch.where(pos < local_off, pos,
-                              torch.where(pos < local_off + n_local, pos - local_off + n_remote, pos - n_local))
-            inverses[k] = pos.index_select(0, inverses[k])
-        return LookupHandle(self, table, works, gots, inverses, leased, keep=tuple(serves), bounds=bounds)
+            before = starts[me][k]
+            mine = uniq[base[k] + before : base[k] + before + n_local] - (k * rows + start)
+            at = base[k] + (0 if local_first else n_remote)
+            torch.index_select(weight, 0, mine, out=got_rows[at : at + n_local])
+            if not local_first and before < n_remote:
+                # Owners on both sides of me: my rows sit after the remote ones, not in key order.
+                if remap is None:
+                    remap = torch.arange(n_unique, device=dev)
+                b = base[k]
+                remap[b + before : b + before + n_local] = torch.arange(b + n_remote, b + n_remote + n_local, device=dev)
+                remap[b + before + n_local : b + size[k]] = torch.arange(b + before, b + n_remote, device=dev)
+        if remap is not None:
+            inverse = remap.index_select(0, inverse)
+        bounds = [n * k // chunks for k in range(chunks + 1)]
+        handle = LookupHandle(self, table, works, got_rows, inverse, leased, keep=tuple(serves), bounds=bounds)
+        if dev.type == "cuda":
+            handle._reorder_on_side_stream()
+            graph = self._graphs.get((tag, n))
+            if graph is not None:
+                graph.last_done = handle._queued[1]  # its buffers are free again once this fires
+        return handle
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
@@ -1001,40 +1352,33 @@ class EmbContext:
         self._arena = new_arena
         return int(src.numel())
 
-    def _shutdown_group(self, abort: bool) -> None:
+    def _shutdown_group(self, abort: bool, wait: bool = True, keep=None) -> None:
+        """Release the communicator: destroy (``shutdown``) or ``abort``, bounded by the timeout
+        (a destroy that passes it falls back to abort). ``wait=False`` (NCCL) hands the release
+        to a background thread and returns at once; ``keep`` (the arena, after a failure) stays
+        alive until the release is done, in case a stuck kernel still touches it."""
         pg = getattr(self, "process_group", None)
         if pg is None:
             return
         self.process_group = None
         self._backend = None  # the group must not outlive close (no teardown at interpreter exit)
-        backend_name = self.topology.backend
         method = "abort" if abort else "shutdown"
-
-        def run() -> None:
-            try:
-                getattr(pg, method)()
-            except Exception as exc:  # reported, not swallowed silently
-                self._log.warning("context.group_release_failed", method=method, error=str(exc))
-
-        if backend_name == "gloo":
+        log_ = self._log
+        if self.topology.backend == "gloo":
             # Gloo: abort() only closes this rank's connections. A healthy close has drained every
             # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
             # left a joinable thread behind when a peer had died ("terminate called without an
             # active exception" at interpreter exit), abort did not.
-            method = "abort"
-            run()
+            try:
+                pg.abort()
+            except Exception as exc:  # reported, not swallowed silently
+                log_.warning("context.group_release_failed", method="abort", error=str(exc))
             return
-        # NCCL destroy/abort can block on a dead peer: bound it by the timeout in a thread.
-        t = threading.Thread(target=run, name=f"elastic_emb-{method}", daemon=True)
-        t.start()
-        t.join(self.timeout)
-        if t.is_alive():
-            self._log.error("context.group_release_timeout", method=method, timeout=self.timeout)
-            if method == "shutdown":
-                # A destroy that hangs means a peer is gone: abort instead (FACTS: NCCL pitfalls).
-                ta = threading.Thread(target=lambda: pg.abort(), daemon=True)
-                ta.start()
-                ta.join(self.timeout)
+        release = _Release(pg, method, self.timeout, log_, keep)
+        if wait:
+            release.run()
+        else:
+            release.start()
 
     def _drain_pending(self) -> None:
         """Let lookups that were started but never waited finish their exchanges (every rank
@@ -1043,9 +1387,16 @@ class EmbContext:
             handle._drain(self.timeout)
         self._pending.clear()
 
-    def close(self, *, abort: bool | None = None) -> None:
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
         """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
-        (False) aborting the communicator; by default it aborts only when unhealthy."""
+        (False) aborting the communicator; by default it aborts only when unhealthy.
+
+        ``wait=False`` (what the lifecycle does on a resize) returns as soon as the context is
+        unusable and its arena is back in the allocator, for the next context to reuse: the NCCL
+        communicator is destroyed (or aborted) by a background thread, bounded by the timeout,
+        while the next context forms (on 2 H200s a destroy took 0.10-0.28 s and an abort 0.53 s,
+        bench/teardown.py). :func:`wait_releases` waits for those threads; each reports a
+        ``context.group_released`` event, or ``context.group_release_failed``."""
         if self._closed:
             return
         started = time.monotonic()
@@ -1054,12 +1405,15 @@ class EmbContext:
             self._drain_pending()
         self._closed = True
         _OPEN.discard(self)
-        self._shutdown_group(abort=do_abort)
-        arena_bytes = self._arena.nbytes
+        arena = self._arena
+        arena_bytes = arena.nbytes
         self._arena = None  # type: ignore[assignment]
-        if self.device.type == "cuda":
+        self._shutdown_group(abort=do_abort, wait=wait, keep=arena if do_abort else None)
+        del arena
+        if self.device.type == "cuda" and wait:
             torch.cuda.empty_cache()
         self._log.info("context.closed", aborted=do_abort, released_bytes=arena_bytes,
+                       communicator="released" if wait or self.topology.backend == "gloo" else "releasing in background",
                        seconds=round(time.monotonic() - started, 4))
 
     def __enter__(self) -> "EmbContext":

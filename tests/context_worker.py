@@ -176,6 +176,57 @@ def main() -> None:
 
     ref_sgd = Reference(SGD)
     _sgd()
+
+    @check("large_batches")
+    def _large():
+        # Batches long enough for the CUDA path to replay its dedup kernels from a graph (>= 16384
+        # ids): several lookups of one size with different ids (replays must not mix them up),
+        # two in flight at once, gradients, and an invalid id inside a long batch.
+        wide = TableSpec(name="wide", num_rows=100_003, dim=8)
+        big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None)
+        full = (torch.arange(wide.num_rows * wide.dim, dtype=torch.float32).reshape(wide.num_rows, wide.dim) % 1021)
+        r = big.owned("wide")
+        big.import_shard({"wide": ShardData("wide", r, full[r.start:r.stop].to(big.device))})
+        n = 40_000
+
+        def ids_of(seed: int, who: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(1000 * seed + who)
+            hot = torch.randint(0, 50, (n // 4,), generator=g)  # heavy duplicates
+            return torch.cat([torch.randint(0, wide.num_rows, (n - n // 4,), generator=g), hot])[torch.randperm(n, generator=g)]
+
+        for seed in range(3):
+            ids = ids_of(seed, rank)
+            got = big.lookup("wide", ids.to(big.device)).wait().cpu()
+            expect(torch.equal(got, full[ids]), f"lookup {seed} of {n} ids differs from the table")
+        a, b = ids_of(7, rank), ids_of(8, rank)
+        ha, hb = big.lookup("wide", a.to(big.device)), big.lookup("wide", b.to(big.device))
+        expect(torch.equal(hb.wait().cpu(), full[b]) and torch.equal(ha.wait().cpu(), full[a]),
+               "two lookups in flight, waited in reverse order, differ from the table")
+        for seed in (20, 21):
+            ids = ids_of(seed, rank)
+            big.apply_gradients("wide", ids.to(big.device), torch.ones(n, wide.dim, device=big.device))
+            for who in range(world):
+                full.index_add_(0, ids_of(seed, who), -torch.ones(n, wide.dim))  # SGD, lr 1: exact
+        every = torch.arange(wide.num_rows)
+        expect(torch.equal(big.lookup("wide", every.to(big.device)).wait().cpu(), full), "rows after gradients differ")
+        bad = ids_of(30, rank)
+        culprit = world - 1
+        if rank == culprit:
+            bad[n // 3] = wide.num_rows + 5
+        try:
+            big.lookup("wide", bad.to(big.device)).wait()
+            raise AssertionError("a long batch with an invalid id was accepted")
+        except InvalidIds as exc:
+            expect(rank == culprit and str(wide.num_rows + 5) in str(exc), str(exc))
+        except PeerLookupError as exc:
+            expect(rank != culprit and exc.ranks == [culprit], str(exc))
+        ids = ids_of(31, rank)
+        expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after an invalid batch")
+        captured = len(big._graphs)
+        big.close()
+        return {"graphs": captured, "capture_failed": big._capture_failed}
+
+    _large()
     grown = ctx.arena_report()["staging_bytes"]
     results["staging_grown"] = {"ok": grown > results["arena"]["staging_bytes"],
                                 "before": results["arena"]["staging_bytes"], "after": grown}

@@ -25,7 +25,7 @@ RUNS = [
     ("w3", 3, 2, "w4", 1),
     ("w2", 2, 2, "w3", None),
 ]
-COMMON = ["sgd_matches_reference", "staging_grown", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
+COMMON = ["sgd_matches_reference", "large_batches", "staging_grown", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
           "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
           "init_rows_independent_of_world", "dcp"]
 

@@ -32,7 +32,7 @@ pytestmark = [
 
 WORKER = os.path.join(REPO, "tests", "context_worker.py")
 RUNS = [("n2", 2, 2, None, 1), ("n1", 1, 1, "n2", None)]
-CHECKS = ["sgd_matches_reference", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
+CHECKS = ["sgd_matches_reference", "large_batches", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
           "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
           "init_rows_independent_of_world", "dcp"]
 
@@ -64,5 +64,9 @@ def test_context_nccl(runs, tag, check):
         assert check in res, f"{tag} rank {r.rank} did not run {check}; ran {sorted(res)}"
         assert res[check]["ok"], f"{tag} rank {r.rank} {check}: {res[check].get('error')}\n{res[check].get('tb', '')}"
         assert res["arena"]["device"].startswith("cuda"), res["arena"]
+    if check == "large_batches" and tag == "n2":
+        # the long batches went through the captured dedup graphs, not the eager fallback
+        assert all(r.value["large_batches"]["graphs"] > 0 and not r.value["large_batches"]["capture_failed"]
+                   for r in runs[tag]), [r.value["large_batches"] for r in runs[tag]]
     if check == "dcp" and tag == "n1":
         assert runs[tag][0].value["dcp"]["loaded_from"] == "n2"
