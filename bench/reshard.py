@@ -4,8 +4,10 @@ Starts ``--world`` real rank processes (gloo on CPU, NCCL with ``--device cuda``
 rank), each holding an EmbContext with one fp32 table of ``--sizes-mb`` MB in total, and
 measures per run, in the same processes:
 
-* ``rebuild``: destroy + construct of the context (``close()`` + ``EmbContext(...)`` on a new
-  generation's store prefix, ``seed=None`` since restore overwrites the rows anyway);
+* ``rebuild``: destroy + construct of the context as the lifecycle does it (``close(wait=False)``,
+  whose communicator is destroyed by a background thread, + ``EmbContext(...)`` on a new
+  generation's store prefix, ``seed=None`` since restore overwrites the rows anyway); the
+  background destroy is then waited for and its time and errors recorded;
 * ``live``: the lifecycle's live restore (inventory through the store, plan, one all-to-all on
   the new context's communicator) where every row changes owner: rank r's old rows become rank
   r+1's; GB/s per rank = bytes this rank sent / restore seconds, for the whole restore and for
@@ -62,7 +64,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from elastic_emb.context import EmbContext
+    from elastic_emb.context import EmbContext, wait_releases
     from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
     from elastic_emb.sharding import owned_range
     from elastic_emb.state import Comm, DurableTier, SnapshotTier, checksum, restore
@@ -122,11 +124,14 @@ def worker(args) -> None:
         old = ctx.export_shard()["emb"]
         old_topo = ctx.topology
         t0 = time.perf_counter()
-        ctx.close()
+        ctx.close(wait=False)  # as the lifecycle does: the communicator is destroyed in the background
         t1 = time.perf_counter()
         ctx = factory(next_topo())
         t2 = time.perf_counter()
         r["close_s"], r["construct_s"], r["rebuild_s"] = t1 - t0, t2 - t1, t2 - t0
+        released = wait_releases(120)
+        r["background_release_s"] = max((x["seconds"] or 0.0 for x in released), default=0.0)
+        r["background_release_errors"] = [x for x in released if x["error"] or not x["done"]]
         # -- live: every row changes owner -------------------------------------------------
         if "live" in args.methods:
             piece = ShardData("emb", owned_range(num_rows, world, (rank + 1) % world), old.weight, {})

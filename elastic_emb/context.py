@@ -379,6 +379,9 @@ def wait_releases(timeout: float | None = None) -> list[dict]:
 # many graphs (call x batch size) are kept per context.
 _CAPTURE_MIN_IDS = 16384
 _MAX_GRAPHS = 8
+# A large-batch lookup sends its ids with the counts when the fixed-capacity buffer (both
+# directions) is at most this big; bigger worlds or batches exchange the ids after the counts.
+_FUSED_MAX_BYTES = 64 << 20
 
 
 class _DedupGraph:
@@ -386,9 +389,9 @@ class _DedupGraph:
     and outputs. A replay overwrites the outputs, so it first orders the stream after the last
     lookup that read them (``last_done``; that lookup's reorders are the last readers)."""
 
-    def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int):
+    def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int, fused: bool):
         dev = ctx.device
-        self.inputs = ctx._dedup_inputs(spec, n, chunks, tag)  # held: the graph reads their memory
+        self.inputs = ctx._dedup_inputs(spec, n, chunks, tag, fused)  # held: the graph reads their memory
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         current = torch.cuda.current_stream(dev)
         warm = torch.cuda.Stream(device=dev)
@@ -570,9 +573,9 @@ class EmbContext:
         if pipeline_chunks is None:
             # NCCL: overlap gathers and reorders with the row exchanges (separate streams).
             # Gloo: a CPU process does one thing at a time, pieces would only add round trips.
-            # Two pieces: all-to-alls lose efficiency below ~128 MiB (FACTS), more pieces buy
-            # less overlap than that costs; bench/lookup.py --chunks measures the choice.
-            pipeline_chunks = 2 if topology.backend == "nccl" else 1
+            # Three pieces: bench/lookup.py on 2 H200s measured 0.45 / 0.46 / 0.46 of the
+            # all-to-all ceiling for 2 / 3 / 4 pieces (1M ids per rank); fewer pieces launch less.
+            pipeline_chunks = 3 if topology.backend == "nccl" else 1
         if not 1 <= pipeline_chunks <= _MAX_CHUNKS:
             raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {_MAX_CHUNKS}]")
         self.pipeline_chunks = pipeline_chunks
@@ -593,6 +596,7 @@ class EmbContext:
         self._healthy = True
         self._firsts: dict = {}  # owner boundaries per (table, pieces, key dtype)
         self._headers: dict = {}  # count-exchange header templates per call tag
+        self._host_headers: dict = {}  # CUDA: pinned host copies of the headers, per shape
         self._offsets: tuple | None = None  # piece offsets of the last batch size
         self._side: torch.cuda.Stream | None = None  # NCCL: where lookups reorder (see LookupHandle)
         self.capture_dedup = bool(capture_dedup)  # CUDA: replay the dedup kernels from a graph
@@ -919,7 +923,8 @@ class EmbContext:
         return template
 
     def _exchange_counts(self, hdr: torch.Tensor, chunks: int, what: str, tag: int,
-                         spec: TableSpec | None = None) -> tuple[list[list[int]], list[list[int]]]:
+                         spec: TableSpec | None = None, xbuf: torch.Tensor | None = None
+                         ) -> tuple[list[list[int]], list[list[int]]]:
         """All-to-all of a header per peer (``hdr[0]``, see :meth:`_header_template`): the
         counts ``[world, chunks]`` meant for it, the call tag and the smallest and largest id of
         the sender's batch. Returns (sent, received) as ``[peer][chunk]`` lists; one device sync
@@ -932,9 +937,30 @@ class EmbContext:
         :class:`CollectiveMismatch`. All of it happens before any id or row travels."""
         world, me = self.topology.world_size, self.topology.rank
         width = _MAX_CHUNKS + 3  # counts, tag, lo, hi
-        splits = [width] * world
-        self._wait(self._alltoall(hdr[1].reshape(-1), hdr[0].reshape(-1), splits, splits), None, f"{what} count exchange")
-        both = hdr.reshape(-1).tolist()
+        if xbuf is None:
+            splits = [width] * world
+            work = self._alltoall(hdr[1].reshape(-1), hdr[0].reshape(-1), splits, splits)
+            label = f"{what} count exchange"
+        else:  # headers and keys in one exchange (see _dedup_compute); hdr views the headers
+            splits = [xbuf.shape[2]] * world
+            work = self._alltoall(xbuf[1].reshape(-1), xbuf[0].reshape(-1), splits, splits)
+            label = f"{what} count and id exchange"
+        if self.device.type == "cuda":
+            # Queue the copy of the headers to the host behind the exchange and poll for that
+            # copy, instead of polling for the exchange and then copying (a second round trip).
+            self._wait(work, None, label, host=False)
+            host = self._host_headers.get(hdr.shape)
+            if host is None:
+                host = self._host_headers[hdr.shape] = torch.empty(hdr.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(hdr, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._wait_event(copied, self.timeout, label)
+            self._wait(work, None, label)  # done by now; raises if the exchange failed
+            both = host.reshape(-1).tolist()
+        else:
+            self._wait(work, None, label)
+            both = hdr.reshape(-1).tolist()
         rows_sent = [both[p * width : (p + 1) * width] for p in range(world)]
         rows = [both[(world + p) * width : (world + p + 1) * width] for p in range(world)]
         tags = [r[_MAX_CHUNKS] for r in rows]
@@ -1028,36 +1054,65 @@ class EmbContext:
         batches of :data:`_CAPTURE_MIN_IDS` ids or more they are captured once per (call, batch
         size) in a CUDA graph (:class:`_DedupGraph`) and replayed.
 
-        Returns (uniq, inverse, sent, got, n_unique): ``uniq[:n_unique]`` the unique keys
-        (piece-major, sorted), ``inverse[i]`` the slot of position i's key, and the exchanged
-        counts as ``[peer][piece]`` lists."""
+        A lookup of a large batch (the same threshold) also lays its unique keys out per peer in
+        a fixed-capacity buffer behind the headers (``xbuf``, :meth:`_dedup_compute`), so the
+        counts and the ids travel in one exchange, when that buffer stays small
+        (:meth:`_fuses`); otherwise the caller exchanges the ids once the counts are known.
+
+        Returns (uniq, inverse, sent, got, n_unique, xbuf): ``uniq[:n_unique]`` the unique keys
+        (piece-major, sorted), ``inverse[i]`` the slot of position i's key, the exchanged counts
+        as ``[peer][piece]`` lists, and the fused exchange's buffer (or None)."""
         checked, reason = self._check_ids(ids)
         if checked is None:
             self._cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
             raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
         n = checked.numel()
-        graph = self._dedup_graph(spec, n, chunks, tag) if n >= _CAPTURE_MIN_IDS else None
+        large = n >= _CAPTURE_MIN_IDS
+        fused = large and self._fuses(spec, n, chunks, tag)
+        graph = self._dedup_graph(spec, n, chunks, tag, fused) if large else None
         if graph is not None:
-            uniq, inverse, hdr = graph.replay(checked)
+            uniq, inverse, hdr, xbuf = graph.replay(checked)
         else:
-            uniq, inverse, hdr = self._dedup_compute(spec, checked, chunks, *self._dedup_inputs(spec, n, chunks, tag))
-        sent, got = self._exchange_counts(hdr, chunks, what, tag, spec=spec)
+            inputs = self._dedup_inputs(spec, n, chunks, tag, fused)
+            uniq, inverse, hdr, xbuf = self._dedup_compute(spec, checked, chunks, *inputs)
+        sent, got = self._exchange_counts(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
         n_unique = sum(sum(c) for c in sent)
-        return uniq, inverse, sent, got, n_unique
+        return uniq, inverse, sent, got, n_unique, xbuf
 
     def _key_dtype(self, spec: TableSpec, chunks: int) -> torch.dtype:
         # 32-bit keys when they fit: the radix sort makes half the passes, ids travel in half the bytes.
         return torch.int32 if chunks * spec.num_rows <= _INT32_MAX else torch.int64
 
-    def _dedup_inputs(self, spec: TableSpec, n: int, chunks: int, tag: int) -> tuple:
-        """The constant tensors :meth:`_dedup_compute` reads: piece offsets, owner boundaries, header."""
+    def _dedup_inputs(self, spec: TableSpec, n: int, chunks: int, tag: int, fused: bool = False) -> tuple:
+        """The constant tensors :meth:`_dedup_compute` reads: piece offsets, owner boundaries,
+        header template and, for the fused exchange, (capacity, slot numbers, peer block starts)."""
         dtype = self._key_dtype(spec, chunks)
         offsets = self._piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
-        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag)
+        fuse = None
+        if fused:
+            per64 = 8 // torch.empty((), dtype=dtype).element_size()
+            hw = (_MAX_CHUNKS + 3) * per64  # header words
+            capacity = n + 1 + ((n + 1) % 2 if per64 == 2 else 0)  # room for every key plus a dump word; even
+            block = hw + capacity
+            fuse = (capacity, torch.arange(n, device=self.device),
+                    torch.arange(self.topology.world_size, device=self.device) * block + hw)
+        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), fuse
 
-    def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template):
+    def _fuses(self, spec: TableSpec, n: int, chunks: int, tag: int) -> bool:
+        """Whether a lookup sends its ids with the counts: when its fixed-capacity buffer (every
+        key could go to any peer, so world x batch keys each way) stays small."""
+        nbytes = 2 * self.topology.world_size * (n + 64) * torch.empty((), dtype=self._key_dtype(spec, chunks)).element_size()
+        return (tag >> 20) & 0xFFFFF == 1 and nbytes <= _FUSED_MAX_BYTES
+
+    def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
+                       fuse=None):
         """The device half of :meth:`_dedup`: no host synchronisation, no allocation sized from
-        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header)."""
+        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header, xbuf).
+
+        With ``fuse`` the headers and the keys share one buffer ``xbuf`` ``[2 (send, receive),
+        world, block]`` of the key dtype: per peer the header (as int64 words), then the keys
+        meant for that peer, piece-major, in a fixed capacity of the batch length (any peer
+        could own every key). ``header`` is then an int64 view of the header words."""
         n, dev = checked.numel(), checked.device
         keys = checked.to(self._key_dtype(spec, chunks))
         if offsets is not None:
@@ -1071,21 +1126,41 @@ class EmbContext:
         slot = firsts[1:] - 1
         uniq = torch.empty(n, dtype=keys.dtype, device=dev).scatter_(0, slot, sorted_keys)
         inverse = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, perm, slot)
-        at = firsts[torch.searchsorted(sorted_keys, bounds)]
-        hdr = template.clone()
-        hdr[0, :, :chunks] = (at[:, 1:] - at[:, :-1]).t()  # [world, chunks]
+        at = firsts[torch.searchsorted(sorted_keys, bounds)]  # [chunks, world + 1] slots at owner boundaries
+        counts = at[:, 1:] - at[:, :-1]  # [chunks, world]
+        xbuf = None
+        if fuse is None:
+            hdr = template.clone()
+        else:
+            capacity, slots, peer_at = fuse
+            world = counts.shape[1]
+            hw = template.shape[2] * (8 // keys.element_size())
+            xbuf = torch.zeros(2, world, hw + capacity, dtype=keys.dtype, device=dev)
+            hdr = xbuf[:, :, :hw].view(torch.int64)
+            hdr.copy_(template)
+            # Where slot s goes: its (piece, owner) segment j, then the owner's block, after that
+            # owner's keys of earlier pieces. Slots past the last unique key go to a dump word.
+            seg = torch.searchsorted(at.reshape(-1), slots, right=True) - 1
+            before = torch.cumsum(counts, 0) - counts  # keys for the same owner in earlier pieces
+            base = torch.zeros(chunks, world + 1, dtype=torch.int64, device=dev)
+            base[:, :world] = peer_at + before - at[:, :world]
+            dest = base.reshape(-1)[seg] + slots
+            dump = hw + capacity - 1
+            valid = ((seg % (world + 1)) < world) & (slots < firsts[n])
+            xbuf[0].reshape(-1).scatter_(0, torch.where(valid, dest, dump), uniq)
+        hdr[0, :, :chunks] = counts.t()  # [world, chunks]
         if n:
             hdr[0, :, _MAX_CHUNKS + 1 :] = torch.stack(torch.aminmax(checked))  # range-checked from the headers
-        return uniq, inverse, hdr
+        return uniq, inverse, hdr, xbuf
 
-    def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int) -> "_DedupGraph | None":
+    def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, fused: bool) -> "_DedupGraph | None":
         if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
             return None
         key = (tag, n)
         graph = self._graphs.get(key)
         if graph is None:
             try:
-                graph = _DedupGraph(self, spec, n, chunks, tag)
+                graph = _DedupGraph(self, spec, n, chunks, tag, fused)
             except Exception as exc:  # reported once; the eager path is equivalent, only slower
                 self._capture_failed = repr(exc)[:300]
                 self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
@@ -1098,7 +1173,7 @@ class EmbContext:
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
         """First half of apply_gradients: validate, dedup, exchange counts and ids (own ids
         included). Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
-        uniq, inverse, sent, got, n_unique = self._dedup(spec, ids, what, tag, 1)
+        uniq, inverse, sent, got, n_unique, _ = self._dedup(spec, ids, what, tag, 1)
         uniq = uniq[:n_unique]
         send_list, recv_list = [c[0] for c in sent], [c[0] for c in got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
@@ -1140,7 +1215,7 @@ class EmbContext:
         chunks = self.pipeline_chunks
         tag = self._tag(1, table, chunks)
         n = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        uniq, inverse, sent, got, n_unique = self._dedup(spec, ids, what, tag, chunks)
+        uniq, inverse, sent, got, n_unique, xbuf = self._dedup(spec, ids, what, tag, chunks)
         rows = spec.num_rows
         start = self.owned(table).start
         dev = self.device
@@ -1150,17 +1225,23 @@ class EmbContext:
         base = [sum(size[:k]) for k in range(chunks + 1)]
         starts = [[sum(sent[q][k] for q in range(p)) for k in range(chunks)] for p in range(world)]
 
-        # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
-        pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
-                  for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
-        if len(pieces) == 1:
-            send_keys = pieces[0]
-        else:
-            send_keys = torch.cat(pieces) if pieces else uniq[:0]
         in_tot = [0 if p == me else sum(sent[p]) for p in range(world)]
         out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
-        recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
-        self._wait(self._alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange", host=False)
+        if xbuf is not None:
+            # The keys came with the counts: peer p's are at the start of its block, after the header.
+            hw = (_MAX_CHUNKS + 3) * (8 // xbuf.element_size())
+            got_keys = [xbuf[1, p, hw : hw + out_tot[p]] for p in range(world) if out_tot[p]]
+            recv_keys = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
+        else:
+            # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
+            pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
+                      for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
+            if len(pieces) == 1:
+                send_keys = pieces[0]
+            else:
+                send_keys = torch.cat(pieces) if pieces else uniq[:0]
+            recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
+            self._wait(self._alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange", host=False)
         # The owners' row index of every key asked of me (piece k's keys are k * rows + id).
         asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
 

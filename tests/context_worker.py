@@ -183,7 +183,8 @@ def main() -> None:
         # ids): several lookups of one size with different ids (replays must not mix them up),
         # two in flight at once, gradients, and an invalid id inside a long batch.
         wide = TableSpec(name="wide", num_rows=100_003, dim=8)
-        big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None)
+        big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None,
+                         pipeline_chunks=3)
         full = (torch.arange(wide.num_rows * wide.dim, dtype=torch.float32).reshape(wide.num_rows, wide.dim) % 1021)
         r = big.owned("wide")
         big.import_shard({"wide": ShardData("wide", r, full[r.start:r.stop].to(big.device))})
@@ -223,8 +224,11 @@ def main() -> None:
         ids = ids_of(31, rank)
         expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after an invalid batch")
         captured = len(big._graphs)
+        # the ids travelled with the counts (one exchange) in these lookups
+        fused = big._fuses(wide, n, 3, big._tag(1, "wide", 3))
+        expect(fused or world == 1, "a 40000-id lookup did not take the fused count+id exchange")
         big.close()
-        return {"graphs": captured, "capture_failed": big._capture_failed}
+        return {"graphs": captured, "capture_failed": big._capture_failed, "fused": fused}
 
     _large()
     grown = ctx.arena_report()["staging_bytes"]
