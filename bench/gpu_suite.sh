@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite (issue 8): everything elastic_emb measures on NCCL, in one call on the 2-GPU machine.
 #
-#   bench/gpu_suite.sh [STEP ...]      STEP in: env tests lifecycle lookup reshard teardown drill (default: all but lifecycle, which tests includes)
+#   bench/gpu_suite.sh [STEP ...]      STEP in: env tests unit lifecycle lookup reshard teardown nccl drill (default: all but lifecycle, which tests includes)
 #
 # Run from the repository root on the device machine, with the wheels of the packages its image
 # lacks carried in .whl/ (pydantic, pydantic-core, annotated-types, typing-inspection,
@@ -39,12 +39,13 @@ for step in $steps; do
     env) run env 60 bash -c "nvidia-smi -L; $PY -c 'import torch,sys; print(sys.version); print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count(), torch.cuda.get_device_name(0))'" ;;
     tests) run tests 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_nccl.py tests/test_lifecycle.py tests/test_drill.py ;;
     unit) run unit 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_nccl.py tests/test_lifecycle.py ;;
-    lookup) run lookup 240 $PY bench/lookup.py --device cuda --runs 5 --out "$OUT/lookup.json" ;;
+    lookup) run lookup 240 $PY bench/lookup.py --device cuda --runs 5 --chunks 3 2 4 --out "$OUT/lookup.json" ;;
     reshard) run reshard 400 $PY bench/reshard.py --device cuda --world 2 --sizes-mb 8192 --runs 3 --out "$OUT/reshard.json" ;;
     teardown) run teardown 400 $PY bench/teardown.py --runs 2 --out "$OUT/teardown.json" ;;
+    nccl) run nccl 300 $PY bench/nccl_setup.py --out "$OUT/nccl_setup.json" ;;
     drill) run drill 420 $PY -m elastic_emb.cli drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
     lifecycle) run lifecycle 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_lifecycle.py ;;
-    *) echo "unknown step $step (use: env tests lookup reshard teardown drill)"; exit 2 ;;
+    *) echo "unknown step $step (use: env tests unit lifecycle lookup reshard teardown nccl drill)"; exit 2 ;;
     esac
 done
 grep -E '^(=== |ranks|table|scenario|healthy|broken|destroy|live|snapshot|dcp|lookup|gather|all_to_all|PASS|FAIL|zero)' "$OUT/suite.log" | tail -80

@@ -14,7 +14,8 @@ ceiling (``all_to_all_single`` of ``--batch`` rows of ``--dim`` fp32, evenly spl
 summed over ranks; the lookup's fraction of ``min(gather, all-to-all)`` is the figure of merit
 (target >= 0.5 for ``--batch`` >= 1M, ``--dim`` 128). The single-GPU ``F.embedding`` on the whole
 table is reported as well. ``--chunks`` measures several ``pipeline_chunks`` settings of one
-context in the same run (default 1 2 4 on cuda).
+context in the same run (default 3 2 4 on cuda). Also reported per setting: where one lookup's
+time goes on the host (``phases``); ``--profile DIR`` writes a torch.profiler trace.
 
     python bench/lookup.py --runs 5 --out out/lookup_cpu.json
     python bench/lookup.py --device cuda --runs 5 --out out/gpu/lookup.json
@@ -257,7 +258,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
     ap.add_argument("--skew", type=float, default=0.0, help="0: uniform ids; > 1: power-law ids (duplicates)")
     ap.add_argument("--chunks", type=int, nargs="+", default=None,
-                    help="EmbContext pipeline_chunks values to measure (default: 1 on cpu; 1 2 4 on cuda)")
+                    help="EmbContext pipeline_chunks values to measure (default: 1 on cpu; 3 2 4 on cuda)")
     ap.add_argument("--iters", type=int, default=5, help="lookups per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
@@ -275,7 +276,7 @@ def main(argv=None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.chunks is None:
-        args.chunks = [1, 2, 4] if args.device == "cuda" else [1]
+        args.chunks = [3, 2, 4] if args.device == "cuda" else [1]
     if any(not 1 <= c <= 16 for c in args.chunks):
         ap.error(f"--chunks {args.chunks}: each must be in [1, 16] (EmbContext's limit)")
     for name in ("rows", "dim", "batch", "runs", "iters"):
