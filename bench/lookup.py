@@ -308,7 +308,7 @@ def main(argv=None) -> None:
             entry = {
                 "world_size": world,
                 "pipeline_chunks": chunks,
-                "dedup": "eager" if key.endswith("-eager") else "graph",
+                "dedup": "eager" if key.endswith("-eager") or args.device != "cuda" else "graph",
                 "total_ids": total_ids,
                 "baseline_s": base,
                 "lookup_s": lookup,
