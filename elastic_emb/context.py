@@ -1115,10 +1115,16 @@ class EmbContext:
         return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), fuse
 
     def _fuses(self, spec: TableSpec, n: int, chunks: int, tag: int) -> bool:
-        """Whether a lookup sends its ids with the counts: when its fixed-capacity buffer (every
-        key could go to any peer, so world x batch keys each way) stays small."""
-        nbytes = 2 * self.topology.world_size * (n + 64) * torch.empty((), dtype=self._key_dtype(spec, chunks)).element_size()
-        return (tag >> 20) & 0xFFFFF == 1 and nbytes <= _FUSED_MAX_BYTES
+        """Whether a lookup sends its ids with the counts. Its fixed-capacity buffer holds world
+        x batch keys each way (any peer could own every key), against about a batch of rows
+        for the row exchange: fused only while the padding costs at most 1/8 of the row bytes
+        (world x key bytes <= row bytes / 8: up to 16 ranks for 128 fp32 columns and 32-bit
+        keys) and the buffer stays under :data:`_FUSED_MAX_BYTES`."""
+        world = self.topology.world_size
+        key_bytes = torch.empty((), dtype=self._key_dtype(spec, chunks)).element_size()
+        nbytes = 2 * world * (n + 64) * key_bytes
+        return ((tag >> 20) & 0xFFFFF == 1 and 8 * world * key_bytes <= spec.bytes_per_row()
+                and nbytes <= _FUSED_MAX_BYTES)
 
     def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
                        fuse=None):

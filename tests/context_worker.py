@@ -182,7 +182,8 @@ def main() -> None:
         # Batches long enough for the CUDA path to replay its dedup kernels from a graph (>= 16384
         # ids): several lookups of one size with different ids (replays must not mix them up),
         # two in flight at once, gradients, and an invalid id inside a long batch.
-        wide = TableSpec(name="wide", num_rows=100_003, dim=8)
+        # 64 columns: wide enough rows that the ids ride in the count exchange (EmbContext._fuses)
+        wide = TableSpec(name="wide", num_rows=100_003, dim=64)
         big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None,
                          pipeline_chunks=3)
         full = (torch.arange(wide.num_rows * wide.dim, dtype=torch.float32).reshape(wide.num_rows, wide.dim) % 1021)
@@ -227,6 +228,8 @@ def main() -> None:
         # the ids travelled with the counts (one exchange) in these lookups
         fused = big._fuses(wide, n, 3, big._tag(1, "wide", 3))
         expect(fused or world == 1, "a 40000-id lookup did not take the fused count+id exchange")
+        narrow = TableSpec(name="wide", num_rows=100_003, dim=4)  # 16-byte rows: padding would cost more than rows
+        expect(not big._fuses(narrow, n, 3, big._tag(1, "wide", 3)), "narrow rows must not take the fused exchange")
         big.close()
         return {"graphs": captured, "capture_failed": big._capture_failed, "fused": fused}
 
