@@ -124,6 +124,13 @@ _POISON = -1
 # the call tag) per peer, so two ranks in different calls still exchange equal byte counts and
 # can tell each other so, instead of corrupting the transport (gloo aborts on a size mismatch).
 _MAX_CHUNKS = 16
+# A count-exchange header per peer, int64: counts per piece, the call tag, the batch's lo and hi id.
+_HEADER_WIDTH = _MAX_CHUNKS + 3
+
+
+def _header_words(key_dtype: torch.dtype) -> int:
+    """How many elements of ``key_dtype`` one header takes in the fused count + id buffer."""
+    return _HEADER_WIDTH * (8 // torch.empty((), dtype=key_dtype).element_size())
 
 
 # NCCL settings elastic_emb applies when the user has not set them (os.environ.setdefault), before
@@ -391,6 +398,20 @@ def wait_releases(timeout: float | None = None) -> list[dict]:
     return out
 
 
+def _poll(ready, timeout: float) -> bool:
+    """Call ``ready()`` until it is true (True) or ``timeout`` seconds pass (False): yield the
+    core between calls for the first ~2000, then sleep 0.2 ms, so a wait of a few ms is noticed
+    at once and a long one does not burn a core."""
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        spins += 1
+        time.sleep(0 if spins < 2000 else 0.0002)
+    return True
+
+
 # Batches at least this long have their dedup kernels replayed from a CUDA graph; at most this
 # many graphs (call x batch size) are kept per context.
 _CAPTURE_MIN_IDS = 16384
@@ -469,20 +490,26 @@ class LookupHandle:
     def done(self) -> bool:
         return self._result is not None
 
+    def _empty_result(self) -> torch.Tensor:
+        spec = self._ctx.tables[self._table]
+        return torch.empty(self._bounds[-1], spec.dim, dtype=spec.torch_dtype, device=self._ctx.device)
+
+    def _reorder(self, k: int, result: torch.Tensor) -> None:
+        """Piece k's rows into the caller's order (duplicates expanded), in ``result``."""
+        lo, hi = self._bounds[k], self._bounds[k + 1]
+        if hi > lo:
+            torch.index_select(self._recv, 0, self._inverses[lo:hi], out=result[lo:hi])
+
     def _reorder_on_side_stream(self) -> None:
         ctx = self._ctx
-        spec = ctx.tables[self._table]
         dev = ctx.device
-        bounds = self._bounds
-        result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=dev)
+        result = self._empty_result()
         side = ctx._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))  # the local rows and the remap are in place
         with torch.cuda.stream(side):
             for k, work in enumerate(self._works):
                 work.wait()  # orders this stream after the exchange of piece k; does not block the host
-                if bounds[k + 1] > bounds[k]:
-                    torch.index_select(self._recv, 0, self._inverses[bounds[k] : bounds[k + 1]],
-                                       out=result[bounds[k] : bounds[k + 1]])
+                self._reorder(k, result)
             done = torch.cuda.Event()
             done.record(side)
         # Made on the caller's stream, used on the side stream: tell the allocator.
@@ -529,15 +556,10 @@ class LookupHandle:
                     ctx._wait_event(done, timeout, what)
                 torch.cuda.current_stream(ctx.device).wait_event(done)
             else:
-                spec = ctx.tables[self._table]
-                bounds = self._bounds
-                result = torch.empty(bounds[-1], spec.dim, dtype=spec.torch_dtype, device=ctx.device)
+                result = self._empty_result()
                 for k, work in enumerate(self._works):
                     ctx._wait(work, timeout, what, host=timeout is not None)
-                    # Reorder (and expand duplicates) piece k into the caller's tensor.
-                    if bounds[k + 1] > bounds[k]:
-                        torch.index_select(self._recv, 0, self._inverses[bounds[k] : bounds[k + 1]],
-                                           out=result[bounds[k] : bounds[k + 1]])
+                    self._reorder(k, result)
             self._result = result
         finally:
             if self._leased:
@@ -610,7 +632,7 @@ class EmbContext:
         self._base_store = store
         self._closed = False
         self._healthy = True
-        self._firsts: dict = {}  # owner boundaries per (table, pieces, key dtype)
+        self._key_bounds_cache: dict = {}  # owner boundaries per (table, pieces, key dtype)
         self._headers: dict = {}  # count-exchange header templates per call tag
         self._host_headers: dict = {}  # CUDA: pinned host copies of the headers, per shape
         self._offsets: tuple | None = None  # piece offsets of the last batch size
@@ -854,16 +876,7 @@ class EmbContext:
             if self.topology.backend != "nccl":
                 ok = work.wait(timedelta(seconds=t))
             else:
-                ok = True
-                if host:
-                    deadline = time.monotonic() + t
-                    spins = 0
-                    while not work.is_completed():
-                        if time.monotonic() > deadline:
-                            ok = False
-                            break
-                        spins += 1
-                        time.sleep(0 if spins < 2000 else 0.0002)
+                ok = _poll(work.is_completed, t) if host else True
                 if ok:
                     work.wait()
         except Exception as exc:
@@ -873,12 +886,15 @@ class EmbContext:
                 f"A peer died or is stuck; close this context and let the lifecycle re-form the world"
             ) from exc
         if ok is False:
-            self._healthy = False
-            raise CommunicationError(
-                f"{what} timed out after {t}s on rank {self.topology.rank} (generation "
-                f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
-                f"let the lifecycle re-form the world"
-            )
+            raise self._timed_out(what, t)
+
+    def _timed_out(self, what: str, t: float) -> CommunicationError:
+        self._healthy = False
+        return CommunicationError(
+            f"{what} timed out after {t}s on rank {self.topology.rank} (generation "
+            f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
+            f"let the lifecycle re-form the world"
+        )
 
     def _side_stream(self) -> "torch.cuda.Stream":
         if self._side is None:
@@ -887,18 +903,8 @@ class EmbContext:
 
     def _wait_event(self, event, timeout: float, what: str) -> None:
         """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
-        deadline = time.monotonic() + timeout
-        spins = 0
-        while not event.query():
-            if time.monotonic() > deadline:
-                self._healthy = False
-                raise CommunicationError(
-                    f"{what} timed out after {timeout}s on rank {self.topology.rank} (generation "
-                    f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
-                    f"let the lifecycle re-form the world"
-                )
-            spins += 1
-            time.sleep(0 if spins < 2000 else 0.0002)
+        if not _poll(event.query, timeout):
+            raise self._timed_out(what, timeout)
 
     def _arena_release(self) -> None:
         if self._arena is not None:
@@ -933,7 +939,7 @@ class EmbContext:
         template = self._headers.get(tag)
         if template is None:
             world = self.topology.world_size
-            template = torch.zeros(2, world, _MAX_CHUNKS + 3, dtype=torch.int64)
+            template = torch.zeros(2, world, _HEADER_WIDTH, dtype=torch.int64)
             template[0, :, _MAX_CHUNKS] = tag
             template = self._headers[tag] = template.to(self.device)
         return template
@@ -952,7 +958,7 @@ class EmbContext:
         means the sender failed before counting; a rank in a different call gives
         :class:`CollectiveMismatch`. All of it happens before any id or row travels."""
         world, me = self.topology.world_size, self.topology.rank
-        width = _MAX_CHUNKS + 3  # counts, tag, lo, hi
+        width = _HEADER_WIDTH
         if xbuf is None:
             splits = [width] * world
             work = self._alltoall(hdr[1].reshape(-1), hdr[0].reshape(-1), splits, splits)
@@ -1032,13 +1038,13 @@ class EmbContext:
         """``[chunks, world + 1]`` keys where each owner's rows start, per piece (piece k's keys
         are ``k * num_rows + id``). Cached: world and EP size are fixed for the context's life."""
         key = (spec.name, chunks, dtype)
-        bounds = self._firsts.get(key)
+        bounds = self._key_bounds_cache.get(key)
         if bounds is None:
             world, rows = self.topology.world_size, spec.num_rows
             per = rows_per_owner(rows, self.topology.ep_size)
             firsts = [min(p * per, rows) for p in range(world + 1)]
             bounds = torch.tensor([[k * rows + f for f in firsts] for k in range(chunks)], dtype=dtype)
-            bounds = self._firsts[key] = bounds.to(self.device)
+            bounds = self._key_bounds_cache[key] = bounds.to(self.device)
         return bounds
 
     def _piece_offsets(self, n: int, chunks: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -1106,9 +1112,9 @@ class EmbContext:
         offsets = self._piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
         fuse = None
         if fused:
-            per64 = 8 // torch.empty((), dtype=dtype).element_size()
-            hw = (_MAX_CHUNKS + 3) * per64  # header words
-            capacity = n + 1 + ((n + 1) % 2 if per64 == 2 else 0)  # room for every key plus a dump word; even
+            hw = _header_words(dtype)
+            # room for every key plus a dump word; 32-bit keys: even, so int64 header views align
+            capacity = n + 1 + ((n + 1) % 2 if dtype == torch.int32 else 0)
             block = hw + capacity
             fuse = (capacity, torch.arange(n, device=self.device),
                     torch.arange(self.topology.world_size, device=self.device) * block + hw)
@@ -1156,7 +1162,7 @@ class EmbContext:
         else:
             capacity, slots, peer_at = fuse
             world = counts.shape[1]
-            hw = template.shape[2] * (8 // keys.element_size())
+            hw = _header_words(keys.dtype)
             xbuf = torch.zeros(2, world, hw + capacity, dtype=keys.dtype, device=dev)
             hdr = xbuf[:, :, :hw].view(torch.int64)
             hdr.copy_(template)
@@ -1251,7 +1257,7 @@ class EmbContext:
         out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
         if xbuf is not None:
             # The keys came with the counts: peer p's are at the start of its block, after the header.
-            hw = (_MAX_CHUNKS + 3) * (8 // xbuf.element_size())
+            hw = _header_words(xbuf.dtype)
             got_keys = [xbuf[1, p, hw : hw + out_tot[p]] for p in range(world) if out_tot[p]]
             recv_keys = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
         else:
