@@ -30,19 +30,17 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def draw_ids(n: int, rows: int, skew: float, device, gen):
@@ -211,7 +209,7 @@ def baseline(args, total_ids: int) -> list[float]:
 
 
 def launch(args, world: int) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items()

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
 
 CONFIGS = {
     "default": {},
@@ -44,6 +46,7 @@ WORKER = r"""
 import json, os, statistics, sys, threading, time
 from datetime import timedelta
 import torch, torch.distributed as dist
+
 rank, port, trials, mib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = json.loads(sys.argv[5])
 dev = torch.device("cuda", rank)
@@ -111,12 +114,6 @@ for trial in range(trials):
 t0 = time.perf_counter(); old.shutdown(); out["last_destroy_s"] = time.perf_counter() - t0
 print(json.dumps(out), flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(name: str, cfg: dict, trials: int, mib: int, debug: bool) -> dict:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,14 +41,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
+
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("rebuild", "live", "snapshot", "durable", "dcp")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
+
 WORKER = r"""
 import json, os, sys, time
 from datetime import timedelta
@@ -77,6 +80,7 @@ out = {"rank": rank, "first_build_s": first_build, "close_s": t1 - t0, "construc
 # The library's resize path: close(wait=False) hands the old communicator to a background thread
 # (bounded) and the new context forms meanwhile; then wait for that release and report it.
 from elastic_emb.context import wait_releases
+
 barrier("overlap")
 t0 = time.perf_counter()
 ctx.close(wait=False)
@@ -103,14 +107,6 @@ out["teardown_s"] = time.perf_counter() - t0
 print(json.dumps(out), flush=True)
 os._exit(0)
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trial(mode: str, scenario: str, rows: int, timeout: float) -> list[dict]:
