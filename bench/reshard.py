@@ -147,6 +147,7 @@ def worker(args) -> None:
                 r[f"{key}_s"] = time.perf_counter() - t0
                 r[f"{key}_transfer_s"] = rep.transfer_seconds
                 r[f"{key}_bytes"] = rep.bytes_moved
+                r[f"{key}_transport"] = rep.transport
                 check(ctx, -1 if world > 1 else 0, key)
             fill(ctx)
         del old
@@ -295,6 +296,9 @@ def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
         row["live_warm_gbps_per_rank"] = min(s / med["live_warm_s"] for s in sent) / 1e9
         row["live_warm_transfer_gbps_per_rank"] = min(s / med["live_warm_transfer_s"] for s in sent) / 1e9
         row["live_bytes_per_rank"] = min(sent)
+        # What moved the rows, per rank and run (cma+p2p / p2p: some or all pairs fell back to gloo).
+        row["live_transports"] = sorted({run.get(f"{k}_transport") or "?" for r in per_rank for run in r["runs"]
+                                         for k in ("live", "live_warm")})
     if "crc32_s" in med:
         row["crc32_gbps"] = shard / med["crc32_s"] / 1e9
     if "dcp_s" in med:
@@ -320,8 +324,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
-    ap.add_argument("--transport", choices=("p2p", "alltoall"), default=None,
-                    help="row transport (default: p2p on CPU, alltoall on CUDA)")
+    ap.add_argument("--transport", choices=("cma", "p2p", "alltoall"), default=None,
+                    help="row transport (default: cma on CPU, i.e. cross-memory attach with gloo p2p "
+                         "for peers it cannot read; alltoall on CUDA)")
     ap.add_argument("--methods", default=",".join(METHODS[1:]), help="subset of live,snapshot,durable,dcp (rebuild always runs)")
     ap.add_argument("--state-dir", default=None, help="snapshot root (default /dev/shm if it has room, else a temp dir)")
     ap.add_argument("--dcp-dir", default=None, help="DCP checkpoints (storage; default a temp dir on disk)")
@@ -381,8 +386,11 @@ def main() -> None:
             f(m.get("dcp_s")), f(sp.get("live_vs_dcp_save_load"), 1), f(sp.get("snap_restore_vs_dcp_save_load"), 1),
             f(sp.get("snap_commit+restore_vs_dcp_save_load"), 1), f(r.get("crc32_gbps"), 2),
         ]))
+    for r in rows:
+        if "live_transports" in r:
+            print(f"size {r['size_mb']} MB: live rows moved by {', '.join(r['live_transports'])}")
     doc = {"bench": "reshard", "device": args.device, "world": args.world, "runs": args.runs,
-           "transport": args.transport or ("alltoall" if args.device == "cuda" else "p2p"),
+           "transport": args.transport or ("alltoall" if args.device == "cuda" else "cma"),
            "state_dir": args.state_dir, "argv": sys.argv[1:], "results": rows,
            "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time"}
     path = Path(args.json or REPO / "out" / f"reshard-{args.device}.json")

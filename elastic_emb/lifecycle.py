@@ -135,6 +135,7 @@ class ResizeEvent(BaseModel):
     restored_step: int
     committed_before: bool
     fallback: str | None = None
+    transport: str | None = None  # how rows moved between ranks (RestoreReport.transport)
 
 
 class Lifecycle:
@@ -481,7 +482,7 @@ class Lifecycle:
             bytes_moved=report.bytes_moved,
             bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
             shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
-            committed_before=committed, fallback=report.fallback,
+            committed_before=committed, fallback=report.fallback, transport=report.transport,
         )
         log.info("lifecycle.resize" if kind != "start" else "lifecycle.start", **event.model_dump())
         return event

@@ -26,8 +26,11 @@ every rank of the new world publishes, through the store, what it can supply (li
 holds, manifests in its node directory, durable commits it sees); every rank then computes the
 same plan from the same inventory: the newest commit ``(step, generation)`` whose pieces cover
 every row of every table, the tier each row range comes from (live before own snapshot before
-replica), and which rank sends it to which new owner. Rows then move in one ``all_to_all`` over
-the new communicator; snapshot bytes are checked against their CRC32 before they are sent. When
+replica), and which rank sends it to which new owner. Rows then move over the new communicator
+(``ELASTIC_EMB_TRANSPORT``): on CPU each receiver pulls its rows straight out of its same-host
+senders' memory (``cma``, elastic_emb/cma.py), with gloo send/recv for any peer it cannot read
+(``p2p``); on CUDA in one ``all_to_all``. Snapshot bytes are checked against their CRC32 before
+they are sent. When
 no piece-based commit is complete, the newest complete durable commit is loaded by DCP at the
 new world size. When state exists but no commit is complete, :class:`RestoreError` names the row
 ranges nobody holds: never silent zeros, never fresh random rows.
@@ -66,6 +69,7 @@ log = get_logger("elastic_emb.state")
 
 TIER_PRIORITY = {"live": 0, "snapshot": 1, "replica": 2}
 MANIFEST_VERSION = 1
+TRANSPORTS = ("cma", "p2p", "alltoall")  # ELASTIC_EMB_TRANSPORT values (see Comm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,11 +240,14 @@ class Comm:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if topology.backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
-        # How rows travel: "p2p" (CPU: every send/recv posted at once, no staging copy) or
-        # "alltoall" (one collective over a packed buffer: the only safe way for NCCL).
-        self.transport = os.environ.get("ELASTIC_EMB_TRANSPORT") or ("p2p" if self.device.type == "cpu" else "alltoall")
-        if self.transport not in ("p2p", "alltoall") or (self.transport == "p2p" and self.device.type != "cpu"):
-            raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall', or 'p2p' on CPU only")
+        # How rows travel: "cma" (CPU: receivers pull rows out of same-host senders' memory,
+        # elastic_emb/cma.py; gloo p2p for any peer that cannot be read), "p2p" (CPU: every
+        # send/recv posted at once on gloo, no staging copy) or "alltoall" (one collective over a
+        # packed buffer: the only safe way for NCCL).
+        self.transport = os.environ.get("ELASTIC_EMB_TRANSPORT") or ("cma" if self.device.type == "cpu" else "alltoall")
+        if self.transport not in TRANSPORTS or (self.transport != "alltoall" and self.device.type != "cpu"):
+            raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
+                             f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)")
         self._op = 0
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
@@ -778,9 +785,13 @@ def plan_assignments(inventories: list[list[dict]], commit: str, num_rows: dict[
 
 
 def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
-             starts: dict[int, int], template: dict[str, ShardData]) -> int:
-    """Run one all_to_all that realises ``plan``; fill ``template`` (this rank's rows). Returns bytes sent."""
+             starts: dict[int, int], template: dict[str, ShardData], done: set[int] | None = None) -> tuple[int, str]:
+    """Move the rows of ``plan`` by the communicator's transport; fill ``template`` (this rank's
+    rows). ``done``: indices (in ``plan``) of this rank's local assignments already copied.
+    Returns (bytes this rank sent, the transport that moved them: ``comm.transport``, or
+    ``cma+p2p`` / ``p2p`` when some or all pairs fell back from cross-memory attach to gloo)."""
     me = comm.rank
+    done_ids = {id(plan[i]) for i in done or ()}
     row_bytes = {name: [_row_bytes(s) for s in spec] for name, spec in _specs_of(template).items()}
     order = sorted(plan, key=lambda a: (a.dst, a.src, a.table, a.start))
     in_splits = [0] * comm.size
@@ -789,13 +800,16 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
         nbytes = (a.stop - a.start) * sum(row_bytes[a.table])
         if a.src == me and a.dst == me:
             # Rows staying on this rank: copy directly, never through the collective.
-            _fill(template[a.table], a, handles[a.handle], starts[a.handle])
+            if id(a) not in done_ids:
+                _fill(template[a.table], a, handles[a.handle], starts[a.handle])
         elif a.src == me:
             in_splits[a.dst] += nbytes
         elif a.dst == me:
             recv_sizes[a.src] += nbytes
     if comm.transport == "p2p":
-        return _execute_p2p(comm, order, handles, starts, template)
+        return _execute_p2p(comm, order, handles, starts, template), "p2p"
+    if comm.transport == "cma":
+        return _execute_cma(comm, order, handles, starts, template)
     outgoing = [a for a in order if a.src == me and a.dst != me]
     incoming = [a for a in order if a.dst == me and a.src != me]
     # Zero copy where this rank sends (or receives) a single block of a single tensor: the
@@ -826,7 +840,7 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
                 off += b.numel()
     got = comm.all_to_all_flat(inp, in_splits, recv_sizes, out=out)
     if out is not None:
-        return int(inp.numel())  # received in place
+        return int(inp.numel()), "alltoall"  # received in place
     offsets = [0] * comm.size
     for a in order:
         if a.dst != me or a.src == me:
@@ -839,20 +853,57 @@ def _execute(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, to
             seg = buf[offsets[a.src]: offsets[a.src] + n * rb]
             offsets[a.src] += n * rb
             t[lo: lo + n].reshape(-1).view(torch.uint8).copy_(seg)
-    return int(inp.numel())
+    return int(inp.numel()), "alltoall"
+
+
+def _execute_cma(comm: Comm, order: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
+                 starts: dict[int, int], template: dict[str, ShardData]) -> tuple[int, str]:
+    """CPU transport between processes of one host: receivers pull their rows out of the senders'
+    memory (elastic_emb/cma.py); the pairs that cannot go that way go over gloo p2p afterwards.
+    Block keys are assignment indices in the shared plan order, as the p2p tags are."""
+    from elastic_emb import cma
+
+    me = comm.rank
+    outgoing: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    incoming: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    sent = 0
+    for i, a in enumerate(order):
+        if a.src == a.dst or me not in (a.src, a.dst):
+            continue
+        names = [tname for tname, _ in _tensor_items(template[a.table])]
+        if a.src == me:
+            lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
+            ts = [handles[a.handle][tname][lo:hi] for tname in names]
+            outgoing[i] = (a.dst, ts)
+            sent += sum(t.numel() * t.element_size() for t in ts)
+        else:
+            shard = template[a.table]
+            lo = a.start - shard.rows.start
+            incoming[i] = (a.src, [t[lo: lo + (a.stop - a.start)] for _, t in _tensor_items(shard)])
+    fallback = cma.transfer(comm, outgoing, incoming)
+    if not fallback:
+        return sent, "cma"
+    _execute_p2p(comm, order, handles, starts, template, only=fallback)
+    moved = {(a.src, a.dst) for a in order if a.src != a.dst}
+    return sent, ("p2p" if moved <= fallback else "cma+p2p")
 
 
 def _execute_p2p(comm: Comm, order: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
-                 starts: dict[int, int], template: dict[str, ShardData]) -> int:
+                 starts: dict[int, int], template: dict[str, ShardData],
+                 only: set[tuple[int, int]] | None = None) -> int:
     """CPU transport (gloo): post every send and receive at once, straight from the source rows
     into the destination rows, no staging copy, then wait for all of them (bounded by the
     communicator's timeout). The tag is the assignment's index in the shared plan order, so every
     message pairs with exactly one receive. NCCL would need the sends grouped to avoid a
-    deadlock, so device tensors take the single all-to-all path instead."""
+    deadlock, so device tensors take the single all-to-all path instead. ``only``: move just
+    the assignments of these (src, dst) pairs (the cma transport's fallback)."""
     me = comm.rank
     works, sent = [], 0
+    post: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, contiguous buffer received into)
     for i, a in enumerate(order):
         if a.src == a.dst or me not in (a.src, a.dst):
+            continue
+        if only is not None and (a.src, a.dst) not in only:
             continue
         if a.src == me:
             lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
@@ -865,11 +916,17 @@ def _execute_p2p(comm: Comm, order: list[Assignment], handles: dict[int, dict[st
             shard = template[a.table]
             lo = a.start - shard.rows.start
             for j, (tname, t) in enumerate(_tensor_items(shard)):
-                works.append(comm.pg.recv([t[lo: lo + (a.stop - a.start)]], a.src, i * 64 + j))
+                dst = t[lo: lo + (a.stop - a.start)]
+                if not dst.is_contiguous():  # gloo receives into contiguous memory only
+                    post.append((dst, torch.empty(dst.shape, dtype=dst.dtype)))
+                    dst = post[-1][1]
+                works.append(comm.pg.recv([dst], a.src, i * 64 + j))
     deadline = time.monotonic() + comm.timeout
     for w in works:
         if not w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic()))):
             raise RuntimeError(f"row transfer on rank {me} failed")
+    for dst, buf in post:
+        dst.copy_(buf)
     return sent
 
 
@@ -894,6 +951,7 @@ class RestoreReport:
     fallback: str | None = None  # why an older commit or the durable tier was used
     seconds: float = 0.0
     transfer_seconds: float = 0.0  # the row exchange alone (device synchronized)
+    transport: str | None = None  # how rows moved between ranks: cma, p2p, cma+p2p (some pairs fell back), alltoall
 
     def as_dict(self) -> dict:
         return {
@@ -901,6 +959,7 @@ class RestoreReport:
             "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()}, "source_tiers": self.source_tiers,
             "bytes_moved": self.bytes_moved, "bytes_local": self.bytes_local, "fallback": self.fallback,
             "seconds": round(self.seconds, 6), "transfer_seconds": round(self.transfer_seconds, 6),
+            "transport": self.transport,
         }
 
 
@@ -1046,7 +1105,7 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         if fallback:
             log.warning("restore_fallback", step=step, reason=fallback)
         tx = time.perf_counter()
-        sent = _execute(comm, plan, handles, starts, template)
+        sent, transport = _execute(comm, plan, handles, starts, template)
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         transfer_s = time.perf_counter() - tx
@@ -1063,7 +1122,8 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                     local += (a.stop - a.start) * sum(_row_bytes(s) for s in specs[a.table])
         return RestoreReport(step=step, generation=gen, fingerprint=fp, tiers=mine_tiers,
                              source_tiers=sorted({a.tier for a in plan}), bytes_moved=sent, bytes_local=local,
-                             fallback=fallback, seconds=time.perf_counter() - t0, transfer_seconds=transfer_s)
+                             fallback=fallback, seconds=time.perf_counter() - t0, transfer_seconds=transfer_s,
+                             transport=transport)
     raise RestoreError(f"restore gave up after {max_attempts} attempts: corrupt snapshot pieces {sorted(bad_handles)}")
 
 

@@ -178,9 +178,11 @@ def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer
 @pytest.mark.parametrize("case", list(CASES))
 def test_resize_in_process(tmp_path, case):
     old, new = CASES[case]
-    # Rows travel by posted send/recv on CPU; two cases take the packed all-to-all that NCCL uses.
-    transport = {"ELASTIC_EMB_TRANSPORT": "alltoall" if case in ("4to2", "2to4") else "p2p"}
-    survivors = _in_process(tmp_path, old, new, transport)
+    # On CPU rows are pulled out of the senders' memory (cma, the default) or travel by posted
+    # gloo send/recv (p2p); two cases take the packed all-to-all that NCCL uses.
+    forced = {"4to2": "alltoall", "2to4": "alltoall", "4to3": "cma", "3to1": "p2p"}[case]
+    survivors = _in_process(tmp_path, old, new, {"ELASTIC_EMB_TRANSPORT": forced})
+    assert {v["events"][-1]["transport"] for v in survivors} == {forced}
     tiers = set().union(*(set(v["events"][-1]["source_tiers"]) for v in survivors))
     if len(new) < len(old):
         # The departed node's rows come from the replicas its neighbours hold.
