@@ -458,8 +458,23 @@ def _write_blob(path: Path, blob: torch.Tensor) -> None:
         os.fsync(f.fileno())
 
 
-def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    """Load one shard file; check every tensor's CRC32. Returns table -> name -> tensor."""
+# A block of a snapshot tensor copied into its destination and checksummed while it is in cache:
+# the file's bytes then come from memory once, not once for the CRC32 and again for the copy.
+# 2 MiB: measured fastest of 0.5-4 MiB for 128 MB shards with two ranks sharing a 32 MiB L3.
+VERIFY_CHUNK = 2 << 20
+
+
+def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
+                  fill: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] | None = None,
+                  ) -> dict[str, dict[str, torch.Tensor]]:
+    """Load one shard file; check every tensor's CRC32. Returns table -> name -> tensor.
+
+    ``fill``: table -> [(row_lo, row_hi, {tensor name: destination rows})], rows counted from the
+    shard's first row: those rows are also copied into the (contiguous) destinations, in the same
+    pass over the file as the checksum, block by block while each block is in cache. The copies
+    happen before the verdict: when ChecksumMismatch is raised, the destinations hold unverified
+    bytes, which the caller must overwrite or discard (restore re-plans without the piece, and
+    raises if no commit is left, so the rows are never used)."""
     size = path.stat().st_size if path.exists() else -1
     if size != manifest.data_bytes:
         raise ChecksumMismatch(f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the file is "
@@ -473,19 +488,42 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True) -
         tensors = {}
         for tr in rec.tensors:
             b = raw[tr.offset: tr.offset + tr.nbytes]
+            rb = tr.nbytes // n if n else 0
+            copies = [(lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
+                      for lo, hi, dsts in (fill or {}).get(rec.table, []) if tr.name in dsts]
             if verify:
-                got = zlib.crc32(b.numpy())
+                got = _crc_and_copy(b, copies)
                 if got != tr.crc32:
                     raise ChecksumMismatch(
                         f"{path}: table {rec.table!r} tensor {tr.name!r} rows [{rec.start}, {rec.stop}) has CRC32 "
                         f"{got:#010x}, manifest says {tr.crc32:#010x}; the snapshot is corrupt: delete {path.parent}"
                     )
+            else:
+                for off, dst in copies:
+                    dst.copy_(b[off: off + dst.numel()])
             dtype = getattr(torch, tr.dtype)
             if tr.offset % torch.empty((), dtype=dtype).element_size():
                 b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
             tensors[tr.name] = b.view(dtype).reshape(n, *tr.row_shape)
         out[rec.table] = tensors
     return out
+
+
+def _crc_and_copy(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]]) -> int:
+    """CRC32 of the bytes ``b``; meanwhile copy ``b[off: off + len(dst)]`` into each flat ``dst``.
+    Block by block: each block is copied first (which brings it into cache), then checksummed."""
+    crc = 0
+    total = b.numel()
+    if not copies:
+        return zlib.crc32(b.numpy()) if total else 0
+    for c0 in range(0, total, VERIFY_CHUNK):
+        c1 = min(c0 + VERIFY_CHUNK, total)
+        for off, dst in copies:
+            lo, hi = max(c0, off), min(c1, off + dst.numel())
+            if lo < hi:
+                dst[lo - off: hi - off].copy_(b[lo:hi])
+        crc = zlib.crc32(b[c0:c1].numpy(), crc)
+    return crc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1079,6 +1117,21 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         starts: dict[int, int] = {}
         bad_local = []
         files: dict[Path, dict] = {}
+        # Rows that stay on this rank and come from a file are copied while the file is checked
+        # (one pass over its bytes, see read_snapshot); _execute then skips those assignments.
+        fills: dict[Path, dict[str, list]] = {}
+        filled: set[int] = set()
+        for i, a in enumerate(plan):
+            if a.src != comm.rank or a.dst != comm.rank or sources[a.handle][0] != "file":
+                continue
+            path, m, table = sources[a.handle][1]
+            shard = template[a.table]
+            rec_start = next(r.start for r in m.shards if r.table == table)
+            lo = a.start - shard.rows.start
+            dsts = {tname: t[lo: lo + (a.stop - a.start)] for tname, t in _tensor_items(shard)}
+            if all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
+                fills.setdefault(path, {}).setdefault(table, []).append((a.start - rec_start, a.stop - rec_start, dsts))
+                filled.add(i)
         for a in plan:
             if a.src != comm.rank or a.handle in handles:
                 continue
@@ -1090,7 +1143,7 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                 path, m, table = src
                 try:
                     if path not in files:
-                        files[path] = read_snapshot(path, m)
+                        files[path] = read_snapshot(path, m, fill=fills.get(path))
                 except (ChecksumMismatch, OSError) as exc:
                     log.error("snapshot_rejected", path=str(path), error=str(exc))
                     bad_local.append(a.handle)
@@ -1105,7 +1158,7 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         if fallback:
             log.warning("restore_fallback", step=step, reason=fallback)
         tx = time.perf_counter()
-        sent, transport = _execute(comm, plan, handles, starts, template)
+        sent, transport = _execute(comm, plan, handles, starts, template, done=filled)
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         transfer_s = time.perf_counter() - tx

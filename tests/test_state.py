@@ -251,3 +251,29 @@ def test_crc32_combine_matches_crc_of_concatenation(a, b):
     from elastic_emb.state import crc32_combine
 
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypatch):
+    """Rows restored locally from a file are copied in the checksum's pass (block by block): the
+    copies must equal the file's rows at any offset and block size, and a corrupt file must still
+    be refused when it is read that way."""
+    import elastic_emb.state as state
+
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0)
+    ctx = TinyContext(topo)
+    ctx.w.copy_(torch.arange(120, dtype=torch.float32).reshape(40, 3))
+    ctx.acc.copy_(torch.arange(40, dtype=torch.float32) * -2)
+    tier.commit(0, ctx.export_shard(), comm, {"t": 40})
+    [(path, m)] = tier.manifests()
+    monkeypatch.setattr(state, "VERIFY_CHUNK", 100)  # blocks smaller than a piece, not row-aligned
+    w_a, acc_a, w_b = torch.zeros(7, 3), torch.zeros(7), torch.zeros(20, 3)
+    fill = {"t": [(3, 10, {"weight": w_a, "acc": acc_a}), (20, 40, {"weight": w_b})]}
+    got = read_snapshot(path, m, fill=fill)
+    assert torch.equal(w_a, ctx.w[3:10]) and torch.equal(acc_a, ctx.acc[3:10]) and torch.equal(w_b, ctx.w[20:40])
+    assert torch.equal(got["t"]["weight"], ctx.w) and torch.equal(got["t"]["acc"], ctx.acc)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01  # the last byte of the last slot
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch, match="'acc'"):
+        read_snapshot(path, m, fill=fill)
