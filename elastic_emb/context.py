@@ -124,8 +124,10 @@ _POISON = -1
 # the call tag) per peer, so two ranks in different calls still exchange equal byte counts and
 # can tell each other so, instead of corrupting the transport (gloo aborts on a size mismatch).
 _MAX_CHUNKS = 16
-# A count-exchange header per peer, int64: counts per piece, the call tag, the batch's lo and hi id.
-_HEADER_WIDTH = _MAX_CHUNKS + 3
+# A count-exchange header per peer, int64: counts per piece, the call tag, the batch's lo and hi
+# id, its length, and the exchange block this call would like (bytes; see EmbContext._block_bytes).
+_HEADER_WIDTH = _MAX_CHUNKS + 5
+_H_TAG, _H_LO, _H_HI, _H_LEN, _H_WANT = range(_MAX_CHUNKS, _MAX_CHUNKS + 5)
 
 
 def _header_words(key_dtype: torch.dtype) -> int:
@@ -416,8 +418,9 @@ def _poll(ready, timeout: float) -> bool:
 # many graphs (call x batch size) are kept per context.
 _CAPTURE_MIN_IDS = 16384
 _MAX_GRAPHS = 8
-# A large-batch lookup sends its ids with the counts when the fixed-capacity buffer (both
-# directions) is at most this big; bigger worlds or batches exchange the ids after the counts.
+# A large-batch lookup asks for its ids to ride in the count exchange when the fixed-capacity
+# buffer (both directions) is at most this big; bigger worlds or batches exchange the ids after
+# the counts.
 _FUSED_MAX_BYTES = 64 << 20
 
 
@@ -426,9 +429,9 @@ class _DedupGraph:
     and outputs. A replay overwrites the outputs, so it first orders the stream after the last
     lookup that read them (``last_done``; that lookup's reorders are the last readers)."""
 
-    def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int, fused: bool):
+    def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int, block: int):
         dev = ctx.device
-        self.inputs = ctx._dedup_inputs(spec, n, chunks, tag, fused)  # held: the graph reads their memory
+        self.inputs = ctx._dedup_inputs(spec, n, chunks, tag, block)  # held: the graph reads their memory
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         current = torch.cuda.current_stream(dev)
         warm = torch.cuda.Stream(device=dev)
@@ -638,7 +641,11 @@ class EmbContext:
         self._offsets: tuple | None = None  # piece offsets of the last batch size
         self._side: torch.cuda.Stream | None = None  # NCCL: where lookups reorder (see LookupHandle)
         self.capture_dedup = bool(capture_dedup)  # CUDA: replay the dedup kernels from a graph
-        self._graphs: dict = {}  # (call tag, batch size) -> _DedupGraph
+        self._graphs: dict = {}  # (call tag, batch size, block bytes) -> _DedupGraph
+        # Bytes per peer of every count exchange (0: the header alone). Grown from what large
+        # lookups ask for in their headers, so every rank derives the same value (see _dedup).
+        self._block_bytes = 0
+        self._fused_lookups = 0  # lookups whose ids came with the counts (tests, benchmarks)
         self._capture_failed: str | None = None
         self._pending: weakref.WeakSet[LookupHandle] = weakref.WeakSet()
         self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
@@ -934,23 +941,30 @@ class EmbContext:
         return f"{self._OPS.get(op, f'op{op}')}({table!r}) in {chunks} chunk(s)"
 
     def _header_template(self, tag: int) -> torch.Tensor:
-        """``[2, world, width]`` int64: row 0 the headers to send (counts, tag, lo, hi per peer),
-        row 1 where the peers' land; one buffer, so one copy to the host reads both."""
+        """``[2, world, width]`` int64: row 0 the headers to send (counts, tag, lo, hi, length,
+        wanted block per peer), row 1 where the peers' land; one buffer, so one copy to the host
+        reads both."""
         template = self._headers.get(tag)
         if template is None:
             world = self.topology.world_size
             template = torch.zeros(2, world, _HEADER_WIDTH, dtype=torch.int64)
-            template[0, :, _MAX_CHUNKS] = tag
+            template[0, :, _H_TAG] = tag
             template = self._headers[tag] = template.to(self.device)
         return template
 
     def _exchange_counts(self, hdr: torch.Tensor, chunks: int, what: str, tag: int,
                          spec: TableSpec | None = None, xbuf: torch.Tensor | None = None
-                         ) -> tuple[list[list[int]], list[list[int]]]:
+                         ) -> tuple[list[list[int]], list[list[int]], int]:
         """All-to-all of a header per peer (``hdr[0]``, see :meth:`_header_template`): the
-        counts ``[world, chunks]`` meant for it, the call tag and the smallest and largest id of
-        the sender's batch. Returns (sent, received) as ``[peer][chunk]`` lists; one device sync
-        reads everything.
+        counts ``[world, chunks]`` meant for it, the call tag, the smallest and largest id of
+        the sender's batch, its length and the block it wants. Returns (sent, received) as
+        ``[peer][chunk]`` lists and the longest batch of any rank; one device sync reads
+        everything.
+
+        While :attr:`_block_bytes` is 0 the headers travel alone; after that every exchange
+        sends a block of that many bytes per peer (``xbuf``, int64 words, header first), so that
+        ranks in different calls still exchange equal byte counts. Every rank then grows the
+        block from the same headers, before any error is raised, so all keep the same size.
 
         The ids are range-checked here, on the host, from the headers (no sync of its own): the
         rank whose ids are out of ``spec``'s range raises :class:`InvalidIds` naming the id, its
@@ -959,13 +973,17 @@ class EmbContext:
         :class:`CollectiveMismatch`. All of it happens before any id or row travels."""
         world, me = self.topology.world_size, self.topology.rank
         width = _HEADER_WIDTH
-        if xbuf is None:
+        if not self._block_bytes:
             splits = [width] * world
             work = self._alltoall(hdr[1].reshape(-1), hdr[0].reshape(-1), splits, splits)
             label = f"{what} count exchange"
-        else:  # headers and keys in one exchange (see _dedup_compute); hdr views the headers
-            splits = [xbuf.shape[2]] * world
-            work = self._alltoall(xbuf[1].reshape(-1), xbuf[0].reshape(-1), splits, splits)
+        else:  # one block per peer: the header, then (for a large lookup) its keys; hdr views the headers
+            words = xbuf.view(torch.int64)
+            if words.shape[2] * 8 != self._block_bytes:
+                raise RuntimeError(f"internal: {what} built a {words.shape[2] * 8}-byte block, the context "
+                                   f"exchanges {self._block_bytes}")
+            splits = [words.shape[2]] * world
+            work = self._alltoall(words[1].reshape(-1), words[0].reshape(-1), splits, splits)
             label = f"{what} count and id exchange"
         if self.device.type == "cuda":
             # Queue the copy of the headers to the host behind the exchange and poll for that
@@ -985,14 +1003,20 @@ class EmbContext:
             both = hdr.reshape(-1).tolist()
         rows_sent = [both[p * width : (p + 1) * width] for p in range(world)]
         rows = [both[(world + p) * width : (world + p + 1) * width] for p in range(world)]
-        tags = [r[_MAX_CHUNKS] for r in rows]
+        tags = [r[_H_TAG] for r in rows]
+        # Every rank sees the same headers, so every rank grows the block alike, whatever happens next.
+        want = max(r[_H_WANT] for r in rows)
+        if want > self._block_bytes:
+            self._log.info("context.count_block_grown", old_bytes=self._block_bytes, new_bytes=want)
+            self._block_bytes = want
+        longest = max(r[_H_LEN] for r in rows)
         sent, got = [r[:chunks] for r in rows_sent], [r[:chunks] for r in rows]
         out_of_range = []
         if spec is not None:
             out_of_range = [p for p, r in enumerate(rows)
-                            if tags[p] == tag and self._range_error(spec, r[_MAX_CHUNKS + 1], r[_MAX_CHUNKS + 2])]
+                            if tags[p] == tag and self._range_error(spec, r[_H_LO], r[_H_HI])]
         if me in out_of_range:
-            lo, hi = rows[me][_MAX_CHUNKS + 1 :]
+            lo, hi = rows[me][_H_LO], rows[me][_H_HI]
             raise InvalidIds(f"{what} on rank {me}: {self._range_error(spec, lo, hi)}")
         bad = [r for r, row in enumerate(rows) if any(x < 0 for x in row[:_MAX_CHUNKS])]
         if bad:
@@ -1015,15 +1039,22 @@ class EmbContext:
                 f"range (see the InvalidIds error on those ranks); the context stays usable",
                 out_of_range,
             )
-        return sent, got
+        return sent, got, longest
 
     def _cancel(self, what: str, tag: int) -> None:
         """Send poison in place of counts, so the peers raise instead of waiting for this rank."""
         chunks = max(1, tag >> 40)
-        hdr = self._header_template(tag).clone()
+        xbuf = None
+        if self._block_bytes:
+            xbuf = torch.zeros(2, self.topology.world_size, self._block_bytes // 8, dtype=torch.int64,
+                               device=self.device)
+            hdr = xbuf[:, :, :_HEADER_WIDTH]
+            hdr.copy_(self._header_template(tag))
+        else:
+            hdr = self._header_template(tag).clone()
         hdr[0, :, :chunks] = _POISON
         try:
-            self._exchange_counts(hdr, chunks, what, tag)
+            self._exchange_counts(hdr, chunks, what, tag, xbuf=xbuf)
         except (PeerLookupError, CollectiveMismatch):
             pass
 
@@ -1076,71 +1107,97 @@ class EmbContext:
         batches of :data:`_CAPTURE_MIN_IDS` ids or more they are captured once per (call, batch
         size) in a CUDA graph (:class:`_DedupGraph`) and replayed.
 
-        A lookup of a large batch (the same threshold) also lays its unique keys out per peer in
-        a fixed-capacity buffer behind the headers (``xbuf``, :meth:`_dedup_compute`), so the
-        counts and the ids travel in one exchange, when that buffer stays small
-        (:meth:`_fuses`); otherwise the caller exchanges the ids once the counts are known.
+        Large lookups also send their ids with the counts. From the context's second exchange
+        on, the count exchange carries a block of :attr:`_block_bytes` per peer (the same on
+        every rank, see :meth:`_exchange_counts`): the header, then room for the keys meant for
+        that peer, piece-major, in a fixed capacity (any peer could own every key). A lookup
+        lays its unique keys out there when the table is wide enough for that padding to be
+        cheap (:meth:`_fusable`) and its batch fits; when every rank's batch fitted (the lengths
+        travel in the headers), the keys are used as they came, otherwise the caller exchanges
+        the ids once the counts are known. A large lookup asks in its header for a block that
+        would hold its batch (:meth:`_want_bytes`), so the first one grows the block for the next.
 
-        Returns (uniq, inverse, sent, got, n_unique, xbuf): ``uniq[:n_unique]`` the unique keys
-        (piece-major, sorted), ``inverse[i]`` the slot of position i's key, the exchanged counts
-        as ``[peer][piece]`` lists, and the fused exchange's buffer (or None)."""
+        Returns (uniq, inverse, sent, got, n_unique, keys, graph): ``uniq[:n_unique]`` the
+        unique keys (piece-major, sorted), ``inverse[i]`` the slot of position i's key, the
+        exchanged counts as ``[peer][piece]`` lists, the exchange buffer when the keys came in
+        it (else None), and the graph replayed (or None)."""
         checked, reason = self._check_ids(ids)
         if checked is None:
             self._cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
             raise InvalidIds(f"{what} on rank {self.topology.rank}: {reason}")
         n = checked.numel()
-        large = n >= _CAPTURE_MIN_IDS
-        fused = large and self._fuses(spec, n, chunks, tag)
-        graph = self._dedup_graph(spec, n, chunks, tag, fused) if large else None
+        block = self._block_bytes  # as it is for this call; the exchange may grow it for the next
+        graph = self._dedup_graph(spec, n, chunks, tag, block) if n >= _CAPTURE_MIN_IDS else None
         if graph is not None:
             uniq, inverse, hdr, xbuf = graph.replay(checked)
         else:
-            inputs = self._dedup_inputs(spec, n, chunks, tag, fused)
+            inputs = self._dedup_inputs(spec, n, chunks, tag, block)
             uniq, inverse, hdr, xbuf = self._dedup_compute(spec, checked, chunks, *inputs)
-        sent, got = self._exchange_counts(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
+        sent, got, longest = self._exchange_counts(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
         n_unique = sum(sum(c) for c in sent)
-        return uniq, inverse, sent, got, n_unique, xbuf
+        capacity = self._key_capacity(spec, chunks, tag, block)
+        keys = xbuf if capacity and longest <= capacity else None  # every rank decides alike
+        self._fused_lookups += keys is not None
+        return uniq, inverse, sent, got, n_unique, keys, graph
 
     def _key_dtype(self, spec: TableSpec, chunks: int) -> torch.dtype:
         # 32-bit keys when they fit: the radix sort makes half the passes, ids travel in half the bytes.
         return torch.int32 if chunks * spec.num_rows <= _INT32_MAX else torch.int64
 
-    def _dedup_inputs(self, spec: TableSpec, n: int, chunks: int, tag: int, fused: bool = False) -> tuple:
-        """The constant tensors :meth:`_dedup_compute` reads: piece offsets, owner boundaries,
-        header template and, for the fused exchange, (capacity, slot numbers, peer block starts)."""
+    def _dedup_inputs(self, spec: TableSpec, n: int, chunks: int, tag: int, block_bytes: int) -> tuple:
+        """The constant inputs of :meth:`_dedup_compute`: piece offsets, owner boundaries, header
+        template, the exchange block's layout (None while the headers travel alone: (elements,
+        key capacity or 0, slot numbers, peer block starts)) and the block this call asks for."""
         dtype = self._key_dtype(spec, chunks)
         offsets = self._piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
-        fuse = None
-        if fused:
-            hw = _header_words(dtype)
-            # room for every key plus a dump word; 32-bit keys: even, so int64 header views align
-            capacity = n + 1 + ((n + 1) % 2 if dtype == torch.int32 else 0)
-            block = hw + capacity
-            fuse = (capacity, torch.arange(n, device=self.device),
-                    torch.arange(self.topology.world_size, device=self.device) * block + hw)
-        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), fuse
+        layout = None
+        if block_bytes:
+            elems = block_bytes // torch.empty((), dtype=dtype).element_size()
+            capacity = self._key_capacity(spec, chunks, tag, block_bytes)
+            if n > capacity:
+                capacity = 0  # this batch does not fit: header only (every rank learns it from the lengths)
+            layout = (elems, capacity, torch.arange(n, device=self.device) if capacity else None,
+                      torch.arange(self.topology.world_size, device=self.device) * elems + _header_words(dtype))
+        want = self._want_bytes(spec, n, chunks, tag)
+        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), layout, want
 
-    def _fuses(self, spec: TableSpec, n: int, chunks: int, tag: int) -> bool:
-        """Whether a lookup sends its ids with the counts. Its fixed-capacity buffer holds world
-        x batch keys each way (any peer could own every key), against about a batch of rows
-        for the row exchange: fused only while the padding costs at most 1/8 of the row bytes
-        (world x key bytes <= row bytes / 8: up to 16 ranks for 128 fp32 columns and 32-bit
-        keys) and the buffer stays under :data:`_FUSED_MAX_BYTES`."""
-        world = self.topology.world_size
+    def _fusable(self, spec: TableSpec, chunks: int, tag: int) -> bool:
+        """Whether a call's ids may ride in the count exchange: lookups only, of tables wide
+        enough that the fixed-capacity padding (world x batch keys each way, against about a
+        batch of rows for the row exchange) costs at most 1/8 of the row bytes: world x key
+        bytes <= row bytes / 8, up to 16 ranks for 128 fp32 columns and 32-bit keys."""
         key_bytes = torch.empty((), dtype=self._key_dtype(spec, chunks)).element_size()
-        nbytes = 2 * world * (n + 64) * key_bytes
-        return ((tag >> 20) & 0xFFFFF == 1 and 8 * world * key_bytes <= spec.bytes_per_row()
-                and nbytes <= _FUSED_MAX_BYTES)
+        return (tag >> 20) & 0xFFFFF == 1 and 8 * self.topology.world_size * key_bytes <= spec.bytes_per_row()
+
+    def _key_capacity(self, spec: TableSpec, chunks: int, tag: int, block_bytes: int) -> int:
+        """Keys per peer a block of ``block_bytes`` holds for this call (0: none), less one dump word."""
+        if not block_bytes or not self._fusable(spec, chunks, tag):
+            return 0
+        dtype = self._key_dtype(spec, chunks)
+        return block_bytes // torch.empty((), dtype=dtype).element_size() - _header_words(dtype) - 1
+
+    def _want_bytes(self, spec: TableSpec, n: int, chunks: int, tag: int) -> int:
+        """The block a call of ``n`` ids asks for in its header: 0 unless a large fusable lookup;
+        rounded up to 1/16 of a power of two, so batch lengths that wander a little do not grow
+        it call after call; 0 too when the buffer (both directions) would pass
+        :data:`_FUSED_MAX_BYTES`."""
+        if n < _CAPTURE_MIN_IDS or not self._fusable(spec, chunks, tag):
+            return 0
+        key_bytes = torch.empty((), dtype=self._key_dtype(spec, chunks)).element_size()
+        need = 8 * _HEADER_WIDTH + (n + 1) * key_bytes
+        grain = 1 << max(3, need.bit_length() - 4)
+        need = -(-need // grain) * grain
+        return need if 2 * self.topology.world_size * need <= _FUSED_MAX_BYTES else 0
 
     def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
-                       fuse=None):
+                       layout=None, want: int = 0):
         """The device half of :meth:`_dedup`: no host synchronisation, no allocation sized from
         data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header, xbuf).
 
-        With ``fuse`` the headers and the keys share one buffer ``xbuf`` ``[2 (send, receive),
-        world, block]`` of the key dtype: per peer the header (as int64 words), then the keys
-        meant for that peer, piece-major, in a fixed capacity of the batch length (any peer
-        could own every key). ``header`` is then an int64 view of the header words."""
+        With a block ``layout`` the headers and the keys share one buffer ``xbuf`` ``[2 (send,
+        receive), world, elements]`` of the key dtype: per peer the header (as int64 words),
+        then, when the layout has a key capacity, the keys meant for that peer, piece-major.
+        ``header`` is then an int64 view of the header words."""
         n, dev = checked.numel(), checked.device
         keys = checked.to(self._key_dtype(spec, chunks))
         if offsets is not None:
@@ -1157,38 +1214,42 @@ class EmbContext:
         at = firsts[torch.searchsorted(sorted_keys, bounds)]  # [chunks, world + 1] slots at owner boundaries
         counts = at[:, 1:] - at[:, :-1]  # [chunks, world]
         xbuf = None
-        if fuse is None:
+        if layout is None:
             hdr = template.clone()
         else:
-            capacity, slots, peer_at = fuse
+            elems, capacity, slots, peer_at = layout
             world = counts.shape[1]
             hw = _header_words(keys.dtype)
-            xbuf = torch.zeros(2, world, hw + capacity, dtype=keys.dtype, device=dev)
+            xbuf = torch.zeros(2, world, elems, dtype=keys.dtype, device=dev)
             hdr = xbuf[:, :, :hw].view(torch.int64)
             hdr.copy_(template)
-            # Where slot s goes: its (piece, owner) segment j, then the owner's block, after that
-            # owner's keys of earlier pieces. Slots past the last unique key go to a dump word.
-            seg = torch.searchsorted(at.reshape(-1), slots, right=True) - 1
-            before = torch.cumsum(counts, 0) - counts  # keys for the same owner in earlier pieces
-            base = torch.zeros(chunks, world + 1, dtype=torch.int64, device=dev)
-            base[:, :world] = peer_at + before - at[:, :world]
-            dest = base.reshape(-1)[seg] + slots
-            dump = hw + capacity - 1
-            valid = ((seg % (world + 1)) < world) & (slots < firsts[n])
-            xbuf[0].reshape(-1).scatter_(0, torch.where(valid, dest, dump), uniq)
+            if capacity:
+                # Where slot s goes: its (piece, owner) segment, then that owner's block, after the
+                # owner's keys of earlier pieces. Slots past the last unique key go to a dump word.
+                seg = torch.searchsorted(at.reshape(-1), slots, right=True) - 1
+                before = torch.cumsum(counts, 0) - counts  # keys for the same owner in earlier pieces
+                within = torch.zeros(chunks, world + 1, dtype=torch.int64, device=dev)
+                within[:, :world] = before - at[:, :world]
+                within = within.reshape(-1)[seg] + slots  # position among the keys meant for that owner
+                owner = seg % (world + 1)
+                valid = (owner < world) & (slots < firsts[n])  # within < n <= capacity: _dedup_inputs
+                dest = torch.where(valid, peer_at[owner.clamp(max=world - 1)] + within, hw + capacity)
+                xbuf[0].reshape(-1).scatter_(0, dest, uniq)
         hdr[0, :, :chunks] = counts.t()  # [world, chunks]
+        hdr[0, :, _H_LEN] = n
+        hdr[0, :, _H_WANT] = want
         if n:
-            hdr[0, :, _MAX_CHUNKS + 1 :] = torch.stack(torch.aminmax(checked))  # range-checked from the headers
+            hdr[0, :, _H_LO : _H_HI + 1] = torch.stack(torch.aminmax(checked))  # range-checked from the headers
         return uniq, inverse, hdr, xbuf
 
-    def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, fused: bool) -> "_DedupGraph | None":
+    def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, block: int) -> "_DedupGraph | None":
         if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
             return None
-        key = (tag, n)
+        key = (tag, n, block)
         graph = self._graphs.get(key)
         if graph is None:
             try:
-                graph = _DedupGraph(self, spec, n, chunks, tag, fused)
+                graph = _DedupGraph(self, spec, n, chunks, tag, block)
             except Exception as exc:  # reported once; the eager path is equivalent, only slower
                 self._capture_failed = repr(exc)[:300]
                 self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
@@ -1201,7 +1262,7 @@ class EmbContext:
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
         """First half of apply_gradients: validate, dedup, exchange counts and ids (own ids
         included). Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
-        uniq, inverse, sent, got, n_unique, _ = self._dedup(spec, ids, what, tag, 1)
+        uniq, inverse, sent, got, n_unique, _, _ = self._dedup(spec, ids, what, tag, 1)
         uniq = uniq[:n_unique]
         send_list, recv_list = [c[0] for c in sent], [c[0] for c in got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
@@ -1243,7 +1304,7 @@ class EmbContext:
         chunks = self.pipeline_chunks
         tag = self._tag(1, table, chunks)
         n = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        uniq, inverse, sent, got, n_unique, xbuf = self._dedup(spec, ids, what, tag, chunks)
+        uniq, inverse, sent, got, n_unique, xbuf, graph = self._dedup(spec, ids, what, tag, chunks)
         rows = spec.num_rows
         start = self.owned(table).start
         dev = self.device
@@ -1324,7 +1385,6 @@ class EmbContext:
         handle = LookupHandle(self, table, works, got_rows, inverse, leased, keep=tuple(serves), bounds=bounds)
         if dev.type == "cuda":
             handle._reorder_on_side_stream()
-            graph = self._graphs.get((tag, n))
             if graph is not None:
                 graph.last_done = handle._queued[1]  # its buffers are free again once this fires
         return handle
@@ -1430,6 +1490,9 @@ class EmbContext:
         self._shutdown_group(abort=not was_healthy)
         self.process_group, self._backend = new_pg, new_backend
         self._healthy = True
+        # Every rank starts the new communicator with headers alone: a rank whose last call failed
+        # half way may not have grown the block with the others.
+        self._block_bytes = 0
         if store is not None:
             self._base_store = store
         self.topology = topology

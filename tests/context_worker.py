@@ -224,14 +224,40 @@ def main() -> None:
             expect(rank != culprit and exc.ranks == [culprit], str(exc))
         ids = ids_of(31, rank)
         expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after an invalid batch")
+        # Per-rank batches of different lengths, in the large regime: every rank must still pick the
+        # same exchange layout (a size mismatch aborts gloo and hangs NCCL). Lengths change from call
+        # to call, grow past what earlier calls sized the layout for, and one rank passes none.
+        for step, lengths in enumerate([[40_000 - 997 * p for p in range(world)],
+                                        [20_000 + 5_000 * p for p in range(world)],
+                                        [60_000 if p == 0 else 17_000 for p in range(world)],
+                                        [0 if p == world - 1 else 30_000 for p in range(world)],
+                                        [45_000] * world]):
+            g = torch.Generator().manual_seed(500 + 10 * step + rank)
+            ids = torch.randint(0, wide.num_rows, (lengths[rank],), generator=g)
+            got = big.lookup("wide", ids.to(big.device)).wait().cpu()
+            expect(torch.equal(got, full[ids]), f"lookup with per-rank lengths {lengths} differs from the table")
+        # A rank that fails its host-side checks in a call the others make with a large batch:
+        # its cancellation must use the layout they use.
+        bad = torch.zeros(45_000, dtype=torch.float32) if rank == culprit else ids_of(32, rank)
+        try:
+            big.lookup("wide", bad.to(big.device)).wait()
+            raise AssertionError("a float ids tensor was accepted")
+        except InvalidIds as exc:
+            expect(rank == culprit and "dtype" in str(exc), str(exc))
+        except PeerLookupError as exc:
+            expect(rank != culprit and exc.ranks == [culprit], str(exc))
+        ids = ids_of(33, rank)
+        expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a cancelled batch")
         captured = len(big._graphs)
         # the ids travelled with the counts (one exchange) in these lookups
-        fused = big._fuses(wide, n, 3, big._tag(1, "wide", 3))
-        expect(fused or world == 1, "a 40000-id lookup did not take the fused count+id exchange")
+        tag = big._tag(1, "wide", 3)
+        fused = big._key_capacity(wide, 3, tag, big._block_bytes) >= 60_000 and big._fused_lookups >= 5
+        expect(fused or world == 1, f"the count exchange block ({big._block_bytes} bytes) cannot carry a 60000-id lookup")
         narrow = TableSpec(name="wide", num_rows=100_003, dim=4)  # 16-byte rows: padding would cost more than rows
-        expect(not big._fuses(narrow, n, 3, big._tag(1, "wide", 3)), "narrow rows must not take the fused exchange")
+        expect(not big._want_bytes(narrow, n, 3, tag) and not big._key_capacity(narrow, 3, tag, big._block_bytes),
+               "narrow rows must not take the fused exchange")
         big.close()
-        return {"graphs": captured, "capture_failed": big._capture_failed, "fused": fused}
+        return {"graphs": captured, "capture_failed": big._capture_failed, "fused": fused, "block_bytes": big._block_bytes}
 
     _large()
     grown = ctx.arena_report()["staging_bytes"]
