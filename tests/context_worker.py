@@ -248,6 +248,18 @@ def main() -> None:
             expect(rank != culprit and exc.ranks == [culprit], str(exc))
         ids = ids_of(33, rank)
         expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a cancelled batch")
+        if world > 1:
+            # Ranks in different calls while the block carries ids: a clear error on every rank, no abort.
+            from elastic_emb.context import CollectiveMismatch
+            try:
+                if rank == 0:
+                    big.apply_gradients("wide", ids.to(big.device), torch.zeros(n, wide.dim, device=big.device))
+                else:
+                    big.lookup("wide", ids.to(big.device)).wait()
+                raise AssertionError("ranks in different calls were not told so")
+            except CollectiveMismatch as exc:
+                expect("apply_gradients('wide')" in str(exc) and "lookup('wide')" in str(exc), str(exc))
+            expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a mismatch")
         captured = len(big._graphs)
         # the ids travelled with the counts (one exchange) in these lookups
         tag = big._tag(1, "wide", 3)
