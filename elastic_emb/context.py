@@ -418,6 +418,7 @@ def _poll(ready, timeout: float) -> bool:
 # many graphs (call x batch size) are kept per context.
 _CAPTURE_MIN_IDS = 16384
 _MAX_GRAPHS = 8
+_GRAPH_COPIES = 2  # per (call, batch size), replayed in turn (see EmbContext._dedup_graph)
 # A large-batch lookup asks for its ids to ride in the count exchange when the fixed-capacity
 # buffer (both directions) is at most this big; bigger worlds or batches exchange the ids after
 # the counts.
@@ -503,14 +504,15 @@ class LookupHandle:
         if hi > lo:
             torch.index_select(self._recv, 0, self._inverses[lo:hi], out=result[lo:hi])
 
-    def _reorder_on_side_stream(self) -> None:
+    def _reorder_on_side_stream(self, ready: list, result: torch.Tensor) -> None:
+        """``ready[k]``: an event on the caller's stream after piece k's own rows (and the
+        inverse index) are in place. ``result`` was allocated on the caller's stream before
+        ``ready[0]``, so any earlier user of its memory is done once that event is."""
         ctx = self._ctx
-        dev = ctx.device
-        result = self._empty_result()
         side = ctx._side_stream()
-        side.wait_stream(torch.cuda.current_stream(dev))  # the local rows and the remap are in place
         with torch.cuda.stream(side):
             for k, work in enumerate(self._works):
+                side.wait_event(ready[k])
                 work.wait()  # orders this stream after the exchange of piece k; does not block the host
                 self._reorder(k, result)
             done = torch.cuda.Event()
@@ -641,7 +643,8 @@ class EmbContext:
         self._offsets: tuple | None = None  # piece offsets of the last batch size
         self._side: torch.cuda.Stream | None = None  # NCCL: where lookups reorder (see LookupHandle)
         self.capture_dedup = bool(capture_dedup)  # CUDA: replay the dedup kernels from a graph
-        self._graphs: dict = {}  # (call tag, batch size, block bytes) -> _DedupGraph
+        self._graphs: dict = {}  # (call tag, batch size, block bytes) -> [_DedupGraph, ...]
+        self._graph_turns: dict = {}  # which copy the next call of that key replays
         # Bytes per peer of every count exchange (0: the header alone). Grown from what large
         # lookups ask for in their headers, so every rank derives the same value (see _dedup).
         self._block_bytes = 0
@@ -1243,20 +1246,28 @@ class EmbContext:
         return uniq, inverse, hdr, xbuf
 
     def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, block: int) -> "_DedupGraph | None":
+        """The graph for this call, one of :data:`_GRAPH_COPIES` used in turn: a replay must wait
+        until the last lookup that read the same copy's outputs is done, so with one copy the
+        dedup of lookup k+1 waited for the reorders of lookup k; with two it runs while they do."""
         if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
             return None
         key = (tag, n, block)
-        graph = self._graphs.get(key)
-        if graph is None:
-            try:
-                graph = _DedupGraph(self, spec, n, chunks, tag, block)
-            except Exception as exc:  # reported once; the eager path is equivalent, only slower
-                self._capture_failed = repr(exc)[:300]
-                self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
-                return None
+        copies = self._graphs.get(key)
+        if copies is None:
             if len(self._graphs) >= _MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
-            self._graphs[key] = graph
+            copies = self._graphs[key] = []
+        turn = self._graph_turns.get(key, 0)
+        self._graph_turns[key] = (turn + 1) % _GRAPH_COPIES
+        if turn < len(copies):
+            return copies[turn]
+        try:
+            graph = _DedupGraph(self, spec, n, chunks, tag, block)
+        except Exception as exc:  # reported once; the eager path is equivalent, only slower
+            self._capture_failed = repr(exc)[:300]
+            self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
+            return None
+        copies.append(graph)
         return graph
 
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
@@ -1342,38 +1353,13 @@ class EmbContext:
         staging = _Staging(buf)
         got_rows = staging.take((n_unique, spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in recv_keys
-        works, serves, locals_ = [], [], []
-        try:
-            for k in range(chunks):
-                serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
-                asked = [asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
-                         for p in range(world) if p != me and got[p][k]]
-                if asked:
-                    torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
-                n_local = sent[me][k]
-                n_remote = size[k] - n_local
-                local_first = starts[me][k] == 0
-                lo = base[k] + (n_local if local_first else 0)
-                out_splits = [0 if p == me else sent[p][k] for p in range(world)]
-                in_splits = [0 if p == me else got[p][k] for p in range(world)]
-                works.append(self._alltoall(got_rows[lo : lo + n_remote], serve, out_splits, in_splits))
-                serves.append(serve)
-                locals_.append((k, n_local, n_remote, local_first))
-        except Exception:
-            if leased:
-                self._arena.release()
-            raise
-        # My own rows, while the exchanges run.
+        # Owners on both sides of me: my rows sit after the remote ones in each piece, not in key
+        # order; remap the inverse index for that (it depends on the counts alone).
         remap = None
-        for k, n_local, n_remote, local_first in locals_:
-            if not n_local:
-                continue
-            before = starts[me][k]
-            mine = uniq[base[k] + before : base[k] + before + n_local] - (k * rows + start)
-            at = base[k] + (0 if local_first else n_remote)
-            torch.index_select(weight, 0, mine, out=got_rows[at : at + n_local])
-            if not local_first and before < n_remote:
-                # Owners on both sides of me: my rows sit after the remote ones, not in key order.
+        for k in range(chunks):
+            before, n_local = starts[me][k], sent[me][k]
+            n_remote = size[k] - n_local
+            if n_local and 0 < before < n_remote:
                 if remap is None:
                     remap = torch.arange(n_unique, device=dev)
                 b = base[k]
@@ -1381,10 +1367,40 @@ class EmbContext:
                 remap[b + before + n_local : b + size[k]] = torch.arange(b + before, b + n_remote, device=dev)
         if remap is not None:
             inverse = remap.index_select(0, inverse)
+        works, serves, ready = [], [], []
+        result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev) if dev.type == "cuda" else None
+        try:
+            for k in range(chunks):
+                serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
+                asked = [asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
+                         for p in range(world) if p != me and got[p][k]]
+                if asked:
+                    torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
+                before, n_local = starts[me][k], sent[me][k]
+                n_remote = size[k] - n_local
+                local_first = before == 0
+                lo = base[k] + (n_local if local_first else 0)
+                out_splits = [0 if p == me else sent[p][k] for p in range(world)]
+                in_splits = [0 if p == me else got[p][k] for p in range(world)]
+                works.append(self._alltoall(got_rows[lo : lo + n_remote], serve, out_splits, in_splits))
+                serves.append(serve)
+                # My own rows of this piece while its exchange runs: placed before the next piece's
+                # gather, so this piece's reorder waits for nothing but its own exchange.
+                if n_local:
+                    mine = uniq[base[k] + before : base[k] + before + n_local] - (k * rows + start)
+                    at = base[k] + (0 if local_first else n_remote)
+                    torch.index_select(weight, 0, mine, out=got_rows[at : at + n_local])
+                if dev.type == "cuda":
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record()
+        except Exception:
+            if leased:
+                self._arena.release()
+            raise
         bounds = [n * k // chunks for k in range(chunks + 1)]
         handle = LookupHandle(self, table, works, got_rows, inverse, leased, keep=tuple(serves), bounds=bounds)
         if dev.type == "cuda":
-            handle._reorder_on_side_stream()
+            handle._reorder_on_side_stream(ready, result)
             if graph is not None:
                 graph.last_done = handle._queued[1]  # its buffers are free again once this fires
         return handle
