@@ -149,7 +149,9 @@ def worker(args) -> None:
                 r[f"{key}_bytes"] = rep.bytes_moved
                 r[f"{key}_transport"] = rep.transport
                 check(ctx, -1 if world > 1 else 0, key)
-            fill(ctx)
+        # The rebuilt context's rows are lazily zero (seed=None) unless restored: the tiers below
+        # must commit the indexed rows that check() expects, whichever methods ran.
+        fill(ctx)
         del old
         shard_bytes = len(owned_range(num_rows, world, rank)) * dim * 4
         # -- crc32 of the shard ------------------------------------------------------------
