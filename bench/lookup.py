@@ -72,7 +72,6 @@ def worker(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from elastic_emb import context as context_module
     from elastic_emb.context import EmbContext
     from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
     from elastic_emb.store import worker_store
@@ -143,26 +142,23 @@ def worker(args) -> None:
                 raise SystemExit(f"rank {t.rank}: lookup ({key}) returned rows of other ids at "
                                  f"{int((back != ids).sum())} of {ids.numel()} positions")
 
-    variants = [("", True, 2)]
+    variants = [("", True)]
     if args.compare_capture:
-        variants.append(("-eager", False, 2))
-    if args.compare_copies:
-        variants.append(("-1copy", True, 1))
+        variants.append(("-eager", False))
     result = {"rank": t.rank, "world_size": t.world_size, "arena": ctx.arena_report(), "lookup_s": {}, "phases": {}}
     for chunks in args.chunks:
-        for suffix, capture, copies in variants:
+        for suffix, capture in variants:
             # Every rank changes them between the same two calls, as the contract requires.
             ctx.pipeline_chunks = chunks
             ctx.capture_dedup = capture
-            context_module._GRAPH_COPIES = copies
-            ctx._graphs.clear()
-            ctx._graph_turns.clear()
             key = f"{chunks}{suffix}"
             result["lookup_s"][key] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
             result["phases"][key] = phases()
             verify(key)
     ctx.capture_dedup = True
-    context_module._GRAPH_COPIES = 2
+    from elastic_emb.gather import kernel_status
+
+    result["assembly"] = kernel_status()  # how the result rows were gathered (Triton kernel or torch ops)
     uniq = torch.unique(batches[0]).numel()
     result["unique_fraction"] = uniq / args.batch
     if args.profile:
@@ -251,7 +247,7 @@ def launch(args, world: int) -> list[dict]:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
-               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--compare-copies"] if args.compare_copies else []) + (["--profile", args.profile] if args.profile else [])
+               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--profile", args.profile] if args.profile else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -287,8 +283,6 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--compare-capture", action="store_true",
                     help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)")
-    ap.add_argument("--compare-copies", action="store_true",
-                    help="cuda: also measure with one copy of each dedup graph (consecutive lookups then serialize)")
     ap.add_argument("--normal-priority", action="store_true",
                     help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -333,7 +327,8 @@ def main(argv=None) -> None:
                 "world_size": world,
                 "pipeline_chunks": chunks,
                 "dedup": ("eager" if key.endswith("-eager") or args.device != "cuda"
-                          else "graph x1" if key.endswith("-1copy") else "graph"),
+                          else "graph"),
+                "assembly": per_rank[0].get("assembly"),
                 "total_ids": total_ids,
                 "baseline_s": base,
                 "lookup_s": lookup,
@@ -365,7 +360,7 @@ def main(argv=None) -> None:
         head += f" {'gather ceil':>12} {'a2a ceil':>12} {'of min ceil':>11}"
     print(head)
     for e in rows:
-        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6}{'e' if e['dedup'] == 'eager' else '1' if e['dedup'] == 'graph x1' else ' '} {e['total_ids']:>9} {e['baseline_rows_per_s']:>19.3e} "
+        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6}{'e' if e['dedup'] == 'eager' else ' '} {e['total_ids']:>9} {e['baseline_rows_per_s']:>19.3e} "
                 f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}")
         if args.device == "cuda":
             line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
@@ -377,7 +372,7 @@ def main(argv=None) -> None:
               f"{ph['lookup_returned_ms']} ms, wait() at {ph['wait_returned_ms']} ms, device done at {ph['done_ms']} ms")
     print(f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
           f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f}; "
-          f"chunks marked e: eager dedup, 1: one copy of each dedup graph)")
+          f"chunks marked e: eager dedup; result assembled by {rows[0].get('assembly')})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

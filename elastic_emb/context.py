@@ -94,6 +94,7 @@ import torch.distributed as dist
 from elastic_emb import optim
 from elastic_emb.errors import ContextClosed, ElasticEmbError, WorldSizeChanged
 from elastic_emb.events import get_logger
+from elastic_emb.gather import gather_rows
 from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range, rows_per_owner
 from elastic_emb.store import generation_store
@@ -418,7 +419,6 @@ def _poll(ready, timeout: float) -> bool:
 # many graphs (call x batch size) are kept per context.
 _CAPTURE_MIN_IDS = 16384
 _MAX_GRAPHS = 8
-_GRAPH_COPIES = 2  # per (call, batch size), replayed in turn (see EmbContext._dedup_graph)
 # A large-batch lookup asks for its ids to ride in the count exchange when the fixed-capacity
 # buffer (both directions) is at most this big; bigger worlds or batches exchange the ids after
 # the counts.
@@ -428,7 +428,8 @@ _FUSED_MAX_BYTES = 64 << 20
 class _DedupGraph:
     """The dedup kernels of one (call, batch size) captured in a CUDA graph, with static input
     and outputs. A replay overwrites the outputs, so it first orders the stream after the last
-    lookup that read them (``last_done``; that lookup's reorders are the last readers)."""
+    lookup that read them (``last_done``: recorded once that lookup has computed its positions,
+    the last use of the outputs)."""
 
     def __init__(self, ctx: "EmbContext", spec: TableSpec, n: int, chunks: int, tag: int, block: int):
         dev = ctx.device
@@ -474,13 +475,13 @@ class LookupHandle:
     then orders the caller's stream after that work. On the CPU (gloo) ``wait()`` does the
     reorders itself."""
 
-    def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, inverses, leased: bool,
+    def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, pos, leased: bool,
                  keep: tuple = (), bounds: list[int] | None = None):
         self._ctx = ctx
         self._table = table
         self._works = works
         self._recv = recv_rows
-        self._inverses = inverses
+        self._pos = pos
         self._bounds = bounds
         self._leased = leased
         self._keep = keep  # send buffers must outlive the exchange
@@ -499,26 +500,26 @@ class LookupHandle:
         return torch.empty(self._bounds[-1], spec.dim, dtype=spec.torch_dtype, device=self._ctx.device)
 
     def _reorder(self, k: int, result: torch.Tensor) -> None:
-        """Piece k's rows into the caller's order (duplicates expanded), in ``result``."""
+        """Piece k's rows into the caller's order (duplicates expanded), in ``result``: received
+        rows from the receive buffer, this rank's own straight from its shard."""
         lo, hi = self._bounds[k], self._bounds[k + 1]
         if hi > lo:
-            torch.index_select(self._recv, 0, self._inverses[lo:hi], out=result[lo:hi])
+            gather_rows(result[lo:hi], self._ctx._arena.weights[self._table], self._recv, self._pos[lo:hi])
 
-    def _reorder_on_side_stream(self, ready: list, result: torch.Tensor) -> None:
-        """``ready[k]``: an event on the caller's stream after piece k's own rows (and the
-        inverse index) are in place. ``result`` was allocated on the caller's stream before
-        ``ready[0]``, so any earlier user of its memory is done once that event is."""
+    def _reorder_on_side_stream(self, ready, result: torch.Tensor) -> None:
+        """``ready``: an event on the caller's stream after the positions are computed and
+        ``result`` allocated."""
         ctx = self._ctx
         side = ctx._side_stream()
         with torch.cuda.stream(side):
+            side.wait_event(ready)
             for k, work in enumerate(self._works):
-                side.wait_event(ready[k])
                 work.wait()  # orders this stream after the exchange of piece k; does not block the host
                 self._reorder(k, result)
             done = torch.cuda.Event()
             done.record(side)
         # Made on the caller's stream, used on the side stream: tell the allocator.
-        for t in (result, self._recv, self._inverses):
+        for t in (result, self._recv, self._pos):
             t.record_stream(side)
         self._queued = (result, done)
 
@@ -550,9 +551,23 @@ class LookupHandle:
                 f"lookup of table {self._table!r} was waited on after its context "
                 f"(generation {ctx.topology.generation}) was closed; look up again on the new context"
             )
-        if self._result is not None:  # a one-rank world gathered the rows at lookup time
-            self._delivered = True
-            return self._result
+        if self._result is None:  # (a one-rank world gathered the rows at lookup time)
+            self._complete(timeout)
+        self._delivered = True
+        return self._result
+
+    def _settle(self) -> None:
+        """The context is about to write rows while this lookup is in flight. The lookup reads
+        the rows its own rank owns from the shard when it assembles the result, so that must
+        come first: a lookup returns the rows as they were when ``lookup()`` was called. CUDA:
+        the caller's stream waits for the assembly (no host wait); CPU: assemble now."""
+        if self._queued is not None:
+            torch.cuda.current_stream(self._ctx.device).wait_event(self._queued[1])
+        elif self._result is None and self._works:
+            self._complete(None)
+
+    def _complete(self, timeout: float | None) -> None:
+        ctx = self._ctx
         what = f"lookup({self._table!r}) row exchange"
         try:
             if self._queued is not None:
@@ -574,8 +589,6 @@ class LookupHandle:
             self._keep = ()
             self._queued = None
             ctx._pending.discard(self)
-        self._delivered = True
-        return self._result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,8 +656,7 @@ class EmbContext:
         self._offsets: tuple | None = None  # piece offsets of the last batch size
         self._side: torch.cuda.Stream | None = None  # NCCL: where lookups reorder (see LookupHandle)
         self.capture_dedup = bool(capture_dedup)  # CUDA: replay the dedup kernels from a graph
-        self._graphs: dict = {}  # (call tag, batch size, block bytes) -> [_DedupGraph, ...]
-        self._graph_turns: dict = {}  # which copy the next call of that key replays
+        self._graphs: dict = {}  # (call tag, batch size, block bytes) -> _DedupGraph
         # Bytes per peer of every count exchange (0: the header alone). Grown from what large
         # lookups ask for in their headers, so every rank derives the same value (see _dedup).
         self._block_bytes = 0
@@ -1246,28 +1258,20 @@ class EmbContext:
         return uniq, inverse, hdr, xbuf
 
     def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, block: int) -> "_DedupGraph | None":
-        """The graph for this call, one of :data:`_GRAPH_COPIES` used in turn: a replay must wait
-        until the last lookup that read the same copy's outputs is done, so with one copy the
-        dedup of lookup k+1 waited for the reorders of lookup k; with two it runs while they do."""
         if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
             return None
         key = (tag, n, block)
-        copies = self._graphs.get(key)
-        if copies is None:
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = _DedupGraph(self, spec, n, chunks, tag, block)
+            except Exception as exc:  # reported once; the eager path is equivalent, only slower
+                self._capture_failed = repr(exc)[:300]
+                self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
+                return None
             if len(self._graphs) >= _MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
-            copies = self._graphs[key] = []
-        turn = self._graph_turns.get(key, 0)
-        self._graph_turns[key] = (turn + 1) % _GRAPH_COPIES
-        if turn < len(copies):
-            return copies[turn]
-        try:
-            graph = _DedupGraph(self, spec, n, chunks, tag, block)
-        except Exception as exc:  # reported once; the eager path is equivalent, only slower
-            self._capture_failed = repr(exc)[:300]
-            self._log.warning("context.dedup_capture_failed", error=self._capture_failed)
-            return None
-        copies.append(graph)
+            self._graphs[key] = graph
         return graph
 
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
@@ -1347,28 +1351,40 @@ class EmbContext:
 
         weight = self._arena.weights[table]
         n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
+        n_local = [sent[me][k] for k in range(chunks)]
+        n_remote = [size[k] - n_local[k] for k in range(chunks)]
+        rbase = [sum(n_remote[:k]) for k in range(chunks + 1)]  # where piece k's received rows start
         need = _staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
-                             + [((n_unique, spec.dim), spec.torch_dtype)])
+                             + [((rbase[-1], spec.dim), spec.torch_dtype)])
         buf, leased = self._arena.lease(need)
         staging = _Staging(buf)
-        got_rows = staging.take((n_unique, spec.dim), spec.torch_dtype)
+        # Received rows only, piece by piece, each piece's peers in rank order (as an all-to-all
+        # writes them); my own rows are read from my shard when the result is assembled.
+        got_rows = staging.take((rbase[-1], spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in recv_keys
-        # Owners on both sides of me: my rows sit after the remote ones in each piece, not in key
-        # order; remap the inverse index for that (it depends on the counts alone).
-        remap = None
+        # Where each unique key's row will be (gather.gather_rows): >= 0 its row in got_rows,
+        # < 0 its row in my shard counted from the end. Unique keys are in (piece, owner) order,
+        # so in piece k the keys of owners before me, mine, then those of owners after me.
+        src = torch.arange(n_unique, device=dev)
         for k in range(chunks):
-            before, n_local = starts[me][k], sent[me][k]
-            n_remote = size[k] - n_local
-            if n_local and 0 < before < n_remote:
-                if remap is None:
-                    remap = torch.arange(n_unique, device=dev)
-                b = base[k]
-                remap[b + before : b + before + n_local] = torch.arange(b + n_remote, b + n_remote + n_local, device=dev)
-                remap[b + before + n_local : b + size[k]] = torch.arange(b + before, b + n_remote, device=dev)
-        if remap is not None:
-            inverse = remap.index_select(0, inverse)
-        works, serves, ready = [], [], []
-        result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev) if dev.type == "cuda" else None
+            b, before, mine = base[k], starts[me][k], n_local[k]
+            if before:
+                src[b : b + before] += rbase[k] - b
+            if mine:
+                torch.sub(uniq[b + before : b + before + mine], k * rows + start + weight.shape[0],
+                          out=src[b + before : b + before + mine])
+            if size[k] > before + mine:
+                src[b + before + mine : b + size[k]] += rbase[k] - b - mine
+        pos = src.index_select(0, inverse)  # per position of the batch
+        if dev.type == "cuda":
+            # Allocated and filled on the caller's stream before the event the side stream waits
+            # on, so any earlier user of its memory is done by then.
+            result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev)
+            ready = torch.cuda.Event()
+            ready.record()
+            if graph is not None:
+                graph.last_done = ready  # the graph's outputs are free again once this fires
+        works, serves = [], []
         try:
             for k in range(chunks):
                 serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
@@ -1376,33 +1392,18 @@ class EmbContext:
                          for p in range(world) if p != me and got[p][k]]
                 if asked:
                     torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
-                before, n_local = starts[me][k], sent[me][k]
-                n_remote = size[k] - n_local
-                local_first = before == 0
-                lo = base[k] + (n_local if local_first else 0)
                 out_splits = [0 if p == me else sent[p][k] for p in range(world)]
                 in_splits = [0 if p == me else got[p][k] for p in range(world)]
-                works.append(self._alltoall(got_rows[lo : lo + n_remote], serve, out_splits, in_splits))
+                works.append(self._alltoall(got_rows[rbase[k] : rbase[k + 1]], serve, out_splits, in_splits))
                 serves.append(serve)
-                # My own rows of this piece while its exchange runs: placed before the next piece's
-                # gather, so this piece's reorder waits for nothing but its own exchange.
-                if n_local:
-                    mine = uniq[base[k] + before : base[k] + before + n_local] - (k * rows + start)
-                    at = base[k] + (0 if local_first else n_remote)
-                    torch.index_select(weight, 0, mine, out=got_rows[at : at + n_local])
-                if dev.type == "cuda":
-                    ready.append(torch.cuda.Event())
-                    ready[-1].record()
         except Exception:
             if leased:
                 self._arena.release()
             raise
         bounds = [n * k // chunks for k in range(chunks + 1)]
-        handle = LookupHandle(self, table, works, got_rows, inverse, leased, keep=tuple(serves), bounds=bounds)
+        handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds)
         if dev.type == "cuda":
             handle._reorder_on_side_stream(ready, result)
-            if graph is not None:
-                graph.last_done = handle._queued[1]  # its buffers are free again once this fires
         return handle
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -1447,6 +1448,7 @@ class EmbContext:
             total.index_add_(0, inv, recv_grads)
         else:
             total = torch.empty_like(recv_grads).index_copy_(0, inv, recv_grads)
+        self._settle_lookups()
         optim.apply_rows(self.optimizer, self._arena.weights[table], self._arena.slots[table], rows, total)
 
     def barrier(self) -> None:
@@ -1568,6 +1570,12 @@ class EmbContext:
         else:
             release.start()
 
+    def _settle_lookups(self) -> None:
+        """Before this context writes rows: lookups in flight read their own rank's rows first
+        (:meth:`LookupHandle._settle`)."""
+        for handle in list(self._pending):
+            handle._settle()
+
     def _drain_pending(self) -> None:
         """Let lookups that were started but never waited finish their exchanges (every rank
         started them, so they complete), so that no collective is in flight at teardown."""
@@ -1654,6 +1662,7 @@ class EmbContext:
         """Overwrite this rank's rows with ``shards``: exactly this rank's owned range of every
         table, with every optimizer slot. Local (no communication)."""
         self._check_open("import_shard")
+        self._settle_lookups()
         missing = sorted(set(self.tables) - set(shards))
         extra = sorted(set(shards) - set(self.tables))
         if missing or extra:
@@ -1743,6 +1752,7 @@ class EmbContext:
         from torch.distributed.tensor import DTensor
 
         self._check_open("load_state_dict")
+        self._settle_lookups()
         self._materialise()  # a state dict may cover only some slots; the rest keep their values
         a = self._arena
         for name in self.tables:

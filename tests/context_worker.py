@@ -211,6 +211,15 @@ def main() -> None:
                 full.index_add_(0, ids_of(seed, who), -torch.ones(n, wide.dim))  # SGD, lr 1: exact
         every = torch.arange(wide.num_rows)
         expect(torch.equal(big.lookup("wide", every.to(big.device)).wait().cpu(), full), "rows after gradients differ")
+        # A lookup in flight returns the rows as they were at lookup(), even when gradients are
+        # applied before it is waited on (its own rank's rows are read when the result is assembled).
+        ids = ids_of(22, rank)
+        then = full.clone()
+        h = big.lookup("wide", ids.to(big.device))
+        big.apply_gradients("wide", ids.to(big.device), torch.ones(n, wide.dim, device=big.device))
+        for who in range(world):
+            full.index_add_(0, ids_of(22, who), -torch.ones(n, wide.dim))
+        expect(torch.equal(h.wait().cpu(), then[ids]), "a lookup in flight saw gradients applied after it")
         bad = ids_of(30, rank)
         culprit = world - 1
         if rank == culprit:

@@ -316,3 +316,26 @@ def test_one_rank_handle_after_close_behaves_like_any_other():
     assert waited.wait() is rows
     with pytest.raises(ContextClosed, match="was closed"):
         pending.wait()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel runs on the GPU machine"))])
+def test_gather_rows_reads_each_row_from_its_source(device):
+    # The last step of a lookup: rows received from peers (pos >= 0) and the rank's own rows
+    # (pos < 0, from the end of its shard), in one pass on CUDA, torch ops elsewhere.
+    from elastic_emb.gather import gather_rows, kernel_status
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(1000, 37, generator=g).to(device)
+    received = torch.randn(300, 37, generator=g).to(device)
+    pos = torch.cat([torch.randint(0, 300, (5000,), generator=g), torch.randint(-1000, 0, (5000,), generator=g)])
+    pos = pos[torch.randperm(pos.numel(), generator=g)].to(device)
+    out = torch.full((pos.numel(), 37), float("nan"), device=device)
+    gather_rows(out, table, received, pos)
+    expect = torch.where((pos >= 0)[:, None], received[pos.clamp(min=0)], table[(pos + 1000).clamp(max=999)])
+    assert torch.equal(out, expect)
+    only_table = torch.full((7, 37), float("nan"), device=device)
+    gather_rows(only_table, table, received[:0], torch.arange(-7, 0, device=device))
+    assert torch.equal(only_table, table[-7:])
+    if device == "cuda":
+        assert kernel_status() == "triton", kernel_status()
