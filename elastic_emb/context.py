@@ -1144,16 +1144,16 @@ class EmbContext:
         block = self._block_bytes  # as it is for this call; the exchange may grow it for the next
         graph = self._dedup_graph(spec, n, chunks, tag, block) if n >= _CAPTURE_MIN_IDS else None
         if graph is not None:
-            uniq, inverse, hdr, xbuf = graph.replay(checked)
+            uniq, inverse, hdr, xbuf, pos = graph.replay(checked)
         else:
             inputs = self._dedup_inputs(spec, n, chunks, tag, block)
-            uniq, inverse, hdr, xbuf = self._dedup_compute(spec, checked, chunks, *inputs)
+            uniq, inverse, hdr, xbuf, pos = self._dedup_compute(spec, checked, chunks, *inputs)
         sent, got, longest = self._exchange_counts(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
         n_unique = sum(sum(c) for c in sent)
         capacity = self._key_capacity(spec, chunks, tag, block)
         keys = xbuf if capacity and longest <= capacity else None  # every rank decides alike
         self._fused_lookups += keys is not None
-        return uniq, inverse, sent, got, n_unique, keys, graph
+        return uniq, inverse, sent, got, n_unique, keys, graph, pos
 
     def _key_dtype(self, spec: TableSpec, chunks: int) -> torch.dtype:
         # 32-bit keys when they fit: the radix sort makes half the passes, ids travel in half the bytes.
@@ -1165,16 +1165,21 @@ class EmbContext:
         key capacity or 0, slot numbers, peer block starts)) and the block this call asks for."""
         dtype = self._key_dtype(spec, chunks)
         offsets = self._piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
+        lookup = (tag >> 20) & 0xFFFFF == 1
+        slots = torch.arange(n, device=self.device) if lookup or block_bytes else None
         layout = None
         if block_bytes:
             elems = block_bytes // torch.empty((), dtype=dtype).element_size()
             capacity = self._key_capacity(spec, chunks, tag, block_bytes)
             if n > capacity:
                 capacity = 0  # this batch does not fit: header only (every rank learns it from the lengths)
-            layout = (elems, capacity, torch.arange(n, device=self.device) if capacity else None,
+            layout = (elems, capacity,
                       torch.arange(self.topology.world_size, device=self.device) * elems + _header_words(dtype))
         want = self._want_bytes(spec, n, chunks, tag)
-        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), layout, want
+        # A lookup also computes where each result row will come from (see _pipelined_lookup):
+        # that needs this rank's number and its shard's length.
+        mine = (self.topology.rank, len(self.owned(spec.name))) if lookup else None
+        return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), slots, layout, want, mine
 
     def _fusable(self, spec: TableSpec, chunks: int, tag: int) -> bool:
         """Whether a call's ids may ride in the count exchange: lookups only, of tables wide
@@ -1205,14 +1210,21 @@ class EmbContext:
         return need if 2 * self.topology.world_size * need <= _FUSED_MAX_BYTES else 0
 
     def _dedup_compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
-                       layout=None, want: int = 0):
+                       slots=None, layout=None, want: int = 0, mine=None):
         """The device half of :meth:`_dedup`: no host synchronisation, no allocation sized from
-        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header, xbuf).
+        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header, xbuf, pos).
 
         With a block ``layout`` the headers and the keys share one buffer ``xbuf`` ``[2 (send,
         receive), world, elements]`` of the key dtype: per peer the header (as int64 words),
-        then, when the layout has a key capacity, the keys meant for that peer, piece-major.
-        ``header`` is then an int64 view of the header words."""
+        then, when the layout has a key capacity, the keys meant for that peer, piece-major, as
+        the owner's own row numbers (so the owner gathers with them as they come). ``header``
+        is then an int64 view of the header words.
+
+        With ``mine`` = (this rank, its shard's rows), for a lookup: ``pos``, per position of
+        the batch, where its row will be (:func:`elastic_emb.gather.gather_rows`): for a key
+        this rank owns, its shard row counted from the end (< 0); otherwise its row in the
+        receive buffer, which holds the received rows piece by piece, peers in rank order (the
+        unique keys less this rank's own, in order)."""
         n, dev = checked.numel(), checked.device
         keys = checked.to(self._key_dtype(spec, chunks))
         if offsets is not None:
@@ -1228,12 +1240,26 @@ class EmbContext:
         inverse = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, perm, slot)
         at = firsts[torch.searchsorted(sorted_keys, bounds)]  # [chunks, world + 1] slots at owner boundaries
         counts = at[:, 1:] - at[:, :-1]  # [chunks, world]
+        world = counts.shape[1]
+        if slots is not None:
+            # Each unique slot's (piece, owner) segment, k * (world + 1) + owner; slots past the
+            # last unique key land in the last piece's sentinel column (owner == world).
+            seg = torch.searchsorted(at.reshape(-1), slots, right=True) - 1
+            owner = seg % (world + 1)
+            owner_row = uniq - bounds.reshape(-1)[seg]  # the key's row number at its owner
+        pos = None
+        if mine is not None:
+            me, shard_rows = mine
+            piece = seg // (world + 1)
+            mine_before = torch.cumsum(counts[:, me], 0) - counts[:, me]  # my keys in earlier pieces
+            local_before = mine_before[piece] + torch.where(owner > me, counts[:, me][piece], 0)
+            src = torch.where(owner == me, owner_row - shard_rows, slots - local_before)
+            pos = src[inverse]
         xbuf = None
         if layout is None:
             hdr = template.clone()
         else:
-            elems, capacity, slots, peer_at = layout
-            world = counts.shape[1]
+            elems, capacity, peer_at = layout
             hw = _header_words(keys.dtype)
             xbuf = torch.zeros(2, world, elems, dtype=keys.dtype, device=dev)
             hdr = xbuf[:, :, :hw].view(torch.int64)
@@ -1241,21 +1267,19 @@ class EmbContext:
             if capacity:
                 # Where slot s goes: its (piece, owner) segment, then that owner's block, after the
                 # owner's keys of earlier pieces. Slots past the last unique key go to a dump word.
-                seg = torch.searchsorted(at.reshape(-1), slots, right=True) - 1
                 before = torch.cumsum(counts, 0) - counts  # keys for the same owner in earlier pieces
                 within = torch.zeros(chunks, world + 1, dtype=torch.int64, device=dev)
                 within[:, :world] = before - at[:, :world]
                 within = within.reshape(-1)[seg] + slots  # position among the keys meant for that owner
-                owner = seg % (world + 1)
                 valid = (owner < world) & (slots < firsts[n])  # within < n <= capacity: _dedup_inputs
                 dest = torch.where(valid, peer_at[owner.clamp(max=world - 1)] + within, hw + capacity)
-                xbuf[0].reshape(-1).scatter_(0, dest, uniq)
+                xbuf[0].reshape(-1).scatter_(0, dest, owner_row)
         hdr[0, :, :chunks] = counts.t()  # [world, chunks]
         hdr[0, :, _H_LEN] = n
         hdr[0, :, _H_WANT] = want
         if n:
             hdr[0, :, _H_LO : _H_HI + 1] = torch.stack(torch.aminmax(checked))  # range-checked from the headers
-        return uniq, inverse, hdr, xbuf
+        return uniq, inverse, hdr, xbuf, pos
 
     def _dedup_graph(self, spec: TableSpec, n: int, chunks: int, tag: int, block: int) -> "_DedupGraph | None":
         if not self.capture_dedup or self.device.type != "cuda" or self._capture_failed:
@@ -1277,7 +1301,7 @@ class EmbContext:
     def _route(self, spec: TableSpec, ids, what: str, tag: int):
         """First half of apply_gradients: validate, dedup, exchange counts and ids (own ids
         included). Returns (uniq, inverse, send_counts, recv_counts, recv_ids)."""
-        uniq, inverse, sent, got, n_unique, _, _ = self._dedup(spec, ids, what, tag, 1)
+        uniq, inverse, sent, got, n_unique, _, _, _ = self._dedup(spec, ids, what, tag, 1)
         uniq = uniq[:n_unique]
         send_list, recv_list = [c[0] for c in sent], [c[0] for c in got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
@@ -1309,17 +1333,17 @@ class EmbContext:
         of it and starts that piece's row all-to-all, so gathering piece k+1 overlaps sending
         piece k, and (in ``wait``) reordering piece k overlaps sending the next ones.
 
-        Rows a rank owns itself never enter an exchange: they are gathered straight into the
-        receive buffer while the exchanges run. The buffer holds every piece's unique rows in
-        key order (piece, then owner), except that a rank with owners on both sides of it keeps
-        its own rows at the end of each piece (an all-to-all writes its output contiguously);
-        the inverse index is remapped for that case only."""
+        Rows a rank owns itself never enter an exchange, nor the receive buffer: the result is
+        assembled in one pass (:func:`elastic_emb.gather.gather_rows`), each row read from the
+        receive buffer or straight from the shard, at positions ``pos`` that the dedup computed
+        on the device (:meth:`_dedup_compute`). The receive buffer holds the received rows piece
+        by piece, each piece's peers in rank order, as the all-to-alls write them."""
         table = spec.name
         world, me = self.topology.world_size, self.topology.rank
         chunks = self.pipeline_chunks
         tag = self._tag(1, table, chunks)
         n = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        uniq, inverse, sent, got, n_unique, xbuf, graph = self._dedup(spec, ids, what, tag, chunks)
+        uniq, inverse, sent, got, n_unique, xbuf, graph, pos = self._dedup(spec, ids, what, tag, chunks)
         rows = spec.num_rows
         start = self.owned(table).start
         dev = self.device
@@ -1332,10 +1356,11 @@ class EmbContext:
         in_tot = [0 if p == me else sum(sent[p]) for p in range(world)]
         out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
         if xbuf is not None:
-            # The keys came with the counts: peer p's are at the start of its block, after the header.
+            # The keys came with the counts, as my own row numbers: peer p's at the start of its
+            # block, after the header.
             hw = _header_words(xbuf.dtype)
             got_keys = [xbuf[1, p, hw : hw + out_tot[p]] for p in range(world) if out_tot[p]]
-            recv_keys = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
+            asked_rows = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
         else:
             # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
             pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
@@ -1346,8 +1371,8 @@ class EmbContext:
                 send_keys = torch.cat(pieces) if pieces else uniq[:0]
             recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
             self._wait(self._alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange", host=False)
-        # The owners' row index of every key asked of me (piece k's keys are k * rows + id).
-        asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
+            # My row number of every key asked of me (piece k's keys are k * rows + id).
+            asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
 
         weight = self._arena.weights[table]
         n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
@@ -1362,23 +1387,9 @@ class EmbContext:
         # writes them); my own rows are read from my shard when the result is assembled.
         got_rows = staging.take((rbase[-1], spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in recv_keys
-        # Where each unique key's row will be (gather.gather_rows): >= 0 its row in got_rows,
-        # < 0 its row in my shard counted from the end. Unique keys are in (piece, owner) order,
-        # so in piece k the keys of owners before me, mine, then those of owners after me.
-        src = torch.arange(n_unique, device=dev)
-        for k in range(chunks):
-            b, before, mine = base[k], starts[me][k], n_local[k]
-            if before:
-                src[b : b + before] += rbase[k] - b
-            if mine:
-                torch.sub(uniq[b + before : b + before + mine], k * rows + start + weight.shape[0],
-                          out=src[b + before : b + before + mine])
-            if size[k] > before + mine:
-                src[b + before + mine : b + size[k]] += rbase[k] - b - mine
-        pos = src.index_select(0, inverse)  # per position of the batch
         if dev.type == "cuda":
-            # Allocated and filled on the caller's stream before the event the side stream waits
-            # on, so any earlier user of its memory is done by then.
+            # Allocated on the caller's stream before the event the side stream waits on, so any
+            # earlier user of its memory is done by then; the event also covers ``pos``.
             result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev)
             ready = torch.cuda.Event()
             ready.record()
@@ -1509,8 +1520,10 @@ class EmbContext:
         self.process_group, self._backend = new_pg, new_backend
         self._healthy = True
         # Every rank starts the new communicator with headers alone: a rank whose last call failed
-        # half way may not have grown the block with the others.
+        # half way may not have grown the block with the others. The dedup graphs hold this
+        # rank's number and shard length (see _dedup_inputs): a new rank mapping voids them.
         self._block_bytes = 0
+        self._graphs.clear()
         if store is not None:
             self._base_store = store
         self.topology = topology
