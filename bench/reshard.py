@@ -8,9 +8,11 @@ measures per run, in the same processes:
   whose communicator is destroyed by a background thread, + ``EmbContext(...)`` on a new
   generation's store prefix, ``seed=None`` since restore overwrites the rows anyway); the
   background destroy is then waited for and its time and errors recorded;
-* ``live``: the lifecycle's live restore (inventory through the store, plan, one all-to-all on
-  the new context's communicator) where every row changes owner: rank r's old rows become rank
-  r+1's; GB/s per rank = bytes this rank sent / restore seconds, for the whole restore and for
+* ``live``: the lifecycle's live restore (inventory through the store, plan, rows moved by the
+  transport: on CPU pulled out of the sender's memory by cross-memory attach, ``cma``, or gloo
+  send/recv with ``--transport p2p``; on CUDA one all-to-all on the new context's communicator;
+  ``live_transport`` in the JSON says which moved them, per rank and run) where every row
+  changes owner: rank r's old rows become rank r+1's; GB/s per rank = bytes this rank sent / restore seconds, for the whole restore and for
   the row exchange alone; ``warm``: the same restore repeated on the now-connected communicator
   (NCCL sets up peer connections on a communicator's first collective);
 * ``snap_commit`` / ``snap_restore``: node-local snapshot commit (write + replica to the next
