@@ -257,6 +257,8 @@ def _pull_from(peer: dict, blocks: list[tuple[int, list[torch.Tensor]]], src: in
             raise RuntimeError(f"cma transport: rank {src} offers {spans!r} for block {key}, expected "
                                f"{len(tensors)} tensors; the ranks computed different plans")
         for t, (addr, nbytes) in zip(tensors, spans):
+            if t.device.type != "cpu":
+                raise ValueError(f"cma transport: a destination tensor is on {t.device}, only CPU memory can be pulled into")
             want = t.numel() * t.element_size()
             if nbytes != want:
                 raise RuntimeError(f"cma transport: rank {src} offers {nbytes} bytes for block {key}, this rank "
