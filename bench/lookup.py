@@ -116,6 +116,81 @@ def worker(args) -> None:
             out.append((time.perf_counter() - t0) / args.iters)
         return out
 
+    def timed_in_flight() -> list[float]:
+        """``--in-flight``: per-run seconds per lookup when the next lookup is started before the
+        current one is waited on (a training loop that prefetches the next batch's rows); the
+        results are checked against the ids."""
+        def run_once(check: bool) -> None:
+            h, prev = ctx.lookup("t", batches[0]), batches[0]
+            for i in range(1, args.iters):
+                nxt = ctx.lookup("t", batches[i % 2])
+                got = h.wait()
+                if check:
+                    back = got[:, 0].long() + 4096 * got[:, 1].long()
+                    if not torch.equal(back, prev):
+                        raise SystemExit(f"rank {t.rank}: a lookup with another in flight returned other rows")
+                h, prev = nxt, batches[i % 2]
+            h.wait()
+
+        for _ in range(args.warmup):
+            run_once(True)
+        _sync(dev)
+        out = []
+        for _ in range(args.runs):
+            ctx.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            run_once(False)
+            _sync(dev)
+            ctx.barrier()
+            _sync(dev)
+            out.append((time.perf_counter() - t0) / args.iters)
+        return out
+
+    def host_split(n: int = 20) -> dict:
+        """Where the host's time in ``lookup()`` goes (``--host-split``): the context's inner
+        steps are wrapped with timers for ``n`` lookups; mean microseconds per lookup of each,
+        and of everything else (Python between them). Each lookup starts from an idle device."""
+        import elastic_emb.context as cm
+
+        spent: dict[str, float] = {}
+
+        def timer(name, fn):
+            def timed_call(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return timed_call
+
+        names = ["_dedup", "_dedup_graph", "_exchange_counts", "_wait_event", "_alltoall", "_check_ids"]
+        saved = {m: getattr(ctx, m) for m in names}
+        for m in names:
+            setattr(ctx, m, timer(m, saved[m]))
+        orig_reorder, orig_gather = cm.LookupHandle._reorder_on_side_stream, cm.gather_rows
+        orig_replay = cm._DedupGraph.replay
+        cm.LookupHandle._reorder_on_side_stream = timer("reorder_on_side_stream", orig_reorder)
+        cm.gather_rows = timer("gather_rows", orig_gather)
+        cm._DedupGraph.replay = timer("graph_replay", orig_replay)
+        total = 0.0
+        try:
+            for i in range(n):
+                ctx.barrier()
+                _sync(dev)
+                t0 = time.perf_counter()
+                ctx.lookup("t", batches[i % 2])
+                total += time.perf_counter() - t0
+                _sync(dev)
+        finally:
+            for m in names:
+                delattr(ctx, m)  # back to the class's methods
+            cm.LookupHandle._reorder_on_side_stream, cm.gather_rows = orig_reorder, orig_gather
+            cm._DedupGraph.replay = orig_replay
+        out = {k: round(1e6 * v / n, 1) for k, v in spent.items()}
+        out["lookup_total"] = round(1e6 * total / n, 1)
+        return out
+
     def phases(n: int = 10) -> dict:
         """Host-side split of single lookups (medians, ms): until lookup() returns (validation,
         dedup, the count exchange's sync, launching the exchanges), until wait() returns
@@ -153,7 +228,11 @@ def worker(args) -> None:
             ctx.capture_dedup = capture
             key = f"{chunks}{suffix}"
             result["lookup_s"][key] = timed(lambda i: ctx.lookup("t", batches[i % 2]).wait())
+            if args.in_flight:
+                result.setdefault("lookup_in_flight_s", {})[key] = timed_in_flight()
             result["phases"][key] = phases()
+            if args.host_split:
+                result.setdefault("host_split_us", {})[key] = host_split()
             verify(key)
     ctx.capture_dedup = True
     from elastic_emb.gather import kernel_status
@@ -247,7 +326,7 @@ def launch(args, world: int) -> list[dict]:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
-               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--profile", args.profile] if args.profile else [])
+               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--host-split"] if args.host_split else []) + (["--in-flight"] if args.in_flight else []) + (["--profile", args.profile] if args.profile else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     deadline = time.monotonic() + args.timeout
@@ -283,6 +362,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--compare-capture", action="store_true",
                     help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)")
+    ap.add_argument("--in-flight", action="store_true",
+                    help="also measure with the next lookup started before each wait (one lookup in flight)")
+    ap.add_argument("--host-split", action="store_true",
+                    help="also time the host's steps inside lookup() (wrapped methods; means per lookup, us)")
     ap.add_argument("--normal-priority", action="store_true",
                     help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -337,14 +420,20 @@ def main(argv=None) -> None:
                 "unique_fraction": per_rank[0]["unique_fraction"],
                 "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
                 "phases_rank0": per_rank[0]["phases"][key],
+                "host_split_us_rank0": per_rank[0].get("host_split_us", {}).get(key),
+                "lookup_in_flight_s": per_rank[0].get("lookup_in_flight_s", {}).get(key),
             }
             entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
+            if entry["lookup_in_flight_s"]:
+                entry["lookup_in_flight_rows_per_s"] = total_ids / statistics.median(entry["lookup_in_flight_s"])
             if args.device == "cuda":
                 gather = total_ids / statistics.median(per_rank[0]["gather_s"])
                 a2a = total_ids / statistics.median(per_rank[0]["alltoall_s"])
                 entry.update(gather_s=per_rank[0]["gather_s"], alltoall_s=per_rank[0]["alltoall_s"],
                              gather_ceiling_rows_per_s=gather, alltoall_ceiling_rows_per_s=a2a,
                              fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a))
+                if entry["lookup_in_flight_s"]:
+                    entry["in_flight_fraction_of_ceiling"] = entry["lookup_in_flight_rows_per_s"] / min(gather, a2a)
             rows.append(entry)
 
     report = {
@@ -366,6 +455,16 @@ def main(argv=None) -> None:
             line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
                      f" {e['fraction_of_ceiling']:>11.2f}")
         print(line)
+    for e in rows:
+        if e.get("lookup_in_flight_s"):
+            frac = e.get("in_flight_fraction_of_ceiling")
+            print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} with the next lookup started before each wait: "
+                  f"{e['lookup_in_flight_rows_per_s']:.3e} rows/s, ratio {e['lookup_in_flight_rows_per_s'] / e['baseline_rows_per_s']:.2f}"
+                  + (f", {frac:.2f} of min ceiling" if frac else ""))
+    for e in rows:
+        if e.get("host_split_us_rank0"):
+            print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} host split (us per lookup, nested): "
+                  + ", ".join(f"{k} {v}" for k, v in e["host_split_us_rank0"].items()))
     for e in rows:
         ph = e["phases_rank0"]
         print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} dedup {e['dedup']}: one lookup on rank 0: lookup() returned at "
