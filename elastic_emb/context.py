@@ -1391,6 +1391,11 @@ class EmbContext:
             # Allocated on the caller's stream before the event the side stream waits on, so any
             # earlier user of its memory is done by then; the event also covers ``pos``.
             result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev)
+            if graph is not None:
+                # The side stream reads the positions until this lookup is assembled; the graph's
+                # copy would be overwritten by the next lookup's replay, which waits only for
+                # ``ready`` (so that it can run while this lookup's rows are on the wire).
+                pos = pos.clone()
             ready = torch.cuda.Event()
             ready.record()
             if graph is not None:

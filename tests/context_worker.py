@@ -204,6 +204,17 @@ def main() -> None:
         ha, hb = big.lookup("wide", a.to(big.device)), big.lookup("wide", b.to(big.device))
         expect(torch.equal(hb.wait().cpu(), full[b]) and torch.equal(ha.wait().cpu(), full[a]),
                "two lookups in flight, waited in reverse order, differ from the table")
+        # A prefetching loop: lookup k+1 (same length, so the same dedup graph) starts before
+        # lookup k is waited on; the device-side result is kept and compared at the end.
+        batches = [ids_of(40 + i, rank) for i in range(6)]
+        h, kept = big.lookup("wide", batches[0].to(big.device)), []
+        for i in range(1, 6):
+            nxt = big.lookup("wide", batches[i].to(big.device))
+            kept.append(h.wait())
+            h = nxt
+        kept.append(h.wait())
+        expect(all(torch.equal(r.cpu(), full[x]) for r, x in zip(kept, batches)),
+               "a lookup started while another was in flight returned other rows")
         for seed in (20, 21):
             ids = ids_of(seed, rank)
             big.apply_gradients("wide", ids.to(big.device), torch.ones(n, wide.dim, device=big.device))
