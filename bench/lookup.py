@@ -98,23 +98,25 @@ def worker(args) -> None:
     gen = torch.Generator(device=dev).manual_seed(1234 + t.rank)
     batches = [draw_ids(args.batch, args.rows, args.skew, dev, gen) for _ in range(2)]
 
-    def timed(fn) -> list[float]:
-        """Per-run seconds per iteration, bracketed by barriers so the slowest rank counts."""
-        for i in range(args.warmup):
-            fn(i)
+    def timed_runs(run_once, warm) -> list[float]:
+        """Per-run seconds per iteration (``run_once`` does ``--iters`` of them), bracketed by
+        barriers so the slowest rank counts; ``warm()`` first."""
+        warm()
         _sync(dev)
         out = []
         for _ in range(args.runs):
             ctx.barrier()
             _sync(dev)
             t0 = time.perf_counter()
-            for i in range(args.iters):
-                fn(i)
+            run_once()
             _sync(dev)
             ctx.barrier()
             _sync(dev)
             out.append((time.perf_counter() - t0) / args.iters)
         return out
+
+    def timed(fn) -> list[float]:
+        return timed_runs(lambda: [fn(i) for i in range(args.iters)], lambda: [fn(i) for i in range(args.warmup)])
 
     def timed_in_flight() -> list[float]:
         """``--in-flight``: per-run seconds per lookup when the next lookup is started before the
@@ -132,20 +134,7 @@ def worker(args) -> None:
                 h, prev = nxt, batches[i % 2]
             h.wait()
 
-        for _ in range(args.warmup):
-            run_once(True)
-        _sync(dev)
-        out = []
-        for _ in range(args.runs):
-            ctx.barrier()
-            _sync(dev)
-            t0 = time.perf_counter()
-            run_once(False)
-            _sync(dev)
-            ctx.barrier()
-            _sync(dev)
-            out.append((time.perf_counter() - t0) / args.iters)
-        return out
+        return timed_runs(lambda: run_once(False), lambda: [run_once(True) for _ in range(args.warmup)])
 
     def host_split(n: int = 20) -> dict:
         """Where the host's time in ``lookup()`` goes (``--host-split``): the context's inner
