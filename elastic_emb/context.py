@@ -25,26 +25,34 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        they fit), one sort orders them by piece and then by owner (row-wise sharding is
        monotone), and the unique keys, the inverse index and the per-(owner, piece) counts come
        from a running count of first occurrences: no ``torch.unique``, whose output size costs
-       a sync. On CUDA these ~20 small kernels are captured once per (call, batch size) in a
-       CUDA graph and replayed: launching them from Python cost more than running them.
+       a sync. The same kernels compute, per position of the batch, where its row will come
+       from (the receive buffer, or this rank's shard). On CUDA these ~30 small kernels are
+       captured once per (call, batch size) in a CUDA graph and replayed: launching them from
+       Python cost more than running them.
     3. One count exchange, the lookup's only host synchronisation: a header per peer with the
-       counts meant for it, a tag naming the call, and the batch's smallest and largest id. So
+       counts meant for it, a tag naming the call, the batch's smallest and largest id and its
+       length. So
        every rank learns in that one exchange whether anyone's ids are out of range (that rank
        raises :class:`InvalidIds` naming the id, the others :class:`PeerLookupError`; nobody
        hangs) or whether ranks are in different calls (:class:`CollectiveMismatch`, instead of
-       trading wrong rows). For large batches the unique keys ride in the same exchange, in a
-       fixed-capacity block per peer behind the header; otherwise an id all-to-all follows.
+       trading wrong rows). For large batches the unique keys ride in the same exchange, as the
+       owner's row numbers, in a fixed-capacity block per peer behind the header; the block's
+       size is one per context, grown from the headers every rank reads alike, so the exchange
+       never differs in size between ranks; otherwise an id all-to-all follows.
        On CUDA the headers' copy to pinned host memory is queued behind the exchange and the
        host polls one event.
     4. Per piece, the owner gathers the rows asked of it and starts that piece's row
        all-to-all (``async_op``; the NCCL stream at high priority), so gathering piece k+1
-       overlaps sending piece k. Rows a rank owns itself never enter an exchange: they are
-       gathered into the receive buffer while the exchanges run.
-    5. On CUDA the reorders (inverse index, duplicates expanded) are queued at once on a stream
-       of the context's own: piece k is reordered as soon as it lands, and the caller's stream
-       is not held up meanwhile. ``handle.wait()`` orders the caller's stream after them (or,
-       with a timeout, waits on the host). On gloo ``wait()`` completes the exchanges and
-       reorders.
+       overlaps sending piece k. Rows a rank owns itself never enter an exchange nor the
+       receive buffer.
+    5. The result is assembled per piece in one pass (:func:`elastic_emb.gather.gather_rows`,
+       a Triton kernel on CUDA): each row, duplicates expanded, read from the receive buffer or
+       straight from the shard. On CUDA that is queued at once on a stream of the context's
+       own: piece k is assembled as soon as it lands, and the caller's stream is not held up
+       meanwhile. ``handle.wait()`` orders the caller's stream after it (or, with a timeout,
+       waits on the host). On gloo ``wait()`` completes the exchanges and assembles. A lookup
+       returns the rows as they were at ``lookup()``: writes to the shard first settle lookups
+       in flight.
     Every collective is issued inside ``lookup`` in program order, so handles may be waited in
     any order on any rank without mismatching collectives. A world of one rank skips all of it:
     a lookup is then a plain gather.
@@ -464,16 +472,16 @@ class LookupHandle:
     """An in-flight lookup. ``wait()`` completes the row exchanges and returns the rows in the
     order of the ids passed to ``lookup``. Waiting twice returns the same tensor.
 
-    Holds one work object per pipeline piece, the receive buffer of every piece's unique rows
-    and the inverse index of the whole batch into it (or a finished result, for a world of one
-    rank); ``bounds`` are the pieces' positions in the ids.
+    Holds one work object per pipeline piece, the receive buffer of the received rows and, per
+    position of the batch, where its row is (``pos``: >= 0 in the receive buffer, < 0 in the
+    shard, from its end) (or a finished result, for a world of one rank); ``bounds`` are the
+    pieces' positions in the ids.
 
-    On CUDA the reorders are queued at once, by :meth:`_reorder_on_side_stream`, on a stream of
-    the context's own: piece k is reordered as soon as its exchange lands, while later pieces
+    On CUDA the assembly is queued at once, by :meth:`_reorder_on_side_stream`, on a stream of
+    the context's own: piece k is assembled as soon as its exchange lands, while later pieces
     are still on the wire, whenever the caller gets round to ``wait()``; and the caller's
     stream is not held up meanwhile (it could run the dense part of the model). ``wait()``
-    then orders the caller's stream after that work. On the CPU (gloo) ``wait()`` does the
-    reorders itself."""
+    then orders the caller's stream after that work. On the CPU (gloo) ``wait()`` assembles."""
 
     def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, pos, leased: bool,
                  keep: tuple = (), bounds: list[int] | None = None):
@@ -1331,7 +1339,7 @@ class EmbContext:
         them all (:meth:`_dedup`, the lookup's only host synchronisation), one count exchange
         and one id exchange serve all pieces. Then, per piece, the owner gathers the rows asked
         of it and starts that piece's row all-to-all, so gathering piece k+1 overlaps sending
-        piece k, and (in ``wait``) reordering piece k overlaps sending the next ones.
+        piece k, and assembling piece k overlaps sending the next ones.
 
         Rows a rank owns itself never enter an exchange, nor the receive buffer: the result is
         assembled in one pass (:func:`elastic_emb.gather.gather_rows`), each row read from the
