@@ -484,12 +484,13 @@ class LookupHandle:
     then orders the caller's stream after that work. On the CPU (gloo) ``wait()`` assembles."""
 
     def __init__(self, ctx: "EmbContext", table: str, works, recv_rows, pos, leased: bool,
-                 keep: tuple = (), bounds: list[int] | None = None):
+                 keep: tuple = (), bounds: list[int] | None = None, own_in_recv: bool = False):
         self._ctx = ctx
         self._table = table
         self._works = works
         self._recv = recv_rows
         self._pos = pos
+        self._own_in_recv = own_in_recv  # CPU: own rows already copied behind the received ones
         self._bounds = bounds
         self._leased = leased
         self._keep = keep  # send buffers must outlive the exchange
@@ -511,7 +512,11 @@ class LookupHandle:
         """Piece k's rows into the caller's order (duplicates expanded), in ``result``: received
         rows from the receive buffer, this rank's own straight from its shard."""
         lo, hi = self._bounds[k], self._bounds[k + 1]
-        if hi > lo:
+        if hi <= lo:
+            return
+        if self._own_in_recv:
+            torch.index_select(self._recv, 0, self._pos[lo:hi], out=result[lo:hi])
+        else:
             gather_rows(result[lo:hi], self._ctx._arena.weights[self._table], self._recv, self._pos[lo:hi])
 
     def _reorder_on_side_stream(self, ready, result: torch.Tensor) -> None:
@@ -1186,7 +1191,8 @@ class EmbContext:
         want = self._want_bytes(spec, n, chunks, tag)
         # A lookup also computes where each result row will come from (see _pipelined_lookup):
         # that needs this rank's number and its shard's length.
-        mine = (self.topology.rank, len(self.owned(spec.name))) if lookup else None
+        # (CUDA only: the CPU path places its own rows itself, see _pipelined_lookup.)
+        mine = (self.topology.rank, len(self.owned(spec.name))) if lookup and self.device.type == "cuda" else None
         return offsets, self._key_bounds(spec, chunks, dtype), self._header_template(tag), slots, layout, want, mine
 
     def _fusable(self, spec: TableSpec, chunks: int, tag: int) -> bool:
@@ -1387,14 +1393,23 @@ class EmbContext:
         n_local = [sent[me][k] for k in range(chunks)]
         n_remote = [size[k] - n_local[k] for k in range(chunks)]
         rbase = [sum(n_remote[:k]) for k in range(chunks + 1)]  # where piece k's received rows start
+        # CUDA: my own rows are read from my shard when the result is assembled (one pass, a
+        # Triton kernel). The CPU has no such kernel and torch ops would take two passes over
+        # them, so there they are gathered once, behind the received rows, and the result is one
+        # index_select (bench/lookup.py on CPU: the torch two-source gather cost 30% more).
+        own_behind = dev.type != "cuda"
+        n_recv = rbase[-1] + (sum(n_local) if own_behind else 0)
         need = _staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
-                             + [((rbase[-1], spec.dim), spec.torch_dtype)])
+                             + [((n_recv, spec.dim), spec.torch_dtype)])
         buf, leased = self._arena.lease(need)
         staging = _Staging(buf)
-        # Received rows only, piece by piece, each piece's peers in rank order (as an all-to-all
-        # writes them); my own rows are read from my shard when the result is assembled.
-        got_rows = staging.take((rbase[-1], spec.dim), spec.torch_dtype)
+        # Received rows, piece by piece, each piece's peers in rank order (as an all-to-all writes
+        # them), then on the CPU my own rows.
+        got_rows = staging.take((n_recv, spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in recv_keys
+        if own_behind:
+            pos = self._own_rows_behind(uniq, inverse, n_unique, weight, got_rows, base, size, starts[me], n_local,
+                                        rbase, rows, start)
         if dev.type == "cuda":
             # Allocated on the caller's stream before the event the side stream waits on, so any
             # earlier user of its memory is done by then; the event also covers ``pos``.
@@ -1425,10 +1440,32 @@ class EmbContext:
                 self._arena.release()
             raise
         bounds = [n * k // chunks for k in range(chunks + 1)]
-        handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds)
+        handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds,
+                              own_in_recv=own_behind)
         if dev.type == "cuda":
             handle._reorder_on_side_stream(ready, result)
         return handle
+
+    @staticmethod
+    def _own_rows_behind(uniq, inverse, n_unique: int, weight, got_rows, base, size, before, n_local, rbase, rows: int,
+                         start: int) -> torch.Tensor:
+        """CPU: gather my own unique rows into ``got_rows`` behind the received ones; return, per
+        position of the batch, its row in ``got_rows``. Unique keys are in (piece, owner) order:
+        in piece k those of owners before me, mine, then those of owners after me."""
+        src = torch.empty(n_unique, dtype=torch.int64)
+        own_at = rbase[-1]
+        for k in range(len(n_local)):
+            b, bf, mine = base[k], before[k], n_local[k]
+            if bf:
+                torch.arange(rbase[k], rbase[k] + bf, out=src[b : b + bf])
+            if mine:
+                torch.arange(own_at, own_at + mine, out=src[b + bf : b + bf + mine])
+                torch.index_select(weight, 0, uniq[b + bf : b + bf + mine] - (k * rows + start),
+                                   out=got_rows[own_at : own_at + mine])
+                own_at += mine
+            if size[k] > bf + mine:
+                torch.arange(rbase[k] + bf, rbase[k + 1], out=src[b + bf + mine : b + size[k]])
+        return src.index_select(0, inverse)
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
