@@ -45,9 +45,11 @@ Lookup (``lookup(table, ids) -> LookupHandle``)
        all-to-all (``async_op``; the NCCL stream at high priority), so gathering piece k+1
        overlaps sending piece k. Rows a rank owns itself never enter an exchange nor the
        receive buffer.
-    5. The result is assembled per piece in one pass (:func:`elastic_emb.gather.gather_rows`,
-       a Triton kernel on CUDA): each row, duplicates expanded, read from the receive buffer or
-       straight from the shard. On CUDA that is queued at once on a stream of the context's
+    5. The result is assembled per piece in one pass: on CUDA each row, duplicates expanded,
+       read from the receive buffer or straight from the shard
+       (:func:`elastic_emb.gather.gather_rows`, a Triton kernel); on the CPU, where that would
+       take two passes, own rows are first gathered once behind the received rows and the
+       result is one index_select. On CUDA the assembly is queued at once on a stream of the context's
        own: piece k is assembled as soon as it lands, and the caller's stream is not held up
        meanwhile. ``handle.wait()`` orders the caller's stream after it (or, with a timeout,
        waits on the host). On gloo ``wait()`` completes the exchanges and assembles. A lookup
