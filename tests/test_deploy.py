@@ -454,8 +454,10 @@ w = Watcher.from_env()
 assert w is not None, "no watcher: ELASTIC_EMB_RDZV_ENDPOINT missing"
 w.start()
 (out / f"ready{rank}").write_text("1")
-if os.environ.get("DRAIN_TEST_STUCK"):     # a step that outlasts the drain timeout
-    time.sleep(8)
+if os.environ.get("DRAIN_TEST_STUCK"):     # a step that outlasts the drain timeout: stuck until the test releases it
+    release, stuck_until = out / "release", time.monotonic() + 120
+    while not release.exists() and time.monotonic() < stuck_until:
+        time.sleep(0.05)
 step, deadline = 0, time.monotonic() + 60
 while time.monotonic() < deadline:
     t = torch.ones(1)
@@ -552,6 +554,7 @@ def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
         assert outcome["outcome"] == "timeout" and outcome["acks"] == 0 and outcome["expected"] == 1, outcome
         assert 1.5 <= outcome["elapsed_s"] < elapsed
     finally:
+        (tmp_path / "release").write_text("1")
         _stop(proc)
 
 
