@@ -104,7 +104,7 @@ from elastic_emb import optim
 from elastic_emb.errors import ContextClosed, ElasticEmbError, WorldSizeChanged
 from elastic_emb.events import get_logger
 from elastic_emb.gather import gather_rows
-from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range, rows_per_owner
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology, is_power_of_two
@@ -606,7 +606,7 @@ class LookupHandle:
 # ---------------------------------------------------------------------------------------------
 
 
-class EmbContext:
+class EmbContext(ContextBase):
     """A sharded embedding context for one topology. See the module docstring."""
 
     def __init__(

@@ -67,3 +67,11 @@ class RestoreError(ElasticEmbError, RuntimeError):
 
 class ChecksumMismatch(ElasticEmbError, RuntimeError):
     """Restored bytes do not match the checksum recorded in the commit manifest."""
+
+
+class ContractViolation(ElasticEmbError, TypeError):
+    """A context object lacks a member of :class:`elastic_emb.protocol.ShardedContext`."""
+
+
+class ChangeTrackingUnsupported(ElasticEmbError, NotImplementedError):
+    """``take_changes`` was called on a context whose ``tracks_changes`` is False."""

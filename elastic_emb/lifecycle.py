@@ -23,17 +23,16 @@ training got, which tells a resize whether the live rows are newer than the last
 Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
 durations (teardown, agreement, construct, restore), bytes moved, source tiers, steps.
 
-A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` (``topology``,
-``reset``, ``close``, ``export_shard``, ``import_shard``) and a factory ``(topology, store) ->
-context``. A ``process_group`` attribute (a c10d ProcessGroup) is used for row transfer when
-present; otherwise the state layer forms a gloo group of its own per generation. An optional
-``shard_views()`` (same shape as ``export_shard()``, but the context's own writable tensors)
-lets restore write rows in place instead of into a copy that ``import_shard`` copies again.
+A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` and a factory
+``(topology, store) -> context``; the lifecycle checks at construction that the context has every
+member of the contract (:func:`elastic_emb.protocol.check_context`) and then uses them as
+declared. Its ``process_group`` (when not None) carries row transfers; otherwise the state layer
+forms a gloo group of its own per generation. ``shard_views()`` (when not None) lets restore
+write rows in place instead of into a copy that ``import_shard`` copies again.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import threading
@@ -44,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
-from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext
+from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
 from elastic_emb.state import (
     Comm,
     DurableTier,
@@ -156,8 +155,8 @@ class Lifecycle:
         self._comm: Comm | None = None
         self._owns_default_pg = False
         self._sigterm = threading.Event()
-        self._num_rows: dict[str, int] = {}
         self._pending_durable = None
+        self._default_pg_gen: int | None = None
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id,
                                      replication=config.replication, keep=config.keep)
         self.durable = DurableTier(config.durable_dir, topology.run_id) if config.durable_dir else None
@@ -182,7 +181,7 @@ class Lifecycle:
         try:
             agree(topology, store, timeout=config.agree_timeout)
             t2 = time.perf_counter()
-            lc.context = factory(topology, store)
+            lc.context = check_context(factory(topology, store))
             t3 = time.perf_counter()
             report = lc._restore(live=None, live_commit=None)
         except BaseException:
@@ -213,7 +212,7 @@ class Lifecycle:
             raise ValueError(f"step={step} was already committed (last committed step {self.step}); "
                              f"steps must increase: resume at lifecycle.next_step={self.next_step}")
         self._seen_step = max(self._seen_step, step)
-        if self.watcher is not None and getattr(self.watcher, "evicted", False):
+        if self.watcher is not None and self.watcher.evicted:
             raise ElasticEmbError(f"rank {self.topology.rank} was evicted from the job: it must not commit step "
                                   f"{step}; exit and let the agent restart it")
         drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
@@ -231,7 +230,7 @@ class Lifecycle:
         ctx = self._require_context()
         shards = ctx.export_shard()
         comm = self._comm_for(ctx)
-        num_rows = self._table_rows(shards, comm)
+        num_rows = self._table_rows()
         written, replicated = self.snapshot.commit(step, shards, comm, num_rows)
         tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
@@ -275,18 +274,7 @@ class Lifecycle:
         agree(new, store, timeout=self.config.agree_timeout)
         t1 = time.perf_counter()
         ctx = self._require_context()
-        kwargs = {}
-        params = inspect.signature(ctx.reset).parameters
-        if "topology" in params:
-            kwargs["topology"] = new
-        if "store" in params:
-            kwargs["store"] = store
-        ctx.reset(new.rank, new.world_size, **kwargs)
-        if getattr(ctx, "topology", None) is not new and "topology" not in params:
-            try:
-                ctx.topology = new
-            except AttributeError:
-                pass
+        ctx.reset(new.rank, new.world_size, topology=new, store=store)
         t2 = time.perf_counter()
         self._close_comm()
         self.topology, self.store = new, store
@@ -303,7 +291,7 @@ class Lifecycle:
         ctx = self._require_context()
         self.wait_durable()
         committed = False
-        healthy = bool(getattr(ctx, "healthy", True)) and not getattr(ctx, "closed", False)
+        healthy = ctx.healthy and not ctx.closed
         # A commit is collective over the old world: only when nobody left (leavers commit before
         # they go, on a drain; ranks that died cannot). Otherwise restore takes the newest commit
         # complete across tiers, and the survivors' newer live rows wait for the next commit.
@@ -322,27 +310,23 @@ class Lifecycle:
                         last_step=self._seen_step)
         else:
             try:
-                live = list(ctx.export_shard().values()) if not getattr(ctx, "closed", False) else None
+                live = list(ctx.export_shard().values())
             except Exception as exc:
                 log.warning("lifecycle.export_failed", error=repr(exc)[:300])
         live_commit = (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
         self._close_comm()
         # Ranks left: their ends of the communicator are gone without a destroy, and a destroy
-        # waits for peers (NCCL); abort instead, on every survivor alike (FACTS: NCCL pitfalls).
-        params = inspect.signature(ctx.close).parameters
-        how = {"abort": True} if new.world_size < old.world_size and "abort" in params else {}
-        if "wait" in params:
-            # The communicator is destroyed by a background thread while the new one forms
-            # (EmbContext.close(wait=False)): NCCL's destroy is most of a serial rebuild.
-            how["wait"] = False
-        ctx.close(**how)
+        # waits for peers (NCCL); abort instead, on every survivor alike (docs/FACTS.md, NCCL).
+        # wait=False: the communicator may be released in the background while the new one
+        # forms (EmbContext does): NCCL's destroy is most of a serial rebuild.
+        ctx.close(abort=True if new.world_size < old.world_size else None, wait=False)
         self.context = None
         t1 = time.perf_counter()
         agree(new, store, timeout=self.config.agree_timeout)
         self.topology, self.store = new, store
         bind_topology(new)
         t2 = time.perf_counter()
-        self.context = self.factory(new, store)
+        self.context = check_context(self.factory(new, store))
         t3 = time.perf_counter()
         report = self._restore(live=live, live_commit=live_commit)
         t4 = time.perf_counter()
@@ -382,7 +366,7 @@ class Lifecycle:
                     f"outside elastic_emb and does not match rank {t.rank} of {t.world_size}; destroy it before "
                     f"a resize, or leave durable_dir unset"
                 )
-            if getattr(self, "_default_pg_gen", None) == t.generation:
+            if self._default_pg_gen == t.generation:
                 return dist.group.WORLD
             dist.destroy_process_group()
         from datetime import timedelta
@@ -451,10 +435,9 @@ class Lifecycle:
         return self.context
 
     def _comm_for(self, ctx) -> Comm:
-        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not getattr(ctx, "process_group", self._comm.pg):
+        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not ctx.process_group:
             self._close_comm()
-            self._comm = Comm(self.topology, self.store, getattr(ctx, "process_group", None),
-                              timeout=self.config.transfer_timeout)
+            self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
         return self._comm
 
     def _close_comm(self) -> None:
@@ -462,14 +445,8 @@ class Lifecycle:
             self._comm.close()
             self._comm = None
 
-    def _table_rows(self, shards: dict[str, ShardData], comm: Comm) -> dict[str, int]:
-        tables = getattr(self.context, "tables", None)
-        if isinstance(tables, Mapping) and all(hasattr(v, "num_rows") for v in tables.values()):
-            return {name: int(spec.num_rows) for name, spec in tables.items()}
-        if not self._num_rows:
-            everyone = comm.exchange("table-rows", {n: s.rows.stop for n, s in shards.items()})
-            self._num_rows = {n: max(e[n] for e in everyone) for n in shards}
-        return self._num_rows
+    def _table_rows(self) -> dict[str, int]:
+        return {name: int(spec.num_rows) for name, spec in self._require_context().tables.items()}
 
     def _event(self, kind, old: Topology | None, _unused, teardown, agreement, construct, restore_s, total,
                report: RestoreReport, committed: bool) -> ResizeEvent:

@@ -2,8 +2,11 @@
 
 The lifecycle manager never looks inside a context: it constructs one for an agreed topology,
 resets it for a same-size re-form, exports its local shard before a resize, imports a shard after
-one, and closes it. The built-in :class:`elastic_emb.context.EmbContext` implements this; so can a
-C++/CUDA extension with its own ``reset`` (wrap it in a class with these five methods).
+one, asks whether it is healthy, and closes it. :class:`ShardedContext` declares every member the
+lifecycle and the state tiers touch (they probe for nothing else); :class:`ContextBase` supplies
+the optional ones. The built-in :class:`elastic_emb.context.EmbContext` implements it; so can a
+C++/CUDA extension with its own ``reset`` (wrap it in a class that inherits :class:`ContextBase`),
+and :mod:`elastic_emb.testing.conformance` checks any implementation with real processes.
 
 A shard crosses the boundary as :class:`ShardData`: for one table, a global row range, the rows'
 weights and each optimizer slot (tensors whose first dimension is the number of rows), all on the
@@ -13,11 +16,13 @@ moving row ranges (see :mod:`elastic_emb.sharding`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from elastic_emb.errors import ChangeTrackingUnsupported, ContractViolation
 from elastic_emb.sharding import RowRange
 from elastic_emb.topology import Topology
 
@@ -97,21 +102,118 @@ class ShardData:
 
 @runtime_checkable
 class ShardedContext(Protocol):
-    """What the lifecycle manager needs of a context. See the module docstring."""
+    """Everything the lifecycle and the state tiers use of a context; nothing else is probed.
+
+    Required (a context must define each): ``topology``, ``tables``, ``healthy``, ``closed``,
+    ``reset``, ``close``, ``export_shard``, ``import_shard``. Optional abilities
+    (``process_group``, ``shard_views``, ``mark_restored``, ``tracks_changes``, ``take_changes``)
+    have defaults in :class:`ContextBase`: inherit it and define only what you offer.
+    :func:`check_context` says what a class lacks; :mod:`elastic_emb.testing.conformance` checks
+    the behaviour below with real processes.
+    """
 
     topology: Topology
+    """The agreed topology this context is built for; after ``reset``, the one it was given."""
 
-    def reset(self, rank: int, world_size: int) -> None:
-        """Re-form the communicator for the same world size (rank mapping may change)."""
+    tables: Mapping[str, TableSpec]
+    """Every table by name (the lifecycle reads each table's ``num_rows`` from it)."""
 
-    def close(self) -> None:
-        """Release communicator and memory. Idempotent."""
+    process_group: object | None
+    """A c10d ProcessGroup over this topology's ranks that the state tiers may use for row
+    transfer, or None (they then form a gloo group of their own per generation)."""
+
+    tracks_changes: bool
+    """True when :meth:`take_changes` works (incremental snapshots); False: full snapshots."""
+
+    @property
+    def healthy(self) -> bool:
+        """False once a collective failed or timed out (its rows may hold part of a step; the
+        lifecycle then restores from committed tiers instead of exporting them), and once closed."""
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
+        """Collective: re-form the communicator for the same world size (the rank mapping may
+        change) on ``store``, adopt ``topology`` and keep every row.
+
+        Raises :class:`~elastic_emb.errors.WorldSizeChanged` (before any communication) when
+        ``world_size`` differs from the one the context was built for, and ``ValueError`` when
+        ``topology`` changes ``ep_size`` or ``backend``: those need a new context."""
+
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
+        """Release communicator and memory. Idempotent; every later use raises
+        :class:`~elastic_emb.errors.ContextClosed`. ``abort``: True forces an abort of the
+        communicator (peers are gone), False forbids it, None aborts only when unhealthy.
+        ``wait=False`` permits releasing the communicator in the background (the next context
+        forms meanwhile); a context may always release synchronously."""
 
     def export_shard(self) -> dict[str, ShardData]:
-        """This rank's rows of every table (empty ranges on ranks that own none)."""
+        """Copies of this rank's rows of every table: exactly its owned range
+        (:func:`elastic_emb.sharding.owned_range`; empty on ranks that own none), weights of shape
+        ``(rows, dim)`` in the table's dtype, and every optimizer slot."""
 
-    def import_shard(self, shards: dict[str, ShardData]) -> None:
-        """Overwrite this rank's rows with ``shards`` (exactly this rank's owned ranges)."""
+    def import_shard(self, shards: Mapping[str, ShardData]) -> None:
+        """Overwrite this rank's rows with ``shards`` (every table, exactly the owned ranges,
+        the shapes :meth:`export_shard` gives). Local. Raises ``ValueError`` for anything else."""
+
+    def shard_views(self) -> dict[str, ShardData] | None:
+        """Optional: the context's own writable tensors in :meth:`export_shard`'s shape, so a
+        restore writes rows in place; None when the context has no such views."""
+
+    def mark_restored(self) -> None:
+        """Optional: a restore wrote every row through :meth:`shard_views` (a context that
+        initialises rows lazily skips that now)."""
+
+    def take_changes(self) -> dict:
+        """Optional (when :attr:`tracks_changes`): per table a bool mask of shape (local rows,)
+        on the context's device, True for rows written (rows or optimizer slots) since the
+        previous call, construction, restore or import. The context swaps in a fresh zero mask:
+        the caller owns the returned one. Lazy initialisation from the seed counts as unchanged."""
+
+
+class ContextBase:
+    """Defaults for the optional abilities of :class:`ShardedContext`. Inherit it, define the
+    required members, and override what your context offers."""
+
+    process_group: object | None = None
+    tracks_changes: bool = False
+
+    def shard_views(self) -> dict[str, ShardData] | None:
+        return None
+
+    def mark_restored(self) -> None:
+        return None
+
+    def take_changes(self) -> dict:
+        raise ChangeTrackingUnsupported(
+            f"{type(self).__name__} does not track changed rows (tracks_changes is False): "
+            f"take full snapshots, or implement take_changes and set tracks_changes = True"
+        )
+
+
+REQUIRED = ("topology", "tables", "healthy", "closed", "reset", "close", "export_shard", "import_shard")
+OPTIONAL = ("process_group", "shard_views", "mark_restored", "tracks_changes", "take_changes")
+
+
+def missing_abilities(context: object) -> list[str]:
+    """The members of :class:`ShardedContext` that ``context`` lacks (empty: it has them all)."""
+    return [name for name in (*REQUIRED, *OPTIONAL) if not hasattr(context, name)]
+
+
+def check_context(context: object) -> ShardedContext:
+    """Return ``context`` if it has every member of :class:`ShardedContext`; otherwise raise
+    :class:`~elastic_emb.errors.ContractViolation` naming what it lacks."""
+    missing = missing_abilities(context)
+    if missing:
+        optional = [m for m in missing if m in OPTIONAL]
+        hint = " (inherit elastic_emb.protocol.ContextBase for the optional ones)" if optional else ""
+        raise ContractViolation(
+            f"{type(context).__name__} is not a ShardedContext: it lacks {', '.join(missing)}{hint}; "
+            f"see elastic_emb.protocol.ShardedContext"
+        )
+    return context  # type: ignore[return-value]
 
 
 class ContextFactory(Protocol):

@@ -6,9 +6,10 @@ with integer-valued data, commits every step, optionally goes through a membersh
 dumps its shard after every phase (``<out>/<phase>-g<generation>-r<rank>.pt``) for the test to
 compare bit for bit against a reference. Its last stdout line is JSON.
 
-:class:`MiniContext` is the second, minimal context class that proves the context protocol: a
-raw gloo process group of its own (not exposed, so the state layer forms its own), plain
-tensors, and a ``reset`` that refuses other world sizes; it records every call it gets.
+:class:`MiniContext` is the second, minimal context class that proves the context contract
+(:class:`elastic_emb.protocol.ShardedContext`): a raw gloo process group of its own (not exposed,
+so the state layer forms its own), plain tensors, and a ``reset`` that refuses other world sizes;
+it records every call it gets.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_emb.errors import RestoreError, WorldSizeChanged
-from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.errors import ContextClosed, RestoreError, WorldSizeChanged
+from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import owned_range
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
@@ -37,16 +38,20 @@ def int_init(num_rows_range, dim: int, dtype=torch.float32) -> torch.Tensor:
     return ((rows * 31 + cols * 7) % 97 - 48).to(dtype)
 
 
-class MiniContext:
-    """A minimal ShardedContext: plain float64 tensors, a private gloo group, strict reset."""
+class MiniContext(ContextBase):
+    """A minimal ShardedContext in plain torch: float64 tensors, a private gloo group, strict
+    reset, shard views. It passes the conformance suite (tests/test_conformance.py)."""
 
-    def __init__(self, topology: Topology, store, *, tables, calls_file: str | None = None) -> None:
+    def __init__(self, topology: Topology, store, *, tables, calls_file: str | None = None,
+                 timeout: float = 60.0) -> None:
         self.topology = topology
         self.tables = {t.name: t for t in tables}
         self._store = store
         self._calls_file = calls_file
+        self._timeout = timeout
         self._instance = 0
-        self.closed = False
+        self._closed = False
+        self._healthy = True
         self._pg = self._form(topology, store)
         self._rows = {}
         for name, spec in self.tables.items():
@@ -54,10 +59,18 @@ class MiniContext:
             self._rows[name] = (rr, int_init(rr, spec.dim, torch.float64), torch.zeros(len(rr), dtype=torch.float64))
         self._record("construct", world_size=topology.world_size, rank=topology.rank)
 
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _form(self, topology: Topology, store):
         self._instance += 1
         pg_store = dist.PrefixStore(f"mini{self._instance}/", generation_store(store, topology, "mini"))
-        pg = dist.ProcessGroupGloo(pg_store, topology.rank, topology.world_size, timedelta(seconds=60))
+        pg = dist.ProcessGroupGloo(pg_store, topology.rank, topology.world_size, timedelta(seconds=self._timeout))
         t = torch.ones(1)
         pg.allreduce([t]).wait()
         assert int(t.item()) == topology.world_size
@@ -68,44 +81,69 @@ class MiniContext:
             with open(self._calls_file, "a") as f:
                 f.write(json.dumps({"call": what, **kw}) + "\n")
 
-    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ContextClosed(f"{what} on a closed MiniContext")
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
+        self._check_open("reset")
         self._record("reset", rank=rank, world_size=world_size, built_for=self.topology.world_size)
         if world_size != self.topology.world_size:
             raise WorldSizeChanged(self.topology.world_size, world_size)
-        if rank != self.topology.rank:
+        if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
+            raise ValueError("MiniContext.reset: ep_size and backend must stay; construct a new context")
+        if rank != self.topology.rank or topology.rank != rank:
             raise ValueError("MiniContext.reset keeps ranks (the tests re-form with the same mapping)")
-        self.topology = topology or self.topology
-        self._store = store or self._store
-        self._pg = self._form(self.topology, self._store)
+        self._pg = self._form(topology, store)
+        self.topology, self._store, self._healthy = topology, store, True
 
-    def close(self) -> None:
-        if not self.closed:
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
+        if not self._closed:
             self._record("close", world_size=self.topology.world_size)
-            self.closed = True
-            self._pg = None
+            self._closed = True
+            pg, self._pg = self._pg, None
+            pg.abort()  # gloo: closes this rank's connections; no peer waits on a destroy
 
     def export_shard(self) -> dict[str, ShardData]:
+        self._check_open("export_shard")
         return {n: ShardData(n, rr, w.clone(), {"accumulator": a.clone()}) for n, (rr, w, a) in self._rows.items()}
 
     def shard_views(self) -> dict[str, ShardData]:
-        """Optional capability: this rank's shards as the context's own tensors (restore fills
-        them in place, skipping a copy and import_shard)."""
+        """This rank's shards as the context's own tensors (restore fills them in place,
+        skipping a copy and import_shard)."""
+        self._check_open("shard_views")
         return {n: ShardData(n, rr, w, {"accumulator": a}) for n, (rr, w, a) in self._rows.items()}
 
     def import_shard(self, shards) -> None:
+        self._check_open("import_shard")
+        if set(shards) != set(self._rows):
+            raise ValueError(f"import_shard: tables {sorted(shards)} != {sorted(self._rows)}")
         for n, s in shards.items():
             rr, w, a = self._rows[n]
-            assert s.rows == rr, (s.rows, rr)
+            if s.rows != rr or s.weight.shape != w.shape or set(s.slots) != {"accumulator"}:
+                raise ValueError(f"import_shard: table {n!r} shard rows {s.rows} (shape {tuple(s.weight.shape)}) "
+                                 f"!= owned {rr} (shape {tuple(w.shape)})")
+        for n, s in shards.items():
+            rr, w, a = self._rows[n]
             w.copy_(s.weight)
             a.copy_(s.slots["accumulator"])
+
+    def allreduce(self) -> None:
+        """One collective over the context's group; a failure marks the context unhealthy."""
+        self._check_open("allreduce")
+        t = torch.ones(1)
+        try:
+            self._pg.allreduce([t]).wait()
+        except Exception:
+            self._healthy = False
+            raise
 
     def train_step(self, step: int) -> None:
         for n, (rr, w, a) in self._rows.items():
             rows = torch.arange(rr.start, rr.stop, dtype=torch.int64)
             w += ((rows + step) % 5 - 2).to(torch.float64)[:, None]
             a += 1
-        t = torch.ones(1)
-        self._pg.allreduce([t]).wait()  # every rank steps together
+        self.allreduce()  # every rank steps together
 
 
 # ---------------------------------------------------------------------------------------------
