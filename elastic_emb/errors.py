@@ -75,3 +75,7 @@ class ContractViolation(ElasticEmbError, TypeError):
 
 class ChangeTrackingUnsupported(ElasticEmbError, NotImplementedError):
     """``take_changes`` was called on a context whose ``tracks_changes`` is False."""
+
+
+class ConfigError(ElasticEmbError, ValueError):
+    """An ``ELASTIC_EMB_*`` environment variable has a bad value or is unknown (elastic_emb.config)."""

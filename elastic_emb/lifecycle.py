@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
@@ -90,11 +91,13 @@ class LifecycleConfig(BaseModel):
         return self
 
     def resolved(self, env: Mapping[str, str]) -> "LifecycleConfig":
-        """A copy with environment defaults filled in."""
-        durable = self.durable_dir or env.get("ELASTIC_EMB_DURABLE_DIR") or None
+        """A copy with environment defaults filled in (every ``ELASTIC_EMB_*`` variable is
+        validated here: a bad one fails the start with a :class:`ConfigError` naming it)."""
+        settings = config.load(env)
+        durable = self.durable_dir or settings.durable_dir
         durable_every = self.durable_every or (self.commit_every if durable else 0)
         return self.model_copy(update=dict(
-            state_dir=self.state_dir or env.get("ELASTIC_EMB_STATE_DIR") or "/dev/shm/elastic_emb",
+            state_dir=self.state_dir or settings.state_dir,
             durable_dir=durable,
             durable_every=durable_every,
             node_id=self.node_id or node_id_from_env(env),

@@ -44,7 +44,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from elastic_emb.errors import AgreementTimeout, TopologyDisagreement, TopologyError
+from elastic_emb import config
+from elastic_emb.errors import AgreementTimeout, ConfigError, TopologyDisagreement, TopologyError
 
 # Which environment variable each field comes from, so every error can name it.
 ENV_OF_FIELD: dict[str, str] = {
@@ -159,21 +160,18 @@ class Topology(BaseModel):
                 f"GROUP_RANK and GROUP_WORLD_SIZE are not set while LOCAL_WORLD_SIZE="
                 f"{local_world_size} != WORLD_SIZE={world_size}: set both (torchrun does)"
             )
-        ep_raw = env.get("ELASTIC_EMB_EP_SIZE")
-        ep_size = (
-            integer("ELASTIC_EMB_EP_SIZE", minimum=1)
-            if ep_raw is not None
-            else largest_power_of_two_at_most(world_size)
-        )
-        backend = env.get("ELASTIC_EMB_BACKEND")
-        if backend is None:
-            backend = "nccl" if _cuda_available() else "gloo"
+        try:
+            settings = config.load(env, "generation", "ep_size", "backend")
+        except ConfigError as exc:
+            raise TopologyError(str(exc)) from None
+        ep_size = settings.ep_size if settings.ep_size is not None else largest_power_of_two_at_most(world_size)
+        backend = settings.backend or ("nccl" if _cuda_available() else "gloo")
         master_addr = env.get("MASTER_ADDR")
         if master_addr is None:
             raise TopologyError("MASTER_ADDR is not set: launch with torchrun (or set MASTER_ADDR)")
         values = dict(
             run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
-            generation=integer("ELASTIC_EMB_GENERATION", default=0),
+            generation=settings.generation,
             rank=integer("RANK"),
             world_size=world_size,
             local_rank=integer("LOCAL_RANK"),

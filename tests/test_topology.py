@@ -65,7 +65,7 @@ def test_defaults_are_documented_fallbacks():
         ("GROUP_RANK", "2", "from GROUP_RANK"),
         ("GROUP_WORLD_SIZE", "5", "from GROUP_WORLD_SIZE"),
         ("TORCHELASTIC_RUN_ID", "", "from TORCHELASTIC_RUN_ID"),
-        ("ELASTIC_EMB_BACKEND", "mpi", "from ELASTIC_EMB_BACKEND"),
+        ("ELASTIC_EMB_BACKEND", "mpi", "ELASTIC_EMB_BACKEND='mpi' is not one of 'nccl' or 'gloo'"),
         ("ELASTIC_EMB_GENERATION", "x", "ELASTIC_EMB_GENERATION='x' is not an integer"),
     ],
 )

@@ -1,0 +1,183 @@
+"""Every ``ELASTIC_EMB_*`` environment variable, declared once: its type, default and meaning.
+
+The environment is untrusted input: :func:`load` validates what it reads and turns a bad value
+into one :class:`~elastic_emb.errors.ConfigError` line that names the variable, the value and
+what it should be. A variable with the prefix that is not declared here is refused too (a typo
+such as ``ELASTIC_EMB_STATEDIR`` would otherwise be ignored in silence).
+
+Modules read settings through :func:`load` (``load(env).state_dir``), never ``os.environ``
+directly; a reader that only needs some variables names them (``load(env, "generation")``), so
+it is not failed by a bad value it does not use. The README's table of variables is generated
+from :class:`Settings` (``python -m elastic_emb.config``) and a test keeps the two equal.
+
+Two kinds of variables: the ones a user sets (``user``), and the ones the ``elastic_emb``
+rendezvous backend sets in every worker's environment (``agent``; set them yourself only
+without that backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from elastic_emb.errors import ConfigError
+
+PREFIX = "ELASTIC_EMB_"
+
+
+def _setting(default, meaning: str, set_by: Literal["user", "agent", "tests"] = "user", **constraints):
+    return Field(default, description=meaning, json_schema_extra={"set_by": set_by}, **constraints)
+
+
+class Settings(BaseSettings):
+    """The ``ELASTIC_EMB_*`` variables (field ``state_dir`` is ``ELASTIC_EMB_STATE_DIR``)."""
+
+    model_config = SettingsConfigDict(env_prefix=PREFIX, case_sensitive=True, frozen=True, extra="forbid",
+                                      env_ignore_empty=True)
+
+    # -- set by the user ---------------------------------------------------------------------
+    state_dir: str = _setting("/dev/shm/elastic_emb", "root of the node-local snapshots (`<dir>/<run_id>/<node id>/`)",
+                              min_length=1)
+    durable_dir: str | None = _setting(None, "root of the durable checkpoints (DCP); unset: no durable tier",
+                                       min_length=1)
+    node_id: str | None = _setting(None, "this node's stable name for its snapshots; unset: the host name",
+                                   pattern=r"^[^/\x00]+$")
+    ep_size: int | None = _setting(None, "ranks that own rows (a power of two); unset: the largest power of two "
+                                   "<= world size", ge=1)
+    backend: Literal["nccl", "gloo"] | None = _setting(None, "communicator backend; unset: nccl when CUDA is "
+                                                       "available, else gloo")
+    transport: Literal["cma", "p2p", "alltoall"] | None = _setting(
+        None, "how restored rows move between ranks; unset: cma on the CPU, alltoall on GPUs")
+    log_format: Literal["json", "console"] | None = _setting(None, "log rendering; unset: console on a terminal, "
+                                                             "else JSON lines")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = _setting(
+        "info", "lowest level of the events logged")
+    etcd: str | None = _setting(None, "path of the etcd binary for drills and tests; unset: `etcd` on PATH",
+                                min_length=1)
+    metrics_port: int | None = _setting(None, "serve Prometheus `/metrics` on this port (agent; worker of local "
+                                        "rank r: port + 1 + r); unset: off", ge=1, le=65535)
+    metrics_addr: str = _setting("0.0.0.0", "the address the metrics endpoints bind", min_length=1)
+    debug: bool = _setting(False, "1: the CLI shows Python and C++ stacks on errors")
+    native_cache: str | None = _setting(None, "where the example native context's compiled extension is cached; "
+                                        "unset: `~/.cache/elastic_emb/native_context`", min_length=1)
+    # -- set by the elastic_emb rendezvous backend in every worker -------------------------------
+    generation: int = _setting(0, "the rendezvous round (the topology's generation)", "agent", ge=0)
+    rdzv_backend: Literal["c10d", "etcd-v2"] | None = _setting(None, "the inner rendezvous backend, for the "
+                                                               "watcher", "agent")
+    rdzv_endpoint: str | None = _setting(None, "the rendezvous endpoint HOST:PORT, for the watcher and "
+                                         "`elastic-emb drain`", "agent", pattern=r"^\S+:\d{1,5}$")
+    rdzv_node: str | None = _setting(None, "this agent's node in the rendezvous (`addr_pid_localid`)", "agent",
+                                     min_length=1)
+    membership: str | None = _setting(None, "JSON list of the round's node ids, index = group rank", "agent")
+    agent_pid: int | None = _setting(None, "the agent's pid (a worker that outlives it is an orphan)", "agent", ge=1)
+    drain: bool = _setting(True, "1: the agent drains the workers before a scale-up; 0: it restarts them at once",
+                           "agent")
+    watch_interval: float = _setting(0.1, "the watcher's polling interval, seconds", "agent", gt=0, le=60)
+    store_outage_timeout: float = _setting(30.0, "how long an unreachable store counts as an outage, not a loss, "
+                                           "seconds", "agent", gt=0, le=3600)
+    # -- tests and drills ------------------------------------------------------------------------
+    fault: str | None = _setting(None, "crash at a named fault point, `<name>[@<step>]` (tests and drills only)",
+                                 "tests", pattern=r"^[A-Za-z0-9_.-]+(@\d+)?$")
+    failed_drills: str = _setting("/tmp/elastic_emb-failed-drills", "where the drill tests keep a failed drill's "
+                                  "output", "tests", min_length=1)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v):
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("membership")
+    @classmethod
+    def _node_list(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            nodes = json.loads(v)
+        except ValueError:
+            raise ValueError("is not JSON") from None
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ValueError("is not a JSON list of node ids")
+        return v
+
+    def nodes(self) -> list[str] | None:
+        """``membership`` parsed (validated on load)."""
+        return None if self.membership is None else json.loads(self.membership)
+
+
+def variable(field: str) -> str:
+    """The environment variable of a :class:`Settings` field."""
+    return PREFIX + field.upper()
+
+
+VARIABLES: dict[str, str] = {variable(f): f for f in Settings.model_fields}
+
+
+def load(env: Mapping[str, str] | None = None, *fields: str) -> Settings:
+    """Validated settings from ``env`` (default ``os.environ``). Empty values count as unset.
+    With ``fields``, only those variables are read (the rest keep their defaults).
+
+    Raises :class:`~elastic_emb.errors.ConfigError` (one line) for a bad value or an unknown
+    ``ELASTIC_EMB_*`` variable."""
+    env = os.environ if env is None else env
+    unknown = [f for f in fields if f not in Settings.model_fields]
+    if unknown:
+        raise ValueError(f"fields {unknown} are not settings; known: {sorted(Settings.model_fields)}")
+    raw: dict[str, str] = {}
+    for name, value in env.items():
+        if not name.startswith(PREFIX) or value == "":
+            continue
+        field = VARIABLES.get(name)
+        if field is None:
+            if not fields:
+                raise ConfigError(f"{name} is not an elastic_emb setting (a typo?); known: {', '.join(sorted(VARIABLES))}")
+            continue
+        if not fields or field in fields:
+            raw[field] = value
+    try:
+        return Settings.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_describe(e, raw) for e in exc.errors())) from None
+
+
+def _describe(error: dict, raw: Mapping[str, str]) -> str:
+    field = str(error["loc"][0]) if error.get("loc") else "?"
+    info = Settings.model_fields.get(field)
+    ctx = error.get("ctx") or {}
+    kind = error.get("type", "")
+    reason = {
+        "int_parsing": "is not an integer",
+        "float_parsing": "is not a number",
+        "bool_parsing": "is not 1 or 0",
+        "greater_than_equal": f"must be >= {ctx.get('ge')}",
+        "greater_than": f"must be > {ctx.get('gt')}",
+        "less_than_equal": f"must be <= {ctx.get('le')}",
+        "string_pattern_mismatch": "has the wrong form",
+        "string_too_short": "is empty",
+        "literal_error": f"is not one of {ctx.get('expected')}",
+    }.get(kind, str(error.get("msg", "")).removeprefix("Value error, "))
+    meaning = f" ({variable(field)}: {info.description})" if info is not None else ""
+    return f"{variable(field)}={raw.get(field)!r} {reason}{meaning}"
+
+
+def markdown_table() -> str:
+    """The README's table of variables."""
+    lines = ["| variable | set by | default | meaning |", "| --- | --- | --- | --- |"]
+    for field, info in Settings.model_fields.items():
+        default = "unset" if info.default is None else f"`{_shown(info.default)}`"
+        set_by = (info.json_schema_extra or {}).get("set_by", "user")  # type: ignore[union-attr]
+        lines.append(f"| `{variable(field)}` | {set_by} | {default} | {info.description} |")
+    return "\n".join(lines)
+
+
+def _shown(value) -> str:
+    return "1" if value is True else "0" if value is False else str(value)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")
