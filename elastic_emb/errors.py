@@ -79,3 +79,48 @@ class ChangeTrackingUnsupported(ElasticEmbError, NotImplementedError):
 
 class ConfigError(ElasticEmbError, ValueError):
     """An ``ELASTIC_EMB_*`` environment variable has a bad value or is unknown (elastic_emb.config)."""
+
+
+# -- rendezvous, watcher and drain ---------------------------------------------------------------
+
+
+class UnsafeStateError(ElasticEmbError, ValueError):
+    """A rendezvous state value names a class outside the allow-list (or is not a state)."""
+
+
+class StoreOutageError(ElasticEmbError, ConnectionError):
+    """The rendezvous store stayed unreachable longer than ``store_outage_timeout``.
+
+    The agent raises a subclass that is also torch's ``RendezvousConnectionError``: torch's own
+    keep-alive timer then logs it instead of dying.
+    """
+
+
+class DrainError(ElasticEmbError, RuntimeError):
+    """The drain request could not be made (bad settings, rendezvous store unreachable)."""
+
+
+# -- state transport -----------------------------------------------------------------------------
+
+
+class PullError(ElasticEmbError, OSError):
+    """A cross-memory pull from a peer failed; the caller sends that peer's rows another way."""
+
+
+# -- drills and test tooling ----------------------------------------------------------------------
+
+
+class EtcdUnavailable(ElasticEmbError, RuntimeError):
+    """The etcd binary is not installed."""
+
+
+class DrillError(ElasticEmbError, RuntimeError):
+    """The drill could not run to the end (timeout, agents failed); the message says which and why."""
+
+
+class LossDetected(ElasticEmbError, AssertionError):
+    """The distributed tables differ from the reference replay. ``findings`` names rows and steps."""
+
+    def __init__(self, message: str, findings: list[dict]) -> None:
+        super().__init__(message)
+        self.findings = findings
