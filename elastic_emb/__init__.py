@@ -42,6 +42,9 @@ _LAZY: dict[str, str] = {
     "agree": "elastic_emb.topology",
     "Watcher": "elastic_emb.watch",
     "Settings": "elastic_emb.config",
+    "configure_logging": "elastic_emb.events",
+    "get_logger": "elastic_emb.events",
+    "bind_topology": "elastic_emb.events",
 }
 
 __all__ = sorted([*_LAZY, *_errors, "__version__"])
@@ -49,6 +52,7 @@ __all__ = sorted([*_LAZY, *_errors, "__version__"])
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from elastic_emb.config import Settings
     from elastic_emb.context import EmbContext
+    from elastic_emb.events import bind_topology, configure_logging, get_logger
     from elastic_emb.lifecycle import CommitReport, Lifecycle, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec
     from elastic_emb.topology import Topology, agree
