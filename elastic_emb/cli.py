@@ -1,25 +1,73 @@
 """The ``elastic-emb`` command line.
 
 Built on click: subcommands, typed options with their defaults in ``--help``, and errors that
-name the bad option, which argparse would make us write by hand.
+name the bad option, which argparse would make us write by hand. Every command runs through
+:func:`elastic_emb.console.run_command`: a failure the user can cause ends in one line naming the
+input and the remedy, with the exit codes listed there (0 ok, 1 negative verdict, 2 bad input or
+unreachable endpoint, 3 timeout, 70 internal error); ``--debug`` (or ``ELASTIC_EMB_DEBUG=1``)
+shows the stack instead.
+
+The drill commands live in :mod:`elastic_emb.drill.command` (the drill package does not import
+this module); this group adds them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 
+from elastic_emb.console import EXIT_USAGE, UserError, quiet_torch, run_command
+from elastic_emb.drill.command import demo_cmd, drill_cmd
 from elastic_emb.errors import ElasticEmbError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="elastic-emb")
-def main() -> None:
-    """Elastic lifecycle manager for sharded embedding tables under torchrun."""
+@click.option("--debug", is_flag=True, help="Show Python and C++ stacks on errors (also ELASTIC_EMB_DEBUG=1).")
+def main(debug: bool) -> None:
+    """Elastic lifecycle manager for sharded embedding tables under torchrun.
+
+    Exit codes: 0 ok; 1 negative verdict (drill FAIL); 2 bad input or unreachable endpoint;
+    3 timed out (drain); 70 internal error (rerun with --debug)."""
+
+
+main.add_command(drill_cmd)
+main.add_command(demo_cmd)
+
+
+def entry_point() -> None:
+    """The ``elastic-emb`` console script: the group, with one-line errors."""
+    run_command(main, prog_name="elastic-emb")
+
+
+def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int]:
+    """Check ``HOST:PORT`` is well-formed and something accepts a TCP connection there.
+
+    A short plain-socket probe before torch's TCPStore or etcd client is built: those retry for
+    their whole timeout and fail with a long stack (TCPStore's carries C++ frames); this fails in
+    ``timeout`` seconds with the endpoint and the remedy named."""
+    host, sep, port = endpoint.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{option} {endpoint!r}: write HOST:PORT, e.g. 127.0.0.1:29400")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except socket.gaierror as exc:
+        raise UserError(f"{option} {endpoint}: cannot resolve host {host!r} ({exc.strerror}); fix the host name") from None
+    except ConnectionRefusedError:
+        raise UserError(f"nothing listens at {endpoint} ({option}): start the job (its rendezvous store) first, "
+                        f"or fix {option}") from None
+    except OSError as exc:
+        raise UserError(f"{endpoint} ({option}) is unreachable within {timeout:g} s ({exc.strerror or exc}); "
+                        f"check host, port and network, or raise --connect-timeout") from None
+    return host, int(port)
 
 
 @main.command("agree")
@@ -53,6 +101,16 @@ def agree_demo(nproc: int) -> None:
     raise SystemExit(subprocess.run(cmd, env=env, timeout=120).returncode)
 
 
+@main.command("example-path")
+def example_path() -> None:
+    """Print the packaged example model's file path (a torchrun training script).
+
+    e.g. torchrun --standalone --nproc-per-node=2 "$(elastic-emb example-path)" --steps 50 --out runs/x"""
+    from elastic_emb.examples import RECSYS
+
+    click.echo(str(RECSYS))
+
+
 # -- deploy (issue 7): the Kubernetes preStop hook ---------------------------------------------
 
 
@@ -61,12 +119,29 @@ def agree_demo(nproc: int) -> None:
 @click.option("--run-id", required=True, help="The --rdzv-id.")
 @click.option("--inner", type=click.Choice(["c10d", "etcd-v2"]), default="c10d", help="The rendezvous state backend.")
 @click.option("--count", type=click.IntRange(1, 100000), default=1, help="Reads to print.")
-@click.option("--interval", type=float, default=1.0, help="Seconds between reads.")
-def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: float) -> None:
+@click.option("--interval", type=click.FloatRange(min=0), default=1.0, help="Seconds between reads.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              help="Seconds to reach the rendezvous store.")
+def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: float, connect_timeout: float) -> None:
     """Print torch's rendezvous state as JSON (decoded with elastic_emb's restricted unpickler)."""
+    quiet_torch()
+    probe_endpoint(endpoint, "--endpoint", connect_timeout)
+    if inner == "etcd-v2":
+        _need_etcd_client("--inner etcd-v2")
     from elastic_emb.watch import print_state
 
-    raise SystemExit(print_state(endpoint, run_id, inner, interval, count))
+    try:
+        raise SystemExit(print_state(endpoint, run_id, inner, interval, count))
+    except (ConnectionError, TimeoutError, RuntimeError) as exc:  # torch's DistNetworkError, etcd's errors
+        raise UserError(f"rendezvous at {endpoint} (--endpoint, --inner {inner}) failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}; check --inner and that the job runs") from None
+
+
+def _need_etcd_client(what: str) -> None:
+    try:
+        import etcd  # noqa: F401 - python-etcd
+    except ImportError:
+        raise UserError(f"{what} needs the python-etcd package: pip install 'elastic-emb[etcd]'") from None
 
 
 @main.command("drain")
@@ -83,81 +158,29 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
 
     Meant as a pod's preStop hook: kubelet sends torchrun SIGTERM only after it returns. Prints
     the outcome as JSON; exit 0 when acknowledged (or nothing to drain), 3 on timeout, 2 when the
-    rendezvous cannot be reached.
+    rendezvous cannot be reached (one JSON log line, drain_failed, says why).
     """
+    quiet_torch()
     from elastic_emb.drain import DrainError, DrainTarget, request_drain
     from elastic_emb.events import get_logger
 
     log = get_logger("elastic_emb.drain")
     try:
         target = DrainTarget.from_env(endpoint=endpoint, run_id=run_id, inner=inner)
+        try:
+            probe_endpoint(target.endpoint, "--endpoint", connect_timeout)
+            if target.inner == "etcd-v2":
+                _need_etcd_client("--inner etcd-v2")
+        except UserError as exc:
+            raise DrainError(exc.message) from None
         result = request_drain(target, timeout=timeout, connect_timeout=connect_timeout)
     except DrainError as exc:
-        log.error("drain_failed", message=str(exc))
-        raise SystemExit(2) from None
+        # The hook's log is JSON lines: the failure is one of them.
+        log.error("drain_failed", message=str(exc).splitlines()[0] if str(exc) else "")
+        raise SystemExit(EXIT_USAGE) from None
     log.info("drain_finished", endpoint=target.endpoint, run_id=target.run_id, **result.model_dump())
     click.echo(result.model_dump_json())
     raise SystemExit(0 if result.ok else 3)
-
-
-# -- drills (issue 6: elastic_emb/drill/) ------------------------------------------------------
-
-
-@main.command("drill")
-@click.option("--scenario", "scenario_spec", default=None,
-              help="A preset (scale-up, scale-down, node-loss, worker-crash, flapping, store-host-loss, "
-                   "corrupt-snapshot, demo), chaos:SEED, or a .yaml/.json scenario file.")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Directory for logs, tables and the report.")
-@click.option("--network", type=click.Choice(["auto", "loopback", "netns"]), default=None,
-              help="Override the scenario's network (netns: one namespace per node, needs root).")
-@click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
-              help="Override the scenario's torchrun --rdzv-backend.")
-@click.option("--script", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Training script to drill (default: examples/train_recsys.py).")
-@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto",
-              help="Progress bar on a terminal, plain lines otherwise.")
-@click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
-def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_presets) -> None:
-    """Run a restart drill: real torchrun agents, real faults, tables checked bit for bit."""
-    from elastic_emb.drill import EXAMPLE, PRESETS, load_scenario, run_drill
-
-    if list_presets:
-        for name, s in PRESETS.items():
-            click.echo(f"{name:18} {s.description}")
-        return
-    for value, name in ((scenario_spec, "--scenario"), (out, "--out")):
-        if not value:
-            raise click.UsageError(f"{name} is required (or --list to see the presets)")
-    try:
-        scenario = load_scenario(scenario_spec)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--scenario") from None
-    update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
-    if update:
-        scenario = scenario.model_validate({**scenario.model_dump(), **update})
-    _drill_logs()
-    report = run_drill(scenario, out, script=script or EXAMPLE, progress=progress)
-    expected = not report["ok"] if scenario.expect_failure else report["ok"]
-    raise SystemExit(0 if expected else 1)
-
-
-@main.command("demo")
-@click.option("--out", type=click.Path(file_okay=False), default="drill-demo", help="Directory for the report.")
-def demo_cmd(out) -> None:
-    """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes."""
-    from elastic_emb.drill import PRESETS, run_drill
-
-    _drill_logs()
-    report = run_drill(PRESETS["demo"], out)
-    raise SystemExit(0 if report["ok"] else 1)
-
-
-def _drill_logs() -> None:
-    """The drill's own events go to its report and logs; on the console, warnings only
-    (ELASTIC_EMB_LOG_LEVEL=info brings them back)."""
-    from elastic_emb.events import configure_logging
-
-    configure_logging(level=os.environ.get("ELASTIC_EMB_LOG_LEVEL", "warning"), force=True)
 
 
 @main.command("state")
@@ -169,11 +192,22 @@ def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None
     missing from this host's view (empty: restorable from here). Reads manifests only."""
     from elastic_emb.state import inspect_state
 
+    given = state_dir is not None
     state_dir = state_dir or os.environ.get("ELASTIC_EMB_STATE_DIR") or "/dev/shm/elastic_emb"
     run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     durable_dir = durable_dir or os.environ.get("ELASTIC_EMB_DURABLE_DIR") or None
+    source = "--state-dir" if given else ("ELASTIC_EMB_STATE_DIR" if os.environ.get("ELASTIC_EMB_STATE_DIR") else "the default")
+    if not Path(state_dir).is_dir():
+        raise UserError(f"state directory {state_dir} (from {source}) does not exist; pass the job's --state-dir "
+                        f"(its ELASTIC_EMB_STATE_DIR), on a host that ran the job")
+    if not (Path(state_dir) / run_id).is_dir():
+        runs = sorted(p.name for p in Path(state_dir).iterdir() if p.is_dir())[:20]
+        raise UserError(f"no run {run_id!r} under {state_dir} (--run-id); runs there: {', '.join(runs) or 'none'}")
+    if durable_dir is not None and not Path(durable_dir).is_dir():
+        raise UserError(f"durable directory {durable_dir} (--durable-dir / ELASTIC_EMB_DURABLE_DIR) does not exist; "
+                        f"fix the path or leave it out")
     click.echo(json.dumps(inspect_state(state_dir, run_id, durable_dir), indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    entry_point()

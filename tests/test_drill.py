@@ -348,10 +348,45 @@ def test_cli_lists_presets_and_refuses_a_bad_scenario(tmp_path):
     runner = CliRunner()
     listed = runner.invoke(main, ["drill", "--list"])
     assert listed.exit_code == 0 and all(name in listed.output for name in PRESETS)
+    assert "Issue" not in listed.output  # descriptions say what a drill does, not where it came from
+    # --help names the same presets as --list (the option's help is built from PRESETS).
+    helped = runner.invoke(main, ["drill", "--help"], terminal_width=1000, max_content_width=1000)
+    assert helped.exit_code == 0 and all(name in helped.output for name in PRESETS), helped.output
     bad = runner.invoke(main, ["drill", "--scenario", "nope", "--out", str(tmp_path / "d")])
     assert bad.exit_code == 2 and "neither a preset" in bad.output
-    missing = runner.invoke(main, ["drill", "--scenario", "scale-up"])
-    assert missing.exit_code == 2 and "--out is required" in missing.output
+    missing = runner.invoke(main, ["drill"])
+    assert missing.exit_code == 2 and "--scenario is required" in missing.output
+
+
+def test_default_out_is_the_working_directory_or_a_temporary_one(tmp_path, monkeypatch):
+    from elastic_emb.drill.command import default_out
+
+    monkeypatch.chdir(tmp_path)
+    assert default_out("demo") == tmp_path / "drill-demo"
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    monkeypatch.chdir(locked)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode bits: make the check see it read-only
+            monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+        out = default_out("demo")
+        assert out.is_dir() and not out.is_relative_to(locked) and out.name.startswith("elastic-emb-drill-demo-")
+        out.rmdir()
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_worker_failing_before_its_first_step_is_named_in_the_drill_error(tmp_path):
+    """The cause (the worker's last error line) is in the drill's own message, not only in a log."""
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nraise RuntimeError('model config missing: set MODEL_CONFIG')\n")
+    scenario = Scenario.model_validate({**PRESETS["scale-up"].model_dump(), "faults": (), "steps": 5,
+                                        "network": "loopback", "max_restarts": 0, "timeout": 120})
+    report = run_drill(scenario, tmp_path / "d", script=script, progress="lines", summary=False)
+    assert report["ok"] is False
+    assert "before the first committed step" in report["error"], report["error"]
+    assert "RuntimeError: model config missing: set MODEL_CONFIG" in report["error"], report["error"]
 
 
 def test_drill_refuses_to_overwrite_a_directory_it_did_not_make(tmp_path):

@@ -1,6 +1,6 @@
 """Elastic restart drills: real torchrun agents, real faults, and proof that nothing was lost.
 
-A drill runs ``examples/train_recsys.py`` under one ``torchrun`` agent per simulated node
+A drill runs the packaged example model (:mod:`elastic_emb.examples.recsys`) under one ``torchrun`` agent per simulated node
 (:mod:`~elastic_emb.drill.orchestrator`), injects the faults of a scenario
 (:mod:`~elastic_emb.drill.scenario`) at given steps or times, then checks the final tables
 against a single-process reference replay, bit for bit (:mod:`~elastic_emb.drill.replay`), and
@@ -12,15 +12,32 @@ line; :func:`run_drill` is the same thing from Python.
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from elastic_emb.drill.orchestrator import Drill, DrillError, DrillResult
-from elastic_emb.drill.replay import EXAMPLE, LossDetected, verify
-from elastic_emb.drill.scenario import PRESETS, Fault, Scenario, chaos, load_scenario
+from elastic_emb.examples import RECSYS as EXAMPLE
+
+if TYPE_CHECKING:
+    from elastic_emb.drill.orchestrator import Drill, DrillError, DrillResult
+    from elastic_emb.drill.replay import LossDetected, verify
+    from elastic_emb.drill.scenario import PRESETS, Fault, Scenario, chaos, load_scenario
 
 __all__ = ["Drill", "DrillError", "DrillResult", "EXAMPLE", "Fault", "LossDetected", "PRESETS", "Scenario",
            "chaos", "load_scenario", "run_drill", "verify"]
+
+# Loaded on first use: the orchestrator and the replay import torch (seconds), which the
+# command line must not pay for `--help`, `--list` or a one-line error.
+_LAZY = {"Drill": "orchestrator", "DrillError": "orchestrator", "DrillResult": "orchestrator",
+         "LossDetected": "replay", "verify": "replay", "PRESETS": "scenario", "Fault": "scenario",
+         "Scenario": "scenario", "chaos": "scenario", "load_scenario": "scenario"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"elastic_emb.drill.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'elastic_emb.drill' has no attribute {name!r}")
 
 
 class _Progress:
@@ -78,6 +95,7 @@ def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMP
     """
     from rich.console import Console
 
+    from elastic_emb.drill.orchestrator import Drill
     from elastic_emb.drill.report import print_summary, write_report
 
     if console is None:

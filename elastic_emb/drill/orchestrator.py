@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -416,8 +417,9 @@ class Drill:
             self._observe(reader.poll())
             failed = [n for n in self.nodes.values() if n.state == "exited" and n.exit_code != 0]
             if error is None and failed:
-                error = "agents failed: " + ", ".join(
-                    f"{n.name} exit {n.exit_code} (log {n.log_path}: {_tail(n.log_path)})" for n in failed)
+                when = " before the first committed step" if self.max_step < 0 else ""
+                error = f"agents failed{when}: " + "; ".join(
+                    f"{n.name} exit {n.exit_code}: {worker_error(n.log_path)} (log {n.log_path})" for n in failed)
             if error is None and pending:
                 error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
                          f"fired (last committed step {self.max_step}); raise steps or step_delay")
@@ -486,10 +488,36 @@ class Drill:
         return out
 
 
-def _tail(path: Path, n: int = 400) -> str:
+def worker_error(path: Path, limit: int = 500) -> str:
+    """The cause of a node's failure, from its log: the last error a worker printed.
+
+    Preference: the exception line (and innermost frame) of the last Python traceback that is not
+    torchrun's own ``ChildFailedError`` summary; else the last lines that mention an error (e.g.
+    ``python: can't open file ...``), leaving out torchrun's failure box; else the log's tail."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return "<no log>"
-    lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-    return (lines[-1] if lines else text[-n:]).strip()[-n:]
+    lines = [re.sub(r"^\[(rank|default)\d+\]:", "", ln).rstrip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last)"):
+            continue
+        frame = ""
+        for follow in lines[i + 1:]:
+            if follow.startswith(" "):
+                if follow.lstrip().startswith("File "):
+                    frame = follow.strip()
+                continue
+            if "ChildFailedError" not in follow:
+                found.append(f"{follow.strip()} [{frame}]" if frame else follow.strip())
+            break
+    if found:
+        return found[-1][:limit]
+    noise = ("ChildFailedError", "error_file", "errors.html", "traceback :", "Failures:", "Root Cause", "=====")
+    hits = [ln.strip() for ln in lines
+            if re.search(r"error|can't open file|exception|killed", ln, re.IGNORECASE) and not any(n in ln for n in noise)]
+    if hits:
+        return " | ".join(hits[-3:])[-limit:]
+    return " ".join(lines)[-limit:] or "<empty log>"

@@ -30,8 +30,7 @@ from types import ModuleType
 import torch
 
 from elastic_emb.errors import ElasticEmbError
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_recsys.py"
+from elastic_emb.examples import RECSYS as EXAMPLE  # inside the package: a wheel has it too
 
 
 class LossDetected(ElasticEmbError, AssertionError):
@@ -46,7 +45,8 @@ def load_script(path: Path | str = EXAMPLE) -> ModuleType:
     """Import the training script as a module (its ``main`` is not run)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"training script {path} not found; pass --script PATH (examples/train_recsys.py)")
+        raise FileNotFoundError(f"training script {path} not found; pass --script PATH, or leave it out to drill "
+                                f"the packaged example ({EXAMPLE})")
     spec = importlib.util.spec_from_file_location(f"_drill_script_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses need the module registered

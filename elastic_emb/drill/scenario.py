@@ -226,7 +226,7 @@ PRESETS: dict[str, Scenario] = {
         ),
         Scenario(
             name="ep8",
-            description="Issue 9 on CPU: 4 nodes x 2 ranks (EP 8); nodes 1 and 3 SIGKILLed one after the other "
+            description="Expert-parallel 8 on CPU: 4 nodes x 2 ranks; nodes 1 and 3 SIGKILLed one after the other "
                         "(8 -> 6 -> 4), then two nodes join (4 -> 6 -> 8).",
             initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
             faults=(
@@ -236,7 +236,7 @@ PRESETS: dict[str, Scenario] = {
         ),
         Scenario(
             name="ep8-term",
-            description="Issue 9 on CPU, SIGTERM flavour: 4 nodes x 2 ranks; nodes 1 and 3 leave (8 -> 6 -> 4), "
+            description="Expert-parallel 8 on CPU, SIGTERM flavour: 4 nodes x 2 ranks; nodes 1 and 3 leave (8 -> 6 -> 4), "
                         "two nodes join (4 -> 6 -> 8).",
             initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
             faults=(
@@ -294,19 +294,33 @@ def load_scenario(spec: str) -> Scenario:
             f"scenario {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}, chaos:SEED) "
             f"nor an existing .yaml/.json file"
         )
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"scenario file {spec!r}: use a .yaml, .yml or .json suffix")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"scenario file {spec!r} cannot be read ({exc}); check the path and its permissions") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"scenario file {spec!r} is not valid JSON: {exc}; fix the file") from None
+    else:
         import yaml
 
-        data = yaml.safe_load(text)
-    elif path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        raise ValueError(f"scenario file {spec!r}: use a .yaml, .yml or .json suffix")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"scenario file {spec!r} is not valid YAML{where}: {problem}; fix the file "
+                             f"(examples/scenarios/rolling.yaml shows the format)") from None
     if not isinstance(data, dict):
         raise ValueError(f"scenario file {spec!r} must hold a mapping (name:, faults:, ...), got {type(data).__name__}")
     data.setdefault("name", path.stem)
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"scenario file {spec!r} is invalid:\n{exc}") from None
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'scenario'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"scenario file {spec!r} is invalid: {problems}") from None

@@ -1,0 +1,120 @@
+"""How a command-line failure reaches the user: one line, a documented exit code, no stack.
+
+Every ``elastic-emb`` command (and ``python -m elastic_emb.drill``) runs through
+:func:`run_command`. A failure the user can cause (a bad option, a scenario file that is not
+YAML, a path that does not exist, nothing listening at an endpoint) is raised as
+:class:`UserError` naming the input and the remedy, and printed as exactly one line on stderr::
+
+    elastic-emb rdzv-state: error: nothing listens at 127.0.0.1:29400 (--endpoint): ...
+
+Exit codes (documented in the README too):
+
+====  ==========================================================================================
+0     success (a drill: PASS, or the planted loss was caught for an ``expect_failure`` scenario)
+1     the command ran and its verdict is negative (a drill: FAIL)
+2     bad input: an option, a file, a path, an endpoint where nothing listens, a store that
+      cannot be reached (the line names which, and what to do)
+3     timed out waiting for the job (``drain``: the workers did not acknowledge in time)
+70    an internal error (a bug): the line says so; rerun with ``--debug`` for the stack
+130   interrupted (Ctrl-C)
+====  ==========================================================================================
+
+A stack trace (Python's, and torch's C++ frames) appears only with ``--debug`` or
+``ELASTIC_EMB_DEBUG=1``: without it, commands that talk to a store call :func:`quiet_torch`
+before torch is imported, and probe the endpoint with a plain socket first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
+
+DEBUG_ENV = "ELASTIC_EMB_DEBUG"
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2 only
+
+
+class UserError(click.ClickException):
+    """A failure the user can fix: the message names the input at fault and the remedy."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        ctx = click.get_current_context(silent=True)
+        self.where = ctx.command_path if ctx is not None else None
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def quiet_torch() -> None:
+    """For a command that talks to a store and reports its own one-line error: before torch is
+    imported, keep torch's C++ side quiet unless debugging. TCPStore logs every failed connect
+    attempt with the C++ frames of its exception (``TORCH_CPP_LOG_LEVEL``), and its Python
+    exceptions carry them too (``TORCH_SHOW_CPP_STACKTRACES``). Not applied to the drill, whose
+    agents' logs should keep torch's warnings."""
+    if not debug_enabled():
+        os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """The text on one line (newlines folded), at most ``limit`` characters."""
+    flat = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _say(prog: str, message: str) -> None:
+    click.echo(f"{prog}: error: {one_line(message)}", err=True)
+
+
+def run_command(command: click.Command, args: list[str] | None = None, prog_name: str | None = None,
+                **extra: Any) -> None:
+    """Run a click command or group; turn every failure into one line and an exit code."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if "--debug" in argv[: max(1, argv.index("--") if "--" in argv else len(argv))]:
+        os.environ[DEBUG_ENV] = "1"
+    prog = prog_name or "elastic-emb"
+    try:
+        rv = command.main(args=argv, prog_name=prog, standalone_mode=False, **extra)
+    except _NO_ARGS_IS_HELP as exc:  # click >= 8.2: a group run without a command shows its help
+        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        sys.exit(EXIT_OK)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx else prog
+        _say(where, f"{exc.format_message()} (see '{where} --help')")
+        sys.exit(EXIT_USAGE)
+    except click.ClickException as exc:
+        _say(getattr(exc, "where", None) or _where(command, prog, argv), exc.format_message())
+        sys.exit(exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo(f"{prog}: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the last resort: reported in one line, stack on request
+        if debug_enabled():
+            raise
+        _say(_where(command, prog, argv), f"internal error {type(exc).__name__}: {exc} -- this is a bug; rerun with --debug "
+                                  f"(or {DEBUG_ENV}=1) for the stack and report it")
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+def _where(command: click.Command, prog: str, argv: list[str]) -> str:
+    """``prog`` and the subcommand named in ``argv`` (the context is gone once main returns)."""
+    names = getattr(command, "commands", {})
+    sub = next((a for a in argv if a in names), None)
+    return f"{prog} {sub}" if sub else prog

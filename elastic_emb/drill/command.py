@@ -1,0 +1,134 @@
+"""The drill's command line: ``elastic-emb drill``, ``elastic-emb demo``, ``python -m elastic_emb.drill``.
+
+Here, not in :mod:`elastic_emb.cli`, so the drill package does not import the CLI above it
+(``cli`` adds these commands to its group). Every failure a user can cause (a scenario that is not
+a preset or not valid YAML, an ``--out`` that cannot be written, a ``--script`` that does not
+exist) becomes one :class:`~elastic_emb.console.UserError` line.
+
+``--out`` defaults to ``./drill-<scenario>`` when the current directory is writable, else to a
+new temporary directory (a container with a read-only root filesystem, an installed package run
+from ``/``); the command says which on stderr before it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+from elastic_emb.console import EXIT_FAILED, EXIT_OK, UserError
+
+
+def default_out(name: str) -> Path:
+    """``./drill-<name>`` if the current directory is writable, else a fresh temporary directory."""
+    cwd = Path.cwd()
+    if os.access(cwd, os.W_OK | os.X_OK):
+        return cwd / f"drill-{name}"
+    return Path(tempfile.mkdtemp(prefix=f"elastic-emb-drill-{name}-"))
+
+
+def _resolve_out(out: str | None, name: str) -> Path:
+    if out is None:
+        path = default_out(name)
+        click.echo(f"drill output: {path} (--out to choose)", err=True)
+        return path
+    path = Path(out).expanduser().resolve()
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory; name a new or empty directory")
+    if not os.access(path if path.exists() else parent, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: {path if path.exists() else parent} is not writable; "
+                        f"choose a writable directory (or leave --out out: ./drill-{name} or a temporary directory)")
+    return path
+
+
+def _drill_logs() -> None:
+    """The drill's own events go to its report and logs; on the console, warnings only
+    (ELASTIC_EMB_LOG_LEVEL=info brings them back)."""
+    from elastic_emb.events import configure_logging
+
+    configure_logging(level=os.environ.get("ELASTIC_EMB_LOG_LEVEL", "warning"), force=True)
+
+
+def _run(scenario, out: Path, script: Path | None, progress: str) -> int:
+    from elastic_emb.drill import EXAMPLE, DrillError, run_drill
+
+    _drill_logs()
+    try:
+        report = run_drill(scenario, out, script=script or EXAMPLE, progress=progress)
+    except DrillError as exc:  # raised before the drill started (e.g. --out is a user's directory)
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"--out {out}: {exc.strerror or exc}; choose a writable directory") from None
+    expected = not report["ok"] if scenario.expect_failure else report["ok"]
+    return EXIT_OK if expected else EXIT_FAILED
+
+
+def preset_help() -> str:
+    from elastic_emb.drill.scenario import PRESETS
+
+    return ", ".join(PRESETS)
+
+
+@click.command("drill")
+@click.option("--scenario", "scenario_spec", default=None, metavar="NAME|chaos:SEED|FILE",
+              help=f"A preset ({preset_help()}), chaos:SEED, or a .yaml/.json scenario file.")
+@click.option("--out", default=None,
+              help="Directory for logs, tables and the report [default: ./drill-<scenario> if the current "
+                   "directory is writable, else a new temporary directory].")
+@click.option("--network", type=click.Choice(["auto", "loopback", "netns"]), default=None,
+              help="Override the scenario's network (netns: one namespace per node, needs root).")
+@click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
+              help="Override the scenario's torchrun --rdzv-backend.")
+@click.option("--script", default=None,
+              help="Training script to drill [default: the packaged example, `elastic-emb example-path`].")
+@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
+              help="Progress bar on a terminal, plain lines otherwise.")
+@click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
+def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_presets) -> int:
+    """Run a restart drill: real torchrun agents, real faults, tables checked bit for bit.
+
+    Exit 0 on PASS (for a scenario that plants a loss: when the loss was caught), 1 on FAIL,
+    2 on bad input."""
+    from elastic_emb.drill.scenario import PRESETS, load_scenario
+
+    if list_presets:
+        for name, s in PRESETS.items():
+            click.echo(f"{name:18} {s.description}")
+        return EXIT_OK
+    if not scenario_spec:
+        raise click.UsageError("--scenario is required (or --list to see the presets)")
+    try:
+        scenario = load_scenario(scenario_spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--scenario") from None
+    update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
+    if update:
+        scenario = scenario.model_validate({**scenario.model_dump(), **update})
+    script_path = None
+    if script is not None:
+        script_path = Path(script).expanduser()
+        if not script_path.is_file():
+            raise UserError(f"--script {script}: no such file; name the training script to drill, or leave "
+                            f"--script out to drill the packaged example")
+    return _run(scenario, _resolve_out(out, scenario.name), script_path, progress)
+
+
+@click.command("demo")
+@click.option("--out", default=None,
+              help="Directory for the report [default: ./drill-demo if the current directory is writable, "
+                   "else a new temporary directory].")
+@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
+              help="Progress bar on a terminal, plain lines otherwise.")
+def demo_cmd(out, progress) -> int:
+    """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes.
+
+    Trains the packaged example model; exit 0 when its tables equal the single-process replay
+    bit for bit."""
+    from elastic_emb.drill.scenario import PRESETS
+
+    return _run(PRESETS["demo"], _resolve_out(out, "demo"), None, progress)
