@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from elastic_emb import config
+
 GRAD_BITS = 10  # gradient grid 2**-10; |per-sample grad| <= 1, so batch <= 2**13 keeps fp32 sums exact
 DENSE_DIM = 16  # parameters per row of the `dense` table
 
@@ -85,7 +87,7 @@ class Config:
 
 
 def table_specs(cfg: Config):
-    from elastic_emb.protocol import TableSpec
+    from elastic_emb import TableSpec
 
     return [
         TableSpec(name="user", num_rows=cfg.user_rows, dim=cfg.dim),
@@ -95,7 +97,7 @@ def table_specs(cfg: Config):
 
 
 def optimizer_spec(cfg: Config):
-    from elastic_emb.protocol import OptimizerSpec
+    from elastic_emb import OptimizerSpec
 
     return OptimizerSpec(kind="sgd", lr=cfg.lr)
 
@@ -212,7 +214,7 @@ class Progress:
 
     def __init__(self, out: Path) -> None:
         # The drill names its simulated nodes; otherwise the node id the rendezvous backend gives.
-        node = os.environ.get("ELASTIC_EMB_NODE_ID") or "node"
+        node = config.load(None, "node_id").node_id or "node"
         (out / "events").mkdir(parents=True, exist_ok=True)
         self.file = open(out / "events" / f"{node}-{os.getpid()}.jsonl", "a", buffering=1)
         self.node = node
@@ -281,10 +283,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
 
 
 def main(argv=None) -> int:
-    from elastic_emb.context import EmbContext
-    from elastic_emb.events import bind_topology, configure_logging, get_logger
-    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
-    from elastic_emb.watch import Watcher
+    from elastic_emb import EmbContext, Lifecycle, LifecycleConfig, Watcher, bind_topology, configure_logging, get_logger
 
     args, cfg = parse_args(argv)
     configure_logging()
