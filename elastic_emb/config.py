@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from elastic_emb.errors import ConfigError
@@ -60,6 +60,8 @@ class Settings(BaseSettings):
         "info", "lowest level of the events logged")
     etcd: str | None = _setting(None, "path of the etcd binary for drills and tests; unset: `etcd` on PATH",
                                 min_length=1)
+    job_secret: SecretStr | None = _setting(None, "secret that signs the rendezvous control keys (the same on every "
+                                            "node, e.g. `openssl rand -hex 32`); unset: unsigned")
     metrics_port: int | None = _setting(None, "serve Prometheus `/metrics` on this port (agent; worker of local "
                                         "rank r: port + 1 + r); unset: off", ge=1, le=65535)
     metrics_addr: str = _setting("0.0.0.0", "the address the metrics endpoints bind", min_length=1)
@@ -162,7 +164,8 @@ def _describe(error: dict, raw: Mapping[str, str]) -> str:
         "literal_error": f"is not one of {ctx.get('expected')}",
     }.get(kind, str(error.get("msg", "")).removeprefix("Value error, "))
     meaning = f" ({variable(field)}: {info.description})" if info is not None else ""
-    return f"{variable(field)}={raw.get(field)!r} {reason}{meaning}"
+    shown = "<secret>" if field == "job_secret" else repr(raw.get(field))  # never echo a secret into a log
+    return f"{variable(field)}={shown} {reason}{meaning}"
 
 
 def markdown_table() -> str:
