@@ -192,10 +192,17 @@ def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None
     missing from this host's view (empty: restorable from here). Reads manifests only."""
     from elastic_emb.state import inspect_state
 
+    from elastic_emb.config import load
+    from elastic_emb.errors import ConfigError
+
+    try:
+        settings = load(None, "state_dir", "durable_dir")
+    except ConfigError as exc:
+        raise UserError(f"{exc}; fix the variable or pass --state-dir/--durable-dir") from None
     given = state_dir is not None
-    state_dir = state_dir or os.environ.get("ELASTIC_EMB_STATE_DIR") or "/dev/shm/elastic_emb"
+    state_dir = state_dir or settings.state_dir
     run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    durable_dir = durable_dir or os.environ.get("ELASTIC_EMB_DURABLE_DIR") or None
+    durable_dir = durable_dir or settings.durable_dir
     source = "--state-dir" if given else ("ELASTIC_EMB_STATE_DIR" if os.environ.get("ELASTIC_EMB_STATE_DIR") else "the default")
     if not Path(state_dir).is_dir():
         raise UserError(f"state directory {state_dir} (from {source}) does not exist; pass the job's --state-dir "

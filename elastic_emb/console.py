@@ -56,7 +56,14 @@ class UserError(click.ClickException):
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """``ELASTIC_EMB_DEBUG`` (or ``--debug``, which sets it); a malformed value counts as off."""
+    from elastic_emb.config import load
+    from elastic_emb.errors import ConfigError
+
+    try:
+        return load(None, "debug").debug
+    except ConfigError:
+        return False
 
 
 def quiet_torch() -> None:
