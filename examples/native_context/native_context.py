@@ -1,0 +1,186 @@
+"""A thin Python wrapper that lets elastic_emb's lifecycle drive a native (C++) context.
+
+``async_emb.cpp`` next to this file is a torch extension shaped like the seed's
+``AsyncEmbContext``: a C++ object built for one world size that owns its rows and whose
+``reset(rank, world_size)`` throws ``std::invalid_argument("async_emb world size changed from X
+to Y")`` for any other size. :func:`build` compiles it with ``torch.utils.cpp_extension`` (g++ on
+the CPU; the same source on a CUDA build of torch keeps its rows on the GPU), into a cache
+directory, so a machine compiles it once and every later process only loads it.
+
+:class:`NativeContext` implements elastic_emb's context contract around it:
+
+* construction builds a new native object for the agreed topology, and a private gloo group (the
+  "communicator" of this generation) that its training step synchronises over;
+* ``reset`` forwards to the native ``reset``; its ``std::invalid_argument`` about the world size
+  (pybind11 turns it into ``ValueError``) becomes :class:`elastic_emb.errors.WorldSizeChanged`
+  carrying the native message first; any other native ``invalid_argument`` stays a ``ValueError``;
+* ``export_shard`` copies the native rows out; ``shard_views`` hands out the native object's own
+  tensors, so a restore writes rows straight into C++-owned memory; ``import_shard`` copies in;
+* ``close`` drops the group and releases the native object (its rows are freed at once).
+
+The lifecycle never calls ``reset`` across sizes; it closes this context and constructs a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.errors import WorldSizeChanged
+from elastic_emb.protocol import ShardData, TableSpec
+from elastic_emb.sharding import RowRange
+from elastic_emb.store import generation_store
+from elastic_emb.topology import Topology
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "async_emb.cpp"
+SEED_MESSAGE = re.compile(r"^async_emb world size changed from (\d+) to (\d+)$")
+
+_module = None
+
+
+def cache_dir() -> Path:
+    """Where the compiled extension lives: ``$ELASTIC_EMB_NATIVE_CACHE``, else
+    ``~/.cache/elastic_emb/native_context``; one sub-directory per torch version, device kind and
+    source hash, so an edit or another torch rebuilds and nothing stale is loaded."""
+    root = os.environ.get("ELASTIC_EMB_NATIVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                       "elastic_emb", "native_context")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{kind}-{digest}"
+
+
+def build(verbose: bool = False):
+    """Compile (first time on this machine) or load (every later time) the extension module."""
+    global _module
+    if _module is None:
+        from torch.utils import cpp_extension
+
+        where = cache_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        # torch's loader takes a file lock in the build directory: ranks starting at once wait for
+        # one compile instead of racing.
+        _module = cpp_extension.load(name="elastic_emb_async_emb", sources=[str(SOURCE)], build_directory=str(where),
+                                     extra_cflags=["-O1"], verbose=verbose)
+    return _module
+
+
+class NativeWorldSizeChanged(WorldSizeChanged):
+    """WorldSizeChanged raised by the native context: its message starts with the native one."""
+
+    def __init__(self, native_message: str, old: int, new: int) -> None:
+        super().__init__(old, new)
+        self.native_message = native_message
+        self.args = (f"{native_message} (native AsyncEmbContext.reset); {self.args[0]}",)
+
+
+def translate(exc: ValueError) -> Exception:
+    """Map the native ``std::invalid_argument`` about the world size to WorldSizeChanged."""
+    m = SEED_MESSAGE.match(str(exc))
+    if m is None:
+        return exc
+    return NativeWorldSizeChanged(str(exc), int(m.group(1)), int(m.group(2)))
+
+
+class NativeContext:
+    """elastic_emb's context contract around the native ``AsyncEmbContext`` (module docstring)."""
+
+    def __init__(self, topology: Topology, store, *, tables: list[TableSpec], timeout: float = 60.0) -> None:
+        for t in tables:
+            if t.dtype != "float32":
+                raise ValueError(f"table {t.name!r}: dtype {t.dtype} is not supported by the native context; use float32")
+        ext = build()
+        self.topology = topology
+        self.tables = {t.name: t for t in tables}
+        self.timeout = timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self._store = store
+        self._forms = 0
+        self.closed = False
+        self.healthy = True
+        # Rows start at zero (the native object's choice); on a first start, the caller fills them.
+        self._native = ext.AsyncEmbContext(topology.rank, topology.world_size, topology.ep_size,
+                                           [(t.name, t.num_rows, t.dim) for t in tables], str(self.device))
+        self.process_group = self._form(topology, store)
+
+    def _form(self, topology: Topology, store):
+        """The communicator of one generation: a gloo group on a store prefix private to it."""
+        self._forms += 1
+        prefix = dist.PrefixStore(f"native{self._forms}/", generation_store(store, topology, "native"))
+        pg = dist.ProcessGroupGloo(prefix, topology.rank, topology.world_size, timedelta(seconds=self.timeout))
+        return pg
+
+    # -- the contract --------------------------------------------------------------------------
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+        """Same world size only; another size raises WorldSizeChanged with the native message."""
+        native = self._require()
+        try:
+            native.reset(rank, world_size)
+        except ValueError as exc:
+            raise translate(exc) from exc
+        self.topology = topology or self.topology
+        self._store = store or self._store
+        self.process_group = self._form(self.topology, self._store)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.process_group = None
+            native, self._native = self._native, None
+            native.release()  # rows freed now, even while a traceback still holds the object
+
+    def owned(self, table: str) -> RowRange:
+        return RowRange(*self._require().owned(table))
+
+    def shard_views(self) -> dict[str, ShardData]:
+        native = self._require()
+        return {n: ShardData(n, self.owned(n), native.weight(n), {"accumulator": native.accumulator(n)})
+                for n in self.tables}
+
+    def export_shard(self) -> dict[str, ShardData]:
+        return {n: ShardData(n, s.rows, s.weight.clone(), {k: v.clone() for k, v in s.slots.items()})
+                for n, s in self.shard_views().items()}
+
+    def import_shard(self, shards: dict[str, ShardData]) -> None:
+        views = self.shard_views()
+        for name, s in shards.items():
+            if name not in views:
+                raise KeyError(f"table {name!r} is not in this context (tables: {sorted(views)})")
+            v = views[name]
+            if s.rows != v.rows:
+                raise ValueError(f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) are not this rank's "
+                                 f"[{v.rows.start}, {v.rows.stop})")
+            v.weight.copy_(s.weight)
+            v.slots["accumulator"].copy_(s.slots["accumulator"])
+
+    # -- training (the example's stand-in for a real step) -------------------------------------
+
+    def train_step(self, step: int) -> None:
+        """The native step on this rank's rows, then an all-reduce so every rank steps together."""
+        self._require().train_step(step)
+        t = torch.ones(1)
+        self.process_group.allreduce([t]).wait(timedelta(seconds=self.timeout))
+        if int(t.item()) != self.topology.world_size:
+            raise RuntimeError(f"step {step}: {int(t.item())} of {self.topology.world_size} ranks took part")
+
+    def native_counters(self) -> dict[str, int]:
+        """This process's native constructions, resets and releases so far."""
+        return dict(build().counters())
+
+    @property
+    def native(self):
+        return self._require()
+
+    def _require(self):
+        if self.closed or self._native is None:
+            from elastic_emb.errors import ContextClosed
+
+            raise ContextClosed("the native context is closed: the lifecycle constructs a new one")
+        return self._native
