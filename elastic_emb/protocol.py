@@ -106,8 +106,8 @@ class ShardedContext(Protocol):
 
     Required (a context must define each): ``topology``, ``tables``, ``healthy``, ``closed``,
     ``reset``, ``close``, ``export_shard``, ``import_shard``. Optional abilities
-    (``process_group``, ``shard_views``, ``mark_restored``, ``tracks_changes``, ``take_changes``)
-    have defaults in :class:`ContextBase`: inherit it and define only what you offer.
+    (``process_group``, ``shard_views``, ``mark_restored``, ``tracks_changes``, ``take_changes``,
+    ``owner_ranks``) have defaults in :class:`ContextBase`: inherit it and define only what you offer.
     :func:`check_context` says what a class lacks; :mod:`elastic_emb.testing.conformance` checks
     the behaviour below with real processes.
     """
@@ -124,6 +124,13 @@ class ShardedContext(Protocol):
 
     tracks_changes: bool
     """True when :meth:`take_changes` works (incremental snapshots); False: full snapshots."""
+
+    owner_ranks: int | None
+    """How many ranks own rows: ranks ``0..owner_ranks-1`` hold every table in the layout of
+    :func:`elastic_emb.sharding.owned_range` over ``owner_ranks`` owners, the others none. None
+    means ``topology.ep_size`` (the library's layout); a context whose framework decides the
+    layout says so here (TorchRec's row-wise sharding spreads rows over every rank of the world).
+    Read it through :func:`row_owners`."""
 
     @property
     def healthy(self) -> bool:
@@ -151,7 +158,7 @@ class ShardedContext(Protocol):
 
     def export_shard(self) -> dict[str, ShardData]:
         """Copies of this rank's rows of every table: exactly its owned range
-        (:func:`elastic_emb.sharding.owned_range`; empty on ranks that own none), weights of shape
+        (``owned_range(num_rows, row_owners(context), rank)``; empty on ranks that own none), weights of shape
         ``(rows, dim)`` in the table's dtype, and every optimizer slot."""
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
@@ -179,6 +186,7 @@ class ContextBase:
 
     process_group: object | None = None
     tracks_changes: bool = False
+    owner_ranks: int | None = None
 
     def shard_views(self) -> dict[str, ShardData] | None:
         return None
@@ -194,7 +202,19 @@ class ContextBase:
 
 
 REQUIRED = ("topology", "tables", "healthy", "closed", "reset", "close", "export_shard", "import_shard")
-OPTIONAL = ("process_group", "shard_views", "mark_restored", "tracks_changes", "take_changes")
+OPTIONAL = ("process_group", "shard_views", "mark_restored", "tracks_changes", "take_changes", "owner_ranks")
+
+
+def row_owners(context: ShardedContext) -> int:
+    """The number of ranks over which ``context`` lays out its rows (``owner_ranks``, else the
+    topology's ``ep_size``)."""
+    owners = context.owner_ranks
+    if owners is None:
+        return context.topology.ep_size
+    if not 1 <= owners <= context.topology.world_size:
+        raise ContractViolation(f"{type(context).__name__}.owner_ranks={owners!r} must be between 1 and the world "
+                                f"size {context.topology.world_size}")
+    return owners
 
 
 def missing_abilities(context: object) -> list[str]:

@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.events import get_logger
-from elastic_emb.protocol import ShardData
+from elastic_emb.protocol import ShardData, row_owners
 from elastic_emb.sharding import owned_range
 from elastic_emb.topology import Topology
 
@@ -1050,7 +1050,7 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             "specs": specs}
     everyone = comm.exchange("restore-inv", mine)
     num_rows = _num_rows_from(everyone, comm)
-    owners = comm.topology.ep_size
+    owners = row_owners(context)  # the context's layout: ep_size, or its framework's (e.g. TorchRec's)
     bad_handles: set[tuple[int, int]] = set()
     fallback = None
     for attempt in range(max_attempts):

@@ -17,12 +17,25 @@ import pytest
 import torch
 
 import adapters_worker as aw
+from elastic_emb.testing import conformance
 from procs import REPO, free_port, run_ranks, torchrun_env
 
 sys.path.insert(0, os.path.join(REPO, "examples", "native_context"))
 import native_context as nc  # noqa: E402
 
 TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]
+
+
+def _native_target() -> conformance.Target:
+    import functools
+
+    from elastic_emb.protocol import TableSpec
+
+    factory = functools.partial(nc.NativeContext, tables=[TableSpec(**t) for t in TABLES], timeout=5.0)
+    return conformance.Target(factory=factory, collective=lambda ctx: ctx.barrier())
+
+
+NATIVE = _native_target
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +66,7 @@ def test_reset_across_sizes_raises_world_size_changed_with_the_seed_message(nati
     ctx = nc.NativeContext(_topology(1, port=port), store, tables=[TableSpec(**t) for t in TABLES])
     before = ctx.native_counters()
     with pytest.raises(WorldSizeChanged) as info:
-        ctx.reset(0, 2)
+        ctx.reset(0, 2, topology=_topology(2, generation=1, port=port), store=store)
     assert str(info.value).startswith("async_emb world size changed from 1 to 2")
     assert (info.value.old, info.value.new) == (1, 2)
     assert ctx.native_counters()["resets"] == before["resets"]  # refused: not counted
@@ -163,3 +176,8 @@ def test_lifecycle_drives_the_native_context_2_1_2(native, tmp_path):
     assert [(c["constructions"], c["resets"]) for c in second["counters"]] == [(1, 0), (1, 1)]
     # the lost node's rows came back from the replica its neighbour kept
     assert "replica" in first["events"][1]["source_tiers"]
+
+
+def test_native_context_passes_the_conformance_suite(native):
+    report = conformance.run("test_adapters_native:NATIVE", world_size=2, ep_size=2, timeout=240)
+    assert report.passed == {c: [0, 1] for c in conformance.CHECKS}

@@ -14,7 +14,7 @@ The checks, in order:
                   topology, store)``, ``close`` takes ``(*, abort, wait)``.
 ``state``         ``topology`` is the one given, ``tables`` maps names to ``TableSpec``, a new
                   context is healthy and not closed, ``tracks_changes`` is a bool.
-``export``        one shard per table, exactly this rank's owned range (empty on ranks without
+``export``        one shard per table, exactly this rank's owned range over ``row_owners`` (empty on ranks without
                   rows), weights ``(rows, dim)`` in the table's dtype, slots row-wise; the
                   tensors are copies (changing them changes nothing in the context).
 ``round_trip``    ``import_shard`` of integer-valued rows and slots, then ``export_shard``, gives
@@ -59,7 +59,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from elastic_emb.errors import ContextClosed, ElasticEmbError, WorldSizeChanged
-from elastic_emb.protocol import ShardData, ShardedContext, TableSpec, missing_abilities
+from elastic_emb.protocol import ShardData, ShardedContext, TableSpec, missing_abilities, row_owners
 from elastic_emb.sharding import RowRange, owned_range
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
@@ -258,7 +258,7 @@ class _Rank:
         _require(set(shards) == set(self.ctx.tables), f"{what} tables {sorted(shards)} != {sorted(self.ctx.tables)}")
         for name, spec in self.ctx.tables.items():
             s = shards[name]
-            want = owned_range(spec.num_rows, t.ep_size, t.rank)
+            want = owned_range(spec.num_rows, row_owners(self.ctx), t.rank)
             _require(isinstance(s, ShardData) and s.table == name, f"{what}[{name!r}] is not a ShardData of that table")
             _require(s.rows == want, f"{what}[{name!r}] covers {s.rows}, rank {t.rank} owns {want}")
             _require(tuple(s.weight.shape) == (len(want), spec.dim) and s.weight.dtype == spec.torch_dtype,
@@ -339,7 +339,7 @@ class _Rank:
         second = self.ctx.take_changes()
         _require(set(first) == set(self.ctx.tables) == set(second), f"take_changes tables {sorted(first)}")
         for n, spec in self.ctx.tables.items():
-            rows = len(owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank))
+            rows = len(owned_range(spec.num_rows, row_owners(self.ctx), self.topology.rank))
             for m in (first[n], second[n]):
                 _require(isinstance(m, torch.Tensor) and m.dtype == torch.bool and tuple(m.shape) == (rows,),
                          f"take_changes()[{n!r}] must be a bool tensor of shape ({rows},)")

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_emb.errors import WorldSizeChanged
-from elastic_emb.protocol import ShardData, TableSpec
+from elastic_emb.errors import ContextClosed, WorldSizeChanged
+from elastic_emb.protocol import ContextBase, ShardData, TableSpec
 from elastic_emb.sharding import RowRange
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
@@ -88,8 +88,10 @@ def translate(exc: ValueError) -> Exception:
     return NativeWorldSizeChanged(str(exc), int(m.group(1)), int(m.group(2)))
 
 
-class NativeContext:
-    """elastic_emb's context contract around the native ``AsyncEmbContext`` (module docstring)."""
+class NativeContext(ContextBase):
+    """elastic_emb's context contract around the native ``AsyncEmbContext`` (module docstring).
+
+    No change tracking (``tracks_changes`` False: the lifecycle takes full snapshots)."""
 
     def __init__(self, topology: Topology, store, *, tables: list[TableSpec], timeout: float = 60.0) -> None:
         for t in tables:
@@ -102,8 +104,8 @@ class NativeContext:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self._store = store
         self._forms = 0
-        self.closed = False
-        self.healthy = True
+        self._closed = False
+        self._healthy = True
         # Rows start at zero (the native object's choice); on a first start, the caller fills them.
         self._native = ext.AsyncEmbContext(topology.rank, topology.world_size, topology.ep_size,
                                            [(t.name, t.num_rows, t.dim) for t in tables], str(self.device))
@@ -118,21 +120,36 @@ class NativeContext:
 
     # -- the contract --------------------------------------------------------------------------
 
-    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
         """Same world size only; another size raises WorldSizeChanged with the native message."""
         native = self._require()
         try:
-            native.reset(rank, world_size)
+            native.reset(rank, world_size)  # the native rule first: it decides about the world size
         except ValueError as exc:
             raise translate(exc) from exc
-        self.topology = topology or self.topology
-        self._store = store or self._store
-        self.process_group = self._form(self.topology, self._store)
+        if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
+            raise ValueError(f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
+                             f"ep_size={self.topology.ep_size} backend={self.topology.backend}: the native rows are laid "
+                             f"out for one EP size; close this context and construct a new one")
+        self.process_group = self._form(topology, store)
+        self.topology, self._store, self._healthy = topology, store, True
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.process_group = None
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
+        """Release the group and the native object (synchronously; gloo needs no background
+        destroy). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            pg, self.process_group = self.process_group, None
+            if pg is not None and (abort or (abort is None and not self._healthy)):
+                pg.abort()  # gloo: close this end's connections now; peers waiting on it fail fast
             native, self._native = self._native, None
             native.release()  # rows freed now, even while a traceback still holds the object
 
@@ -148,15 +165,18 @@ class NativeContext:
         return {n: ShardData(n, s.rows, s.weight.clone(), {k: v.clone() for k, v in s.slots.items()})
                 for n, s in self.shard_views().items()}
 
-    def import_shard(self, shards: dict[str, ShardData]) -> None:
+    def import_shard(self, shards) -> None:
         views = self.shard_views()
+        if set(shards) != set(views):
+            raise ValueError(f"import_shard got tables {sorted(shards)}; this context has {sorted(views)}")
         for name, s in shards.items():
-            if name not in views:
-                raise KeyError(f"table {name!r} is not in this context (tables: {sorted(views)})")
             v = views[name]
-            if s.rows != v.rows:
-                raise ValueError(f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) are not this rank's "
-                                 f"[{v.rows.start}, {v.rows.stop})")
+            if s.rows != v.rows or tuple(s.weight.shape) != tuple(v.weight.shape) or set(s.slots) != {"accumulator"}:
+                raise ValueError(f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) of shape "
+                                 f"{tuple(s.weight.shape)} with slots {sorted(s.slots)} is not this rank's "
+                                 f"[{v.rows.start}, {v.rows.stop}) of shape {tuple(v.weight.shape)} with ['accumulator']")
+        for name, s in shards.items():
+            v = views[name]
             v.weight.copy_(s.weight)
             v.slots["accumulator"].copy_(s.slots["accumulator"])
 
@@ -165,10 +185,20 @@ class NativeContext:
     def train_step(self, step: int) -> None:
         """The native step on this rank's rows, then an all-reduce so every rank steps together."""
         self._require().train_step(step)
+        self.barrier()
+
+    def barrier(self) -> None:
+        """One collective over the communicator; a failure marks the context unhealthy."""
+        self._require()
         t = torch.ones(1)
-        self.process_group.allreduce([t]).wait(timedelta(seconds=self.timeout))
+        try:
+            self.process_group.allreduce([t]).wait(timedelta(seconds=self.timeout))
+        except Exception:
+            self._healthy = False
+            raise
         if int(t.item()) != self.topology.world_size:
-            raise RuntimeError(f"step {step}: {int(t.item())} of {self.topology.world_size} ranks took part")
+            self._healthy = False
+            raise RuntimeError(f"{int(t.item())} of {self.topology.world_size} ranks took part in the all-reduce")
 
     def native_counters(self) -> dict[str, int]:
         """This process's native constructions, resets and releases so far."""
@@ -179,8 +209,6 @@ class NativeContext:
         return self._require()
 
     def _require(self):
-        if self.closed or self._native is None:
-            from elastic_emb.errors import ContextClosed
-
+        if self._closed or self._native is None:
             raise ContextClosed("the native context is closed: the lifecycle constructs a new one")
         return self._native
