@@ -228,7 +228,7 @@ def worker(args) -> None:
                 result.setdefault("host_split_us", {})[key] = host_split()
             verify(key)
     ctx.capture_dedup = True
-    from elastic_emb.gather import kernel_status
+    from elastic_emb.context.gather import kernel_status
 
     result["assembly"] = kernel_status()  # how the result rows were gathered (Triton kernel or torch ops)
     uniq = torch.unique(batches[0]).numel()

@@ -124,3 +124,24 @@ class LossDetected(ElasticEmbError, AssertionError):
     def __init__(self, message: str, findings: list[dict]) -> None:
         super().__init__(message)
         self.findings = findings
+class InvalidIds(ElasticEmbError, IndexError):
+    """ids passed to lookup/apply_gradients are not a 1-D integer tensor of rows in range."""
+
+
+class PeerLookupError(ElasticEmbError, RuntimeError):
+    """Another rank passed invalid ids to the same collective call; this call was cancelled on
+    every rank (the communicator stays usable). ``ranks`` names the ranks at fault."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CommunicationError(ElasticEmbError, RuntimeError):
+    """A collective of the context failed or timed out; the context is now unhealthy."""
+
+
+class CollectiveMismatch(ElasticEmbError, RuntimeError):
+    """Ranks made different calls at the same point (say ``lookup('a')`` on one rank and
+    ``apply_gradients('a')`` or ``lookup('b')`` on another). Detected in the count exchange, on
+    every rank, before any id or row moves; the context stays usable."""

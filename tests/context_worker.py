@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_emb.context import EmbContext, InvalidIds, PeerLookupError
+from elastic_emb.context.exchange import OP_LOOKUP, call_tag
 from elastic_emb.errors import ContextClosed, WorldSizeChanged
 from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range, reshard_plan
@@ -182,7 +183,7 @@ def main() -> None:
         # Batches long enough for the CUDA path to replay its dedup kernels from a graph (>= 16384
         # ids): several lookups of one size with different ids (replays must not mix them up),
         # two in flight at once, gradients, and an invalid id inside a long batch.
-        # 64 columns: wide enough rows that the ids ride in the count exchange (EmbContext._fuses)
+        # 64 columns: wide enough rows that the ids ride in the count exchange (Deduper.fusable)
         wide = TableSpec(name="wide", num_rows=100_003, dim=64)
         big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None,
                          pipeline_chunks=3)
@@ -280,16 +281,17 @@ def main() -> None:
             except CollectiveMismatch as exc:
                 expect("apply_gradients('wide')" in str(exc) and "lookup('wide')" in str(exc), str(exc))
             expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a mismatch")
-        captured = len(big._graphs)
+        dd, block = big._dedup, big._exchange.block_bytes
+        captured = len(dd.graphs)
         # the ids travelled with the counts (one exchange) in these lookups
-        tag = big._tag(1, "wide", 3)
-        fused = big._key_capacity(wide, 3, tag, big._block_bytes) >= 60_000 and big._fused_lookups >= 5
-        expect(fused or world == 1, f"the count exchange block ({big._block_bytes} bytes) cannot carry a 60000-id lookup")
+        tag = call_tag(["wide"], OP_LOOKUP, "wide", 3)
+        fused = dd.key_capacity(wide, 3, tag, block) >= 60_000 and dd.fused_lookups >= 5
+        expect(fused or world == 1, f"the count exchange block ({block} bytes) cannot carry a 60000-id lookup")
         narrow = TableSpec(name="wide", num_rows=100_003, dim=4)  # 16-byte rows: padding would cost more than rows
-        expect(not big._want_bytes(narrow, n, 3, tag) and not big._key_capacity(narrow, 3, tag, big._block_bytes),
+        expect(not dd.want_bytes(narrow, n, 3, tag) and not dd.key_capacity(narrow, 3, tag, block),
                "narrow rows must not take the fused exchange")
         big.close()
-        return {"graphs": captured, "capture_failed": big._capture_failed, "fused": fused, "block_bytes": big._block_bytes}
+        return {"graphs": captured, "capture_failed": dd.capture_failed, "fused": fused, "block_bytes": block}
 
     _large()
     grown = ctx.arena_report()["staging_bytes"]

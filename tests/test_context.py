@@ -269,7 +269,7 @@ def test_rows_are_initialised_lazily_and_never_when_overwritten(monkeypatch):
     """A context built for a resize has its rows overwritten by the restore at once; seeding them
     first (seconds for large tables) would be wasted. Rows are seeded at the first read, and not
     at all after import_shard or a restore in place that calls mark_restored()."""
-    import elastic_emb.context as context_mod
+    import elastic_emb.context.arena as context_mod
 
     calls = []
     real = context_mod.init_rows
@@ -323,7 +323,7 @@ def test_one_rank_handle_after_close_behaves_like_any_other():
 def test_gather_rows_reads_each_row_from_its_source(device):
     # The last step of a lookup: rows received from peers (pos >= 0) and the rank's own rows
     # (pos < 0, from the end of its shard), in one pass on CUDA, torch ops elsewhere.
-    from elastic_emb.gather import gather_rows, kernel_status
+    from elastic_emb.context.gather import gather_rows, kernel_status
 
     g = torch.Generator().manual_seed(3)
     table = torch.randn(1000, 37, generator=g).to(device)

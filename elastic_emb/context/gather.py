@@ -2,10 +2,9 @@
 
 A lookup's result row i is either a row this rank owns (in its table shard) or a row a peer
 sent (in the receive buffer). Gathering the owned rows into the receive buffer first and then
-reordering that buffer into the caller's order moves every owned row twice; on 2 H200s, with
-1M ids per rank and half the rows owned, that extra pass was a quarter of the lookup's gather
-work, and gathers compete with the row exchange for memory bandwidth. :func:`gather_rows`
-reads each result row straight from where it lives:
+reordering that buffer into the caller's order moves every owned row twice, and gathers
+compete with the row exchange for memory bandwidth. :func:`gather_rows` reads each result row
+straight from where it lives:
 
     pos[i] >= 0:  out[i] = received[pos[i]]
     pos[i] <  0:  out[i] = table[len(table) + pos[i]]    (from the end, as Python indexes)
@@ -22,7 +21,7 @@ import torch
 
 from elastic_emb.events import get_logger
 
-log = get_logger("elastic_emb.gather")
+log = get_logger("elastic_emb.context.gather")
 
 try:  # Triton ships with the CUDA builds of torch on Linux; CPU builds lack it.
     import triton

@@ -1,0 +1,224 @@
+"""The arena: one device allocation holding a rank's rows and optimizer slots, plus staging.
+
+A context is sized for one world: every table's local rows (its owned range under
+:mod:`elastic_emb.sharding`) and each optimizer slot are carved out of one byte buffer,
+256-byte aligned, so the context's resident memory is one allocation that goes back to the
+allocator in one piece when the context closes (for the next world's context to reuse).
+
+Beside it sits the *staging* buffer that lookups carve their send and receive buffers from:
+sized from the world size (``staging_rows_per_rank * world_size`` rows of the widest table plus
+their ids, each direction), grown when a batch needs more (logged), and leased to one lookup at
+a time; a second lookup in flight while it is leased gets a fresh allocation.
+
+Rows are filled lazily (:class:`Rows`): a context built for a resize has every row overwritten
+by the restore at once, so seeding them first would be wasted work. :func:`init_rows` gives the
+seeded initial values, identical whatever the world size.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from elastic_emb.context import optim
+from elastic_emb.events import get_logger
+from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.sharding import RowRange, owned_range
+
+log = get_logger("elastic_emb.context.arena")
+
+# init_rows draws each block of this many global rows from its own generator, so a row's
+# initial value depends only on (seed, table name, row), never on who owns it.
+INIT_BLOCK_ROWS = 4096
+ALIGN = 256
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to the arena's alignment."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def carve(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A typed view of ``shape`` at byte ``offset`` of the byte tensor ``buf``."""
+    return buf[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+
+
+def init_rows(spec: TableSpec, seed: int, rows: RowRange) -> torch.Tensor:
+    """Initial values of global rows ``rows`` of ``spec``: uniform in ``±1/sqrt(dim)``.
+
+    Identical whatever the world size: every block of :data:`INIT_BLOCK_ROWS` global rows is
+    drawn from a CPU generator seeded with ``(seed, crc32(table name), block)``, and a range is
+    cut out of the blocks it touches.
+    """
+    out = torch.empty(len(rows), spec.dim, dtype=spec.torch_dtype)
+    if not len(rows):
+        return out
+    if rows.stop > spec.num_rows:
+        raise ValueError(f"rows [{rows.start}, {rows.stop}) exceed table {spec.name!r} of {spec.num_rows} rows")
+    bound = 1.0 / (spec.dim**0.5)
+    name_hash = zlib.crc32(spec.name.encode())
+    gen = torch.Generator()
+    first, last = rows.start // INIT_BLOCK_ROWS, (rows.stop - 1) // INIT_BLOCK_ROWS
+    for block in range(first, last + 1):
+        b0 = block * INIT_BLOCK_ROWS
+        b1 = min(b0 + INIT_BLOCK_ROWS, spec.num_rows)
+        gen.manual_seed((seed * 1_000_003 + name_hash) * 1_000_033 + block & 0x7FFF_FFFF_FFFF_FFFF)
+        vals = torch.rand(b1 - b0, spec.dim, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+        lo, hi = max(b0, rows.start), min(b1, rows.stop)
+        out[lo - rows.start : hi - rows.start] = vals[lo - b0 : hi - b0].to(spec.torch_dtype)
+    return out
+
+
+class Arena:
+    """One device allocation: resident rows + slots per table; staging kept beside it.
+
+    ``weights[table]`` is ``[local rows, dim]``; ``slots[table][name]`` is ``[local rows, ...]``.
+    """
+
+    def __init__(self, device: torch.device, layout: dict[str, tuple[int, TableSpec, dict]], staging_bytes: int):
+        self.device = device
+        plan: list[tuple[str, str, tuple[int, ...], torch.dtype, int]] = []
+        offset = 0
+        for name, (nrows, spec, slot_shapes) in layout.items():
+            plan.append((name, "weight", (nrows, spec.dim), spec.torch_dtype, offset))
+            offset += aligned(nrows * spec.bytes_per_row())
+            for slot, (shape, dtype) in slot_shapes.items():
+                full = (nrows, *shape)
+                plan.append((name, slot, full, dtype, offset))
+                offset += aligned(_nbytes(full, dtype))
+        self.resident_bytes = offset
+        self.buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.slots: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layout}
+        for name, what, shape, dtype, off in plan:
+            view = carve(self.buffer, off, shape, dtype)
+            if what == "weight":
+                self.weights[name] = view
+            else:
+                self.slots[name][what] = view
+        self.staging = torch.empty(max(staging_bytes, 1), dtype=torch.uint8, device=device)
+        self._leased = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_rank(cls, tables: Mapping[str, TableSpec], optimizer: OptimizerSpec, ep_size: int, rank: int,
+                 world_size: int, staging_rows_per_rank: int, device: torch.device) -> "Arena":
+        """The arena of ``rank``: its owned rows of every table, slots for ``optimizer``
+        (initialised), and staging for ``staging_rows_per_rank`` rows per peer each way."""
+        layout = {}
+        for name, spec in tables.items():
+            nrows = len(owned_range(spec.num_rows, ep_size, rank))
+            layout[name] = (nrows, spec, optim.slot_shapes(optimizer, spec.dim))
+        widest = max(s.bytes_per_row() for s in tables.values())
+        cap = staging_rows_per_rank * world_size
+        arena = cls(device, layout, 2 * aligned(cap * (widest + 8)))  # each direction: rows + int64 ids
+        for name in tables:
+            optim.init_slots(optimizer, arena.slots[name])
+        return arena
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() + self.staging.numel()
+
+    def lease(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A byte buffer of at least ``nbytes``: the staging if free (grown if too small), else
+        a fresh allocation. Returns (buffer, leased); a leased buffer goes back with :meth:`release`."""
+        with self._lock:
+            if self._leased:
+                return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device), False
+            if self.staging.numel() < nbytes:
+                grown = max(nbytes, 2 * self.staging.numel())
+                log.info("arena.staging_grown", old_bytes=self.staging.numel(), new_bytes=grown)
+                self.staging = torch.empty(grown, dtype=torch.uint8, device=self.device)
+            self._leased = True
+            return self.staging, True
+
+    def release(self) -> None:
+        with self._lock:
+            self._leased = False
+
+    def check_import(self, shards: Mapping[str, ShardData], owned: Mapping[str, RowRange], rank: int,
+                     optimizer: OptimizerSpec) -> None:
+        """Raise ``ValueError`` unless ``shards`` is exactly this arena's tables, ranges and shapes."""
+        missing = sorted(set(self.weights) - set(shards))
+        extra = sorted(set(shards) - set(self.weights))
+        if missing or extra:
+            raise ValueError(f"import_shard: tables missing {missing}, unknown {extra}; expected {sorted(self.weights)}")
+        for name, shard in shards.items():
+            want = owned[name]
+            if shard.rows != want:
+                raise ValueError(
+                    f"import_shard: table {name!r} shard covers rows [{shard.rows.start}, {shard.rows.stop}) but "
+                    f"rank {rank} owns [{want.start}, {want.stop}); reshard first "
+                    f"(elastic_emb.sharding.reshard_plan)"
+                )
+            if tuple(shard.weight.shape) != tuple(self.weights[name].shape):
+                raise ValueError(f"import_shard: table {name!r} weight shape {tuple(shard.weight.shape)} != "
+                                 f"{tuple(self.weights[name].shape)}")
+            slot_names = set(self.slots[name])
+            if set(shard.slots) != slot_names:
+                raise ValueError(f"import_shard: table {name!r} slots {sorted(shard.slots)} != {sorted(slot_names)} "
+                                 f"(optimizer {optimizer.kind!r})")
+            for slot, t in shard.slots.items():
+                if tuple(t.shape) != tuple(self.slots[name][slot].shape):
+                    raise ValueError(f"import_shard: table {name!r} slot {slot!r} shape {tuple(t.shape)} != "
+                                     f"{tuple(self.slots[name][slot].shape)}")
+
+    def write(self, shards: Mapping[str, ShardData]) -> None:
+        """Copy checked ``shards`` (:meth:`check_import`) into the arena."""
+        for name, shard in shards.items():
+            self.weights[name].copy_(shard.weight)
+            for slot, t in shard.slots.items():
+                self.slots[name][slot].copy_(t)
+
+
+class Staging:
+    """Carves consecutive typed views out of a leased byte buffer."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.offset = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        view = carve(self.buf, self.offset, shape, dtype)
+        self.offset += aligned(view.numel() * view.element_size())
+        return view
+
+
+def staging_need(parts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes a :class:`Staging` needs to :meth:`~Staging.take` each ``(shape, dtype)`` of ``parts``."""
+    return sum(aligned(_nbytes(shape, dtype)) for shape, dtype in parts)
+
+
+class Rows:
+    """Lazy initial fill of the arena's rows: a table's rows are seeded (:func:`init_rows`), or
+    zeroed when ``seed`` is None, at the first use that reads them; a write of every row
+    (an import or a restore) makes the fill unnecessary."""
+
+    def __init__(self, tables: Mapping[str, TableSpec], seed: int | None):
+        self.tables = tables
+        self.seed = seed
+        self.uninitialised: set[str] = set(tables)
+
+    def materialise(self, arena: Arena, owned: Mapping[str, RowRange]) -> None:
+        """Fill the rows of every table not yet initialised."""
+        for name in sorted(self.uninitialised):
+            if self.seed is None:
+                arena.weights[name].zero_()
+            else:
+                arena.weights[name].copy_(init_rows(self.tables[name], self.seed, owned[name]))
+        self.uninitialised.clear()
+
+    def written(self) -> None:
+        """Every row of every table was written: the fill is no longer needed."""
+        self.uninitialised.clear()

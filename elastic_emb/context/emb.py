@@ -1,0 +1,482 @@
+"""EmbContext: one generation's sharded embedding context, a communicator plus a memory arena.
+
+This is the PyTorch counterpart of a C++ ``AsyncEmbContext``: it is built for exactly one
+topology (world size and expert-parallel size), and everything in it is sized for that world.
+The class is a facade over small parts, each in its own module:
+
+- :class:`~elastic_emb.context.group.Group`: the private process group (form, bounded waits,
+  health, release in the background);
+- :class:`~elastic_emb.context.arena.Arena`: one allocation for every table's rows and slots,
+  plus staging; :class:`~elastic_emb.context.arena.Rows` fills rows lazily;
+- :class:`~elastic_emb.context.exchange.HeaderExchange`: the count/tag/range header protocol that
+  opens every collective call;
+- :class:`~elastic_emb.context.dedup.Deduper`: sort-based dedup and its CUDA graphs;
+- :class:`~elastic_emb.context.lookup.LookupEngine`: the pipelined lookup and its handles;
+- :class:`~elastic_emb.context.gradients.GradientRouter`: sparse gradients to their owners;
+- :mod:`~elastic_emb.context.dtensor`: the rows as DTensors for DCP.
+
+The group-bound parts (exchange, dedup, lookups, gradients) are rebuilt whenever the group or
+the arena changes (a ``reset``), so none of them ever sees a half-changed context.
+
+Lifecycle: ``reset(rank, world_size)`` re-forms the communicator for the same world size on a
+fresh store prefix; if the rank mapping changed, local shards move to their new owner over the
+new communicator so the table is kept. A different world size raises
+:class:`~elastic_emb.errors.WorldSizeChanged`. ``close()`` is idempotent: gloo shuts down; NCCL
+destroys when healthy and aborts when not (bounded by the timeout, in a thread);
+``close(wait=False)``, what the lifecycle does on a resize, leaves that release to a background
+thread while the next context forms (:func:`~elastic_emb.context.group.wait_releases`).
+Anything after ``close`` raises :class:`~elastic_emb.errors.ContextClosed`.
+
+Resharding: ``export_shard`` / ``import_shard`` hand the local rows and slots with their global
+row range to the lifecycle layer; ``shard_views`` gives the arena's own tensors for an in-place
+restore; ``state_dict`` exposes them as DTensors that DCP saves at one world size and loads at
+another.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.context.arena import Arena, Rows
+from elastic_emb.context.dedup import Deduper
+from elastic_emb.context.dtensor import MeshCache, load_state_dict, state_dict
+from elastic_emb.context.exchange import MAX_CHUNKS, HeaderExchange, call_tag
+from elastic_emb.context.gradients import GradientRouter
+from elastic_emb.context.group import Group, log, wait_releases
+from elastic_emb.context.lookup import LookupEngine, LookupHandle
+from elastic_emb.errors import CommunicationError, ContextClosed, WorldSizeChanged
+from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.sharding import RowRange, owned_range
+from elastic_emb.topology import Topology, is_power_of_two
+
+# Contexts not yet closed: closed at interpreter exit, before torch's own teardown, so that no
+# communicator is destroyed by static destructors (gloo then aborts the process).
+_OPEN: "weakref.WeakSet[EmbContext]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_contexts() -> None:
+    for ctx in list(_OPEN):
+        try:
+            ctx.close()
+        except Exception:
+            pass
+    # Communicators still being released in the background: let them finish before torch's
+    # own teardown (bounded by their timeouts).
+    wait_releases()
+
+
+class EmbContext:
+    """A sharded embedding context for one topology. See the module docstring.
+
+    Args: ``topology`` (agreed record), ``store`` (the job's store), ``tables``, ``optimizer``,
+    ``device`` (default: ``cuda:local_rank`` on NCCL, else CPU), ``timeout`` (seconds, bounds
+    every wait), ``require_power_of_two`` (EP size rule), ``seed`` (initial rows; None: zeros),
+    ``staging_rows_per_rank`` (staging rows per peer, grown on demand), ``pipeline_chunks``
+    (lookup pieces; default 3 on NCCL, 1 on gloo; equal on every rank), ``high_priority_stream``
+    (NCCL; default on), ``capture_dedup`` (CUDA graphs for the dedup kernels).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        store: dist.Store,
+        *,
+        tables: Sequence[TableSpec],
+        optimizer: OptimizerSpec = OptimizerSpec(),
+        device: torch.device | str | None = None,
+        timeout: float = 60.0,
+        require_power_of_two: bool = True,
+        seed: int | None = 0,
+        staging_rows_per_rank: int = 4096,
+        pipeline_chunks: int | None = None,
+        high_priority_stream: bool | None = None,
+        capture_dedup: bool = True,
+    ) -> None:
+        started = time.monotonic()
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        if not tables:
+            raise ValueError("tables is empty: an EmbContext needs at least one TableSpec")
+        names = [t.name for t in tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"table names {dup} appear more than once in tables; names must be unique")
+        if staging_rows_per_rank < 0:
+            raise ValueError(f"staging_rows_per_rank={staging_rows_per_rank} must be >= 0")
+        if pipeline_chunks is None:
+            # NCCL: overlap gathers and reorders with the row exchanges (separate streams).
+            # Gloo: a CPU process does one thing at a time, pieces would only add round trips.
+            pipeline_chunks = 3 if topology.backend == "nccl" else 1
+        if not 1 <= pipeline_chunks <= MAX_CHUNKS:
+            raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {MAX_CHUNKS}]")
+        self.pipeline_chunks = pipeline_chunks
+        # NCCL: the exchanges' kernels go first when they compete with gathers for the GPU.
+        self.high_priority_stream = (topology.backend == "nccl" if high_priority_stream is None
+                                     else bool(high_priority_stream))
+        _check_ep(topology, require_power_of_two)
+        self.topology = topology
+        self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
+        self.optimizer = optimizer
+        self.timeout = float(timeout)
+        self.require_power_of_two = require_power_of_two
+        self.seed = seed
+        self.staging_rows_per_rank = staging_rows_per_rank
+        self.capture_dedup = bool(capture_dedup)
+        self.device = _pick_device(topology, device)
+        self._base_store = store
+        self._closed = False
+        self._mesh = MeshCache()
+        self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
+        self._group = Group.form(topology, store, self.device, self.timeout, self.high_priority_stream, self._log)
+        self._arena = self._allocate(topology)
+        # Rows are filled lazily: a context built for a resize has them overwritten by the
+        # restore at once. import_shard and mark_restored() skip the fill.
+        self._rows = Rows(self.tables, seed)
+        self._wire()
+        _OPEN.add(self)
+        self._log.info("context.constructed", world_size=topology.world_size, ep_size=topology.ep_size,
+                       backend=topology.backend, device=str(self.device), tables=len(self.tables),
+                       arena_bytes=self.arena_bytes, resident_bytes=self._arena.resident_bytes,
+                       seconds=round(time.monotonic() - started, 4))
+
+    def _allocate(self, topology: Topology) -> Arena:
+        return Arena.for_rank(self.tables, self.optimizer, topology.ep_size, topology.rank, topology.world_size,
+                              self.staging_rows_per_rank, self.device)
+
+    def _wire(self) -> None:
+        """(Re)build the parts bound to the group and the arena."""
+        t, dev = self.topology, self.device
+        self._exchange = HeaderExchange(self._group, t, dev, self.tables, self._log)
+        self._dedup = Deduper(self._exchange, t, dev, self.capture_dedup, self._log)
+        self._lookups = LookupEngine(self._group, self._dedup, self._arena, t, dev, self.tables,
+                                     self.pipeline_chunks, self._log)
+        self._gradients = GradientRouter(self._group, self._dedup, self._arena, t, dev, self.tables, self.optimizer,
+                                         self._lookups.settle)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def healthy(self) -> bool:
+        """False once a collective failed or timed out, or after close."""
+        return not self._closed and self._group.healthy
+
+    @property
+    def process_group(self):
+        """The private process group (None once closed)."""
+        return None if self._closed else self._group.pg
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the arena holds on the device now (resident rows and slots + staging)."""
+        return 0 if self._closed else self._arena.nbytes
+
+    def arena_report(self) -> dict:
+        """Sizes of the arena's parts, for logs and benchmarks."""
+        self._check_open("arena_report")
+        a = self._arena
+        return {
+            "device": str(self.device),
+            "resident_bytes": a.resident_bytes,
+            "staging_bytes": a.staging.numel(),
+            "total_bytes": a.nbytes,
+            "tables": {n: {"local_rows": a.weights[n].shape[0], "rows": [self.owned(n).start, self.owned(n).stop]}
+                       for n in self.tables},
+        }
+
+    def owned(self, table: str) -> RowRange:
+        """The global rows of ``table`` this rank owns (empty on ranks >= ep_size)."""
+        spec = self._spec(table)
+        return owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank)
+
+    def _owned_all(self) -> dict[str, RowRange]:
+        return {name: self.owned(name) for name in self.tables}
+
+    def _materialise(self) -> None:
+        if self._rows.uninitialised:
+            self._rows.materialise(self._arena, self._owned_all())
+
+    def mark_restored(self) -> None:
+        """Declare that every row of every table was written through :meth:`shard_views` (a
+        restore did it), so the lazy initial fill is skipped."""
+        self._check_open("mark_restored")
+        self._rows.written()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ContextClosed(
+                f"{what} on a closed EmbContext (run {self.topology.run_id!r} generation "
+                f"{self.topology.generation}, world size {self.topology.world_size}); construct a new context"
+            )
+
+    def _spec(self, table: str) -> TableSpec:
+        try:
+            return self.tables[table]
+        except KeyError:
+            raise KeyError(f"unknown table {table!r}; this context holds {sorted(self.tables)}") from None
+
+    def _spec_or_cancel(self, table: str, what: str, op: int, chunks: int = 1) -> TableSpec:
+        """The table's spec; for an unknown table, cancel the call on the peers, then raise KeyError."""
+        if table in self.tables:
+            return self.tables[table]
+        if self.topology.world_size > 1:
+            self._exchange.cancel(what, call_tag(sorted(self.tables), op, table, chunks))
+        return self._spec(table)
+
+    # -- collective operations -------------------------------------------------------------
+
+    def lookup(self, table: str, ids: torch.Tensor) -> LookupHandle:
+        """Start a lookup of ``ids`` (collective: every rank calls it, possibly with no ids).
+        Returns before the row exchange completes; ``handle.wait()`` gives ``[len(ids), dim]``.
+        Raises :class:`~elastic_emb.errors.InvalidIds` on the rank whose ids are bad and
+        :class:`~elastic_emb.errors.PeerLookupError` on the others."""
+        self._check_open(f"lookup({table!r})")
+        self._materialise()
+        what = f"lookup({table!r})"
+        spec = self._spec_or_cancel(table, what, 1, self.pipeline_chunks)
+        return self._lookups.lookup(spec, ids, what)
+
+    def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
+        there; gradients of duplicate ids are summed (collective: every rank calls it)."""
+        self._check_open(f"apply_gradients({table!r})")
+        self._materialise()
+        what = f"apply_gradients({table!r})"
+        spec = self._spec_or_cancel(table, what, 2)
+        self._gradients.apply(spec, ids, grads, what)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (a small all-reduce, bounded by the timeout)."""
+        self._check_open("barrier")
+        self._group.allreduce(torch.zeros(1, device=self.device), "barrier")
+
+    # -- reset and close -----------------------------------------------------------------------
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
+        """Re-form the communicator for the same world size (the rank mapping may change).
+
+        Raises ``ValueError`` for an invalid rank or world size, :class:`WorldSizeChanged` for a
+        different world size, ``ValueError`` for a non-power-of-two EP size (unless the rule is
+        off) or a changed EP size or backend. Rows are kept: if this process's rank changed, its
+        shard moves to the process that now holds its old rank. ``topology`` (with the new
+        generation) and ``store`` replace the context's when given.
+        """
+        self._check_open("reset")
+        self._materialise()
+        topology = _checked_reset(self.topology, rank, world_size, topology, self.require_power_of_two)
+        started = time.monotonic()
+        old_rank = self.topology.rank
+        was_healthy = self._group.healthy
+        self._log = log.bind(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)
+        # Form the new communicator before releasing the old one: an NCCL destroy immediately
+        # followed by an init races (pytorch#119196), and a failed re-form leaves the old
+        # context as it was.
+        new_group = Group.form(topology, store if store is not None else self._base_store, self.device,
+                               self.timeout, self.high_priority_stream, self._log)
+        if was_healthy:
+            self._lookups.drain()
+        self._lookups.retire("reset")
+        self._group.release(abort=not was_healthy)
+        self._group = new_group
+        if store is not None:
+            self._base_store = store
+        self.topology = topology
+        moved = self._remap_rows(old_rank)
+        self._wire()  # a new exchange block (every rank restarts with headers alone) and dedup graphs
+        self._log.info("context.reset", old_rank=old_rank, moved_bytes=moved,
+                       seconds=round(time.monotonic() - started, 4))
+
+    def _remap_rows(self, old_rank: int) -> int:
+        """After a reset: move each process's resident arena to the process that now has its
+        old rank. One all-to-all of bytes; every rank takes part even when nothing moves."""
+        world, rank = self.topology.world_size, self.topology.rank
+        olds = torch.zeros(world, dtype=torch.int64, device=self.device)
+        olds[rank] = old_rank
+        self._group.allreduce(olds, "reset rank exchange")
+        old_of = olds.tolist()  # old_of[new rank] = old rank
+        if old_of == list(range(world)):
+            return 0
+        if sorted(old_of) != list(range(world)):
+            self._group.healthy = False
+            raise CommunicationError(f"reset: old ranks {old_of} are not a permutation of 0..{world - 1}")
+        new_arena = self._allocate(self.topology)
+        src = self._arena.buffer[: self._arena.resident_bytes]
+        dst = new_arena.buffer[: new_arena.resident_bytes]
+        in_splits = [0] * world
+        in_splits[old_rank] = src.numel()  # the process now holding my old rank needs my rows
+        out_splits = [0] * world
+        out_splits[old_of.index(rank)] = dst.numel()  # I take the rows of my new rank's old holder
+        self._group.wait(self._group.alltoall(dst, src, out_splits, in_splits), None, "reset row move")
+        self._arena = new_arena
+        return int(src.numel())
+
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
+        """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
+        (False) aborting the communicator; by default it aborts only when unhealthy.
+
+        ``wait=False`` (what the lifecycle does on a resize) returns as soon as the context is
+        unusable and its arena is back in the allocator, for the next context to reuse: the NCCL
+        communicator is destroyed (or aborted) by a background thread, bounded by the timeout,
+        while the next context forms. :func:`~elastic_emb.context.group.wait_releases` waits for
+        those threads; each reports a ``context.group_released`` event, or
+        ``context.group_release_failed``."""
+        if self._closed:
+            return
+        started = time.monotonic()
+        do_abort = (not self._group.healthy) if abort is None else abort
+        if not do_abort:
+            self._lookups.drain()
+        self._closed = True
+        _OPEN.discard(self)
+        self._lookups.retire("closed")
+        arena, arena_bytes = self._arena, self._arena.nbytes
+        # Nothing may keep the arena alive (handles hold the engine): the next context reuses it.
+        self._arena = self._lookups.arena = self._gradients.arena = None  # type: ignore[assignment]
+        self._group.release(abort=do_abort, wait=wait, keep=arena if do_abort else None)
+        del arena
+        if self.device.type == "cuda" and wait:
+            torch.cuda.empty_cache()
+        self._log.info("context.closed", aborted=do_abort, released_bytes=arena_bytes,
+                       communicator="released" if wait or self.topology.backend == "gloo" else "releasing in background",
+                       seconds=round(time.monotonic() - started, 4))
+
+    def __enter__(self) -> "EmbContext":
+        self._check_open("__enter__")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=True if exc_type is not None and not self.healthy else None)
+
+    def __del__(self) -> None:  # best effort; close() is the real interface
+        try:
+            if not self._closed and self._group.pg is not None and self.topology.backend == "gloo":
+                self.close()
+        except Exception:
+            pass
+
+    # -- shards --------------------------------------------------------------------------------
+
+    def export_shard(self) -> dict[str, ShardData]:
+        """Copies of this rank's rows and slots of every table, with their global row range."""
+        self._check_open("export_shard")
+        self._materialise()
+        a = self._arena
+        return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name].clone(),
+                                slots={k: v.clone() for k, v in a.slots[name].items()})
+                for name in self.tables}
+
+    def shard_views(self) -> dict[str, ShardData]:
+        """This rank's rows and slots as the arena's own tensors: writable views, no copy.
+
+        For a restore that writes rows in place (skipping export's clone and import's copy);
+        the rows are not initialised by this call: a caller that wrote every row says so with
+        :meth:`mark_restored`, anything else that reads rows initialises them first.
+        The views are valid until ``close()`` or a ``reset`` that changes this rank's rank
+        (which re-lays the arena); take them again after either."""
+        self._check_open("shard_views")
+        a = self._arena
+        return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name], slots=dict(a.slots[name]))
+                for name in self.tables}
+
+    def import_shard(self, shards: Mapping[str, ShardData]) -> None:
+        """Overwrite this rank's rows with ``shards``: exactly this rank's owned range of every
+        table, with every optimizer slot. Local (no communication); raises ``ValueError`` naming
+        the table, range or shape that does not fit."""
+        self._check_open("import_shard")
+        self._lookups.settle()
+        self._arena.check_import(shards, self._owned_all(), self.topology.rank, self.optimizer)
+        self._arena.write(shards)
+        self._rows.written()
+
+    # -- DTensor state dict -------------------------------------------------------------------
+
+    def device_mesh(self):
+        """A DeviceMesh over the owner ranks ``0..ep_size-1`` of the default process group,
+        which must match this context's rank and world size (see :mod:`elastic_emb.context.dtensor`)."""
+        self._check_open("device_mesh")
+        return self._mesh.mesh(self.topology, self.device)
+
+    def state_dict(self) -> dict:
+        """``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over the owner
+        ranks; local tensors are views of the arena (DCP ``load`` into them writes the arena)."""
+        mesh = self.device_mesh()
+        self._materialise()
+        return state_dict(self._arena, self.tables, mesh)
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Copy the local shards of ``state`` (as returned by :meth:`state_dict`, possibly
+        loaded by DCP) into the arena."""
+        self._check_open("load_state_dict")
+        self._lookups.settle()
+        self._materialise()  # a state dict may cover only some slots; the rest keep their values
+        load_state_dict(self._arena, self.tables, state)
+
+    def __repr__(self) -> str:
+        t = self.topology
+        state = "closed" if self._closed else ("healthy" if self.healthy else "unhealthy")
+        return (f"EmbContext(rank={t.rank}, world_size={t.world_size}, ep_size={t.ep_size}, "
+                f"backend={t.backend!r}, tables={sorted(self.tables)}, {state})")
+
+
+def _check_ep(topology: Topology, require_power_of_two: bool) -> None:
+    ep = topology.ep_size
+    if ep < 1 or ep > topology.world_size:
+        raise ValueError(f"ep_size={ep} must be in [1, world_size={topology.world_size}]")
+    if require_power_of_two and not is_power_of_two(ep):
+        raise ValueError(
+            f"ep_size={ep} is not a power of two; set ELASTIC_EMB_EP_SIZE to a power of two "
+            f"(1, 2, 4, ...) or construct with require_power_of_two=False"
+        )
+
+
+def _pick_device(topology: Topology, device) -> torch.device:
+    if device is not None:
+        dev = torch.device(device)
+    elif topology.backend == "nccl":
+        dev = torch.device("cuda", topology.local_rank)
+    else:
+        dev = torch.device("cpu")
+    if topology.backend == "nccl" and dev.type != "cuda":
+        raise ValueError(f"backend 'nccl' needs a CUDA device, got device={dev}; use backend 'gloo' on CPU")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={dev} but CUDA is not available; use backend 'gloo' and device 'cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", topology.local_rank % torch.cuda.device_count())
+    return dev
+
+
+def _checked_reset(current: Topology, rank: int, world_size: int, topology: Topology | None,
+                   require_power_of_two: bool) -> Topology:
+    """The topology a ``reset(rank, world_size, topology=)`` moves to, or the error that forbids it."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be an int")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if world_size != current.world_size:
+        raise WorldSizeChanged(current.world_size, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, {world_size})")
+    if topology is None:
+        topology = current.with_changes(rank=rank)
+    if topology.rank != rank or topology.world_size != world_size:
+        raise ValueError(f"topology (rank={topology.rank}, world_size={topology.world_size}) does not match "
+                         f"reset(rank={rank}, world_size={world_size})")
+    _check_ep(topology, require_power_of_two)
+    if topology.ep_size != current.ep_size:
+        raise ValueError(f"ep_size changed from {current.ep_size} to {topology.ep_size}: the arena is laid "
+                         f"out for the old sharding; close this context and construct a new one")
+    if topology.backend != current.backend:
+        raise ValueError(f"backend changed from {current.backend!r} to {topology.backend!r}: construct a new context")
+    return topology

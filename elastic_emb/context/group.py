@@ -1,0 +1,309 @@
+"""The context's private process group: form, wait on, release.
+
+A context talks over a process group of its own, built directly from a backend
+(``ProcessGroupGloo`` or ``ProcessGroupNCCL``) on a store prefix private to the generation
+(:func:`elastic_emb.store.generation_store`) and to this construction or reset, with an
+explicit timeout. It is *not* the default process group and is not registered with
+``torch.distributed``'s global state, so two contexts (the old and the new one during a live
+reshard) can live in one process, and the user's own default group is never touched. Each rank
+counts its own constructions/resets within the generation; the k-th one on every rank pairs with
+the k-th on the others, so re-forming never reuses keys (reused keys hang).
+
+:class:`Group` is that communicator plus its health: every wait is bounded, and a collective that
+fails or times out raises :class:`~elastic_emb.errors.CommunicationError` and marks the group
+unhealthy (the context then aborts it on close instead of destroying it).
+
+Release: gloo is aborted (closing this rank's connections; a healthy close has drained every
+pending collective first). NCCL is destroyed when healthy and aborted when not, bounded by the
+timeout in a thread (a destroy still running past it means a peer is gone, and is followed by an
+abort). ``wait=False`` hands that to a background thread (:class:`Release`) while the next
+context forms; :func:`wait_releases` waits for those threads.
+
+NCCL settings: the first NCCL group of a process sets ``NCCL_CUMEM_ENABLE=0`` unless the
+environment sets it (:data:`NCCL_DEFAULTS`). With cuMem buffers (NCCL's default since 2.19) a new
+communicator connects and destroys several times slower on the same hardware at equal bandwidth
+(``bench/nccl_setup.py`` measures both; BENCHMARKS.md holds the figures); a resize destroys and
+builds a communicator, so this is most of its cost. Set ``NCCL_CUMEM_ENABLE=1`` yourself where
+cuMem is required (multi-node NVLink, NVLS multicast).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.errors import CommunicationError
+from elastic_emb.events import get_logger
+from elastic_emb.store import generation_store
+from elastic_emb.topology import Topology
+
+log = get_logger("elastic_emb.context")
+
+NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+_nccl_defaults_applied = False
+
+
+def apply_nccl_defaults() -> dict[str, str]:
+    """Set :data:`NCCL_DEFAULTS` where the environment does not; returns what was set. Called by
+    the first NCCL context of the process (it must precede the process's first NCCL
+    communicator to take effect); callers that create NCCL communicators of their own earlier
+    can call it first."""
+    global _nccl_defaults_applied
+    applied = {}
+    for key, value in NCCL_DEFAULTS.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    if not _nccl_defaults_applied:
+        _nccl_defaults_applied = True
+        log.info("context.nccl_env", set_by_elastic_emb=applied,
+                 effective={k: os.environ.get(k) for k in NCCL_DEFAULTS})
+    return applied
+
+
+def poll(ready, timeout: float) -> bool:
+    """Call ``ready()`` until it is true (True) or ``timeout`` seconds pass (False): yield the
+    core between calls for the first ~2000, then sleep 0.2 ms, so a wait of a few ms is noticed
+    at once and a long one does not burn a core."""
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        spins += 1
+        time.sleep(0 if spins < 2000 else 0.0002)
+    return True
+
+
+class Group:
+    """A formed private process group, its timeout and its health."""
+
+    def __init__(self, pg, backend, topology: Topology, device: torch.device, timeout: float, log_):
+        self.pg = pg
+        self._backend = backend  # held: the group must not outlive release (no teardown at exit)
+        self.topology = topology
+        self.device = device
+        self.timeout = timeout
+        self.healthy = True
+        self.log = log_
+
+    @classmethod
+    def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
+             high_priority_stream: bool, log_) -> "Group":
+        """A process group private to this construction or reset, connected and probed; raises
+        :class:`CommunicationError` when the peers do not all form it within ``timeout``."""
+        started = time.monotonic()
+        gen_store = generation_store(store, topology, "ctx")
+        instance = int(gen_store.add(f"instances/rank{topology.rank}", 1))
+        pg_store = dist.PrefixStore(f"pg{instance}/", gen_store)
+        td = timedelta(seconds=timeout)
+        rank, size = topology.rank, topology.world_size
+        try:
+            if topology.backend == "gloo":
+                backend = dist.ProcessGroupGloo(pg_store, rank, size, td)
+                backend._set_sequence_number_for_group()
+                pg = dist.ProcessGroup(pg_store, rank, size)
+                pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+                pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+                if torch.cuda.is_available():
+                    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+            else:
+                apply_nccl_defaults()
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = td
+                opts.is_high_priority_stream = high_priority_stream
+                backend = dist.ProcessGroupNCCL(pg_store, rank, size, opts)
+                backend._set_sequence_number_for_group()
+                torch.cuda.set_device(device)
+                backend.eager_connect_single_device(device)
+                pg = dist.ProcessGroup(pg_store, rank, size)
+                pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+                pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+        except Exception as exc:
+            raise CommunicationError(
+                f"could not form the {topology.backend} process group of rank {rank}/{size} "
+                f"(run {topology.run_id!r} generation {topology.generation}, instance {instance}) within "
+                f"{timeout}s: {exc}. Check that every rank constructs the context"
+            ) from exc
+        pg._set_group_name(f"elastic_emb.{topology.run_id}.gen{topology.generation}.{instance}")
+        group = cls(pg, backend, topology, device, timeout, log_)
+        group._probe()
+        log_.info("context.group_formed", instance=instance, seconds=round(time.monotonic() - started, 4))
+        return group
+
+    def _probe(self) -> None:
+        """The first collective connects: do it now, so construction fails here, not in a lookup."""
+        size, rank = self.topology.world_size, self.topology.rank
+        probe = torch.ones(1, device=self.device)
+        self.wait(self.pg.allreduce([probe]), None, "construction probe")
+        if int(probe.item()) != size:
+            raise CommunicationError(f"construction probe summed to {probe.item()}, expected {size}")
+        if self.topology.backend == "nccl" and size > 1:
+            # NCCL sets up the point-to-point connections an all-to-all needs only at the first
+            # all-to-all (the all-reduce above uses other channels), which the first lookup or
+            # the live reshard would otherwise pay. Pay it in construction.
+            ids = torch.arange(size, dtype=torch.int64, device=self.device)
+            got = torch.empty_like(ids)
+            self.wait(self.pg.alltoall_base(got, ids, [1] * size, [1] * size, dist.AllToAllOptions()), None,
+                      "construction all-to-all probe")
+            if got.tolist() != [rank] * size:
+                raise CommunicationError(f"construction all-to-all probe returned {got.tolist()}, expected {[rank] * size}")
+
+    # -- waiting ----------------------------------------------------------------------------
+
+    def wait(self, work, timeout: float | None, what: str, host: bool = True) -> None:
+        """Complete ``work`` within ``timeout`` (default: the group's).
+
+        Gloo: ``Work.wait(timeout)`` blocks on a condition variable. NCCL: ``Work.wait(timeout)``
+        polls with 10 ms sleeps (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), far too coarse
+        for a lookup of a few ms, so the host polls ``is_completed()`` itself with short sleeps
+        when it needs the result (``host=True``), and otherwise only orders the current stream
+        after the collective (``host=False``; the communicator's own timeout still bounds it).
+        Raises :class:`CommunicationError` (and marks the group unhealthy) on failure or timeout.
+        """
+        t = self.timeout if timeout is None else timeout
+        try:
+            if self.topology.backend != "nccl":
+                ok = work.wait(timedelta(seconds=t))
+            else:
+                ok = poll(work.is_completed, t) if host else True
+                if ok:
+                    work.wait()
+        except Exception as exc:
+            self.healthy = False
+            raise CommunicationError(
+                f"{what} failed on rank {self.topology.rank} (generation {self.topology.generation}): {exc}. "
+                f"A peer died or is stuck; close this context and let the lifecycle re-form the world"
+            ) from exc
+        if ok is False:
+            raise self.timed_out(what, t)
+
+    def wait_event(self, event, timeout: float, what: str) -> None:
+        """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
+        if not poll(event.query, timeout):
+            raise self.timed_out(what, timeout)
+
+    def timed_out(self, what: str, t: float) -> CommunicationError:
+        """The error for a wait that ran out (the group is then unhealthy)."""
+        self.healthy = False
+        return CommunicationError(
+            f"{what} timed out after {t}s on rank {self.topology.rank} (generation "
+            f"{self.topology.generation}): a peer is stuck or gone; close this context (it aborts) and "
+            f"let the lifecycle re-form the world"
+        )
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        """Start an all-to-all of ``inp`` into ``out`` (split sizes along dimension 0); returns the work."""
+        try:
+            return self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+        except Exception as exc:
+            self.healthy = False
+            raise CommunicationError(f"all-to-all failed on rank {self.topology.rank}: {exc}") from exc
+
+    def allreduce(self, t: torch.Tensor, what: str) -> None:
+        """Sum ``t`` over the group, waited (bounded by the timeout)."""
+        self.wait(self.pg.allreduce([t]), None, what)
+
+    # -- release ----------------------------------------------------------------------------
+
+    def release(self, abort: bool, wait: bool = True, keep=None) -> None:
+        """Release the communicator: destroy (``shutdown``) or ``abort``, bounded by the timeout.
+        ``wait=False`` (NCCL) hands the release to a background thread and returns at once;
+        ``keep`` (the arena, after a failure) stays alive until the release is done, in case a
+        stuck kernel still touches it. Idempotent."""
+        pg, self.pg, self._backend = self.pg, None, None
+        if pg is None:
+            return
+        if self.topology.backend == "gloo":
+            # Gloo: abort() only closes this rank's connections. A healthy close has drained every
+            # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
+            # left a joinable thread behind when a peer had died ("terminate called without an
+            # active exception" at interpreter exit), abort did not.
+            try:
+                pg.abort()
+            except Exception as exc:  # reported, not swallowed silently
+                self.log.warning("context.group_release_failed", method="abort", error=str(exc))
+            return
+        release = Release(pg, "abort" if abort else "shutdown", self.timeout, self.log, keep)
+        if wait:
+            release.run()
+        else:
+            release.start()
+
+
+class Release:
+    """Destroy or abort one communicator, bounded: a destroy still running after ``timeout``
+    means a peer is gone, and is followed by an abort; an abort still running after another
+    ``timeout`` is reported and left to the process's exit."""
+
+    def __init__(self, pg, method: str, timeout: float, log_, keep=None):
+        self.pg, self.method, self.timeout, self._log, self._keep = pg, method, timeout, log_, keep
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.seconds: float | None = None
+        self.done = threading.Event()
+
+    def _call(self, method: str) -> bool:
+        def target() -> None:
+            try:
+                getattr(self.pg, method)()
+            except Exception as exc:  # reported, not swallowed silently
+                self.error = f"{method}: {exc}"
+                self._log.warning("context.group_release_failed", method=method, error=str(exc))
+
+        t = threading.Thread(target=target, name=f"elastic_emb-{method}", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        return not t.is_alive()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            finished = self._call(self.method)
+            if not finished:
+                self._log.error("context.group_release_timeout", method=self.method, timeout=self.timeout)
+                self.error = f"{self.method} did not finish within {self.timeout}s"
+                if self.method == "shutdown" and self._call("abort"):
+                    self.error += "; aborted instead"
+            self.seconds = time.monotonic() - started
+            self._log.info("context.group_released", method=self.method, seconds=round(self.seconds, 4),
+                           error=self.error)
+        finally:
+            self.pg = self._keep = None
+            self.done.set()
+
+    def start(self) -> None:
+        with _RELEASES_LOCK:
+            _RELEASES.append(self)
+        self.thread = threading.Thread(target=self.run, name="elastic_emb-release", daemon=True)
+        self.thread.start()
+
+
+_RELEASES: list[Release] = []
+_RELEASES_LOCK = threading.Lock()
+
+
+def wait_releases(timeout: float | None = None) -> list[dict]:
+    """Wait for the communicators that ``close(wait=False)`` handed to background threads, at
+    most ``timeout`` seconds in all (default: each release's own bound, twice the context's
+    timeout). Returns one record per release: method, seconds, error (None when clean), done."""
+    with _RELEASES_LOCK:
+        pending = list(_RELEASES)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = []
+    for r in pending:
+        left = 2 * r.timeout + 1 if deadline is None else max(0.0, deadline - time.monotonic())
+        finished = r.done.wait(left)
+        out.append({"method": r.method, "seconds": r.seconds, "error": r.error, "done": finished})
+        if finished:
+            with _RELEASES_LOCK:
+                if r in _RELEASES:
+                    _RELEASES.remove(r)
+    return out

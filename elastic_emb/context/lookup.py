@@ -1,0 +1,358 @@
+"""The pipelined lookup: ids in, rows out, with the exchange overlapped by the gathers.
+
+A :class:`LookupEngine` serves one context's lookups for one communicator and arena (the
+context builds a new one when either changes). ``lookup(spec, ids)``:
+
+1. Deduplicate per pipeline piece and exchange counts (:mod:`elastic_emb.context.dedup` and
+   :mod:`elastic_emb.context.exchange`): the lookup's only host synchronisation, which also
+   range-checks every rank's ids and proves every rank is in the same call.
+2. The ids: when they came in the count exchange (large lookups of wide tables) they are used as
+   they came; otherwise one id all-to-all serves every piece.
+3. Per piece, the owner gathers the rows asked of it and starts that piece's row all-to-all
+   (``async_op``; on NCCL the communicator's stream at high priority), so gathering piece k+1
+   overlaps sending piece k. Rows a rank owns itself never enter an exchange.
+4. The result is assembled per piece in one pass. On CUDA each row, duplicates expanded, is read
+   from the receive buffer or straight from the shard (:func:`elastic_emb.context.gather.gather_rows`,
+   a Triton kernel), queued at once on a stream of the engine's own: piece k is assembled as soon
+   as it lands, and the caller's stream is not held up meanwhile. On the CPU, where that would
+   take two passes, own rows are first gathered once behind the received rows and the result is
+   one index_select, done in ``wait()``.
+
+A lookup returns the rows as they were at ``lookup()``: before the context writes rows it calls
+:meth:`LookupEngine.settle`. Every collective is issued inside ``lookup`` in program order, so
+handles may be waited in any order on any rank without mismatching collectives. A world of one
+rank skips all of it: a lookup is then a plain gather.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+
+from elastic_emb.context.arena import Arena, Staging, staging_need
+from elastic_emb.context.dedup import Deduper
+from elastic_emb.context.exchange import OP_LOOKUP, call_tag, header_words, range_error
+from elastic_emb.context.gather import gather_rows
+from elastic_emb.context.group import Group
+from elastic_emb.errors import ContextClosed, InvalidIds
+from elastic_emb.protocol import TableSpec
+from elastic_emb.sharding import owned_range
+from elastic_emb.topology import Topology
+
+
+class LookupEngine:
+    """Runs the lookups of one context over one group and arena; tracks the ones in flight."""
+
+    def __init__(self, group: Group, deduper: Deduper, arena: Arena, topology: Topology, device: torch.device,
+                 tables: Mapping[str, TableSpec], pipeline_chunks: int, log_):
+        self.group = group
+        self.deduper = deduper
+        self.arena = arena
+        self.topology = topology
+        self.device = device
+        self.tables = tables
+        self.names = sorted(tables)
+        self.pipeline_chunks = pipeline_chunks
+        self.log = log_
+        self.retired: str | None = None  # why handles can no longer be waited on
+        self.pending: weakref.WeakSet[LookupHandle] = weakref.WeakSet()
+        self._side: torch.cuda.Stream | None = None
+
+    def side_stream(self) -> "torch.cuda.Stream":
+        """CUDA: the stream lookups assemble their results on."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def settle(self) -> None:
+        """Before the context writes rows: lookups in flight read their own rank's rows first."""
+        for handle in list(self.pending):
+            handle._settle()
+
+    def drain(self) -> None:
+        """Let lookups that were started but never waited finish their exchanges (every rank
+        started them, so they complete), so that no collective is in flight at teardown."""
+        for handle in list(self.pending):
+            handle._drain(self.group.timeout)
+        self.pending.clear()
+
+    def retire(self, why: str) -> None:
+        """``why`` is "closed" (handles of this engine refuse ``wait()``) or "reset" (the context
+        moved to another group: handles whose rows were not assembled refuse ``wait()``)."""
+        self.retired = why
+
+    def lookup(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
+        """Start a lookup (see the module docstring)."""
+        if self.topology.world_size == 1:
+            # One rank owns everything: no exchange, no dedup; a plain gather.
+            checked, reason = self._validate_ids(spec, ids)
+            if checked is None:
+                raise InvalidIds(f"{what} on rank 0: {reason}")
+            rows = self.arena.weights[spec.name].index_select(0, checked)
+            return LookupHandle(self, spec.name, [], rows, None, False)
+        return self._pipelined(spec, ids, what)
+
+    def _validate_ids(self, spec: TableSpec, ids) -> tuple[torch.Tensor | None, str | None]:
+        """Host checks plus the range check, which costs one device sync (a one-rank world has
+        no count exchange to fold it into)."""
+        from elastic_emb.context.dedup import check_ids
+
+        ids, reason = check_ids(ids, self.device)
+        if ids is None or not ids.numel():
+            return ids, reason
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+        reason = range_error(spec, lo, hi)
+        return (None, reason) if reason else (ids, None)
+
+    def _pipelined(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
+        """The batch is cut into ``pipeline_chunks`` consecutive pieces; one sort deduplicates
+        them all, one count exchange and (unless the ids came with the counts) one id exchange
+        serve all pieces; then the rows move piece by piece. The receive buffer holds the
+        received rows piece by piece, each piece's peers in rank order, as the all-to-alls
+        write them."""
+        table = spec.name
+        world, me = self.topology.world_size, self.topology.rank
+        chunks = self.pipeline_chunks
+        tag = call_tag(self.names, OP_LOOKUP, table, chunks)
+        n = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        d = self.deduper.dedup(spec, ids, what, tag, chunks)
+        uniq, inverse, sent, got, graph, pos = d.uniq, d.inverse, d.sent, d.got, d.graph, d.pos
+        rows = spec.num_rows
+        start = owned_range(rows, self.topology.ep_size, me).start
+        dev = self.device
+
+        # Where each piece's unique keys start, and where each peer's keys start within a piece.
+        size = [sum(sent[p][k] for p in range(world)) for k in range(chunks)]
+        base = [sum(size[:k]) for k in range(chunks + 1)]
+        starts = [[sum(sent[q][k] for q in range(p)) for k in range(chunks)] for p in range(world)]
+
+        in_tot = [0 if p == me else sum(sent[p]) for p in range(world)]
+        out_tot = [0 if p == me else sum(got[p]) for p in range(world)]
+        if d.keys is not None:
+            # The keys came with the counts, as my own row numbers: peer p's at the start of its
+            # block, after the header.
+            hw = header_words(d.keys.dtype)
+            got_keys = [d.keys[1, p, hw : hw + out_tot[p]] for p in range(world) if out_tot[p]]
+            asked_rows = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
+        else:
+            # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
+            pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
+                      for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
+            send_keys = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else uniq[:0])
+            recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
+            self.group.wait(self.group.alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange",
+                            host=False)
+            # My row number of every key asked of me (piece k's keys are k * rows + id).
+            asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
+
+        weight = self.arena.weights[table]
+        n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
+        n_local = [sent[me][k] for k in range(chunks)]
+        n_remote = [size[k] - n_local[k] for k in range(chunks)]
+        rbase = [sum(n_remote[:k]) for k in range(chunks + 1)]  # where piece k's received rows start
+        # CUDA: my own rows are read from my shard when the result is assembled (one pass, a
+        # Triton kernel). The CPU has no such kernel and torch ops would take two passes over
+        # them, so there they are gathered once, behind the received rows, and the result is one
+        # index_select.
+        own_behind = dev.type != "cuda"
+        n_recv = rbase[-1] + (sum(n_local) if own_behind else 0)
+        need = staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
+                            + [((n_recv, spec.dim), spec.torch_dtype)])
+        buf, leased = self.arena.lease(need)
+        staging = Staging(buf)
+        got_rows = staging.take((n_recv, spec.dim), spec.torch_dtype)
+        peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in asked_rows
+        if own_behind:
+            pos = _own_rows_behind(uniq, inverse, d.n_unique, weight, got_rows, base, size, starts[me], n_local,
+                                   rbase, rows, start)
+        if dev.type == "cuda":
+            # Allocated on the caller's stream before the event the side stream waits on, so any
+            # earlier user of its memory is done by then; the event also covers ``pos``.
+            result = torch.empty(n, spec.dim, dtype=spec.torch_dtype, device=dev)
+            if graph is not None:
+                # The side stream reads the positions until this lookup is assembled; the graph's
+                # copy would be overwritten by the next lookup's replay, which waits only for
+                # ``ready`` (so that it can run while this lookup's rows are on the wire).
+                pos = pos.clone()
+            ready = torch.cuda.Event()
+            ready.record()
+            if graph is not None:
+                graph.last_done = ready  # the graph's outputs are free again once this fires
+        works, serves = [], []
+        try:
+            for k in range(chunks):
+                serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
+                asked = [asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
+                         for p in range(world) if p != me and got[p][k]]
+                if asked:
+                    torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
+                out_splits = [0 if p == me else sent[p][k] for p in range(world)]
+                in_splits = [0 if p == me else got[p][k] for p in range(world)]
+                works.append(self.group.alltoall(got_rows[rbase[k] : rbase[k + 1]], serve, out_splits, in_splits))
+                serves.append(serve)
+        except Exception:
+            if leased:
+                self.arena.release()
+            raise
+        bounds = [n * k // chunks for k in range(chunks + 1)]
+        handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds,
+                              own_in_recv=own_behind)
+        if dev.type == "cuda":
+            handle._reorder_on_side_stream(ready, result)
+        return handle
+
+
+def _own_rows_behind(uniq, inverse, n_unique: int, weight, got_rows, base, size, before, n_local, rbase, rows: int,
+                     start: int) -> torch.Tensor:
+    """CPU: gather my own unique rows into ``got_rows`` behind the received ones; return, per
+    position of the batch, its row in ``got_rows``. Unique keys are in (piece, owner) order:
+    in piece k those of owners before me, mine, then those of owners after me."""
+    src = torch.empty(n_unique, dtype=torch.int64)
+    own_at = rbase[-1]
+    for k in range(len(n_local)):
+        b, bf, mine = base[k], before[k], n_local[k]
+        if bf:
+            torch.arange(rbase[k], rbase[k] + bf, out=src[b : b + bf])
+        if mine:
+            torch.arange(own_at, own_at + mine, out=src[b + bf : b + bf + mine])
+            torch.index_select(weight, 0, uniq[b + bf : b + bf + mine] - (k * rows + start),
+                               out=got_rows[own_at : own_at + mine])
+            own_at += mine
+        if size[k] > bf + mine:
+            torch.arange(rbase[k] + bf, rbase[k + 1], out=src[b + bf + mine : b + size[k]])
+    return src.index_select(0, inverse)
+
+
+class LookupHandle:
+    """An in-flight lookup. ``wait()`` completes the row exchanges and returns the rows in the
+    order of the ids passed to ``lookup``. Waiting twice returns the same tensor.
+
+    Holds one work object per pipeline piece, the receive buffer of the received rows and, per
+    position of the batch, where its row is (``pos``: >= 0 in the receive buffer, < 0 in the
+    shard, from its end) (or a finished result, for a world of one rank); ``bounds`` are the
+    pieces' positions in the ids.
+
+    On CUDA the assembly is queued at once on the engine's side stream, and ``wait()`` orders
+    the caller's stream after it. On the CPU (gloo) ``wait()`` assembles."""
+
+    def __init__(self, engine: LookupEngine, table: str, works, recv_rows, pos, leased: bool,
+                 keep: tuple = (), bounds: list[int] | None = None, own_in_recv: bool = False):
+        self._engine = engine
+        self._table = table
+        self._works = works
+        self._recv = recv_rows
+        self._pos = pos
+        self._own_in_recv = own_in_recv  # CPU: own rows already copied behind the received ones
+        self._bounds = bounds
+        self._leased = leased
+        self._keep = keep  # send buffers must outlive the exchange
+        self._result: torch.Tensor | None = None if bounds is not None else recv_rows
+        self._queued: tuple[torch.Tensor, torch.cuda.Event] | None = None  # (result, done) on CUDA
+        self._delivered = False  # wait() returned the rows once: later waits return them again
+        if works:
+            engine.pending.add(self)
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def _empty_result(self) -> torch.Tensor:
+        spec = self._engine.tables[self._table]
+        return torch.empty(self._bounds[-1], spec.dim, dtype=spec.torch_dtype, device=self._engine.device)
+
+    def _reorder(self, k: int, result: torch.Tensor) -> None:
+        """Piece k's rows into the caller's order (duplicates expanded), in ``result``."""
+        lo, hi = self._bounds[k], self._bounds[k + 1]
+        if hi <= lo:
+            return
+        if self._own_in_recv:
+            torch.index_select(self._recv, 0, self._pos[lo:hi], out=result[lo:hi])
+        else:
+            gather_rows(result[lo:hi], self._engine.arena.weights[self._table], self._recv, self._pos[lo:hi])
+
+    def _reorder_on_side_stream(self, ready, result: torch.Tensor) -> None:
+        """``ready``: an event on the caller's stream after the positions are computed and
+        ``result`` allocated."""
+        side = self._engine.side_stream()
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            for k, work in enumerate(self._works):
+                work.wait()  # orders this stream after the exchange of piece k; does not block the host
+                self._reorder(k, result)
+            done = torch.cuda.Event()
+            done.record(side)
+        # Made on the caller's stream, used on the side stream: tell the allocator.
+        for t in (result, self._recv, self._pos):
+            t.record_stream(side)
+        self._queued = (result, done)
+
+    def _drain(self, timeout: float) -> None:
+        """Complete the exchanges without producing a result (the context is closing): a
+        communicator must not be torn down under a collective its peers are still in."""
+        engine = self._engine
+        for work in self._works:
+            try:
+                work.wait(timedelta(seconds=timeout)) if engine.topology.backend != "nccl" else work.wait()
+            except Exception as exc:  # the context is going away; report, do not raise
+                engine.log.warning("context.pending_lookup_failed", table=self._table, error=str(exc)[:200])
+                break
+        if self._queued is not None:
+            torch.cuda.current_stream(engine.device).wait_event(self._queued[1])
+        self._works = []
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows, ``[len(ids), dim]``. Without ``timeout`` on CUDA this only orders the
+        caller's stream after the lookup (CUDA semantics: the rows are ready for any later work
+        on that stream); with ``timeout`` the host waits until they are ready, at most that long,
+        and raises :class:`~elastic_emb.errors.CommunicationError` past it. Raises
+        :class:`~elastic_emb.errors.ContextClosed` once the context was closed or reset."""
+        if self._delivered:
+            return self._result  # type: ignore[return-value]
+        engine = self._engine
+        if engine.retired == "closed" or (engine.retired and self._result is None):
+            # After close also for a one-rank world, whose rows were gathered at lookup time: a
+            # handle not waited on before close() behaves the same whatever the world size. After
+            # a reset, an exchange of the old communicator was drained, never assembled.
+            raise ContextClosed(
+                f"lookup of table {self._table!r} was waited on after its context "
+                f"(generation {engine.topology.generation}) was {engine.retired}; look up again on the "
+                f"{'new' if engine.retired == 'closed' else 'reset'} context"
+            )
+        if self._result is not None:  # a one-rank world gathered the rows at lookup time
+            self._delivered = True
+            return self._result
+        what = f"lookup({self._table!r}) row exchange"
+        group = engine.group
+        try:
+            if self._queued is not None:
+                result, done = self._queued
+                if timeout is not None:
+                    group.wait_event(done, timeout, what)
+                torch.cuda.current_stream(engine.device).wait_event(done)
+            else:
+                result = self._empty_result()
+                for k, work in enumerate(self._works):
+                    group.wait(work, timeout, what, host=timeout is not None)
+                    self._reorder(k, result)
+            self._result = result
+        finally:
+            if self._leased:
+                engine.arena.release()
+                self._leased = False
+            self._works = []
+            self._keep = ()
+            self._queued = None
+            engine.pending.discard(self)
+        self._delivered = True
+        return self._result
+
+    def _settle(self) -> None:
+        """The context is about to write rows while this lookup is in flight. On CUDA the lookup
+        reads the rows its own rank owns from the shard when it assembles the result, so the
+        caller's stream waits for that assembly (no host wait). The CPU path copied them at
+        ``lookup()``."""
+        if self._queued is not None:
+            torch.cuda.current_stream(self._engine.device).wait_event(self._queued[1])
