@@ -51,7 +51,7 @@ from elastic_emb.context.gradients import GradientRouter
 from elastic_emb.context.group import Group, log, wait_releases
 from elastic_emb.context.lookup import LookupEngine, LookupHandle
 from elastic_emb.errors import CommunicationError, ContextClosed, WorldSizeChanged
-from elastic_emb.protocol import OptimizerSpec, ShardData, TableSpec
+from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range
 from elastic_emb.topology import Topology, is_power_of_two
 
@@ -72,7 +72,7 @@ def _close_open_contexts() -> None:
     wait_releases()
 
 
-class EmbContext:
+class EmbContext(ContextBase):
     """A sharded embedding context for one topology. See the module docstring.
 
     Args: ``topology`` (agreed record), ``store`` (the job's store), ``tables``, ``optimizer``,
