@@ -5,9 +5,9 @@ the container's preStop hook and only then sends SIGTERM to torchrun. The hook a
 workers to finish their step and commit, and returns once they acknowledged (or after a bounded
 timeout), so the departing node's rows are in a commit before its workers die.
 
-The request travels through the rendezvous backend's own drain protocol (``rendezvous.py`` /
-``watch.py``, the rendezvous engineer's): a round-scoped ``drain`` key under
-:func:`elastic_emb.rendezvous.round_prefix`, which every worker's ``Watcher`` polls; the workers
+The request travels through the rendezvous backend's own drain protocol (``rdzv/keys.py``, the
+wire contract, and ``watch.py``): a round-scoped ``drain`` key under
+:func:`elastic_emb.rdzv.keys.round_prefix`, which every worker's ``Watcher`` polls; the workers
 agree on a last step, commit it, and count themselves in ``acks``; each watcher published the
 number of acknowledgements to expect as ``world_size``. This module writes nothing else and
 reads only those keys, through the same :class:`elastic_emb.watch.RendezvousReader` the workers
@@ -36,11 +36,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import ElasticEmbError
-# The drain protocol's keys under round_prefix(run_id, round) are the rendezvous backend's own
-# (importing rendezvous.py has no side effect); tests/test_deploy.py runs this client against
-# real watchers.
-from elastic_emb.rendezvous import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
-from elastic_emb.rendezvous import KEY_WORLD_SIZE as KEY_EXPECTED
+# The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
+# tests/test_deploy.py runs this client against real watchers.
+from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
+from elastic_emb.rdzv.keys import KEY_WORLD_SIZE as KEY_EXPECTED
 
 
 class DrainError(ElasticEmbError, RuntimeError):

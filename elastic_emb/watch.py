@@ -1,6 +1,6 @@
 """Worker side: a thread that watches the rendezvous and tells the lifecycle what changed.
 
-torchrun tells a worker nothing about membership (FACTS items 2-5). :class:`Watcher` polls the
+torchrun tells a worker nothing about membership. :class:`Watcher` polls the
 rendezvous state every ``interval`` seconds (bounded: every store read has a timeout and the
 loop sleeps on an Event, so ``stop()`` returns within one interval plus one read) and turns
 differences into :class:`MembershipEvent` records:
@@ -8,14 +8,12 @@ differences into :class:`MembershipEvent` records:
 ``join_pending`` (a node waits in the wait list: a scale-up restart is coming), ``departure``
 (a participant of the worker's round is gone from the state: heartbeat expired or it left),
 ``round_advanced`` (the rendezvous moved past the worker's round), ``agent_lost`` (the worker's
-own agent process vanished: its parent changed, FACTS item 4), ``evicted`` (the worker's node is
+own agent process vanished: its parent changed), ``evicted`` (the worker's node is
 outside the membership), ``drain_requested``.
 
-**Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store
-(FACTS item 7): unpickling it with ``pickle.loads`` runs whatever code a writer to that store
-chose. :func:`decode_state` uses an unpickler whose ``find_class`` admits only the handful of
-classes the state is made of (torch's ``_RendezvousState`` and ``_NodeDesc``, ``datetime``'s
-``datetime``/``timezone``/``timedelta``, ``set``/``frozenset``) and raises
+**Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store:
+the watcher decodes it with the restricted decoder of ``rdzv/decode.py`` (the same one the agent
+validates with), which admits only the classes the state is made of and raises
 :class:`UnsafeStateError` for anything else, before any object of that class is made.
 
 **Orphans.** A worker whose agent was SIGKILLed keeps running (torch starts workers in a new
@@ -23,7 +21,7 @@ session). The watcher notices within one interval that its parent process change
 reparented), or that the agent's pid (``ELASTIC_EMB_AGENT_PID``) is gone when a wrapper sits
 between agent and worker, reports the node dead under the
 round's store keys (the surviving agents then evict it from the rendezvous and restart at
-once, see ``rendezvous.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
+once, see ``rdzv/handler.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
 later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
 alive ``evict_grace`` seconds after the eviction, the kernel ends it (SIGALRM from an interval
 timer, which needs no Python thread, so it also cuts a slow interpreter teardown short). A worker outside the membership never
@@ -40,10 +38,10 @@ then stops after committing it and calls ``ack_drain(step)``.
 is unreachable (etcd restarting, say) they keep training, and the watcher treats the
 membership as *unknown*: no departure, eviction or round change is inferred from a failed read,
 a drain cannot be seen (it needs the store), and ``membership_change_pending()`` says False
-(a failed collective is then a real failure). It logs ``store_unreachable`` once per outage and
-``store_reachable`` with ``outage_s`` when a read succeeds again; past ``store_outage_timeout``
-(``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``, the agent's bound, default 30 s) it logs
-``store_outage_exceeded`` once and sets ``store_outage_exceeded``: the agent fails at the same
+(a failed collective is then a real failure). It counts the outage with the agent's tracker
+(``rdzv/outage.py``): ``store_unreachable`` once per outage, ``store_reachable`` with ``outage_s``
+when a read succeeds again, and past ``store_outage_timeout`` (``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``,
+the agent's bound, default 30 s) ``store_outage_exceeded`` once; ``store_outage_exceeded`` is set: the agent fails at the same
 bound and stops its workers. ``store_outage_s`` says how long the current outage has lasted.
 
 Without the elastic_emb backend (plain ``--rdzv-backend=c10d``) the watcher works from
@@ -53,11 +51,7 @@ does not pass on); the worker's node is the participant whose pid is its parent'
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import os
-import pickle
 import signal
 import socket
 import threading
@@ -68,9 +62,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
-from elastic_emb.rendezvous import (
+# The worker side imports the wire contract (keys), the shared decoder and view (decode) and the
+# shared outage tracker (outage) from the rendezvous package; never the agent-side handler.
+from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
+from elastic_emb.rdzv.keys import (
     C10D_NULL_STATE,
     C10D_STATE_KEY,
     ENV_AGENT_PID,
@@ -92,92 +88,11 @@ from elastic_emb.rendezvous import (
     KEY_WORLD_SIZE,
     round_prefix,
 )
+from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
 
-
-class UnsafeStateError(ElasticEmbError, ValueError):
-    """A rendezvous state value names a class outside the allow-list (or is not a state)."""
-
-
-# -- safe decoding ------------------------------------------------------------------------------
-
-_DR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-ALLOWED_CLASSES: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DR, "_RendezvousState"),
-        (_DR, "_NodeDesc"),
-        ("datetime", "datetime"),
-        ("datetime", "timezone"),
-        ("datetime", "timedelta"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-)
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED_CLASSES:
-            raise UnsafeStateError(
-                f"rendezvous state names {module}.{name}, which is not an allowed class "
-                f"({sorted(f'{m}.{n}' for m, n in ALLOWED_CLASSES)}): refusing to decode it. Someone "
-                f"wrote a foreign value to the rendezvous store; check who can reach the endpoint"
-            )
-        return super().find_class(module, name)
-
-
-class Participant(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    node: str  # addr_pid_localid
-    addr: str
-    pid: int
-    rank: int
-
-
-class StateView(BaseModel):
-    """The decoded rendezvous state: plain data, no torch classes."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    round: int
-    complete: bool
-    closed: bool
-    participants: tuple[Participant, ...]  # in group-rank order
-    wait_list: tuple[str, ...]
-
-    @property
-    def nodes(self) -> tuple[str, ...]:
-        return tuple(p.node for p in self.participants)
-
-
-def decode_state(raw: bytes) -> StateView:
-    """Decode ``base64(pickle(_RendezvousState))`` with the restricted unpickler."""
-    try:
-        data = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise UnsafeStateError(f"rendezvous state {raw[:60]!r} is not base64: {exc}") from None
-    try:
-        state = _RestrictedUnpickler(io.BytesIO(data)).load()
-    except UnsafeStateError:
-        raise
-    except Exception as exc:
-        raise UnsafeStateError(f"rendezvous state does not unpickle ({type(exc).__name__}: {exc})") from None
-    if type(state).__name__ != "_RendezvousState" or type(state).__module__ != _DR:
-        raise UnsafeStateError(f"rendezvous state decoded to {type(state).__module__}.{type(state).__name__}, not _RendezvousState")
-    try:
-        parts = sorted(state.participants.items(), key=lambda kv: (kv[1], repr(kv[0])))
-        return StateView(
-            round=int(state.round),
-            complete=bool(state.complete),
-            closed=bool(state.closed),
-            participants=tuple(
-                Participant(node=f"{n.addr}_{n.pid}_{n.local_id}", addr=str(n.addr), pid=int(n.pid), rank=int(r))
-                for n, r in parts
-            ),
-            wait_list=tuple(sorted(f"{n.addr}_{n.pid}_{n.local_id}" for n in state.wait_list)),
-        )
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise UnsafeStateError(f"rendezvous state has an unexpected shape: {exc}") from None
+StateView = RendezvousView  # the name this module used before the two views were merged
+__all__ = ["ALLOWED_CLASSES", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView", "StateView",
+           "UnsafeStateError", "Watcher", "decode_state", "print_state"]
 
 
 # -- reading the rendezvous ---------------------------------------------------------------------
@@ -223,7 +138,7 @@ class RendezvousReader:
         except etcd.EtcdKeyNotFound:
             return None
 
-    def state(self) -> StateView | None:
+    def state(self) -> RendezvousView | None:
         raw = self.raw_state()
         return None if raw is None else decode_state(raw)
 
@@ -268,11 +183,7 @@ class Watcher:
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval={interval!r} must be > 0 seconds")
-        if store_outage_timeout < 0:
-            raise ValueError(f"store_outage_timeout={store_outage_timeout!r} must be >= 0 seconds")
         self.store_outage_timeout = store_outage_timeout
-        self._down_since: float | None = None
-        self._outage_exceeded = False
         self._reader = reader
         self.round = round_
         self.rank = rank
@@ -297,8 +208,10 @@ class Watcher:
         self._acked = False
         self._members: tuple[str, ...] = ()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
-        self.last_state: StateView | None = None
+        self.last_state: RendezvousView | None = None
         self._log = get_logger("elastic_emb.watch", rank=rank)
+        # ValueError for a negative bound, before anything starts.
+        self._outage = OutageTracker(store_outage_timeout, self._log, round=round_)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> "Watcher | None":
@@ -339,13 +252,12 @@ class Watcher:
     @property
     def store_outage_s(self) -> float | None:
         """Seconds the rendezvous store has been unreachable, or None when the last read worked."""
-        since = self._down_since
-        return None if since is None else time.monotonic() - since
+        return self._outage.down_for
 
     @property
     def store_outage_exceeded(self) -> bool:
         """The current outage outlasted ``store_outage_timeout`` (the agent fails at that bound)."""
-        return self._outage_exceeded
+        return self._outage.exceeded
 
     def start(self) -> "Watcher":
         if self._thread is not None:
@@ -441,8 +353,6 @@ class Watcher:
         try:
             found = bool(self._reader.store.check([self._prefix() + name]))
         except Exception as exc:
-            from elastic_emb.rendezvous import is_connection_error
-
             if is_connection_error(exc):
                 self._store_failed(exc)  # logged once per outage; the answer is unknown: not yet
             else:
@@ -487,7 +397,7 @@ class Watcher:
             if self._evicted:
                 return
 
-    def _own_node(self, view: StateView) -> str | None:
+    def _own_node(self, view: RendezvousView) -> str | None:
         if self.node is not None:
             return self.node
         host = {socket.getfqdn(), socket.gethostname()}
@@ -545,32 +455,14 @@ class Watcher:
             self._evict("evicted", nodes=(self.node,), state_round=view.round)
 
     def _store_failed(self, exc: Exception) -> None:
-        from elastic_emb.rendezvous import is_connection_error
-
         if not is_connection_error(exc):
             self._log.warning("watch_store_error", op="state", error=repr(exc))
             return
-        now = time.monotonic()
-        if self._down_since is None:
-            self._down_since = now
-            self._log.warning("store_unreachable", round=self.round, bound_s=self.store_outage_timeout,
-                              error=repr(exc))
-        down = now - self._down_since
-        if down >= self.store_outage_timeout and not self._outage_exceeded:
-            self._outage_exceeded = True
-            self._log.error(
-                "store_outage_exceeded", round=self.round, outage_s=round(down, 3), bound_s=self.store_outage_timeout,
-                error=repr(exc), remedy="bring the rendezvous store back; the agent fails at the same bound and "
-                "stops this worker (raise --rdzv-conf store_outage_timeout for longer outages)",
-            )
+        self._outage.fields["round"] = self.round
+        self._outage.failed("state", exc)
 
     def _store_back(self) -> None:
-        if self._down_since is None:
-            return
-        outage = time.monotonic() - self._down_since
-        self._down_since = None
-        self._outage_exceeded = False
-        self._log.info("store_reachable", round=self.round, outage_s=round(outage, 3))
+        self._outage.succeeded("state")
 
     def _orphaned(self) -> None:
         """Our agent is gone: report the node dead for the survivors, then stop."""
@@ -613,7 +505,7 @@ class Watcher:
         term.start()
 
 
-# -- command line: print the rendezvous state (restricted decoding) ----------------------------
+# -- print the rendezvous state (restricted decoding): ``elastic-emb rdzv-state`` -----------------
 
 
 def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float = 0.0, count: int = 1) -> int:
@@ -626,15 +518,3 @@ def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float =
             time.sleep(follow)
     return 0
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m elastic_emb.watch", description=print_state.__doc__)
-    ap.add_argument("--endpoint", required=True, help="the --rdzv-endpoint, HOST:PORT")
-    ap.add_argument("--run-id", required=True, help="the --rdzv-id")
-    ap.add_argument("--inner", choices=["c10d", "etcd-v2"], default="c10d")
-    ap.add_argument("--count", type=int, default=1)
-    ap.add_argument("--interval", type=float, default=1.0)
-    a = ap.parse_args()
-    raise SystemExit(print_state(a.endpoint, a.run_id, a.inner, a.interval, a.count))

@@ -135,7 +135,7 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
     import threading
     import time
 
-    from elastic_emb.rendezvous import node_id
+    from elastic_emb.rdzv.decode import node_id
 
     handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
     try:
@@ -171,7 +171,7 @@ def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bo
     StoreOutageError names the endpoint, the outage length and the remedy; later calls fail at once."""
     import time
 
-    from elastic_emb.rendezvous import StoreOutageError
+    from elastic_emb.rdzv.outage import StoreOutageError
 
     handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="2")
     try:

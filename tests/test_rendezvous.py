@@ -302,7 +302,7 @@ def test_hung_agent_is_declared_dead_and_its_worker_leaves(cluster):
 def test_entry_point_registers_the_backend_and_conf_errors_name_the_key():
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from elastic_emb.rendezvous import ListenerConfig, create_handler
+    from elastic_emb.rdzv.handler import ListenerConfig, create_handler
 
     assert rendezvous_handler_registry._registry["elastic_emb"] is create_handler
     cfg = ListenerConfig.from_params({"inner": "etcd-v2", "drain": "0", "drain_timeout": "2.5", "timeout": 900,
@@ -355,7 +355,9 @@ def test_membership_change_classification_against_a_real_store(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setattr(dr, "_delay", dr._delay)
 
-    from elastic_emb.rendezvous import KEY_LEFT, Membership, create_handler, round_prefix
+    from elastic_emb.rdzv.decode import RendezvousView
+    from elastic_emb.rdzv.handler import create_handler
+    from elastic_emb.rdzv.keys import KEY_LEFT, round_prefix
 
     port = free_port()
     params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{port}", run_id="cls", min_nodes=1,
@@ -364,18 +366,15 @@ def test_membership_change_classification_against_a_real_store(monkeypatch):
     try:
         h._members, h._round, h._round_store = ("A", "B", "C", "D"), 7, h._inner._store
         h._round_store.set(round_prefix("cls", 7) + KEY_LEFT + "B", "agent_exit")
-        view = Membership(round=7, complete=True, closed=False, participants=("A",), wait_list=("D", "J"))
+        view = RendezvousView.of_nodes(7, ("A",), ("D", "J"))
         change = h._membership_change(view)
         assert change["reason"] == "participant_gone"
         assert (change["departures"], change["deaths"], change["restarting"]) == (["B"], ["C"], ["D"])
         assert change["expected"] == ["A", "D"]
-        assert h._membership_change(Membership(round=7, complete=True, closed=False, participants=("A", "B", "C", "D"),
-                                               wait_list=("J",))) is None  # a joiner is no change
-        only_restart = h._membership_change(Membership(round=7, complete=True, closed=False,
-                                                       participants=("A", "B", "C"), wait_list=("D",)))
+        assert h._membership_change(RendezvousView.of_nodes(7, ("A", "B", "C", "D"), ("J",))) is None  # a joiner
+        only_restart = h._membership_change(RendezvousView.of_nodes(7, ("A", "B", "C"), ("D",)))
         assert only_restart["reason"] == "peer_restarting" and only_restart["restarting"] == ["D"]
-        assert h._membership_change(Membership(round=8, complete=False, closed=False, participants=(),
-                                               wait_list=()))["reason"] == "round_advanced"
+        assert h._membership_change(RendezvousView.of_nodes(8, (), complete=False))["reason"] == "round_advanced"
     finally:
         h._closed.set()
         h._left = True

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from elastic_emb.rendezvous import round_prefix
+from elastic_emb.rdzv.keys import round_prefix
 from elastic_emb.watch import (
     MembershipEvent,
     RendezvousReader,

@@ -1,0 +1,13 @@
+"""The rendezvous side of elastic_emb: torchrun's ``elastic_emb`` backend and its wire contract.
+
+- ``keys``: environment names and store keys shared by the agent and the workers (the only
+  module of this package the worker side needs besides ``decode`` and ``outage``);
+- ``decode``: the restricted decoder of torch's rendezvous state and the one plain view of it;
+- ``outage``: the store-outage tracker both sides use, and the agent's retrying guard;
+- ``guarded``: the agent's store wrappers (outage guard, state validation before torch unpickles);
+- ``torch_compat``: every private torch name the backend touches, checked at import;
+- ``handler``: the backend itself (the ``torchrun.handlers`` entry point).
+
+Importing the package imports nothing: torch imports the entry point while importing its own
+rendezvous package.
+"""

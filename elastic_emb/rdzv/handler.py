@@ -1,0 +1,598 @@
+"""Agent side: a torchrun rendezvous backend that sees every membership change.
+
+``torchrun --rdzv-backend=elastic_emb --rdzv-endpoint=HOST:PORT --rdzv-conf=inner=c10d,...``
+selects this module through the ``torchrun.handlers`` entry point (``handler_factory``). It is not
+a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c10d`` or
+``inner=etcd-v2``) and adds four things the stock agent lacks:
+
+1. **Events.** Every round and every change is one structlog JSON event (stderr, and the file
+   named by ``event_file``): ``rendezvous_round`` (round, world size, participants in group-rank
+   order, joins, departures, deaths, duration), ``membership_changed``, ``scale_up_pending``,
+   ``drain_requested`` / ``drain_finished`` (outcome ``acknowledged`` or ``timeout``),
+   ``node_left``, ``dead_node_evicted``, ``rendezvous_failed`` (with torch's error).
+2. **Generation and membership for the workers.** After each round the backend puts the
+   round, the membership, its node id, its pid and the watcher's settings into the agent's
+   environment (torchrun copies it into every worker it then starts); the names are in
+   ``rdzv/keys.py``, the wire contract with the worker side.
+
+   torch's shared agent store is always disabled (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
+   it a scale-up deadlocks; without it worker rank 0 hosts a fresh store per round.
+3. **Scale-down.** The stock agent only asks ``num_nodes_waiting()`` while its workers are
+   healthy and restarts them (without spending restart budget) when it is > 0.
+   This backend answers > 0 also when the membership of the running round changed: a
+   participant's heartbeat expired, an agent left, a node was reported dead, or the round moved
+   on. A SIGTERMed agent leaves the rendezvous on exit (torch's own exit operation), so the
+   survivors restart at once instead of waiting for its heartbeat to expire. A SIGKILLed agent
+   cannot say goodbye; its orphaned workers notice (their parent changed, see ``watch.py``) and
+   report the node dead under a round-scoped store key; the survivors then remove it from the
+   rendezvous state (what torch's heartbeat expiry would do seconds later) and restart.
+4. **Drain before scale-up.** When a node waits to join, every agent posts a drain request for
+   the running round; the workers' watchers agree on a last step, finish and commit it, and
+   acknowledge; the agent lets torch restart its workers only when every worker acknowledged, or
+   after ``drain_timeout`` seconds, whichever comes first (the event says which).
+
+Speed, all through torch's own rendezvous operations: the state cache (1 s) and the 1 s pause
+between rendezvous polls, both hard-coded in torch, become ``sync_interval`` (default 0.1 s) in
+this backend's agent process; after a scale-down the next round is marked complete as soon as
+every expected survivor has joined it, instead of waiting ``last_call_timeout`` for nodes that
+cannot come (``torch_compat.EarlyCompletion``). A departure (the node wrote its ``left`` mark) and a death
+(reported by its orphans, or its heartbeat expired) are told apart in the events. The agent
+refreshes its own heartbeat every half ``keep_alive_interval``: torch's timer lets it age to
+about two intervals, and with ``keep_alive_max_attempt=2`` a live node is then declared dead
+(measured: stock c10d with those settings formed two worlds side by side on this machine).
+
+--rdzv-conf keys (besides torch's own: ``last_call_timeout``, ``join_timeout``,
+``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``,
+``read_timeout``, ``is_host``, ``store_type``, and the etcd ssl/protocol keys, all passed on):
+
+``inner`` (``c10d``; see :data:`INNER_BACKENDS`), ``event_file`` (none), ``drain`` (``1``),
+``drain_timeout`` (30 s),
+``sync_interval`` (0.1 s), ``watch_interval`` (0.1 s, handed to the workers),
+``store_outage_timeout`` (30 s; handed to the workers).
+
+**Store outages and trust.** Every call the agent makes on the store goes through one
+:class:`~elastic_emb.rdzv.outage.OutageGuard` (retries up to ``store_outage_timeout``, then a
+clear error), and every rendezvous state it reads is validated with the restricted decoder
+before torch unpickles it (``rdzv/guarded.py``).
+
+**Inner backends** are a registry (:data:`INNER_BACKENDS`): a name, the module and function that
+create torch's ``RendezvousBackend`` and store, and the package to install. Adding one is one
+:func:`register_inner` call.
+
+Caveat: torch imports this module (the ``torchrun.handlers`` entry point) in every process
+that imports ``torch.distributed.elastic.rendezvous``, so importing it has no side effect; the patches and
+the environment changes happen only when torchrun creates a handler.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from elastic_emb.rdzv.decode import RendezvousView, node_id
+from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
+from elastic_emb.rdzv.keys import (
+    BACKEND_NAME,
+    C10D_STATE_KEY,
+    DISABLE_SHARED_STORE,
+    ENV_AGENT_PID,
+    ENV_DRAIN,
+    ENV_GENERATION,
+    ENV_MEMBERSHIP,
+    ENV_NODE_ID,
+    ENV_RDZV_BACKEND,
+    ENV_RDZV_ENDPOINT,
+    ENV_STORE_OUTAGE_TIMEOUT,
+    ENV_WATCH_INTERVAL,
+    ETCD_STATE_KEY,
+    KEY_ACKS,
+    KEY_DEAD,
+    KEY_DRAIN,
+    KEY_LEFT,
+    KEY_STOP_STEP,
+    KEY_WORLD_SIZE,
+    round_prefix,
+)
+from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, torch_store_outage_error
+
+
+class InnerBackend(NamedTuple):
+    """An inner rendezvous backend: where torch's ``create_backend(params) -> (backend, store)``
+    for it lives, the store key of the state (for messages), and what to install when missing."""
+
+    factory: str  # "module:function"
+    state_key: str
+    requires: str = ""
+
+
+INNER_BACKENDS: dict[str, InnerBackend] = {}
+
+
+def register_inner(name: str, factory: str, state_key: str, requires: str = "") -> None:
+    """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory`` (``module:function``)."""
+    INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires)
+
+
+register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
+register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
+               ETCD_STATE_KEY, requires="python-etcd")
+
+
+class ListenerConfig(BaseModel):
+    """elastic_emb's own --rdzv-conf keys (torch's keys pass through to the inner backend)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inner: str = "c10d"
+    event_file: str | None = None
+    drain: bool = True
+    drain_timeout: float = Field(default=30.0, ge=0.0)
+    sync_interval: float = Field(default=0.1, gt=0.0, le=1.0)
+    watch_interval: float = Field(default=0.1, gt=0.0, le=10.0)
+    store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
+
+    @field_validator("inner")
+    @classmethod
+    def _known_inner(cls, value: str) -> str:
+        if value not in INNER_BACKENDS:
+            raise ValueError(f"unknown inner backend; use one of {sorted(INNER_BACKENDS)}")
+        return value
+
+    @classmethod
+    def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
+        values: dict[str, Any] = {}
+        for key in cls.model_fields:
+            if key in config and config[key] is not None:
+                raw = config[key]
+                if key == "drain" and isinstance(raw, str):
+                    low = raw.strip().lower()
+                    if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                        raise ValueError(f"--rdzv-conf drain={raw!r}: use 1 or 0")
+                    raw = low in ("1", "true", "yes", "on")
+                values[key] = raw
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            bad = "; ".join(f"{e['loc'][0]}={values.get(e['loc'][0])!r}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid --rdzv-conf for the elastic_emb backend: {bad}") from None
+
+
+class _Tee:
+    """A structlog 'logger' that writes each rendered line to stderr and, if given, a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self._lock = threading.Lock()
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the agent
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            # One write() per line: the agent's workers share its stderr, and print() writes the
+            # text and the newline separately, so two processes' lines could merge into one.
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+            if self._file is not None:
+                self._file.write(message + "\n")
+                self._file.flush()
+
+    info = warning = error = msg
+
+
+def event_logger(path: str | None, **bound: Any):
+    """A JSON-lines structlog logger for rendezvous events (stderr + optional file)."""
+    return structlog.wrap_logger(
+        _Tee(path),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+    ).bind(**bound)
+
+
+
+class ElasticEmbRendezvousHandler:
+    """A ``RendezvousHandler`` that delegates to torch's dynamic rendezvous and adds events,
+    worker environment, scale-down detection and drain gating (see the module docstring)."""
+
+    def __init__(self, inner: Any, config: ListenerConfig, endpoint: str, guard: OutageGuard | None = None) -> None:
+        self._inner = inner
+        self._config = config
+        self._endpoint = endpoint
+        from elastic_emb.rdzv import torch_compat as tc
+
+        self._tc = tc
+        tc.check_handler(inner)
+        # torch caches the state 1 s; num_nodes_waiting() is polled every --monitor-interval.
+        tc.set_cache_duration(inner, config.sync_interval)
+        settings = tc.settings(inner)
+        self._node = node_id(tc.this_node(inner))
+        self._run_id = settings.run_id
+        self._log = event_logger(config.event_file, component="rendezvous", run_id=self._run_id, node=self._node)
+        # Every store call of this agent (torch's and ours) rides out a store outage up to the bound.
+        if guard is None:
+            guard = OutageGuard(endpoint, config.store_outage_timeout, self._log, error=torch_store_outage_error())
+        guard.bind_log(self._log)  # from here on its events name this node
+        self._guard = guard
+        expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        state_key = INNER_BACKENDS[config.inner].state_key.format(run_id=self._run_id)
+        tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log))
+        self._members: tuple[str, ...] = ()
+        self._round: int | None = None
+        self._round_store: Any = None
+        self._known_dead: set[str] = set()
+        self._expected_next: frozenset[str] | None = None
+        self._changed_reported = False
+        self._drain_started: float | None = None
+        self._drain_done = False
+        self._lock = threading.Lock()
+        self._rdzv_lock = threading.Lock()
+        self._left = False
+        self._closed = threading.Event()
+        # torch's keep-alive timer fires every keep_alive_interval and writes only a heartbeat
+        # older than that, and its first tick comes a full interval after a round completes: a
+        # heartbeat can age to ~2 intervals, which keep_alive_max_attempt=2 calls dead. The stock
+        # agent ignores such a false death; this backend restarts on it, so it keeps its own
+        # heartbeat fresher: every half interval (torch's own keep-alive operation).
+        interval = settings.keep_alive_interval.total_seconds()
+        self._heartbeat_every = max(0.05, interval / 2)
+        threading.Thread(
+            target=_heartbeat_loop, args=(weakref.ref(self), self._closed, self._heartbeat_every),
+            name="elastic_emb-heartbeat", daemon=True,
+        ).start()
+        # atexit: a SIGTERMed agent (torchrun raises SignalException and exits) leaves the
+        # rendezvous instead of lingering until its heartbeat expires .
+        ref = weakref.ref(self)
+        atexit.register(lambda: (h := ref()) is not None and h._leave("agent_exit"))
+
+    # -- RendezvousHandler interface ------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # FACTS item 1: the shared agent store deadlocks a scale-up
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def shutdown(self) -> bool:
+        self._left = True
+        self._closed.set()  # a closed rendezvous needs no leave
+        return self._inner.shutdown()
+
+    @property
+    def settings(self):
+        return self._inner.settings
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything a newer torch agent asks of its handler that this wrapper does not override.
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def next_rendezvous(self):
+        start = time.monotonic()
+        previous = self._members
+        previous_round = self._round
+        expected = self._expected_next
+        self._expected_next = None
+        early = None
+        if expected:
+            early = self._tc.EarlyCompletion(self._inner, expected, -1 if previous_round is None else previous_round,
+                                             self._config.sync_interval, self._log)
+        with self._rdzv_lock:  # no heartbeat of ours interleaves with torch's join operation
+            try:
+                info = self._inner.next_rendezvous()
+            except Exception as exc:
+                self._log.error("rendezvous_failed", previous_round=previous_round, error=f"{type(exc).__name__}: {exc}",
+                                duration_s=round(time.monotonic() - start, 3))
+                raise
+            finally:
+                if early is not None:
+                    early.stop()
+            try:
+                self._heartbeat()
+            except Exception as exc:  # torch's own timer still beats; the next tick of ours retries
+                self._log.warning("heartbeat_failed", error=repr(exc))
+        state = RendezvousView.of(self._tc.current_state(self._inner))
+        members = state.nodes
+        joins = [n for n in members if n not in previous]
+        gone = [n for n in previous if n not in members]
+        deaths = [n for n in gone if n in self._known_dead]
+        with self._lock:
+            self._members = members
+            self._round = state.round
+            self._round_store = GuardedStore(self._tc.agent_store(self._inner), self._guard)
+            self._changed_reported = False
+            self._drain_started = None
+            self._drain_done = False
+            self._known_dead.clear()  # the dead are no members now; a rejoining node starts clean
+        self._export_env(state)
+        self._log.info(
+            "rendezvous_round",
+            round=state.round,
+            previous_round=previous_round,
+            world_size=len(members),
+            group_rank=info.rank,
+            participants=list(members),
+            joins=joins,
+            departures=[n for n in gone if n not in deaths],
+            deaths=deaths,
+            duration_s=round(time.monotonic() - start, 3),
+        )
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self._inner.num_nodes_waiting()
+        with self._lock:
+            if self._round is None:
+                return waiting
+            self._evict_reported_dead()
+            view = RendezvousView.of(self._tc.current_state(self._inner))
+            changed = self._membership_change(view)
+            if changed is not None:
+                if not self._changed_reported:
+                    self._changed_reported = True
+                    expected = changed.pop("expected")
+                    if expected is not None:
+                        self._expected_next = frozenset(expected)
+                    self._log.info("membership_changed", round=self._round, **changed)
+                return max(waiting, 1)
+            if waiting > 0:
+                return self._drain_gate(waiting, view)
+            if self._drain_started is not None:
+                # The node that asked to join went away mid-drain, but the workers stop (or
+                # stopped) stepping for it: finish the drain and restart them all the same.
+                return self._drain_gate(1, view)
+            return 0
+
+    # -- heartbeats -----------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        """Refresh this node's heartbeat in torch's state if it is older than half an interval."""
+        self._tc.run_op(self._inner, self._tc.FreshHeartbeat(self._heartbeat_every), 5.0)
+
+    # -- scale-down -----------------------------------------------------------------------
+
+    def _membership_change(self, view: RendezvousView) -> dict | None:
+        """What differs between the running round and the current state, or None.
+
+        Every event carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
+        heartbeat expired) and ``restarting`` (members already in the wait list: their agent
+        restarted first, they are coming back), and ``expected``: who should form the next round.
+        """
+        if view.round != self._round:
+            return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
+                    "restarting": [], "participants": list(view.nodes), "expected": None}
+        absent = [n for n in self._members if n not in view.nodes]
+        if not absent:
+            return None
+        restarting = [n for n in absent if n in view.wait_list]
+        gone = [n for n in absent if n not in restarting]
+        # A node that left on purpose said so (KEY_LEFT); any other absence is a death:
+        # reported by its orphans, or its heartbeat expired (hung, partitioned, lost host).
+        prefix = round_prefix(self._run_id, self._round)
+        for n in gone:
+            if n not in self._known_dead and not self._said_left(prefix, n):
+                self._known_dead.add(n)
+        dead = [n for n in gone if n in self._known_dead]
+        return {
+            "reason": "participant_gone" if gone else "peer_restarting",
+            "departures": [n for n in gone if n not in dead],
+            "deaths": dead,
+            "restarting": restarting,
+            "participants": list(view.nodes),
+            "expected": sorted(set(view.nodes) | set(restarting)),
+        }
+
+    def _said_left(self, prefix: str, node: str) -> bool:
+        try:
+            return bool(self._round_store.check([prefix + KEY_LEFT + node]))
+        except StoreOutageError:
+            raise  # the bound passed: the agent fails, naming the store
+        except Exception as exc:  # unreadable: call it a departure, the restart is the same
+            self._log.warning("left_mark_unreadable", round=self._round, node=node, error=repr(exc))
+            return True
+
+    def _evict_reported_dead(self) -> None:
+        """Remove nodes that their orphaned workers reported dead from torch's state.
+
+        Torch would drop them when their heartbeat expires (keep_alive_interval x
+        keep_alive_max_attempt); the report is faster and certain: the reporting worker saw its
+        own agent process vanish.
+        """
+        store = self._round_store
+        prefix = round_prefix(self._run_id, self._round)
+        try:
+            if int(store.add(prefix + KEY_DEAD, 0)) == 0:
+                return
+            reported = [
+                n for n in self._members
+                if n not in self._known_dead and store.check([prefix + f"{KEY_DEAD}/{n}"])
+            ]
+        except StoreOutageError:
+            raise
+        except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
+            self._log.warning("dead_report_unreadable", round=self._round, error=repr(exc))
+            return
+        fresh = [n for n in reported if n in self._members and n not in self._known_dead]
+        if not fresh:
+            return
+        self._known_dead.update(fresh)
+        removed = self._remove_from_state(set(fresh))
+        self._log.info("dead_node_evicted", round=self._round, nodes=fresh, removed=removed, source="orphan_report")
+
+    def _remove_from_state(self, nodes: set[str]) -> list[str]:
+        return self._tc.remove_nodes(self._inner, nodes)
+
+    def _leave(self, why: str) -> None:
+        """Leave the rendezvous (torch's own exit operation) and say so in the round's keys."""
+        if self._left or self._round is None:
+            return
+        self._left = True
+        self._closed.set()
+        self._guard.closing.set()  # at exit, an unreachable store is not waited for
+        start = time.monotonic()
+        tc = self._tc
+        try:
+            tc.stop_heartbeats(self._inner)
+            store = self._round_store
+            store.set(round_prefix(self._run_id, self._round) + KEY_LEFT + self._node, why)
+            tc.exit_rendezvous(self._inner, 5.0)
+            self._log.info("node_left", round=self._round, reason=why, duration_s=round(time.monotonic() - start, 3))
+        except Exception as exc:  # best effort at exit: the heartbeat expiry still removes us
+            self._log.warning("leave_failed", round=self._round, reason=why, error=repr(exc))
+
+    # -- drain before scale-up ------------------------------------------------------------
+
+    def _drain_gate(self, waiting: int, view: RendezvousView) -> int:
+        """0 while the running workers drain; ``waiting`` once they acknowledged or timed out."""
+        if self._drain_done:
+            return waiting
+        prefix = round_prefix(self._run_id, self._round)
+        store = self._round_store
+        now = time.monotonic()
+        if not self._config.drain:
+            self._drain_done = True
+            self._log.info("scale_up_pending", round=self._round, waiting=list(view.wait_list), drain="off")
+            return waiting
+        if self._drain_started is None:
+            self._drain_started = now
+            store.set(prefix + KEY_DRAIN, json.dumps({"round": self._round, "waiting": list(view.wait_list)}))
+            self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
+        try:
+            expected = int(store.get(prefix + KEY_WORLD_SIZE)) if store.check([prefix + KEY_WORLD_SIZE]) else 0
+            acks = int(store.add(prefix + KEY_ACKS, 0))
+        except StoreOutageError:
+            raise
+        except Exception as exc:
+            self._log.warning("drain_unreadable", round=self._round, error=repr(exc))
+            expected, acks = -1, 0
+        outcome = None
+        if expected == 0:
+            outcome = "no_watchers"  # the workers run no elastic_emb watcher: nobody will ack
+        elif expected > 0 and acks >= expected:
+            outcome = "acknowledged"
+        elif now - self._drain_started >= self._config.drain_timeout:
+            outcome = "timeout"
+        if outcome is None:
+            return 0
+        stop_step = None
+        if store.check([prefix + KEY_STOP_STEP]):
+            stop_step = int(store.get(prefix + KEY_STOP_STEP))
+        self._drain_done = True
+        self._log.info(
+            "drain_finished",
+            round=self._round,
+            outcome=outcome,
+            acks=acks,
+            expected=expected,
+            stop_step=stop_step,
+            duration_s=round(now - self._drain_started, 3),
+        )
+        return waiting
+
+    # -- worker environment ---------------------------------------------------------------
+
+    def _export_env(self, state: RendezvousView) -> None:
+        """torchrun starts the workers with a copy of the agent's os.environ (FACTS item 6)."""
+        os.environ.update(
+            {
+                ENV_GENERATION: str(state.round),
+                ENV_RDZV_BACKEND: self._config.inner,
+                ENV_RDZV_ENDPOINT: self._endpoint,
+                ENV_NODE_ID: self._node,
+                ENV_MEMBERSHIP: json.dumps(list(state.nodes)),
+                ENV_AGENT_PID: str(os.getpid()),
+                ENV_DRAIN: "1" if self._config.drain else "0",
+                ENV_WATCH_INTERVAL: str(self._config.watch_interval),
+                ENV_STORE_OUTAGE_TIMEOUT: str(self._config.store_outage_timeout),
+            }
+        )
+
+
+
+
+def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:
+    while not closed.wait(every):
+        handler = ref()
+        if handler is None or handler._left:
+            return
+        if handler._round is None or not handler._rdzv_lock.acquire(blocking=False):
+            continue  # before the first round, or while torch's join runs its own keep-alives
+        try:
+            handler._heartbeat()
+        except Exception as exc:  # torch's timer keeps going too; report and retry next tick
+            handler._log.warning("heartbeat_failed", error=repr(exc))
+        finally:
+            handler._rdzv_lock.release()
+        del handler
+
+
+def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
+    """Build the handler from torchrun's ``RendezvousParameters``."""
+    config = ListenerConfig.from_params(params.config)
+    # Before torch builds anything: the inner handler reads it in next_rendezvous, the agent in
+    # _start_workers .
+    os.environ[DISABLE_SHARED_STORE] = "1"
+    from elastic_emb.rdzv import torch_compat as tc
+
+    tc.shorten_rendezvous_polls(config.sync_interval)
+    create_backend = _inner_factory(config.inner)
+    # etcd's backend connects at creation: an agent (re)started during a store outage waits too.
+    log = event_logger(config.event_file, component="rendezvous", run_id=params.run_id)
+    guard = OutageGuard(params.endpoint, config.store_outage_timeout, log, error=torch_store_outage_error())
+    backend, store = guard.call("create_backend", create_backend, params)
+    inner = tc.create_inner_handler(store, backend, params)
+    return ElasticEmbRendezvousHandler(inner, config, params.endpoint, guard)
+
+
+def _inner_factory(name: str) -> Callable[[Any], Any]:
+    import importlib
+
+    spec = INNER_BACKENDS[name]
+    module, _, func = spec.factory.partition(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ImportError as exc:
+        hint = f"; pip install {spec.requires}" if spec.requires else ""
+        raise RuntimeError(f"--rdzv-conf inner={name} cannot load {spec.factory} ({exc}){hint}") from exc
+
+
+def handler_factory() -> Callable[[Any], ElasticEmbRendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: returns the creator torch registers."""
+    return create_handler
+
+
+def _register_as_subclass() -> None:
+    # RendezvousHandler is an ABC; registering keeps isinstance checks true without importing
+    # torch.distributed.elastic at module import (this module is imported during that import).
+    try:
+        from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+        RendezvousHandler.register(ElasticEmbRendezvousHandler)
+    except Exception:  # pragma: no cover - partial import during torch's own registry import
+        pass
+
+
+_register_as_subclass()

@@ -1,0 +1,68 @@
+"""The wire contract between the agent-side backend and the workers: environment variable
+names and store key names.
+
+This module is the only thing the worker side (``watch.py``, ``drain.py``) needs to agree with
+the agent side (``rdzv/handler.py``) on; it imports nothing (not torch, not the handler), so a
+worker, a preStop hook or a test can import it for free. Rename nothing here without every
+reader: the keys are read by processes started from other versions during a rolling change.
+
+Environment the backend puts into the agent's ``os.environ`` after each round (torchrun copies
+it into every worker it then starts):
+
+====================================  =====================================================
+``ELASTIC_EMB_GENERATION``            the rendezvous round (read by ``Topology.from_env``)
+``ELASTIC_EMB_RDZV_BACKEND``          the inner backend (``c10d``, ``etcd-v2``, ...)
+``ELASTIC_EMB_RDZV_ENDPOINT``         the rendezvous endpoint (what the watcher reads)
+``ELASTIC_EMB_RDZV_NODE``             this agent's node id in the rendezvous
+``ELASTIC_EMB_MEMBERSHIP``            JSON list of node ids, index = group rank
+``ELASTIC_EMB_AGENT_PID``             the agent's pid (a worker that outlives it is orphaned)
+``ELASTIC_EMB_DRAIN``                 ``1`` when the agent drains before a scale-up
+``ELASTIC_EMB_WATCH_INTERVAL``        the watcher's polling interval in seconds
+``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``  how long the watcher treats an unreachable store as unknown
+====================================  =====================================================
+
+Store keys: torch keeps its pickled ``_RendezvousState`` under :data:`C10D_STATE_KEY` /
+:data:`ETCD_STATE_KEY`; elastic_emb's own keys live under :func:`round_prefix` (one prefix per
+rendezvous round, so a key of an earlier round can never be mistaken for a current one). The
+control keys among them (drain request, death reports, left marks) are signed when the job has
+a secret (see ``rdzv/signing.py``).
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "elastic_emb"
+
+ENV_GENERATION = "ELASTIC_EMB_GENERATION"
+ENV_RDZV_BACKEND = "ELASTIC_EMB_RDZV_BACKEND"
+ENV_RDZV_ENDPOINT = "ELASTIC_EMB_RDZV_ENDPOINT"
+ENV_NODE_ID = "ELASTIC_EMB_RDZV_NODE"
+ENV_MEMBERSHIP = "ELASTIC_EMB_MEMBERSHIP"
+ENV_AGENT_PID = "ELASTIC_EMB_AGENT_PID"
+ENV_DRAIN = "ELASTIC_EMB_DRAIN"
+ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
+ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
+# torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
+DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+# Where each inner backend keeps torch's pickled _RendezvousState (base64 in both).
+C10D_STATE_KEY = "torch.rendezvous.{run_id}"
+ETCD_STATE_KEY = "/torch/elastic/rendezvous/{run_id}"
+ETCD_STORE_PREFIX = "/torch/elastic/store"
+C10D_NULL_STATE = b"Y2FuaW1hZGFt"  # torch's "no state yet" sentinel in the c10d backend
+
+# Key names under round_prefix() (the drain protocol and death/leave reports). elastic_emb.drain
+# (the preStop client) speaks the same protocol.
+KEY_DRAIN = "drain"  # agent (or preStop hook) -> workers: stop after an agreed step [control]
+KEY_WORLD_SIZE = "world_size"  # watchers -> agent: acknowledgements to expect
+KEY_ACKS = "acks"  # counter of workers that committed the last step and stopped
+KEY_ACK = "ack/"  # + rank: the step that worker stopped after
+KEY_STOP_CLAIM = "stop_claim"  # counter: the first rank to see a drain fixes the last step
+KEY_STOP_STEP = "stop_step"  # the agreed last step
+KEY_DEAD = "dead"  # counter of death reports; + "/" + node id: one report [control]
+KEY_LEFT = "left/"  # + node id: the node left on purpose (reason) [control]
+KEY_EVICTED = "evicted/"  # + node id: an agent removed that node from the state [control]
+
+
+def round_prefix(run_id: str, round_: int) -> str:
+    """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves)."""
+    return f"elastic_emb/{run_id}/round{round_}/"

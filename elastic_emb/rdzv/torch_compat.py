@@ -1,0 +1,354 @@
+"""Every use of a private name of torch's dynamic rendezvous, in one place.
+
+The backend (``handler.py``) wraps torch's ``DynamicRendezvousHandler`` instead of
+re-implementing the rendezvous, and for that it reaches into torch's private layer: the
+handler's ``_state_holder``, ``_op_executor``, ``_heartbeat_lock``, ``_store`` and
+``_stop_heartbeats``; the state holder's ``_backend`` (wrapped, see ``handler._GuardedBackend``)
+and ``_cache_duration``; ``_BackendRendezvousStateHolder`` and
+``_DistributedRendezvousOpExecutor`` (a second writer for early completion);
+``_RendezvousExitOp``, ``_Action`` and ``_remove_participant_epilogue``; the module-level
+``_delay`` (the 1 s pause between polls, shortened for the agent process); and the pickled
+``_RendezvousState`` itself (its fields ``participants``, ``wait_list``, ``redundancy_list``,
+``last_heartbeats``, and ``_NodeDesc.addr/pid/local_id``).
+
+torch's history renamed some of these (``fqdn`` -> ``addr``, ``last_keep_alives`` ->
+``last_heartbeats``) and changed ``set_state``'s return arity, so importing this module checks
+what the backend relies on, names and meaning, against an in-memory backend (no network, a few
+milliseconds): the state pickles with the allowed classes only, the state holder unpacks
+``set_state``'s ``(bytes, token, has_set)`` and ``get_state``'s ``(bytes, token)``, a keep-alive
+operation writes ``last_heartbeats``, the exit operation removes the node, the epilogue advances
+an emptied round, the op executor's poll pause goes through ``_delay``, and a handler built by
+torch has the attributes used here. Any failure raises :class:`TorchCompatError`, one line naming
+what changed and the supported range :data:`SUPPORTED_TORCH`.
+
+Importing this module imports ``torch.distributed.elastic.rendezvous.dynamic_rendezvous``; torch
+imports the entry point module (``handler.py``) while importing its rendezvous package, so
+``handler.py`` imports this module only when torchrun creates a handler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+from elastic_emb.errors import ElasticEmbError
+from elastic_emb.rdzv.decode import dump_state, load_state, node_id
+
+SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
+
+
+
+class TorchCompatError(ElasticEmbError, ImportError):
+    """The installed torch lacks (or changed the meaning of) a private rendezvous name the backend uses."""
+
+
+def _fail(what: str) -> TorchCompatError:
+    return TorchCompatError(
+        f"torch {torch.__version__}: {what}; the elastic_emb rendezvous backend supports torch {SUPPORTED_TORCH}: "
+        f"install a supported torch, or use --rdzv-backend=c10d (the workers' elastic_emb.watch works without it)"
+    )
+
+
+# -- the entry points the handler uses ---------------------------------------------------------
+
+_HANDLER_ATTRS = ("_state_holder", "_this_node", "_settings", "_heartbeat_lock", "_op_executor", "_store",
+                  "_stop_heartbeats")
+
+
+def check_handler(inner: Any) -> None:
+    """Raise :class:`TorchCompatError` unless ``inner`` (torch's handler) has what this module uses."""
+    for attr in _HANDLER_ATTRS:
+        if not hasattr(inner, attr):
+            raise _fail(f"DynamicRendezvousHandler has no attribute {attr!r}")
+    holder = inner._state_holder
+    for attr in ("_backend", "_cache_duration", "sync", "mark_dirty", "state"):
+        if not hasattr(holder, attr):
+            raise _fail(f"{type(holder).__name__} has no attribute {attr!r}")
+
+
+def create_inner_handler(store: Any, backend: Any, params: Any) -> Any:
+    """torch's ``DynamicRendezvousHandler`` for ``backend`` (checked by :func:`check_handler`)."""
+    inner = dr.create_handler(store, backend, params)
+    check_handler(inner)
+    return inner
+
+
+def this_node(inner: Any) -> Any:
+    return inner._this_node
+
+
+def settings(inner: Any) -> Any:
+    return inner._settings
+
+
+def agent_store(inner: Any) -> Any:
+    """The store the rendezvous runs on (elastic_emb's round keys live there too)."""
+    return inner._store
+
+
+def heartbeat_lock(inner: Any) -> Any:
+    return inner._heartbeat_lock
+
+
+def current_state(inner: Any) -> Any:
+    """The state object torch's holder last synced (live: do not keep it)."""
+    return inner._state_holder.state
+
+
+def set_cache_duration(inner: Any, seconds: float) -> None:
+    """torch caches the state 1 s; num_nodes_waiting() is polled every --monitor-interval."""
+    inner._state_holder._cache_duration = seconds
+
+
+def wrap_state_backend(inner: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace the state holder's backend with ``wrap(backend)`` (every get/set of the state then
+    goes through the wrapper, torch's own included)."""
+    holder = inner._state_holder
+    holder._backend = wrap(holder._backend)
+
+
+def stop_heartbeats(inner: Any) -> None:
+    inner._stop_heartbeats()
+
+
+def run_op(inner: Any, op: Callable[[Any, float], Any], timeout: float) -> None:
+    """Run a rendezvous operation (``(ctx, deadline) -> Action``) with torch's executor, under the
+    handler's heartbeat lock."""
+    with inner._heartbeat_lock:
+        inner._op_executor.run(op, time.monotonic() + timeout)
+
+
+def exit_rendezvous(inner: Any, timeout: float) -> None:
+    """Leave the rendezvous with torch's own exit operation."""
+    run_op(inner, dr._RendezvousExitOp(), timeout)
+
+
+def second_writer(inner: Any) -> tuple[Any, Any]:
+    """A separate state holder (no cache) and op executor on the same backend and node: one more
+    compare-and-set writer, like another node, that leaves the handler's cache alone."""
+    holder = dr._BackendRendezvousStateHolder(inner._state_holder._backend, inner._settings, cache_duration=0)
+    return holder, dr._DistributedRendezvousOpExecutor(inner._this_node, holder, inner._settings)
+
+
+def remove_nodes(inner: Any, nodes: set[str], attempts: int = 10) -> list[str]:
+    """Remove the nodes with these ids from torch's state (participants, wait and redundancy lists,
+    heartbeats), as torch's heartbeat expiry would; compare-and-set, ``attempts`` bounded.
+    Returns the ids removed (empty when none was there, or every attempt lost the race)."""
+    holder = inner._state_holder
+    with inner._heartbeat_lock:
+        for _ in range(attempts):
+            holder.sync()
+            state = holder.state
+            hit = [n for n in list(state.participants) + list(state.wait_list) if node_id(n) in nodes]
+            if not hit:
+                return []
+            removed_participant = False
+            for n in hit:
+                if n in state.participants:
+                    del state.participants[n]
+                    removed_participant = True
+                state.wait_list.discard(n)
+                state.redundancy_list.discard(n)
+                state.last_heartbeats.pop(n, None)
+            if removed_participant:
+                dr._remove_participant_epilogue(state, inner._settings)
+            holder.mark_dirty()
+            if holder.sync():
+                return [node_id(n) for n in hit]
+    return []
+
+
+def credit_heartbeats(bits: bytes, began: datetime, length: float, expiry: timedelta) -> bytes:
+    """The pickled state with every heartbeat that was alive when an outage began (and not
+    refreshed since) moved forward by the outage's length. Decoded with the restricted decoder."""
+    state = load_state(bits)
+    credit = timedelta(seconds=length)
+    changed = False
+    for node, beat in list(state.last_heartbeats.items()):
+        if began - expiry <= beat < began:
+            state.last_heartbeats[node] = beat + credit
+            changed = True
+    return dump_state(state) if changed else bits
+
+
+_PATCHED_DELAY: dict[str, Any] = {}
+
+
+def shorten_rendezvous_polls(interval: float) -> None:
+    """Make torch's rendezvous loop poll every ``interval`` s instead of every 1 s, in this process.
+
+    ``_DistributedRendezvousOpExecutor.run`` sleeps ``_delay(seconds=1)`` between polls of the
+    shared state; with ``last_call_timeout=1`` that pause alone can double a round's duration.
+    Only the 1 s poll is shortened; the random start-up skew ``(0, 0.3)`` is kept.
+    """
+    original = _PATCHED_DELAY.setdefault("original", dr._delay)
+    _PATCHED_DELAY["interval"] = interval
+
+    def _delay(seconds):  # torch.distributed.elastic.rendezvous.utils._delay's signature
+        if not isinstance(seconds, tuple) and seconds >= 1:
+            time.sleep(_PATCHED_DELAY["interval"])
+        else:
+            original(seconds)
+
+    dr._delay = _delay
+
+
+# -- rendezvous operations (torch's op protocol: ``(ctx, deadline) -> Action``) ------------------
+
+
+class FreshHeartbeat:
+    """Writes this node's heartbeat when it is older than ``max_age`` s; never adds a node that is
+    not in the state (a node that left must stay out)."""
+
+    def __init__(self, max_age: float) -> None:
+        self._max_age = timedelta(seconds=max_age)
+
+    def __call__(self, ctx: Any, deadline: float) -> Any:
+        last = ctx.state.last_heartbeats.get(ctx.node)
+        if last is None or last > datetime.now(timezone.utc) - self._max_age:
+            return Action.FINISH
+        if time.monotonic() > deadline:
+            return Action.ERROR_TIMEOUT
+        return Action.KEEP_ALIVE
+
+
+class EarlyCompletion:
+    """Completes the next round as soon as every expected survivor has joined it.
+
+    After a scale-down the survivors are known: waiting ``last_call_timeout`` for nodes that
+    cannot come is pure loss. A thread polls the state with :func:`second_writer` and, when the
+    round after ``after_round`` has exactly the ``expected`` participants (and at least
+    ``min_nodes``), takes torch's own ``MARK_RENDEZVOUS_COMPLETE`` action (ranks assigned as torch
+    does). Any other membership (a newcomer, a missing survivor) leaves the round to torch's
+    last-call rule. Bounded by the rendezvous join timeout; :meth:`stop` ends it.
+    """
+
+    def __init__(self, inner: Any, expected: frozenset[str], after_round: int, interval: float, log: Any) -> None:
+        import threading
+
+        self._expected = expected
+        self._after_round = after_round
+        self._interval = interval
+        self._log = log
+        self._done = threading.Event()
+        _, self._executor = second_writer(inner)
+        self._deadline = time.monotonic() + inner._settings.timeout.join.total_seconds()
+        self._thread = threading.Thread(target=self._run, name="elastic_emb-early-complete", daemon=True)
+        self._thread.start()
+
+    def __call__(self, ctx: Any, deadline: float) -> Any:
+        state = ctx.state
+        if state.complete or state.closed or state.round <= self._after_round:
+            if state.complete and state.round > self._after_round:
+                self._done.set()
+            return Action.FINISH
+        joined = frozenset(node_id(n) for n in state.participants)
+        if joined == self._expected and len(state.participants) >= ctx.settings.min_nodes:
+            return Action.MARK_RENDEZVOUS_COMPLETE
+        return Action.FINISH
+
+    def _run(self) -> None:
+        while not self._done.is_set() and time.monotonic() < self._deadline:
+            try:
+                self._executor.run(self, self._deadline)
+            except Exception as exc:  # torch's own join still completes the round on its rules
+                self._log.warning("early_completion_failed", error=repr(exc))
+                return
+            if self._done.wait(self._interval):
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(2.0)
+
+
+# -- the import-time check ---------------------------------------------------------------------
+
+
+class _MemoryBackend(dr.RendezvousBackend):
+    """torch's backend contract, in memory, with a compare-and-set token."""
+
+    def __init__(self) -> None:
+        self.bits: bytes | None = None
+        self.token = 0
+
+    @property
+    def name(self) -> str:
+        return "elastic_emb-compat-check"
+
+    def get_state(self):
+        return None if self.bits is None else (self.bits, self.token)
+
+    def set_state(self, state, token=None):
+        if token == self.token or (self.bits is None and token is None):
+            self.bits, self.token = state, self.token + 1
+            return self.bits, self.token, True
+        return self.bits, self.token, False
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise _fail(what)
+
+
+def _verify() -> None:
+    for name in ("_RendezvousState", "_NodeDesc", "_BackendRendezvousStateHolder", "_DistributedRendezvousOpExecutor",
+                 "_RendezvousExitOp", "_Action", "_remove_participant_epilogue", "_delay", "create_handler",
+                 "RendezvousSettings", "RendezvousTimeout", "DynamicRendezvousHandler"):
+        _check(hasattr(dr, name), f"dynamic_rendezvous has no {name}")
+    for member in ("FINISH", "KEEP_ALIVE", "MARK_RENDEZVOUS_COMPLETE", "ERROR_TIMEOUT"):
+        _check(hasattr(dr._Action, member), f"_Action has no member {member}")
+    fresh = dr._RendezvousState()
+    for field in ("round", "complete", "closed", "participants", "wait_list", "redundancy_list", "last_heartbeats"):
+        _check(hasattr(fresh, field), f"_RendezvousState has no field {field!r}")
+    _check("_delay" in dr._DistributedRendezvousOpExecutor.run.__code__.co_names,
+           "_DistributedRendezvousOpExecutor.run no longer pauses through the module's _delay")
+
+    node = dr._NodeDesc("compat-check", 1, 0)
+    other = dr._NodeDesc("compat-check", 2, 0)
+    _check(node_id(node) == repr(node), f"_NodeDesc repr {node!r} is not addr_pid_localid")
+    settings_ = dr.RendezvousSettings("compat", 1, 2, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
+    backend = _MemoryBackend()
+    holder = dr._BackendRendezvousStateHolder(backend, settings_, cache_duration=0)
+    state = holder.state
+    state.participants[node] = 0
+    state.participants[other] = 1
+    state.complete = True
+    state.last_heartbeats[other] = datetime.now(timezone.utc)
+    holder.mark_dirty()
+    try:
+        has_set = holder.sync()  # unpacks set_state's (bytes, token, has_set)
+    except (TypeError, ValueError) as exc:
+        raise _fail(f"the state holder does not take set_state's (bytes, token, has_set): {exc}") from None
+    _check(has_set is True and backend.bits is not None, "the state holder did not write through set_state")
+    try:
+        decoded = load_state(backend.bits)
+    except ElasticEmbError as exc:
+        raise _fail(f"the pickled _RendezvousState needs a class outside the decoder's allow-list ({exc})") from None
+    _check(node_id(next(iter(decoded.participants))) == node_id(node), "the pickled state lost its participants")
+    try:
+        dr._DistributedRendezvousOpExecutor(node, holder, settings_).run(
+            lambda ctx, deadline: dr._Action.FINISH if ctx.node in ctx.state.last_heartbeats else dr._Action.KEEP_ALIVE,
+            time.monotonic() + 5.0)
+    except Exception as exc:
+        raise _fail(f"a keep-alive operation failed ({type(exc).__name__}: {exc})") from None
+    _check(node in load_state(backend.bits).last_heartbeats, "a keep-alive operation does not write last_heartbeats")
+    dr._DistributedRendezvousOpExecutor(other, holder, settings_).run(dr._RendezvousExitOp(), time.monotonic() + 5.0)
+    _check(other not in load_state(backend.bits).participants, "_RendezvousExitOp does not remove the node")
+    emptied = dr._RendezvousState()
+    emptied.complete, emptied.round = True, 4
+    dr._remove_participant_epilogue(emptied, settings_)
+    _check(emptied.round == 5 and not emptied.complete, "_remove_participant_epilogue does not advance an emptied round")
+    holder.mark_dirty()
+    backend.token += 1  # another writer won: the next write must report has_set False
+    _check(holder.sync() is False, "the state holder does not report a lost compare-and-set as has_set False")
+
+
+_verify()
+Action = dr._Action  # after the check: it names the members used
+
