@@ -10,7 +10,7 @@ wire contract, and ``watch.py``): a round-scoped ``drain`` key under
 :func:`elastic_emb.rdzv.keys.round_prefix`, which every worker's ``Watcher`` polls; the workers
 agree on a last step, commit it, and count themselves in ``acks``; each watcher published the
 number of acknowledgements to expect as ``world_size``. This module writes nothing else and
-reads only those keys, through the same :class:`elastic_emb.watch.RendezvousReader` the workers
+reads only those keys (signing the request when the job has a secret, ``rdzv/signing.py``), through the same :class:`elastic_emb.watch.RendezvousReader` the workers
 use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs this
 client against real watchers.
 
@@ -40,6 +40,7 @@ from elastic_emb.errors import ElasticEmbError
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
 from elastic_emb.rdzv.keys import KEY_WORLD_SIZE as KEY_EXPECTED
+from elastic_emb.rdzv.signing import Signer, read_signed
 
 
 class DrainError(ElasticEmbError, RuntimeError):
@@ -134,14 +135,17 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     if not store.check([prefix + KEY_EXPECTED]):
         return done("no_watchers", state.round)
     expected = int(store.get(prefix + KEY_EXPECTED))
-    if not store.check([prefix + KEY_DRAIN]):
-        store.set(prefix + KEY_DRAIN, json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()}))
+    signer = Signer.from_env()
+    if read_signed(store, signer, prefix + KEY_DRAIN) is None:
+        request = json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()})
+        store.set(prefix + KEY_DRAIN, signer.sign(prefix + KEY_DRAIN, request))
     deadline = start + timeout
     acks = 0
     while True:
         acks = int(store.add(prefix + KEY_ACKS, 0))
         if acks >= expected:
-            stop = int(store.get(prefix + KEY_STOP_STEP)) if store.check([prefix + KEY_STOP_STEP]) else None
+            value = read_signed(store, signer, prefix + KEY_STOP_STEP)
+            stop = int(value) if value is not None else None
             return done("acknowledged", state.round, acks, expected, stop)
         if time.monotonic() >= deadline:
             return done("timeout", state.round, acks, expected)

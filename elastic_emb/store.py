@@ -3,7 +3,7 @@ generations apart.
 
 torchrun tells each worker where the store is (MASTER_ADDR, MASTER_PORT) and whether the agent
 already hosts it (TORCHELASTIC_USE_AGENT_STORE). With torch's shared rendezvous store disabled
-(the elastic_emb backend always disables it; see FACTS item 1) rank 0 hosts a fresh store for
+(the elastic_emb backend always disables it: with it a scale-up deadlocks) rank 0 hosts a fresh store for
 every rendezvous round, so no key of an earlier round survives into the next.
 """
 
@@ -39,7 +39,7 @@ def worker_store(topology: Topology, timeout: float = 60.0, env: Mapping[str, st
 def generation_store(base: dist.Store, topology: Topology, purpose: str) -> dist.PrefixStore:
     """A PrefixStore private to one generation and one purpose (``pg``, ``agree``, ``drain``...).
 
-    A process group re-initialised on reused keys hangs (FACTS: reusing ``default_pg/0``), so each
+    A process group re-initialised on reused keys hangs (reusing ``default_pg/0`` does), so each
     communicator of each generation gets keys of its own.
     """
     if not purpose or "/" in purpose:

@@ -67,6 +67,7 @@ from elastic_emb.events import get_logger
 # shared outage tracker (outage) from the rendezvous package; never the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
 from elastic_emb.rdzv.keys import (
+    KEY_EVICTED,
     C10D_NULL_STATE,
     C10D_STATE_KEY,
     ENV_AGENT_PID,
@@ -89,6 +90,7 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
 )
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
+from elastic_emb.rdzv.signing import Signer, read_signed
 
 StateView = RendezvousView  # the name this module used before the two views were merged
 __all__ = ["ALLOWED_CLASSES", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView", "StateView",
@@ -179,6 +181,7 @@ class Watcher:
         stop_delay: float = 0.3,
         evict_grace: float = 1.5,
         on_evicted: Callable[[MembershipEvent], None] | None = None,
+        signer: Signer | None = None,
         store_outage_timeout: float = 30.0,
     ) -> None:
         if interval <= 0:
@@ -198,6 +201,8 @@ class Watcher:
         self.stop_delay = stop_delay
         self.evict_grace = evict_grace
         self._on_evicted = on_evicted
+        self._signer = signer if signer is not None else Signer.from_env()
+        self._unconfirmed_reported = False
         self._events: list[MembershipEvent] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -233,6 +238,7 @@ class Watcher:
         kwargs.setdefault("interval", float(env.get(ENV_WATCH_INTERVAL, "0.1")))
         kwargs.setdefault("drain", env.get(ENV_DRAIN, "1") == "1")
         kwargs.setdefault("store_outage_timeout", float(env.get(ENV_STORE_OUTAGE_TIMEOUT, "30")))
+        kwargs.setdefault("signer", Signer.from_env(env))
         return cls(
             reader,
             round_=int(gen) if gen is not None else None,
@@ -299,7 +305,7 @@ class Watcher:
         if not self.drain_enabled or self.round is None or self._evicted:
             return False  # an evicted worker stops through its eviction, not a drain
         if not self._drain_seen:
-            self._drain_seen = self._check(KEY_DRAIN)
+            self._drain_seen = self._control(KEY_DRAIN)
             if not self._drain_seen:
                 return False
             self._emit("drain_requested")
@@ -349,9 +355,11 @@ class Watcher:
     def _prefix(self) -> str:
         return round_prefix(self._reader.run_id, self.round)
 
-    def _check(self, name: str) -> bool:
+    def _control(self, name: str) -> bool:
+        """Whether the control key ``name`` of this round holds a value (validly signed, when the
+        job has a secret: anything else is ignored with a ``control_key_rejected`` event)."""
         try:
-            found = bool(self._reader.store.check([self._prefix() + name]))
+            found = read_signed(self._reader.store, self._signer, self._prefix() + name, self._log) is not None
         except Exception as exc:
             if is_connection_error(exc):
                 self._store_failed(exc)  # logged once per outage; the answer is unknown: not yet
@@ -365,12 +373,13 @@ class Watcher:
         store = self._reader.store
         key = self._prefix() + KEY_STOP_STEP
         if int(store.add(self._prefix() + KEY_STOP_CLAIM, 1)) == 1:
-            store.set(key, str(step + 1))
+            store.set(key, self._signer.sign(key, str(step + 1)))
             return step + 1
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:  # the claimer sets it right after claiming
-            if store.check([key]):
-                return int(store.get(key))
+            value = read_signed(store, self._signer, key, self._log)
+            if value is not None:
+                return int(value)
             time.sleep(0.005)
         raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
 
@@ -452,7 +461,25 @@ class Watcher:
         if view.round > self.round:
             self._emit("round_advanced", state_round=view.round)
         if self.node is not None and view.round >= self.round and self.node not in view.nodes and self.node not in view.wait_list:
-            self._evict("evicted", nodes=(self.node,), state_round=view.round)
+            if self._eviction_confirmed():
+                self._evict("evicted", nodes=(self.node,), state_round=view.round)
+
+    def _eviction_confirmed(self) -> bool:
+        """Whether to believe a state that leaves this node out. Without a job secret, yes: the
+        state is all there is. With one, only when an agent confirmed it with a signed eviction
+        mark (it writes one for every node it sees gone): torch's state carries no signature, so
+        a store writer could otherwise make every worker stop itself with a crafted state. An
+        unconfirmed one is a ``departure``-like hint only (``membership_change_pending``)."""
+        if not self._signer.enabled:
+            return True
+        if self._control(KEY_EVICTED + self.node):
+            return True
+        self._emit("departure", nodes=(self.node,), state_round=None)
+        if not self._unconfirmed_reported:
+            self._unconfirmed_reported = True
+            self._log.warning("eviction_unconfirmed", round=self.round, node=self.node,
+                              reason="the rendezvous state leaves this node out, but no agent signed its eviction")
+        return False
 
     def _store_failed(self, exc: Exception) -> None:
         if not is_connection_error(exc):
@@ -471,7 +498,8 @@ class Watcher:
         if self.round is not None and self.node is not None:
             try:
                 store = self._reader.store
-                store.set(self._prefix() + f"{KEY_DEAD}/{self.node}", str(os.getpid()))
+                key = self._prefix() + f"{KEY_DEAD}/{self.node}"
+                store.set(key, self._signer.sign(key, str(os.getpid())))
                 store.add(self._prefix() + KEY_DEAD, 1)
             except Exception as exc:
                 self._log.warning("watch_store_error", op="report_dead", error=repr(exc))

@@ -183,6 +183,52 @@ def test_watcher_ignores_a_poisoned_state(rdzv_store, tmp_path):
         w.stop()
 
 
+def test_with_a_secret_a_crafted_state_does_not_evict_without_a_signed_mark(rdzv_store):
+    """A state made only of allowed classes that leaves this worker's node out (what a store
+    writer can forge: torch's state carries no signature). With a job secret the worker does not
+    stop itself on it (a departure hint only); an agent's signed eviction mark does stop it, and
+    a mark signed with another secret does not."""
+    from elastic_emb.rdzv.keys import KEY_EVICTED
+    from elastic_emb.rdzv.signing import Signer
+
+    port, master, backend = rdzv_store
+    a, b = _NodeDesc("127.0.0.1", 101, 0), _NodeDesc("127.0.0.1", 102, 0)
+    _write(backend, _state(4, {a: 0, b: 1}))
+    evicted: list = []
+    signer = Signer(b"s" * 32)
+    w = _watcher(port, a, 0, 2, 4, evicted, signer=signer).start()
+    try:
+        _write(backend, _state(4, {b: 0}))  # crafted: our node is gone
+        ev = _wait_events(w, {"departure"})
+        time.sleep(0.3)  # ~15 more polls
+        assert not w.evicted and evicted == [] and "evicted" not in {e.kind for e in ev + w.events()}
+        key = round_prefix("wtest", 4) + KEY_EVICTED + "127.0.0.1_101_0"
+        master.set(key, Signer(b"x" * 32).sign(key, "127.0.0.1_102_0"))  # wrong secret
+        time.sleep(0.3)
+        assert not w.evicted
+        master.set(key, signer.sign(key, "127.0.0.1_102_0"))
+        _wait_events(w, {"evicted"})
+        assert w.evicted and len(evicted) == 1
+    finally:
+        w.stop()
+
+
+def test_without_a_secret_the_state_alone_evicts(rdzv_store):
+    port, _, backend = rdzv_store
+    a, b = _NodeDesc("127.0.0.1", 101, 0), _NodeDesc("127.0.0.1", 102, 0)
+    _write(backend, _state(4, {a: 0, b: 1}))
+    evicted: list = []
+    from elastic_emb.rdzv.signing import Signer
+
+    w = _watcher(port, a, 0, 2, 4, evicted, signer=Signer(None)).start()
+    try:
+        _write(backend, _state(4, {b: 0}))
+        _wait_events(w, {"evicted"})
+        assert w.evicted
+    finally:
+        w.stop()
+
+
 def test_drain_ranks_agree_on_the_last_step(rdzv_store):
     """Two ranks one step apart both stop after the same step, and both acknowledge."""
     port, master, backend = rdzv_store
@@ -272,3 +318,22 @@ def test_agent_death_behind_a_wrapper_is_reported(rdzv_store):
         w.stop()
         if fake_agent.poll() is None:
             fake_agent.kill()
+
+
+def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker():
+    """watch.py and drain.py import nothing from the agent-side handler (nor torch_compat, which
+    imports torch's private rendezvous layer): only rdzv.keys, rdzv.decode, rdzv.outage and
+    rdzv.signing (which imports keys alone)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "elastic_emb"
+    for name in ("watch.py", "drain.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        rdzv = {m for m in mods if m.startswith(("elastic_emb.rdzv", "elastic_emb.rendezvous"))}
+        allowed = {"elastic_emb.rdzv.keys", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage",
+                   "elastic_emb.rdzv.signing"}
+        assert rdzv <= allowed, (name, rdzv)
+        assert "elastic_emb.rdzv.keys" in rdzv, name

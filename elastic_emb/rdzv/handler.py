@@ -72,17 +72,15 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
+from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
 from elastic_emb.rdzv.keys import (
     BACKEND_NAME,
-    C10D_STATE_KEY,
     DISABLE_SHARED_STORE,
     ENV_AGENT_PID,
     ENV_DRAIN,
@@ -93,77 +91,17 @@ from elastic_emb.rdzv.keys import (
     ENV_RDZV_ENDPOINT,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
-    ETCD_STATE_KEY,
     KEY_ACKS,
     KEY_DEAD,
     KEY_DRAIN,
+    KEY_EVICTED,
     KEY_LEFT,
     KEY_STOP_STEP,
     KEY_WORLD_SIZE,
     round_prefix,
 )
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, torch_store_outage_error
-
-
-class InnerBackend(NamedTuple):
-    """An inner rendezvous backend: where torch's ``create_backend(params) -> (backend, store)``
-    for it lives, the store key of the state (for messages), and what to install when missing."""
-
-    factory: str  # "module:function"
-    state_key: str
-    requires: str = ""
-
-
-INNER_BACKENDS: dict[str, InnerBackend] = {}
-
-
-def register_inner(name: str, factory: str, state_key: str, requires: str = "") -> None:
-    """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory`` (``module:function``)."""
-    INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires)
-
-
-register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
-register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
-               ETCD_STATE_KEY, requires="python-etcd")
-
-
-class ListenerConfig(BaseModel):
-    """elastic_emb's own --rdzv-conf keys (torch's keys pass through to the inner backend)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    inner: str = "c10d"
-    event_file: str | None = None
-    drain: bool = True
-    drain_timeout: float = Field(default=30.0, ge=0.0)
-    sync_interval: float = Field(default=0.1, gt=0.0, le=1.0)
-    watch_interval: float = Field(default=0.1, gt=0.0, le=10.0)
-    store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
-
-    @field_validator("inner")
-    @classmethod
-    def _known_inner(cls, value: str) -> str:
-        if value not in INNER_BACKENDS:
-            raise ValueError(f"unknown inner backend; use one of {sorted(INNER_BACKENDS)}")
-        return value
-
-    @classmethod
-    def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
-        values: dict[str, Any] = {}
-        for key in cls.model_fields:
-            if key in config and config[key] is not None:
-                raw = config[key]
-                if key == "drain" and isinstance(raw, str):
-                    low = raw.strip().lower()
-                    if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                        raise ValueError(f"--rdzv-conf drain={raw!r}: use 1 or 0")
-                    raw = low in ("1", "true", "yes", "on")
-                values[key] = raw
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            bad = "; ".join(f"{e['loc'][0]}={values.get(e['loc'][0])!r}: {e['msg']}" for e in exc.errors())
-            raise ValueError(f"invalid --rdzv-conf for the elastic_emb backend: {bad}") from None
+from elastic_emb.rdzv.signing import Signer, read_signed
 
 
 class _Tee:
@@ -232,6 +170,10 @@ class ElasticEmbRendezvousHandler:
         self._round: int | None = None
         self._round_store: Any = None
         self._known_dead: set[str] = set()
+        self._marked_evicted: set[str] = set()
+        # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
+        # secret fails here, at agent start, naming the variable.
+        self._signer = Signer.from_env()
         self._expected_next: frozenset[str] | None = None
         self._changed_reported = False
         self._drain_started: float | None = None
@@ -263,7 +205,7 @@ class ElasticEmbRendezvousHandler:
 
     @property
     def use_agent_store(self) -> bool:
-        return False  # FACTS item 1: the shared agent store deadlocks a scale-up
+        return False  # with the shared agent store, a scale-up deadlocks
 
     def get_run_id(self) -> str:
         return self._inner.get_run_id()
@@ -327,6 +269,7 @@ class ElasticEmbRendezvousHandler:
             self._drain_started = None
             self._drain_done = False
             self._known_dead.clear()  # the dead are no members now; a rejoining node starts clean
+            self._marked_evicted.clear()
         self._export_env(state)
         self._log.info(
             "rendezvous_round",
@@ -396,6 +339,7 @@ class ElasticEmbRendezvousHandler:
             if n not in self._known_dead and not self._said_left(prefix, n):
                 self._known_dead.add(n)
         dead = [n for n in gone if n in self._known_dead]
+        self._mark_evicted(prefix, dead)
         return {
             "reason": "participant_gone" if gone else "peer_restarting",
             "departures": [n for n in gone if n not in dead],
@@ -405,9 +349,27 @@ class ElasticEmbRendezvousHandler:
             "expected": sorted(set(view.nodes) | set(restarting)),
         }
 
+    def _mark_evicted(self, prefix: str, nodes: list[str]) -> None:
+        """With a job secret, confirm each death with a signed eviction mark: a worker of that node
+        that still runs (its agent hung or cut off) stops itself only on such a mark."""
+        if not self._signer.enabled:
+            return
+        for n in nodes:
+            if n in self._marked_evicted:
+                continue
+            key = prefix + KEY_EVICTED + n
+            try:
+                self._round_store.set(key, self._signer.sign(key, self._node))
+            except StoreOutageError:
+                raise
+            except Exception as exc:  # the next poll tries again
+                self._log.warning("eviction_mark_failed", round=self._round, node=n, error=repr(exc))
+                continue
+            self._marked_evicted.add(n)
+
     def _said_left(self, prefix: str, node: str) -> bool:
         try:
-            return bool(self._round_store.check([prefix + KEY_LEFT + node]))
+            return read_signed(self._round_store, self._signer, prefix + KEY_LEFT + node, self._log) is not None
         except StoreOutageError:
             raise  # the bound passed: the agent fails, naming the store
         except Exception as exc:  # unreadable: call it a departure, the restart is the same
@@ -428,7 +390,8 @@ class ElasticEmbRendezvousHandler:
                 return
             reported = [
                 n for n in self._members
-                if n not in self._known_dead and store.check([prefix + f"{KEY_DEAD}/{n}"])
+                if n not in self._known_dead
+                and read_signed(store, self._signer, prefix + f"{KEY_DEAD}/{n}", self._log) is not None
             ]
         except StoreOutageError:
             raise
@@ -457,7 +420,8 @@ class ElasticEmbRendezvousHandler:
         try:
             tc.stop_heartbeats(self._inner)
             store = self._round_store
-            store.set(round_prefix(self._run_id, self._round) + KEY_LEFT + self._node, why)
+            key = round_prefix(self._run_id, self._round) + KEY_LEFT + self._node
+            store.set(key, self._signer.sign(key, why))
             tc.exit_rendezvous(self._inner, 5.0)
             self._log.info("node_left", round=self._round, reason=why, duration_s=round(time.monotonic() - start, 3))
         except Exception as exc:  # best effort at exit: the heartbeat expiry still removes us
@@ -478,7 +442,8 @@ class ElasticEmbRendezvousHandler:
             return waiting
         if self._drain_started is None:
             self._drain_started = now
-            store.set(prefix + KEY_DRAIN, json.dumps({"round": self._round, "waiting": list(view.wait_list)}))
+            request = json.dumps({"round": self._round, "waiting": list(view.wait_list)})
+            store.set(prefix + KEY_DRAIN, self._signer.sign(prefix + KEY_DRAIN, request))
             self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
         try:
             expected = int(store.get(prefix + KEY_WORLD_SIZE)) if store.check([prefix + KEY_WORLD_SIZE]) else 0
@@ -498,8 +463,9 @@ class ElasticEmbRendezvousHandler:
         if outcome is None:
             return 0
         stop_step = None
-        if store.check([prefix + KEY_STOP_STEP]):
-            stop_step = int(store.get(prefix + KEY_STOP_STEP))
+        value = read_signed(store, self._signer, prefix + KEY_STOP_STEP, self._log)
+        if value is not None:
+            stop_step = int(value)
         self._drain_done = True
         self._log.info(
             "drain_finished",
@@ -515,7 +481,7 @@ class ElasticEmbRendezvousHandler:
     # -- worker environment ---------------------------------------------------------------
 
     def _export_env(self, state: RendezvousView) -> None:
-        """torchrun starts the workers with a copy of the agent's os.environ (FACTS item 6)."""
+        """torchrun starts the workers with a copy of the agent's os.environ."""
         os.environ.update(
             {
                 ENV_GENERATION: str(state.round),

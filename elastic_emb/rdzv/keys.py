@@ -66,3 +66,6 @@ KEY_EVICTED = "evicted/"  # + node id: an agent removed that node from the state
 def round_prefix(run_id: str, round_: int) -> str:
     """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves)."""
     return f"elastic_emb/{run_id}/round{round_}/"
+
+# The job's secret: when set, control values under round_prefix() are HMAC-signed (rdzv/signing.py).
+ENV_JOB_SECRET = "ELASTIC_EMB_JOB_SECRET"

@@ -1,0 +1,78 @@
+"""The backend's configuration: its own ``--rdzv-conf`` keys and the registry of inner backends.
+
+:class:`ListenerConfig` holds elastic_emb's ``--rdzv-conf`` keys (torch's own pass through to
+the inner backend); see the handler's docstring for their meaning. :data:`INNER_BACKENDS` maps
+``inner=NAME`` to the function that creates torch's ``RendezvousBackend`` and store for it;
+adding a backend is one :func:`register_inner` call (a module of this package may register
+itself on import; the handler imports the factory only when an agent selects it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from elastic_emb.rdzv.keys import C10D_STATE_KEY, ETCD_STATE_KEY
+
+
+class InnerBackend(NamedTuple):
+    """An inner rendezvous backend: where torch's ``create_backend(params) -> (backend, store)``
+    for it lives, the store key of the state (for messages), and what to install when missing."""
+
+    factory: str  # "module:function"
+    state_key: str
+    requires: str = ""
+
+
+INNER_BACKENDS: dict[str, InnerBackend] = {}
+
+
+def register_inner(name: str, factory: str, state_key: str, requires: str = "") -> None:
+    """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory`` (``module:function``)."""
+    INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires)
+
+
+register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
+register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
+               ETCD_STATE_KEY, requires="python-etcd")
+
+
+class ListenerConfig(BaseModel):
+    """elastic_emb's own --rdzv-conf keys (torch's keys pass through to the inner backend)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    inner: str = "c10d"
+    event_file: str | None = None
+    drain: bool = True
+    drain_timeout: float = Field(default=30.0, ge=0.0)
+    sync_interval: float = Field(default=0.1, gt=0.0, le=1.0)
+    watch_interval: float = Field(default=0.1, gt=0.0, le=10.0)
+    store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
+
+    @field_validator("inner")
+    @classmethod
+    def _known_inner(cls, value: str) -> str:
+        if value not in INNER_BACKENDS:
+            raise ValueError(f"unknown inner backend; use one of {sorted(INNER_BACKENDS)}")
+        return value
+
+    @classmethod
+    def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
+        values: dict[str, Any] = {}
+        for key in cls.model_fields:
+            if key in config and config[key] is not None:
+                raw = config[key]
+                if key == "drain" and isinstance(raw, str):
+                    low = raw.strip().lower()
+                    if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                        raise ValueError(f"--rdzv-conf drain={raw!r}: use 1 or 0")
+                    raw = low in ("1", "true", "yes", "on")
+                values[key] = raw
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            bad = "; ".join(f"{e['loc'][0]}={values.get(e['loc'][0])!r}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid --rdzv-conf for the elastic_emb backend: {bad}") from None

@@ -1,0 +1,127 @@
+"""Whoever can write to the rendezvous store must not run code in the agent, and, when the job has
+a secret (ELASTIC_EMB_JOB_SECRET), must not steer it: real torchrun agents on loopback, a real
+c10d store, forged writes by a separate client (the attacker)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_DEAD, KEY_DRAIN, round_prefix
+from procs import free_port
+from rdzv_agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+
+WAIT = 60.0
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    agents: list[Agent] = []
+    yield str(tmp_path), agents
+    kill_all(agents, str(tmp_path))
+
+
+def _attacker(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
+
+
+class _Payload:
+    """Unpickling this runs a shell command (what a store writer would plant)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_pickle_payload_in_the_rendezvous_key_does_not_run_in_the_agent(cluster):
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, nnodes="1:2"))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    marker = os.path.join(tmp, "pwned")
+    payload = pickle.dumps(_Payload(marker))
+    assert b"system" in payload  # a real code-running pickle: pickle.loads(payload) would create marker
+    _attacker(port).set(C10D_STATE_KEY.format(run_id="rdzvtest"), base64.b64encode(payload))
+    a = agents[0]
+    wait_for(lambda: a.proc.poll() is not None, WAIT, "the agent to refuse the state and stop", agents)
+    assert not os.path.exists(marker), "the payload ran in the agent"
+    assert a.proc.returncode != 0
+    refused = [e for e in events(tmp, "a") if e["event"] == "foreign_rendezvous_state"]
+    assert refused and refused[0]["key"] == "torch.rendezvous.rdzvtest" and "posix.system" in refused[0]["error"], refused
+    assert "refusing the value of torch.rendezvous.rdzvtest before unpickling it" in a.output()
+
+
+def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_drain_works(cluster, monkeypatch):
+    tmp, agents = cluster
+    port = free_port()
+    env = {"ELASTIC_EMB_JOB_SECRET": SECRET}
+    agents.append(start_agent("a", tmp, port, extra_env=env, drain_timeout=30.0))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    t_b = time.time()
+    agents.append(start_agent("b", tmp, port, extra_env=env, drain_timeout=30.0))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
+    round_ = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"][-1]["round"]
+    b_node = f"127.0.0.1_{agents[1].pid}_0"
+    prefix = round_prefix("rdzvtest", round_)
+    store = _attacker(port)
+    t_forge = time.time()
+    store.set(prefix + KEY_DRAIN, json.dumps({"round": round_, "reason": "forged"}))
+    store.set(prefix + f"{KEY_DEAD}/{b_node}", "1")
+    store.add(prefix + KEY_DEAD, 1)
+
+    # The world of two keeps stepping: 40 more steps committed at world size 2 (about 2 s of
+    # steps, several agent polls and watcher intervals), nobody drained, nobody evicted.
+    def steps_after() -> int:
+        return len([r for r in worker_records(tmp) if r["ev"] == "commit" and r["ws"] == 2 and r["t"] > t_forge])
+
+    wait_for(lambda: steps_after() >= 80, WAIT, "40 steps per rank after the forgery", agents)
+    recs = worker_records(tmp)
+    assert not [r for r in recs if r["ev"] in ("drained", "evicted") and r["t"] > t_forge]
+    for name in ("a", "b"):
+        kinds = [e["event"] for e in events(tmp, name) if e["timestamp"] > _iso(t_forge)]
+        assert "dead_node_evicted" not in kinds and "membership_changed" not in kinds, (name, kinds)
+    rejected = [e for e in events(tmp, "a") if e["event"] == "control_key_rejected"]
+    assert {e["key"] for e in rejected} >= {prefix + f"{KEY_DEAD}/{b_node}"} and rejected[0]["reason"] == "unsigned"
+    logs = agents[0].output() + agents[1].output()
+    assert "control_key_rejected" in logs and prefix + KEY_DRAIN in logs  # the watchers said so too
+
+    # The same request, signed with the secret (the preStop client), stops both at one step.
+    from elastic_emb.drain import DrainTarget, request_drain
+
+    monkeypatch.setenv("ELASTIC_EMB_JOB_SECRET", SECRET)
+    store.delete_key(prefix + KEY_DRAIN)
+    outcome = request_drain(DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="rdzvtest"), timeout=30)
+    assert outcome.outcome == "acknowledged" and outcome.acks == 2, outcome
+    drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]
+    assert len(drained) == 2 and len({r["step"] for r in drained}) == 1, drained
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def test_signatures_bind_the_key_and_need_the_secret():
+    from elastic_emb.rdzv.signing import SecretError, Signer
+
+    s = Signer(SECRET.encode())
+    v = s.sign("elastic_emb/r/round3/dead/n1", "42")
+    assert s.verify("elastic_emb/r/round3/dead/n1", v) == (b"42", "")
+    assert s.verify("elastic_emb/r/round3/dead/n2", v) == (None, "bad_signature")  # moved to another node
+    assert s.verify("elastic_emb/r/round4/dead/n1", v) == (None, "bad_signature")  # replayed in another round
+    assert s.verify("elastic_emb/r/round3/dead/n1", b"42") == (None, "unsigned")
+    assert Signer(b"y" * 32).verify("elastic_emb/r/round3/dead/n1", v) == (None, "bad_signature")
+    assert Signer(None).sign("k", "42") == b"42" and Signer(None).verify("k", v) == (b"42", "")
+    with pytest.raises(SecretError, match="ELASTIC_EMB_JOB_SECRET is 5 bytes"):
+        Signer.from_env({"ELASTIC_EMB_JOB_SECRET": "short"})
