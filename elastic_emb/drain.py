@@ -35,16 +35,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import DrainError
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
 from elastic_emb.rdzv.keys import KEY_WORLD_SIZE as KEY_EXPECTED
 from elastic_emb.rdzv.signing import Signer, read_signed
-
-
-class DrainError(ElasticEmbError, RuntimeError):
-    """The drain request could not be made (bad settings, rendezvous store unreachable)."""
 
 
 class DrainTarget(BaseModel):

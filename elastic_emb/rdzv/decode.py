@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import UnsafeStateError
 
 DR_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 ALLOWED_CLASSES: frozenset[tuple[str, str]] = frozenset(
@@ -43,10 +43,6 @@ ALLOWED_CLASSES: frozenset[tuple[str, str]] = frozenset(
         ("builtins", "frozenset"),
     }
 )
-
-
-class UnsafeStateError(ElasticEmbError, ValueError):
-    """A rendezvous state value names a class outside the allow-list (or is not a state)."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

@@ -26,14 +26,11 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from elastic_emb.errors import ForeignStateError
 from elastic_emb.rdzv.decode import UnsafeStateError, load_state
 from elastic_emb.rdzv.outage import OutageGuard
 
 _FOREIGN_STATE_ERROR: list[type] = []
-
-
-class ForeignStateError(UnsafeStateError):
-    """The rendezvous state in the store is not torch's state (refused before torch unpickles it)."""
 
 
 def foreign_state_error() -> type[ForeignStateError]:

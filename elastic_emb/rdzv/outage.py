@@ -30,11 +30,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from elastic_emb.errors import ElasticEmbError
-
-
-class StoreOutageError(ElasticEmbError, ConnectionError):
-    """The rendezvous store stayed unreachable longer than ``store_outage_timeout``."""
+from elastic_emb.errors import StoreOutageError
 
 
 _TORCH_OUTAGE_ERROR: list[type] = []

@@ -28,15 +28,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import SecretError
 from elastic_emb.rdzv.keys import ENV_JOB_SECRET
 
 _TAG = b"eesig1:"
 MIN_SECRET_BYTES = 16
-
-
-class SecretError(ElasticEmbError, ValueError):
-    """The job secret is set but unusable."""
 
 
 class Signer:

@@ -36,15 +36,11 @@ from typing import Any
 import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import ElasticEmbError, TorchCompatError
 from elastic_emb.rdzv.decode import dump_state, load_state, node_id
 
 SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
 
-
-
-class TorchCompatError(ElasticEmbError, ImportError):
-    """The installed torch lacks (or changed the meaning of) a private rendezvous name the backend uses."""
 
 
 def _fail(what: str) -> TorchCompatError:
