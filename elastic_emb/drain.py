@@ -57,14 +57,17 @@ class DrainTarget(BaseModel):
                  run_id: str | None = None, inner: str | None = None) -> "DrainTarget":
         """Explicit values first, then elastic_emb's worker variables, then torchrun's ``PET_*``
         ones (what a preStop hook sees in the pod)."""
+        from elastic_emb.config import load
+
         env = os.environ if env is None else env
-        endpoint = endpoint or env.get("ELASTIC_EMB_RDZV_ENDPOINT") or env.get("PET_RDZV_ENDPOINT")
+        settings = load(env, "rdzv_endpoint", "rdzv_backend")
+        endpoint = endpoint or settings.rdzv_endpoint or env.get("PET_RDZV_ENDPOINT")
         if not endpoint:
             raise DrainError(
                 "no rendezvous endpoint: neither ELASTIC_EMB_RDZV_ENDPOINT nor PET_RDZV_ENDPOINT is set; "
                 "pass --endpoint HOST:PORT (the job's --rdzv-endpoint)"
             )
-        inner = inner or env.get("ELASTIC_EMB_RDZV_BACKEND") or _conf_value(env.get("PET_RDZV_CONF", ""), "inner") or "c10d"
+        inner = inner or settings.rdzv_backend or _conf_value(env.get("PET_RDZV_CONF", ""), "inner") or "c10d"
         run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("PET_RDZV_ID") or "none"
         if inner not in ("c10d", "etcd-v2"):
             raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d or etcd-v2")

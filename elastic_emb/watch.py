@@ -70,14 +70,8 @@ from elastic_emb.rdzv.keys import (
     KEY_EVICTED,
     C10D_NULL_STATE,
     C10D_STATE_KEY,
-    ENV_AGENT_PID,
-    ENV_DRAIN,
-    ENV_GENERATION,
-    ENV_NODE_ID,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
-    ENV_STORE_OUTAGE_TIMEOUT,
-    ENV_WATCH_INTERVAL,
     ETCD_STATE_KEY,
     ETCD_STORE_PREFIX,
     KEY_ACK,
@@ -221,8 +215,12 @@ class Watcher:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> "Watcher | None":
         """A watcher for this worker, or None when the rendezvous endpoint is unknown."""
+        from elastic_emb.config import load, variable
+
         env = os.environ if env is None else env
-        endpoint = env.get(ENV_RDZV_ENDPOINT)
+        settings = load(env, "rdzv_endpoint", "rdzv_backend", "agent_pid", "generation", "watch_interval", "drain",
+                        "store_outage_timeout", "rdzv_node")
+        endpoint = settings.rdzv_endpoint
         if not endpoint:
             get_logger("elastic_emb.watch").info(
                 "watcher_disabled",
@@ -231,20 +229,21 @@ class Watcher:
             )
             return None
         run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-        backend = env.get(ENV_RDZV_BACKEND, "c10d")
+        backend = settings.rdzv_backend or "c10d"
         reader = RendezvousReader(backend, endpoint, run_id)
-        agent_pid = int(env.get(ENV_AGENT_PID) or os.getppid())
-        gen = env.get(ENV_GENERATION)
-        kwargs.setdefault("interval", float(env.get(ENV_WATCH_INTERVAL, "0.1")))
-        kwargs.setdefault("drain", env.get(ENV_DRAIN, "1") == "1")
-        kwargs.setdefault("store_outage_timeout", float(env.get(ENV_STORE_OUTAGE_TIMEOUT, "30")))
+        agent_pid = settings.agent_pid or os.getppid()
+        # Unset (no elastic_emb backend): the round is learnt from the first complete state.
+        gen = settings.generation if env.get(variable("generation")) else None
+        kwargs.setdefault("interval", settings.watch_interval)
+        kwargs.setdefault("drain", settings.drain)
+        kwargs.setdefault("store_outage_timeout", settings.store_outage_timeout)
         kwargs.setdefault("signer", Signer.from_env(env))
         return cls(
             reader,
-            round_=int(gen) if gen is not None else None,
+            round_=gen,
             rank=int(env.get("RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
-            node=env.get(ENV_NODE_ID),
+            node=settings.rdzv_node,
             agent_pid=agent_pid,
             **kwargs,
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,9 +48,10 @@ class Signer:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Signer":
-        env = os.environ if env is None else env
-        raw = env.get(ENV_JOB_SECRET)
-        return cls(raw.encode() if raw else None)
+        from elastic_emb.config import load
+
+        secret = load(env, "job_secret").job_secret
+        return cls(secret.get_secret_value().encode() if secret is not None else None)
 
     @property
     def enabled(self) -> bool:
