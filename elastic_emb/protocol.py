@@ -175,9 +175,11 @@ class ShardedContext(Protocol):
 
     def take_changes(self) -> dict:
         """Optional (when :attr:`tracks_changes`): per table a bool mask of shape (local rows,)
-        on the context's device, True for rows written (rows or optimizer slots) since the
-        previous call, construction, restore or import. The context swaps in a fresh zero mask:
-        the caller owns the returned one. Lazy initialisation from the seed counts as unchanged."""
+        on the context's device, True for rows written since the previous call: by training,
+        by ``import_shard`` (every row), by a restore through ``shard_views`` (``mark_restored``:
+        every row), rows and their optimizer slots alike. The lazy initial fill from the seed is
+        not a write. The context swaps in a fresh zero mask: the caller owns the returned one,
+        and nothing waits for the device."""
 
 
 class ContextBase:

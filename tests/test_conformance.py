@@ -27,7 +27,15 @@ def _emb_target() -> conformance.Target:
 
     factory = functools.partial(EmbContext, tables=TABLES, optimizer=OptimizerSpec(kind="adagrad"), timeout=5.0,
                                 staging_rows_per_rank=16)
-    return conformance.Target(factory=factory, collective=lambda ctx: ctx.barrier())
+    return conformance.Target(factory=factory, collective=lambda ctx: ctx.barrier(), write=_apply_ones)
+
+
+def _apply_ones(ctx, table: str, ids) -> None:
+    """A write for the change-tracking check: a gradient of ones on each rank's ``ids``."""
+    import torch
+
+    spec = ctx.tables[table]
+    ctx.apply_gradients(table, ids, torch.ones(len(ids), spec.dim, dtype=spec.torch_dtype))
 
 
 def _mini(cls=lw.MiniContext) -> conformance.Target:

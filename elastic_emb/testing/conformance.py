@@ -24,8 +24,9 @@ The checks, in order:
                   rows written into them (then ``mark_restored()``) are what ``export_shard``
                   reads back.
 ``changes``       ``tracks_changes`` False: ``take_changes`` raises ``NotImplementedError``;
-                  True: one bool mask per table of shape (local rows,), a fresh one per call,
-                  and none set when nothing was written between two calls.
+                  True: one bool mask per table of shape (local rows,), a fresh one per call;
+                  after ``import_shard`` every row is set, with nothing written none is, and
+                  (with the target's ``write``) exactly the rows written are.
 ``reset_refuses`` ``reset`` to another world size raises ``WorldSizeChanged`` and to another
                   ``ep_size`` raises ``ValueError``, both without communicating; the context stays
                   healthy with its rows.
@@ -83,11 +84,15 @@ class Target:
     ``factory(topology, store)`` builds a context; build it with a collective timeout of a few
     seconds, since the last check waits for a collective to fail. ``collective(context)`` runs
     one collective operation of the context (every rank calls it at the same point), e.g. a
-    barrier or a lookup; it must mark the context unhealthy when it fails. ``backend``: the
-    topology's backend (``gloo`` on the CPU)."""
+    barrier or a lookup; it must mark the context unhealthy when it fails. ``write(context,
+    table, ids)`` (optional, for contexts that track changes) writes rows of ``table``: every
+    rank calls it at once with its own int64 global row ids, and the union is what was written
+    (e.g. ``apply_gradients`` with non-zero gradients). ``backend``: the topology's backend
+    (``gloo`` on the CPU)."""
 
     factory: Callable[[Topology, object], ShardedContext]
     collective: Callable[[ShardedContext], None]
+    write: Callable[[ShardedContext, str, object], None] | None = None
     backend: str = "gloo"
 
 
@@ -335,17 +340,34 @@ class _Rank:
             return "not tracked"
         import torch
 
-        first = self.ctx.take_changes()
-        second = self.ctx.take_changes()
-        _require(set(first) == set(self.ctx.tables) == set(second), f"take_changes tables {sorted(first)}")
+        self.ctx.take_changes()
+        self.ctx.import_shard(self.expected)
+        imported, quiet = self.ctx.take_changes(), self.ctx.take_changes()
+        _require(set(imported) == set(self.ctx.tables) == set(quiet), f"take_changes tables {sorted(imported)}")
         for n, spec in self.ctx.tables.items():
             rows = len(owned_range(spec.num_rows, row_owners(self.ctx), self.topology.rank))
-            for m in (first[n], second[n]):
+            for m in (imported[n], quiet[n]):
                 _require(isinstance(m, torch.Tensor) and m.dtype == torch.bool and tuple(m.shape) == (rows,),
                          f"take_changes()[{n!r}] must be a bool tensor of shape ({rows},)")
-            _require(first[n] is not second[n], f"take_changes() returned the same mask of {n!r} twice")
-            _require(not bool(second[n].any()), f"take_changes() marks rows of {n!r} that nothing wrote")
-        return "masks"
+            _require(imported[n] is not quiet[n], f"take_changes() returned the same mask of {n!r} twice")
+            _require(bool(imported[n].all()), f"import_shard wrote every row of {n!r}, take_changes() misses some")
+            _require(not bool(quiet[n].any()), f"take_changes() marks rows of {n!r} that nothing wrote")
+        if self.target.write is None:
+            return "masks (no write hook)"
+        for n, spec in self.ctx.tables.items():
+            written = sorted({0, 1, spec.num_rows // 2, spec.num_rows - 1})
+            mine = torch.tensor(written[self.topology.rank:: self.topology.world_size], dtype=torch.int64)
+            self.target.write(self.ctx, n, mine)
+            got = self.ctx.take_changes()[n].cpu()
+            own = owned_range(spec.num_rows, row_owners(self.ctx), self.topology.rank)
+            want = torch.zeros(len(own), dtype=torch.bool)
+            for r in written:
+                if own.start <= r < own.stop:
+                    want[r - own.start] = True
+            _require(torch.equal(got, want), f"after writing rows {written} of {n!r}, take_changes() marks local rows "
+                                             f"{got.nonzero().flatten().tolist()}, expected {want.nonzero().flatten().tolist()}")
+        self.expected = {n: s for n, s in self.ctx.export_shard().items()}
+        return "exact"
 
     def reset_refuses(self) -> str:
         t = self.topology
