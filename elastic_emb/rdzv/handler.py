@@ -68,14 +68,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import structlog
+from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
@@ -102,42 +101,6 @@ from elastic_emb.rdzv.keys import (
 )
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, torch_store_outage_error
 from elastic_emb.rdzv.signing import Signer, read_signed
-
-
-class _Tee:
-    """A structlog 'logger' that writes each rendered line to stderr and, if given, a file."""
-
-    def __init__(self, path: str | None) -> None:
-        self._lock = threading.Lock()
-        self._file = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the agent
-
-    def msg(self, message: str) -> None:
-        with self._lock:
-            # One write() per line: the agent's workers share its stderr, and print() writes the
-            # text and the newline separately, so two processes' lines could merge into one.
-            sys.stderr.write(message + "\n")
-            sys.stderr.flush()
-            if self._file is not None:
-                self._file.write(message + "\n")
-                self._file.flush()
-
-    info = warning = error = msg
-
-
-def event_logger(path: str | None, **bound: Any):
-    """A JSON-lines structlog logger for rendezvous events (stderr + optional file)."""
-    return structlog.wrap_logger(
-        _Tee(path),
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
-    ).bind(**bound)
-
 
 
 class ElasticEmbRendezvousHandler:
