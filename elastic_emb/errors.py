@@ -123,6 +123,15 @@ class PullError(ElasticEmbError, OSError):
 # -- drills and test tooling ----------------------------------------------------------------------
 
 
+class ConformanceFailure(ElasticEmbError, AssertionError):
+    """A context failed checks of the conformance suite (:mod:`elastic_emb.testing.conformance`).
+    ``failures`` maps ``(check, rank)`` to the reason."""
+
+    def __init__(self, message: str, failures: dict[tuple[str, int], str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
 class EtcdUnavailable(ElasticEmbError, RuntimeError):
     """The etcd binary is not installed."""
 
