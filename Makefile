@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv bench clean lint
+.PHONY: demo test venv bench clean lint system-deps
 
 venv: $(VENV)/.installed
 
@@ -19,7 +19,13 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/elastic-emb demo
 
-test: venv
+# The system packages the suite needs (.ci/apt-packages): installed when run as root, else
+# `make test` stops with the command to run. SKIP_SYSTEM_DEPS=1 runs anyway (their tests skip,
+# listed at the end; under CI=true a skip fails).
+system-deps:
+	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then .ci/system-deps; fi
+
+test: system-deps venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -28,8 +28,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
+from elastic_emb.testing.ports import free_port
 
 CONFIGS = {
     "default": {},

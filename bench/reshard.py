@@ -43,8 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from procs import free_port  # noqa: E402  (the tests' helper, as bench/resize.py uses it)
+from elastic_emb.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("rebuild", "live", "snapshot", "durable", "dcp")

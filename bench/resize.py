@@ -1,7 +1,7 @@
 """Fault-to-first-step of an elastic resize: the elastic_emb backend against stock c10d, same run.
 
 One sequence per backend and run, with real torchrun agents on loopback (one gloo worker per
-node, tests/rdzv_worker.py, 50 ms steps), elastic_emb with
+node, tests/helpers/rdzv_worker.py, 50 ms steps), elastic_emb with
 ``keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1``, stock c10d with
 ``keep_alive_max_attempt=3`` (with 2 it split-brains on this machine: torch's keep-alive timer
 lets a live node's heartbeat age to ~2 intervals, a joiner declares it dead and forms a world of
@@ -21,7 +21,7 @@ sequence ends there. For the elastic_emb backend each fault is split at the agen
 ``rendezvous_round`` event: agent side (fault to new round) and worker side (round to first
 step: torchrun starting Python, importing torch, agreeing, gloo init).
 
-    .venv/bin/python bench/resize.py --runs 3 --out out/resize.json
+    .venv/bin/python -m bench.resize --runs 3 --out out/resize.json
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ import tempfile
 import time
 from datetime import datetime
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+if not __package__:
+    sys.exit("bench/resize.py imports tests.helpers: run it from the repository root as `python -m bench.resize`")
 
-from procs import free_port  # noqa: E402
-from rdzv_agents import FAST_CONF, events, first_commit_at, kill_all, start_agent, wait_for  # noqa: E402
+from elastic_emb.testing.ports import free_port  # noqa: E402
+from tests.helpers.agents import FAST_CONF, events, first_commit_at, kill_all, start_agent, wait_for  # noqa: E402
 
 SCENARIOS = ("scale_up", "scale_down_sigterm", "scale_down_sigkill")
 

@@ -24,12 +24,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from elastic_emb.testing.ports import free_port
 
 ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH
 
@@ -40,12 +41,6 @@ class EtcdUnavailable(RuntimeError):
 
 def etcd_binary() -> str | None:
     return os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill") -> list[str]:
@@ -98,8 +93,8 @@ class EtcdServer:
         self.host = host
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
-        self.client_port = _free_port(host)
-        self.peer_port = _free_port(host)
+        self.client_port = free_port()  # reserved until the process ends: etcd binds it with SO_REUSEADDR
+        self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.data_dir / "etcd.log"
         self.started_in: float | None = None

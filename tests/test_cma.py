@@ -17,10 +17,11 @@ import os
 import pytest
 import torch
 
-from procs import REPO, free_port, run_ranks, torchrun_env
+from elastic_emb.testing.ports import free_port
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
 from elastic_emb import cma
 
-CODE = "import cma_worker; cma_worker.main()"
+CODE = "from tests.helpers import cma_worker; cma_worker.main()"
 
 # name -> (world size of the new world, its owners (ELASTIC_EMB_EP_SIZE), old shards, holders)
 CASES = {
@@ -39,7 +40,7 @@ def _run(tmp_path, case: str, transport: str | None = None, sabotage: list | Non
     port = free_port()
     spec = {"old": old, "holders": {str(k): v for k, v in holders.items()}, "sabotage": sabotage}
     extra = {"ELASTIC_EMB_EP_SIZE": str(ep), "CMAW_SPEC": json.dumps(spec),
-             "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])}
+             "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     if transport:
         extra["ELASTIC_EMB_TRANSPORT"] = transport
     results = run_ranks(CODE, [torchrun_env(r, world, port, extra=extra) for r in range(world)], timeout=90)

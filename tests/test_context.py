@@ -15,9 +15,10 @@ import os
 
 import pytest
 
-from procs import REPO, free_port, run_ranks, torchrun_env
+from elastic_emb.testing.ports import free_port
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
 
-WORKER = os.path.join(REPO, "tests", "context_worker.py")
+WORKER = os.path.join(REPO, "tests", "helpers", "context_worker.py")
 
 # (tag, world size, ep size, load the checkpoint of, re-construct at world size)
 RUNS = [

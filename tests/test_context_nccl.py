@@ -21,7 +21,8 @@ import os
 import pytest
 import torch
 
-from procs import REPO, free_port, run_ranks, torchrun_env
+from elastic_emb.testing.ports import free_port
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -30,7 +31,7 @@ pytestmark = [
                                         f"(torch {torch.__version__}, cuda available: {torch.cuda.is_available()})"),
 ]
 
-WORKER = os.path.join(REPO, "tests", "context_worker.py")
+WORKER = os.path.join(REPO, "tests", "helpers", "context_worker.py")
 RUNS = [("n2", 2, 2, None, 1), ("n1", 1, 1, "n2", None)]
 CHECKS = ["sgd_matches_reference", "large_batches", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
           "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import deploy_rules as R
-from etcd_fixture import etcd_server  # noqa: F401  (the fixture, for the etcd-v2 drain)
-from procs import free_port
+from elastic_emb.testing.ports import free_port
+from tests.helpers import deploy_rules as R
+from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture, for the etcd-v2 drain)
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SHARED_SCHEMAS = R.REPO.parent / "shared" / "schemas"

@@ -38,9 +38,10 @@ import os
 import pytest
 import torch
 
-from procs import REPO, free_port, run_ranks, torchrun_env
-from ep8_worker import node_of
-from test_lifecycle import TABLES, assert_bit_exact, gather, ref_after
+from elastic_emb.testing.ports import free_port
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
+from tests.helpers.ep8_worker import node_of
+from tests.test_lifecycle import TABLES, assert_bit_exact, gather, ref_after
 
 pytestmark = pytest.mark.timeout(170)
 
@@ -79,9 +80,9 @@ def run_scenario(tmp_path, phases: list[list[str]], hows: list[str]) -> tuple[di
             "how": hows, "ports": ports, "config": {"replication": 1}}
     env = torchrun_env(0, 1, ports[0], extra={
         "EP8_SPEC": json.dumps(spec), "ELASTIC_EMB_TRANSPORT": "p2p",
-        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
     })
-    [r] = run_ranks("import ep8_worker; ep8_worker.hub()", [env], timeout=160)
+    [r] = run_ranks("from tests.helpers import ep8_worker; ep8_worker.hub()", [env], timeout=160)
     logs = {p.name: p.read_text()[-3000:] for p in sorted(out.glob("log-*.txt"))}
     assert r.returncode == 0, f"hub rc={r.returncode}\n{r.stderr[-3000:]}\n{logs}"
     status = r.value["status"]

@@ -15,8 +15,8 @@ import os
 import pytest
 
 from elastic_emb.etcd_server import EtcdServer, command, health
-from etcd_fixture import etcd_server  # noqa: F401  (the fixture)
-from etcd_fixture import require_etcd
+from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
+from tests.helpers.etcd_fixture import require_etcd
 
 
 def test_fixture_serves_the_v2_api_and_comes_back_after_a_kill(etcd_server):

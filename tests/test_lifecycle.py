@@ -18,8 +18,9 @@ import shutil
 import pytest
 import torch
 
-from procs import REPO, free_port, run_ranks, torchrun_env
-import lifecycle_worker as lw
+from elastic_emb.testing.ports import free_port
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
+from tests.helpers import lifecycle_worker as lw
 
 TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]
 
@@ -46,7 +47,7 @@ def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None
         **base,
         "ELASTIC_EMB_NODE_ID": node,
         "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
-        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
         "LCW_SPEC": json.dumps(spec),
         **(extra or {}),
     })

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from procs import free_port
-from rdzv_agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+from elastic_emb.testing.ports import free_port
+from tests.helpers.agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
 
 WAIT = 60.0  # generous: a busy 2-core machine takes seconds per torchrun start
 
@@ -84,7 +84,7 @@ def _check_membership_restart(tmp: str, gen: int, ws: int) -> None:
     ready = _ready(tmp, gen)
     assert len(ready) == ws and sorted(r["rank"] for r in ready) == list(range(ws))
     # Every row of the table came back, bit-exact (each worker checked its restored shard
-    # against the closed form, and the shards tile the table).
+    # against a step-by-step replay of every step, and the shards tile the table).
     assert all(r["rows_ok"] for r in ready), ready
     spans = sorted(tuple(r["rows"]) for r in ready if r["rows"][1] > r["rows"][0])
     assert spans[0][0] == 0 and spans[-1][1] == 64 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans

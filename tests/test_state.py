@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from procs import free_port
+from elastic_emb.testing.ports import free_port
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range

@@ -27,7 +27,7 @@ from elastic_emb.watch import (
     Watcher,
     decode_state,
 )
-from procs import free_port
+from elastic_emb.testing.ports import free_port
 
 
 def _state(round_: int, participants: dict, wait=(), complete=True) -> _RendezvousState:

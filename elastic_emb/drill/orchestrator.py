@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from elastic_emb.drill import procs
 from elastic_emb.drill.network import Network, pick_network
 from elastic_emb.drill.replay import EXAMPLE, LossDetected, verify
 from elastic_emb.drill.scenario import Fault, Scenario
+from elastic_emb.testing.ports import free_port
 import structlog
 
 from elastic_emb.events import configure_logging
@@ -119,12 +119,6 @@ class EventReader:
         return new
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class DrillResult:
     scenario: Scenario
@@ -185,11 +179,11 @@ class Drill:
         """The rendezvous endpoint and the rdzv-conf keys that say who hosts its store."""
         host = self.network.store_addr
         if self.scenario.store == "drill":
-            port = free_port("127.0.0.1")
+            port = free_port()
             self.store_proc = self.network.spawn_store(self.python, port, self.out / "logs" / "store.log")
             return host, port, {"is_host": "false"}
         if self.scenario.store == "agent":
-            return self.network.node_addr(0), free_port("127.0.0.1"), {}
+            return self.network.node_addr(0), free_port(), {}
         from elastic_emb.etcd_server import EtcdServer, EtcdUnavailable
 
         # etcd listens on loopback only (EtcdServer refuses other hosts), so etcd drills run on

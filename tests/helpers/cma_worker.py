@@ -1,6 +1,6 @@
 """A worker process for test_cma.py: one rank of a real gloo world that restores live rows.
 
-Run as ``python -c "import cma_worker; cma_worker.main()"`` with the rank's torchrun environment
+Run as ``python -c "from tests.helpers import cma_worker; cma_worker.main()"`` with the rank's torchrun environment
 (``ELASTIC_EMB_EP_SIZE`` sets the new layout's owners) and ``CMAW_SPEC`` (JSON):
 
 * ``old``: ranks of the old layout; old shard i holds rows ``owned_range(n, old, i)`` of every table;

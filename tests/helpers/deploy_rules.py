@@ -38,7 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("pytorchjob", "indexed-job", "pytorchjob-etcd", "indexed-job-etcd")
 # Kubernetes versions the templates support: Indexed Jobs with the batch.kubernetes.io/job-name

@@ -5,10 +5,11 @@ Started in the test's temp dir with :class:`elastic_emb.etcd_server.EtcdServer` 
 be gone. When etcd is not installed the test is skipped with that reason, except in CI (``CI``
 set), where .ci/run installs etcd-server and its absence is a failure.
 
-(Named etcd_fixture.py, not etcd.py: tests/ is on sys.path, and a tests/etcd.py would shadow
-python-etcd's ``etcd`` package, which torch's etcd-v2 rendezvous imports.)
+(Named etcd_fixture.py, not etcd.py: a worker run as a script from tests/helpers/ has that
+directory on its path, where an etcd.py would shadow python-etcd's ``etcd`` package, which
+torch's etcd-v2 rendezvous imports.)
 
-Use: ``from etcd_fixture import etcd_server  # noqa: F401`` in a test module.
+Use: ``from tests.helpers.etcd_fixture import etcd_server  # noqa: F401`` in a test module.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A worker process for the lifecycle and state tests: one rank of a real gloo world.
 
-Run as ``python -c "import lifecycle_worker; lifecycle_worker.main()"`` with the rank's torchrun
+Run as ``python -c "from tests.helpers import lifecycle_worker; lifecycle_worker.main()"`` with the rank's torchrun
 environment plus ``LCW_SPEC`` (JSON, see :func:`main`). It starts a :class:`Lifecycle`, trains
 with integer-valued data, commits every step, optionally goes through a membership change, and
 dumps its shard after every phase (``<out>/<phase>-g<generation>-r<rank>.pt``) for the test to
@@ -257,7 +257,7 @@ def main() -> None:
     print(json.dumps(result), flush=True)
 
 
-CODE = "import lifecycle_worker; lifecycle_worker.main()"
+CODE = "from tests.helpers import lifecycle_worker; lifecycle_worker.main()"
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ two phases:
 Phase k trains up to step ``until[k]`` (committing every step); every rank dumps its shard
 right after a start/resize (``resized-g<k>-r<rank>.pt``) and after training (``trained-g<k>``)
 for the test to compare bit for bit with a single-process reference. Run it as
-``python -c "import ep8_worker; ep8_worker.hub()"`` with ``EP8_SPEC`` (JSON) in the
+``python -c "from tests.helpers import ep8_worker; ep8_worker.hub()"`` with ``EP8_SPEC`` (JSON) in the
 environment; the last stdout line is JSON: exit status per process id.
 """
 
@@ -44,7 +44,7 @@ import traceback
 
 import torch
 
-import lifecycle_worker as lw
+from tests.helpers import lifecycle_worker as lw
 from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
 from elastic_emb.topology import Topology
 

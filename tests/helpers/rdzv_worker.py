@@ -13,7 +13,9 @@ acknowledges and idles until the agent's SIGTERM.
 
 ``RDZV_TEST_WORKER=lifecycle`` runs the acceptance worker instead (:func:`main_lifecycle`):
 elastic_emb's Lifecycle over an EmbContext, committing every step, checking at every start that
-the restored rows are bit-exact.
+the restored rows are bit-exact: :func:`expected_rows` replays every step with the optimizer's
+own row update, so it holds for any step count (tests/test_workers.py checks it against a real
+context for rows hit 10 times).
 
 Environment: ``RDZV_TEST_LOG_DIR`` (where the per-rank logs go), ``RDZV_TEST_MODE`` (``busy``:
 step continuously; ``idle``: one step per generation, then sleep), ``RDZV_TEST_STEP_S`` (sleep
@@ -36,7 +38,7 @@ from elastic_emb.store import generation_store, worker_store
 from elastic_emb.topology import Topology, agree
 from elastic_emb.watch import Watcher
 
-LOG_DIR = os.environ["RDZV_TEST_LOG_DIR"]
+LOG_DIR = os.environ.get("RDZV_TEST_LOG_DIR", "")  # required by main() and main_lifecycle()
 MODE = os.environ.get("RDZV_TEST_MODE", "busy")
 STEP_S = float(os.environ.get("RDZV_TEST_STEP_S", "0.05"))
 MAX_STEPS = int(os.environ.get("RDZV_TEST_MAX_STEPS", "100000"))
@@ -129,36 +131,66 @@ def main() -> int:
 
 # -- the acceptance worker: elastic_emb's Lifecycle and EmbContext --------------------------------
 
-TABLE_ROWS, TABLE_DIM = 64, 4
+TABLE_ROWS, TABLE_DIM, SEED = 64, 4, 0
+
+
+def table_spec():
+    from elastic_emb.protocol import TableSpec
+
+    return TableSpec(name="t", num_rows=TABLE_ROWS, dim=TABLE_DIM)
+
+
+def optimizer_spec():
+    from elastic_emb.protocol import OptimizerSpec
+
+    return OptimizerSpec(kind="sgd", lr=1.0)
+
+
+def step_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and gradients ``rank`` sends at ``step``: rank 0 sends -1 for row ``step % 64``."""
+    ids = torch.tensor([step % TABLE_ROWS] if rank == 0 else [], dtype=torch.int64)
+    return ids, -torch.ones(len(ids), TABLE_DIM)
+
+
+def train_step(ctx, step: int, rank: int) -> None:
+    """One step of the worker (collective: every rank calls it)."""
+    ids, grads = step_batch(step, rank)
+    ctx.apply_gradients("t", ids, grads)
 
 
 def expected_rows(lo: int, hi: int, last_step: int) -> torch.Tensor:
-    """The table after steps 0..last_step: step s added 1.0 to row s % TABLE_ROWS (exact in fp32)."""
+    """Rows ``[lo, hi)`` of the table after steps 0..last_step, replayed step by step.
+
+    Each step's batch (rank 0's; the others send none) goes through the optimizer's own update
+    as the owner applies it: duplicates summed into a zero buffer, then one fp32 ``index_add_``
+    per step. Adding 1.0 once per hit rounds after every addition, which a closed form
+    (``init + hits``) does not: on random fp32 rows the two differ from 4 hits of a row on.
+    """
     from elastic_emb.context import init_rows
-    from elastic_emb.protocol import TableSpec
+    from elastic_emb.optim import dense_reference_step
     from elastic_emb.sharding import RowRange
 
-    spec = TableSpec(name="t", num_rows=TABLE_ROWS, dim=TABLE_DIM)
-    rows = init_rows(spec, 0, RowRange(lo, hi)).clone()
-    for r in range(lo, hi):
-        hits = 0 if last_step < r else (last_step - r) // TABLE_ROWS + 1
-        rows[r - lo] += float(hits)
+    rows = init_rows(table_spec(), SEED, RowRange(lo, hi)).clone()
+    opt = optimizer_spec()
+    for step in range(last_step + 1):
+        ids, grads = step_batch(step, 0)
+        mine = (ids >= lo) & (ids < hi)
+        if mine.any():
+            dense_reference_step(opt, rows, {}, ids[mine] - lo, grads[mine])
     return rows
 
 
 def main_lifecycle() -> int:
     """Each step: rank 0 sends a gradient of -1 for row ``step % 64`` (SGD, lr 1: +1.0), every
     rank takes part in the collective apply, then the lifecycle commits. At every start the
-    restored rows must equal the closed form for the restored step, bit for bit."""
+    restored rows must equal :func:`expected_rows` for the restored step, bit for bit."""
     import functools
 
     from elastic_emb.context import EmbContext
     from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
-    from elastic_emb.protocol import OptimizerSpec, TableSpec
 
     t_start = time.time()
-    factory = functools.partial(EmbContext, tables=[TableSpec(name="t", num_rows=TABLE_ROWS, dim=TABLE_DIM)],
-                                optimizer=OptimizerSpec(kind="sgd", lr=1.0), seed=0)
+    factory = functools.partial(EmbContext, tables=[table_spec()], optimizer=optimizer_spec(), seed=SEED)
     watcher = Watcher.from_env()
     if watcher is not None:
         watcher.start()
@@ -172,13 +204,12 @@ def main_lifecycle() -> int:
          "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
          "rows": [shard.rows.start, shard.rows.stop]})
     if not rows_ok:
-        raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the closed form")
+        raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the step-by-step replay")
     while lc.next_step <= MAX_STEPS:
         step = lc.next_step
         log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
-        ids = torch.tensor([step % TABLE_ROWS] if topo.rank == 0 else [], dtype=torch.int64)
         try:
-            lc.context.apply_gradients("t", ids, -torch.ones(len(ids), TABLE_DIM))
+            train_step(lc.context, step, topo.rank)
             lc.commit(step)
         except Exception:
             # A peer vanished mid-collective. If the membership changed, the agent is about to
