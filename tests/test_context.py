@@ -319,8 +319,8 @@ def test_one_rank_handle_after_close_behaves_like_any_other():
         pending.wait()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel runs on the GPU machine"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel runs on the GPU machine")])])
 def test_gather_rows_reads_each_row_from_its_source(device):
     # The last step of a lookup: rows received from peers (pos >= 0) and the rank's own rows
     # (pos < 0, from the end of its shard), in one pass on CUDA, torch ops elsewhere.

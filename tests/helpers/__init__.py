@@ -4,8 +4,7 @@
 * ``agents``: real torchrun agents on loopback (``python -m torch.distributed.run``) and their logs;
 * workers run in those processes: ``rdzv_worker`` (the torchrun worker of the rendezvous tests and
   bench/resize.py), ``lifecycle_worker``, ``ep8_worker``, ``context_worker``, ``cma_worker``;
-* ``etcd_fixture`` (a real etcd per test) and ``deploy_rules`` (the deploy/ checks);
-* ``system``: the system packages the suite needs (.ci/apt-packages) and the skip that names them.
+* ``etcd_fixture`` (a real etcd per test) and ``deploy_rules`` (the deploy/ checks).
 
 Ports come from :mod:`elastic_emb.testing.ports`, shared with bench/ and the drills. Child processes
 import these modules with the repository root on ``PYTHONPATH`` (``procs.torchrun_env`` sets it).
