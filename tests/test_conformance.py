@@ -64,20 +64,20 @@ ANY_SIZE_RESET = functools.partial(_mini, AnySizeReset)
 
 @pytest.mark.parametrize("target,ep_size", [("EMB", 2), ("EMB", 1), ("MINI", 2)])
 def test_conformance_passes(target, ep_size):
-    report = conformance.run(f"test_conformance:{target}", world_size=2, ep_size=ep_size, timeout=240)
+    report = conformance.run(f"{__name__}:{target}", world_size=2, ep_size=ep_size, timeout=240)
     assert report.passed == {c: [0, 1] for c in conformance.CHECKS}
 
 
 def test_conformance_fails_for_a_context_lacking_a_required_member():
     with pytest.raises(conformance.ConformanceFailure) as info:
-        conformance.run("test_conformance:NO_HEALTHY", world_size=2, timeout=240)
+        conformance.run(f"{__name__}:NO_HEALTHY", world_size=2, timeout=240)
     assert set(info.value.failures) == {("members", 0), ("members", 1)}
     assert "lacks healthy" in info.value.failures[("members", 0)]
 
 
 def test_conformance_fails_for_a_reset_across_sizes():
     with pytest.raises(conformance.ConformanceFailure) as info:
-        conformance.run("test_conformance:ANY_SIZE_RESET", world_size=2, timeout=240)
+        conformance.run(f"{__name__}:ANY_SIZE_RESET", world_size=2, timeout=240)
     assert set(info.value.failures) == {("reset_refuses", 0), ("reset_refuses", 1)}
     assert "expected WorldSizeChanged" in info.value.failures[("reset_refuses", 0)]
 
