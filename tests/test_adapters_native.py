@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-import adapters_worker as aw
 from elastic_emb.testing import conformance
-from procs import REPO, free_port, run_ranks, torchrun_env
+from elastic_emb.testing.ports import free_port
+from tests.helpers import adapters_worker as aw
+from tests.helpers.procs import REPO, run_ranks, torchrun_env
 
 sys.path.insert(0, os.path.join(REPO, "examples", "native_context"))
 import native_context as nc  # noqa: E402
@@ -108,7 +109,7 @@ def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | No
     return torchrun_env(rank, len(layout), port, generation=gen, run_id="native", extra={
         **{k: str(v) for k, v in over.items()},
         "ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
         "ADW_SPEC": json.dumps(spec)})
 
 
@@ -179,5 +180,5 @@ def test_lifecycle_drives_the_native_context_2_1_2(native, tmp_path):
 
 
 def test_native_context_passes_the_conformance_suite(native):
-    report = conformance.run("test_adapters_native:NATIVE", world_size=2, ep_size=2, timeout=240)
+    report = conformance.run(f"{__name__}:NATIVE", world_size=2, ep_size=2, timeout=240)
     assert report.passed == {c: [0, 1] for c in conformance.CHECKS}

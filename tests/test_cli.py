@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from elastic_emb.console import EXIT_USAGE
+from elastic_emb.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,12 +39,6 @@ def _one_line(r: subprocess.CompletedProcess, *needles: str, code: int = EXIT_US
     return lines[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_bad_yaml_scenario_names_file_line_and_remedy(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nfaults:\n  - kind: join\n    at_step: [1\n")
@@ -59,7 +54,7 @@ def test_invalid_scenario_fields_are_one_line(tmp_path):
 
 @pytest.mark.parametrize("inner", ["c10d", "etcd-v2"])
 def test_rdzv_state_with_nothing_listening(inner):
-    port = _free_port()
+    port = free_port()
     _one_line(_cli("rdzv-state", "--endpoint", f"127.0.0.1:{port}", "--run-id", "x", "--inner", inner),
               f"nothing listens at 127.0.0.1:{port}", "--endpoint")
 
@@ -98,7 +93,7 @@ def test_bad_endpoint_syntax_and_unknown_host():
 
 
 def test_drain_with_an_unreachable_store_prints_one_json_line():
-    port = _free_port()
+    port = free_port()
     r = _cli("drain", "--endpoint", f"127.0.0.1:{port}", "--connect-timeout", "0.5")
     line = _one_line(r, f"127.0.0.1:{port}", "drain_failed")
     import json

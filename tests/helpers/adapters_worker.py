@@ -1,6 +1,6 @@
 """One rank of a real gloo world driving an adapter context through a Lifecycle.
 
-Run as ``python -c "import adapters_worker; adapters_worker.main()"`` with the rank's torchrun
+Run as ``python -c "from tests.helpers import adapters_worker; adapters_worker.main()"`` with the rank's torchrun
 environment plus ``ADW_SPEC`` (JSON):
 
 * ``context``: ``native`` (examples/native_context) or ``torchrec`` (elastic_emb.adapters.torchrec);
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def int_rows(start: int, stop: int, dim: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def main() -> None:
     print(json.dumps(result), flush=True)
 
 
-CODE = "import adapters_worker; adapters_worker.main()"
+CODE = "from tests.helpers import adapters_worker; adapters_worker.main()"
 
 if __name__ == "__main__":
     main()
