@@ -1,7 +1,7 @@
 """The elastic_emb rendezvous backend with real torchrun agents on loopback and real signals.
 
 Each scenario starts stock ``torchrun --rdzv-backend=elastic_emb`` agents (one gloo worker each,
-tests/rdzv_worker.py), changes the membership by starting agents and by SIGTERM / SIGKILL of
+tests/helpers/rdzv_worker.py), changes the membership by starting agents and by SIGTERM / SIGKILL of
 an agent, and checks what the workers did (their per-step logs) and what the agents reported
 (their event files). Timings are printed for the record, never asserted (bench/resize.py
 measures them); the bounds here only keep a hang from passing.

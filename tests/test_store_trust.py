@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_DEAD, KEY_DRAIN, round_prefix
-from procs import free_port
-from rdzv_agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+from elastic_emb.testing.ports import free_port
+from tests.helpers.agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
 
 WAIT = 60.0
 SECRET = "0123456789abcdef0123456789abcdef"

@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 
 from elastic_emb.rdzv import torch_compat as tc
 from elastic_emb.rdzv.decode import RendezvousView, dump_state, load_state, node_id
-from procs import free_port
+from elastic_emb.testing.ports import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
