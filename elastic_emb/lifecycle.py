@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from elastic_emb import config
+from elastic_emb import config, metrics
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
@@ -247,6 +247,7 @@ class Lifecycle:
         report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
                               bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
         log.info("lifecycle.commit", **report.model_dump())
+        metrics.commit(report)
         return report
 
     # -- membership changes ------------------------------------------------------------------
@@ -465,4 +466,5 @@ class Lifecycle:
             committed_before=committed, fallback=report.fallback, transport=report.transport,
         )
         log.info("lifecycle.resize" if kind != "start" else "lifecycle.start", **event.model_dump())
+        metrics.resize(event, self.snapshot)
         return event

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,90 @@ def test_drill_refuses_to_overwrite_a_directory_it_did_not_make(tmp_path):
     with pytest.raises(DrillError, match="not a drill directory"):
         Drill(PRESETS["scale-up"], tmp_path).run()
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+# -- Prometheus metrics, scraped during a real drill ------------------------------------------------
+
+
+class _Scraper:
+    """Scrapes the drill's metrics endpoints every 0.2 s (bounded), keeping each port's last reading."""
+
+    def __init__(self, ports: list[int], seconds: float) -> None:
+        import threading
+
+        self.ports, self.latest, self.stop = ports, {}, threading.Event()
+        self.deadline = time.monotonic() + seconds
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self.stop.is_set() and time.monotonic() < self.deadline:
+            for port in self.ports:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                        text = r.read().decode()
+                except OSError:
+                    continue
+                samples = {}
+                for family in text_string_to_metric_families(text):
+                    for s in family.samples:
+                        samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                self.latest[port] = samples
+            self.stop.wait(0.2)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
+    """scale-up (1 -> 2 nodes) with ELASTIC_EMB_METRICS_PORT: each worker's endpoint, last read
+    before it exited, agrees with the drill's report (world size, generation, restore time, steps
+    lost) and with what it must have done (a commit and 35 dense-row lookups per step)."""
+    from elastic_emb.drill.orchestrator import free_port
+
+    base = free_port()
+    scenario = PRESETS["scale-up"].model_copy(update={"network": "loopback"})
+    # node n: agent base + 2n, worker base + 2n + 1 (nproc_per_node 1)
+    ports = [base + 2 * n + k for n in range(2) for k in range(2)]
+    with _Scraper(ports, seconds=280) as scraper:
+        report = run_drill(scenario, tmp_path / "d", progress="lines", summary=False, metrics_port=base)
+    out = tmp_path / "d"
+    assert report["ok"], _explain(report, out)
+    final = report["segments"][-1]
+    resize = report["resizes"][-1]
+    workers = [scraper.latest[p] for p in (base + 1, base + 3) if p in scraper.latest]
+    assert len(workers) == 2, f"scraped worker ports: {sorted(scraper.latest)} of {ports}"
+    for w in workers:
+        # The last reading is of the final world's worker (each process serves from its start).
+        assert _value(w, "elastic_emb_world_size") == final["world"] == 2
+        assert _value(w, "elastic_emb_generation") == final["generation"]
+        assert _value(w, "elastic_emb_resizes_total", mode="start") == _value(w, "elastic_emb_resizes_total") == 1
+        assert _value(w, "elastic_emb_steps_lost_total") == resize["steps_lost"] == 0
+        for phase in ("teardown", "agreement", "construct", "restore", "transfer", "total"):
+            assert _value(w, "elastic_emb_resize_phase_seconds_count", phase=phase) == 1
+        commits = _value(w, "elastic_emb_commits_total")
+        assert commits >= 1 and _value(w, "elastic_emb_commit_seconds_count") == commits
+        assert _value(w, "elastic_emb_commit_bytes_total", tier="snapshot") > 0
+        assert _value(w, "elastic_emb_commit_bytes_total", tier="replica") > 0  # two nodes: replicas
+        assert final["first_step"] <= _value(w, "elastic_emb_step") <= final["last_step"]
+        dense = _value(w, "elastic_emb_lookups_total", table="dense")
+        assert 35 * commits <= dense <= 35 * (commits + 1)  # 35 dense rows looked up per step
+    # Rank 0's restore time is the one the report shows (rounded there to ms).
+    rank0 = next(w for w in workers if _value(w, "elastic_emb_rank") == 0)
+    assert abs(_value(rank0, "elastic_emb_resize_phase_seconds_sum", phase="restore") -
+               resize["phases"]["restore"]) <= 0.0006

@@ -87,10 +87,11 @@ class _Progress:
 
 
 def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE, console=None,
-              progress: str = "auto", summary: bool = True) -> dict:
+              progress: str = "auto", summary: bool = True, metrics_port: int | None = None) -> dict:
     """Run ``scenario``, write the report into ``out``, print the summary; return the report dict.
 
-    ``report["ok"]`` is the verdict (for a scenario with ``expect_failure``, the drill *should*
+    ``metrics_port``: serve Prometheus metrics from every agent and worker (see
+    :class:`~elastic_emb.drill.orchestrator.Drill`). ``report["ok"]`` is the verdict (for a scenario with ``expect_failure``, the drill *should*
     end with ``ok`` False and a loss named in ``report["verification"]``).
     """
     from rich.console import Console
@@ -103,7 +104,7 @@ def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMP
         if not console.is_terminal:
             console.width = max(console.width, 110)  # a log file has no screen edge to fit
     with _Progress(scenario, console, progress) as bar:
-        result = Drill(scenario, out, script=script, on_progress=bar).run()
+        result = Drill(scenario, out, script=script, on_progress=bar, metrics_port=metrics_port).run()
     report = write_report(result)
     if summary:
         print_summary(report, console)

@@ -140,8 +140,12 @@ class Drill:
     """Run one scenario end to end. ``Drill(scenario, out).run()`` returns a :class:`DrillResult`."""
 
     def __init__(self, scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE,
-                 on_progress: Callable[[dict], None] | None = None, python: str = sys.executable) -> None:
+                 on_progress: Callable[[dict], None] | None = None, python: str = sys.executable,
+                 metrics_port: int | None = None) -> None:
         self.scenario = scenario
+        # Prometheus endpoints (elastic_emb.metrics): node n's agent serves metrics_port + n *
+        # (nproc_per_node + 1), its workers the ports after it; on 127.0.0.1 only.
+        self.metrics_port = metrics_port
         self.out = Path(out).resolve()
         self.script = Path(script).resolve()
         self.on_progress = on_progress or (lambda status: None)
@@ -245,6 +249,9 @@ class Drill:
             ELASTIC_EMB_BACKEND=self.scenario.backend, ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
+        if self.metrics_port is not None:
+            env.update(ELASTIC_EMB_METRICS_PORT=str(self.metrics_port + number * (self.scenario.nproc_per_node + 1)),
+                       ELASTIC_EMB_METRICS_ADDR="127.0.0.1")
         env.update(self.network.node_env(number))
         if self.scenario.backend == "nccl":
             env.update(self._gpu_env(number))

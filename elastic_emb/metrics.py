@@ -1,0 +1,250 @@
+"""Prometheus metrics: an opt-in ``/metrics`` endpoint on each worker and on each agent.
+
+Off by default. ``ELASTIC_EMB_METRICS_PORT=P`` turns it on (with the ``[metrics]`` extra,
+``prometheus-client``, installed): the torchrun agent (its elastic_emb rendezvous backend)
+serves ``http://ADDR:P/metrics``, and the worker of local rank ``r`` serves port ``P + 1 + r``;
+``ELASTIC_EMB_METRICS_ADDR`` is the address (default ``0.0.0.0``, every interface of the pod).
+Operators scrape them like any Kubernetes training job; the templates under ``deploy/`` carry
+the scrape annotations.
+
+The lifecycle and the rendezvous backend call one function per event (:func:`resize`,
+:func:`commit`, :func:`rendezvous_round`, :func:`store_outage`; the training loop may add
+:func:`lookups`). Each first asks :func:`_registry` for the process's registry, which is None
+when metrics are off, so a disabled call costs one global read. The endpoint starts with the
+first event of the process; a port that cannot be bound is logged once and the process trains on
+without metrics (metrics must never stop training).
+
+Worker metrics (``role="worker"`` label via the target, one process each):
+
+``elastic_emb_resizes_total{mode,source}``       the worker's lifecycle entering a world: ``start``
+                                                  (a fresh process, which is how torchrun applies
+                                                  every resize), ``rebuild`` (new size in the same
+                                                  process) or ``reset`` (same size); ``source``: the
+                                                  restore's tiers (``none`` when nothing was restored)
+``elastic_emb_resize_phase_seconds{phase}``       histogram: teardown, agreement, construct, restore,
+                                                  transfer, total
+``elastic_emb_steps_lost_total``                  committed steps the new world has to redo
+``elastic_emb_commits_total``, ``elastic_emb_commit_seconds`` (histogram),
+``elastic_emb_commit_bytes_total{tier}``          snapshot, replica, durable
+``elastic_emb_lookups_total{table}``              ids looked up (``rate()`` gives lookups per second)
+``elastic_emb_world_size``, ``elastic_emb_generation``, ``elastic_emb_rank``, ``elastic_emb_step``
+
+Agent metrics (one per torchrun agent):
+
+``elastic_emb_rendezvous_rounds_total{cause,mode}``  ``cause``: start, join, leave, death, restart
+                                                  (same members: a worker failed); ``mode``: rebuild
+                                                  (world size changed) or reset (same size)
+``elastic_emb_rendezvous_seconds``                 histogram: time in ``next_rendezvous``
+``elastic_emb_store_outages_total``, ``elastic_emb_store_outage_seconds`` (histogram)
+``elastic_emb_world_size``, ``elastic_emb_generation``   the agent's view: members and round
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+PORT_ENV = "ELASTIC_EMB_METRICS_PORT"
+ADDR_ENV = "ELASTIC_EMB_METRICS_ADDR"
+
+PHASES = ("teardown", "agreement", "construct", "restore", "transfer", "total")
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"checked": False, "registry": None, "metrics": None, "port": None, "role": None}
+
+
+def port_for(role: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The port this process serves on, or None when metrics are off (or the setting is invalid)."""
+    from elastic_emb.config import load
+    from elastic_emb.errors import ConfigError
+
+    env = os.environ if env is None else env
+    try:
+        base = load(env, "metrics_port").metrics_port
+    except ConfigError as exc:
+        _warn("metrics_disabled", reason=str(exc))
+        return None
+    if base is None:
+        return None
+    try:
+        offset = 0 if role == "agent" else 1 + int(env.get("LOCAL_RANK") or 0)
+    except ValueError:
+        _warn("metrics_disabled", reason=f"LOCAL_RANK={env.get('LOCAL_RANK')!r} is not an integer")
+        return None
+    if not 0 < base + offset < 65536:
+        _warn("metrics_disabled", reason=f"{PORT_ENV}={base} gives port {base + offset}, outside 1..65535")
+        return None
+    return base + offset
+
+
+def _warn(event: str, **fields: Any) -> None:
+    from elastic_emb.events import get_logger
+
+    get_logger("elastic_emb.metrics").warning(event, **fields)
+
+
+def _registry(role: str):
+    """The process's metrics (created, and the endpoint started, on the first call), or None."""
+    if _state["checked"]:
+        return _state["metrics"]
+    with _lock:
+        if _state["checked"]:
+            return _state["metrics"]
+        _state["checked"] = True
+        port = port_for(role)
+        if port is None:
+            return None
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            _warn("metrics_disabled", reason=f"{PORT_ENV} is set but prometheus-client is not installed: "
+                                             f"pip install 'elastic-emb[metrics]'")
+            return None
+        registry = prom.CollectorRegistry()
+        prom.ProcessCollector(registry=registry)
+        metrics = _make(prom, registry, role)
+        from elastic_emb.config import load
+
+        addr = load(None, "metrics_addr").metrics_addr
+        try:
+            prom.start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            _warn("metrics_disabled", reason=f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
+                                             f"set {PORT_ENV} to a free port", role=role)
+            return None
+        _state.update(registry=registry, metrics=metrics, port=port, role=role)
+        from elastic_emb.events import get_logger
+
+        get_logger("elastic_emb.metrics").info("metrics_serving", addr=addr, port=port, role=role)
+        return metrics
+
+
+def _make(prom, registry, role: str) -> dict[str, Any]:
+    r = {"registry": registry}
+    m: dict[str, Any] = {
+        "world_size": prom.Gauge("elastic_emb_world_size", "Ranks (worker) or member nodes (agent) of the current world.",
+                                 **r),
+        "generation": prom.Gauge("elastic_emb_generation", "Rendezvous round of the current world.", **r),
+    }
+    if role == "agent":
+        m.update(
+            rounds=prom.Counter("elastic_emb_rendezvous_rounds", "Rendezvous rounds completed by this agent.",
+                                ["cause", "mode"], **r),
+            rdzv_seconds=prom.Histogram("elastic_emb_rendezvous_seconds", "Seconds in next_rendezvous.",
+                                        buckets=_PHASE_BUCKETS, **r),
+            outages=prom.Counter("elastic_emb_store_outages", "Rendezvous store outages survived.", **r),
+            outage_seconds=prom.Histogram("elastic_emb_store_outage_seconds", "Length of each store outage.",
+                                          buckets=_PHASE_BUCKETS, **r),
+        )
+    else:
+        m.update(
+            resizes=prom.Counter("elastic_emb_resizes", "Worlds this worker's lifecycle entered.", ["mode", "source"], **r),
+            phases=prom.Histogram("elastic_emb_resize_phase_seconds", "Duration of each resize phase.", ["phase"],
+                                  buckets=_PHASE_BUCKETS, **r),
+            steps_lost=prom.Counter("elastic_emb_steps_lost", "Committed steps a new world had to redo.", **r),
+            commits=prom.Counter("elastic_emb_commits", "Commits written.", **r),
+            commit_seconds=prom.Histogram("elastic_emb_commit_seconds", "Commit latency.", buckets=_COMMIT_BUCKETS, **r),
+            commit_bytes=prom.Counter("elastic_emb_commit_bytes", "Bytes written by commits, per tier.", ["tier"], **r),
+            lookups=prom.Counter("elastic_emb_lookups", "Ids looked up, per table.", ["table"], **r),
+            rank=prom.Gauge("elastic_emb_rank", "This worker's global rank.", **r),
+            step=prom.Gauge("elastic_emb_step", "Last committed step.", **r),
+        )
+    return m
+
+
+# -- worker events -----------------------------------------------------------------------------
+
+
+def resize(event: Any, snapshot: Any = None) -> None:
+    """The lifecycle entered a world (``event``: a :class:`~elastic_emb.lifecycle.ResizeEvent`).
+
+    Steps lost: the newest commit in this node's snapshot directory (``snapshot``, the
+    lifecycle's :class:`~elastic_emb.state.SnapshotTier`) minus the step the world restored."""
+    m = _registry("worker")
+    if m is None:
+        return
+    steps_lost = 0
+    if snapshot is not None:
+        try:
+            newest = max((man.step for _, man in snapshot.manifests()), default=-1)
+            steps_lost = max(0, newest - event.restored_step)
+        except Exception as exc:  # noqa: BLE001 - a metric must not stop training; reported
+            _warn("metrics_steps_lost_unknown", error=repr(exc)[:300])
+    m["resizes"].labels(mode=event.kind, source="+".join(sorted(event.source_tiers)) or "none").inc()
+    for phase in PHASES:
+        m["phases"].labels(phase=phase).observe(float(getattr(event, f"{phase}_s")))
+    if steps_lost > 0:
+        m["steps_lost"].inc(steps_lost)
+    m["world_size"].set(event.new_world_size)
+    m["generation"].set(event.new_generation)
+    m["rank"].set(event.rank)
+    m["step"].set(event.restored_step)
+
+
+def commit(report: Any) -> None:
+    """A commit was written (``report``: a :class:`~elastic_emb.lifecycle.CommitReport`)."""
+    m = _registry("worker")
+    if m is None:
+        return
+    m["commits"].inc()
+    m["commit_seconds"].observe(report.seconds)
+    for tier, n in (("snapshot", report.bytes_snapshot), ("replica", report.bytes_replicated),
+                    ("durable", report.bytes_durable)):
+        if n:
+            m["commit_bytes"].labels(tier=tier).inc(n)
+    m["step"].set(report.step)
+
+
+def lookups(table: str, count: int) -> None:
+    """``count`` ids of ``table`` were looked up."""
+    m = _registry("worker")
+    if m is not None:
+        m["lookups"].labels(table=table).inc(count)
+
+
+# -- agent events ------------------------------------------------------------------------------
+
+
+def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int | None, joins: list, departures: list,
+                     deaths: list, seconds: float) -> None:
+    """The agent's rendezvous completed round ``round_``; the cause is read from who came and went."""
+    m = _registry("agent")
+    if m is None:
+        return
+    if previous_world_size is None:
+        cause = "start"
+    elif deaths:
+        cause = "death"
+    elif departures:
+        cause = "leave"
+    elif joins:
+        cause = "join"
+    else:
+        cause = "restart"
+    mode = "reset" if previous_world_size == world_size else "rebuild"
+    m["rounds"].labels(cause=cause, mode=mode).inc()
+    m["rdzv_seconds"].observe(seconds)
+    m["world_size"].set(world_size)
+    m["generation"].set(round_)
+
+
+def store_outage(seconds: float) -> None:
+    """The rendezvous store came back after ``seconds`` unreachable."""
+    m = _registry("agent")
+    if m is not None:
+        m["outages"].inc()
+        m["outage_seconds"].observe(seconds)
+
+
+def serving() -> tuple[str, int] | None:
+    """(role, port) of this process's endpoint, or None."""
+    return (_state["role"], _state["port"]) if _state["metrics"] is not None else None
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state.update(checked=False, registry=None, metrics=None, port=None, role=None)
