@@ -30,13 +30,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from elastic_emb.errors import EtcdUnavailable  # noqa: F401 - also importable from here
 from elastic_emb.testing.ports import free_port
 
 ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH
-
-
-class EtcdUnavailable(RuntimeError):
-    """The etcd binary is not installed."""
 
 
 def etcd_binary() -> str | None:

@@ -44,16 +44,13 @@ from elastic_emb.drill.scenario import Fault, Scenario
 from elastic_emb.testing.ports import free_port
 import structlog
 
+from elastic_emb.errors import DrillError
 from elastic_emb.events import configure_logging
 
 # A lazy proxy (not get_logger(), which binds now): it follows a later configure_logging(), so
 # the CLI can turn the drill's info events down after this module was imported.
 configure_logging()
 log = structlog.get_logger("elastic_emb.drill")
-
-
-class DrillError(RuntimeError):
-    """The drill could not run to the end (timeout, agents failed); the message says which and why."""
 
 
 @dataclass

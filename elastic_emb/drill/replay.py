@@ -29,16 +29,8 @@ from types import ModuleType
 
 import torch
 
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import LossDetected
 from elastic_emb.examples import RECSYS as EXAMPLE  # inside the package: a wheel has it too
-
-
-class LossDetected(ElasticEmbError, AssertionError):
-    """The distributed tables differ from the reference replay. ``findings`` names rows and steps."""
-
-    def __init__(self, message: str, findings: list[dict]) -> None:
-        super().__init__(message)
-        self.findings = findings
 
 
 def load_script(path: Path | str = EXAMPLE) -> ModuleType:
