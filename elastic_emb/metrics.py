@@ -32,11 +32,14 @@ Worker metrics (``role="worker"`` label via the target, one process each):
 Agent metrics (one per torchrun agent):
 
 ``elastic_emb_rendezvous_rounds_total{cause,mode}``  ``cause``: start, join, leave, death, restart
-                                                  (same members: a worker failed); ``mode``: rebuild
-                                                  (world size changed) or reset (same size)
+                                                  (same members: a worker failed); ``mode``: start,
+                                                  rebuild (world size changed) or reset (same size)
 ``elastic_emb_rendezvous_seconds``                 histogram: time in ``next_rendezvous``
-``elastic_emb_store_outages_total``, ``elastic_emb_store_outage_seconds`` (histogram)
 ``elastic_emb_world_size``, ``elastic_emb_generation``   the agent's view: members and round
+
+Both: ``elastic_emb_store_outages_total``, ``elastic_emb_store_outage_seconds`` (histogram): store
+outages the agent's backend or the worker's watcher survived. The role is the process's: a
+process torchrun started (``LOCAL_RANK`` set) is a worker.
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ def _warn(event: str, **fields: Any) -> None:
     get_logger("elastic_emb.metrics").warning(event, **fields)
 
 
-def _registry(role: str):
+def _role() -> str:
+    """``worker`` in a process torchrun started (it sets LOCAL_RANK), else ``agent``."""
+    return "worker" if os.environ.get("LOCAL_RANK") is not None else "agent"
+
+
+def _registry():
     """The process's metrics (created, and the endpoint started, on the first call), or None."""
     if _state["checked"]:
         return _state["metrics"]
@@ -95,6 +103,7 @@ def _registry(role: str):
         if _state["checked"]:
             return _state["metrics"]
         _state["checked"] = True
+        role = _role()
         port = port_for(role)
         if port is None:
             return None
@@ -129,6 +138,10 @@ def _make(prom, registry, role: str) -> dict[str, Any]:
         "world_size": prom.Gauge("elastic_emb_world_size", "Ranks (worker) or member nodes (agent) of the current world.",
                                  **r),
         "generation": prom.Gauge("elastic_emb_generation", "Rendezvous round of the current world.", **r),
+        # the agent's backend and a worker's watcher both survive store outages
+        "outages": prom.Counter("elastic_emb_store_outages", "Rendezvous store outages survived.", **r),
+        "outage_seconds": prom.Histogram("elastic_emb_store_outage_seconds", "Length of each store outage.",
+                                         buckets=_PHASE_BUCKETS, **r),
     }
     if role == "agent":
         m.update(
@@ -136,9 +149,6 @@ def _make(prom, registry, role: str) -> dict[str, Any]:
                                 ["cause", "mode"], **r),
             rdzv_seconds=prom.Histogram("elastic_emb_rendezvous_seconds", "Seconds in next_rendezvous.",
                                         buckets=_PHASE_BUCKETS, **r),
-            outages=prom.Counter("elastic_emb_store_outages", "Rendezvous store outages survived.", **r),
-            outage_seconds=prom.Histogram("elastic_emb_store_outage_seconds", "Length of each store outage.",
-                                          buckets=_PHASE_BUCKETS, **r),
         )
     else:
         m.update(
@@ -159,12 +169,17 @@ def _make(prom, registry, role: str) -> dict[str, Any]:
 # -- worker events -----------------------------------------------------------------------------
 
 
+def _of(role: str) -> dict[str, Any] | None:
+    m = _registry()
+    return m if m is not None and _state["role"] == role else None
+
+
 def resize(event: Any, snapshot: Any = None) -> None:
     """The lifecycle entered a world (``event``: a :class:`~elastic_emb.lifecycle.ResizeEvent`).
 
     Steps lost: the newest commit in this node's snapshot directory (``snapshot``, the
     lifecycle's :class:`~elastic_emb.state.SnapshotTier`) minus the step the world restored."""
-    m = _registry("worker")
+    m = _of("worker")
     if m is None:
         return
     steps_lost = 0
@@ -187,7 +202,7 @@ def resize(event: Any, snapshot: Any = None) -> None:
 
 def commit(report: Any) -> None:
     """A commit was written (``report``: a :class:`~elastic_emb.lifecycle.CommitReport`)."""
-    m = _registry("worker")
+    m = _of("worker")
     if m is None:
         return
     m["commits"].inc()
@@ -201,7 +216,7 @@ def commit(report: Any) -> None:
 
 def lookups(table: str, count: int) -> None:
     """``count`` ids of ``table`` were looked up."""
-    m = _registry("worker")
+    m = _of("worker")
     if m is not None:
         m["lookups"].labels(table=table).inc(count)
 
@@ -212,7 +227,7 @@ def lookups(table: str, count: int) -> None:
 def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int | None, joins: list, departures: list,
                      deaths: list, seconds: float) -> None:
     """The agent's rendezvous completed round ``round_``; the cause is read from who came and went."""
-    m = _registry("agent")
+    m = _of("agent")
     if m is None:
         return
     if previous_world_size is None:
@@ -225,7 +240,7 @@ def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int |
         cause = "join"
     else:
         cause = "restart"
-    mode = "reset" if previous_world_size == world_size else "rebuild"
+    mode = "start" if previous_world_size is None else "reset" if previous_world_size == world_size else "rebuild"
     m["rounds"].labels(cause=cause, mode=mode).inc()
     m["rdzv_seconds"].observe(seconds)
     m["world_size"].set(world_size)
@@ -234,7 +249,7 @@ def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int |
 
 def store_outage(seconds: float) -> None:
     """The rendezvous store came back after ``seconds`` unreachable."""
-    m = _registry("agent")
+    m = _registry()
     if m is not None:
         m["outages"].inc()
         m["outage_seconds"].observe(seconds)

@@ -150,3 +150,28 @@ def test_example_path_is_the_packaged_script():
     r = _cli("example-path")
     path = Path(r.stdout.strip())
     assert r.returncode == 0 and path.is_file() and path.parent.name == "examples" and path.parent.parent.name == "elastic_emb"
+
+
+def test_rdzv_conf_refuses_unknown_keys_listing_the_valid_ones():
+    from elastic_emb.rdzv.conf import ListenerConfig
+
+    with pytest.raises(ValueError) as err:
+        ListenerConfig.from_params({"inner": "c10d", "join_timeout": "30", "timeout": 900, "bogus_key": "1"})
+    msg = str(err.value)
+    assert "bogus_key=1" in msg and "unknown key" in msg and "\n" not in msg
+    for valid in ("drain_timeout", "store_outage_timeout", "inner", "join_timeout", "keep_alive_interval", "is_host"):
+        assert valid in msg
+    # Every key the project's own templates and drills pass is accepted.
+    ListenerConfig.from_params({"inner": "c10d", "join_timeout": "900", "last_call_timeout": "10", "close_timeout": "5",
+                                "keep_alive_interval": "2", "keep_alive_max_attempt": "5", "drain_timeout": "60",
+                                "read_timeout": "60", "is_host": "true", "timeout": 900})
+
+
+def test_torchrun_with_a_typo_in_rdzv_conf_names_it(tmp_path):
+    """The real launcher: the agent refuses to start, and its error names the key."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+                        "--rdzv-backend=elastic_emb", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                        "--rdzv-conf=is_host=1,bogus_key=1", "-m", "elastic_emb.examples.recsys", "--help"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "--rdzv-conf bogus_key=1: unknown key" in r.stderr and "drain_timeout" in r.stderr, r.stderr[-3000:]

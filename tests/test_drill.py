@@ -480,6 +480,16 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
         assert final["first_step"] <= _value(w, "elastic_emb_step") <= final["last_step"]
         dense = _value(w, "elastic_emb_lookups_total", table="dense")
         assert 35 * commits <= dense <= 35 * (commits + 1)  # 35 dense rows looked up per step
+    # The agents' backends: node0 started the job and saw node1 join; node1's first round is that join.
+    agents = [scraper.latest.get(base), scraper.latest.get(base + 2)]
+    assert all(a is not None for a in agents), f"scraped agent ports: {sorted(scraper.latest)}"
+    assert _value(agents[0], "elastic_emb_rendezvous_rounds_total", cause="start") == 1
+    assert _value(agents[0], "elastic_emb_rendezvous_rounds_total", cause="join", mode="rebuild") == 1
+    assert _value(agents[1], "elastic_emb_rendezvous_rounds_total") == 1
+    for a in agents:
+        assert _value(a, "elastic_emb_world_size") == final["world"]  # one worker per node
+        assert _value(a, "elastic_emb_generation") == final["generation"]
+        assert _value(a, "elastic_emb_store_outages_total") == 0
     # Rank 0's restore time is the one the report shows (rounded there to ms).
     rank0 = next(w for w in workers if _value(w, "elastic_emb_rank") == 0)
     assert abs(_value(rank0, "elastic_emb_resize_phase_seconds_sum", phase="restore") -

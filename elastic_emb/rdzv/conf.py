@@ -39,6 +39,28 @@ register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_
                ETCD_STATE_KEY, requires="python-etcd")
 
 
+# The --rdzv-conf keys torch's dynamic rendezvous and its c10d/etcd-v2 backends read (torch 2.11-2.14:
+# dynamic_rendezvous.create_handler, c10d_rendezvous_backend.create_backend,
+# etcd_rendezvous_backend.create_backend), plus `timeout`, which torchrun's launcher always adds.
+TORCH_CONF_KEYS = frozenset({
+    "timeout", "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+    "keep_alive_max_attempt", "is_host", "read_timeout", "store_type", "protocol", "ssl_cert", "ssl_cert_key",
+    "ca_cert",
+})
+
+
+def check_conf_keys(config: Mapping[str, Any]) -> None:
+    """Refuse a ``--rdzv-conf`` key neither elastic_emb nor torch reads (a typo would otherwise be
+    ignored in silence), naming it and listing the valid keys."""
+    ours = set(ListenerConfig.model_fields)
+    unknown = sorted(set(config) - ours - TORCH_CONF_KEYS)
+    if unknown:
+        given = ", ".join(f"{k}={config[k]}" for k in unknown)
+        raise ValueError(f"--rdzv-conf {given}: unknown key{'s' if len(unknown) > 1 else ''} for "
+                         f"--rdzv-backend=elastic_emb; valid keys: {', '.join(sorted(ours))} (elastic_emb) and "
+                         f"{', '.join(sorted(TORCH_CONF_KEYS))} (torch)")
+
+
 class ListenerConfig(BaseModel):
     """elastic_emb's own --rdzv-conf keys (torch's keys pass through to the inner backend)."""
 
@@ -61,6 +83,7 @@ class ListenerConfig(BaseModel):
 
     @classmethod
     def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
+        check_conf_keys(config)
         values: dict[str, Any] = {}
         for key in cls.model_fields:
             if key in config and config[key] is not None:

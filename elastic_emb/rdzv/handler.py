@@ -74,6 +74,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from elastic_emb import metrics
 from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
@@ -246,6 +247,9 @@ class ElasticEmbRendezvousHandler:
             deaths=deaths,
             duration_s=round(time.monotonic() - start, 3),
         )
+        metrics.rendezvous_round(round_=state.round, world_size=len(members), joins=joins, deaths=deaths,
+                                 previous_world_size=None if previous_round is None else len(previous),
+                                 departures=[n for n in gone if n not in deaths], seconds=time.monotonic() - start)
         return info
 
     def num_nodes_waiting(self) -> int:

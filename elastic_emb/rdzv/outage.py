@@ -30,6 +30,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from elastic_emb import metrics
 from elastic_emb.errors import StoreOutageError
 
 
@@ -130,6 +131,7 @@ class OutageTracker:
             self._down_since = self._down_wall = None
             self._exceeded = False
         self.log.info("store_reachable", op=op, outage_s=round(outage, 3), **self.fields)
+        metrics.store_outage(outage)
         return outage
 
 
