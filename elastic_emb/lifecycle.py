@@ -412,6 +412,12 @@ class Lifecycle:
 
     # -- teardown ----------------------------------------------------------------------------
 
+    def __enter__(self) -> "Lifecycle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.wait_durable()
         self._close_comm()
@@ -424,12 +430,6 @@ class Lifecycle:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_pg = False
-
-    def __enter__(self) -> "Lifecycle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- helpers -----------------------------------------------------------------------------
 
