@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv bench clean lint system-deps
+.PHONY: demo test venv bench clean lint image-check system-deps
 
 venv: $(VENV)/.installed
 
@@ -30,3 +30,8 @@ test: system-deps venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Build the CPU image with buildah from local stand-ins (debootstrap base, local torch wheel, uv from
+# PyPI) and run the demo in it as uid 10001 on a read-only root (root; ~5 min; not part of `test`).
+image-check:
+	bash scripts/image-check.sh

@@ -113,6 +113,8 @@ def _registry():
             _warn("metrics_disabled", reason=f"{PORT_ENV} is set but prometheus-client is not installed: "
                                              f"pip install 'elastic-emb[metrics]'")
             return None
+        if hasattr(prom, "disable_created_metrics"):
+            prom.disable_created_metrics()  # no *_created series: half the text, nothing a dashboard reads
         registry = prom.CollectorRegistry()
         prom.ProcessCollector(registry=registry)
         metrics = _make(prom, registry, role)
