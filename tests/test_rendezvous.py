@@ -236,7 +236,14 @@ def test_etcd_v2_inner_backend_scale_down(cluster):
 
 def test_watcher_alone_under_stock_c10d(cluster):
     """No elastic_emb backend: stock c10d agents, the watcher told only the endpoint. It still
-    sees the join and the departure, and the SIGKILLed agent's orphan stops itself."""
+    sees the join and the departure, and the SIGKILLed agent's orphan stops itself.
+
+    The join is in the state only from the joiner's wait-list entry to the stock agent's restart
+    (0.1 to ~1 s: its monitor interval and 1 s state cache); the worker's watcher polls every 0.1 s
+    and the worker logs at step starts, so a stall of a few hundred ms used to lose it (joins ==
+    []). The worker now takes one last look at SIGTERM, which torch sends before it touches the
+    state (tests/helpers/rdzv_worker.py: look_once_more_on_sigterm), so the join is always seen.
+    """
     tmp, agents = cluster
     port = free_port()
     kw = dict(backend="c10d", conf="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",

@@ -9,7 +9,8 @@ lost step shows up as a gap or a repeat in the logs.
 
 With the elastic_emb watcher (``ELASTIC_EMB_RDZV_ENDPOINT`` set) the worker drains: after each
 commit it asks ``drain_requested(step)``, and once the agreed last step is committed it
-acknowledges and idles until the agent's SIGTERM.
+acknowledges and idles until the agent's SIGTERM. Under a stock torchrun agent the watcher takes
+one last look at the rendezvous state at SIGTERM (:func:`look_once_more_on_sigterm`).
 
 ``RDZV_TEST_WORKER=lifecycle`` runs the acceptance worker instead (:func:`main_lifecycle`):
 elastic_emb's Lifecycle over an EmbContext, committing every step, checking at every start that
@@ -34,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_emb.rdzv.keys import ENV_AGENT_PID
 from elastic_emb.store import generation_store, worker_store
 from elastic_emb.topology import Topology, agree
 from elastic_emb.watch import Watcher
@@ -56,6 +58,31 @@ def log_watch_events(watcher, gen: int, rank: int) -> None:
         for e in watcher.events():
             log({"ev": "membership", "gen": gen, "rank": rank, "kind": e.kind, "nodes": list(e.nodes),
                  "state_round": e.state_round, "watch_round": e.round, "watch_node": watcher.node})
+
+
+def look_once_more_on_sigterm(watcher, gen: int, rank: int) -> None:
+    """Under a stock torchrun agent: at SIGTERM, record what the rendezvous state says, then die.
+
+    Stock torchrun restarts the workers when it sees a node in the wait list, and it stops them
+    *before* it re-rendezvouses (``LocalElasticAgent._restart_workers``: ``_stop_workers``, then
+    ``_rendezvous``), so the state that made it stop us is still in the store when SIGTERM
+    arrives. Without this last look, a join is seen only if the watcher's 0.1 s poll catches the
+    wait list and the main loop logs it before the SIGTERM, which comes 0.1 to ~1 s after the
+    joiner entered the wait list (the agent's 1 s state cache): a race that a stall loses. The
+    look is bounded (2 s; torch waits 30 s before SIGKILL). The elastic_emb backend needs none:
+    it drains first, and its SIGTERM timings are what bench/resize.py measures.
+    """
+
+    def on_sigterm(signum, frame):
+        try:
+            watcher.membership_change_pending(timeout=2.0)
+            log_watch_events(watcher, gen, rank)
+            log({"ev": "sigterm", "gen": gen, "rank": rank})
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def last_committed() -> int:
@@ -86,6 +113,8 @@ def main() -> int:
     watcher = Watcher.from_env()
     if watcher is not None:
         watcher.start()
+        if ENV_AGENT_PID not in os.environ:  # set by the elastic_emb backend only: this agent is stock torchrun
+            look_once_more_on_sigterm(watcher, topo.generation, topo.rank)
     t = torch.tensor([last_committed()], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step = int(t.item()) + 1
@@ -239,6 +268,7 @@ if __name__ == "__main__":
     # The agent's SIGTERM ends the generation: every step is already committed, so let the
     # kernel's default action end the process at once. A Python-level handler would run only
     # when the main thread returns to the interpreter: blocked in a store wait of a commit whose
-    # peer is gone, that is up to the wait's timeout, and the restart waits for it.
+    # peer is gone, that is up to the wait's timeout, and the restart waits for it. (The plain
+    # worker under a stock agent, which makes no such waits, takes one bounded last look.)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.exit(main_lifecycle() if os.environ.get("RDZV_TEST_WORKER") == "lifecycle" else main())
