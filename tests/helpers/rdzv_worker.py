@@ -196,7 +196,7 @@ def expected_rows(lo: int, hi: int, last_step: int) -> torch.Tensor:
     (``init + hits``) does not: on random fp32 rows the two differ from 4 hits of a row on.
     """
     from elastic_emb.context import init_rows
-    from elastic_emb.optim import dense_reference_step
+    from elastic_emb.context.optim import dense_reference_step
     from elastic_emb.sharding import RowRange
 
     rows = init_rows(table_spec(), SEED, RowRange(lo, hi)).clone()
