@@ -221,7 +221,7 @@ def test_rank_of_another_generation_is_rejected_on_every_rank():
     # turn a late start into a connection error (under torchrun the agent ends them anyway).
     out = _agree(envs, timeout=8.0, linger=3.0)
     assert all(not o["ok"] and o["error"] == "TopologyDisagreement" for o in out), out
-    assert all(o["elapsed"] < 8.0 for o in out), out
+    assert all(o["elapsed"] < 8.0 for o in out), out  # refused at once (< 1 s idle), not at the 8 s timeout
     assert any("stale generation 4" in o["message"] for o in out)
 
 
@@ -234,7 +234,9 @@ def test_missing_rank_times_out_naming_it_within_the_timeout():
     for o in out:
         assert not o["ok"] and o["error"] == "AgreementTimeout", o
         assert o["missing"] == [2] and "missing ranks [2]" in o["message"]
-        assert o["elapsed"] <= 3.5, o
+        # Gives up at its 3 s timeout, not at a store's default (300 s): the margin, 1.5 s (50%),
+        # is for a process waiting for one of 2 loaded cores after its deadline passed.
+        assert o["elapsed"] <= 3.0 + 1.5, o
 
 
 def test_generations_use_disjoint_keys_on_one_store():
