@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     watch_interval: float = _setting(0.1, "the watcher's polling interval, seconds", "agent", gt=0, le=60)
     store_outage_timeout: float = _setting(30.0, "how long an unreachable store counts as an outage, not a loss, "
                                            "seconds", "agent", gt=0, le=3600)
+    resize: Literal["restart", "in_process"] = _setting(
+        "restart", "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "
+        "(the survivors re-form in the running processes)", "agent")
     # -- tests and drills ------------------------------------------------------------------------
     fault: str | None = _setting(None, "crash at a named fault point, `<name>[@<step>]` (tests and drills only)",
                                  "tests", pattern=r"^[A-Za-z0-9_.-]+(@\d+)?$")

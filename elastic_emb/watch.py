@@ -103,6 +103,7 @@ class RendezvousReader:
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"{ENV_RDZV_ENDPOINT}={endpoint!r} must be HOST:PORT")
+        self.endpoint = endpoint
         if backend == "c10d":
             import torch.distributed as dist
 
@@ -120,6 +121,20 @@ class RendezvousReader:
             self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
         else:
             raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d or etcd-v2")
+
+    def world_store(self, timeout: float):
+        """A separate client of the rendezvous store with a longer timeout: the store of the
+        generations the survivors form in process (``resize.py``), whose process groups wait on it."""
+        host, _, port = self.endpoint.rpartition(":")
+        if self._client is None:
+            import torch.distributed as dist
+
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
+        import etcd
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
+        return EtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
 
     def raw_state(self) -> bytes | None:
         if self._client is None:
@@ -334,6 +349,22 @@ class Watcher:
             if self._thread is None:
                 self._poll()
             time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
+
+    def adopt(self, nodes: tuple[str, ...], rank: int, world_size: int) -> None:
+        """The workers re-formed in process (``resize.py``): ``nodes`` are the members now, and
+        the departures seen so far are settled (a later one is reported afresh)."""
+        with self._lock:
+            self._members = tuple(nodes)
+            self._reported = {k for k in self._reported if k[0] not in ("departure", "round_advanced")}
+            self._events = [e for e in self._events if e.kind not in ("departure", "round_advanced")]
+        self.rank, self.world_size = rank, world_size
+
+    def gone(self) -> tuple[str, ...]:
+        """Members of this worker's generation absent from the last state read (none if unread)."""
+        view = self.last_state
+        if view is None or self.round is None:
+            return ()
+        return tuple(n for n in self._members if n not in view.nodes)
 
     @property
     def stop_step(self) -> int | None:

@@ -10,7 +10,7 @@ itself on import; the handler imports the factory only when an agent selects it)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -73,6 +73,7 @@ class ListenerConfig(BaseModel):
     sync_interval: float = Field(default=0.1, gt=0.0, le=1.0)
     watch_interval: float = Field(default=0.1, gt=0.0, le=10.0)
     store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
+    resize: Literal["restart", "in_process"] = "restart"
 
     @field_validator("inner")
     @classmethod

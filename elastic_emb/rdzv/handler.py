@@ -89,12 +89,14 @@ from elastic_emb.rdzv.keys import (
     ENV_NODE_ID,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
+    ENV_RESIZE,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
     KEY_ACKS,
     KEY_DEAD,
     KEY_DRAIN,
     KEY_EVICTED,
+    KEY_FALLBACK,
     KEY_LEFT,
     KEY_STOP_STEP,
     KEY_WORLD_SIZE,
@@ -140,6 +142,7 @@ class ElasticEmbRendezvousHandler:
         self._signer = Signer.from_env()
         self._expected_next: frozenset[str] | None = None
         self._changed_reported = False
+        self._fallback_reported = False
         self._drain_started: float | None = None
         self._drain_done = False
         self._lock = threading.Lock()
@@ -230,6 +233,7 @@ class ElasticEmbRendezvousHandler:
             self._round = state.round
             self._round_store = GuardedStore(self._tc.agent_store(self._inner), self._guard)
             self._changed_reported = False
+            self._fallback_reported = False
             self._drain_started = None
             self._drain_done = False
             self._known_dead.clear()  # the dead are no members now; a rejoining node starts clean
@@ -260,6 +264,11 @@ class ElasticEmbRendezvousHandler:
             self._evict_reported_dead()
             view = RendezvousView.of(self._tc.current_state(self._inner))
             changed = self._membership_change(view)
+            if self._config.resize == "in_process":
+                if self._fallback_requested():
+                    return max(waiting, 1)
+                if changed is not None and self._workers_reform(changed):
+                    changed = None
             if changed is not None:
                 if not self._changed_reported:
                     self._changed_reported = True
@@ -275,6 +284,29 @@ class ElasticEmbRendezvousHandler:
                 # stopped) stepping for it: finish the drain and restart them all the same.
                 return self._drain_gate(1, view)
             return 0
+
+    def _workers_reform(self, changed: dict) -> bool:
+        """In ``resize=in_process`` mode, whether the running workers handle this change themselves
+        (the survivors re-form in their processes, ``elastic_emb/resize.py``): yes for nodes gone
+        (left or dead). A restarting peer or a round that moved on is torch's: restart mode. The
+        survivors become the members this agent compares the next states with."""
+        if changed["reason"] != "participant_gone" or changed["restarting"]:
+            return False
+        self._log.info("membership_changed", round=self._round, mode="in_process",
+                       **{k: v for k, v in changed.items() if k != "expected"})
+        self._members = tuple(changed["participants"])
+        return True
+
+    def _fallback_requested(self) -> bool:
+        """A worker's in-process re-form failed and it asked for a restart (signed, per round)."""
+        key = round_prefix(self._run_id, self._round) + KEY_FALLBACK
+        fallback = read_signed(self._round_store, self._signer, key, self._log)
+        if fallback is None:
+            return False
+        if not self._fallback_reported:
+            self._fallback_reported = True
+            self._log.warning("resize_fallback", round=self._round, mode="restart", reason=fallback.decode()[:300])
+        return True
 
     # -- heartbeats -----------------------------------------------------------------------
 
@@ -460,6 +492,7 @@ class ElasticEmbRendezvousHandler:
                 ENV_DRAIN: "1" if self._config.drain else "0",
                 ENV_WATCH_INTERVAL: str(self._config.watch_interval),
                 ENV_STORE_OUTAGE_TIMEOUT: str(self._config.store_outage_timeout),
+                ENV_RESIZE: self._config.resize,
             }
         )
 

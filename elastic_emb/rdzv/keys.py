@@ -41,6 +41,7 @@ ENV_AGENT_PID = "ELASTIC_EMB_AGENT_PID"
 ENV_DRAIN = "ELASTIC_EMB_DRAIN"
 ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
 ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
+ENV_RESIZE = "ELASTIC_EMB_RESIZE"  # restart | in_process (--rdzv-conf resize=)
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -61,6 +62,16 @@ KEY_STOP_STEP = "stop_step"  # the agreed last step
 KEY_DEAD = "dead"  # counter of death reports; + "/" + node id: one report [control]
 KEY_LEFT = "left/"  # + node id: the node left on purpose (reason) [control]
 KEY_EVICTED = "evicted/"  # + node id: an agent removed that node from the state [control]
+KEY_FALLBACK = "inproc_fallback"  # workers -> agents: an in-process re-form failed, restart us [control]
+
+
+def inproc_prefix(run_id: str, generation: int) -> str:
+    """Store key prefix of one in-process re-form (the decision of ``generation``), see ``resize.py``."""
+    return f"elastic_emb/{run_id}/inproc/gen{generation}/"
+
+
+KEY_DECISION = "decision"  # the decider -> every worker: the new generation's nodes [control]
+KEY_DECIDER = "decider"  # counter: the first claimer decides
 
 
 def round_prefix(run_id: str, round_: int) -> str:

@@ -223,7 +223,9 @@ def main_lifecycle() -> int:
     watcher = Watcher.from_env()
     if watcher is not None:
         watcher.start()
-    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0), watcher=watcher)
+    # transfer_timeout bounds a commit's store exchange with a peer that died (in-process resize
+    # re-forms when it expires); the table is 1 KiB, so 10 s is ample for every real transfer.
+    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0), watcher=watcher)
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
     want = expected_rows(shard.rows.start, shard.rows.stop, lc.step)
@@ -234,13 +236,41 @@ def main_lifecycle() -> int:
          "rows": [shard.rows.start, shard.rows.stop]})
     if not rows_ok:
         raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the step-by-step replay")
+    from elastic_emb.resize import InProcessResize, ResizeFallback
+
+    resizer = InProcessResize(lc, watcher)
+
+    def reform(failed: bool):
+        # resize=in_process: the survivors re-form in this process; the rows must be bit-exact.
+        try:
+            event = resizer.run(failed=failed)
+        except ResizeFallback:
+            log({"ev": "resize_fallback", "gen": lc.topology.generation, "rank": lc.topology.rank})
+            lc.wait_for_restart(60)
+            sys.exit(3)
+        t = lc.topology
+        got = lc.context.export_shard()["t"]
+        ok = bool(torch.equal(got.weight, expected_rows(got.rows.start, got.rows.stop, lc.step)))
+        log({"ev": "reformed", "gen": t.generation, "rank": t.rank, "ws": t.world_size, "resume": lc.next_step,
+             "rows_ok": ok, "rows": [got.rows.start, got.rows.stop], "failed": failed,
+             "tiers": event.source_tiers, "total_s": event.total_s})
+        if not ok:
+            raise RuntimeError(f"rank {t.rank}: rows after the in-process resize differ from step {lc.step}")
+        return t
+
     while lc.next_step <= MAX_STEPS:
+        if resizer.pending():
+            topo = reform(failed=False)
         step = lc.next_step
         log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
         try:
             train_step(lc.context, step, topo.rank)
             lc.commit(step)
         except Exception:
+            if resizer.enabled:
+                log({"ev": "collective_failed", "gen": topo.generation, "rank": topo.rank, "step": step})
+                topo = reform(failed=True)
+                continue
             # A peer vanished mid-collective. If the membership changed, the agent is about to
             # restart us: wait for its SIGTERM rather than fail (a failure spends restart budget).
             if watcher is not None and watcher.membership_change_pending(timeout=3.0):

@@ -1,0 +1,185 @@
+"""In-process resize: the survivors of a membership change re-form the world inside the running
+workers, under stock torchrun (``--rdzv-backend=elastic_emb --rdzv-conf resize=in_process``).
+
+Why: a restart costs every worker a new Python, a new ``import torch`` (seconds), a new CUDA
+context and new communicators before its first step. The lifecycle already knows how to destroy
+and rebuild its context in a live process (:meth:`Lifecycle.on_membership_change`); this module
+drives it from a real membership change.
+
+Design (what holds today, what is planned: ``docs/RESIZE.md``):
+
+1. **The agents stay out of the way.** In ``resize=in_process`` mode the backend answers
+   ``num_nodes_waiting() == 0`` for a node that left or died (it still evicts the dead from
+   torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
+   workers. Joiners, a restarting peer, or a round that moved on stay in restart mode.
+2. **Detect.** Each worker's :class:`~elastic_emb.watch.Watcher` polls torch's state; a member node
+   of the worker's generation missing from it is a departure (:meth:`InProcessResize.pending`).
+   The worker checks at every step boundary, or at once when a collective failed (a peer died
+   mid-step): :meth:`InProcessResize.run` with ``failed=True`` then waits, bounded by
+   ``detect_timeout``, for the state to show who is gone; if nobody is, the failure was a real
+   one and is re-raised.
+3. **Decide.** One decider, the first surviving node's local rank 0 (the survivors' order is
+   the old generation's order), claims the decision with an atomic counter and publishes the new
+   generation's record under ``rdzv.keys.inproc_prefix(run_id, generation)``: the surviving
+   nodes in their old order (signed when the job has a secret). The others wait for it, bounded
+   by ``decide_timeout``. Rank rule: ``rank = node_index * local_world_size + local_rank``, so the
+   survivors keep their relative order. Generation: the old one plus one.
+4. **Rebuild.** Each worker builds its :class:`Topology` from the record and calls
+   ``lifecycle.on_membership_change(new, store=...)``: agree, close the old context (aborted,
+   since a peer is gone), construct the new one, restore (live rows from the survivors when their
+   context is healthy, the departed ranks' rows from the committed snapshots and replicas). The
+   new generation's store is the rendezvous store itself (a client with a longer timeout, keys
+   under ``elastic_emb/<run_id>/gen<N>``): the old world's store was hosted by the old rank 0,
+   which may be the node that left.
+5. **Fallback.** Any failure of the re-form (no decision in time, the worker not in it, an error
+   while rebuilding) writes the signed ``inproc_fallback`` key of the running round; every agent
+   then restarts its workers as in restart mode (a membership restart, budget untouched), and
+   the ``resize_fallback`` event says why. The worker raises :class:`ResizeFallback`.
+
+Events: ``lifecycle.resize`` (from the lifecycle: teardown, agreement, construct, restore) and
+one ``resize.in_process`` per change with ``mode=in_process``, the phases ``detect_s``,
+``decide_s``, ``rebuild_s``, the nodes gone, the new rank and world size, and this worker's pid
+(unchanged: the point). The truth of a worker's rank and world size after an in-process resize
+is ``lifecycle.topology``; torchrun's ``RANK``/``WORLD_SIZE`` go stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+
+from elastic_emb import config
+from elastic_emb.errors import ElasticEmbError
+from elastic_emb.events import get_logger
+from elastic_emb.rdzv.keys import KEY_DECIDER, KEY_DECISION, KEY_FALLBACK, inproc_prefix, round_prefix
+from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.topology import Topology, largest_power_of_two_at_most
+
+log = get_logger("elastic_emb.resize")
+
+
+class ResizeFallback(ElasticEmbError, RuntimeError):
+    """The in-process re-form failed; the agents were asked to restart the workers instead."""
+
+
+class InProcessResize:
+    """Drives :meth:`Lifecycle.on_membership_change` from the watcher's view (module docstring)."""
+
+    def __init__(self, lifecycle, watcher, *, env: Mapping[str, str] | None = None, detect_timeout: float = 10.0,
+                 decide_timeout: float = 10.0, store_timeout: float = 30.0) -> None:
+        env = os.environ if env is None else env
+        settings = config.load(env, "resize", "membership", "ep_size")
+        self.lc = lifecycle
+        self.watcher = watcher
+        self.enabled = settings.resize == "in_process" and watcher is not None and watcher.node is not None
+        self.detect_timeout = detect_timeout
+        self.decide_timeout = decide_timeout
+        self._fixed_ep = settings.ep_size
+        self._signer = Signer.from_env(env)
+        self._store = None
+        self._store_timeout = store_timeout
+        self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
+        if self.enabled and watcher.node not in self.nodes:
+            raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
+                                  f"launch with --rdzv-backend=elastic_emb")
+
+    def pending(self) -> bool:
+        """Whether a member node of this generation is gone from the rendezvous (check at step boundaries)."""
+        return self.enabled and bool(self._gone())
+
+    def _gone(self) -> tuple[str, ...]:
+        view = self.watcher.last_state
+        if view is None:
+            return ()
+        return tuple(n for n in self.nodes if n not in view.nodes)
+
+    def run(self, *, failed: bool = False):
+        """Re-form the world without the departed nodes; returns the lifecycle's ResizeEvent.
+
+        ``failed``: a collective raised; wait (bounded) for the rendezvous to show a departure,
+        and raise :class:`ElasticEmbError` if none shows (a real failure, not a resize)."""
+        if not self.enabled:
+            raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
+        gone = self._gone()
+        while not gone and time.monotonic() < deadline:
+            time.sleep(min(0.05, self.watcher.interval))
+            gone = self._gone()
+        if not gone:
+            raise ElasticEmbError(f"a collective failed and no node of generation {self.lc.topology.generation} left "
+                                  f"the rendezvous within {self.detect_timeout:g} s: a real failure")
+        t1 = time.perf_counter()
+        old = self.lc.topology
+        try:
+            survivors = tuple(n for n in self.nodes if n not in gone)
+            nodes = self._decide(old.generation + 1, survivors)
+            t2 = time.perf_counter()
+            new = self._topology(old, nodes)
+            event = self.lc.on_membership_change(new, store=self._world_store())
+        except Exception as exc:
+            self._fall_back(exc)
+            raise ResizeFallback(f"in-process resize from generation {old.generation} failed ({type(exc).__name__}: "
+                                 f"{exc}); the agents restart the workers instead") from exc
+        t3 = time.perf_counter()
+        self.nodes = nodes
+        self.watcher.adopt(nodes, new.rank, new.world_size)
+        log.info("resize.in_process", mode="in_process", gone=list(gone), old_generation=old.generation,
+                 new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,
+                 rank=new.rank, pid=os.getpid(), detect_s=round(t1 - t0, 6), decide_s=round(t2 - t1, 6),
+                 rebuild_s=round(t3 - t2, 6), restored_step=event.restored_step)
+        return event
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def _decide(self, generation: int, survivors: tuple[str, ...]) -> tuple[str, ...]:
+        if not survivors:
+            raise ElasticEmbError("no surviving node")
+        store = self.watcher._reader.store
+        prefix = inproc_prefix(self.watcher._reader.run_id, generation)
+        key = prefix + KEY_DECISION
+        me = self.watcher.node
+        if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
+            record = json.dumps({"generation": generation, "nodes": list(survivors)})
+            store.set(key, self._signer.sign(key, record))
+        deadline = time.monotonic() + self.decide_timeout
+        while True:
+            value = read_signed(store, self._signer, key, log)
+            if value is not None:
+                record = json.loads(value)
+                if record.get("generation") != generation or not isinstance(record.get("nodes"), list):
+                    raise ElasticEmbError(f"decision under {key} is malformed: {value[:200]!r}")
+                nodes = tuple(str(n) for n in record["nodes"])
+                if me not in nodes:
+                    raise ElasticEmbError(f"node {me} is not in generation {generation}'s decision {nodes}")
+                return nodes
+            if time.monotonic() >= deadline:
+                raise ElasticEmbError(f"no decision for generation {generation} under {key} within "
+                                      f"{self.decide_timeout:g} s (the decider, node {survivors[0]}, died or is stuck)")
+            time.sleep(0.01)
+
+    def _topology(self, old: Topology, nodes: tuple[str, ...]) -> Topology:
+        lws = old.local_world_size
+        world = len(nodes) * lws
+        ep = self._fixed_ep if self._fixed_ep is not None and self._fixed_ep <= world else largest_power_of_two_at_most(world)
+        node_rank = nodes.index(self.watcher.node)
+        return Topology(**{**old.model_dump(), "generation": old.generation + 1, "world_size": world,
+                           "num_nodes": len(nodes), "node_rank": node_rank, "rank": node_rank * lws + old.local_rank,
+                           "ep_size": ep})
+
+    def _world_store(self):
+        if self._store is None:
+            self._store = self.watcher._reader.world_store(self._store_timeout)
+        return self._store
+
+    def _fall_back(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        log.error("resize_fallback", mode="restart", generation=self.lc.topology.generation, reason=reason)
+        watcher = self.watcher
+        try:
+            key = round_prefix(watcher._reader.run_id, watcher.round) + KEY_FALLBACK
+            watcher._reader.store.set(key, self._signer.sign(key, reason))
+        except Exception as store_exc:  # the agents' heartbeat/failure paths still end this world
+            log.error("resize_fallback_unsent", error=repr(store_exc))

@@ -1,0 +1,75 @@
+"""In-process resize (--rdzv-conf resize=in_process) with real torchrun agents on loopback: the
+survivors re-form in their running processes (pids unchanged), rows bit for bit equal to the
+closed-form replay, torch's restart budget untouched, no new rendezvous round."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from elastic_emb.testing.ports import free_port
+from tests.helpers.agents import FAST_CONF, Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+
+WAIT = 60.0
+CONF = FAST_CONF + ",resize=in_process"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    agents: list[Agent] = []
+    yield str(tmp_path), agents
+    kill_all(agents, str(tmp_path))
+
+
+def _two_nodes(tmp, agents) -> dict:
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    t_b = time.time()
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))  # joins: restart mode (drain)
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
+    ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["t"] > t_b]
+    return {r["agent_pid"]: r for r in ready}
+
+
+def _reformed(tmp, pid, after):
+    return [r for r in worker_records(tmp) if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > after]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
+def test_two_to_one_survivor_reforms_in_process(cluster, sig):
+    tmp, agents = cluster
+    workers = _two_nodes(tmp, agents)
+    a, b = agents
+    survivor = workers[a.pid]
+    time.sleep(0.5)  # a few steps at world size 2
+    t_kill = b.signal(sig)
+    rec = wait_for(lambda: _reformed(tmp, survivor["pid"], t_kill), WAIT, "the survivor to re-form", agents)[0]
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "a step at world size 1", agents)
+    time.sleep(0.5)
+    recs = worker_records(tmp)
+    # the same process, re-formed: no new worker started by any agent after the kill
+    assert rec["ws"] == 1 and rec["rank"] == 0 and rec["rows_ok"] and rec["rows"] == [0, 64], rec
+    assert not [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill], "an agent restarted a worker"
+    after = [r for r in recs if r["ev"] == "commit" and r["t"] > t_kill and r["ws"] == 1]
+    assert after and {r["pid"] for r in after} == {survivor["pid"]}
+    # nothing lost or repeated: the survivor resumed right after the newest step committed by the world of two
+    committed2 = max(r["step"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["pid"] == survivor["pid"])
+    assert rec["resume"] in (committed2 + 1, committed2), (rec, committed2)
+    assert rec["gen"] == survivor["gen"] + 1
+    ev = events(tmp, "a")
+    changed = [e for e in ev if e["event"] == "membership_changed" and e.get("mode") == "in_process"]
+    assert changed, [e["event"] for e in ev]
+    assert not [e for e in ev if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
+    last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2)
+    print(f"\nin-process 2->1 ({sig.name}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
+          f"{t_first - last_before:.2f} s, re-form {rec['total_s']:.3f} s (rebuild), tiers {rec['tiers']}, "
+          f"after a failed collective: {rec['failed']}")
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
