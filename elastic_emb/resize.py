@@ -31,6 +31,10 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    new generation's store is the rendezvous store itself (a client with a longer timeout, keys
    under ``elastic_emb/<run_id>/gen<N>``): the old world's store was hosted by the old rank 0,
    which may be the node that left.
+   After a failed collective the old context is aborted first: the failed step may have
+   changed rows without a commit, so the restore takes the newest commit, never those rows.
+   A survivor blocked in a store wait of a commit (``state.Comm.exchange``) when its peer dies
+   is not interrupted: it re-forms when that wait times out (``transfer_timeout``).
 5. **Fallback.** Any failure of the re-form (no decision in time, the worker not in it, an error
    while rebuilding) writes the signed ``inproc_fallback`` key of the running round; every agent
    then restarts its workers as in restart mode (a membership restart, budget untouched), and
@@ -118,6 +122,10 @@ class InProcessResize:
             nodes = self._decide(old.generation + 1, survivors)
             t2 = time.perf_counter()
             new = self._topology(old, nodes)
+            if failed and self.lc.context is not None and not self.lc.context.closed:
+                # The failed step may have changed this rank's rows without a commit: abort the old
+                # context now, so the rebuild restores the newest commit instead of these rows.
+                self.lc.context.close(abort=True, wait=False)
             event = self.lc.on_membership_change(new, store=self._world_store())
         except Exception as exc:
             self._fall_back(exc)

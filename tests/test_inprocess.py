@@ -38,14 +38,22 @@ def _reformed(tmp, pid, after):
     return [r for r in worker_records(tmp) if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > after]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_two_to_one_survivor_reforms_in_process(cluster, sig):
+@pytest.mark.parametrize("fault", ["sigterm", "sigkill_node"])
+def test_two_to_one_survivor_reforms_in_process(cluster, fault):
+    """SIGTERM of a node's agent (it leaves the rendezvous; its worker dies), or SIGKILL of the
+    whole node (agent and worker at once: no goodbye, no orphan report; its heartbeat expires)."""
+    import os
+
     tmp, agents = cluster
     workers = _two_nodes(tmp, agents)
     a, b = agents
     survivor = workers[a.pid]
     time.sleep(0.5)  # a few steps at world size 2
-    t_kill = b.signal(sig)
+    if fault == "sigterm":
+        t_kill = b.signal(signal.SIGTERM)
+    else:
+        t_kill = b.signal(signal.SIGKILL)
+        os.kill(workers[b.pid]["pid"], signal.SIGKILL)
     rec = wait_for(lambda: _reformed(tmp, survivor["pid"], t_kill), WAIT, "the survivor to re-form", agents)[0]
     t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "a step at world size 1", agents)
     time.sleep(0.5)
@@ -64,7 +72,7 @@ def test_two_to_one_survivor_reforms_in_process(cluster, sig):
     assert changed, [e["event"] for e in ev]
     assert not [e for e in ev if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
     last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2)
-    print(f"\nin-process 2->1 ({sig.name}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
+    print(f"\nin-process 2->1 ({fault}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
           f"{t_first - last_before:.2f} s, re-form {rec['total_s']:.3f} s (rebuild), tiers {rec['tiers']}, "
           f"after a failed collective: {rec['failed']}")
 
