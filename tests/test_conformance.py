@@ -1,7 +1,7 @@
 """The context contract: the conformance suite passes for both context classes of this
 repository and fails for contexts that break it.
 
-``EmbContext`` (the library's) and ``MiniContext`` (tests/lifecycle_worker.py: plain torch, a
+``EmbContext`` (the library's) and ``MiniContext`` (tests/helpers/lifecycle_worker.py: plain torch, a
 private gloo group) each run :mod:`elastic_emb.testing.conformance` on two real processes. Two
 broken variants of ``MiniContext`` prove the suite can fail: one lacks a required member
 (``healthy``), one lets ``reset`` accept another world size.

@@ -1,6 +1,6 @@
 """EmbContext with real gloo process groups: 4 ranks, 3 ranks with ep_size 2, 2 ranks.
 
-Each configuration runs tests/context_worker.py once per rank (real processes, real TCPStore and
+Each configuration runs tests/helpers/context_worker.py once per rank (real processes, real TCPStore and
 gloo on loopback); the worker checks lookups and gradients against a single-process
 torch.nn.Embedding + optimizer exactly (integer data), invalid ids, every reset rule, close, a
 re-construction at another world size with the rows imported, and DCP checkpoints saved at one

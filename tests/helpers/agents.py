@@ -1,7 +1,7 @@
 """Real torchrun agents on loopback for the rendezvous tests and bench/resize.py.
 
 ``Agent`` starts ``python -m torch.distributed.run`` (stock torchrun) running
-``tests/rdzv_worker.py`` in a process group of its own, so a test can signal exactly one agent,
+``tests/helpers/rdzv_worker.py`` in a process group of its own, so a test can signal exactly one agent,
 and ``kill_all`` in teardown can SIGKILL each agent's whole group (the agent and, since torch
 starts workers in new sessions, the workers tracked by pid) so nothing outlives the test.
 """
@@ -54,7 +54,7 @@ def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb",
     """Start one torchrun agent (one worker per node) as a real subprocess.
 
     ``worker``: ``plain`` (an all_reduce per step) or ``lifecycle`` (elastic_emb's Lifecycle over
-    an EmbContext, rows verified at every start); see tests/rdzv_worker.py."""
+    an EmbContext, rows verified at every start); see tests/helpers/rdzv_worker.py."""
     log_dir = os.path.join(tmp, "workers")
     os.makedirs(log_dir, exist_ok=True)
     rdzv_conf = conf
