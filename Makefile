@@ -23,7 +23,7 @@ demo: venv
 # `make test` stops with the command to run. SKIP_SYSTEM_DEPS=1 runs anyway (their tests skip,
 # listed at the end; under CI=true a skip fails).
 system-deps:
-	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then .ci/system-deps; fi
+	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then PYTHON="$(PYTHON)" .ci/system-deps; fi
 
 test: system-deps venv
 	$(PY) -m pytest $(PYTEST_ARGS)
