@@ -8,8 +8,8 @@ Operators scrape them like any Kubernetes training job; the templates under ``de
 the scrape annotations.
 
 The lifecycle and the rendezvous backend call one function per event (:func:`resize`,
-:func:`commit`, :func:`rendezvous_round`, :func:`store_outage`; the training loop may add
-:func:`lookups`). Each first asks :func:`_registry` for the process's registry, which is None
+:func:`commit`, :func:`rendezvous_round`, :func:`store_outage`, and :func:`lookups` from
+``EmbContext.lookup``; another context may call it too). Each first asks :func:`_registry` for the process's registry, which is None
 when metrics are off, so a disabled call costs one global read. The endpoint starts with the
 first event of the process; a port that cannot be bound is logged once and the process trains on
 without metrics (metrics must never stop training).

@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from elastic_emb import metrics
 from elastic_emb.context.arena import Arena, Rows
 from elastic_emb.context.dedup import Deduper
 from elastic_emb.context.dtensor import MeshCache, load_state_dict, state_dict
@@ -244,6 +245,7 @@ class EmbContext(ContextBase):
         self._materialise()
         what = f"lookup({table!r})"
         spec = self._spec_or_cancel(table, what, 1, self.pipeline_chunks)
+        metrics.lookups(table, ids.numel())  # a no-op unless ELASTIC_EMB_METRICS_PORT is set
         return self._lookups.lookup(spec, ids, what)
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:

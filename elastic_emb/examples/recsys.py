@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_emb import config, metrics
+from elastic_emb import config
 
 GRAD_BITS = 10  # gradient grid 2**-10; |per-sample grad| <= 1, so batch <= 2**13 keeps fp32 sums exact
 DENSE_DIM = 16  # parameters per row of the `dense` table
@@ -198,8 +198,6 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     # Issue the three lookups, then wait: the context may overlap their communication.
     h_dense, h_user, h_item = (ctx.lookup("dense", dense_ids), ctx.lookup("user", users), ctx.lookup("item", items))
     dense, u, i = h_dense.wait(), h_user.wait(), h_item.wait()
-    for table, ids in (("dense", dense_ids), ("user", users), ("item", items)):
-        metrics.lookups(table, len(ids))  # a no-op unless ELASTIC_EMB_METRICS_PORT is set
     if seen is not None:
         seen["lookup_crc"] = lookup_checksum(dense, u, i)
     loss, g_dense, g_u, g_i = sample_gradients(cfg, dense, u, i, labels)
