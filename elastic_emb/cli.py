@@ -51,7 +51,16 @@ def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int
 
     A short plain-socket probe before torch's TCPStore or etcd client is built: those retry for
     their whole timeout and fail with a long stack (TCPStore's carries C++ frames); this fails in
-    ``timeout`` seconds with the endpoint and the remedy named."""
+    ``timeout`` seconds with the endpoint and the remedy named. An etcd-v3 member list
+    (``HOST:PORT,HOST:PORT``) passes when one member accepts."""
+    if "," in endpoint:
+        errors = []
+        for part in (p for p in endpoint.split(",") if p.strip()):
+            try:
+                return probe_endpoint(part, option, timeout)
+            except UserError as exc:
+                errors.append(exc.message)
+        raise UserError("; ".join(errors) or f"{option} {endpoint!r}: write HOST:PORT[,HOST:PORT...]")
     host, sep, port = endpoint.strip().rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -117,7 +126,7 @@ def example_path() -> None:
 @main.command("rdzv-state")
 @click.option("--endpoint", required=True, help="The --rdzv-endpoint, HOST:PORT.")
 @click.option("--run-id", required=True, help="The --rdzv-id.")
-@click.option("--inner", type=click.Choice(["c10d", "etcd-v2"]), default="c10d", help="The rendezvous state backend.")
+@click.option("--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default="c10d", help="The rendezvous state backend.")
 @click.option("--count", type=click.IntRange(1, 100000), default=1, help="Reads to print.")
 @click.option("--interval", type=click.FloatRange(min=0), default=1.0, help="Seconds between reads.")
 @click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
@@ -149,7 +158,7 @@ def _need_etcd_client(what: str) -> None:
               help="Seconds to wait for every worker's acknowledgement (keep below the pod's terminationGracePeriodSeconds).")
 @click.option("--endpoint", default=None, help="Rendezvous HOST:PORT [default: ELASTIC_EMB_RDZV_ENDPOINT, else PET_RDZV_ENDPOINT].")
 @click.option("--run-id", default=None, help="Rendezvous run id [default: TORCHELASTIC_RUN_ID, else PET_RDZV_ID, else none].")
-@click.option("--inner", type=click.Choice(["c10d", "etcd-v2"]), default=None,
+@click.option("--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default=None,
               help="Inner rendezvous backend [default: ELASTIC_EMB_RDZV_BACKEND, else inner= in PET_RDZV_CONF, else c10d].")
 @click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
               help="Seconds to reach the rendezvous store.")

@@ -48,7 +48,7 @@ class DrainTarget(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    inner: Literal["c10d", "etcd-v2"]
+    inner: Literal["c10d", "etcd-v2", "etcd-v3"]
     endpoint: str = Field(min_length=3)
     run_id: str = Field(min_length=1)
 
@@ -69,8 +69,8 @@ class DrainTarget(BaseModel):
             )
         inner = inner or settings.rdzv_backend or _conf_value(env.get("PET_RDZV_CONF", ""), "inner") or "c10d"
         run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("PET_RDZV_ID") or "none"
-        if inner not in ("c10d", "etcd-v2"):
-            raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d or etcd-v2")
+        if inner not in ("c10d", "etcd-v2", "etcd-v3"):
+            raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d, etcd-v2 or etcd-v3")
         return cls(inner=inner, endpoint=endpoint, run_id=run_id)
 
 

@@ -119,8 +119,13 @@ class RendezvousReader:
             self._client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
             self.store = EtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
             self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
+        elif backend == "etcd-v3":
+            from elastic_emb.rdzv.etcd_v3 import open_reader
+
+            self.store, self._v3 = open_reader(endpoint, run_id, timeout)
+            self._client = self._v3
         else:
-            raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d or etcd-v2")
+            raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d, etcd-v2 or etcd-v3")
 
     def world_store(self, timeout: float):
         """A separate client of the rendezvous store with a longer timeout: the store of the
@@ -142,6 +147,8 @@ class RendezvousReader:
                 return None
             raw = self.store.get(self._state_key)
             return None if raw == C10D_NULL_STATE else raw
+        if self.backend == "etcd-v3":
+            return self._v3.raw_state()
         import etcd
 
         try:
@@ -575,4 +582,3 @@ def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float =
         if i + 1 < count:
             time.sleep(follow)
     return 0
-

@@ -2,7 +2,7 @@
 
 With torch's c10d rendezvous the store lives in the first agent; killing that node ends the job.
 With ``--rdzv-backend=elastic_emb --rdzv-conf inner=etcd-v2`` the state lives in etcd (Debian's
-etcd-server on loopback, through elastic_emb.etcd_server: the fixture here, the drill tool's
+etcd-server on loopback, through elastic_emb.testing.etcd: the fixture here, the drill tool's
 store='etcd'), so the issue-7 drill kills node 0, the agent that would have hosted a c10d store,
 and the survivor must finish the run with every embedding row and optimizer slot equal, bit for
 bit, to a single-process replay.
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from elastic_emb.etcd_server import EtcdServer, command, health
+from elastic_emb.testing.etcd import EtcdServer, command, health
 from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
 from tests.helpers.etcd_fixture import require_etcd
 
@@ -51,7 +51,7 @@ def test_etcd_command_is_loopback_only_with_the_v2_api(tmp_path):
 
 
 def test_a_missing_etcd_binary_is_named(tmp_path, monkeypatch):
-    from elastic_emb.etcd_server import EtcdUnavailable
+    from elastic_emb.testing.etcd import EtcdUnavailable
 
     monkeypatch.setenv("ELASTIC_EMB_ETCD", "")
     monkeypatch.setenv("PATH", str(tmp_path))  # no etcd anywhere on PATH
@@ -71,8 +71,8 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
 
     scenario = Scenario(
         name="etcd-node0-loss", description="inner=etcd-v2; node 0 (the would-be c10d store host) dies at world 2.",
-        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", network="loopback", steps=70, step_delay=0.05,
-        faults=(Fault(kind="kill_node", at_step=10, node=0),),
+        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v2", network="loopback", steps=70,
+        step_delay=0.05, faults=(Fault(kind="kill_node", at_step=10, node=0),),
     )
     report = run_drill(scenario, tmp_path / "drill", progress="lines", summary=False)
     assert report["ok"], (report.get("error"), report.get("verification"))
@@ -85,6 +85,70 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     print(f"\ndrill tool, store=etcd: node0 SIGKILLed at world 2, world 1 stepping after {resize['recovery_seconds']} s, "
           f"restored step {resize['restored_step']} from {resize['source_tiers']}; "
           f"{report['verification']['rows_checked']} rows equal the replay")
+
+
+@pytest.mark.timeout(240)
+def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
+    """inner=etcd-v3 through the drill tool: node 1's agent SIGKILLed alone (its orphaned worker
+    reports it through the v3 store: 2 -> 1), a node joins (drained before the scale-up: 1 -> 2),
+    then node 0, the first agent, SIGKILLed with its workers (2 -> 1). Every row equals the
+    single-process replay, bit for bit."""
+    require_etcd()
+    import json
+
+    from elastic_emb.drill import Fault, Scenario, run_drill
+
+    scenario = Scenario(
+        name="etcd-v3-node0-loss", description="inner=etcd-v3: orphan report, join, loss of node 0.",
+        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v3", network="loopback", steps=110,
+        step_delay=0.05,
+        faults=(Fault(kind="kill_agent", at_step=8, node=1), Fault(kind="join", at_step=35),
+                Fault(kind="kill_node", at_step=70, node=0)),
+    )
+    out = tmp_path / "drill"
+    report = run_drill(scenario, out, progress="lines", summary=False)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
+    assert report["ok"], (report.get("error"), report.get("verification"), logs)
+    assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
+    assert report["world_sizes"] == [2, 1, 2, 1], report["world_sizes"]
+    causes = [r["cause"] for r in report["resizes"]]
+    assert causes == ["kill_agent node1", "join node2", "kill_node node0"], causes
+    assert report["orphans_alive_at_end"] == [], report["orphans_alive_at_end"]
+    assert json.loads((out / "scenario.json").read_text())["etcd_api"] == "v3"
+    print(f"\ndrill tool, inner=etcd-v3: world sizes {report['world_sizes']}, recoveries "
+          f"{[r['recovery_seconds'] for r in report['resizes']]} s; {report['verification']['rows_checked']} rows "
+          f"equal the replay")
+
+
+@pytest.mark.timeout(240)
+def test_three_member_etcd_loses_its_leader_mid_join_zero_loss(tmp_path):
+    """The ``store-member-loss`` preset: a 3-member etcd cluster (``inner=etcd-v3``, the endpoint
+    lists all three members), its leader SIGKILLed as a node joins and restarted 5 s later. The
+    two survivors elect a leader and keep serving: the join completes, the job finishes at world
+    2, and every row equals the single-process replay."""
+    require_etcd()
+    import json
+
+    from elastic_emb.drill import PRESETS, run_drill
+
+    scenario = PRESETS["store-member-loss"]
+    assert scenario.etcd_members == 3 and scenario.etcd_api == "v3"
+    out = tmp_path / "drill"
+    report = run_drill(scenario, out, progress="lines", summary=False)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
+    assert report["ok"], (report.get("error"), report.get("verification"), logs)
+    assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
+    assert report["world_sizes"] == [1, 2], report["world_sizes"]
+    kill, join = report["faults"]
+    assert kill["kind"] == "kill_store" and join["kind"] == "join", report["faults"]
+    assert kill["member"] in (0, 1, 2), kill
+    # The store never looked down to the agent: the survivors served every call.
+    agent = [json.loads(line) for line in (out / "logs" / "node0.log").read_text().splitlines()
+             if line.startswith('{"component": "rendezvous"')]
+    kinds = [e["event"] for e in agent]
+    assert "store_outage_exceeded" not in kinds and "rendezvous_failed" not in kinds, kinds
+    print(f"\nstore-member-loss: member {kill['member']} (the leader) SIGKILLed mid-join; world "
+          f"{report['world_sizes']}; {report['verification']['rows_checked']} rows equal the replay")
 
 
 # -- a store outage: ridden out within the bound, a clear error past it ----------------------------

@@ -208,7 +208,7 @@ def test_idle_scale_down_and_drain_timeout(cluster):
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed (Debian package etcd-server)")
 def test_etcd_v2_inner_backend_scale_down(cluster):
     pytest.importorskip("etcd", reason="python-etcd is not installed (test extra)")
-    from elastic_emb.etcd_server import EtcdServer
+    from elastic_emb.testing.etcd import EtcdServer
 
     tmp, agents = cluster
     with EtcdServer(os.path.join(tmp, "etcd")) as server:

@@ -152,7 +152,7 @@ class Drill:
         self.network: Network | None = None
         self.store = None
         self.store_proc: subprocess.Popen | None = None
-        self.etcd = None  # elastic_emb.etcd_server.EtcdServer when store == "etcd"
+        self.etcd = None  # elastic_emb.testing.etcd.EtcdCluster when store == "etcd"
         self.gpus: dict[int, list[int]] = {}  # node -> GPU indices (backend nccl)
         self.orphans_alive: list[int] = []
         self.store_back_at: float | None = None
@@ -185,17 +185,17 @@ class Drill:
             return host, port, {"is_host": "false"}
         if self.scenario.store == "agent":
             return self.network.node_addr(0), free_port(), {}
-        from elastic_emb.etcd_server import EtcdServer, EtcdUnavailable
+        from elastic_emb.testing.etcd import EtcdCluster, EtcdUnavailable
 
         # etcd listens on loopback only (EtcdServer refuses other hosts), so etcd drills run on
         # loopback: pick_network() is told so in run().
-        self.etcd = EtcdServer(self.out / "etcd", host="127.0.0.1", start_timeout=30.0)
+        self.etcd = EtcdCluster(self.out / "etcd", self.scenario.etcd_members, host="127.0.0.1", start_timeout=30.0)
         try:
             self.etcd.start()
         except EtcdUnavailable as exc:
             raise DrillError(f"store='etcd': {exc}") from None
-        host, port = self.etcd.endpoint.rsplit(":", 1)
-        return host, int(port), {"inner": "etcd-v2"}
+        host, port = self.etcd.members[0].endpoint.rsplit(":", 1)
+        return host, int(port), {"inner": f"etcd-{self.scenario.etcd_api}"}
 
     def _agent_cmd(self, number: int) -> list[str]:
         s = self.scenario
@@ -314,7 +314,7 @@ class Drill:
         elif fault.kind == "kill_store":
             if self.etcd is None:
                 raise DrillError("fault kill_store needs store='etcd'")
-            self.etcd.kill()
+            detail["member"] = self.etcd.kill(fault.member)
             self.store_back_at = time.monotonic() + fault.duration
             detail["down_seconds"] = fault.duration
         if fault.kind != "kill_store":
@@ -383,7 +383,7 @@ class Drill:
         try:
             self.network.setup(s.max_nodes + sum(f.kind == "join" for f in s.faults))
             host, port, self.store_conf = self._start_store()
-            self.endpoint = f"{host}:{port}"
+            self.endpoint = self.etcd.endpoint if self.etcd is not None else f"{host}:{port}"
             for n in range(s.initial_nodes):
                 self._start_node(n)
             deadline = time.monotonic() + s.timeout

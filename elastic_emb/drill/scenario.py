@@ -23,7 +23,8 @@ Fault kinds and what they mean on a real cluster:
 ``kill_agent``     SIGKILL to the node's torchrun agent only: its workers live on as orphans
                    (FACTS item 4) and must notice and leave by themselves
 ``crash_worker``   SIGKILL to one training worker: OOM kill, segfault; its agent survives
-``kill_store``     SIGKILL the etcd server holding the rendezvous (``store: etcd``), then start
+``kill_store``     SIGKILL the etcd server holding the rendezvous (``store: etcd``; with
+                   ``etcd_members`` > 1 one member, ``member`` or else the leader), then start
                    it again on the same ports and data after ``duration`` seconds
 ``corrupt``        flip bytes of the newest snapshot of a node: used to prove the drill detects
                    a loss (the drill is then expected to FAIL)
@@ -52,6 +53,7 @@ class Fault(BaseModel):
     at_time: float | None = Field(default=None, ge=0, description="Seconds after the first committed step.")
     node: int | None = Field(default=None, ge=0, description="Target node number; default: the newest live node.")
     duration: float = Field(default=3.0, ge=0, le=120, description="kill_store: seconds the store stays down.")
+    member: int | None = Field(default=None, ge=0, description="kill_store: which etcd member; default: the leader.")
 
     @model_validator(mode="after")
     def _one_trigger(self) -> "Fault":
@@ -60,6 +62,8 @@ class Fault(BaseModel):
                 f"fault {self.kind!r}: give exactly one of at_step or at_time "
                 f"(got at_step={self.at_step!r}, at_time={self.at_time!r})"
             )
+        if self.member is not None and self.kind != "kill_store":
+            raise ValueError(f"fault {self.kind!r}: member names an etcd member, only for kill_store; remove it")
         if self.kind == "join" and self.node is not None:
             raise ValueError("fault 'join': node is chosen by the drill (the next free number); remove 'node'")
         return self
@@ -93,6 +97,9 @@ class Scenario(BaseModel):
         description="Who hosts the rendezvous store: the drill process (a TCPStore), the first agent "
         "(torch's embedded c10d store), or an etcd server the drill starts.",
     )
+    etcd_api: Literal["v3", "v2"] = Field(
+        default="v3", description="store='etcd': the backend's inner rendezvous, etcd-v3 (default) or etcd-v2.")
+    etcd_members: int = Field(default=1, ge=1, le=5, description="store='etcd': members of the local etcd cluster.")
     network: Literal["auto", "loopback", "netns"] = Field(
         default="auto", description="netns: one network namespace per node (needs root); auto: netns when it works."
     )
@@ -117,6 +124,13 @@ class Scenario(BaseModel):
             )
         if self.store == "etcd" and self.rendezvous != "elastic_emb":
             raise ValueError("store='etcd' needs rendezvous='elastic_emb' (it drives etcd through the project's backend)")
+        if self.etcd_members > 1 and (self.store != "etcd" or self.etcd_api != "v3"):
+            raise ValueError(f"etcd_members={self.etcd_members} needs store='etcd' and etcd_api='v3' (torch's etcd-v2 "
+                             f"client talks to one member)")
+        for f in self.faults:
+            if f.member is not None and f.member >= self.etcd_members:
+                raise ValueError(f"fault kill_store: member={f.member}, but the cluster has members "
+                                 f"0..{self.etcd_members - 1}")
         steps = [f.at_step for f in self.faults if f.at_step is not None]
         if steps != sorted(steps):
             raise ValueError(f"step-triggered faults must be in step order, got steps {steps}")
@@ -214,6 +228,13 @@ PRESETS: dict[str, Scenario] = {
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
             initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05,
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
+        ),
+        Scenario(
+            name="store-member-loss",
+            description="A 3-member etcd cluster holds the rendezvous; its leader is SIGKILLed as a node joins "
+                        "and comes back 5 s later.",
+            initial_nodes=1, max_nodes=2, store="etcd", etcd_members=3, steps=100, step_delay=0.05,
+            faults=(Fault(kind="kill_store", at_step=15, duration=5.0), Fault(kind="join", at_step=15)),
         ),
         Scenario(
             name="gpu-2-1-2",

@@ -37,6 +37,7 @@ def register_inner(name: str, factory: str, state_key: str, requires: str = "") 
 register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
 register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
                ETCD_STATE_KEY, requires="python-etcd")
+register_inner("etcd-v3", "elastic_emb.rdzv.etcd_v3:create_backend", ETCD_STATE_KEY)
 
 
 # The --rdzv-conf keys torch's dynamic rendezvous and its c10d/etcd-v2 backends read (torch 2.11-2.14:

@@ -1,6 +1,6 @@
 """pytest fixture ``etcd_server``: a real etcd (Debian's etcd-server) on free loopback ports.
 
-Started in the test's temp dir with :class:`elastic_emb.etcd_server.EtcdServer` (v2 API on, the
+Started in the test's temp dir with :class:`elastic_emb.testing.etcd.EtcdServer` (v2 API on, the
 /health wait bounded by 20 s), stopped at teardown (SIGTERM, SIGKILL after 5 s), and checked to
 be gone. When etcd is not installed the test is skipped with that reason, except in CI (``CI``
 set), where .ci/run installs etcd-server and its absence is a failure.
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic_emb.etcd_server import EtcdServer, etcd_binary
+from elastic_emb.testing.etcd import EtcdServer, etcd_binary
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -1,0 +1,541 @@
+"""``inner=etcd-v3``: torch's dynamic rendezvous kept in etcd through etcd's v3 API.
+
+torch ships rendezvous backends for c10d (the store lives in one agent) and for etcd's v2 API
+(``etcd-v2``, through ``python-etcd`` 0.4.5 of 2017). etcd removed the v2 API in 3.6; 3.5 is the
+last line that still has it. This module keeps the rendezvous in etcd through the v3 API:
+
+- :class:`EtcdV3RendezvousBackend` implements torch's public ``RendezvousBackend``
+  (``get_state`` / ``set_state``) with compare-and-swap on the key's ``mod_revision``;
+- :class:`EtcdV3Store` is the ``torch.distributed.Store`` the dynamic rendezvous hands the agent
+  (per-round ``MASTER_ADDR``/``MASTER_PORT``, the agents' barriers) and elastic_emb's round keys
+  live in (drain requests, acknowledgements, death reports);
+- :func:`create_backend` builds both from torchrun's ``RendezvousParameters``.
+
+**Why the JSON gateway over ``urllib``, not a client library.** Every etcd since 3.4 serves the
+v3 API as JSON over HTTP at ``/v3/...`` (Debian's etcd-server 3.4 and the 3.5/3.6 images alike):
+keys and values are base64 strings, int64 fields are decimal strings. The rendezvous needs five
+calls (range, txn, put, delete, lease grant) and token authentication; with the standard
+library they are a page of code and add no dependency to every training image. The gRPC clients
+on PyPI are either unmaintained (``etcd3``, last release 2020, pinned to old protobuf) or pull
+grpcio and protobuf (tens of MB, version conflicts with other users of protobuf in a training
+image). A plain-HTTP client is also easy to reason about across a member failover: every call is
+one request on a fresh connection, so nothing is left half-open on a dead member.
+
+**Semantics** (those torch's own backends are held to): ``get_state`` is ``None`` when no state
+exists and raises ``RendezvousStateError`` when the stored value is not base64 (the state is
+stored as base64 text, as torch's etcd-v2 backend does, so a worker reads the same bytes from
+either); ``set_state`` with the current token sets the state and returns the new token (the
+write's revision); with a stale, ``None`` (and a state exists) or invalid token it returns the
+current state and token and ``has_set=False`` without writing. The compare and the read of the
+current state are one transaction, so a failed compare returns the state that beat it. The state
+key is attached to a lease of ``ttl`` seconds (default two hours, like etcd-v2's TTL), granted
+afresh every ``ttl/3``, so a finished job's state disappears and its run id can be reused.
+
+**Several members.** ``--rdzv-endpoint`` may list members, ``HOST:PORT,HOST:PORT,...`` (or name
+one Service that balances over them). A call that finds a member unreachable, without a leader
+or timing out moves on to the next one; only when every member failed does it raise
+:class:`EtcdV3ConnectionError` (a ``RendezvousConnectionError`` and a ``ConnectionError``), which
+elastic_emb's outage guard retries up to ``store_outage_timeout``. An ``add`` whose reply is lost
+may have been applied (as with torch's etcd-v2 store); the rendezvous state itself is only ever
+written under compare-and-swap, so a retried ``set_state`` cannot apply twice.
+
+``--rdzv-conf`` keys (:data:`CONF_KEYS`): ``read_timeout`` (seconds per request, default 10),
+``protocol`` (``http``/``https``), ``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` (as etcd-v2's),
+``user`` and ``password_file`` (etcd's token authentication; the password is read from a file,
+e.g. a mounted Kubernetes Secret, never from the command line), ``ttl`` (the state lease, s).
+The agent puts the non-secret options into :data:`ENV_OPTIONS` for its workers' watchers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import random
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+NAME = "etcd-v3"
+STATE_PREFIX = "/torch/elastic/rendezvous/"  # + run id (the same path as torch's etcd-v2 backend)
+STORE_PREFIX = "/torch/elastic/store/"
+DEFAULT_PORT = 2379
+ENV_OPTIONS = "ELASTIC_EMB_ETCD_OPTIONS"  # JSON of ClientOptions minus secrets, agent -> workers
+CONF_KEYS = frozenset({"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password_file",
+                       "ttl"})
+
+# gRPC status codes the gateway returns when a member cannot serve the call (try another one).
+_UNAVAILABLE, _DEADLINE_EXCEEDED, _UNAUTHENTICATED = 14, 4, 16
+_MEMBER_DOWN_MESSAGES = ("no leader", "leader changed", "timed out", "not capable", "too many requests")
+
+
+class EtcdV3ConnectionError(ConnectionError, RendezvousConnectionError):
+    """No etcd member answered the call (all unreachable, without a leader, or timing out)."""
+
+
+class EtcdV3Error(RuntimeError):
+    """etcd answered the call with an error (bad request, permission denied, ...)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ClientOptions(BaseModel):
+    """How to reach etcd: the ``--rdzv-conf`` keys of this backend, validated."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    read_timeout: float = Field(default=10.0, gt=0, le=600)
+    protocol: Literal["http", "https"] = "http"
+    ca_cert: str | None = None
+    ssl_cert: str | None = None
+    ssl_cert_key: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+    ttl: int = Field(default=7200, ge=10, le=30 * 86400)
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> "ClientOptions":
+        values = {k: v for k, v in conf.items() if k in CONF_KEYS and v not in (None, "")}
+        if isinstance(values.get("protocol"), str):
+            values["protocol"] = values["protocol"].strip().lower()
+        try:
+            options = cls(**values)
+        except ValidationError as exc:
+            bad = "; ".join(f"{e['loc'][0]}={values.get(e['loc'][0])!r}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid --rdzv-conf for inner=etcd-v3: {bad}") from None
+        if (options.user is None) != (options.password_file is None):
+            raise ValueError("--rdzv-conf for inner=etcd-v3: give user and password_file together (etcd's token "
+                             f"authentication), got user={options.user!r}, password_file={options.password_file!r}")
+        if options.ssl_cert_key and not options.ssl_cert:
+            raise ValueError(f"--rdzv-conf ssl_cert_key={options.ssl_cert_key!r} needs ssl_cert (the client certificate)")
+        return options
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientOptions":
+        """The agent's options (:data:`ENV_OPTIONS`), else ``PET_RDZV_CONF``'s, else the defaults."""
+        env = os.environ if env is None else env
+        if env.get(ENV_OPTIONS):
+            try:
+                return cls.from_conf(json.loads(env[ENV_OPTIONS]))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{ENV_OPTIONS}={env[ENV_OPTIONS][:200]!r} is not valid: {exc}") from None
+        conf = {}
+        for item in env.get("PET_RDZV_CONF", "").split(","):
+            key, sep, value = item.partition("=")
+            if sep:
+                conf[key.strip()] = value.strip()
+        return cls.from_conf(conf)
+
+    def to_env(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def parse_endpoints(endpoint: str, protocol: str = "http") -> list[str]:
+    """``HOST[:PORT][,HOST[:PORT]...]`` -> base URLs; raises naming the bad part."""
+    urls = []
+    for part in (p.strip() for p in (endpoint or "").split(",")):
+        if not part:
+            continue
+        if part.startswith("["):  # [IPv6]:PORT
+            host, _, port = part.partition("]")
+            host, port = host + "]", port.removeprefix(":") or str(DEFAULT_PORT)
+        else:
+            host, sep, port = part.partition(":")
+            port = port if sep else str(DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint {part!r} (in {endpoint!r}) must be HOST:PORT; separate members with ','")
+        urls.append(f"{protocol}://{host}:{port}")
+    if not urls:
+        raise ValueError(f"etcd endpoint {endpoint!r} names no member: give HOST:PORT[,HOST:PORT...]")
+    return urls
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+class KeyValue(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+    @classmethod
+    def of(cls, kv: Mapping[str, Any]) -> "KeyValue":
+        return cls(key=_unb64(kv.get("key")), value=_unb64(kv.get("value")),
+                   create_revision=int(kv.get("create_revision", 0)), mod_revision=int(kv.get("mod_revision", 0)))
+
+
+class EtcdV3Client:
+    """The few v3 calls the rendezvous needs, over etcd's JSON gateway, with member failover."""
+
+    def __init__(self, endpoints: Sequence[str], options: ClientOptions | None = None) -> None:
+        self.options = options or ClientOptions()
+        self.endpoints = list(endpoints)
+        if not self.endpoints:
+            raise ValueError("EtcdV3Client needs at least one endpoint URL")
+        self._current = 0
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._ssl = self._ssl_context() if self.options.protocol == "https" else None
+
+    @classmethod
+    def from_endpoint(cls, endpoint: str, options: ClientOptions | None = None) -> "EtcdV3Client":
+        options = options or ClientOptions()
+        return cls(parse_endpoints(endpoint, options.protocol), options)
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        o = self.options
+        try:
+            ctx = ssl.create_default_context(cafile=o.ca_cert)
+            if o.ssl_cert:
+                ctx.load_cert_chain(o.ssl_cert, o.ssl_cert_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"etcd TLS files ca_cert={o.ca_cert!r} ssl_cert={o.ssl_cert!r} "
+                             f"ssl_cert_key={o.ssl_cert_key!r} cannot be loaded: {exc}") from None
+        return ctx
+
+    # -- transport ------------------------------------------------------------------------------
+
+    def call(self, path: str, body: Mapping[str, Any]) -> dict:
+        """POST ``body`` to ``/v3/<path>`` on the first member that can serve it."""
+        errors = []
+        with self._lock:
+            start = self._current
+        for i in range(len(self.endpoints)):
+            index = (start + i) % len(self.endpoints)
+            url = self.endpoints[index]
+            try:
+                reply = self._call_one(url, path, body)
+            except _MemberDown as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            with self._lock:
+                self._current = index
+            return reply
+        raise EtcdV3ConnectionError(
+            f"no etcd member could serve /v3/{path}: {'; '.join(errors)}. Check that etcd is running and reachable "
+            f"at the --rdzv-endpoint (members separated by ',')")
+
+    def _call_one(self, url: str, path: str, body: Mapping[str, Any], *, retry_auth: bool = True) -> dict:
+        if self.options.user and self._token is None and not path.startswith("auth/"):
+            self._authenticate(url)
+        headers = {"Content-Type": "application/json"}
+        if self._token and not path.startswith("auth/"):
+            headers["Authorization"] = self._token
+        req = urllib.request.Request(f"{url}/v3/{path}", data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.options.read_timeout, context=self._ssl) as r:  # noqa: S310
+                raw = r.read()
+        except urllib.error.HTTPError as exc:
+            raw = exc.read() or b"{}"
+        except (OSError, urllib.error.URLError, TimeoutError) as exc:  # refused, reset, DNS, timeout, TLS
+            raise _MemberDown(f"{type(exc).__name__}: {exc}") from None
+        try:
+            reply = json.loads(raw or b"{}")
+        except ValueError:
+            raise _MemberDown(f"not a JSON reply: {raw[:120]!r}") from None
+        if not isinstance(reply, dict):
+            raise _MemberDown(f"not a JSON object: {raw[:120]!r}")
+        if "error" in reply or ("code" in reply and "header" not in reply):
+            code = reply.get("code")
+            message = str(reply.get("message") or reply.get("error"))
+            if code == _UNAUTHENTICATED or "invalid auth token" in message:
+                if retry_auth and self.options.user:
+                    self._token = None
+                    return self._call_one(url, path, body, retry_auth=False)
+            if code in (_UNAVAILABLE, _DEADLINE_EXCEEDED) or any(m in message for m in _MEMBER_DOWN_MESSAGES):
+                raise _MemberDown(f"etcd: {message} (code {code})")
+            raise EtcdV3Error(f"etcd refused /v3/{path} at {url}: {message} (code {code})", code)
+        return reply
+
+    def _authenticate(self, url: str) -> None:
+        path = self.options.password_file
+        try:
+            password = open(path).read().rstrip("\r\n")  # noqa: SIM115 - a small secret file
+        except OSError as exc:
+            raise EtcdV3Error(f"--rdzv-conf password_file={path!r} cannot be read: {exc}") from None
+        reply = self._call_one(url, "auth/authenticate", {"name": self.options.user, "password": password},
+                               retry_auth=False)
+        token = reply.get("token")
+        if not token:
+            raise EtcdV3Error(f"etcd at {url} returned no auth token for user {self.options.user!r}")
+        self._token = str(token)
+
+    # -- key-value calls ------------------------------------------------------------------------
+
+    def get(self, key: bytes | str) -> KeyValue | None:
+        kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs") or []
+        return KeyValue.of(kvs[0]) if kvs else None
+
+    def get_many(self, keys: Sequence[bytes | str]) -> dict[bytes, KeyValue]:
+        """The keys that exist, read in one transaction (one round trip, one revision)."""
+        reply = self.call("kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
+        out = {}
+        for resp in reply.get("responses") or []:
+            for kv in (resp.get("response_range") or {}).get("kvs") or []:
+                item = KeyValue.of(kv)
+                out[item.key] = item
+        return out
+
+    def put(self, key: bytes | str, value: bytes | str, lease: int = 0) -> int:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return int(self.call("kv/put", body)["header"]["revision"])
+
+    def delete(self, key: bytes | str) -> int:
+        return int(self.call("kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
+
+    def put_if(self, key: bytes | str, value: bytes | str, *, mod_revision: int | None = None,
+               prev_value: bytes | None = None, lease: int = 0) -> tuple[bool, int, KeyValue | None]:
+        """Write ``value`` if the key's ``mod_revision`` is the given one (0: the key is absent) or
+        its value is ``prev_value``. Returns (written, revision, the key's current value if not)."""
+        if prev_value is not None:
+            compare = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(prev_value)}
+        else:
+            compare = {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision or 0)}
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        reply = self.call("kv/txn", {"compare": [compare], "success": [{"request_put": put}],
+                                     "failure": [{"request_range": {"key": _b64(key)}}]})
+        revision = int(reply["header"]["revision"])
+        if reply.get("succeeded"):
+            return True, revision, None
+        kvs = ((reply.get("responses") or [{}])[0].get("response_range") or {}).get("kvs") or []
+        return False, revision, KeyValue.of(kvs[0]) if kvs else None
+
+    def grant_lease(self, ttl: int) -> int:
+        return int(self.call("lease/grant", {"TTL": str(ttl)})["ID"])
+
+
+class _MemberDown(Exception):
+    """One member could not serve a call (internal: the client moves on to the next)."""
+
+
+# -- the rendezvous backend ---------------------------------------------------------------------
+
+
+def state_key(run_id: str) -> str:
+    return STATE_PREFIX + run_id
+
+
+def _token(token: Any) -> int | None:
+    """A token this backend issued (a positive revision), or None for anything else."""
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, int):
+        return token if token > 0 else None
+    if isinstance(token, (str, bytes)):
+        text = token.decode(errors="replace") if isinstance(token, bytes) else token
+        return int(text) if text.isdigit() and int(text) > 0 else None
+    return None
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """torch's ``RendezvousBackend`` on etcd v3 (module docstring)."""
+
+    def __init__(self, client: EtcdV3Client, run_id: str, ttl: int | None = None) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._key = state_key(run_id)
+        self._ttl = int(ttl or client.options.ttl)
+        self._lease: tuple[int, float] | None = None  # (lease id, monotonic time granted)
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def raw_state(self) -> bytes | None:
+        """The stored value (base64 text of the pickled state), unchecked; None when absent."""
+        kv = self._call(self._client.get, self._key)
+        return None if kv is None else kv.value
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        kv = self._call(self._client.get, self._key)
+        return None if kv is None else self._decode(kv)
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        revision = 0 if token is None else _token(token)
+        if revision is None:  # not a token this backend issued: nothing is written
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        lease = self._lease_id()
+        written, new_rev, current = self._call(self._client.put_if, self._key, base64.b64encode(state),
+                                               mod_revision=revision, lease=lease)
+        if written:
+            return state, new_rev, True
+        return None if current is None else (*self._decode(current), False)
+
+    def _decode(self, kv: KeyValue) -> tuple[bytes, int]:
+        try:
+            return base64.b64decode(kv.value, validate=True), kv.mod_revision
+        except (binascii.Error, ValueError) as exc:
+            raise RendezvousStateError(
+                f"the rendezvous state under {self._key} is corrupt (not base64: {kv.value[:40]!r}); delete the key "
+                f"or use another --rdzv-id") from exc
+
+    def _lease_id(self) -> int:
+        """A lease with at least two thirds of ``ttl`` left (a fresh one every ttl/3)."""
+        now = time.monotonic()
+        if self._lease is None or now - self._lease[1] > self._ttl / 3:
+            self._lease = (self._call(self._client.grant_lease, self._ttl), now)
+        return self._lease[0]
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except EtcdV3ConnectionError:
+            raise
+        except EtcdV3Error as exc:
+            raise RendezvousConnectionError(f"etcd refused a rendezvous call: {exc}") from exc
+
+
+# -- the c10d store -----------------------------------------------------------------------------
+
+
+class EtcdV3Store(Store):
+    """A ``torch.distributed.Store`` on etcd v3 (keys under ``prefix``).
+
+    Blocking reads poll with a short backoff (10 ms doubling to 100 ms) until the store's timeout:
+    the agents read a handful of keys per round and the workers' watchers use the non-blocking
+    ``check``, so polling costs etcd little and needs no streaming watch connection.
+    """
+
+    def __init__(self, client: EtcdV3Client, prefix: str = STORE_PREFIX, timeout: timedelta | None = None) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.client = client
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self.prefix.encode() + (key if isinstance(key, bytes) else str(key).encode())
+
+    @staticmethod
+    def _value(value: Any) -> bytes:
+        if isinstance(value, (bytes, bytearray)):
+            return bytes(value)
+        if isinstance(value, str):
+            return value.encode()
+        if isinstance(value, (list, tuple)):  # a vector<uint8_t> from C++
+            return bytes(value)
+        raise ValueError(f"store value must be str or bytes, got {type(value).__name__}")
+
+    def set(self, key: str, value: Any) -> None:
+        self.client.put(self._key(key), self._value(value))
+
+    def get(self, key: str) -> bytes:
+        found = self._wait_get([key], self.timeout)
+        if found is None:
+            raise LookupError(f"key {key!r} not found in the etcd-v3 store within {self.timeout}")
+        return found[0]
+
+    def add(self, key: str, num: int) -> int:
+        k = self._key(key)
+        deadline = time.monotonic() + max(self.timeout.total_seconds(), 1.0)
+        current = self.client.get(k)
+        while True:
+            base = 0 if current is None else int(current.value.decode() or 0)
+            written, _, now = self.client.put_if(k, str(base + int(num)),
+                                                 mod_revision=0 if current is None else current.mod_revision)
+            if written:
+                return base + int(num)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"add({key!r}) lost every compare-and-swap for {self.timeout}: the key is "
+                                   f"written faster than this client can update it")
+            current = now
+            time.sleep(random.uniform(0, 0.01))  # spread colliding writers
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        k, expected, desired = self._key(key), self._value(expected_value), self._value(desired_value)
+        if expected:
+            written, _, now = self.client.put_if(k, desired, prev_value=expected)
+        else:
+            written, _, now = self.client.put_if(k, desired, mod_revision=0)
+        if written:
+            return desired
+        return expected if now is None else now.value
+
+    def delete_key(self, key: str) -> bool:
+        return self.client.delete(self._key(key)) > 0
+
+    def check(self, keys: list[str]) -> bool:
+        wanted = [self._key(k) for k in keys]
+        return len(self.client.get_many(wanted)) == len(set(wanted))
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        if self._wait_get(keys, override_timeout or self.timeout) is None:
+            raise LookupError(f"keys {list(keys)!r} not all set in the etcd-v3 store within {override_timeout or self.timeout}")
+
+    def num_keys(self) -> int:
+        reply = self.client.call("kv/range", {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix)),
+                                              "count_only": True})
+        return int(reply.get("count", 0))
+
+    def _wait_get(self, keys: Sequence[str], timeout: timedelta) -> list[bytes] | None:
+        wanted = [self._key(k) for k in keys]
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.01
+        while True:
+            found = self.client.get_many(wanted)
+            if all(k in found for k in wanted):
+                return [found[k].value for k in wanted]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+
+def _prefix_end(prefix: str) -> bytes:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return bytes(raw)
+
+
+# -- torchrun's entry ---------------------------------------------------------------------------
+
+
+def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """``(backend, store)`` from torchrun's ``RendezvousParameters`` (``inner=etcd-v3``).
+
+    Connects once (a range of the state key), so a wrong endpoint or credentials fail here, and
+    puts the non-secret client options into :data:`ENV_OPTIONS` for the workers' watchers.
+    """
+    options = ClientOptions.from_conf(dict(params.config))
+    client = EtcdV3Client.from_endpoint(params.endpoint, options)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, ttl=options.ttl)
+    backend.raw_state()  # fail fast (EtcdV3ConnectionError) when no member answers
+    os.environ[ENV_OPTIONS] = options.to_env()
+    return backend, EtcdV3Store(client, STORE_PREFIX)
+
+
+def open_reader(endpoint: str, run_id: str, timeout: float, env: Mapping[str, str] | None = None
+                ) -> tuple[EtcdV3Store, EtcdV3RendezvousBackend]:
+    """For the worker side (watcher, drain hook, ``rdzv-state``): the store of elastic_emb's
+    round keys and the backend whose :meth:`~EtcdV3RendezvousBackend.raw_state` reads the state."""
+    options = ClientOptions.from_env(env).model_copy(update={"read_timeout": float(timeout)})
+    client = EtcdV3Client.from_endpoint(endpoint, options)
+    return EtcdV3Store(client, STORE_PREFIX, timeout=timedelta(seconds=timeout)), EtcdV3RendezvousBackend(client, run_id)

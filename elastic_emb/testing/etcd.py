@@ -1,0 +1,266 @@
+"""A real etcd for drills and tests: the rendezvous store that outlives every node.
+
+With torch's ``c10d`` rendezvous the store lives inside one torchrun agent (``is_host``): when
+that node dies the rendezvous dies with it. With ``--rdzv-conf inner=etcd-v3`` (or ``etcd-v2``)
+the elastic_emb backend keeps the rendezvous in etcd instead, so any node, the first one
+included, can be lost. On Kubernetes etcd runs as its own service (``deploy/components/etcd``,
+three members); on one machine (drills, tests) this module starts Debian's ``etcd`` (package
+``etcd-server``, 3.4) as child processes. It is test tooling, not part of the library at run time.
+
+- :class:`EtcdServer`: one member on free loopback ports (client and peer), in a data directory
+  the caller owns, with the v2 API enabled (torch's ``etcd-v2`` and python-etcd speak v2; the v3
+  API and its JSON gateway are always on);
+- :class:`EtcdCluster`: ``size`` such members forming one cluster (stable member names
+  ``m0..m<size-1>``, every peer URL in ``--initial-cluster``), its client endpoint the
+  comma-separated member list ``inner=etcd-v3`` accepts; :meth:`EtcdCluster.leader` names the
+  member that leads, so a drill can kill the one whose loss costs an election;
+- ``start()`` waits for ``/health`` to report healthy, bounded by ``start_timeout``, and raises
+  naming the log file when etcd exits or never gets healthy; ``stop()`` sends SIGTERM, then
+  SIGKILL after ``stop_timeout``; ``kill()`` is the fault a drill injects (SIGKILL, data
+  directory kept) and ``start()`` again restarts it on the same ports with the same data, as a
+  restarted member would.
+
+``command()`` is exposed separately so a caller that must start the process elsewhere (inside a
+network namespace, say) builds the same command line and uses :func:`wait_healthy`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from elastic_emb.errors import EtcdUnavailable  # noqa: F401 - also importable from here
+from elastic_emb.testing.ports import free_port
+
+ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH
+
+
+def etcd_binary() -> str | None:
+    return os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd")
+
+
+def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill",
+            initial_cluster: str | None = None) -> list[str]:
+    """The etcd command line of one member listening on ``host`` only (a one-member cluster
+    unless ``initial_cluster`` names every member's ``name=peer URL``)."""
+    client = f"http://{host}:{client_port}"
+    peer = f"http://{host}:{peer_port}"
+    return [
+        binary, "--name", name, "--data-dir", str(data_dir),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", initial_cluster or f"{name}={peer}", "--initial-cluster-state", "new",
+        "--enable-v2=true", "--log-level", "warn",
+        # A test store: no fsync per write (the data dir is a temp dir) keeps it fast on a busy disk.
+        "--unsafe-no-fsync",
+    ]
+
+
+def health(url: str, timeout: float = 1.0) -> bool:
+    """Whether etcd at ``url`` answers ``/health`` with ``{"health": "true"}``."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:  # noqa: S310 - loopback only
+            return r.status == 200 and json.loads(r.read() or b"{}").get("health") == "true"
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None) -> float:
+    """Block until etcd at ``url`` is healthy; return the seconds it took. Raises on exit or timeout."""
+    start = time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise RuntimeError(f"etcd exited with {proc.returncode} before it was healthy (log {log}):\n{tail}")
+        if health(url, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise TimeoutError(f"etcd at {url} was not healthy within {timeout}s (log {log}); raise start_timeout or "
+                       f"check that the ports are free")
+
+
+class EtcdServer:
+    """One etcd member on loopback. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
+                 stop_timeout: float = 5.0, name: str = "drill", peer_port: int | None = None,
+                 initial_cluster: str | None = None) -> None:
+        if not host.startswith("127."):
+            raise ValueError(f"host={host!r}: the test etcd listens on loopback (127.0.0.0/8) only")
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.name = name
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.client_port = free_port()  # reserved until the process ends: etcd binds it with SO_REUSEADDR
+        self.peer_port = peer_port or free_port()
+        self.initial_cluster = initial_cluster
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.data_dir / "etcd.log"
+        self.started_in: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def endpoint(self) -> str:
+        """``HOST:PORT`` for ``torchrun --rdzv-endpoint``."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to be healthy (a cluster's members must all
+        be started before any of them can elect a leader)."""
+        binary = etcd_binary()
+        if binary is None:
+            raise EtcdUnavailable(
+                f"etcd is not installed: `apt-get install etcd-server` (Debian), or set {ETCD_BINARY_ENV} to its path"
+            )
+        if self.running:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                command(binary, self.data_dir / "member", self.host, self.client_port, self.peer_port, self.name,
+                        self.initial_cluster),
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in the terminal is for the test runner, not etcd
+            )
+
+    def start(self) -> "EtcdServer":
+        if self.running:
+            return self
+        self.launch()
+        try:
+            self.started_in = wait_healthy(self.url, self.proc, self.start_timeout, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (a drill fault): the data directory stays, start() brings the member back."""
+        if self.running:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(self.stop_timeout)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(self.stop_timeout)
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback forming one cluster (module docstring).
+
+    ``kill(member)`` SIGKILLs one member (default: the leader) and ``start()`` brings back every
+    member that is down, on its ports and data; the others keep serving meanwhile (a quorum of
+    ``size // 2 + 1`` survives the loss of ``(size - 1) // 2`` members).
+    """
+
+    def __init__(self, data_dir: str | Path, size: int = 3, *, host: str = "127.0.0.1", start_timeout: float = 30.0,
+                 stop_timeout: float = 5.0) -> None:
+        if not 1 <= size <= 7:
+            raise ValueError(f"size={size}: an etcd cluster for tests has 1 to 7 members (3 or 5 in production)")
+        data_dir = Path(data_dir)
+        peers = [free_port() for _ in range(size)]
+        initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(peers))
+        self.members = [EtcdServer(data_dir / f"m{i}", host=host, start_timeout=start_timeout,
+                                   stop_timeout=stop_timeout, name=f"m{i}", peer_port=p, initial_cluster=initial)
+                        for i, p in enumerate(peers)]
+        self.start_timeout = start_timeout
+        self.started_in: float | None = None
+        self.killed: list[int] = []
+
+    @property
+    def host(self) -> str:
+        return self.members[0].host
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's ``HOST:PORT``, comma-separated (``--rdzv-endpoint`` of ``inner=etcd-v3``)."""
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def running(self) -> bool:
+        return all(m.running for m in self.members)
+
+    def start(self) -> "EtcdCluster":
+        start = time.monotonic()
+        down = [m for m in self.members if not m.running]
+        for m in down:
+            m.launch()
+        try:
+            for m in down:
+                left = max(1.0, self.start_timeout - (time.monotonic() - start))
+                wait_healthy(m.url, m.proc, left, m.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in = time.monotonic() - start
+        return self
+
+    def leader(self, timeout: float = 2.0) -> int | None:
+        """Index of the member that currently leads (None when no live member knows one)."""
+        ids = {}
+        leader_id = None
+        for i, m in enumerate(self.members):
+            if not m.running:
+                continue
+            try:
+                req = urllib.request.Request(f"{m.url}/v3/maintenance/status", data=b"{}", method="POST")
+                with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback only
+                    status = json.loads(r.read())
+            except (OSError, ValueError, urllib.error.URLError):
+                continue
+            ids[str(status.get("header", {}).get("member_id"))] = i
+            leader_id = str(status.get("leader")) if status.get("leader") else leader_id
+        return ids.get(leader_id) if leader_id is not None else None
+
+    def kill(self, member: int | None = None) -> int:
+        """SIGKILL one member (default: the leader, else member 0); returns its index."""
+        index = member if member is not None else self.leader()
+        index = 0 if index is None else index
+        if not 0 <= index < len(self.members):
+            raise ValueError(f"member={index}: the cluster has members 0..{len(self.members) - 1}")
+        self.members[index].kill()
+        self.killed.append(index)
+        return index
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

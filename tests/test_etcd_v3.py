@@ -1,0 +1,235 @@
+"""``inner=etcd-v3`` at the backend level, against a real etcd (Debian's etcd-server on loopback).
+
+The semantics torch's own backends are held to (``get_state`` None when absent, a corrupt state
+raises ``RendezvousStateError``, compare-and-swap on the token, stale/None/invalid tokens return
+the current state with ``has_set=False``), the c10d ``Store`` the agent and the watchers use,
+member failover in a 3-member cluster, and etcd's token authentication. The drills (torchrun
+agents, SIGKILLs, bit-for-bit verification) are in tests/test_etcd.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+import urllib.request
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+
+from elastic_emb.rdzv import etcd_v3 as v3
+from elastic_emb.testing.etcd import EtcdCluster
+from etcd_fixture import etcd_server  # noqa: F401  (the fixture)
+from etcd_fixture import require_etcd
+
+
+def _backend(server, run_id="job", **conf):
+    params = SimpleNamespace(endpoint=server.endpoint, run_id=run_id, config=conf)
+    backend, store = v3.create_backend(params)
+    return backend, store
+
+
+def test_state_semantics_of_torch_backends(etcd_server):
+    backend, _ = _backend(etcd_server)
+    assert backend.name == "etcd-v3"
+    assert backend.get_state() is None
+    # None token, no state: set, a token comes back.
+    state, token, has_set = backend.set_state(b"\x80state-1")
+    assert (state, has_set) == (b"\x80state-1", True) and isinstance(token, int) and token > 0
+    assert backend.get_state() == (b"\x80state-1", token)
+    # None token, a state exists: nothing written, the current state and token come back.
+    assert backend.set_state(b"other") == (b"\x80state-1", token, False)
+    # The current token: written, a new token.
+    state2, token2, has_set = backend.set_state(b"state-2", token)
+    assert (state2, has_set) == (b"state-2", True) and token2 > token
+    # A stale token: nothing written.
+    assert backend.set_state(b"stale write", token) == (b"state-2", token2, False)
+    # Invalid tokens (not one this backend issued): the current state, nothing written.
+    for bad in ("abc", -1, 0, "0", True, 1.5, object(), "12x"):
+        assert backend.set_state(b"invalid write", bad) == (b"state-2", token2, False), bad
+    assert backend.get_state() == (b"state-2", token2)
+    # The same token as a string (torch keeps tokens opaque; a decimal string is accepted).
+    _, token3, has_set = backend.set_state(b"state-3", str(token2))
+    assert has_set and token3 > token2
+
+
+def test_two_writers_with_one_token_exactly_one_wins(etcd_server):
+    a, _ = _backend(etcd_server, run_id="race")
+    b, _ = _backend(etcd_server, run_id="race")
+    _, token, _ = a.set_state(b"base")
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def write(name, backend):
+        barrier.wait(5)
+        results[name] = backend.set_state(name.encode(), token)
+
+    threads = [threading.Thread(target=write, args=(n, be)) for n, be in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    wins = [n for n, r in results.items() if r[2]]
+    assert len(wins) == 1, results
+    (loser,) = set(results) - set(wins)
+    assert results[loser][:2] == (wins[0].encode(), results[wins[0]][1])  # the loser sees the winner's state
+
+
+def test_corrupt_state_raises_state_error_and_absent_stale_token_is_none(etcd_server):
+    backend, _ = _backend(etcd_server, run_id="corrupt")
+    client = v3.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    client.put(v3.state_key("corrupt"), b"%%% not base64 %%%")
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        backend.get_state()
+    with pytest.raises(RendezvousStateError):
+        backend.set_state(b"x", 1)  # stale token: the current (corrupt) state is decoded, and refused
+    client.delete(v3.state_key("corrupt"))
+    assert backend.set_state(b"x", 12345) is None  # a stale token and no state: nothing to return
+
+
+def test_state_key_is_leased_for_ttl(etcd_server):
+    backend, _ = _backend(etcd_server, run_id="leased", ttl="60")
+    backend.set_state(b"s")
+    client = v3.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    kv = client.call("kv/range", {"key": base64.b64encode(v3.state_key("leased").encode()).decode()})["kvs"][0]
+    lease = int(kv["lease"])
+    ttl = client.call("lease/timetolive", {"ID": str(lease)})
+    assert 50 <= int(ttl["TTL"]) <= 60 and int(ttl["grantedTTL"]) == 60, ttl
+
+
+def test_store_set_get_add_check_wait_compare_delete(etcd_server):
+    _, store = _backend(etcd_server)
+    store.set_timeout(timedelta(seconds=2))
+    store.set("k", b"\x00\xffbytes")
+    store.set("s", "text")
+    assert store.get("k") == b"\x00\xffbytes" and store.get("s") == b"text"
+    assert store.check(["k", "s"]) and not store.check(["k", "missing"])
+    assert store.add("n", 3) == 3 and store.add("n", 4) == 7 and store.get("n") == b"7"
+    start = time.monotonic()
+    with pytest.raises(LookupError, match="missing"):
+        store.get("missing")
+    assert 2.0 <= time.monotonic() - start < 5.0
+    threading.Timer(0.3, store.set, args=("late", b"1")).start()
+    store.wait(["late"], timedelta(seconds=5))
+    assert store.compare_set("cas", b"", b"first") == b"first"  # expected '' and absent: set
+    assert store.compare_set("cas", b"wrong", b"second") == b"first"
+    assert store.compare_set("cas", b"first", b"second") == b"second"
+    assert store.delete_key("cas") and not store.delete_key("cas") and not store.check(["cas"])
+    assert store.num_keys() >= 4
+
+
+def test_store_add_is_atomic_under_contention(etcd_server):
+    _, store = _backend(etcd_server)
+    results: list[int] = []
+
+    def adds():
+        for _ in range(25):
+            results.append(store.add("counter", 1))
+
+    threads = [threading.Thread(target=adds) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(1, 101)) and store.get("counter") == b"100"
+
+
+def test_store_works_behind_torch_prefix_store_as_the_agent_uses_it(etcd_server):
+    """The dynamic rendezvous wraps the store in a C++ PrefixStore per round; the agent's
+    RendezvousStoreInfo (MASTER_ADDR/PORT) and barriers go through it."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    _, store = _backend(etcd_server)
+    prefixed = dist.PrefixStore("torch.rendezvous.job.3", store)
+    info = RendezvousStoreInfo.build(0, prefixed, local_addr="127.0.0.1", server_port=45678)
+    assert (info.master_addr, info.master_port) == ("127.0.0.1", 45678)
+    assert prefixed.add("c", 2) == 2 and prefixed.check(["c"])
+    assert store.get("torch.rendezvous.job.3/c") == b"2"
+
+
+def test_cluster_failover_when_the_leader_dies_and_a_clear_error_when_all_do(tmp_path):
+    require_etcd()
+    with EtcdCluster(tmp_path / "etcd", 3) as cluster:
+        params = SimpleNamespace(endpoint=cluster.endpoint, run_id="ha", config={"read_timeout": "5"})
+        backend, store = v3.create_backend(params)
+        _, token, _ = backend.set_state(b"one")
+        killed = cluster.kill()  # the leader
+        assert not cluster.members[killed].running
+        deadline = time.monotonic() + 30  # an election takes about a second; bounded retries
+        while True:
+            try:
+                _, token2, ok = backend.set_state(b"two", token)
+                break
+            except RendezvousConnectionError:
+                assert time.monotonic() < deadline, "the two surviving members never served the write"
+                time.sleep(0.2)
+        assert ok and backend.get_state() == (b"two", token2)
+        store.set("after", b"failover")
+        cluster.start()  # the killed member rejoins with its data and catches up
+        only = v3.EtcdV3Client([cluster.members[killed].url])
+        deadline = time.monotonic() + 20
+        while (only.get(v3.STORE_PREFIX + "after") or SimpleNamespace(value=None)).value != b"failover":
+            assert time.monotonic() < deadline, "the restarted member never caught up"
+            time.sleep(0.1)
+        for m in cluster.members:
+            m.kill()
+        start = time.monotonic()
+        with pytest.raises(v3.EtcdV3ConnectionError) as info:
+            backend.get_state()
+        assert isinstance(info.value, RendezvousConnectionError) and isinstance(info.value, ConnectionError)
+        assert all(m.url in str(info.value) for m in cluster.members) and "--rdzv-endpoint" in str(info.value)
+        assert time.monotonic() - start < 10
+
+
+def _post(url, path, body):
+    req = urllib.request.Request(f"{url}/v3/{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
+    url = etcd_server.url
+    _post(url, "auth/role/add", {"name": "root"})
+    _post(url, "auth/user/add", {"name": "root", "password": "rootpw"})
+    _post(url, "auth/user/grant", {"user": "root", "role": "root"})
+    _post(url, "auth/enable", {})
+    secret = tmp_path / "password"
+    secret.write_text("rootpw\n")
+    backend, store = _backend(etcd_server, run_id="authed", user="root", password_file=str(secret))
+    assert backend.set_state(b"s")[2] and backend.get_state()[0] == b"s"
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    # Without credentials etcd refuses: a clear error, not a hang.
+    with pytest.raises(RendezvousConnectionError, match="refused"):
+        v3.EtcdV3RendezvousBackend(v3.EtcdV3Client.from_endpoint(etcd_server.endpoint), "authed").get_state()
+    secret.write_text("wrong\n")
+    with pytest.raises(v3.EtcdV3Error, match="authentication failed|invalid"):
+        v3.EtcdV3Client.from_endpoint(etcd_server.endpoint, v3.ClientOptions(user="root", password_file=str(secret))
+                                      ).get("x")
+
+
+def test_conf_keys_and_endpoints_are_validated():
+    assert v3.parse_endpoints("a:1,b:2, c") == ["http://a:1", "http://b:2", "http://c:2379"]
+    assert v3.parse_endpoints("[::1]:23", "https") == ["https://[::1]:23"]
+    for bad in ("", "a:b", "a:1:2", "a:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT|names no member"):
+            v3.parse_endpoints(bad)
+    with pytest.raises(ValueError, match="protocol"):
+        v3.ClientOptions.from_conf({"protocol": "ftp"})
+    with pytest.raises(ValueError, match="user and password_file together"):
+        v3.ClientOptions.from_conf({"user": "root"})
+    with pytest.raises(ValueError, match="ssl_cert_key"):
+        v3.ClientOptions.from_conf({"ssl_cert_key": "/k.pem"})
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        v3.EtcdV3Client(["https://x:1"], v3.ClientOptions(protocol="https", ca_cert="/nonexistent/ca.pem"))
+    opts = v3.ClientOptions.from_conf({"read_timeout": "3", "protocol": "HTTPS", "join_timeout": "9"})
+    assert (opts.read_timeout, opts.protocol) == (3.0, "https")
+    # The agent hands its options to the workers; PET_RDZV_CONF is the preStop hook's fallback.
+    assert v3.ClientOptions.from_env({v3.ENV_OPTIONS: opts.to_env()}) == opts
+    assert v3.ClientOptions.from_env({"PET_RDZV_CONF": "inner=etcd-v3,read_timeout=7"}).read_timeout == 7.0
+    with pytest.raises(ValueError, match=v3.ENV_OPTIONS):
+        v3.ClientOptions.from_env({v3.ENV_OPTIONS: "{not json"})
