@@ -14,9 +14,14 @@ assert on the exact rule a planted error breaks:
 3. :func:`wiring_errors`: rules no schema can express, which decide whether the job works at all:
    the rendezvous endpoint names a Service that selects the job's pods and serves the port;
    replicas lie within the node range; the preStop and main commands exist in the image; the
-   NetworkPolicy and the PodDisruptionBudget select the job's pods and open the rendezvous port;
-   the grace period outlasts the drain; /dev/shm is a sized memory volume within the memory
-   limit; the durable tier is a mounted PVC; GPUs requested = workers per node.
+   NetworkPolicy and the PodDisruptionBudget select the job's pods (by the controller's job-name
+   label) and open the rendezvous port and the pods' ephemeral range, both ways, plus DNS and the
+   store; the grace period outlasts the drain; /dev/shm is a sized memory volume within the memory
+   limit; the durable tier is a mounted PVC; GPUs requested = workers per node, none in the CPU
+   variant; every ``--rdzv-conf`` key is one the backend accepts; the Job completes when training
+   ends on any allowed number of pods and its restart budget covers 25 incidents; the etcd store
+   has an odd number (>= 3) of members matching its --initial-cluster, one per node, and a
+   disruption budget that lets a drain take one member but never the quorum.
 
 How the training operator turns a PyTorchJob into pods is modelled from its documented
 behaviour (v1.9): pods get the labels ``training.kubeflow.org/job-name``, ``replica-type``
@@ -41,14 +46,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("pytorchjob", "indexed-job", "pytorchjob-etcd", "indexed-job-etcd")
-# Kubernetes versions the templates support: Indexed Jobs with the batch.kubernetes.io/job-name
-# pod label exist from 1.27; the newest is what kubernetes-validate knows.
-K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(27, 38))
+# Components a user adds to an overlay (rendered by the tests through render_variant).
+COMPONENTS = ("cpu", "no-endport", "etcd-v2")
+# Kubernetes versions the templates support: the Indexed Job's successPolicy is on by default
+# from 1.31 (beta; GA in 1.33); the newest is what kubernetes-validate knows.
+K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(31, 38))
 CONTAINER = "pytorch"  # the training operator's default container name; the templates use it everywhere
 OPERATOR_PORT_NAME = "pytorchjob-port"
 OPERATOR_DEFAULT_PORT = 23456
 DRAIN_MARGIN_S = 30  # grace period beyond the drain timeout: the commit flush and torchrun's own shutdown
 EPHEMERAL = (32768, 60999)  # Linux ip_local_port_range default: MASTER_PORT store, gloo and NCCL sockets
+PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"
+INCIDENTS = 25  # whole-job incidents (every agent restarted once) the restart budget must cover
+JOB_NAME_LABELS = {"Job": "batch.kubernetes.io/job-name", "PyTorchJob": "training.kubeflow.org/job-name"}
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -72,6 +82,18 @@ def render(overlay: str | Path, timeout: float = 60.0) -> list[dict]:
     if proc.returncode != 0:
         raise RenderError(f"kubectl kustomize {path} failed (rc={proc.returncode}): {proc.stderr.strip()[-2000:]}")
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def render_variant(workdir: Path, overlay: str, components: tuple[str, ...]) -> list[dict]:
+    """An overlay with components of deploy/components added, as a user's kustomization would
+    (written under ``workdir``, which must be outside the repository's deploy/)."""
+    root = Path(workdir) / ("-".join((overlay,) + components))
+    root.mkdir(parents=True, exist_ok=True)
+    rel = lambda p: str(Path(__import__("os").path.relpath(p, root)))  # noqa: E731
+    kust = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [rel(DEPLOY / overlay)], "components": [rel(DEPLOY / "components" / c) for c in components]}
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    return render(root)
 
 
 # -- layer 2a: core kinds through kubernetes-validate -------------------------------------------------
@@ -346,7 +368,8 @@ class Workload(BaseModel):
     endpoint: str | None
     endpoint_services: list[dict]  # Services that exist for the pods (rendered or operator-made)
     rdzv_backend: str | None
-    inner: str  # the elastic_emb backend's inner rendezvous: c10d (pod 0 hosts it) or etcd-v2
+    inner: str  # the elastic_emb backend's inner rendezvous: c10d (pod 0 hosts it), etcd-v3 or etcd-v2
+    rdzv_conf: dict[str, str]  # every --rdzv-conf key and value (PET_RDZV_CONF / rdzvConf)
 
 
 def _env(container: dict) -> dict[str, Any]:
@@ -373,6 +396,15 @@ def _conf_value(conf: str | None, key: str) -> str | None:
         if sep and k.strip() == key:
             return v.strip()
     return None
+
+
+def _conf_items(conf: str | None) -> dict[str, str]:
+    out = {}
+    for item in (conf or "").split(","):
+        k, sep, v = item.partition("=")
+        if k.strip():
+            out[k.strip()] = v.strip() if sep else ""
+    return out
 
 
 def _container(pod_template: dict) -> dict:
@@ -421,12 +453,13 @@ def workload(resources: list[dict]) -> Workload:
              "_operator_made": True}
             for i in range(replicas)
         ]
-        inner = {c.get("key"): c.get("value") for c in ep.get("rdzvConf") or []}.get("inner", "c10d")
+        conf = {c.get("key"): c.get("value") for c in ep.get("rdzvConf") or []}
+        inner = conf.get("inner", "c10d")
         return Workload(kind="PyTorchJob", name=jname, pod_template=tmpl, pod_labels=labels, replicas=replicas,
                         min_nodes=ep.get("minReplicas", replicas), max_nodes=ep.get("maxReplicas", replicas),
                         nproc=spec.get("nprocPerNode"), endpoint=f"{host}:{port}",
                         endpoint_services=services + of_kind(resources, "Service"),
-                        rdzv_backend=ep.get("rdzvBackend"), inner=inner)
+                        rdzv_backend=ep.get("rdzvBackend"), inner=inner, rdzv_conf=conf)
     spec = job["spec"]
     tmpl = spec["template"]
     c = _container(tmpl)
@@ -438,7 +471,8 @@ def workload(resources: list[dict]) -> Workload:
                     replicas=spec.get("parallelism", 1), min_nodes=lo, max_nodes=hi,
                     nproc=_env_value(c, "PET_NPROC_PER_NODE"), endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
                     endpoint_services=of_kind(resources, "Service"), rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"),
-                    inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d")
+                    inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d",
+                    rdzv_conf=_conf_items(_env_value(c, "PET_RDZV_CONF")))
 
 
 def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
@@ -478,10 +512,11 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
     if not host or not port_s.isdigit():
         return [f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} is not HOST:PORT"]
     port = int(port_s)
-    if w.inner == "etcd-v2":
+    if w.inner in ("etcd-v2", "etcd-v3"):
         return _etcd_endpoint_errors(resources, w, host, port)
     if w.inner != "c10d":
-        return [f"{w.kind}/{w.name}: inner rendezvous {w.inner!r} must be c10d or etcd-v2 (an unexpanded $(VAR)?)"]
+        return [f"{w.kind}/{w.name}: inner rendezvous {w.inner!r} must be c10d, etcd-v3 or etcd-v2 "
+                f"(an unexpanded $(VAR)?)"]
     c = _container(w.pod_template)
     pod_spec = w.pod_template.get("spec") or {}
     errors = []
@@ -536,7 +571,8 @@ def store_pods(resources: list[dict], svc: dict) -> list[tuple[dict, dict]]:
 
 
 def _etcd_endpoint_errors(resources: list[dict], w: Workload, host: str, port: int) -> list[str]:
-    """inner=etcd-v2: the endpoint is a Service selecting etcd pods (v2 API on) that serve the port."""
+    """inner=etcd-v3/etcd-v2: the endpoint is a Service selecting etcd pods that serve the port
+    (with the v2 API on for etcd-v2)."""
     svc_name = host.split(".")[0]
     svcs = [s for s in of_kind(resources, "Service") if name(s) == svc_name]
     if not svcs:
@@ -553,7 +589,7 @@ def _etcd_endpoint_errors(resources: list[dict], w: Workload, host: str, port: i
             errors.append(f"{res['kind']}/{name(res)}: pods behind {svc_name} run no etcd")
             continue
         argv = etcds[0].get("command", []) + etcds[0].get("args", [])
-        if "--enable-v2=true" not in argv:
+        if w.inner == "etcd-v2" and "--enable-v2=true" not in argv:
             errors.append(f"{res['kind']}/{name(res)}: etcd without --enable-v2=true: torch's etcd-v2 rendezvous needs the v2 API")
         served = [p for p in (svc.get("spec") or {}).get("ports") or [] if p.get("port") == port
                   and _port_number(etcds[0], p.get("targetPort", port)) == port]
@@ -746,8 +782,16 @@ def rule_volumes(resources: list[dict], w: Workload) -> list[str]:
 
 
 def rule_gpus(resources: list[dict], w: Workload) -> list[str]:
+    """GPUs requested = workers per node; the CPU variant (ELASTIC_EMB_BACKEND=gloo) asks none."""
     c = _container(w.pod_template)
-    gpus = ((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu")
+    res = c.get("resources") or {}
+    asked = {k: (res.get(k) or {}).get("nvidia.com/gpu") for k in ("limits", "requests")}
+    if _env_value(c, "ELASTIC_EMB_BACKEND") == "gloo":
+        if any(v is not None for v in asked.values()):
+            return [f"{w.kind}/{w.name}: the CPU variant (ELASTIC_EMB_BACKEND=gloo) requests nvidia.com/gpu "
+                    f"{asked}: a CPU job must not hold GPUs (nor wait for nodes that have them)"]
+        return []
+    gpus = asked["limits"]
     if not isinstance(gpus, int) or gpus < 1:
         return [f"{w.kind}/{w.name}: limits nvidia.com/gpu={gpus!r} must be a positive integer"]
     if str(w.nproc) != str(gpus):
@@ -755,23 +799,59 @@ def rule_gpus(resources: list[dict], w: Workload) -> list[str]:
     return []
 
 
-def _admitted(np_spec: dict, peer_labels: dict[str, str]) -> list[tuple[int, int]]:
-    """Port ranges a NetworkPolicy opens to pods with ``peer_labels``."""
+def _rules_ports(rules: list[dict], key: str, labels: dict[str, str]) -> list[tuple[int, int]]:
+    """TCP port ranges that ingress (key ``from``) or egress (``to``) rules open to pods with
+    ``labels``; a rule without ports opens every port."""
     out = []
-    for rule in np_spec.get("ingress") or []:
-        peers = rule.get("from") or []
-        if peers and not any(set(p) == {"podSelector"} and _selects(p["podSelector"], peer_labels) for p in peers):
+    for rule in rules or []:
+        peers = rule.get(key) or []
+        if peers and not any(set(p) == {"podSelector"} and _selects(p["podSelector"], labels) for p in peers):
             continue
-        for p in rule.get("ports") or []:
-            if isinstance(p.get("port"), int):
+        ports = rule.get("ports")
+        if not ports:
+            out.append((1, 65535))
+        for p in ports or []:
+            if p.get("protocol", "TCP") != "TCP":
+                continue
+            if p.get("port") is None:
+                out.append((1, 65535))
+            elif isinstance(p.get("port"), int):
                 out.append((p["port"], p.get("endPort", p["port"])))
     return out
 
 
+def _admitted(np_spec: dict, peer_labels: dict[str, str]) -> list[tuple[int, int]]:
+    """Port ranges a NetworkPolicy opens to pods with ``peer_labels`` (ingress)."""
+    return _rules_ports(np_spec.get("ingress") or [], "from", peer_labels)
+
+
+def _covers(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(a <= lo and hi <= b for a, b in ranges)
+
+
+def port_range(w: Workload) -> tuple[int, int] | None:
+    """The pods' ephemeral range (the ip_local_port_range sysctl), or Linux's default when unset."""
+    for sc in (w.pod_template.get("spec") or {}).get("securityContext", {}).get("sysctls") or []:
+        if sc.get("name") == PORT_RANGE_SYSCTL:
+            parts = str(sc.get("value", "")).split()
+            if len(parts) == 2 and all(p.isdigit() for p in parts):
+                return int(parts[0]), int(parts[1])
+            return None
+    return EPHEMERAL
+
+
+def _is_dns_peer(peer: dict) -> bool:
+    ns = ((peer.get("namespaceSelector") or {}).get("matchLabels") or {})
+    pods = ((peer.get("podSelector") or {}).get("matchLabels") or {})
+    return ns == {"kubernetes.io/metadata.name": "kube-system"} and pods == {"k8s-app": "kube-dns"}
+
+
 def rule_policies(resources: list[dict], w: Workload) -> list[str]:
-    """NetworkPolicy and PodDisruptionBudget select the job's pods; every policy admits only the
-    job's own pods (or the store's own members), on the rendezvous port and the ephemeral range;
-    with inner=etcd-v2 the store's pods are isolated the same way."""
+    """NetworkPolicy and PodDisruptionBudget select the job's pods; the policy selects them by the
+    job-name label their controller sets (not only component labels any pod could copy); ingress
+    only from the job's own pods (or the store's members), on the rendezvous port and the pods'
+    ephemeral range; egress only to the job's pods (same ports), the store's client port and DNS;
+    with an etcd rendezvous the store's pods are isolated the same way."""
     errors = []
     pdbs = [p for p in of_kind(resources, "PodDisruptionBudget") if _selects((p.get("spec") or {}).get("selector"), w.pod_labels)]
     if not pdbs:
@@ -782,12 +862,16 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
         errors.append(f"no NetworkPolicy in the rendering selects the job's pods ({w.pod_labels}): "
                       f"{[name(n) for n in nps] or 'none at all'}")
     port = int(w.endpoint.rpartition(":")[2]) if w.endpoint and w.endpoint.rpartition(":")[2].isdigit() else None
+    job_label = JOB_NAME_LABELS[w.kind]
+    store_labels = [((t.get("metadata") or {}).get("labels") or {}) for _, t in
+                    [x for svc in of_kind(resources, "Service") for x in store_pods(resources, svc)]]
     for np_ in nps:
         spec = np_.get("spec") or {}
         selected = spec.get("podSelector") or {}
         own = selected.get("matchLabels") or {}
-        if "Ingress" not in (spec.get("policyTypes") or []):
-            errors.append(f"NetworkPolicy/{name(np_)}: policyTypes must include Ingress")
+        types = spec.get("policyTypes") or []
+        if "Ingress" not in types or "Egress" not in types:
+            errors.append(f"NetworkPolicy/{name(np_)}: policyTypes {types} must include Ingress and Egress")
         for rule in spec.get("ingress") or []:
             peers = rule.get("from") or []
             if not peers:
@@ -797,14 +881,42 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
                                                         or _selects(peer["podSelector"], own))
                 if not ok:
                     errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} is not (only) the job's own pods")
+                elif _selects(peer["podSelector"], w.pod_labels) and \
+                        (peer["podSelector"].get("matchLabels") or {}).get(job_label) != w.name:
+                    errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} admits the trainer pods by component "
+                                  f"labels alone; add {job_label}: {w.name} (set by the controller, unique to this job)")
+        for rule in spec.get("egress") or []:
+            peers = rule.get("to") or []
+            if not peers:
+                errors.append(f"NetworkPolicy/{name(np_)}: an egress rule without `to` reaches every destination")
+            for peer in peers:
+                ok = _is_dns_peer(peer) or (set(peer) == {"podSelector"} and (
+                    _selects(peer["podSelector"], w.pod_labels) or _selects(peer["podSelector"], own)
+                    or any(_selects(peer["podSelector"], lb) for lb in store_labels)))
+                if not ok:
+                    errors.append(f"NetworkPolicy/{name(np_)}: egress peer {peer} is neither the job's pods, the "
+                                  f"rendezvous store nor DNS")
+        if not any(_is_dns_peer(p) and {"protocol": "UDP", "port": 53} in (r.get("ports") or [])
+                   for r in spec.get("egress") or [] for p in r.get("to") or []):
+            errors.append(f"NetworkPolicy/{name(np_)}: no egress to DNS (kube-dns, UDP 53): the pods could not "
+                          f"resolve the rendezvous endpoint")
+    span = port_range(w)
+    if span is None:
+        errors.append(f"{w.kind}/{w.name}: sysctl {PORT_RANGE_SYSCTL} is not two port numbers")
     for np_ in job_nps:
-        open_ports = _admitted(np_["spec"], w.pod_labels)
-        if w.inner == "c10d" and port is not None and not any(lo <= port <= hi for lo, hi in open_ports):
-            errors.append(f"NetworkPolicy/{name(np_)}: the rendezvous port {port} is not open to the job's pods")
-        if not any(lo <= EPHEMERAL[0] and EPHEMERAL[1] <= hi for lo, hi in open_ports):
-            errors.append(f"NetworkPolicy/{name(np_)}: the ephemeral range {EPHEMERAL[0]}-{EPHEMERAL[1]} "
-                          f"(store on MASTER_PORT, gloo/NCCL sockets) is not open to the job's pods")
-    if w.inner == "etcd-v2" and port is not None and w.endpoint:
+        spec = np_["spec"]
+        if (spec.get("podSelector", {}).get("matchLabels") or {}).get(job_label) != w.name:
+            errors.append(f"NetworkPolicy/{name(np_)}: podSelector lacks {job_label}: {w.name}, the label the "
+                          f"controller sets on this job's pods (component labels alone match other jobs' pods)")
+        for way, rules, key in (("ingress from", spec.get("ingress"), "from"), ("egress to", spec.get("egress"), "to")):
+            open_ports = _rules_ports(rules or [], key, w.pod_labels)
+            if w.inner == "c10d" and port is not None and not _covers(open_ports, port, port):
+                errors.append(f"NetworkPolicy/{name(np_)}: the rendezvous port {port} is not open {way} the job's pods")
+            if span is not None and not _covers(open_ports, *span):
+                errors.append(f"NetworkPolicy/{name(np_)}: the pods' ephemeral range {span[0]}-{span[1]} "
+                              f"({PORT_RANGE_SYSCTL}: store on MASTER_PORT, gloo/NCCL sockets) is not open {way} "
+                              f"the job's pods")
+    if w.inner.startswith("etcd-") and port is not None and w.endpoint:
         svc_name = w.endpoint.rpartition(":")[0].split(".")[0]
         for svc in [s for s in of_kind(resources, "Service") if name(s) == svc_name]:
             for res, tmpl in store_pods(resources, svc):
@@ -815,6 +927,159 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
                                   f"(anyone in the cluster could write the rendezvous state)")
                 elif not any(lo <= port <= hi for n in store_nps for lo, hi in _admitted(n["spec"], w.pod_labels)):
                     errors.append(f"{res['kind']}/{name(res)}: the store's client port {port} is not open to the job's pods")
+                if not any(_covers(_rules_ports(n["spec"].get("egress") or [], "to", labels), port, port)
+                           for n in job_nps):
+                    errors.append(f"NetworkPolicy/elastic-emb: no egress from the job's pods to the store's client "
+                                  f"port {port}")
+    return errors
+
+
+# What each inner backend accepts in --rdzv-conf, besides elastic_emb's own keys: torch's dynamic
+# rendezvous keys, then the backend's (torch's c10d and etcd-v2 create_backend; etcd_v3.CONF_KEYS).
+TORCH_DYNAMIC_KEYS = frozenset({"join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                                "keep_alive_interval", "keep_alive_max_attempt"})
+BACKEND_KEYS = {
+    "c10d": frozenset({"read_timeout", "is_host", "store_type", "timeout"}),
+    "etcd-v2": frozenset({"read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert"}),
+}
+
+
+def accepted_conf_keys(inner: str) -> frozenset[str]:
+    from elastic_emb.rendezvous import ListenerConfig
+
+    if inner == "etcd-v3":
+        from elastic_emb.rdzv.etcd_v3 import CONF_KEYS as backend
+    else:
+        backend = BACKEND_KEYS.get(inner, frozenset())
+    return frozenset(ListenerConfig.model_fields) | TORCH_DYNAMIC_KEYS | backend
+
+
+def rule_rdzv_conf(resources: list[dict], w: Workload) -> list[str]:
+    """Every --rdzv-conf key is one the backend accepts (torch ignores unknown keys silently: a
+    misspelt timeout would just not apply), and elastic_emb's own keys validate."""
+    from elastic_emb.rendezvous import ListenerConfig
+
+    keys = accepted_conf_keys(w.inner)
+    errors = [f"{w.kind}/{w.name}: --rdzv-conf key {k!r} is not one inner={w.inner} accepts (have {sorted(keys)})"
+              for k in w.rdzv_conf if k not in keys]
+    try:
+        ListenerConfig.from_params(w.rdzv_conf)
+    except ValueError as exc:
+        errors.append(f"{w.kind}/{w.name}: {exc}")
+    if w.inner == "etcd-v3":
+        from elastic_emb.rdzv.etcd_v3 import ClientOptions
+
+        try:
+            ClientOptions.from_conf(w.rdzv_conf)
+        except ValueError as exc:
+            errors.append(f"{w.kind}/{w.name}: {exc}")
+    return errors
+
+
+def rule_completion(resources: list[dict], w: Workload) -> list[str]:
+    """The workload completes when training ends on any allowed number of pods, and its restart
+    budget covers INCIDENTS incidents that restart every agent (OnFailure counts restarts)."""
+    errors = []
+    need = INCIDENTS * w.max_nodes
+    if w.kind == "Job":
+        spec = next(j for j in of_kind(resources, "Job"))["spec"]
+        rules = (spec.get("successPolicy") or {}).get("rules") or []
+        if not any(r.get("succeededCount") == 1 and "succeededIndexes" not in r for r in rules):
+            errors.append(f"Job/{w.name}: no successPolicy rule `succeededCount: 1` (any index): with completions="
+                          f"{spec.get('completions')} a run that ends on fewer pods never completes (the other "
+                          f"indexes stay Pending)")
+        restart = (w.pod_template.get("spec") or {}).get("restartPolicy")
+        limit = spec.get("backoffLimit", 6)
+        if restart == "OnFailure":
+            if spec.get("podFailurePolicy") or spec.get("backoffLimitPerIndex") is not None:
+                errors.append(f"Job/{w.name}: podFailurePolicy/backoffLimitPerIndex need restartPolicy Never")
+            if not isinstance(limit, int) or limit < need:
+                errors.append(f"Job/{w.name}: backoffLimit={limit!r} counts every agent restart under OnFailure; one "
+                              f"incident can restart all {w.max_nodes} agents, so it must be >= {INCIDENTS} x "
+                              f"maxNodes = {need} (params.restartBudget)")
+    else:
+        job = next(j for j in of_kind(resources, "PyTorchJob"))
+        run = job["spec"].get("runPolicy") or {}
+        worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+        limit = run.get("backoffLimit")
+        if worker.get("restartPolicy") in ("OnFailure", "Always", "ExitCode") and (
+                not isinstance(limit, int) or limit < need):
+            errors.append(f"PyTorchJob/{w.name}: runPolicy.backoffLimit={limit!r} counts every agent restart; it must "
+                          f"be >= {INCIDENTS} x maxNodes = {need} (params.restartBudget)")
+        if run.get("cleanPodPolicy") not in ("Running", "All"):
+            errors.append(f"PyTorchJob/{w.name}: runPolicy.cleanPodPolicy={run.get('cleanPodPolicy')!r} leaves the "
+                          f"pods still Pending or running once the job has finished: use Running")
+    return errors
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    for a in argv:
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def rule_store(resources: list[dict], w: Workload) -> list[str]:
+    """With an etcd rendezvous: an odd number (>= 3) of members, exactly those of --initial-cluster
+    (the StatefulSet's stable names under its headless Service), started together, one per node,
+    compacting their history; a PodDisruptionBudget that lets a drain take one member at a time
+    but never the quorum."""
+    if not w.inner.startswith("etcd-"):
+        return []
+    errors = []
+    for sts in of_kind(resources, "StatefulSet"):
+        spec = sts.get("spec") or {}
+        tmpl = spec.get("template") or {}
+        containers = (tmpl.get("spec") or {}).get("containers") or []
+        etcd = next((c for c in containers if "etcd" in str((c.get("command") or [""])[0])), None)
+        if etcd is None:
+            continue
+        sname, replicas = name(sts), spec.get("replicas", 1)
+        argv = list(etcd.get("command") or []) + list(etcd.get("args") or [])
+        if not isinstance(replicas, int) or replicas < 3 or replicas % 2 == 0:
+            errors.append(f"StatefulSet/{sname}: replicas={replicas!r}: the store needs an odd number >= 3 of members "
+                          f"so that losing one node keeps a quorum (the single-member variant cannot survive it)")
+        cluster = _flag(argv, "--initial-cluster") or ""
+        members = [m.partition("=") for m in cluster.split(",") if m]
+        svc = spec.get("serviceName")
+        want = [(f"{sname}-{i}", f"http://{sname}-{i}.{svc}:2380") for i in range(replicas if isinstance(replicas, int) else 0)]
+        if [(n, u) for n, _, u in members] != want:
+            errors.append(f"StatefulSet/{sname}: --initial-cluster={cluster!r} must name exactly its {replicas} pods "
+                          f"{[n for n, _ in want]} at their stable peer URLs under Service {svc!r}")
+        headless = [s for s in of_kind(resources, "Service") if name(s) == svc]
+        if not headless or (headless[0].get("spec") or {}).get("clusterIP") != "None" or \
+                not (headless[0].get("spec") or {}).get("publishNotReadyAddresses"):
+            errors.append(f"StatefulSet/{sname}: serviceName {svc!r} must be a headless Service with "
+                          f"publishNotReadyAddresses (members resolve each other before any is ready)")
+        if replicas != 1 and spec.get("podManagementPolicy") != "Parallel":
+            errors.append(f"StatefulSet/{sname}: podManagementPolicy must be Parallel: no member is ready before a "
+                          f"quorum exists, so an ordered start waits forever")
+        anti = (((tmpl.get("spec") or {}).get("affinity") or {}).get("podAntiAffinity") or {})
+        labels = (tmpl.get("metadata") or {}).get("labels") or {}
+        if not any(t.get("topologyKey") == "kubernetes.io/hostname" and _selects(t.get("labelSelector"), labels)
+                   for t in anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []):
+            errors.append(f"StatefulSet/{sname}: no required podAntiAffinity on kubernetes.io/hostname: two members on "
+                          f"one node would both be lost with it")
+        if _flag(argv, "--auto-compaction-retention") is None:
+            errors.append(f"StatefulSet/{sname}: no --auto-compaction-retention: every heartbeat writes a revision "
+                          f"and the uncompacted history fills etcd's quota")
+        pdbs = [p for p in of_kind(resources, "PodDisruptionBudget")
+                if _selects((p.get("spec") or {}).get("selector"), labels)]
+        if len(pdbs) != 1:
+            errors.append(f"StatefulSet/{sname}: {len(pdbs)} PodDisruptionBudgets select its pods, want 1")
+            continue
+        pspec = pdbs[0]["spec"]
+        quorum = replicas // 2 + 1 if isinstance(replicas, int) else 1
+        if "maxUnavailable" in pspec:
+            allowed = pspec["maxUnavailable"]
+        else:
+            allowed = replicas - pspec.get("minAvailable", replicas) if isinstance(replicas, int) else 0
+        if not isinstance(allowed, int) or allowed < 1:
+            errors.append(f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed!r} disruptions of the store: a "
+                          f"`kubectl drain` of a member's node would block forever (use maxUnavailable: 1)")
+        elif isinstance(replicas, int) and replicas - allowed < quorum:
+            errors.append(f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed} of {replicas} members down at once, "
+                          f"below the quorum of {quorum}")
     return errors
 
 
@@ -826,6 +1091,9 @@ WIRING_RULES = {
     "volumes": rule_volumes,
     "gpus": rule_gpus,
     "policies": rule_policies,
+    "rdzv_conf": rule_rdzv_conf,
+    "completion": rule_completion,
+    "store": rule_store,
 }
 
 
