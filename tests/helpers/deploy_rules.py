@@ -945,7 +945,7 @@ BACKEND_KEYS = {
 
 
 def accepted_conf_keys(inner: str) -> frozenset[str]:
-    from elastic_emb.rendezvous import ListenerConfig
+    from elastic_emb.rdzv.conf import ListenerConfig
 
     if inner == "etcd-v3":
         from elastic_emb.rdzv.etcd_v3 import CONF_KEYS as backend
@@ -957,7 +957,7 @@ def accepted_conf_keys(inner: str) -> frozenset[str]:
 def rule_rdzv_conf(resources: list[dict], w: Workload) -> list[str]:
     """Every --rdzv-conf key is one the backend accepts (torch ignores unknown keys silently: a
     misspelt timeout would just not apply), and elastic_emb's own keys validate."""
-    from elastic_emb.rendezvous import ListenerConfig
+    from elastic_emb.rdzv.conf import ListenerConfig
 
     keys = accepted_conf_keys(w.inner)
     errors = [f"{w.kind}/{w.name}: --rdzv-conf key {k!r} is not one inner={w.inner} accepts (have {sorted(keys)})"
