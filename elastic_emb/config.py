@@ -70,8 +70,10 @@ class Settings(BaseSettings):
                                         "unset: `~/.cache/elastic_emb/native_context`", min_length=1)
     # -- set by the elastic_emb rendezvous backend in every worker -------------------------------
     generation: int = _setting(0, "the rendezvous round (the topology's generation)", "agent", ge=0)
-    rdzv_backend: Literal["c10d", "etcd-v2"] | None = _setting(None, "the inner rendezvous backend, for the "
-                                                               "watcher", "agent")
+    rdzv_backend: Literal["c10d", "etcd-v2", "etcd-v3"] | None = _setting(None, "the inner rendezvous backend, "
+                                                                          "for the watcher", "agent")
+    etcd_options: str | None = _setting(None, "inner=etcd-v3: the agent's etcd client options (JSON, no secrets: "
+                                        "TLS file paths, user, password file), for the watcher", "agent")
     rdzv_endpoint: str | None = _setting(None, "the rendezvous endpoint HOST:PORT, for the watcher and "
                                          "`elastic-emb drain`", "agent", pattern=r"^\S+:\d{1,5}$")
     rdzv_node: str | None = _setting(None, "this agent's node in the rendezvous (`addr_pid_localid`)", "agent",

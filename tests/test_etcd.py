@@ -202,11 +202,11 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
     from elastic_emb.rdzv.decode import node_id
 
     handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
+    restart = threading.Timer(2.5, etcd_server.start)
     try:
         me = node_id(handler._inner._this_node)
         assert handler.num_nodes_waiting() == 0
         etcd_server.kill()
-        restart = threading.Timer(2.5, etcd_server.start)
         restart.start()
         start = time.monotonic()
         assert handler.num_nodes_waiting() == 0
@@ -226,6 +226,9 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
         assert "membership_changed" not in kinds and "store_outage_exceeded" not in kinds, kinds
         print(f"\netcd down 2.5 s (+ restart): num_nodes_waiting blocked {took:.2f} s, outage_s {back['outage_s']}")
     finally:
+        restart.cancel()  # a failure before the restart fired must not start an etcd after the fixture's stop
+        if restart.is_alive():
+            restart.join(30)
         _close(handler)
 
 
