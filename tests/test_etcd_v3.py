@@ -22,8 +22,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 
 from elastic_emb.rdzv import etcd_v3 as v3
 from elastic_emb.testing.etcd import EtcdCluster
-from etcd_fixture import etcd_server  # noqa: F401  (the fixture)
-from etcd_fixture import require_etcd
+from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
+from tests.helpers.etcd_fixture import require_etcd
 
 
 def _backend(server, run_id="job", **conf):
@@ -213,6 +213,13 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
 
 
 def test_conf_keys_and_endpoints_are_validated():
+    from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
+
+    # The backend registry (which imports no torch) lists the same keys this module reads.
+    assert INNER_BACKENDS["etcd-v3"].conf_keys == v3.CONF_KEYS
+    ListenerConfig.from_params({"inner": "etcd-v3", "user": "u", "password_file": "/p", "ttl": "60"})
+    with pytest.raises(ValueError, match="password_file"):
+        ListenerConfig.from_params({"inner": "c10d", "password_file": "/p"})
     assert v3.parse_endpoints("a:1,b:2, c") == ["http://a:1", "http://b:2", "http://c:2379"]
     assert v3.parse_endpoints("[::1]:23", "https") == ["https://[::1]:23"]
     for bad in ("", "a:b", "a:1:2", "a:70000"):

@@ -24,20 +24,25 @@ class InnerBackend(NamedTuple):
     factory: str  # "module:function"
     state_key: str
     requires: str = ""
+    conf_keys: frozenset[str] = frozenset()  # --rdzv-conf keys of its own (beyond torch's)
 
 
 INNER_BACKENDS: dict[str, InnerBackend] = {}
 
 
-def register_inner(name: str, factory: str, state_key: str, requires: str = "") -> None:
+def register_inner(name: str, factory: str, state_key: str, requires: str = "",
+                   conf_keys: frozenset[str] = frozenset()) -> None:
     """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory`` (``module:function``)."""
-    INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires)
+    INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires, frozenset(conf_keys))
 
 
 register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
 register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
                ETCD_STATE_KEY, requires="python-etcd")
-register_inner("etcd-v3", "elastic_emb.rdzv.etcd_v3:create_backend", ETCD_STATE_KEY)
+# elastic_emb's own v3 backend; its keys are etcd_v3.CONF_KEYS (listed here: this module imports no torch).
+register_inner("etcd-v3", "elastic_emb.rdzv.etcd_v3:create_backend", ETCD_STATE_KEY,
+               conf_keys=frozenset({"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user",
+                                    "password_file", "ttl"}))
 
 
 # The --rdzv-conf keys torch's dynamic rendezvous and its c10d/etcd-v2 backends read (torch 2.11-2.14:
@@ -54,6 +59,8 @@ def check_conf_keys(config: Mapping[str, Any]) -> None:
     """Refuse a ``--rdzv-conf`` key neither elastic_emb nor torch reads (a typo would otherwise be
     ignored in silence), naming it and listing the valid keys."""
     ours = set(ListenerConfig.model_fields)
+    inner = INNER_BACKENDS.get(str(config.get("inner") or "c10d"))
+    ours |= inner.conf_keys if inner is not None else set()
     unknown = sorted(set(config) - ours - TORCH_CONF_KEYS)
     if unknown:
         given = ", ".join(f"{k}={config[k]}" for k in unknown)

@@ -962,8 +962,10 @@ def rule_rdzv_conf(resources: list[dict], w: Workload) -> list[str]:
     keys = accepted_conf_keys(w.inner)
     errors = [f"{w.kind}/{w.name}: --rdzv-conf key {k!r} is not one inner={w.inner} accepts (have {sorted(keys)})"
               for k in w.rdzv_conf if k not in keys]
+    if errors:
+        return errors
     try:
-        ListenerConfig.from_params(w.rdzv_conf)
+        ListenerConfig.from_params(w.rdzv_conf)  # what the agent itself checks at start
     except ValueError as exc:
         errors.append(f"{w.kind}/{w.name}: {exc}")
     if w.inner == "etcd-v3":
