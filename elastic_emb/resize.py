@@ -33,8 +33,11 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    which may be the node that left.
    After a failed collective the old context is aborted first: the failed step may have
    changed rows without a commit, so the restore takes the newest commit, never those rows.
-   A survivor blocked in a store wait of a commit (``state.Comm.exchange``) when its peer dies
-   is not interrupted: it re-forms when that wait times out (``transfer_timeout``).
+   A survivor blocked in a store wait (a commit's exchange, an agreement) when its peer dies
+   would wait out the full timeout: the world's store is wrapped in :class:`InterruptibleStore`,
+   whose waits end with :class:`MemberGone` as soon as the watcher sees a member gone. Pass
+   :func:`interruptible_store` of the first generation's store to ``Lifecycle.start``; the
+   generations formed in process get one automatically.
 5. **Fallback.** Any failure of the re-form (no decision in time, the worker not in it, an error
    while rebuilding) writes the signed ``inproc_fallback`` key of the running round; every agent
    then restarts its workers as in restart mode (a membership restart, budget untouched), and
@@ -54,6 +57,8 @@ import os
 import time
 from collections.abc import Mapping
 
+import torch.distributed as dist
+
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
@@ -66,6 +71,70 @@ log = get_logger("elastic_emb.resize")
 
 class ResizeFallback(ElasticEmbError, RuntimeError):
     """The in-process re-form failed; the agents were asked to restart the workers instead."""
+
+
+class MemberGone(ElasticEmbError, TimeoutError):
+    """A store wait ended because a member of the generation left the rendezvous."""
+
+
+class InterruptibleStore(dist.Store):
+    """A store whose waits (and blocking gets) end as soon as ``interrupted()`` says so.
+
+    Wraps any ``torch.distributed.Store``; used by ``PrefixStore`` and by gloo process groups like
+    the store it wraps. A wait polls ``check`` (1 ms, doubling to 10 ms) instead of blocking in
+    the store's client, so a survivor never waits out a timeout for a peer that is gone.
+    """
+
+    def __init__(self, inner, interrupted) -> None:
+        super().__init__()
+        self._inner = inner
+        self._interrupted = interrupted
+
+    def set(self, key, value):
+        return self._inner.set(key, value)
+
+    def get(self, key):
+        self.wait([key])
+        return self._inner.get(key)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self._inner.set_timeout(timeout)
+
+    def wait(self, keys, timeout=None):
+        limit = (timeout or self._inner.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = 0.001
+        while not self._inner.check(keys):
+            if self._interrupted():
+                raise MemberGone(f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
+                                 f"rendezvous (the in-process resize re-forms without it)")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"store wait for {list(keys)[:4]} timed out after {limit:g} s")
+            time.sleep(pause)
+            pause = min(0.01, pause * 2)
+
+
+def interruptible_store(store, watcher):
+    """``store`` with waits that end when ``watcher`` sees a member of the generation gone (for
+    ``Lifecycle.start(store=...)`` in ``resize=in_process`` mode; ``store`` itself otherwise)."""
+    if watcher is None or config.load(None, "resize").resize != "in_process":
+        return store
+    return InterruptibleStore(store, lambda: bool(watcher.gone()))
 
 
 class InProcessResize:
@@ -122,6 +191,8 @@ class InProcessResize:
             nodes = self._decide(old.generation + 1, survivors)
             t2 = time.perf_counter()
             new = self._topology(old, nodes)
+            # The decision is final: from here on "a member is gone" means one of these nodes.
+            self.watcher.adopt(nodes, new.rank, new.world_size)
             if failed and self.lc.context is not None and not self.lc.context.closed:
                 # The failed step may have changed this rank's rows without a commit: abort the old
                 # context now, so the rebuild restores the newest commit instead of these rows.
@@ -133,7 +204,6 @@ class InProcessResize:
                                  f"{exc}); the agents restart the workers instead") from exc
         t3 = time.perf_counter()
         self.nodes = nodes
-        self.watcher.adopt(nodes, new.rank, new.world_size)
         log.info("resize.in_process", mode="in_process", gone=list(gone), old_generation=old.generation,
                  new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,
                  rank=new.rank, pid=os.getpid(), detect_s=round(t1 - t0, 6), decide_s=round(t2 - t1, 6),
@@ -179,7 +249,9 @@ class InProcessResize:
 
     def _world_store(self):
         if self._store is None:
-            self._store = self.watcher._reader.world_store(self._store_timeout)
+            watcher = self.watcher
+            self._store = InterruptibleStore(watcher._reader.world_store(self._store_timeout),
+                                             lambda: bool(watcher.gone()))
         return self._store
 
     def _fall_back(self, exc: BaseException) -> None:

@@ -225,7 +225,15 @@ def main_lifecycle() -> int:
         watcher.start()
     # transfer_timeout bounds a commit's store exchange with a peer that died (in-process resize
     # re-forms when it expires); the table is 1 KiB, so 10 s is ample for every real transfer.
-    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0), watcher=watcher)
+    from elastic_emb.resize import interruptible_store
+    from elastic_emb.store import worker_store
+    from elastic_emb.topology import Topology
+
+    # resize=in_process: the first generation's store waits end when a member leaves (the
+    # survivors re-form instead of waiting out a commit's timeout for a dead peer).
+    store = interruptible_store(worker_store(Topology.from_env(), timeout=30.0), watcher)
+    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0), watcher=watcher,
+                         store=store)
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
     want = expected_rows(shard.rows.start, shard.rows.stop, lc.step)
