@@ -32,12 +32,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+
+from elastic_emb.testing.ports import free_port
 
 LAYOUT = ["A0", "A1", "B0", "B1", "C0", "C1", "D0", "D1"]
 SURVIVORS = ["A0", "A1", "C0", "C1"]
@@ -169,9 +170,7 @@ def hub(args) -> dict:
     import elastic_emb.lifecycle  # noqa: F401
     import elastic_emb.context  # noqa: F401
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # reserved until the hub exits: the forked rank 0 binds its TCPStore beside it
     flags = tempfile.mkdtemp(prefix="ep8_flags_")
     children = {}
     for me in LAYOUT:
