@@ -16,6 +16,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The optional TorchRec extra for its tests: torchrec with --no-deps (its metadata wants the CUDA
+# fbgemm-gpu), everything pinned to the torch already installed so nothing replaces it.
+TORCHREC_SPEC ?= torchrec==1.8.0
+$(VENV)/.torchrec: $(VENV)/.installed
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[torchrec]'
+	$(PY) -m pip install -q --no-deps -c $(VENV)/torch-constraint.txt "$(TORCHREC_SPEC)"
+	touch $@
+
 demo: venv
 	$(VENV)/bin/elastic-emb demo
 
@@ -25,7 +34,7 @@ demo: venv
 system-deps:
 	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then PYTHON="$(PYTHON)" .ci/system-deps; fi
 
-test: system-deps venv
+test: system-deps venv $(VENV)/.torchrec
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -73,6 +73,11 @@ class ContractViolation(ElasticEmbError, TypeError):
     """A context object lacks a member of :class:`elastic_emb.protocol.ShardedContext`."""
 
 
+class UnsupportedSharding(ElasticEmbError, ValueError):
+    """A framework's table is laid out in a way elastic_emb cannot move row by row (e.g. a TorchRec
+    table sharded table-wise or column-wise); the message names the table and the remedy."""
+
+
 class ChangeTrackingUnsupported(ElasticEmbError, NotImplementedError):
     """``take_changes`` was called on a context whose ``tracks_changes`` is False."""
 

@@ -3,13 +3,15 @@
 Run as ``python -c "from tests.helpers import adapters_worker; adapters_worker.main()"`` with the rank's torchrun
 environment plus ``ADW_SPEC`` (JSON):
 
-* ``context``: ``native`` (examples/native_context) or ``torchrec`` (elastic_emb.adapters.torchrec);
+* ``context``: ``native`` (examples/native_context) or ``torchrec`` (elastic_emb.adapters.torchrec
+  over tests/torchrec_model.py);
 * ``out``: directory for dumps; ``tables``: TableSpec fields;
 * ``wait_file``: start only once this file exists (a joiner waits for the world it joins);
 * ``phases``: the first is ``Lifecycle.start`` from this process's environment; each later one is
   an in-process membership change to ``env`` (torchrun variables), or ``{"depart": true}`` (the
   process leaves like a lost node: no clean-up). Each phase trains up to step ``until``
-  (committing every step) and dumps this rank's shard as ``<dump>-r<rank>.pt``.
+  (committing every step) and dumps this rank's shard as ``<dump>-r<rank>.pt`` (and after each
+  step listed in ``dump_steps`` as ``<dump><step>-r<rank>.pt``).
 
 A first start fills rows with integer values that do not depend on the world size. The last
 stdout line is JSON: the lifecycle events and, for the native context, its process counters.
@@ -81,10 +83,10 @@ def main() -> None:
         factory = torchrec_model.factory(spec)
         train = torchrec_model.train_step
     if spec.get("wait_file"):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         while not os.path.exists(spec["wait_file"]):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{spec['wait_file']} did not appear within 120 s")
+                raise TimeoutError(f"{spec['wait_file']} did not appear within 240 s")
             time.sleep(0.05)
     result: dict = {"events": [], "counters": []}
     lc = None
@@ -104,6 +106,8 @@ def main() -> None:
         for step in range(lc.next_step, phase.get("until", -1) + 1):
             train(lc.context, step)
             lc.commit(step)
+            if step in phase.get("dump_steps", ()):
+                dump(lc.context, spec["out"], f"{phase['dump']}{step}")
         if spec["context"] == "native":
             result["counters"].append({**lc.context.native_counters(), "phase": i,
                                        "world_size": lc.topology.world_size})

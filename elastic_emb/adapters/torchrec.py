@@ -1,0 +1,447 @@
+"""Elastic TorchRec: a :class:`~elastic_emb.protocol.ShardedContext` over a user's
+``DistributedModelParallel``.
+
+TorchRec reshards only within one world size. This context lets the lifecycle treat a TorchRec
+model like any other context: for each agreed topology it forms torch.distributed's default
+process group (a private store prefix per generation), calls the user's ``build(topology, env,
+device)``, which returns the ``DistributedModelParallel`` for that world, and reads the model's
+row-wise sharded tables. On a resize the lifecycle closes it (the DMP and its process group go)
+and constructs a new one at the new size; rows and optimizer state move through the state tiers.
+
+Rows and optimizer state cross the contract through the DMP's state dict: the local shard of each
+table's weight (``dmp.state_dict()[<fqn>].local_shards()``) and of each of its fused optimizer's
+row-wise states (``dmp.fused_optimizer.state_dict()["state"][<fqn>]["<table>.<slot>"]``, e.g.
+``momentum1`` of row-wise Adagrad). Both are views of fbgemm's own storage, so
+:meth:`TorchRecContext.shard_views` hands them out as they are and a restore writes rows straight
+into the live model; :meth:`export_shard` copies them.
+
+Layout: TorchRec's row-wise sharding gives rank ``r`` of ``W`` the block
+``[r * ceil(n/W), (r+1) * ceil(n/W))``, which is :func:`elastic_emb.sharding.owned_range` over
+``W`` owners, so the context declares ``owner_ranks = world_size`` (every rank owns rows, whatever
+the topology's ``ep_size``). Only row-wise tables with a fused compute kernel are accepted:
+table-wise, column-wise, data-parallel or grid sharding, a dense kernel (optimizer state outside
+fbgemm), or an optimizer state that is not row-wise raise :class:`UnsupportedSharding` naming the
+table and the remedy, at construction.
+
+Replicated parameters (the dense tower, kept identical on every rank by DDP) travel as one more
+table, ``dense`` by default: their values flattened in ``named_parameters()`` order into rows of
+:data:`DENSE_DIM`, each rank carrying its ``owned_range`` of them. After a restore,
+:meth:`mark_restored` all-gathers the rows and writes them back into the parameters on every rank.
+The dense optimizer's state is not carried: use a stateless one (SGD without momentum) or accept
+that it restarts at a resize. Buffers (e.g. batch-norm statistics) are not carried either.
+
+Not offered: change tracking (``tracks_changes`` False: the lifecycle takes full snapshots), a
+``reset`` that renumbers ranks (it raises ``ValueError``; the same-size re-form the lifecycle
+does keeps each process's rank).
+
+Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
+new DMP) and should run its step inside :meth:`TorchRecContext.guard`, which marks the context
+unhealthy when a collective fails, so a resize restores from committed state instead of rows that
+may hold part of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.errors import ContextClosed, ElasticEmbError, UnsupportedSharding, WorldSizeChanged
+from elastic_emb.protocol import ContextBase, ShardData, TableSpec
+from elastic_emb.sharding import RowRange, owned_range
+from elastic_emb.store import generation_store
+from elastic_emb.topology import Topology
+
+DENSE_DIM = 16
+"""Columns of the ``dense`` table (the replicated parameters, flattened)."""
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+
+BuildFn = Callable[[Topology, object, torch.device], object]
+"""``build(topology, sharding_env, device) -> DistributedModelParallel``."""
+
+
+def require_torchrec():
+    """Import torchrec, or fail with the install command."""
+    try:
+        import torchrec
+        from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"elastic_emb.adapters.torchrec needs TorchRec ({exc}); install the extra: "
+            f"pip install 'elastic-emb[torchrec]' (README, section TorchRec, has the exact command)"
+        ) from exc
+    return torchrec
+
+
+class TorchRecContext(ContextBase):
+    """A user's TorchRec model as an elastic_emb context (see the module docstring).
+
+    ``build(topology, env, device)`` returns the ``DistributedModelParallel`` for ``topology``;
+    ``env`` is a ``ShardingEnv`` over the default process group this context formed, ``device``
+    is ``cuda:<local_rank>`` on NCCL, else the CPU. ``dense_table``: the name of the table that
+    carries the replicated parameters (None: they are not carried). ``timeout``: seconds for
+    every collective of the process group.
+    """
+
+    tracks_changes = False
+
+    def __init__(self, topology: Topology, store, *, build: BuildFn, dense_table: str | None = "dense",
+                 timeout: float = 60.0) -> None:
+        require_torchrec()
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        self.topology = topology
+        self.timeout = timeout
+        self.owner_ranks = topology.world_size
+        self.device = (torch.device("cuda", topology.local_rank) if topology.backend == "nccl"
+                       else torch.device("cpu"))
+        self._build_fn = build
+        self._dense_name = dense_table
+        self._store = store
+        self._forms = 0
+        self._group = None
+        self._closed = False
+        self._healthy = True
+        self._model = None
+        self._dense_stale = False
+        self._form_group(topology, store)
+        try:
+            self._build()
+        except BaseException:
+            self._destroy_group()
+            raise
+
+    # -- process group and model --------------------------------------------------------------
+
+    def _form_group(self, topology: Topology, store) -> None:
+        if dist.is_initialized():
+            raise ElasticEmbError(
+                f"torch.distributed's default process group is already initialized (rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}); TorchRecContext forms it for each generation itself: destroy it "
+                f"first (dist.destroy_process_group()) and let the context own it"
+            )
+        self._forms += 1
+        prefix = dist.PrefixStore(f"form{self._forms}/", generation_store(store, topology, "torchrec"))
+        dist.init_process_group(topology.backend, store=prefix, rank=topology.rank, world_size=topology.world_size,
+                                timeout=timedelta(seconds=self.timeout))
+        self._group = dist.group.WORLD
+
+    def _destroy_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+
+    def _build(self) -> None:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.types import ShardingEnv
+
+        _forget_collective_validation()
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        model = self._build_fn(self.topology, env, self.device)
+        if not isinstance(model, DistributedModelParallel):
+            raise TypeError(f"build() returned {type(model).__name__}; it must return the torchrec "
+                            f"DistributedModelParallel for the topology it is given")
+        views, sharded = _sharded_tables(model, self.topology)
+        self._views = views
+        self._dense = [(n, p) for n, p in model.named_parameters() if n not in sharded] if self._dense_name else []
+        if self._dense_name in views:
+            raise ValueError(f"dense_table={self._dense_name!r} is also the name of a TorchRec table; pick another")
+        self.tables: dict[str, TableSpec] = {}
+        for name, v in views.items():
+            self.tables[name] = TableSpec(name=name, num_rows=v.num_rows, dim=v.weight.shape[1],
+                                          dtype=_dtype_name(v.weight.dtype, name))
+        if self._dense:
+            dtypes = {p.dtype for _, p in self._dense}
+            if len(dtypes) != 1:
+                raise ValueError(f"the replicated parameters mix dtypes {sorted(map(str, dtypes))}; the "
+                                 f"{self._dense_name!r} table needs one (or pass dense_table=None)")
+            total = sum(p.numel() for _, p in self._dense)
+            rows = -(-total // DENSE_DIM)
+            dtype = dtypes.pop()
+            self._dense_flat = torch.zeros(rows * DENSE_DIM, dtype=dtype, device=self.device)
+            self.tables[self._dense_name] = TableSpec(name=self._dense_name, num_rows=rows, dim=DENSE_DIM,
+                                                      dtype=_dtype_name(dtype, self._dense_name))
+        self._model = model
+
+    # -- the contract: state -----------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def model(self):
+        """The DistributedModelParallel of this generation (a new one after a resize or reset)."""
+        self._check_open("model")
+        if self._dense_stale:
+            raise ElasticEmbError(
+                f"import_shard wrote this rank's rows of {self._dense_name!r}; the replicated parameters are whole "
+                f"again only after sync_dense(), a collective every rank calls"
+            )
+        return self._model
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ContextClosed(f"{what} on a closed TorchRecContext; the lifecycle constructs a new one")
+
+    # -- the contract: rows --------------------------------------------------------------------
+
+    def shard_views(self) -> dict[str, ShardData]:
+        """Each table's local shard as fbgemm's own tensors (weight and optimizer slots), and the
+        ``dense`` rows as a view of a flat copy of the replicated parameters (refreshed now)."""
+        self._check_open("shard_views")
+        out = {n: ShardData(n, v.rows, v.weight, dict(v.slots)) for n, v in self._views.items()}
+        if self._dense:
+            if not self._dense_stale:
+                self._flatten_dense()
+            out[self._dense_name] = self._dense_view()
+        return out
+
+    def export_shard(self) -> dict[str, ShardData]:
+        self._check_open("export_shard")
+        return {n: ShardData(n, s.rows, s.weight.detach().clone(), {k: v.detach().clone() for k, v in s.slots.items()})
+                for n, s in self.shard_views().items()}
+
+    def import_shard(self, shards: Mapping[str, ShardData]) -> None:
+        """Local: write this rank's rows. The replicated parameters need :meth:`sync_dense` after."""
+        self._check_open("import_shard")
+        views = self.shard_views()
+        if set(shards) != set(views):
+            raise ValueError(f"import_shard got tables {sorted(shards)}; this context has {sorted(views)}")
+        for name, s in shards.items():
+            v = views[name]
+            if (s.rows != v.rows or tuple(s.weight.shape) != tuple(v.weight.shape) or set(s.slots) != set(v.slots)
+                    or any(tuple(s.slots[k].shape) != tuple(v.slots[k].shape) for k in v.slots)):
+                raise ValueError(
+                    f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) shape {tuple(s.weight.shape)} slots "
+                    f"{sorted(s.slots)} is not this rank's [{v.rows.start}, {v.rows.stop}) shape "
+                    f"{tuple(v.weight.shape)} slots {sorted(v.slots)}")
+        with torch.no_grad():
+            for name, s in shards.items():
+                v = views[name]
+                v.weight.copy_(s.weight)
+                for k, t in v.slots.items():
+                    t.copy_(s.slots[k])
+        if self._dense:
+            self._dense_stale = True
+
+    def mark_restored(self) -> None:
+        """A restore wrote every row through :meth:`shard_views`: rebuild the replicated
+        parameters from every rank's ``dense`` rows (collective)."""
+        if self._dense:
+            self._dense_stale = True
+            self.sync_dense()
+
+    def sync_dense(self) -> None:
+        """Collective: all-gather the ``dense`` rows and write them into the parameters."""
+        self._check_open("sync_dense")
+        if not self._dense or not self._dense_stale:
+            return
+        rows = self.tables[self._dense_name].num_rows
+        ws = self.topology.world_size
+        block = -(-rows // ws)
+        mine = self._dense_view().weight
+        send = torch.zeros(block, DENSE_DIM, dtype=mine.dtype, device=self.device)
+        send[: mine.shape[0]] = mine
+        gathered = torch.empty(ws * block, DENSE_DIM, dtype=mine.dtype, device=self.device)
+        with self.guard():
+            work = dist.all_gather_into_tensor(gathered, send, async_op=True)
+            work.wait(timedelta(seconds=self.timeout))
+        self._dense_flat.copy_(gathered[:rows].reshape(-1))
+        offset = 0
+        with torch.no_grad():
+            for _, p in self._dense:
+                p.copy_(self._dense_flat[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._dense_stale = False
+
+    def _flatten_dense(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for _, p in self._dense:
+                self._dense_flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+
+    def _dense_view(self) -> ShardData:
+        spec = self.tables[self._dense_name]
+        rr = owned_range(spec.num_rows, self.topology.world_size, self.topology.rank)
+        return ShardData(self._dense_name, rr, self._dense_flat.view(spec.num_rows, DENSE_DIM)[rr.start: rr.stop])
+
+    # -- the contract: communicator ------------------------------------------------------------
+
+    def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
+        """Same world size and rank: a new process group on ``store`` and a new DMP from ``build``,
+        holding this rank's rows, optimizer state and replicated parameters as they were."""
+        self._check_open("reset")
+        if world_size != self.topology.world_size:
+            raise WorldSizeChanged(self.topology.world_size, world_size)
+        if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
+            raise ValueError(f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
+                             f"ep_size={self.topology.ep_size} backend={self.topology.backend}: construct a new context")
+        if rank != self.topology.rank or topology.rank != rank:
+            raise ValueError(f"reset from rank {self.topology.rank} to rank {rank}: TorchRecContext keeps its rank "
+                             f"across a same-size re-form; a renumbered world needs a new context")
+        saved = self.export_shard()
+        dense = self._dense_flat.clone() if self._dense else None
+        self._drop_model()
+        self._destroy_group()
+        self._form_group(topology, store)
+        self.topology, self._store = topology, store
+        self._build()
+        with torch.no_grad():
+            for name, v in self._views.items():
+                v.weight.copy_(saved[name].weight)
+                for k, t in v.slots.items():
+                    t.copy_(saved[name].slots[k])
+            if dense is not None:
+                self._dense_flat.copy_(dense)
+                self._dense_stale = True
+                offset = 0
+                for _, p in self._dense:
+                    p.copy_(dense[offset: offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                self._dense_stale = False
+        self._healthy = True
+
+    def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
+        """Drop the DMP and destroy the default process group (synchronously). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_model()
+        self._destroy_group()
+
+    def _drop_model(self) -> None:
+        self._model = None
+        self._views = {}
+        self._dense = []
+
+    # -- collectives --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a training step (or any collective) inside: an exception marks the context
+        unhealthy, so the lifecycle does not take this rank's rows as a committed state."""
+        try:
+            yield
+        except BaseException:
+            self._healthy = False
+            raise
+
+    def barrier(self) -> None:
+        """One all-reduce over the process group, bounded by the timeout."""
+        self._check_open("barrier")
+        t = torch.ones(1, device=self.device)
+        with self.guard():
+            dist.all_reduce(t, async_op=True).wait(timedelta(seconds=self.timeout))
+            if int(t.item()) != self.topology.world_size:
+                raise ElasticEmbError(f"{int(t.item())} of {self.topology.world_size} ranks took part in the barrier")
+
+
+def _forget_collective_validation() -> None:
+    """Make every rank take part in the broadcast that DistributedModelParallel's constructor does.
+
+    TorchRec (1.8, 1.9) latches a process-wide flag (``collective_utils._INITIALIZED``) after the
+    first DMP of a process broadcast its collective-validation setting from rank 0, and skips the
+    broadcast for every later DMP. In an elastic world a survivor builds its second DMP next to a
+    joiner building its first: the joiner waits in that broadcast and the survivor never enters
+    it (found by tests/test_adapters_torchrec.py: a 60 s gloo timeout). Clearing the latch before
+    each build makes the broadcast collective again on every rank."""
+    from torchrec.distributed import collective_utils
+
+    if hasattr(collective_utils, "_INITIALIZED"):
+        collective_utils._INITIALIZED = False
+
+
+class _TableViews:
+    """One table's local shard: the weight and the row-wise optimizer states, fbgemm's tensors."""
+
+    def __init__(self, num_rows: int, rows: RowRange, weight: torch.Tensor, slots: dict[str, torch.Tensor]) -> None:
+        self.num_rows, self.rows, self.weight, self.slots = num_rows, rows, weight, slots
+
+
+def _dtype_name(dtype: torch.dtype, table: str) -> str:
+    if dtype not in _DTYPES:
+        raise UnsupportedSharding(f"table {table!r} has dtype {dtype}; elastic_emb moves {sorted(_DTYPES.values())}")
+    return _DTYPES[dtype]
+
+
+def _local(st, table: str, what: str, num_rows: int, rows: RowRange, trailing: tuple) -> torch.Tensor:
+    """The local shard of a ShardedTensor as a tensor of ``rows`` (an empty tensor when none)."""
+    shards = st.local_shards()
+    if not shards:
+        if len(rows):
+            raise UnsupportedSharding(f"table {table!r}: {what} has no local shard on this rank, which should hold "
+                                      f"rows [{rows.start}, {rows.stop}) of {num_rows}")
+        return torch.empty(0, *trailing, dtype=st.dtype)
+    if len(shards) != 1:
+        raise UnsupportedSharding(f"table {table!r}: {what} has {len(shards)} local shards; row-wise sharding "
+                                  f"gives each rank one")
+    off = shards[0].metadata.shard_offsets
+    t = shards[0].tensor
+    got = RowRange(off[0], off[0] + t.shape[0])
+    if got != rows or any(o != 0 for o in off[1:]) or tuple(t.shape[1:]) != tuple(trailing):
+        raise UnsupportedSharding(
+            f"table {table!r}: {what} holds rows [{got.start}, {got.stop}) offsets {list(off)} shape {tuple(t.shape)} "
+            f"on this rank; even row-wise sharding gives it rows [{rows.start}, {rows.stop}) with every column: "
+            f"shard it with row_wise() and no sizes_placement")
+    return t
+
+
+def _sharded_tables(model, topology: Topology) -> tuple[dict[str, _TableViews], set[str]]:
+    """Every sharded table of ``model``: its local views, and the parameter names they cover."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = model.state_dict()
+    optim_state = model.fused_optimizer.state_dict()["state"]
+    views: dict[str, _TableViews] = {}
+    sharded: set[str] = set()
+    for path, module_plan in model.plan.plan.items():
+        for table, ps in module_plan.items():
+            kind = str(ps.sharding_type)
+            if kind != "row_wise":
+                raise UnsupportedSharding(
+                    f"table {table!r} (module {path!r}) is sharded {kind}; elastic_emb moves row-wise tables only: "
+                    f"plan it with construct_module_sharding_plan(module, {{{table!r}: row_wise(compute_kernel='fused')}}, "
+                    f"world_size=..., device_type=...)")
+            if str(ps.compute_kernel) != "fused":
+                raise UnsupportedSharding(
+                    f"table {table!r} (module {path!r}) uses the {ps.compute_kernel!r} kernel; elastic_emb needs "
+                    f"'fused' (its optimizer state lives in fbgemm, where the adapter reads it): "
+                    f"row_wise(compute_kernel='fused')")
+            prefix = f"{path}." if path else ""
+            keys = [k for k in (f"{prefix}embedding_bags.{table}.weight", f"{prefix}embeddings.{table}.weight")
+                    if k in state]
+            if len(keys) != 1:
+                raise UnsupportedSharding(f"table {table!r} (module {path!r}): no weight "
+                                          f"{prefix}embedding_bags.{table}.weight or {prefix}embeddings.{table}.weight "
+                                          f"in the model's state dict")
+            key = keys[0]
+            st = state[key]
+            if not isinstance(st, ShardedTensor):
+                raise UnsupportedSharding(f"table {table!r}: state dict entry {key!r} is a {type(st).__name__}, not a "
+                                          f"ShardedTensor (build the ShardingEnv without output_dtensor)")
+            if table in views:
+                raise UnsupportedSharding(f"table name {table!r} appears in two sharded modules; names must be unique")
+            num_rows, dim = st.size(0), st.size(1)
+            rows = owned_range(num_rows, topology.world_size, topology.rank)
+            weight = _local(st, table, "the weight", num_rows, rows, (dim,))
+            slots = {}
+            for skey, sval in optim_state.get(key, {}).items():
+                slot = skey[len(table) + 1:] if skey.startswith(f"{table}.") else skey
+                if not isinstance(sval, ShardedTensor) or sval.size(0) != num_rows:
+                    raise UnsupportedSharding(
+                        f"table {table!r}: optimizer state {skey!r} is not row-wise ({type(sval).__name__}); elastic_emb "
+                        f"carries row-wise optimizer state only (SGD, row-wise Adagrad, Adam's momenta)")
+                slots[slot] = _local(sval, table, f"optimizer state {skey!r}", num_rows, rows, tuple(sval.size()[1:]))
+            views[table] = _TableViews(num_rows, rows, weight, slots)
+            sharded.add(key)
+    return views, sharded

@@ -1,0 +1,115 @@
+"""Elastic TorchRec (elastic_emb.adapters.torchrec) with real processes.
+
+A TorchRec DistributedModelParallel with two row-wise tables and fused row-wise Adagrad
+(tests/torchrec_model.py: exact dyadic gradients) goes, inside the same processes, through world
+sizes 2 -> 1 -> 2 (a node lost, a node back), a same-size re-form, and 2 -> 3. After every phase
+each table's rows and Adagrad state (fbgemm's ``momentum1``) are compared bit for bit with a
+single-process TorchRec run of the same global batches. The conformance suite runs on the
+adapter too. Skipped only when the optional extra is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("torchrec") is None:
+    pytest.skip("the torchrec extra is not installed: pip install 'elastic-emb[torchrec]' (README: TorchRec)",
+                allow_module_level=True)
+
+import adapters_worker as aw  # noqa: E402
+import torchrec_model as tm  # noqa: E402
+from elastic_emb.testing import conformance  # noqa: E402
+from procs import REPO, free_port, run_ranks, torchrun_env  # noqa: E402
+
+
+def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | None = None, run_id="torchrec"):
+    nodes = list(dict.fromkeys(layout))
+    node = layout[rank]
+    members = [r for r, n in enumerate(layout) if n == node]
+    over = {"RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
+            "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
+            "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port}
+    if spec is None:
+        return over
+    return torchrun_env(rank, len(layout), port, generation=gen, run_id=run_id, extra={
+        **{k: str(v) for k, v in over.items()},
+        "ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": str(tmp / run_id / node),
+        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+        "ADW_SPEC": json.dumps(spec)})
+
+
+def _gather(out, name: str, world: int) -> dict:
+    parts = [torch.load(out / f"{name}-r{r}.pt") for r in range(world)]
+    full = {}
+    for t in tm.TABLES:
+        ps = sorted((p[t["name"]] for p in parts), key=lambda x: x[0])
+        assert ps[0][0] == 0 and ps[-1][1] == t["num_rows"], f"{name}: {t['name']} covers {[p[:2] for p in ps]}"
+        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1)), f"{name}: gap or overlap {[p[:2] for p in ps]}"
+        full[t["name"]] = (torch.cat([p[2] for p in ps]), {k: torch.cat([p[3][k] for p in ps]) for k in ps[0][3]})
+    return full
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    for name, (w, slots) in want.items():
+        gw, gslots = got[name]
+        bad = (gw != w).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{what}: table {name} rows {bad[:10]} differ from the single-process run"
+        assert set(gslots) == set(slots) == {"momentum1"}, (what, name, sorted(gslots))
+        for k in slots:
+            assert torch.equal(gslots[k], slots[k]), f"{what}: table {name} optimizer state {k} differs"
+
+
+def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    port, ref_port = free_port(), free_port()
+    two, one, three = ["A", "B"], ["A"], ["A", "B", "C"]
+    base = {"context": "torchrec", "out": str(out), "tables": tm.TABLES}
+    rank0 = {**base, "phases": [
+        {"until": 2, "dump": "a"},
+        {"env": _env(one, 0, port, 1, tmp_path), "until": 4, "dump": "b"},
+        {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "c"},
+        {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "d"},
+        {"env": _env(three, 0, port, 4, tmp_path), "until": 9, "dump": "e"},
+    ]}
+    leaver = {**base, "phases": [{"until": 2, "dump": "a"}, {"depart": True}]}
+    joiner1 = {**base, "wait_file": str(out / "b-r0.pt"), "phases": [
+        {"until": 6, "dump": "c"},
+        {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "d"},
+        {"env": _env(three, 1, port, 4, tmp_path), "until": 9, "dump": "e"},
+    ]}
+    joiner2 = {**base, "wait_file": str(out / "d-r0.pt"), "phases": [{"until": 9, "dump": "e"}]}
+    reference = {**base, "phases": [{"until": 9, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9]}]}
+    envs = [_env(two, 0, port, 0, tmp_path, rank0), _env(two, 1, port, 0, tmp_path, leaver),
+            _env(two, 1, port, 2, tmp_path, joiner1), _env(three, 2, port, 4, tmp_path, joiner2),
+            _env(one, 0, ref_port, 0, tmp_path, reference, run_id="reference")]
+    results = run_ranks(aw.CODE, envs, timeout=280)
+    for r in results:
+        (tmp_path / f"process{r.rank}.log").write_text(r.stdout + "\n" + r.stderr)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(f"process {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in failed)
+    first, _, second, third, _ = (r.value for r in results)
+
+    for name, world, step in (("a", 2, 2), ("b", 1, 4), ("c", 2, 6), ("d", 2, 7), ("e", 3, 9)):
+        _assert_equal(_gather(out, name, world), _gather(out, f"ref{step}", 1), f"after step {step} at world {world}")
+    assert [e["kind"] for e in first["events"]] == ["start", "rebuild", "rebuild", "reset", "rebuild"]
+    assert [e["new_world_size"] for e in first["events"]] == [2, 1, 2, 2, 3]
+    assert [e["kind"] for e in second["events"]] == ["start", "reset", "rebuild"]
+    assert [e["kind"] for e in third["events"]] == ["start"] and third["events"][0]["restored_step"] == 7
+    assert "replica" in first["events"][1]["source_tiers"]  # the lost node's rows: its neighbour's replica
+
+
+# With a replicated layer, so the suite also checks the adapter's ``dense`` table (round trip,
+# views written then mark_restored's all-gather, reset keeping the parameters).
+TORCHREC = lambda: conformance.Target(factory=tm.factory(timeout=5.0, dense=True),  # noqa: E731
+                                      collective=lambda ctx: ctx.barrier())
+
+
+def test_torchrec_context_passes_the_conformance_suite():
+    report = conformance.run("test_adapters_torchrec:TORCHREC", world_size=2, ep_size=2, timeout=280)
+    assert report.passed == {c: [0, 1] for c in conformance.CHECKS}
