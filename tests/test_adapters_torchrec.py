@@ -1,7 +1,7 @@
 """Elastic TorchRec (elastic_emb.adapters.torchrec) with real processes.
 
 A TorchRec DistributedModelParallel with two row-wise tables and fused row-wise Adagrad
-(tests/torchrec_model.py: exact dyadic gradients) goes, inside the same processes, through world
+(tests/helpers/torchrec_model.py: exact dyadic gradients) goes, inside the same processes, through world
 sizes 2 -> 1 -> 2 (a node lost, a node back), a same-size re-form, and 2 -> 3. After every phase
 each table's rows and Adagrad state (fbgemm's ``momentum1``) are compared bit for bit with a
 single-process TorchRec run of the same global batches. The conformance suite runs on the
@@ -21,10 +21,11 @@ if importlib.util.find_spec("torchrec") is None:
     pytest.skip("the torchrec extra is not installed: pip install 'elastic-emb[torchrec]' (README: TorchRec)",
                 allow_module_level=True)
 
-import adapters_worker as aw  # noqa: E402
-import torchrec_model as tm  # noqa: E402
 from elastic_emb.testing import conformance  # noqa: E402
-from procs import REPO, free_port, run_ranks, torchrun_env  # noqa: E402
+from elastic_emb.testing.ports import free_port  # noqa: E402
+from tests.helpers import adapters_worker as aw  # noqa: E402
+from tests.helpers import torchrec_model as tm  # noqa: E402
+from tests.helpers.procs import REPO, run_ranks, torchrun_env  # noqa: E402
 
 
 def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | None = None, run_id="torchrec"):
@@ -39,7 +40,7 @@ def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | No
     return torchrun_env(rank, len(layout), port, generation=gen, run_id=run_id, extra={
         **{k: str(v) for k, v in over.items()},
         "ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": str(tmp / run_id / node),
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
         "ADW_SPEC": json.dumps(spec)})
 
 
@@ -111,5 +112,5 @@ TORCHREC = lambda: conformance.Target(factory=tm.factory(timeout=5.0, dense=True
 
 
 def test_torchrec_context_passes_the_conformance_suite():
-    report = conformance.run("test_adapters_torchrec:TORCHREC", world_size=2, ep_size=2, timeout=280)
+    report = conformance.run(f"{__name__}:TORCHREC", world_size=2, ep_size=2, timeout=280)
     assert report.passed == {c: [0, 1] for c in conformance.CHECKS}

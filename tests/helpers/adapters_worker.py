@@ -4,7 +4,7 @@ Run as ``python -c "from tests.helpers import adapters_worker; adapters_worker.m
 environment plus ``ADW_SPEC`` (JSON):
 
 * ``context``: ``native`` (examples/native_context) or ``torchrec`` (elastic_emb.adapters.torchrec
-  over tests/torchrec_model.py);
+  over tests/helpers/torchrec_model.py);
 * ``out``: directory for dumps; ``tables``: TableSpec fields;
 * ``wait_file``: start only once this file exists (a joiner waits for the world it joins);
 * ``phases``: the first is ``Lifecycle.start`` from this process's environment; each later one is
@@ -78,7 +78,7 @@ def main() -> None:
         def train(ctx, step):
             ctx.train_step(step)
     else:
-        import torchrec_model
+        from tests.helpers import torchrec_model
 
         factory = torchrec_model.factory(spec)
         train = torchrec_model.train_step
