@@ -46,11 +46,13 @@ _module = None
 
 
 def cache_dir() -> Path:
-    """Where the compiled extension lives: ``$NATIVE_CONTEXT_CACHE``, else
+    """Where the compiled extension lives: ``$ELASTIC_EMB_NATIVE_CACHE``, else
     ``~/.cache/elastic_emb/native_context``; one sub-directory per torch version, device kind and
     source hash, so an edit or another torch rebuilds and nothing stale is loaded."""
-    root = os.environ.get("NATIVE_CONTEXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                       "elastic_emb", "native_context")
+    from elastic_emb import config
+
+    root = config.load(None, "native_cache").native_cache or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                          "elastic_emb", "native_context")
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{kind}-{digest}"
