@@ -39,12 +39,25 @@ def pytest_runtest_makereport(item, call):
                        f"test gpu if it needs CUDA")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module skipped at import (``pytest.skip(allow_module_level=True)``): same rule."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (CI and report.skipped) or collector.get_closest_marker("gpu") is not None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"{collector.nodeid} skipped whole under CI=true, where every test but the gpu-marked "
+                       f"ones must run: {reason}")
+
+
 def pytest_terminal_summary(terminalreporter):
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped or CI:
         return
-    gpu = [r for r in skipped if "gpu" in r.keywords]
-    other = [r for r in skipped if "gpu" not in r.keywords]
+    gpu = [r for r in skipped if "gpu" in getattr(r, "keywords", {})]
+    other = [r for r in skipped if "gpu" not in getattr(r, "keywords", {})]
     tr = terminalreporter
     tr.section("tests that did not run here")
     if gpu:
