@@ -35,7 +35,7 @@ def pytest_runtest_makereport(item, call):
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
     report.longrepr = (f"skipped under CI=true, where every test but the gpu-marked ones must run: {reason}\n"
-                       f"remedy: install what .ci/apt-packages lists (.ci/system-deps --install), or mark the "
+                       f"remedy: install what .ci/apt-packages lists (.ci/system-deps does, as root), or mark the "
                        f"test gpu if it needs CUDA")
 
 
@@ -67,4 +67,4 @@ def pytest_terminal_summary(terminalreporter):
         for r in other:
             reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
             tr.write_line(f"  {r.nodeid}: {reason}")
-        tr.write_line("  remedy: .ci/system-deps --install (as root) installs the system packages the suite needs")
+        tr.write_line("  remedy: .ci/system-deps, run as root, installs the system packages the suite needs (.ci/apt-packages)")
