@@ -122,9 +122,9 @@ def test_bad_options_and_paths(args, needles):
     _one_line(_cli(*args), *needles)
 
 
-def test_debug_shows_the_stack():
+def test_user_errors_stay_one_line_with_debug():
     r = _cli("--debug", "state", "--state-dir", "/nonexistent")
-    assert r.returncode == EXIT_USAGE  # a user error stays one line even with --debug ...
+    assert r.returncode == EXIT_USAGE and len(r.stderr.strip().splitlines()) == 1  # --debug shows stacks of bugs, not of user errors
     r = _cli("rdzv-state", "--endpoint", "127.0.0.1:1", "--run-id", "x", env={"ELASTIC_EMB_DEBUG": "1"})
     assert r.returncode == EXIT_USAGE and len(r.stderr.strip().splitlines()) == 1
 
