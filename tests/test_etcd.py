@@ -154,8 +154,8 @@ def test_three_member_etcd_loses_its_leader_mid_join_zero_loss(tmp_path):
 # -- a store outage: ridden out within the bound, a clear error past it ----------------------------
 
 
-def _agent_handler(server, tmp_path, monkeypatch, **conf):
-    """An elastic_emb agent-side handler (inner=etcd-v2) on the real etcd, in this process, one
+def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
+    """An elastic_emb agent-side handler (``inner``) on the real etcd, in this process, one
     node (min=max=1), after its first round. create_handler changes the agent process (env,
     torch's poll pause): monkeypatch undoes that after the test."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -166,12 +166,12 @@ def _agent_handler(server, tmp_path, monkeypatch, **conf):
     monkeypatch.setattr(dr, "_delay", dr._delay)
     for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", rz.ENV_GENERATION, rz.ENV_RDZV_BACKEND, rz.ENV_RDZV_ENDPOINT,
                 rz.ENV_NODE_ID, rz.ENV_MEMBERSHIP, rz.ENV_AGENT_PID, rz.ENV_DRAIN, rz.ENV_WATCH_INTERVAL,
-                rz.ENV_STORE_OUTAGE_TIMEOUT):
+                rz.ENV_STORE_OUTAGE_TIMEOUT, "ELASTIC_EMB_ETCD_OPTIONS"):
         monkeypatch.delenv(key, raising=False)
     events = tmp_path / "rdzv.jsonl"
     params = RendezvousParameters(
         backend="elastic_emb", endpoint=server.endpoint, run_id=f"outage{os.getpid()}", min_nodes=1, max_nodes=1,
-        inner="etcd-v2", event_file=str(events), keep_alive_interval="1", keep_alive_max_attempt="1",
+        inner=inner, event_file=str(events), keep_alive_interval="1", keep_alive_max_attempt="1",
         read_timeout="5", **conf,
     )
     handler = rz.create_handler(params)
@@ -192,7 +192,8 @@ def _close(handler) -> None:
     handler._left = True
 
 
-def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("inner", ["etcd-v2", "etcd-v3"])
+def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_path, monkeypatch, inner):
     """etcd SIGKILLed for 2.5 s, bound 20 s: num_nodes_waiting (what torch's agent polls while its
     workers train) blocks through the outage and then answers 0, with no membership change, although
     the outage outlasted the heartbeat expiry (1 s x 1): the heartbeats were credited."""
@@ -201,7 +202,7 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
 
     from elastic_emb.rdzv.decode import node_id
 
-    handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
+    handler, events = _agent_handler(etcd_server, tmp_path, monkeypatch, inner, store_outage_timeout="20")
     restart = threading.Timer(2.5, etcd_server.start)
     try:
         me = node_id(handler._inner._this_node)
@@ -306,7 +307,8 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
           f"meanwhile; {report['verification']['rows_checked']} rows equal the replay")
 
 
-def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("inner", ["etcd-v2", "etcd-v3"])
+def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server, tmp_path, monkeypatch, inner):
     """A worker's watcher during an etcd outage: no departure, eviction or round change is inferred;
     past its bound (1 s here) it says so (store_outage_exceeded), and when etcd is back the outage
     ends (store_outage_s None) with the membership unchanged."""
@@ -314,10 +316,10 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
 
     from elastic_emb.watch import RendezvousReader, Watcher
 
-    handler, _ = _agent_handler(etcd_server, tmp_path, monkeypatch, store_outage_timeout="20")
+    handler, _ = _agent_handler(etcd_server, tmp_path, monkeypatch, inner, store_outage_timeout="20")
     evicted: list = []
     try:
-        reader = RendezvousReader("etcd-v2", etcd_server.endpoint, handler._run_id)
+        reader = RendezvousReader(inner, etcd_server.endpoint, handler._run_id)
         watcher = Watcher(reader, round_=handler._round, rank=0, world_size=1, node=handler._node,
                           agent_pid=os.getppid(), interval=0.05, store_outage_timeout=1.0, on_evicted=evicted.append)
         with watcher:

@@ -212,6 +212,38 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
                                       ).get("x")
 
 
+def test_tls_with_client_certificates(tmp_path):
+    """etcd serving HTTPS and requiring a client certificate: the --rdzv-conf keys protocol,
+    ca_cert, ssl_cert and ssl_cert_key reach it; without the client certificate every call fails
+    with EtcdV3ConnectionError naming the TLS error, and without the CA the server is not trusted."""
+    require_etcd()
+    import shutil
+    import subprocess
+
+    from elastic_emb.testing.etcd import EtcdServer, TLSFiles
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (it makes the test's self-signed certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    tls = TLSFiles(cert=cert, key=key, ca=cert)  # self-signed: its own CA, and the client's certificate too
+    with EtcdServer(tmp_path / "etcd", tls=tls) as server:
+        assert server.url.startswith("https://")
+        conf = {"protocol": "https", "ca_cert": str(cert), "ssl_cert": str(cert), "ssl_cert_key": str(key)}
+        backend, store = _backend(server, run_id="tls", **conf)
+        assert backend.set_state(b"over tls")[2] and backend.get_state()[0] == b"over tls"
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        no_client_cert = v3.ClientOptions(protocol="https", ca_cert=str(cert), read_timeout=5)
+        with pytest.raises(v3.EtcdV3ConnectionError, match=server.url):
+            v3.EtcdV3Client.from_endpoint(server.endpoint, no_client_cert).get("k")
+        untrusted = v3.ClientOptions(protocol="https", ssl_cert=str(cert), ssl_cert_key=str(key), read_timeout=5)
+        with pytest.raises(v3.EtcdV3ConnectionError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            v3.EtcdV3Client.from_endpoint(server.endpoint, untrusted).get("k")
+
+
 def test_conf_keys_and_endpoints_are_validated():
     from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
 

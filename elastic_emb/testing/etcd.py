@@ -30,11 +30,13 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from elastic_emb.errors import EtcdUnavailable  # noqa: F401 - also importable from here
 from elastic_emb.testing.ports import free_port
@@ -47,11 +49,14 @@ def etcd_binary() -> str | None:
 
 
 def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill",
-            initial_cluster: str | None = None) -> list[str]:
+            initial_cluster: str | None = None, tls: "TLSFiles | None" = None) -> list[str]:
     """The etcd command line of one member listening on ``host`` only (a one-member cluster
-    unless ``initial_cluster`` names every member's ``name=peer URL``)."""
-    client = f"http://{host}:{client_port}"
+    unless ``initial_cluster`` names every member's ``name=peer URL``). With ``tls`` the client
+    port serves HTTPS and requires a client certificate signed by ``tls.ca``."""
+    client = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://{host}:{peer_port}"
+    secure = [] if tls is None else ["--cert-file", str(tls.cert), "--key-file", str(tls.key),
+                                     "--client-cert-auth", "--trusted-ca-file", str(tls.ca)]
     return [
         binary, "--name", name, "--data-dir", str(data_dir),
         "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -60,19 +65,34 @@ def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port:
         "--enable-v2=true", "--log-level", "warn",
         # A test store: no fsync per write (the data dir is a temp dir) keeps it fast on a busy disk.
         "--unsafe-no-fsync",
+        *secure,
     ]
 
 
-def health(url: str, timeout: float = 1.0) -> bool:
+class TLSFiles(NamedTuple):
+    """PEM files of a test etcd's TLS: its certificate and key (also the client's), and the CA."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+
+def health(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     """Whether etcd at ``url`` answers ``/health`` with ``{"health": "true"}``."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout, context=context) as r:  # noqa: S310
             return r.status == 200 and json.loads(r.read() or b"{}").get("health") == "true"
     except (OSError, ValueError, urllib.error.URLError):
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None) -> float:
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None,
+                 context: ssl.SSLContext | None = None) -> float:
     """Block until etcd at ``url`` is healthy; return the seconds it took. Raises on exit or timeout."""
     start = time.monotonic()
     deadline = start + timeout
@@ -80,7 +100,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: P
         if proc is not None and proc.poll() is not None:
             tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
             raise RuntimeError(f"etcd exited with {proc.returncode} before it was healthy (log {log}):\n{tail}")
-        if health(url, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+        if health(url, timeout=min(1.0, max(0.05, deadline - time.monotonic())), context=context):
             return time.monotonic() - start
         time.sleep(0.05)
     raise TimeoutError(f"etcd at {url} was not healthy within {timeout}s (log {log}); raise start_timeout or "
@@ -92,7 +112,7 @@ class EtcdServer:
 
     def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
                  stop_timeout: float = 5.0, name: str = "drill", peer_port: int | None = None,
-                 initial_cluster: str | None = None) -> None:
+                 initial_cluster: str | None = None, tls: TLSFiles | None = None) -> None:
         if not host.startswith("127."):
             raise ValueError(f"host={host!r}: the test etcd listens on loopback (127.0.0.0/8) only")
         self.data_dir = Path(data_dir)
@@ -103,13 +123,14 @@ class EtcdServer:
         self.client_port = free_port()  # reserved until the process ends: etcd binds it with SO_REUSEADDR
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
         self.log_path = self.data_dir / "etcd.log"
         self.started_in: float | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -138,7 +159,7 @@ class EtcdServer:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 command(binary, self.data_dir / "member", self.host, self.client_port, self.peer_port, self.name,
-                        self.initial_cluster),
+                        self.initial_cluster, self.tls),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the terminal is for the test runner, not etcd
             )
@@ -148,7 +169,8 @@ class EtcdServer:
             return self
         self.launch()
         try:
-            self.started_in = wait_healthy(self.url, self.proc, self.start_timeout, self.log_path)
+            self.started_in = wait_healthy(self.url, self.proc, self.start_timeout, self.log_path,
+                                           self.tls.context() if self.tls else None)
         except BaseException:
             self.stop()
             raise
