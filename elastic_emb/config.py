@@ -66,6 +66,9 @@ class Settings(BaseSettings):
                                         "rank r: port + 1 + r); unset: off", ge=1, le=65535)
     metrics_addr: str = _setting("0.0.0.0", "the address the metrics endpoints bind", min_length=1)
     debug: bool = _setting(False, "1: the CLI shows Python and C++ stacks on errors")
+    nonfinite_gradients: Literal["raise", "skip"] = _setting(
+        "raise", "NaN/inf gradients in `apply_gradients`: `raise` refuses the call (no row changes), `skip` "
+        "updates the other rows and counts the skipped ones in an event")
     native_cache: str | None = _setting(None, "where the example native context's compiled extension is cached; "
                                         "unset: `~/.cache/elastic_emb/native_context`", min_length=1)
     # -- set by the elastic_emb rendezvous backend in every worker -------------------------------

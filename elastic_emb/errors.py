@@ -172,3 +172,13 @@ class CollectiveMismatch(ElasticEmbError, RuntimeError):
     """Ranks made different calls at the same point (say ``lookup('a')`` on one rank and
     ``apply_gradients('a')`` or ``lookup('b')`` on another). Detected in the count exchange, on
     every rank, before any id or row moves; the context stays usable."""
+
+
+class NonFiniteGradients(ElasticEmbError, ValueError):
+    """``apply_gradients`` was given NaN or infinite gradients; no row of that call was changed.
+    ``table`` names the table, ``rows`` counts the rows whose gradient was not finite."""
+
+    def __init__(self, message: str, table: str, rows: int) -> None:
+        super().__init__(message)
+        self.table = table
+        self.rows = rows

@@ -28,7 +28,7 @@ RUNS = [
 ]
 COMMON = ["sgd_matches_reference", "large_batches", "staging_grown", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
           "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
-          "init_rows_independent_of_world", "dcp"]
+          "init_rows_independent_of_world", "dcp", "nonfinite_and_changes"]
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +340,92 @@ def test_gather_rows_reads_each_row_from_its_source(device):
     assert torch.equal(only_table, table[-7:])
     if device == "cuda":
         assert kernel_status() == "triton", kernel_status()
+
+
+# -- non-finite gradients and change tracking, one rank (the multi-rank forms run in context_worker) ----
+
+
+def _ctx1(port: int, generation: int, optimizer: OptimizerSpec, **kw) -> EmbContext:
+    store = dist.TCPStore("127.0.0.1", port, 1, generation == 0, timeout=timedelta(seconds=10))
+    spec = TableSpec(name="t", num_rows=50, dim=3)
+    ctx = EmbContext(_solo(generation, port), store, tables=[spec], optimizer=optimizer, seed=None, **kw)
+    rows = torch.arange(150, dtype=torch.float32).reshape(50, 3) / 8  # exactly representable
+    slots = {"accumulator": torch.full((50,), 0.5)} if optimizer.kind == "adagrad" else {}
+    ctx.import_shard({"t": ShardData("t", RowRange(0, 50), rows, slots)})
+    ctx.take_changes()  # the import marked every row; start from none
+    ctx._store = store  # keep the server alive as long as the context
+    return ctx
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_nonfinite_gradients_are_refused_or_skipped(kind):
+    """NaN/inf gradients: by default the call raises NonFiniteGradients naming the table and the
+    rows, and no row or slot changes; with nonfinite_gradients='skip' the finite rows are updated
+    exactly as the optimizer would alone, the others are left bit for bit, and an event counts them."""
+    import structlog
+
+    from elastic_emb.context.optim import apply_rows
+    from elastic_emb.errors import NonFiniteGradients
+
+    opt = OptimizerSpec(kind=kind, lr=0.5)
+    port = free_port()
+    ids = torch.tensor([3, 7, 7, 12, 40])
+    grads = torch.full((5, 3), 0.25)
+    grads[1, 0] = float("nan")  # row 7 (twice: one NaN position makes the row non-finite)
+    grads[3, 2] = float("inf")  # row 12
+    refuse = _ctx1(port, 0, opt)
+    try:
+        before = refuse.export_shard()["t"]
+        with pytest.raises(NonFiniteGradients, match=r"2 row\(s\) of table 't'") as info:
+            refuse.apply_gradients("t", ids, grads)
+        assert info.value.table == "t" and info.value.rows == 2
+        after = refuse.export_shard()["t"]
+        assert torch.equal(after.weight, before.weight)
+        assert all(torch.equal(after.slots[k], before.slots[k]) for k in before.slots)
+        assert not refuse.take_changes()["t"].any(), "a refused call marked rows as written"
+    finally:
+        refuse.close()
+    skip = _ctx1(port, 1, opt, nonfinite_gradients="skip")
+    try:
+        before = skip.export_shard()["t"]
+        with structlog.testing.capture_logs() as events:
+            skip.apply_gradients("t", ids, grads)
+        assert [(e["table"], e["rows"]) for e in events if e["event"] == "context.nonfinite_gradients_skipped"] \
+            == [("t", 2)], events
+        expect_w, expect_s = before.weight.clone(), {k: v.clone() for k, v in before.slots.items()}
+        apply_rows(opt, expect_w, expect_s, torch.tensor([3, 40]), torch.full((2, 3), 0.25))
+        after = skip.export_shard()["t"]
+        assert torch.equal(after.weight, expect_w)
+        assert all(torch.equal(after.slots[k], expect_s[k]) for k in expect_s)
+        changed = skip.take_changes()["t"]
+        assert changed.nonzero().squeeze(1).tolist() == [3, 40]
+    finally:
+        skip.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(0, 49), max_size=30), min_size=1, max_size=6),
+       takes=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_take_changes_marks_exactly_the_rows_written(batches, takes):
+    """Random batches with duplicates and empty ones: after each step, the rows take_changes()
+    reports are exactly the ids applied since the previous take, and exactly the rows whose value
+    changed (SGD with non-zero gradients changes every row it touches)."""
+    ctx = _ctx1(free_port(), 0, OptimizerSpec(kind="sgd", lr=1.0))
+    try:
+        since, base = set(), ctx.export_shard()["t"].weight
+        for batch, take in zip(batches, takes):
+            ids = torch.tensor(batch, dtype=torch.int64)
+            ctx.apply_gradients("t", ids, torch.ones(len(batch), 3))
+            since |= set(batch)
+            if take:
+                mask = ctx.take_changes()["t"]
+                assert mask.dtype == torch.bool and mask.shape == (50,)
+                now = ctx.export_shard()["t"].weight
+                assert set(mask.nonzero().squeeze(1).tolist()) == since
+                assert set((now != base).any(dim=1).nonzero().squeeze(1).tolist()) == since
+                since, base = set(), now
+        ctx.import_shard(ctx.export_shard())
+        assert ctx.take_changes()["t"].all(), "import_shard writes every row"
+        assert not ctx.take_changes()["t"].any(), "take_changes hands over its mask and starts afresh"
+    finally:
+        ctx.close()

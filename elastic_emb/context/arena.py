@@ -90,22 +90,28 @@ class Arena:
         plan: list[tuple[str, str, tuple[int, ...], torch.dtype, int]] = []
         offset = 0
         for name, (nrows, spec, slot_shapes) in layout.items():
-            plan.append((name, "weight", (nrows, spec.dim), spec.torch_dtype, offset))
-            offset += aligned(nrows * spec.bytes_per_row())
+            # One row more than the shard: the dump row, where masked updates write (see padded).
+            plan.append((name, "weight", (nrows + 1, spec.dim), spec.torch_dtype, offset))
+            offset += aligned((nrows + 1) * spec.bytes_per_row())
             for slot, (shape, dtype) in slot_shapes.items():
-                full = (nrows, *shape)
+                full = (nrows + 1, *shape)
                 plan.append((name, slot, full, dtype, offset))
                 offset += aligned(_nbytes(full, dtype))
         self.resident_bytes = offset
         self.buffer = torch.empty(offset, dtype=torch.uint8, device=device)
         self.weights: dict[str, torch.Tensor] = {}
         self.slots: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layout}
+        # The same tensors with the dump row at the end: an update that must leave some of its
+        # rows alone, decided on the device, points those at the dump row instead of syncing to
+        # drop them. The dump row is never read as data.
+        self.padded_weights: dict[str, torch.Tensor] = {}
+        self.padded_slots: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layout}
         for name, what, shape, dtype, off in plan:
             view = carve(self.buffer, off, shape, dtype)
             if what == "weight":
-                self.weights[name] = view
+                self.padded_weights[name], self.weights[name] = view, view[:-1]
             else:
-                self.slots[name][what] = view
+                self.padded_slots[name][what], self.slots[name][what] = view, view[:-1]
         self.staging = torch.empty(max(staging_bytes, 1), dtype=torch.uint8, device=device)
         self._leased = False
         self._lock = threading.Lock()
@@ -123,7 +129,7 @@ class Arena:
         cap = staging_rows_per_rank * world_size
         arena = cls(device, layout, 2 * aligned(cap * (widest + 8)))  # each direction: rows + int64 ids
         for name in tables:
-            optim.init_slots(optimizer, arena.slots[name])
+            optim.init_slots(optimizer, arena.padded_slots[name])
         return arena
 
     @property

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_emb.context.exchange import (H_HI, H_LEN, H_LO, H_WANT, HEADER_WIDTH, OP_LOOKUP, HeaderExchange,
+from elastic_emb.context.exchange import (H_FLAGGED, H_HI, H_LEN, H_LO, H_WANT, HEADER_WIDTH, OP_LOOKUP, HeaderExchange,
                                           header_words, tag_op)
 from elastic_emb.errors import InvalidIds
 from elastic_emb.protocol import TableSpec
@@ -68,7 +68,8 @@ class Dedup:
     ``uniq[:n_unique]`` the unique keys (piece-major, sorted), ``inverse[i]`` the slot of
     position i's key, ``sent``/``got`` the exchanged counts as ``[peer][piece]`` lists, ``keys``
     the exchange buffer when the keys came in it (else None), ``graph`` the graph replayed (or
-    None), ``pos`` the row sources of a CUDA lookup (else None)."""
+    None), ``pos`` the row sources of a CUDA lookup (else None), ``flagged`` the rows every
+    rank flagged in its header (see :meth:`Deduper.dedup`)."""
 
     uniq: torch.Tensor
     inverse: torch.Tensor
@@ -78,6 +79,7 @@ class Dedup:
     keys: torch.Tensor | None
     graph: "DedupGraph | None"
     pos: torch.Tensor | None
+    flagged: int = 0
 
 
 class Deduper:
@@ -95,10 +97,12 @@ class Deduper:
         self._bounds: dict = {}  # owner boundaries per (table, pieces, key dtype)
         self._offsets: tuple | None = None  # piece offsets of the last batch size
 
-    def dedup(self, spec: TableSpec, ids, what: str, tag: int, chunks: int) -> Dedup:
+    def dedup(self, spec: TableSpec, ids, what: str, tag: int, chunks: int, flag=None) -> Dedup:
         """Validate (host checks here, the range in the exchange), deduplicate per piece and
         exchange counts, with ONE host synchronisation. Raises :class:`InvalidIds` after
-        cancelling the call on the peers when ``ids`` fail the host checks."""
+        cancelling the call on the peers when ``ids`` fail the host checks. ``flag(inverse, n)``
+        (optional) gives a device int64 scalar sent as the header's ``flagged`` word; the total
+        over all ranks comes back as :attr:`Dedup.flagged`."""
         checked, reason = check_ids(ids, self.device)
         if checked is None:
             self.exchange.cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
@@ -110,12 +114,14 @@ class Deduper:
             uniq, inverse, hdr, xbuf, pos = graph.replay(checked)
         else:
             uniq, inverse, hdr, xbuf, pos = self.compute(spec, checked, chunks, *self.inputs(spec, n, chunks, tag, block))
-        sent, got, longest = self.exchange.exchange(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
+        if flag is not None:
+            hdr[0, :, H_FLAGGED] = flag(inverse, n)
+        sent, got, longest, flagged = self.exchange.exchange(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
         n_unique = sum(sum(c) for c in sent)
         capacity = self.key_capacity(spec, chunks, tag, block)
         keys = xbuf if capacity and longest <= capacity else None  # every rank decides alike
         self.fused_lookups += keys is not None
-        return Dedup(uniq, inverse, sent, got, n_unique, keys, graph, pos)
+        return Dedup(uniq, inverse, sent, got, n_unique, keys, graph, pos, flagged)
 
     # -- layout -----------------------------------------------------------------------------
 

@@ -13,7 +13,11 @@ The class is a facade over small parts, each in its own module:
 - :class:`~elastic_emb.context.dedup.Deduper`: sort-based dedup and its CUDA graphs;
 - :class:`~elastic_emb.context.lookup.LookupEngine`: the pipelined lookup and its handles;
 - :class:`~elastic_emb.context.gradients.GradientRouter`: sparse gradients to their owners;
-- :mod:`~elastic_emb.context.dtensor`: the rows as DTensors for DCP.
+- :mod:`~elastic_emb.context.dtensor`: the rows as DTensors for DCP;
+- :class:`~elastic_emb.context.changes.ChangeTracker`: which rows were written since the last
+  :meth:`EmbContext.take_changes` (incremental commits);
+- :class:`~elastic_emb.context.checks.DeviceChecks`: errors the GPU finds (bad ids, non-finite
+  gradients), raised without the host waiting for the GPU.
 
 The group-bound parts (exchange, dedup, lookups, gradients) are rebuilt whenever the group or
 the arena changes (a ``reset``), so none of them ever sees a half-changed context.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import time
+from typing import Literal
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -45,12 +50,15 @@ import torch.distributed as dist
 
 from elastic_emb import metrics
 from elastic_emb.context.arena import Arena, Rows
+from elastic_emb.context.changes import ChangeTracker
+from elastic_emb.context.checks import DeviceChecks
 from elastic_emb.context.dedup import Deduper
 from elastic_emb.context.dtensor import MeshCache, load_state_dict, state_dict
 from elastic_emb.context.exchange import MAX_CHUNKS, HeaderExchange, call_tag
 from elastic_emb.context.gradients import GradientRouter
 from elastic_emb.context.group import Group, log, wait_releases
 from elastic_emb.context.lookup import LookupEngine, LookupHandle
+from elastic_emb import config
 from elastic_emb.errors import CommunicationError, ContextClosed, WorldSizeChanged
 from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range
@@ -81,8 +89,12 @@ class EmbContext(ContextBase):
     every wait), ``require_power_of_two`` (EP size rule), ``seed`` (initial rows; None: zeros),
     ``staging_rows_per_rank`` (staging rows per peer, grown on demand), ``pipeline_chunks``
     (lookup pieces; default 3 on NCCL, 1 on gloo; equal on every rank), ``high_priority_stream``
-    (NCCL; default on), ``capture_dedup`` (CUDA graphs for the dedup kernels).
+    (NCCL; default on), ``capture_dedup`` (CUDA graphs for the dedup kernels),
+    ``nonfinite_gradients`` ("raise": refuse a gradient call with NaN/inf rows; "skip": update
+    the other rows; default from ``ELASTIC_EMB_NONFINITE_GRADIENTS``, else "raise").
     """
+
+    tracks_changes = True
 
     def __init__(
         self,
@@ -99,6 +111,7 @@ class EmbContext(ContextBase):
         pipeline_chunks: int | None = None,
         high_priority_stream: bool | None = None,
         capture_dedup: bool = True,
+        nonfinite_gradients: Literal["raise", "skip"] | None = None,
     ) -> None:
         started = time.monotonic()
         if timeout <= 0:
@@ -109,6 +122,11 @@ class EmbContext(ContextBase):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"table names {dup} appear more than once in tables; names must be unique")
+        if nonfinite_gradients is None:
+            nonfinite_gradients = config.load(None, "nonfinite_gradients").nonfinite_gradients
+        if nonfinite_gradients not in ("raise", "skip"):
+            raise ValueError(f"nonfinite_gradients={nonfinite_gradients!r} must be 'raise' or 'skip'")
+        self.nonfinite_gradients = nonfinite_gradients
         if staging_rows_per_rank < 0:
             raise ValueError(f"staging_rows_per_rank={staging_rows_per_rank} must be >= 0")
         if pipeline_chunks is None:
@@ -140,6 +158,8 @@ class EmbContext(ContextBase):
         # Rows are filled lazily: a context built for a resize has them overwritten by the
         # restore at once. import_shard and mark_restored() skip the fill.
         self._rows = Rows(self.tables, seed)
+        self._changes = ChangeTracker(self._local_rows(), self.device)
+        self._checks = DeviceChecks(self.device, self.timeout, self._log)
         self._wire()
         _OPEN.add(self)
         self._log.info("context.constructed", world_size=topology.world_size, ep_size=topology.ep_size,
@@ -157,9 +177,12 @@ class EmbContext(ContextBase):
         self._exchange = HeaderExchange(self._group, t, dev, self.tables, self._log)
         self._dedup = Deduper(self._exchange, t, dev, self.capture_dedup, self._log)
         self._lookups = LookupEngine(self._group, self._dedup, self._arena, t, dev, self.tables,
-                                     self.pipeline_chunks, self._log)
+                                     self.pipeline_chunks, self._checks, self._log)
         self._gradients = GradientRouter(self._group, self._dedup, self._arena, t, dev, self.tables, self.optimizer,
-                                         self._lookups.settle)
+                                         self._lookups.settle, self._changes, self._checks, self.nonfinite_gradients)
+
+    def _local_rows(self) -> dict[str, int]:
+        return {name: len(self.owned(name)) for name in self.tables}
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -212,6 +235,7 @@ class EmbContext(ContextBase):
         restore did it), so the lazy initial fill is skipped."""
         self._check_open("mark_restored")
         self._rows.written()
+        self._changes.mark_all()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -242,6 +266,7 @@ class EmbContext(ContextBase):
         Raises :class:`~elastic_emb.errors.InvalidIds` on the rank whose ids are bad and
         :class:`~elastic_emb.errors.PeerLookupError` on the others."""
         self._check_open(f"lookup({table!r})")
+        self._checks.raise_ready()
         self._materialise()
         what = f"lookup({table!r})"
         spec = self._spec_or_cancel(table, what, 1, self.pipeline_chunks)
@@ -252,6 +277,7 @@ class EmbContext(ContextBase):
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
         there; gradients of duplicate ids are summed (collective: every rank calls it)."""
         self._check_open(f"apply_gradients({table!r})")
+        self._checks.raise_ready()
         self._materialise()
         what = f"apply_gradients({table!r})"
         spec = self._spec_or_cancel(table, what, 2)
@@ -294,6 +320,8 @@ class EmbContext(ContextBase):
             self._base_store = store
         self.topology = topology
         moved = self._remap_rows(old_rank)
+        if moved:
+            self._changes.resize(self._local_rows())  # this process now holds other rows: all changed
         self._wire()  # a new exchange block (every rank restarts with headers alone) and dedup graphs
         self._log.info("context.reset", old_rank=old_rank, moved_bytes=moved,
                        seconds=round(time.monotonic() - started, 4))
@@ -371,6 +399,7 @@ class EmbContext(ContextBase):
     def export_shard(self) -> dict[str, ShardData]:
         """Copies of this rank's rows and slots of every table, with their global row range."""
         self._check_open("export_shard")
+        self._checks.raise_all()
         self._materialise()
         a = self._arena
         return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name].clone(),
@@ -399,6 +428,7 @@ class EmbContext(ContextBase):
         self._arena.check_import(shards, self._owned_all(), self.topology.rank, self.optimizer)
         self._arena.write(shards)
         self._rows.written()
+        self._changes.mark_all()
 
     # -- DTensor state dict -------------------------------------------------------------------
 
@@ -412,6 +442,7 @@ class EmbContext(ContextBase):
         """``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over the owner
         ranks; local tensors are views of the arena (DCP ``load`` into them writes the arena)."""
         mesh = self.device_mesh()
+        self._checks.raise_all()
         self._materialise()
         return state_dict(self._arena, self.tables, mesh)
 
@@ -422,6 +453,28 @@ class EmbContext(ContextBase):
         self._lookups.settle()
         self._materialise()  # a state dict may cover only some slots; the rest keep their values
         load_state_dict(self._arena, self.tables, state)
+        self._changes.mark_all()
+
+    # -- change tracking and device-side checks ------------------------------------------------
+
+    def take_changes(self) -> dict[str, torch.Tensor]:
+        """Per table, a bool mask of shape (local rows,) on the context's device, True for rows
+        written (rows or optimizer slots) since the previous call: by ``apply_gradients`` (the rows
+        it updated), and every row after ``import_shard``, ``load_state_dict``, ``mark_restored``
+        or a ``reset`` that moved this rank's rows. The lazy fill from the seed does not count. The
+        caller owns the returned masks (fresh ones are swapped in; no host sync). A caller whose
+        baseline is the state just restored takes (and drops) the masks right after the restore.
+        Raises a pending device error first (see :meth:`check_errors`)."""
+        self._check_open("take_changes")
+        self._checks.raise_all()
+        return self._changes.take()
+
+    def check_errors(self) -> None:
+        """Wait (bounded by the timeout) until the device has checked every call made so far, and
+        raise the first error it found: :class:`~elastic_emb.errors.InvalidIds` or
+        :class:`~elastic_emb.errors.NonFiniteGradients` (see :mod:`elastic_emb.context.checks`)."""
+        self._check_open("check_errors")
+        self._checks.raise_all()
 
     def __repr__(self) -> str:
         t = self.topology

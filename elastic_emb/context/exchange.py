@@ -8,6 +8,8 @@ Before any id or row moves, every rank sends every peer a fixed-size header (int
     lo, hi                   the smallest and largest id of the sender's batch
     len                      the sender's batch length
     want                     the exchange block the sender would like (bytes; see below)
+    flagged                  rows the sender flags: for gradients, rows whose gradient is NaN or
+                             infinite (every rank then refuses or skips them alike)
 
 So every rank learns in that one exchange, and all alike, whether anyone's ids are out of range
 (that rank raises :class:`~elastic_emb.errors.InvalidIds` naming the id, the others
@@ -39,8 +41,8 @@ from elastic_emb.topology import Topology
 
 # Pipeline pieces per call at most (the header's count words).
 MAX_CHUNKS = 16
-HEADER_WIDTH = MAX_CHUNKS + 5
-H_TAG, H_LO, H_HI, H_LEN, H_WANT = range(MAX_CHUNKS, MAX_CHUNKS + 5)
+HEADER_WIDTH = MAX_CHUNKS + 6
+H_TAG, H_LO, H_HI, H_LEN, H_WANT, H_FLAGGED = range(MAX_CHUNKS, MAX_CHUNKS + 6)
 POISON = -1
 
 OP_LOOKUP, OP_GRADIENTS = 1, 2
@@ -122,9 +124,10 @@ class HeaderExchange:
         return hdr.reshape(-1).tolist()
 
     def exchange(self, hdr: torch.Tensor, chunks: int, what: str, tag: int, spec: TableSpec | None = None,
-                 xbuf: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]], int]:
+                 xbuf: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]], int, int]:
         """All-to-all of a header per peer (``hdr[0]``, see :meth:`template`); returns (sent,
-        received) counts as ``[peer][chunk]`` lists and the longest batch of any rank.
+        received) counts as ``[peer][chunk]`` lists, the longest batch of any rank and the rows
+        flagged by all ranks together.
 
         With a block (``block_bytes`` > 0) ``xbuf`` is the ``[2, world, words]`` buffer whose
         words start with the headers (``hdr`` views them). ``spec`` range-checks the batches.
@@ -182,7 +185,7 @@ class HeaderExchange:
                 f"range (see the InvalidIds error on those ranks); the context stays usable",
                 out_of_range,
             )
-        return sent, got, longest
+        return sent, got, longest, sum(r[H_FLAGGED] for r in rows)
 
     def cancel(self, what: str, tag: int) -> None:
         """Send poison in place of counts, so the peers raise instead of waiting for this rank."""

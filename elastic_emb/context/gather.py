@@ -13,6 +13,11 @@ On CUDA this is one Triton kernel (a block of rows per program, one masked load 
 source, one store). Elsewhere, or where Triton is missing or fails to compile, the same result
 comes from torch ops (two gathers and a masked copy): slower, identical. The first failure is
 logged once and the torch path is used from then on.
+
+:func:`gather_ids` is the one-source form for a world of one rank, with the range check folded
+in: ``out[i] = table[ids[i]]``, and ids outside the table are counted (and the first one's
+position kept) in a device record instead of being read, so the check needs no host sync
+(:mod:`elastic_emb.context.checks`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,24 @@ if triton is not None:
                  mask=in_range[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _gather_ids_kernel(out_ptr, table_ptr, ids_ptr, rec_ptr, n, dim, table_rows, table_stride, out_stride,
+                           ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        in_range = rows < n
+        ids = tl.load(ids_ptr + rows, mask=in_range, other=0)
+        bad = in_range & ((ids < 0) | (ids >= table_rows))
+        safe = tl.where(bad, 0, ids)
+        cols = tl.arange(0, BLOCK_D)
+        ok = in_range[:, None] & (cols < dim)[None, :]
+        vals = tl.load(table_ptr + safe[:, None] * table_stride + cols[None, :], mask=ok, other=0)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], vals, mask=ok)
+        nbad = tl.sum(bad.to(tl.int64), axis=0)
+        if nbad > 0:  # rare: only blocks with bad ids touch the record
+            tl.atomic_add(rec_ptr, nbad)
+            tl.atomic_max(rec_ptr + 1, tl.max(tl.where(bad, n - rows, 0), axis=0))
+
+
 def _usable(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor) -> bool:
     return (triton is not None and _kernel_failed is None and out.is_cuda
             and all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == out.dtype for t in (out, table, received)))
@@ -84,6 +107,38 @@ def gather_rows(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor, 
     owned = (~received_at).nonzero().squeeze(1)
     if owned.numel():
         out.index_copy_(0, owned, table.index_select(0, pos.index_select(0, owned) + table.shape[0]))
+    return out
+
+
+def _block(dim: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(dim)
+    return max(1, min(64, 4096 // block_d)), block_d  # about 4K elements per program
+
+
+def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
+    """``out[i] = table[ids[i]]`` for ``ids`` in ``[0, len(table))``; an id outside reads row 0
+    instead and is counted in ``record`` (int64 on the device): ``record[0] +=`` the count,
+    ``record[1] = max(record[1], len(ids) - position of the first bad id)``. ``ids`` is int64
+    on ``out``'s device; ``table`` has at least one row. No host synchronisation. Returns ``out``."""
+    global _kernel_failed
+    n = ids.numel()
+    if n == 0:
+        return out
+    if _usable(out, table, out):
+        rows, block_d = _block(out.shape[1])
+        try:
+            _gather_ids_kernel[(triton.cdiv(n, rows),)](
+                out, table, ids, record, n, out.shape[1], table.shape[0], table.stride(0), out.stride(0),
+                ROWS=rows, BLOCK_D=block_d, num_warps=4)
+            return out
+        except Exception as exc:  # noqa: BLE001  (compile or launch failure: fall back, once, loudly)
+            _kernel_failed = repr(exc)[:300]
+            log.warning("gather.kernel_unavailable", error=_kernel_failed)
+    bad = (ids < 0) | (ids >= table.shape[0])
+    torch.index_select(table, 0, torch.where(bad, 0, ids), out=out)
+    record[0] += bad.sum()
+    first = torch.where(bad, n - torch.arange(n, device=ids.device), 0).max()
+    torch.maximum(record[1], first, out=record[1])
     return out
 
 

@@ -5,7 +5,20 @@ sort-based dedup as a lookup, :mod:`elastic_emb.context.dedup`, with its count e
 checks), the unique rows and their summed gradients travel to their owners (two all-to-alls:
 ids, then gradients), and the owner sums again across senders and applies the optimizer
 (:mod:`elastic_emb.context.optim`) to unique rows. Lookups in flight are settled first, so they
-return the rows as they were when they started.
+return the rows as they were when they started. Every row written is marked in the context's
+:class:`~elastic_emb.context.changes.ChangeTracker`.
+
+Non-finite gradients: each rank counts the unique rows of its batch whose gradient is NaN or
+infinite and sends the count in the count-exchange header, so every rank learns the world's
+total before any gradient moves. With ``nonfinite="raise"`` (the default) every rank then raises
+:class:`~elastic_emb.errors.NonFiniteGradients` (table, rows) and no row of the call changes;
+with ``"skip"`` the other rows are updated, those rows are left as they were, and a
+``context.nonfinite_gradients_skipped`` event counts them. An owner also leaves alone any row
+whose summed gradient overflowed to infinity.
+
+A world of one rank has nobody to exchange with: there the whole update runs on the device
+without a host synchronisation (dedup, sum, checks, optimizer, change marks), the verdict goes
+into a device record, and errors surface as :mod:`elastic_emb.context.checks` describes.
 """
 
 from __future__ import annotations
@@ -14,10 +27,12 @@ import torch
 
 from elastic_emb.context import optim
 from elastic_emb.context.arena import Arena
-from elastic_emb.context.dedup import Deduper
+from elastic_emb.context.changes import ChangeTracker
+from elastic_emb.context.checks import R_BAD_IDS, R_FIRST, R_NONFINITE, R_REFUSED, DeviceChecks
+from elastic_emb.context.dedup import Deduper, check_ids
 from elastic_emb.context.exchange import OP_GRADIENTS, call_tag
 from elastic_emb.context.group import Group
-from elastic_emb.errors import InvalidIds
+from elastic_emb.errors import InvalidIds, NonFiniteGradients
 from elastic_emb.protocol import OptimizerSpec, TableSpec
 from elastic_emb.sharding import owned_range
 from elastic_emb.topology import Topology
@@ -27,7 +42,8 @@ class GradientRouter:
     """Applies one context's sparse gradients over one group and arena."""
 
     def __init__(self, group: Group, deduper: Deduper, arena: Arena, topology: Topology, device: torch.device,
-                 names, optimizer: OptimizerSpec, settle):
+                 names, optimizer: OptimizerSpec, settle, tracker: ChangeTracker, checks: DeviceChecks,
+                 nonfinite: str = "raise"):
         self.group = group
         self.deduper = deduper
         self.arena = arena
@@ -36,6 +52,9 @@ class GradientRouter:
         self.names = sorted(names)
         self.optimizer = optimizer
         self._settle = settle  # called before rows are written (the lookup engine's settle)
+        self.tracker = tracker
+        self.checks = checks
+        self.nonfinite = nonfinite
 
     def apply(self, spec: TableSpec, ids, grads, what: str) -> None:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
@@ -58,10 +77,27 @@ class GradientRouter:
                 f"{what} on rank {self.topology.rank}: grads must be [len(ids), {spec.dim}] for ids of "
                 f"shape {n}, got {got}"
             )
-        uniq, inverse, send_list, recv_list, recv_ids = self._route(spec, ids, what, tag)
+        if self.topology.world_size == 1:
+            self._apply_local(spec, ids, grads, what)
+            return
+        g = grads.to(device=self.device, dtype=spec.torch_dtype)
+        d = self.deduper.dedup(spec, ids, what, tag, 1, flag=lambda inverse, n: _nonfinite_rows(g, inverse, n))
+        if d.flagged:
+            message = (f"{what}: {d.flagged} row(s) of table {spec.name!r} got NaN or infinite gradients "
+                       f"(counted on each sending rank)")
+            if self.nonfinite == "raise":  # every rank read the same headers: all refuse alike
+                raise NonFiniteGradients(f"{message}; no row of that call was updated. Fix the loss (or clip "
+                                         f"gradients), or construct the context with nonfinite_gradients='skip'",
+                                         spec.name, d.flagged)
+            self.checks.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=d.flagged)
+        uniq = d.uniq[: d.n_unique]
+        send_list, recv_list = [c[0] for c in d.sent], [c[0] for c in d.got]
+        recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
+        self.group.wait(self.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange",
+                        host=False)
         summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=self.device)
         if len(uniq):
-            summed.index_add_(0, inverse, grads.to(device=self.device, dtype=spec.torch_dtype))
+            summed.index_add_(0, d.inverse, g)
         recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=self.device)
         self.group.wait(self.group.alltoall(recv_grads, summed, recv_list, send_list), None,
                         f"{what} gradient exchange", host=False)
@@ -76,16 +112,55 @@ class GradientRouter:
             total.index_add_(0, inv, recv_grads)
         else:
             total = torch.empty_like(recv_grads).index_copy_(0, inv, recv_grads)
+        keep = torch.isfinite(total).all(dim=1)  # skipped rows, and any sum that overflowed
         self._settle()
-        optim.apply_rows(self.optimizer, self.arena.weights[spec.name], self.arena.slots[spec.name], rows, total)
+        optim.apply_rows(self.optimizer, self.arena.weights[spec.name], self.arena.slots[spec.name], rows, total, keep)
+        self.tracker.mark_rows(spec.name, rows, keep)
 
-    def _route(self, spec: TableSpec, ids, what: str, tag: int):
-        """Validate, dedup, exchange counts and ids (own ids included). Returns (uniq, inverse,
-        send counts, receive counts, received ids)."""
-        d = self.deduper.dedup(spec, ids, what, tag, 1)
-        uniq = d.uniq[: d.n_unique]
-        send_list, recv_list = [c[0] for c in d.sent], [c[0] for c in d.got]
-        recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
-        self.group.wait(self.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange",
-                        host=False)
-        return uniq, d.inverse, send_list, recv_list, recv_ids
+    def _apply_local(self, spec: TableSpec, ids, grads, what: str) -> None:
+        """A world of one rank: the whole update on the device, no host synchronisation. Bad ids
+        or (with ``nonfinite="raise"``) non-finite gradients refuse the whole call: every row is
+        left as it was, and the device record says why."""
+        checked, reason = check_ids(ids, self.device)
+        if checked is None:
+            raise InvalidIds(f"{what} on rank 0: {reason}")
+        n, dev = checked.numel(), self.device
+        if not n:
+            return
+        g = grads.to(device=dev, dtype=spec.torch_dtype)
+        dump = self.arena.weights[spec.name].shape[0]  # the arena's dump row (Arena.padded_weights)
+        bad_ids = (checked < 0) | (checked >= spec.num_rows)
+        sorted_ids, perm = torch.sort(torch.where(bad_ids, 0, checked))
+        head = torch.ones(n, dtype=torch.bool, device=dev)
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=head[1:])
+        slot = torch.cumsum(head, 0) - 1
+        rows = torch.full((n,), dump, dtype=torch.int64, device=dev).scatter_(0, slot, sorted_ids)
+        summed = torch.zeros(n, spec.dim, dtype=spec.torch_dtype, device=dev)
+        summed.index_add_(0, torch.empty_like(slot).scatter_(0, perm, slot), g)
+        used = torch.arange(n, device=dev) <= slot[-1]  # slots holding a unique row
+        finite = torch.isfinite(summed).all(dim=1)
+        n_bad_ids, nonfinite = bad_ids.sum(), (used & ~finite).sum()
+        refused = n_bad_ids > 0
+        if self.nonfinite == "raise":
+            refused = refused | (nonfinite > 0)
+        keep = used & finite & ~refused
+        rows = torch.where(keep, rows, dump)  # refused and unused slots update the dump row
+        self._settle()
+        optim.apply_rows(self.optimizer, self.arena.padded_weights[spec.name], self.arena.padded_slots[spec.name],
+                         rows, summed, keep)
+        self.tracker.mark_rows(spec.name, rows, keep)
+        slot_no, record = self.checks.record()
+        record[R_BAD_IDS] = n_bad_ids
+        record[R_FIRST] = torch.where(bad_ids, n - torch.arange(n, device=dev), 0).max()
+        record[R_NONFINITE] = nonfinite
+        record[R_REFUSED] = refused
+        self.checks.post(what, spec, slot_no, checked)
+
+
+def _nonfinite_rows(grads: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
+    """How many unique rows of a batch (``inverse[i]``: the unique slot of position i) have a
+    NaN or infinite gradient in any of their positions; a device scalar."""
+    if not n:
+        return torch.zeros((), dtype=torch.int64, device=grads.device)
+    bad = (~torch.isfinite(grads).all(dim=1)).to(torch.int32)
+    return (torch.zeros(n, dtype=torch.int32, device=grads.device).index_add_(0, inverse, bad) > 0).sum()

@@ -33,9 +33,10 @@ from datetime import timedelta
 import torch
 
 from elastic_emb.context.arena import Arena, Staging, staging_need
-from elastic_emb.context.dedup import Deduper
+from elastic_emb.context.checks import DeviceChecks
+from elastic_emb.context.dedup import Deduper, check_ids
 from elastic_emb.context.exchange import OP_LOOKUP, call_tag, header_words, range_error
-from elastic_emb.context.gather import gather_rows
+from elastic_emb.context.gather import gather_ids, gather_rows
 from elastic_emb.context.group import Group
 from elastic_emb.errors import ContextClosed, InvalidIds
 from elastic_emb.protocol import TableSpec
@@ -47,8 +48,9 @@ class LookupEngine:
     """Runs the lookups of one context over one group and arena; tracks the ones in flight."""
 
     def __init__(self, group: Group, deduper: Deduper, arena: Arena, topology: Topology, device: torch.device,
-                 tables: Mapping[str, TableSpec], pipeline_chunks: int, log_):
+                 tables: Mapping[str, TableSpec], pipeline_chunks: int, checks: DeviceChecks, log_):
         self.group = group
+        self.checks = checks
         self.deduper = deduper
         self.arena = arena
         self.topology = topology
@@ -87,25 +89,31 @@ class LookupEngine:
     def lookup(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
         """Start a lookup (see the module docstring)."""
         if self.topology.world_size == 1:
-            # One rank owns everything: no exchange, no dedup; a plain gather.
-            checked, reason = self._validate_ids(spec, ids)
-            if checked is None:
-                raise InvalidIds(f"{what} on rank 0: {reason}")
-            rows = self.arena.weights[spec.name].index_select(0, checked)
-            return LookupHandle(self, spec.name, [], rows, None, False)
+            return self._local(spec, ids, what)
         return self._pipelined(spec, ids, what)
 
-    def _validate_ids(self, spec: TableSpec, ids) -> tuple[torch.Tensor | None, str | None]:
-        """Host checks plus the range check, which costs one device sync (a one-rank world has
-        no count exchange to fold it into)."""
-        from elastic_emb.context.dedup import check_ids
-
-        ids, reason = check_ids(ids, self.device)
-        if ids is None or not ids.numel():
-            return ids, reason
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
-        reason = range_error(spec, lo, hi)
-        return (None, reason) if reason else (ids, None)
+    def _local(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
+        """A world of one rank: one gather straight from the shard, nothing else. On CUDA the
+        range check runs inside the gather kernel (:func:`gather_ids`) and is read by ``wait()``
+        (:mod:`elastic_emb.context.checks`): no host synchronisation. On the CPU it is checked
+        here."""
+        checked, reason = check_ids(ids, self.device)
+        if checked is None:
+            raise InvalidIds(f"{what} on rank 0: {reason}")
+        weight = self.arena.weights[spec.name]
+        if self.device.type != "cuda":
+            if checked.numel():
+                lo, hi = torch.stack(torch.aminmax(checked)).tolist()  # host memory: no sync
+                reason = range_error(spec, lo, hi)
+                if reason:
+                    raise InvalidIds(f"{what} on rank 0: {reason}")
+            return LookupHandle(self, spec.name, [], weight.index_select(0, checked), None, False)
+        out = torch.empty(checked.numel(), spec.dim, dtype=spec.torch_dtype, device=self.device)
+        slot, record = self.checks.record()
+        gather_ids(out, weight, checked, record)
+        handle = LookupHandle(self, spec.name, [], out, None, False)
+        handle._check = self.checks.post(what, spec, slot, checked)
+        return handle
 
     def _pipelined(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
         """The batch is cut into ``pipeline_chunks`` consecutive pieces; one sort deduplicates
@@ -251,6 +259,7 @@ class LookupHandle:
         self._keep = keep  # send buffers must outlive the exchange
         self._result: torch.Tensor | None = None if bounds is not None else recv_rows
         self._queued: tuple[torch.Tensor, torch.cuda.Event] | None = None  # (result, done) on CUDA
+        self._check = None  # one rank on CUDA: the device's verdict on the ids (checks.Check)
         self._delivered = False  # wait() returned the rows once: later waits return them again
         if works:
             engine.pending.add(self)
@@ -322,6 +331,8 @@ class LookupHandle:
                 f"{'new' if engine.retired == 'closed' else 'reset'} context"
             )
         if self._result is not None:  # a one-rank world gathered the rows at lookup time
+            if self._check is not None:  # raises InvalidIds for bad ids (bounded wait for the check)
+                engine.checks.raise_through(self._check, timeout)
             self._delivered = True
             return self._result
         what = f"lookup({self._table!r}) row exchange"

@@ -37,25 +37,38 @@ def apply_rows(
     slots: dict[str, torch.Tensor],
     index: torch.Tensor,
     grad: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """Update ``weight[index]`` (and its slots) in place with the summed gradients ``grad``.
 
     ``index`` must hold unique local row indices (the caller deduplicates and sums); ``grad`` is
-    ``[len(index), dim]``.
+    ``[len(index), dim]``. ``keep`` (bool, ``[len(index)]``, optional): rows where it is False
+    are left exactly as they were (their gradient may be NaN); decided on the device, no sync.
     """
     if index.numel() == 0:
         return
     if spec.kind == "sgd":
-        weight.index_add_(0, index, grad.to(weight.dtype), alpha=-spec.lr)
+        g = grad.to(weight.dtype)
+        if keep is not None:
+            g = torch.where(keep.unsqueeze(1), g, 0)  # w + (-lr * 0) == w exactly
+        weight.index_add_(0, index, g, alpha=-spec.lr)
         return
     if spec.kind == "adagrad":
         acc = slots["accumulator"]
         g32 = grad.to(torch.float32)
-        new_acc = acc.index_select(0, index) + g32.pow(2).mean(dim=1)
+        if keep is not None:
+            g32 = torch.where(keep.unsqueeze(1), g32, 0)
+        old_acc = acc.index_select(0, index)
+        new_acc = old_acc + g32.pow(2).mean(dim=1)
+        if keep is not None:
+            new_acc = torch.where(keep, new_acc, old_acc)
         acc.index_copy_(0, index, new_acc)
         step = g32 / (new_acc.sqrt() + spec.eps).unsqueeze(1)
-        rows = weight.index_select(0, index).to(torch.float32) - spec.lr * step
-        weight.index_copy_(0, index, rows.to(weight.dtype))
+        old_rows = weight.index_select(0, index)
+        rows = (old_rows.to(torch.float32) - spec.lr * step).to(weight.dtype)
+        if keep is not None:
+            rows = torch.where(keep.unsqueeze(1), rows, old_rows)
+        weight.index_copy_(0, index, rows)
         return
     raise ValueError(f"optimizer kind={spec.kind!r} is not supported; use 'sgd' or 'adagrad'")
 

@@ -489,6 +489,58 @@ def main() -> None:
 
     _ada()
 
+    @check("nonfinite_and_changes")
+    def _nonfinite_and_changes():
+        from elastic_emb.errors import NonFiniteGradients
+
+        spec = TABLES[0]
+        mine = owned_range(spec.num_rows, t.ep_size, rank)
+        for mode in ("raise", "skip"):
+            c = make(SGD, nonfinite_gradients=mode)
+            try:
+                full = {s.name: initial_table(s) for s in TABLES}
+                import_full(c, full)
+                expect(c.take_changes()[spec.name].all(), "import_shard must mark every row")
+                # Change tracking: the rows marked are exactly the owned rows some rank updated.
+                for step in range(3):
+                    every = [batch(spec, step, r, world) for r in range(world)]
+                    c.apply_gradients(spec.name, every[rank][0], every[rank][1])
+                    full[spec.name].index_add_(0, torch.cat([e[0] for e in every]), -torch.cat([e[1] for e in every]))
+                    marked = set((c.take_changes()[spec.name].nonzero().squeeze(1) + mine.start).tolist())
+                    written = {int(i) for e in every for i in e[0] if mine.start <= int(i) < mine.stop}
+                    expect(marked == written, f"step {step}: marked rows {sorted(marked)} != written {sorted(written)}")
+                    expect(not c.take_changes()[spec.name].any(), "take_changes did not start afresh")
+                # Non-finite gradients: the last rank sends NaN for row 5 and inf for row 9.
+                ids = torch.tensor([5, 9, 11, 5]) if rank == world - 1 else torch.tensor([11, 2])
+                grads = torch.ones(len(ids), spec.dim)
+                if rank == world - 1:
+                    grads[0, 1], grads[1, 0] = float("nan"), float("inf")
+                before = all_rows(c, spec.name)
+                if mode == "raise":
+                    try:
+                        c.apply_gradients(spec.name, ids, grads)
+                        raise AssertionError("NaN gradients were accepted")
+                    except NonFiniteGradients as exc:
+                        expect(exc.table == spec.name and exc.rows == 2 and "2 row(s)" in str(exc), str(exc))
+                    expect(torch.equal(all_rows(c, spec.name), before), "a refused call changed rows")
+                    expect(not c.take_changes()[spec.name].any(), "a refused call marked rows")
+                else:
+                    c.apply_gradients(spec.name, ids, grads)
+                    for who in range(world):
+                        if who == world - 1:
+                            full[spec.name][11] -= 1  # rows 5 and 9 skipped on their owners, on every rank
+                        else:
+                            full[spec.name][torch.tensor([11, 2])] -= 1
+                    expect(torch.equal(all_rows(c, spec.name), full[spec.name]), "skip mode updated the wrong rows")
+                    marked = set((c.take_changes()[spec.name].nonzero().squeeze(1) + mine.start).tolist())
+                    want = {i for i in ([11, 2] if world > 1 else [11]) if mine.start <= i < mine.stop}
+                    expect(marked == want, f"skip mode marked {sorted(marked)}, wrote {sorted(want)}")
+            finally:
+                c.close()
+        return {}
+
+    _nonfinite_and_changes()
+
     if world >= 3:
         @check("non_power_of_two_ep_when_allowed")
         def _odd():

@@ -1,0 +1,160 @@
+"""Errors the device finds, raised on the host without the host waiting for the device.
+
+On CUDA a lookup or gradient update checks its input where the data is: ids against the
+table's range (inside the gather kernel), gradients for NaN and infinity. Reading the verdict
+on the host at once would stall the host until the GPU reached that point (a synchronisation),
+so instead each call writes a small record on the device (:data:`RECORD` int64 words), the
+record is copied to pinned host memory behind the work, and an event marks the copy done.
+The invalid rows are never applied: ids out of range read row 0 instead (a lookup with bad
+ids returns garbage rows *and* raises), gradients of a refused call are not applied at all.
+
+When a record is read (:class:`DeviceChecks`):
+
+- ``LookupHandle.wait()`` waits (bounded by the context's timeout) for its own lookup's record
+  and every older one, and raises :class:`~elastic_emb.errors.InvalidIds` for a bad lookup:
+  bad ids always surface at ``wait()``. In a prefetching loop that record is long done;
+- every ``lookup()`` and ``apply_gradients()`` raises a finished record without waiting for
+  unfinished ones (an error of ``apply_gradients`` call k therefore surfaces at the first call
+  after the device finished call k, and at the latest at the next ``wait()``);
+- ``export_shard()``, ``state_dict()``, ``take_changes()`` and ``check_errors()`` wait for every
+  record, so no commit is taken over an unreported error.
+
+On the CPU the record is host memory already: it is read at the end of the call that wrote
+it, and the error raised there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from elastic_emb.context.group import poll
+from elastic_emb.errors import CommunicationError, InvalidIds, NonFiniteGradients
+from elastic_emb.protocol import TableSpec
+
+# Words of one record: bad ids, n - first bad position (0: none), non-finite gradient rows,
+# and 1 when the call was refused (rows left untouched).
+RECORD = 4
+R_BAD_IDS, R_FIRST, R_NONFINITE, R_REFUSED = range(RECORD)
+_RING = 64
+
+
+@dataclass
+class Check:
+    """One call's pending record."""
+
+    what: str
+    spec: TableSpec
+    slot: int
+    ids: torch.Tensor  # the checked ids, to name the first bad one (read only on the error path)
+    done: "torch.cuda.Event | None"
+    values: list[int] | None = None
+    error: Exception | None = None  # what reading the record raised (raised again on a second wait)
+
+
+class DeviceChecks:
+    """The records of one context's calls, in call order (see the module docstring)."""
+
+    def __init__(self, device: torch.device, timeout: float, log_):
+        self.device = device
+        self.timeout = timeout
+        self.log = log_
+        self._pending: deque[Check] = deque()
+        self._next = 0
+        cuda = device.type == "cuda"
+        self._dev = torch.zeros(_RING, RECORD, dtype=torch.int64, device=device)
+        self._host = torch.zeros(_RING, RECORD, dtype=torch.int64, pin_memory=cuda) if cuda else self._dev
+
+    def record(self) -> tuple[int, torch.Tensor]:
+        """A zeroed device record for the next call: (slot, tensor of :data:`RECORD` words)."""
+        if len(self._pending) >= _RING:
+            self._settle(self._pending[0], block=True)  # the oldest slot is reused next
+        slot = self._next
+        self._next = (self._next + 1) % _RING
+        rec = self._dev[slot]
+        rec.zero_()
+        return slot, rec
+
+    def post(self, what: str, spec: TableSpec, slot: int, ids: torch.Tensor) -> Check:
+        """The call that filled record ``slot`` is queued: read it on the CPU now (and raise), on
+        CUDA once the device is done with it."""
+        check = Check(what, spec, slot, ids, None)
+        if self.device.type != "cuda":
+            check.values = self._dev[slot].tolist()
+            self._raise_if_bad(check)
+            return check
+        self._host[slot].copy_(self._dev[slot], non_blocking=True)
+        check.done = torch.cuda.Event()
+        check.done.record()
+        self._pending.append(check)
+        return check
+
+    def raise_ready(self) -> None:
+        """Raise the first bad record among those the device has finished; never waits."""
+        while self._pending and self._settle(self._pending[0], block=False):
+            pass
+
+    def raise_through(self, check: Check, timeout: float | None = None) -> None:
+        """Wait for ``check`` and every older record (bounded), raising the first bad one."""
+        while self._pending and check.values is None:
+            self._settle(self._pending[0], block=True, timeout=timeout)
+        if check.error is not None:
+            raise check.error
+
+    def raise_all(self) -> None:
+        """Wait for every record (bounded by the timeout), raising the first bad one."""
+        while self._pending:
+            self._settle(self._pending[0], block=True)
+
+    def _settle(self, check: Check, block: bool, timeout: float | None = None) -> bool:
+        """Read ``check`` if finished (or, with ``block``, once finished); raise if bad."""
+        if not check.done.query():
+            if not block:
+                return False
+            t = self.timeout if timeout is None else timeout
+            if not poll(check.done.query, t):
+                raise CommunicationError(f"{check.what}: the device did not finish its checks within {t}s; "
+                                         f"the GPU is stuck or overloaded: close this context")
+        self._pending.popleft()
+        check.values = self._host[check.slot].tolist()
+        self._raise_if_bad(check)
+        return True
+
+    def _read_id(self, ids: torch.Tensor, pos: int):
+        """``ids[pos]`` on the host (the error path): on CUDA through pinned memory and a polled
+        event, so even this read never blocks in a synchronising call."""
+        if ids.device.type != "cuda":
+            return int(ids[pos])
+        host = torch.empty(1, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids[pos : pos + 1], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return int(host[0]) if poll(copied.query, self.timeout) else "?"
+
+    def _raise_if_bad(self, check: Check) -> None:
+        try:
+            self._verdict(check)
+        except Exception as exc:
+            check.error = exc
+            raise
+
+    def _verdict(self, check: Check) -> None:
+        v, spec = check.values, check.spec
+        if v[R_BAD_IDS]:
+            pos = check.ids.numel() - v[R_FIRST]
+            first = self._read_id(check.ids, pos) if 0 <= pos < check.ids.numel() else "?"
+            raise InvalidIds(
+                f"{check.what}: {v[R_BAD_IDS]} id(s) out of range for table {spec.name!r} of {spec.num_rows} "
+                f"rows, the first {first} at position {pos} (valid ids are 0..{spec.num_rows - 1})"
+                + ("; no row was updated" if v[R_REFUSED] else "; the rows returned for them are not valid")
+            )
+        if v[R_NONFINITE]:
+            if v[R_REFUSED]:
+                raise NonFiniteGradients(
+                    f"{check.what}: {v[R_NONFINITE]} row(s) of table {spec.name!r} got NaN or infinite gradients; "
+                    f"no row of that call was updated. Fix the loss (or clip gradients), or construct the "
+                    f"context with nonfinite_gradients='skip' to update the other rows",
+                    spec.name, v[R_NONFINITE])
+            self.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=v[R_NONFINITE])
