@@ -7,8 +7,12 @@ process (one thread) on the same total table with the same total number of ids, 
 same invocation. Reported: rows/s (ids served per second, all ranks together) as the median of
 ``--runs`` runs of ``--iters`` lookups, and the ratio to the baseline.
 
-GPU (``--device cuda``): NCCL ranks, one per GPU. Each rank also measures, on its own GPU and
-communicator, the two ceilings a sharded lookup cannot beat (../shared/FACTS.md): the *gather*
+One GPU (``--device cuda --ranks 1``, the default on a one-GPU machine): world size 1 in this
+process, measured against the physical copy bound in the same run, with host time per call and a
+prefetching loop's overlap; see bench/lookup_one_gpu.py.
+
+GPU (``--device cuda``, two or more ranks): NCCL ranks, one per GPU. Each rank also measures, on its own GPU and
+communicator, the two ceilings a sharded lookup cannot beat: the *gather*
 ceiling (``F.embedding`` of ``--batch`` random ids from its local shard) and the *all-to-all*
 ceiling (``all_to_all_single`` of ``--batch`` rows of ``--dim`` fp32, evenly split), both as rows/s
 summed over ranks; the lookup's fraction of ``min(gather, all-to-all)`` is the figure of merit
@@ -143,28 +147,15 @@ def worker(args) -> None:
         """Where the host's time in ``lookup()`` goes (``--host-split``): the context's inner
         steps are wrapped with timers for ``n`` lookups; mean microseconds per lookup of each,
         and of everything else (Python between them). Each lookup starts from an idle device."""
-        import elastic_emb.context as cm
+        import elastic_emb.context.dedup as dd
+        import elastic_emb.context.lookup as lk
 
-        spent: dict[str, float] = {}
-
-        def timer(name, fn):
-            def timed_call(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-            return timed_call
-
-        names = ["_dedup", "_dedup_graph", "_exchange_counts", "_wait_event", "_alltoall", "_check_ids"]
-        saved = {m: getattr(ctx, m) for m in names}
-        for m in names:
-            setattr(ctx, m, timer(m, saved[m]))
-        orig_reorder, orig_gather = cm.LookupHandle._reorder_on_side_stream, cm.gather_rows
-        orig_replay = cm._DedupGraph.replay
-        cm.LookupHandle._reorder_on_side_stream = timer("reorder_on_side_stream", orig_reorder)
-        cm.gather_rows = timer("gather_rows", orig_gather)
-        cm._DedupGraph.replay = timer("graph_replay", orig_replay)
+        wrapped = [(ctx._dedup, "dedup"), (ctx._dedup, "_graph"), (ctx._exchange, "exchange"),
+                   (ctx._group, "wait_event"), (ctx._group, "alltoall"), (lk, "gather_rows"), (lk, "check_ids"),
+                   (dd.DedupGraph, "replay"), (lk.LookupHandle, "_reorder_on_side_stream")]
+        saved = [(obj, name, getattr(obj, name)) for obj, name in wrapped]
+        for obj, name, fn in saved:
+            setattr(obj, name, timer(name, fn))
         total = 0.0
         try:
             for i in range(n):
@@ -175,10 +166,11 @@ def worker(args) -> None:
                 total += time.perf_counter() - t0
                 _sync(dev)
         finally:
-            for m in names:
-                delattr(ctx, m)  # back to the class's methods
-            cm.LookupHandle._reorder_on_side_stream, cm.gather_rows = orig_reorder, orig_gather
-            cm._DedupGraph.replay = orig_replay
+            for obj, name, fn in saved:
+                if isinstance(obj, type) or obj in (dd, lk):
+                    setattr(obj, name, fn)
+                else:
+                    delattr(obj, name)  # back to the class's method
         out = {k: round(1e6 * v / n, 1) for k, v in spent.items()}
         out["lookup_total"] = round(1e6 * total / n, 1)
         return out
@@ -388,6 +380,18 @@ def main(argv=None) -> None:
     if args.device == "cuda" and max(args.ranks) > torch.cuda.device_count():
         ap.error(f"--ranks {args.ranks} needs more than the {torch.cuda.device_count()} GPUs here")
     torch.set_num_threads(1)
+    if args.device == "cuda" and args.ranks == [1]:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import lookup_one_gpu
+
+        report = lookup_one_gpu.run(args)
+        lookup_one_gpu.print_report(report)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"wrote {args.out}")
+        return
 
     rows = []
     for world in args.ranks:

@@ -85,7 +85,7 @@ class DeviceChecks:
             check.values = self._dev[slot].tolist()
             self._raise_if_bad(check)
             return check
-        self._host[slot].copy_(self._dev[slot], non_blocking=True)
+        self._host[slot].copy_(self._dev[slot], non_blocking=True)  # on the current stream, after the call
         check.done = torch.cuda.Event()
         check.done.record()
         self._pending.append(check)

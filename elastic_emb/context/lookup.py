@@ -95,7 +95,13 @@ class LookupEngine:
     def _local(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
         """A world of one rank: one gather straight from the shard, nothing else. On CUDA the
         range check runs inside the gather kernel (:func:`gather_ids`) and is read by ``wait()``
-        (:mod:`elastic_emb.context.checks`): no host synchronisation. On the CPU it is checked
+        (:mod:`elastic_emb.context.checks`): no host synchronisation. The gather runs on the
+        engine's side stream, after the work queued so far on the caller's stream (which may
+        compute the ids or write the rows), so the caller's stream can run other work meanwhile
+        (a prefetching loop hides the lookup behind the dense part of the model); ``wait()``
+        orders the caller's stream after it. No CUDA graph: the work is one kernel writing into
+        a fresh result (a graph would fix the result's address, and callers keep results across
+        lookups), plus a 32-byte memset and copy for the check. On the CPU the ids are checked
         here."""
         checked, reason = check_ids(ids, self.device)
         if checked is None:
@@ -110,9 +116,16 @@ class LookupEngine:
             return LookupHandle(self, spec.name, [], weight.index_select(0, checked), None, False)
         out = torch.empty(checked.numel(), spec.dim, dtype=spec.torch_dtype, device=self.device)
         slot, record = self.checks.record()
-        gather_ids(out, weight, checked, record)
-        handle = LookupHandle(self, spec.name, [], out, None, False)
-        handle._check = self.checks.post(what, spec, slot, checked)
+        side = self.side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            gather_ids(out, weight, checked, record)
+            check = self.checks.post(what, spec, slot, checked)
+        out.record_stream(side)  # made on the caller's stream, written on the side stream
+        checked.record_stream(side)
+        handle = LookupHandle(self, spec.name, [], out, None, False, bounds=[0, checked.numel()])
+        handle._check, handle._queued = check, (out, check.done)
+        self.pending.add(handle)
         return handle
 
     def _pipelined(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
@@ -260,6 +273,7 @@ class LookupHandle:
         self._result: torch.Tensor | None = None if bounds is not None else recv_rows
         self._queued: tuple[torch.Tensor, torch.cuda.Event] | None = None  # (result, done) on CUDA
         self._check = None  # one rank on CUDA: the device's verdict on the ids (checks.Check)
+        self._drained = False
         self._delivered = False  # wait() returned the rows once: later waits return them again
         if works:
             engine.pending.add(self)
@@ -311,6 +325,7 @@ class LookupHandle:
         if self._queued is not None:
             torch.cuda.current_stream(engine.device).wait_event(self._queued[1])
         self._works = []
+        self._drained = True
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """The rows, ``[len(ids), dim]``. Without ``timeout`` on CUDA this only orders the
@@ -321,20 +336,21 @@ class LookupHandle:
         if self._delivered:
             return self._result  # type: ignore[return-value]
         engine = self._engine
-        if engine.retired == "closed" or (engine.retired and self._result is None):
+        if engine.retired == "closed" or (engine.retired and self._result is None
+                                          and not (self._drained and self._queued is not None)):
             # After close also for a one-rank world, whose rows were gathered at lookup time: a
             # handle not waited on before close() behaves the same whatever the world size. After
-            # a reset, an exchange of the old communicator was drained, never assembled.
+            # a reset, a CPU exchange of the old communicator was drained, never assembled.
             raise ContextClosed(
                 f"lookup of table {self._table!r} was waited on after its context "
                 f"(generation {engine.topology.generation}) was {engine.retired}; look up again on the "
                 f"{'new' if engine.retired == 'closed' else 'reset'} context"
             )
-        if self._result is not None:  # a one-rank world gathered the rows at lookup time
-            if self._check is not None:  # raises InvalidIds for bad ids (bounded wait for the check)
-                engine.checks.raise_through(self._check, timeout)
+        if self._result is not None:  # a one-rank CPU world gathered the rows at lookup time
             self._delivered = True
             return self._result
+        if self._check is not None:  # raises InvalidIds for bad ids (bounded wait for the check)
+            engine.checks.raise_through(self._check, timeout)
         what = f"lookup({self._table!r}) row exchange"
         group = engine.group
         try:

@@ -1,0 +1,239 @@
+"""One GPU, world size 1: the lookup against the physical ceiling, its host cost, and its overlap.
+
+Run through ``bench/lookup.py --device cuda --ranks 1`` (or directly). In one process, on one
+GPU, with an EmbContext of world size 1 (NCCL) holding a ``--rows`` x ``--dim`` fp32 table and
+two batches of ``--batch`` uniformly random ids, it measures, all in the same run:
+
+- the *copy bound*: a device-to-device copy of the result's bytes (what a gather must at least
+  read and write), as GPU time (CUDA events);
+- ``torch.index_select`` of the same ids (the gather the lookup used to be measured against);
+- the lookup, issued back to back (``lookup()`` for every batch, then ``wait()``), GPU time per
+  lookup, and its fraction of the copy bound (target >= 0.6);
+- the lookup in a plain loop (``lookup(ids).wait()`` each time), wall time per lookup;
+- host time per ``lookup()`` call while the GPU is busy (a spin kernel of ~20 ms queued first),
+  median over calls (target <= 100 us), and per ``wait()`` call in the same state;
+- a prefetching loop (lookup i+1 issued before the rows of i are used) around a dense step (a
+  matmul sized to the lookup's GPU time), against the dense step alone: the step time ratio
+  (target <= 1.10);
+- that every result equals ``index_select`` bit for bit.
+
+Medians of ``--runs`` runs of ``--iters`` iterations. Prints a table; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+
+
+def _gpu_time(torch, fn, iters: int, runs: int) -> list[float]:
+    """Seconds of GPU time per call of ``fn`` (``iters`` calls per run, bracketed by events)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / iters)
+    return out
+
+
+def _wall_time(torch, fn, iters: int, runs: int) -> list[float]:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / iters)
+    return out
+
+
+def run(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from elastic_emb.context import EmbContext
+    from elastic_emb.context.gather import kernel_status
+    from elastic_emb.protocol import OptimizerSpec, TableSpec
+    from elastic_emb.testing.ports import free_port
+    from elastic_emb.topology import Topology
+
+    med = statistics.median
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=60))
+    topo = Topology.build(run_id="bench-lookup-1gpu", generation=0, rank=0, world_size=1, local_rank=0,
+                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="nccl",
+                          master_addr="127.0.0.1", master_port=port)
+    ctx = EmbContext(topo, store, tables=[TableSpec(name="t", num_rows=args.rows, dim=args.dim)],
+                     optimizer=OptimizerSpec(), seed=None, timeout=120.0)
+    w = ctx.shard_views()["t"].weight
+    w.uniform_(-1, 1)
+    g = torch.arange(args.rows, device=dev)
+    w[:, 0], w[:, 1] = (g % 4096).float(), (g // 4096).float()  # each row spells its index
+    del g
+    ctx.mark_restored()
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    batches = [torch.randint(0, args.rows, (args.batch,), device=dev, generator=gen) for _ in range(2)]
+    unique_fraction = torch.unique(batches[0]).numel() / args.batch
+
+    # -- exactness ----------------------------------------------------------------------------
+    exact = all(torch.equal(ctx.lookup("t", b).wait(), torch.index_select(w, 0, b)) for b in batches)
+
+    # -- GPU time: copy bound, index_select, lookup back to back -----------------------------
+    src = torch.empty(args.batch, args.dim, device=dev).uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    copy_s = _gpu_time(torch, lambda: dst.copy_(src), args.iters, args.runs)
+    del src, dst
+    state = {"i": 0}
+
+    def index_select():
+        state["i"] += 1
+        return torch.index_select(w, 0, batches[state["i"] % 2])
+
+    index_select_s = _gpu_time(torch, index_select, args.iters, args.runs)
+
+    def back_to_back():
+        hs = [ctx.lookup("t", batches[i % 2]) for i in range(args.iters)]
+        for h in hs:
+            h.wait()
+
+    lookup_s = [t * 1 for t in _gpu_time(torch, back_to_back, 1, args.runs)]
+    lookup_s = [t / args.iters for t in lookup_s]
+    loop_s = _wall_time(torch, lambda: ctx.lookup("t", batches[0]).wait(), args.iters, args.runs)
+
+    # -- host time with the GPU busy ------------------------------------------------------------
+    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe[0].record()
+    torch.cuda._sleep(10_000_000)
+    probe[1].record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10_000_000 / probe[0].elapsed_time(probe[1])
+    host_lookup, host_wait, busy_ok = [], [], []
+    for _ in range(args.runs):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(20 * cycles_per_ms))  # ~20 ms of GPU work queued ahead
+        hs = []
+        for i in range(20):
+            t0 = time.perf_counter()
+            hs.append(ctx.lookup("t", batches[i % 2]))
+            host_lookup.append(time.perf_counter() - t0)
+        busy = torch.cuda.Event()
+        busy.record()
+        busy_ok.append(not busy.query())  # the GPU was still busy after the 20 calls
+        torch.cuda.synchronize()
+        for h in hs:
+            t0 = time.perf_counter()
+            h.wait()
+            host_wait.append(time.perf_counter() - t0)
+
+    # -- prefetching loop around a dense step of the lookup's GPU time -------------------------
+    target = med(lookup_s)
+    m = 1024
+    while True:
+        a = torch.randn(m, m, device=dev)
+        t = med(_gpu_time(torch, lambda: a @ a, 5, 3))
+        if t >= target or m >= 16384:
+            break
+        m = int(m * max(1.1, min(2.0, (target / t) ** (1 / 3))))
+    scale = max(1, round(target / t))
+    b = torch.randn(m, m, device=dev)
+
+    def dense(rows=None):
+        y = a
+        for _ in range(scale):
+            y = y @ b
+        if rows is not None:
+            y[0, :1] += rows[:1, :1].sum()  # the step uses the rows it looked up
+        return y
+
+    dense_s = _gpu_time(torch, dense, args.iters, args.runs)
+
+    def prefetch_loop():
+        h = ctx.lookup("t", batches[0])
+        for i in range(1, args.iters + 1):
+            nxt = ctx.lookup("t", batches[i % 2])
+            dense(h.wait())
+            h = nxt
+        h.wait()
+
+    prefetch_s = [t / args.iters for t in _wall_time(torch, prefetch_loop, 1, args.runs)]
+    dense_wall_s = [t for t in _wall_time(torch, dense, args.iters, args.runs)]
+    ctx.check_errors()
+    ctx.close()
+
+    copy_bound = med(copy_s)
+    report = {
+        "benchmark": "lookup_one_gpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"python": platform.python_version(), "torch": torch.__version__,
+                 "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0), "assembly": kernel_status()},
+        "config": {"rows": args.rows, "dim": args.dim, "batch": args.batch, "runs": args.runs, "iters": args.iters,
+                   "unique_fraction": unique_fraction},
+        "exact_vs_index_select": exact,
+        "copy_bound_s": copy_s, "index_select_s": index_select_s, "lookup_back_to_back_s": lookup_s,
+        "lookup_loop_wall_s": loop_s,
+        "fraction_of_copy_bound": copy_bound / med(lookup_s),
+        "index_select_fraction_of_copy_bound": copy_bound / med(index_select_s),
+        "speedup_vs_index_select": med(index_select_s) / med(lookup_s),
+        "copy_bound_bytes_per_s": 2 * args.batch * args.dim * 4 / copy_bound,
+        "host_lookup_us_median": 1e6 * med(host_lookup), "host_lookup_us_p90": 1e6 * sorted(host_lookup)[int(0.9 * len(host_lookup))],
+        "host_wait_us_median": 1e6 * med(host_wait), "gpu_busy_during_calls": all(busy_ok),
+        "dense": {"matmul": m, "chain": scale, "gpu_s": dense_s, "wall_s": dense_wall_s},
+        "prefetch_loop_step_s": prefetch_s,
+        "prefetch_step_over_dense": med(prefetch_s) / med(dense_wall_s),
+        "targets": {},
+    }
+    report["targets"] = {
+        "host_lookup_le_100us": report["host_lookup_us_median"] <= 100,
+        "fraction_of_copy_bound_ge_0.6": report["fraction_of_copy_bound"] >= 0.6,
+        "prefetch_within_10pct": report["prefetch_step_over_dense"] <= 1.10,
+    }
+    return report
+
+
+def print_report(r: dict) -> None:
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    c = r["config"]
+    print(f"one GPU ({r['host']['gpu']}, torch {r['host']['torch']}), table {c['rows']} x {c['dim']} fp32, "
+          f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['host']['assembly']}")
+    print(f"  copy bound            {ms(r['copy_bound_s']):8.3f} ms  ({r['copy_bound_bytes_per_s'] / 1e12:.2f} TB/s moved)")
+    print(f"  index_select          {ms(r['index_select_s']):8.3f} ms  {r['index_select_fraction_of_copy_bound']:.2f} of the bound")
+    print(f"  lookup (back to back) {ms(r['lookup_back_to_back_s']):8.3f} ms  {r['fraction_of_copy_bound']:.2f} of the bound, "
+          f"{r['speedup_vs_index_select']:.2f}x index_select")
+    print(f"  lookup().wait() loop  {ms(r['lookup_loop_wall_s']):8.3f} ms wall per lookup")
+    print(f"  host per lookup()     {r['host_lookup_us_median']:8.1f} us median (p90 {r['host_lookup_us_p90']:.1f}), "
+          f"GPU busy throughout: {r['gpu_busy_during_calls']}; per wait() {r['host_wait_us_median']:.1f} us")
+    d = r["dense"]
+    print(f"  dense step alone      {ms(d['wall_s']):8.3f} ms  ({d['chain']} x matmul {d['matmul']})")
+    print(f"  prefetching loop      {ms(r['prefetch_loop_step_s']):8.3f} ms per step = {r['prefetch_step_over_dense']:.3f} of the dense step")
+    print(f"  exact vs index_select: {r['exact_vs_index_select']}; targets: {r['targets']}")
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=20_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1 << 20)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rep = run(a)
+    print_report(rep)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rep, f, indent=2)
