@@ -339,7 +339,7 @@ def test_gather_rows_reads_each_row_from_its_source(device):
     gather_rows(only_table, table, received[:0], torch.arange(-7, 0, device=device))
     assert torch.equal(only_table, table[-7:])
     if device == "cuda":
-        assert kernel_status() == "triton", kernel_status()
+        assert kernel_status().startswith("triton") and "failed" not in kernel_status(), kernel_status()
 
 
 # -- non-finite gradients and change tracking, one rank (the multi-rank forms run in context_worker) ----

@@ -26,8 +26,6 @@ it, and the error raised there.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-
 import torch
 
 from elastic_emb.context.group import poll
@@ -41,17 +39,17 @@ R_BAD_IDS, R_FIRST, R_NONFINITE, R_REFUSED = range(RECORD)
 _RING = 64
 
 
-@dataclass
 class Check:
-    """One call's pending record."""
+    """One call's pending record: ``ids`` are kept to name the first bad one (read only on the
+    error path); ``error`` is what reading the record raised (raised again on a second wait)."""
 
-    what: str
-    spec: TableSpec
-    slot: int
-    ids: torch.Tensor  # the checked ids, to name the first bad one (read only on the error path)
-    done: "torch.cuda.Event | None"
-    values: list[int] | None = None
-    error: Exception | None = None  # what reading the record raised (raised again on a second wait)
+    __slots__ = ("what", "spec", "slot", "ids", "done", "copied", "values", "error")
+
+    def __init__(self, what: str, spec: TableSpec, slot: int, ids: torch.Tensor, done) -> None:
+        self.what, self.spec, self.slot, self.ids, self.done = what, spec, slot, ids, done
+        self.copied = None  # CUDA: the event after the record's copy to pinned memory, once asked for
+        self.values: list[int] | None = None
+        self.error: Exception | None = None
 
 
 class DeviceChecks:
@@ -66,6 +64,14 @@ class DeviceChecks:
         cuda = device.type == "cuda"
         self._dev = torch.zeros(_RING, RECORD, dtype=torch.int64, device=device)
         self._host = torch.zeros(_RING, RECORD, dtype=torch.int64, pin_memory=cuda) if cuda else self._dev
+        # Per slot: the device record, its pinned copy and an event, made once (a call indexes a list).
+        self._dev_slots = list(self._dev.unbind(0))
+        self._host_slots = list(self._host.unbind(0))
+        self._events = [torch.cuda.Event() for _ in range(_RING)] if cuda else []
+        self._copied = [torch.cuda.Event() for _ in range(_RING)] if cuda else []
+        # Records travel to the host on a stream of their own, each once its call is done, so a
+        # copy never waits behind later work (a call queues none: reading is for wait() & co.).
+        self._copy_stream = torch.cuda.Stream(device=device) if cuda else None
 
     def record(self) -> tuple[int, torch.Tensor]:
         """A zeroed device record for the next call: (slot, tensor of :data:`RECORD` words)."""
@@ -73,26 +79,36 @@ class DeviceChecks:
             self._settle(self._pending[0], block=True)  # the oldest slot is reused next
         slot = self._next
         self._next = (self._next + 1) % _RING
-        rec = self._dev[slot]
+        rec = self._dev_slots[slot]
         rec.zero_()
         return slot, rec
 
-    def post(self, what: str, spec: TableSpec, slot: int, ids: torch.Tensor) -> Check:
-        """The call that filled record ``slot`` is queued: read it on the CPU now (and raise), on
-        CUDA once the device is done with it."""
-        check = Check(what, spec, slot, ids, None)
-        if self.device.type != "cuda":
-            check.values = self._dev[slot].tolist()
+    def post(self, what: str, spec: TableSpec, slot: int, ids: torch.Tensor, stream=None) -> Check:
+        """The call that filled record ``slot`` is queued (on ``stream``, default the current one):
+        read it on the CPU now (and raise), on CUDA once the device is done with it."""
+        if not self._events:  # CPU: the record is host memory
+            check = Check(what, spec, slot, ids, None)
+            check.values = self._dev_slots[slot].tolist()
             self._raise_if_bad(check)
             return check
-        self._host[slot].copy_(self._dev[slot], non_blocking=True)  # on the current stream, after the call
-        check.done = torch.cuda.Event()
-        check.done.record()
+        done = self._events[slot]  # free again: the slot's previous check was settled (record())
+        done.record(stream)
+        check = Check(what, spec, slot, ids, done)
         self._pending.append(check)
         return check
 
+    def _copy(self, check: Check) -> None:
+        """Queue the record's copy to pinned memory behind its call, on the copy stream."""
+        cs = self._copy_stream
+        cs.wait_event(check.done)
+        with torch.cuda.stream(cs):
+            self._host_slots[check.slot].copy_(self._dev_slots[check.slot], non_blocking=True)
+        check.copied = self._copied[check.slot]
+        check.copied.record(cs)
+
     def raise_ready(self) -> None:
-        """Raise the first bad record among those the device has finished; never waits."""
+        """Raise the first bad record among those already on the host; never waits (and asks for
+        no copy: the records of finished calls are fetched by the next blocking read)."""
         while self._pending and self._settle(self._pending[0], block=False):
             pass
 
@@ -109,16 +125,21 @@ class DeviceChecks:
             self._settle(self._pending[0], block=True)
 
     def _settle(self, check: Check, block: bool, timeout: float | None = None) -> bool:
-        """Read ``check`` if finished (or, with ``block``, once finished); raise if bad."""
-        if not check.done.query():
+        """Read ``check`` once on the host (with ``block``: asking for its copy and waiting for
+        it, bounded); raise if bad."""
+        if check.copied is None:
+            if not block:
+                return False
+            self._copy(check)
+        if not check.copied.query():
             if not block:
                 return False
             t = self.timeout if timeout is None else timeout
-            if not poll(check.done.query, t):
+            if not poll(check.copied.query, t):
                 raise CommunicationError(f"{check.what}: the device did not finish its checks within {t}s; "
                                          f"the GPU is stuck or overloaded: close this context")
         self._pending.popleft()
-        check.values = self._host[check.slot].tolist()
+        check.values = self._host_slots[check.slot].tolist()
         self._raise_if_bad(check)
         return True
 

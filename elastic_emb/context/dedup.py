@@ -52,6 +52,8 @@ FUSED_MAX_BYTES = 64 << 20
 def check_ids(ids, device: torch.device) -> tuple[torch.Tensor | None, str | None]:
     """Host-side checks (type, shape, dtype): (ids as int64 on ``device``, None) or (None, reason).
     The range check is done on the device."""
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.device == device and ids.dim() == 1:
+        return ids, None  # the common case, without .to()'s argument parsing
     if not isinstance(ids, torch.Tensor):
         return None, f"ids must be a torch.Tensor, got {type(ids).__name__}"
     if ids.dim() != 1:

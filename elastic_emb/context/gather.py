@@ -35,6 +35,10 @@ except Exception:  # noqa: BLE001  (any import problem means: use the torch path
     triton = None
 
 _kernel_failed: str | None = None
+# gather_ids: compiled kernels by the specialization Triton would pick for the arguments, launched
+# directly (Triton's per-call argument binding costs more host time than the rest of a lookup).
+_compiled: dict[tuple, object] = {}
+_direct_failed: str | None = None
 
 if triton is not None:
 
@@ -115,21 +119,70 @@ def _block(dim: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_d)), block_d  # about 4K elements per program
 
 
-def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
+def _specialization(args: tuple) -> tuple:
+    """What Triton specializes a launch on (Triton 3: pointer alignment to 16 bytes; integers'
+    divisibility by 16, equality to 1 and width), plus the dtypes, constexprs and device."""
+    key = [args[0].device.index, args[0].dtype, args[2].dtype, args[9], args[10]]
+    for a in args[:4]:
+        key.append(a.data_ptr() % 16 == 0)
+    for v in args[4:9]:
+        key.append((v % 16 == 0, v == 1, -(2**31) <= v < 2**31))
+    return tuple(key)
+
+
+def _args(out, table, ids, record) -> tuple:
+    rows, block_d = _block(out.shape[1])
+    return (out, table, ids, record, ids.numel(), out.shape[1], table.shape[0], table.stride(0), out.stride(0), rows,
+            block_d)
+
+
+def _launch_direct(args: tuple, stream=None) -> bool:
+    """Launch an already compiled gather_ids kernel without Triton's argument binding; False
+    when there is none for these arguments (or direct launches are not possible here)."""
+    global _direct_failed
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if _direct_failed is not None or runtime is None or runtime.launch_enter_hook is not None:
+        return False  # (a Triton without knobs, or one with launch hooks that expect metadata)
+    if not args[4] or not _usable(args[0], args[1], args[0]):
+        return False
+    kernel = _compiled.get(_specialization(args))
+    if kernel is None:
+        return False
+    try:
+        handle = (stream if stream is not None else torch.cuda.current_stream(args[0].device)).cuda_stream
+        kernel.run(triton.cdiv(args[4], args[9]), 1, 1, handle, kernel.function, kernel.packed_metadata, None, None,
+                   None, *args)
+        return True
+    except Exception as exc:  # noqa: BLE001  (another Triton's launcher: use Triton's own launch from now on)
+        _direct_failed = repr(exc)[:300]
+        log.warning("gather.direct_launch_unavailable", error=_direct_failed)
+        return False
+
+
+def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record: torch.Tensor,
+               stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """``out[i] = table[ids[i]]`` for ``ids`` in ``[0, len(table))``; an id outside reads row 0
     instead and is counted in ``record`` (int64 on the device): ``record[0] +=`` the count,
     ``record[1] = max(record[1], len(ids) - position of the first bad id)``. ``ids`` is int64
-    on ``out``'s device; ``table`` has at least one row. No host synchronisation. Returns ``out``."""
+    on ``out``'s device; ``table`` has at least one row. Runs on ``stream`` (default: the
+    current one). No host synchronisation. Returns ``out``."""
     global _kernel_failed
     n = ids.numel()
     if n == 0:
         return out
+    if stream is not None:
+        if triton is not None and _launch_direct(_args(out, table, ids, record), stream):
+            return out
+        with torch.cuda.stream(stream):
+            return gather_ids(out, table, ids, record)
     if _usable(out, table, out):
-        rows, block_d = _block(out.shape[1])
+        args = _args(out, table, ids, record)
+        rows, block_d = args[9], args[10]
         try:
-            _gather_ids_kernel[(triton.cdiv(n, rows),)](
-                out, table, ids, record, n, out.shape[1], table.shape[0], table.stride(0), out.stride(0),
-                ROWS=rows, BLOCK_D=block_d, num_warps=4)
+            if not _launch_direct(args):
+                key = _specialization(args)
+                _compiled[key] = _gather_ids_kernel[(triton.cdiv(n, rows),)](*args[:9], ROWS=rows, BLOCK_D=block_d,
+                                                                            num_warps=4)
             return out
         except Exception as exc:  # noqa: BLE001  (compile or launch failure: fall back, once, loudly)
             _kernel_failed = repr(exc)[:300]
@@ -146,4 +199,7 @@ def kernel_status() -> str:
     """'triton', 'torch (no triton)' or 'torch (kernel failed: ...)', for logs and benchmarks."""
     if triton is None:
         return "torch (no triton)"
-    return "triton" if _kernel_failed is None else f"torch (kernel failed: {_kernel_failed})"
+    if _kernel_failed is not None:
+        return f"torch (kernel failed: {_kernel_failed})"
+    return "triton" + (f" (direct launch failed: {_direct_failed})" if _direct_failed else
+                       " (direct launch)" if _compiled else "")

@@ -118,9 +118,8 @@ class LookupEngine:
         slot, record = self.checks.record()
         side = self.side_stream()
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            gather_ids(out, weight, checked, record)
-            check = self.checks.post(what, spec, slot, checked)
+        gather_ids(out, weight, checked, record, stream=side)
+        check = self.checks.post(what, spec, slot, checked, stream=side)
         out.record_stream(side)  # made on the caller's stream, written on the side stream
         checked.record_stream(side)
         handle = LookupHandle(self, spec.name, [], out, None, False, bounds=[0, checked.numel()])
