@@ -11,6 +11,8 @@ in one module each:
 ``lookup``             the pipelined lookup engine and :class:`LookupHandle`
 ``gradients``          sparse gradients routed to their owners and applied there
 ``dtensor``            the rows as DTensors for ``torch.distributed.checkpoint``
+``changes``            which rows were written since the last ``take_changes()`` (incremental commits)
+``checks``             errors the GPU finds (bad ids, NaN gradients), raised without a host sync
 ``optim``              the row-wise optimizers (sgd, adagrad) the owner applies
 ``gather``             the two-source row gather (a Triton kernel on CUDA)
 =====================  ==========================================================================
