@@ -14,6 +14,12 @@ interval):
    world size 2;
 3. SIGKILL of the second agent: **scale-down (SIGKILL)**, to the first step at world size 1.
 
+Backend ``elastic_emb:in_process`` is the elastic_emb backend with ``resize=in_process`` and the
+lifecycle worker (``docs/RESIZE.md``): the scale-up still restarts the workers (joiners are not
+in-process yet), the two scale-downs re-form the survivors in their processes. Every backend
+also reports the survivors' **pause**: the last step committed at the old world size to the first
+step at the new one.
+
 ``--mode idle`` runs with idle workers (one step per generation, then no collective; the
 drain before the scale-up then ends by its 1 s timeout). A resize that does not happen within ``--cap`` seconds is recorded as ``null``
 (the stock agent never notices a dead node while its workers are healthy, FACTS item 3) and the
@@ -42,7 +48,15 @@ if not __package__:
     sys.exit("bench/resize.py imports tests.helpers: run it from the repository root as `python -m bench.resize`")
 
 from elastic_emb.testing.ports import free_port  # noqa: E402
-from tests.helpers.agents import FAST_CONF, events, first_commit_at, kill_all, start_agent, wait_for  # noqa: E402
+from tests.helpers.agents import (  # noqa: E402
+    FAST_CONF,
+    events,
+    first_commit_at,
+    kill_all,
+    start_agent,
+    wait_for,
+    worker_records,
+)
 
 SCENARIOS = ("scale_up", "scale_down_sigterm", "scale_down_sigkill")
 
@@ -75,12 +89,20 @@ def import_floor() -> float:
     return time.perf_counter() - t
 
 
+def _last_commit_before(tmp: str, ws: int, before: float) -> float | None:
+    times = [r["t"] for r in worker_records(tmp) if r["ev"] == "commit" and r["ws"] == ws and r["t"] <= before]
+    return max(times) if times else None
+
+
 def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dict:
-    tmp = tempfile.mkdtemp(prefix=f"resize-{backend}-")
+    tmp = tempfile.mkdtemp(prefix=f"resize-{backend.replace(':', '-')}-")
+    if backend == "elastic_emb:in_process":
+        backend, conf, worker = "elastic_emb", conf + ",resize=in_process", "lifecycle"
     port = free_port()
     agents = []
     out: dict = {s: None for s in SCENARIOS}
     split: dict = {}
+    pause: dict = {}
     try:
         kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf,
                   worker=worker)
@@ -93,7 +115,7 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dic
         agents.append(start_agent("c", tmp, port, **kw))
         t = _until(tmp, agents, 3, t0, cap)
         if t is None:
-            return {"results": out, "split": split}
+            return {"results": out, "split": split, "pause": pause}
         out["scale_up"] = t - t0
         time.sleep(1.5)
         for scenario, victim, sig, ws in (("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
@@ -103,12 +125,15 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dic
             if t is None:
                 break
             out[scenario] = t - t0
+            last = _last_commit_before(tmp, ws + 1, t0)
+            if last is not None:
+                pause[scenario] = t - last
             if backend == "elastic_emb":
                 r = _round_after(tmp, t0)
                 if r is not None:
                     split[scenario] = {"agent_s": r - t0, "worker_s": t - r}
             time.sleep(1.5)
-        return {"results": out, "split": split}
+        return {"results": out, "split": split, "pause": pause}
     finally:
         kill_all(agents, tmp)
 
@@ -120,7 +145,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=["plain", "lifecycle"], default="plain",
                     help="plain: one all_reduce per step; lifecycle: elastic_emb's Lifecycle over an EmbContext")
     ap.add_argument("--cap", type=float, default=20.0, help="seconds to wait for a resize before recording null")
-    ap.add_argument("--backends", default="elastic_emb,c10d")
+    ap.add_argument("--backends", default="elastic_emb,elastic_emb:in_process,c10d")
     ap.add_argument("--out", default="out/resize.json")
     ap.add_argument("--conf", default=FAST_CONF, help="--rdzv-conf of the elastic_emb agents")
     ap.add_argument("--stock-conf", default="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
@@ -133,12 +158,15 @@ def main() -> None:
     raw: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
     splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}
     floors: list[float] = []
+    pauses: dict = {b: {s: [] for s in SCENARIOS[1:]} for b in backends}
     for run in range(args.runs):
         floors.append(import_floor())
         for b in backends:  # interleaved, so load drifts hit both backends alike
             res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf, args.worker)
             for s in SCENARIOS:
                 raw[b][s].append(res["results"][s])
+            for s in SCENARIOS[1:]:
+                pauses[b][s].append(res["pause"].get(s))
             for s, v in res["split"].items():
                 for k in v:
                     splits[s][k].append(v[k])
@@ -164,6 +192,12 @@ def main() -> None:
         cells = " | ".join("-" if summary[b][s] is None else f"{summary[b][s]:.2f}" for b in backends)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"| {s} | {cells} | {ratio} | {fmt(sp.get('agent_s'))} | {fmt(sp.get('worker_s'))} |")
+    pause_med = {b: {s: med(v) for s, v in d.items()} for b, d in pauses.items()}
+    print("\nsurvivors' pause (last step at the old size to first step at the new), median (s)")
+    print(f"| scenario | {' | '.join(backends)} |")
+    print("| --- |" + " ---: |" * len(backends))
+    for s in SCENARIOS[1:]:
+        print(f"| {s} | " + " | ".join("-" if pause_med[b][s] is None else f"{pause_med[b][s]:.2f}" for b in backends) + " |")
     print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
           f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -173,6 +207,7 @@ def main() -> None:
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
             "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
             "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
+            "pause_raw_s": pauses, "pause_median_s": pause_med,
             "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
         }, f, indent=2)
     print(f"\nwrote {args.out}")
