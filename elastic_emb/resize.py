@@ -13,7 +13,8 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
    workers. Joiners, a restarting peer, or a round that moved on stay in restart mode.
 2. **Detect.** Each worker's :class:`~elastic_emb.watch.Watcher` polls torch's state; a member node
-   of the worker's generation missing from it is a departure (:meth:`InProcessResize.pending`).
+   of the worker's generation missing from it (and not in the wait list: that one is restarting
+   after a worker crash, which stays restart mode) is a departure (:meth:`InProcessResize.pending`).
    The worker checks at every step boundary, or at once when a collective failed (a peer died
    mid-step): :meth:`InProcessResize.run` with ``failed=True`` then waits, bounded by
    ``detect_timeout``, for the state to show who is gone; if nobody is, the failure was a real
@@ -163,10 +164,12 @@ class InProcessResize:
         return self.enabled and bool(self._gone())
 
     def _gone(self) -> tuple[str, ...]:
+        # A node in the wait list is restarting (its worker crashed and its agent rejoins): that
+        # is torch's restart mode for every agent, not a departure to re-form without.
         view = self.watcher.last_state
         if view is None:
             return ()
-        return tuple(n for n in self.nodes if n not in view.nodes)
+        return tuple(n for n in self.nodes if n not in view.nodes and n not in view.wait_list)
 
     def run(self, *, failed: bool = False):
         """Re-form the world without the departed nodes; returns the lifecycle's ResizeEvent.

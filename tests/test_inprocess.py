@@ -81,3 +81,32 @@ def _iso(t: float) -> str:
     from datetime import datetime, timezone
 
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
+    """SIGKILL of one worker (its agent lives): its agent restarts it and rejoins through the wait
+    list. The survivor may first re-form without it in process (when it reads the state between
+    the agent's exit and its rejoin); the rejoin is then a scale-up, which is restart mode today.
+    Either way the world of two comes back with every row bit-exact, and the survivor's restart
+    budget is untouched."""
+    import os
+
+    tmp, agents = cluster
+    workers = _two_nodes(tmp, agents)
+    a, b = agents
+    time.sleep(0.5)
+    t_kill = time.time()
+    os.kill(workers[b.pid]["pid"], signal.SIGKILL)
+
+    def back_at_two():
+        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+        return len(ready) == 2 and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
+
+    wait_for(back_at_two, WAIT, "both workers back at world size 2", agents)
+    recs = worker_records(tmp)
+    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+    assert all(r["rows_ok"] for r in ready), ready
+    assert [r["restart_count"] for r in ready if r["agent_pid"] == a.pid] == [0]
+    reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
+    assert all(r["rows_ok"] and r["ws"] == 1 for r in reformed), reformed
+    print(f"\nworker crash: survivor re-formed in process first: {bool(reformed)}")
