@@ -3,21 +3,23 @@
 On CUDA a lookup or gradient update checks its input where the data is: ids against the
 table's range (inside the gather kernel), gradients for NaN and infinity. Reading the verdict
 on the host at once would stall the host until the GPU reached that point (a synchronisation),
-so instead each call writes a small record on the device (:data:`RECORD` int64 words), the
-record is copied to pinned host memory behind the work, and an event marks the copy done.
-The invalid rows are never applied: ids out of range read row 0 instead (a lookup with bad
-ids returns garbage rows *and* raises), gradients of a refused call are not applied at all.
+so instead each call writes a small record on the device (:data:`RECORD` int64 words) and an
+event marks the call done; a record is copied to pinned host memory (on a stream of its own, so
+the copy never queues behind later work) when a blocking read asks for it. The invalid rows are
+never applied: ids out of range read row 0 instead (a lookup with bad ids returns garbage rows
+*and* raises), gradients of a refused call are not applied at all.
 
-When a record is read (:class:`DeviceChecks`):
+When a record is read (:class:`DeviceChecks`), in call order:
 
 - ``LookupHandle.wait()`` waits (bounded by the context's timeout) for its own lookup's record
-  and every older one, and raises :class:`~elastic_emb.errors.InvalidIds` for a bad lookup:
-  bad ids always surface at ``wait()``. In a prefetching loop that record is long done;
-- every ``lookup()`` and ``apply_gradients()`` raises a finished record without waiting for
-  unfinished ones (an error of ``apply_gradients`` call k therefore surfaces at the first call
-  after the device finished call k, and at the latest at the next ``wait()``);
+  and every older one, and raises the first error among them: bad ids always surface at that
+  lookup's ``wait()``, and an error of an earlier ``apply_gradients`` at the latest at the
+  ``wait()`` of the next lookup. In a prefetching loop those records are long done;
 - ``export_shard()``, ``state_dict()``, ``take_changes()`` and ``check_errors()`` wait for every
-  record, so no commit is taken over an unreported error.
+  record, so no commit is taken over an unreported error;
+- ``lookup()`` and ``apply_gradients()`` raise an error already read, and never wait.
+
+At most :data:`_RING` records are outstanding: the call after that waits for the oldest.
 
 On the CPU the record is host memory already: it is read at the end of the call that wrote
 it, and the error raised there.
@@ -26,6 +28,7 @@ it, and the error raised there.
 from __future__ import annotations
 
 from collections import deque
+
 import torch
 
 from elastic_emb.context.group import poll
