@@ -65,6 +65,7 @@ from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.keys import KEY_DECIDER, KEY_DECISION, KEY_FALLBACK, inproc_prefix, round_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.state import faultpoint
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
 log = get_logger("elastic_emb.resize")
@@ -223,6 +224,7 @@ class InProcessResize:
         key = prefix + KEY_DECISION
         me = self.watcher.node
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
+            faultpoint("resize_decider_claimed")  # tests: the decider dies mid-decision
             record = json.dumps({"generation": generation, "nodes": list(survivors)})
             store.set(key, self._signer.sign(key, record))
         deadline = time.monotonic() + self.decide_timeout

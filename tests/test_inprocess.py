@@ -110,3 +110,32 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
     reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
     assert all(r["rows_ok"] and r["ws"] == 1 for r in reformed), reformed
     print(f"\nworker crash: survivor re-formed in process first: {bool(reformed)}")
+
+
+def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
+    """Three nodes; c leaves (SIGTERM); the decider (a's worker, first survivor) is killed right
+    after claiming the decision (fault point). b waits at most decide_timeout for the record,
+    asks the agents for a restart (resize_fallback) unless a's agent restarting its crashed worker
+    restarted everyone first; either way the world of two comes back bit-exact."""
+    tmp, agents = cluster
+    port = free_port()
+    fault = {"ELASTIC_EMB_FAULT": "resize_decider_claimed"}
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, extra_env=fault))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    for name, ws in (("b", 2), ("c", 3)):
+        t = time.time()
+        agents.append(start_agent(name, tmp, port, worker="lifecycle", conf=CONF))
+        wait_for(lambda: first_commit_at(tmp, world_size=ws, after=t), WAIT, f"world size {ws}", agents)
+    time.sleep(0.5)
+    t_kill = agents[2].signal(signal.SIGTERM)
+
+    def back_at_two():
+        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+        return len(ready) == 2 and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
+
+    t_back = wait_for(back_at_two, WAIT, "the world of two, restarted", agents)
+    ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+    assert all(r["rows_ok"] for r in ready), ready
+    assert "faultpoint_kill" in agents[0].output()  # the decider did die mid-decision
+    fell_back = [e for n in ("a", "b") for e in events(tmp, n) if e["event"] == "resize_fallback"]
+    print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s; fallback requested: {bool(fell_back)}")
