@@ -153,6 +153,16 @@ class Arena:
         with self._lock:
             self._leased = False
 
+    def report(self, owned: Mapping[str, RowRange]) -> dict:
+        """Sizes of the parts, and each table's local rows and global range ``owned``."""
+        return {
+            "resident_bytes": self.resident_bytes,
+            "staging_bytes": self.staging.numel(),
+            "total_bytes": self.nbytes,
+            "tables": {n: {"local_rows": w.shape[0], "rows": [owned[n].start, owned[n].stop]}
+                       for n, w in self.weights.items()},
+        }
+
     def check_import(self, shards: Mapping[str, ShardData], owned: Mapping[str, RowRange], rank: int,
                      optimizer: OptimizerSpec) -> None:
         """Raise ``ValueError`` unless ``shards`` is exactly this arena's tables, ranges and shapes."""

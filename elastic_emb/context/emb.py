@@ -208,15 +208,7 @@ class EmbContext(ContextBase):
     def arena_report(self) -> dict:
         """Sizes of the arena's parts, for logs and benchmarks."""
         self._check_open("arena_report")
-        a = self._arena
-        return {
-            "device": str(self.device),
-            "resident_bytes": a.resident_bytes,
-            "staging_bytes": a.staging.numel(),
-            "total_bytes": a.nbytes,
-            "tables": {n: {"local_rows": a.weights[n].shape[0], "rows": [self.owned(n).start, self.owned(n).stop]}
-                       for n in self.tables},
-        }
+        return {"device": str(self.device), **self._arena.report(self._owned_all())}
 
     def owned(self, table: str) -> RowRange:
         """The global rows of ``table`` this rank owns (empty on ranks >= ep_size)."""
