@@ -43,6 +43,7 @@ may hold part of a step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
@@ -398,6 +399,14 @@ def _local(st, table: str, what: str, num_rows: int, rows: RowRange, trailing: t
 
 def _sharded_tables(model, topology: Topology) -> tuple[dict[str, _TableViews], set[str]]:
     """Every sharded table of ``model``: its local views, and the parameter names they cover."""
+    with warnings.catch_warnings():
+        # TorchRec's state dict is made of ShardedTensors, which torch marks deprecated on every
+        # call; the adapter reads them because that is what TorchRec hands out.
+        warnings.simplefilter("ignore", FutureWarning)
+        return _read_sharded_tables(model, topology)
+
+
+def _read_sharded_tables(model, topology: Topology) -> tuple[dict[str, _TableViews], set[str]]:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     state = model.state_dict()

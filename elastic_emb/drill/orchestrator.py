@@ -144,6 +144,10 @@ class Drill:
         # (nproc_per_node + 1), its workers the ports after it; on 127.0.0.1 only.
         self.metrics_port = metrics_port
         self.out = Path(out).resolve()
+        if scenario.workload != "recsys" and Path(script).resolve() == Path(EXAMPLE).resolve():
+            from elastic_emb.examples import WORKLOADS
+
+            script = WORKLOADS[scenario.workload]  # the scenario names its own packaged workload
         self.script = Path(script).resolve()
         self.on_progress = on_progress or (lambda status: None)
         self.python = python

@@ -106,6 +106,9 @@ class Scenario(BaseModel):
     backend: Literal["gloo", "nccl"] = Field(
         default="gloo", description="Collective backend of the workers; nccl gives each node GPUs no live node holds.")
     faults: tuple[Fault, ...] = ()
+    workload: Literal["recsys", "torchrec"] = Field(
+        default="recsys", description="The packaged training script: recsys (EmbContext) or torchrec (TorchRec DMP; "
+        "needs the torchrec extra).")
     expect_failure: bool = Field(default=False, description="True for drills that plant a loss on purpose.")
     timeout: float = Field(default=240.0, gt=0, le=3600, description="Hard limit for the whole drill, seconds.")
     max_restarts: int = Field(default=8, ge=0, le=100)
@@ -210,6 +213,14 @@ PRESETS: dict[str, Scenario] = {
             name="agent-loss",
             description="One of two agents is SIGKILLed alone; its orphaned worker must leave by itself.",
             initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_agent", at_step=8, node=1),), **_STEP,
+        ),
+        Scenario(
+            name="torchrec",
+            description="TorchRec (the torchrec extra): 1 -> 2 nodes, then one dies (2 -> 1); tables equal a "
+                        "one-process TorchRec replay bit for bit.",
+            # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they join.
+            workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=0.5,
+            timeout=420, faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
         ),
         Scenario(
             name="worker-crash", description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",

@@ -32,12 +32,14 @@ class Pooled(torch.nn.Module):
         return pooled if self.top is None else self.top(pooled)
 
 
-def build(topology, env, device, tables=TABLES, dense: bool = False):
+def build(topology, env, device, tables=TABLES, dense: bool = False, planned: dict | None = None):
+    """The DMP; ``planned`` maps a table to another plan (``table_wise``, ``dense_kernel``) than
+    the row-wise fused one, for the tests of what the adapter refuses."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingPlan
 
     ebc = EmbeddingBagCollection(
@@ -46,7 +48,10 @@ def build(topology, env, device, tables=TABLES, dense: bool = False):
         device=torch.device("meta"))
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8})
-    plan = construct_module_sharding_plan(ebc, {t["name"]: row_wise(compute_kernel="fused") for t in tables},
+    kinds = {"row_wise": lambda: row_wise(compute_kernel="fused"), "table_wise": lambda: table_wise(rank=0),
+             "dense_kernel": lambda: row_wise(compute_kernel="dense")}
+    plan = construct_module_sharding_plan(ebc, {t["name"]: kinds[(planned or {}).get(t["name"], "row_wise")]()
+                                                for t in tables},
                                           world_size=topology.world_size, device_type=device.type, sharder=sharder)
     return DistributedModelParallel(Pooled(ebc, dense), env=env, device=device, plan=ShardingPlan({"ebc": plan}),
                                     sharders=[sharder])
