@@ -2,8 +2,8 @@
 
 ``torchrun --rdzv-backend=elastic_emb --rdzv-endpoint=HOST:PORT --rdzv-conf=inner=c10d,...``
 selects this module through the ``torchrun.handlers`` entry point (``handler_factory``). It is not
-a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c10d`` or
-``inner=etcd-v2``) and adds four things the stock agent lacks:
+a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c10d``,
+``inner=etcd-v3`` (``etcd_v3.py``) or ``inner=etcd-v2``) and adds four things the stock agent lacks:
 
 1. **Events.** Every round and every change is one structlog JSON event (stderr, and the file
    named by ``event_file``): ``rendezvous_round`` (round, world size, participants in group-rank
