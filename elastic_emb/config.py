@@ -56,8 +56,8 @@ class Settings(BaseSettings):
         None, "how restored rows move between ranks; unset: cma on the CPU, alltoall on GPUs")
     log_format: Literal["json", "console"] | None = _setting(None, "log rendering; unset: console on a terminal, "
                                                              "else JSON lines")
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = _setting(
-        "info", "lowest level of the events logged")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = _setting(
+        None, "lowest level of the events logged; unset: info (`elastic-emb drill` and `demo`: warning)")
     etcd: str | None = _setting(None, "path of the etcd binary for drills and tests; unset: `etcd` on PATH",
                                 min_length=1)
     job_secret: SecretStr | None = _setting(None, "secret that signs the rendezvous control keys (the same on every "

@@ -26,8 +26,10 @@ from elastic_emb import config
 _configured = False
 
 
-def configure_logging(stream=None, fmt: str | None = None, level: str | None = None, force: bool = False) -> None:
-    """Configure structlog once per process (again with ``force=True``)."""
+def configure_logging(stream=None, fmt: str | None = None, level: str | None = None, force: bool = False,
+                      default_level: str = "info") -> None:
+    """Configure structlog once per process (again with ``force=True``). The level is ``level``,
+    else ``ELASTIC_EMB_LOG_LEVEL``, else ``default_level``."""
     global _configured
     if _configured and not force:
         return
@@ -36,7 +38,7 @@ def configure_logging(stream=None, fmt: str | None = None, level: str | None = N
     fmt = fmt or settings.log_format or ("console" if _isatty(stream) else "json")
     if fmt not in ("json", "console"):
         raise ValueError(f"fmt={fmt!r}: use 'json' or 'console'")
-    level_name = (level or settings.log_level).upper()
+    level_name = (level or settings.log_level or default_level).upper()
     numeric = logging.getLevelName(level_name)
     if not isinstance(numeric, int):
         raise ValueError(f"level={level_name!r}: use debug, info, warning or error")

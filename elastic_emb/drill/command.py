@@ -51,7 +51,7 @@ def _drill_logs() -> None:
     (ELASTIC_EMB_LOG_LEVEL=info brings them back)."""
     from elastic_emb.events import configure_logging
 
-    configure_logging(level=os.environ.get("ELASTIC_EMB_LOG_LEVEL") or "warning", force=True)
+    configure_logging(default_level="warning", force=True)
 
 
 def _run(scenario, out: Path, script: Path | None, progress: str) -> int:

@@ -27,7 +27,6 @@ network namespace, say) builds the same command line and uses :func:`wait_health
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import ssl
@@ -38,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
+from elastic_emb import config
 from elastic_emb.errors import EtcdUnavailable  # noqa: F401 - also importable from here
 from elastic_emb.testing.ports import free_port
 
@@ -45,7 +45,7 @@ ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not 
 
 
 def etcd_binary() -> str | None:
-    return os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd")
+    return config.load(None, "etcd").etcd or shutil.which("etcd")
 
 
 def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill",
