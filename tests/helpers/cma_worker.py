@@ -63,6 +63,8 @@ class Holder:
 class Ctx:
     """A context filled in place (``shard_views``), as EmbContext is."""
 
+    owner_ranks = None  # rows laid out over the topology's ep_size, as EmbContext does
+
     def __init__(self, topo: Topology):
         self.topology = topo
         self.holders = {t: Holder(t, owned_range(n, topo.ep_size, topo.rank), fill=-7.0) for t, (n, _) in TABLES.items()}
