@@ -70,7 +70,10 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     out.mkdir()
     port, ref_port = free_port(), free_port()
     two, one, three = ["A", "B"], ["A"], ["A", "B", "C"]
-    base = {"context": "torchrec", "out": str(out), "tables": tm.TABLES}
+    # A durable tier too: its asynchronous DCP saves use the default group while TorchRec trains on
+    # the context's own group.
+    base = {"context": "torchrec", "out": str(out), "tables": tm.TABLES,
+            "config": {"durable_dir": str(tmp_path / "durable"), "durable_every": 2}}
     rank0 = {**base, "phases": [
         {"until": 2, "dump": "a"},
         {"env": _env(one, 0, port, 1, tmp_path), "until": 4, "dump": "b"},
@@ -85,7 +88,7 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
         {"env": _env(three, 1, port, 4, tmp_path), "until": 9, "dump": "e"},
     ]}
     joiner2 = {**base, "wait_file": str(out / "d-r0.pt"), "phases": [{"until": 9, "dump": "e"}]}
-    reference = {**base, "phases": [{"until": 9, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9]}]}
+    reference = {**base, "config": {}, "phases": [{"until": 9, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9]}]}
     envs = [_env(two, 0, port, 0, tmp_path, rank0), _env(two, 1, port, 0, tmp_path, leaver),
             _env(two, 1, port, 2, tmp_path, joiner1), _env(three, 2, port, 4, tmp_path, joiner2),
             _env(one, 0, ref_port, 0, tmp_path, reference, run_id="reference")]

@@ -82,7 +82,8 @@ class TorchRecContext(ContextBase):
     """A user's TorchRec model as an elastic_emb context (see the module docstring).
 
     ``build(topology, env, device)`` returns the ``DistributedModelParallel`` for ``topology``;
-    ``env`` is a ``ShardingEnv`` over the default process group this context formed, ``device``
+    ``env`` is a ``ShardingEnv`` over a process group this context formed (not the default group,
+    which it forms too and leaves to the lifecycle's checkpoints), ``device``
     is ``cuda:<local_rank>`` on NCCL, else the CPU. ``dense_table``: the name of the table that
     carries the replicated parameters (None: they are not carried). ``timeout``: seconds for
     every collective of the process group.
@@ -105,6 +106,7 @@ class TorchRecContext(ContextBase):
         self._store = store
         self._forms = 0
         self._group = None
+        self._pg = None
         self._closed = False
         self._healthy = True
         self._model = None
@@ -130,9 +132,13 @@ class TorchRecContext(ContextBase):
         dist.init_process_group(topology.backend, store=prefix, rank=topology.rank, world_size=topology.world_size,
                                 timeout=timedelta(seconds=self.timeout))
         self._group = dist.group.WORLD
+        # TorchRec (and DDP) run on a group of their own: the default one stays free for the
+        # lifecycle's durable checkpoints, whose asynchronous saves issue collectives from another
+        # thread (two threads' collectives on one group could pair up differently on each rank).
+        self._pg = dist.new_group(backend=topology.backend, timeout=timedelta(seconds=self.timeout))
 
     def _destroy_group(self) -> None:
-        group, self._group = self._group, None
+        group, self._group, self._pg = self._group, None, None
         if group is not None and dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
 
@@ -141,7 +147,7 @@ class TorchRecContext(ContextBase):
         from torchrec.distributed.types import ShardingEnv
 
         _forget_collective_validation()
-        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        env = ShardingEnv.from_process_group(self._pg)
         model = self._build_fn(self.topology, env, self.device)
         if not isinstance(model, DistributedModelParallel):
             raise TypeError(f"build() returned {type(model).__name__}; it must return the torchrec "
@@ -254,7 +260,7 @@ class TorchRecContext(ContextBase):
         send[: mine.shape[0]] = mine
         gathered = torch.empty(ws * block, DENSE_DIM, dtype=mine.dtype, device=self.device)
         with self.guard():
-            work = dist.all_gather_into_tensor(gathered, send, async_op=True)
+            work = dist.all_gather_into_tensor(gathered, send, group=self._pg, async_op=True)
             work.wait(timedelta(seconds=self.timeout))
         self._dense_flat.copy_(gathered[:rows].reshape(-1))
         offset = 0
@@ -342,7 +348,7 @@ class TorchRecContext(ContextBase):
         self._check_open("barrier")
         t = torch.ones(1, device=self.device)
         with self.guard():
-            dist.all_reduce(t, async_op=True).wait(timedelta(seconds=self.timeout))
+            dist.all_reduce(t, group=self._pg, async_op=True).wait(timedelta(seconds=self.timeout))
             if int(t.item()) != self.topology.world_size:
                 raise ElasticEmbError(f"{int(t.item())} of {self.topology.world_size} ranks took part in the barrier")
 
