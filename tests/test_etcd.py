@@ -167,7 +167,8 @@ def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
     for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", rz.ENV_GENERATION, rz.ENV_RDZV_BACKEND, rz.ENV_RDZV_ENDPOINT,
                 rz.ENV_NODE_ID, rz.ENV_MEMBERSHIP, rz.ENV_AGENT_PID, rz.ENV_DRAIN, rz.ENV_WATCH_INTERVAL,
                 rz.ENV_STORE_OUTAGE_TIMEOUT, "ELASTIC_EMB_ETCD_OPTIONS"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded with its value before (or none): the undo restores it
+        monkeypatch.delenv(key)
     events = tmp_path / "rdzv.jsonl"
     params = RendezvousParameters(
         backend="elastic_emb", endpoint=server.endpoint, run_id=f"outage{os.getpid()}", min_nodes=1, max_nodes=1,

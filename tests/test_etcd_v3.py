@@ -26,6 +26,14 @@ from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
 from tests.helpers.etcd_fixture import require_etcd
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_client_options(monkeypatch):
+    """create_backend puts its options into os.environ (for an agent's workers): undo that after
+    each test, or a later test's subprocesses (a drain CLI) would read this test's TLS or auth."""
+    monkeypatch.setenv(v3.ENV_OPTIONS, "")  # recorded as unset-before: the undo removes what the test sets
+    monkeypatch.delenv(v3.ENV_OPTIONS)
+
+
 def _backend(server, run_id="job", **conf):
     params = SimpleNamespace(endpoint=server.endpoint, run_id=run_id, config=conf)
     backend, store = v3.create_backend(params)
