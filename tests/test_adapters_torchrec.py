@@ -2,7 +2,8 @@
 
 A TorchRec DistributedModelParallel with two row-wise tables and fused row-wise Adagrad
 (tests/helpers/torchrec_model.py: exact dyadic gradients) goes, inside the same processes, through world
-sizes 2 -> 1 -> 2 (a node lost, a node back), a same-size re-form, and 2 -> 3. After every phase
+sizes 2 -> 1 -> 2 (a node lost, a node back), a same-size re-form, 2 -> 3, and a same-size re-form
+that renumbers every rank. After every phase
 each table's rows and Adagrad state (fbgemm's ``momentum1``) are compared bit for bit with a
 single-process TorchRec run of the same global batches. The conformance suite runs on the
 adapter too. Skipped only when the optional extra is not installed.
@@ -70,6 +71,7 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     out.mkdir()
     port, ref_port = free_port(), free_port()
     two, one, three = ["A", "B"], ["A"], ["A", "B", "C"]
+    renumbered = ["B", "C", "A"]  # a same-size re-form that gives every process another rank
     # A durable tier too: its asynchronous DCP saves use the default group while TorchRec trains on
     # the context's own group.
     base = {"context": "torchrec", "out": str(out), "tables": tm.TABLES,
@@ -80,15 +82,20 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
         {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "c"},
         {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "d"},
         {"env": _env(three, 0, port, 4, tmp_path), "until": 9, "dump": "e"},
+        {"env": _env(renumbered, 2, port, 5, tmp_path), "until": 10, "dump": "f"},
     ]}
     leaver = {**base, "phases": [{"until": 2, "dump": "a"}, {"depart": True}]}
     joiner1 = {**base, "wait_file": str(out / "b-r0.pt"), "phases": [
         {"until": 6, "dump": "c"},
         {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "d"},
         {"env": _env(three, 1, port, 4, tmp_path), "until": 9, "dump": "e"},
+        {"env": _env(renumbered, 0, port, 5, tmp_path), "until": 10, "dump": "f"},
     ]}
-    joiner2 = {**base, "wait_file": str(out / "d-r0.pt"), "phases": [{"until": 9, "dump": "e"}]}
-    reference = {**base, "config": {}, "phases": [{"until": 9, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9]}]}
+    joiner2 = {**base, "wait_file": str(out / "d-r0.pt"), "phases": [
+        {"until": 9, "dump": "e"},
+        {"env": _env(renumbered, 1, port, 5, tmp_path), "until": 10, "dump": "f"},
+    ]}
+    reference = {**base, "config": {}, "phases": [{"until": 10, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9, 10]}]}
     envs = [_env(two, 0, port, 0, tmp_path, rank0), _env(two, 1, port, 0, tmp_path, leaver),
             _env(two, 1, port, 2, tmp_path, joiner1), _env(three, 2, port, 4, tmp_path, joiner2),
             _env(one, 0, ref_port, 0, tmp_path, reference, run_id="reference")]
@@ -99,12 +106,13 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     assert not failed, "\n".join(f"process {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in failed)
     first, _, second, third, _ = (r.value for r in results)
 
-    for name, world, step in (("a", 2, 2), ("b", 1, 4), ("c", 2, 6), ("d", 2, 7), ("e", 3, 9)):
+    for name, world, step in (("a", 2, 2), ("b", 1, 4), ("c", 2, 6), ("d", 2, 7), ("e", 3, 9), ("f", 3, 10)):
         _assert_equal(_gather(out, name, world), _gather(out, f"ref{step}", 1), f"after step {step} at world {world}")
-    assert [e["kind"] for e in first["events"]] == ["start", "rebuild", "rebuild", "reset", "rebuild"]
-    assert [e["new_world_size"] for e in first["events"]] == [2, 1, 2, 2, 3]
-    assert [e["kind"] for e in second["events"]] == ["start", "reset", "rebuild"]
-    assert [e["kind"] for e in third["events"]] == ["start"] and third["events"][0]["restored_step"] == 7
+    assert [e["kind"] for e in first["events"]] == ["start", "rebuild", "rebuild", "reset", "rebuild", "reset"]
+    assert [e["new_world_size"] for e in first["events"]] == [2, 1, 2, 2, 3, 3]
+    assert [e["rank"] for e in first["events"]][-2:] == [0, 2]  # the last re-form renumbered the ranks
+    assert [e["kind"] for e in second["events"]] == ["start", "reset", "rebuild", "reset"]
+    assert [e["kind"] for e in third["events"]] == ["start", "reset"] and third["events"][0]["restored_step"] == 7
     assert "replica" in first["events"][1]["source_tiers"]  # the lost node's rows: its neighbour's replica
 
 

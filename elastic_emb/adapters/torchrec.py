@@ -30,9 +30,8 @@ table, ``dense`` by default: their values flattened in ``named_parameters()`` or
 The dense optimizer's state is not carried: use a stateless one (SGD without momentum) or accept
 that it restarts at a resize. Buffers (e.g. batch-norm statistics) are not carried either.
 
-Not offered: change tracking (``tracks_changes`` False: the lifecycle takes full snapshots), a
-``reset`` that renumbers ranks (it raises ``ValueError``; the same-size re-form the lifecycle
-does keeps each process's rank).
+Not offered: change tracking (``tracks_changes`` False: the lifecycle takes full snapshots):
+fbgemm's fused backward writes the rows, out of the adapter's sight.
 
 Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
 new DMP) and should run its step inside :meth:`TorchRecContext.guard`, which marks the context
@@ -285,17 +284,20 @@ class TorchRecContext(ContextBase):
     # -- the contract: communicator ------------------------------------------------------------
 
     def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
-        """Same world size and rank: a new process group on ``store`` and a new DMP from ``build``,
-        holding this rank's rows, optimizer state and replicated parameters as they were."""
+        """Collective, same world size: a new process group on ``store`` and a new DMP from
+        ``build``, holding the rows, optimizer state and replicated parameters as they were. When
+        the ranks were renumbered, each process's rows move to the process that now has its old
+        rank (point to point over the new group)."""
         self._check_open("reset")
         if world_size != self.topology.world_size:
             raise WorldSizeChanged(self.topology.world_size, world_size)
         if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
             raise ValueError(f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
                              f"ep_size={self.topology.ep_size} backend={self.topology.backend}: construct a new context")
-        if rank != self.topology.rank or topology.rank != rank:
-            raise ValueError(f"reset from rank {self.topology.rank} to rank {rank}: TorchRecContext keeps its rank "
-                             f"across a same-size re-form; a renumbered world needs a new context")
+        if topology.rank != rank or topology.world_size != world_size:
+            raise ValueError(f"reset(rank={rank}, world_size={world_size}) disagrees with the topology it was given "
+                             f"(rank {topology.rank} of {topology.world_size})")
+        old_rank = self.topology.rank
         saved = self.export_shard()
         dense = self._dense_flat.clone() if self._dense else None
         self._drop_model()
@@ -303,11 +305,8 @@ class TorchRecContext(ContextBase):
         self._form_group(topology, store)
         self.topology, self._store = topology, store
         self._build()
+        self._move_rows(saved, old_rank)
         with torch.no_grad():
-            for name, v in self._views.items():
-                v.weight.copy_(saved[name].weight)
-                for k, t in v.slots.items():
-                    t.copy_(saved[name].slots[k])
             if dense is not None:
                 self._dense_flat.copy_(dense)
                 self._dense_stale = True
@@ -317,6 +316,37 @@ class TorchRecContext(ContextBase):
                     offset += p.numel()
                 self._dense_stale = False
         self._healthy = True
+
+    def _move_rows(self, saved: dict[str, ShardData], old_rank: int) -> None:
+        """Fill the new DMP's tables from ``saved``, this process's rows under ``old_rank``."""
+        me = self.topology.rank
+        olds = [torch.zeros(1, dtype=torch.long) for _ in range(self.topology.world_size)]
+        with self.guard():
+            dist.all_gather(olds, torch.tensor([old_rank]), group=self._pg, async_op=True).wait(
+                timedelta(seconds=self.timeout))
+        olds = [int(t) for t in olds]
+        src = olds.index(me)  # the process that held the rows of my new rank
+        pairs = [(v.weight, saved[n].weight) for n, v in sorted(self._views.items())]
+        pairs += [(v.slots[k], saved[n].slots[k]) for n, v in sorted(self._views.items()) for k in sorted(v.slots)]
+        with torch.no_grad():
+            if src == me:  # same rank as before: the rows stay
+                for mine, kept in pairs:
+                    mine.copy_(kept)
+                return
+            ops, landing = [], []
+            for mine, kept in pairs:
+                # Sizes are functions of the rank, so both ends skip the same empty shards.
+                if kept.numel():
+                    ops.append(dist.P2POp(dist.isend, kept.contiguous().to(self.device), old_rank, self._pg))
+                if mine.numel():
+                    buf = torch.empty(mine.shape, dtype=mine.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, src, self._pg))
+                    landing.append((mine, buf))
+            with self.guard():
+                for work in dist.batch_isend_irecv(ops) if ops else []:
+                    work.wait(timedelta(seconds=self.timeout))
+            for mine, buf in landing:
+                mine.copy_(buf)
 
     def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
         """Drop the DMP and destroy the default process group (synchronously). Idempotent."""
