@@ -16,9 +16,11 @@ with ``"skip"`` the other rows are updated, those rows are left as they were, an
 ``context.nonfinite_gradients_skipped`` event counts them. An owner also leaves alone any row
 whose summed gradient overflowed to infinity.
 
-A world of one rank has nobody to exchange with: there the whole update runs on the device
-without a host synchronisation (dedup, sum, checks, optimizer, change marks), the verdict goes
-into a device record, and errors surface as :mod:`elastic_emb.context.checks` describes.
+The owner sums by sorting (:func:`_sum_by_row`), so it needs no output size on the host: with
+more ranks the count exchange is the call's one host synchronisation. A world of one rank has
+nobody to exchange with: there the whole update runs on the device without any (dedup, sum,
+checks, optimizer, change marks), the verdict goes into a device record, and errors surface as
+:mod:`elastic_emb.context.checks` describes.
 """
 
 from __future__ import annotations
@@ -104,17 +106,18 @@ class GradientRouter:
         if not len(recv_ids):
             return
         start = owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank).start
-        local = recv_ids.long() - start
         # Several senders may have sent the same row: sum them before the (non-linear) update.
-        rows, inv = torch.unique(local, sorted=True, return_inverse=True)
-        if rows.numel() != local.numel():
-            total = torch.zeros(rows.numel(), spec.dim, dtype=spec.torch_dtype, device=self.device)
-            total.index_add_(0, inv, recv_grads)
-        else:
-            total = torch.empty_like(recv_grads).index_copy_(0, inv, recv_grads)
-        keep = torch.isfinite(total).all(dim=1)  # skipped rows, and any sum that overflowed
+        dump = self.arena.weights[spec.name].shape[0]
+        rows, total, used = _sum_by_row(recv_ids.long() - start, recv_grads, dump)
+        keep = used & torch.isfinite(total).all(dim=1)  # skipped rows, and any sum that overflowed
+        self._apply(spec, torch.where(keep, rows, dump), total, keep)
+
+    def _apply(self, spec: TableSpec, rows: torch.Tensor, summed: torch.Tensor, keep: torch.Tensor) -> None:
+        """The optimizer on local ``rows`` (unique, or the dump row where ``keep`` is False), then
+        the change marks; lookups in flight read their rows first."""
         self._settle()
-        optim.apply_rows(self.optimizer, self.arena.weights[spec.name], self.arena.slots[spec.name], rows, total, keep)
+        optim.apply_rows(self.optimizer, self.arena.padded_weights[spec.name], self.arena.padded_slots[spec.name],
+                         rows, summed, keep)
         self.tracker.mark_rows(spec.name, rows, keep)
 
     def _apply_local(self, spec: TableSpec, ids, grads, what: str) -> None:
@@ -130,31 +133,35 @@ class GradientRouter:
         g = grads.to(device=dev, dtype=spec.torch_dtype)
         dump = self.arena.weights[spec.name].shape[0]  # the arena's dump row (Arena.padded_weights)
         bad_ids = (checked < 0) | (checked >= spec.num_rows)
-        sorted_ids, perm = torch.sort(torch.where(bad_ids, 0, checked))
-        head = torch.ones(n, dtype=torch.bool, device=dev)
-        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=head[1:])
-        slot = torch.cumsum(head, 0) - 1
-        rows = torch.full((n,), dump, dtype=torch.int64, device=dev).scatter_(0, slot, sorted_ids)
-        summed = torch.zeros(n, spec.dim, dtype=spec.torch_dtype, device=dev)
-        summed.index_add_(0, torch.empty_like(slot).scatter_(0, perm, slot), g)
-        used = torch.arange(n, device=dev) <= slot[-1]  # slots holding a unique row
+        rows, summed, used = _sum_by_row(torch.where(bad_ids, 0, checked), g, dump)
         finite = torch.isfinite(summed).all(dim=1)
         n_bad_ids, nonfinite = bad_ids.sum(), (used & ~finite).sum()
         refused = n_bad_ids > 0
         if self.nonfinite == "raise":
             refused = refused | (nonfinite > 0)
         keep = used & finite & ~refused
-        rows = torch.where(keep, rows, dump)  # refused and unused slots update the dump row
-        self._settle()
-        optim.apply_rows(self.optimizer, self.arena.padded_weights[spec.name], self.arena.padded_slots[spec.name],
-                         rows, summed, keep)
-        self.tracker.mark_rows(spec.name, rows, keep)
+        self._apply(spec, torch.where(keep, rows, dump), summed, keep)  # the others update the dump row
         slot_no, record = self.checks.record()
         record[R_BAD_IDS] = n_bad_ids
         record[R_FIRST] = torch.where(bad_ids, n - torch.arange(n, device=dev), 0).max()
         record[R_NONFINITE] = nonfinite
         record[R_REFUSED] = refused
         self.checks.post(what, spec, slot_no, checked)
+
+
+def _sum_by_row(ids: torch.Tensor, grads: torch.Tensor, dump: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum the gradients of equal ids without a host sync: (rows, summed, used), each of
+    ``len(ids)`` slots; slot s holds the s-th smallest distinct id and the sum of its gradients
+    while ``used[s]``, and ``dump`` with a zero sum after the last distinct id."""
+    n, dev = ids.numel(), ids.device
+    sorted_ids, perm = torch.sort(ids)
+    head = torch.ones(n, dtype=torch.bool, device=dev)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=head[1:])
+    slot = torch.cumsum(head, 0) - 1
+    rows = torch.full((n,), dump, dtype=torch.int64, device=dev).scatter_(0, slot, sorted_ids)
+    summed = torch.zeros(n, grads.shape[1], dtype=grads.dtype, device=dev)
+    summed.index_add_(0, torch.empty_like(slot).scatter_(0, perm, slot), grads)
+    return rows, summed, torch.arange(n, device=dev) <= slot[-1]
 
 
 def _nonfinite_rows(grads: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
