@@ -33,12 +33,17 @@ try:  # Triton ships with the CUDA builds of torch on Linux; CPU builds lack it.
     import triton.language as tl
 except Exception:  # noqa: BLE001  (any import problem means: use the torch path)
     triton = None
+try:  # Triton 3's launch hooks (direct launches pass them on, as Triton's own launch does)
+    from triton import knobs as _knobs
+except Exception:  # noqa: BLE001
+    _knobs = None
 
 _kernel_failed: str | None = None
 # gather_ids: compiled kernels by the specialization Triton would pick for the arguments, launched
 # directly (Triton's per-call argument binding costs more host time than the rest of a lookup).
 _compiled: dict[tuple, object] = {}
 _direct_failed: str | None = None
+_direct_launches = 0
 
 if triton is not None:
 
@@ -139,19 +144,20 @@ def _args(out, table, ids, record) -> tuple:
 def _launch_direct(args: tuple, stream=None) -> bool:
     """Launch an already compiled gather_ids kernel without Triton's argument binding; False
     when there is none for these arguments (or direct launches are not possible here)."""
-    global _direct_failed
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if _direct_failed is not None or runtime is None or runtime.launch_enter_hook is not None:
-        return False  # (a Triton without knobs, or one with launch hooks that expect metadata)
-    if not args[4] or not _usable(args[0], args[1], args[0]):
+    global _direct_failed, _direct_launches
+    if _direct_failed is not None or _knobs is None or not args[4] or not _usable(args[0], args[1], args[0]):
         return False
     kernel = _compiled.get(_specialization(args))
     if kernel is None:
         return False
     try:
         handle = (stream if stream is not None else torch.cuda.current_stream(args[0].device)).cuda_stream
-        kernel.run(triton.cdiv(args[4], args[9]), 1, 1, handle, kernel.function, kernel.packed_metadata, None, None,
-                   None, *args)
+        grid = (triton.cdiv(args[4], args[9]), 1, 1)
+        hooks = _knobs.runtime
+        meta = kernel.launch_metadata(grid, handle, *args)  # None unless a launch hook is set
+        kernel.run(*grid, handle, kernel.function, kernel.packed_metadata, meta, hooks.launch_enter_hook,
+                   hooks.launch_exit_hook, *args)
+        _direct_launches += 1
         return True
     except Exception as exc:  # noqa: BLE001  (another Triton's launcher: use Triton's own launch from now on)
         _direct_failed = repr(exc)[:300]
@@ -202,4 +208,4 @@ def kernel_status() -> str:
     if _kernel_failed is not None:
         return f"torch (kernel failed: {_kernel_failed})"
     return "triton" + (f" (direct launch failed: {_direct_failed})" if _direct_failed else
-                       " (direct launch)" if _compiled else "")
+                       " (direct launch)" if _direct_launches else "")
