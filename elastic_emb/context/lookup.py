@@ -20,8 +20,13 @@ context builds a new one when either changes). ``lookup(spec, ids)``:
 
 A lookup returns the rows as they were at ``lookup()``: before the context writes rows it calls
 :meth:`LookupEngine.settle`. Every collective is issued inside ``lookup`` in program order, so
-handles may be waited in any order on any rank without mismatching collectives. A world of one
-rank skips all of it: a lookup is then a plain gather.
+handles may be waited in any order on any rank without mismatching collectives.
+
+A world of one rank skips all of it: a lookup is one gather straight from the shard. On CUDA it
+never waits for the GPU: the range check runs inside the gather kernel
+(:func:`elastic_emb.context.gather.gather_ids`), on the engine's side stream, and ``wait()`` reads
+the device's verdict (:mod:`elastic_emb.context.checks`), raising
+:class:`~elastic_emb.errors.InvalidIds` with the first bad id and the count.
 """
 
 from __future__ import annotations
