@@ -88,6 +88,8 @@ class Settings(BaseSettings):
     watch_interval: float = _setting(0.1, "the watcher's polling interval, seconds", "agent", gt=0, le=60)
     store_outage_timeout: float = _setting(30.0, "how long an unreachable store counts as an outage, not a loss, "
                                            "seconds", "agent", gt=0, le=3600)
+    joiner: bool = _setting(False, "1: this worker's node joined a running world (resize=in_process): it waits to "
+                            "be included by the running workers instead of starting a world", "agent")
     resize: Literal["restart", "in_process"] = _setting(
         "restart", "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "
         "(the survivors re-form in the running processes)", "agent")

@@ -63,7 +63,17 @@ import torch.distributed as dist
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
-from elastic_emb.rdzv.keys import KEY_DECIDER, KEY_DECISION, KEY_FALLBACK, inproc_prefix, round_prefix
+from elastic_emb.rdzv.keys import (
+    KEY_CURRENT,
+    KEY_DECIDER,
+    KEY_DECISION,
+    KEY_FALLBACK,
+    KEY_JOINER,
+    KEY_JOINERS,
+    inproc_prefix,
+    inproc_root,
+    round_prefix,
+)
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.state import faultpoint
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
@@ -156,13 +166,81 @@ class InProcessResize:
         self._store = None
         self._store_timeout = store_timeout
         self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
+        self._joiners_seen = 0  # joiner registrations already read
+        self._joiners: list[str] = []  # registered joiners not yet in the world, in order
         if self.enabled and watcher.node not in self.nodes:
             raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
                                   f"launch with --rdzv-backend=elastic_emb")
 
+    @classmethod
+    def join(cls, factory, lifecycle_config, watcher, *, env: Mapping[str, str] | None = None,
+             timeout: float = 60.0, store_timeout: float = 30.0):
+        """The start of a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``):
+        register as ready, wait (bounded) until the running workers' decision includes this node,
+        then start the lifecycle in that generation (agree, construct, restore together with the
+        running workers, which rebuild at the same time). Returns ``(lifecycle, resize)``.
+        Not included within ``timeout``: asks the agents for a restart-mode round and raises
+        :class:`ResizeFallback`."""
+        from elastic_emb.lifecycle import Lifecycle
+
+        env = dict(os.environ if env is None else env)
+        signer = Signer.from_env(env)
+        reader = watcher._reader
+        store = reader.store
+        root = inproc_root(reader.run_id)
+        me = watcher.node
+        index = int(store.add(root + KEY_JOINERS, 1))
+        key = root + KEY_JOINER + str(index)
+        store.set(key, signer.sign(key, me))
+        log.info("resize.joiner_ready", node=me, index=index)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while True:
+            value = read_signed(store, signer, root + KEY_CURRENT, log)
+            record = json.loads(value) if value is not None else {}
+            if me in record.get("nodes", ()):
+                break
+            if time.monotonic() >= deadline:
+                # Nobody includes us (no running worker left, or it died deciding): ask the agents
+                # for a restart-mode round, which starts a world with everyone.
+                exc = ElasticEmbError(f"node {me} registered to join the running world but was not included within "
+                                      f"{timeout:g} s (no running worker calls InProcessResize.pending(), or it died)")
+                _request_fallback(watcher, signer, exc)
+                raise ResizeFallback(str(exc)) from exc
+            time.sleep(0.02)
+        nodes = tuple(str(n) for n in record["nodes"])
+        lws, local = int(env["LOCAL_WORLD_SIZE"]), int(env["LOCAL_RANK"])
+        node_rank = nodes.index(me)
+        rank, world = node_rank * lws + local, len(nodes) * lws
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(len(nodes)),
+                   MASTER_ADDR=str(record["master_addr"]), MASTER_PORT=str(record["master_port"]),
+                   ELASTIC_EMB_GENERATION=str(record["generation"]))
+        watcher.adopt(nodes, rank, world)
+        world_store = InterruptibleStore(reader.world_store(store_timeout), lambda: bool(watcher.gone()))
+        lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher)
+        resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
+        resize._store = world_store
+        log.info("resize.joined", mode="in_process", node=me, generation=record["generation"], rank=rank,
+                 world_size=world, wait_s=round(time.perf_counter() - t0, 6), pid=os.getpid())
+        return lc, resize
+
     def pending(self) -> bool:
-        """Whether a member node of this generation is gone from the rendezvous (check at step boundaries)."""
-        return self.enabled and bool(self._gone())
+        """Whether a member node of this generation is gone from the rendezvous, or a joiner is
+        ready to be included (check at step boundaries: one store read)."""
+        return self.enabled and bool(self._gone() or self._ready_joiners())
+
+    def _ready_joiners(self) -> list[str]:
+        store = self.watcher._reader.store
+        root = inproc_root(self.watcher._reader.run_id)
+        count = int(store.add(root + KEY_JOINERS, 0))
+        while self._joiners_seen < count:
+            self._joiners_seen += 1
+            value = read_signed(store, self._signer, root + KEY_JOINER + str(self._joiners_seen), log)
+            if value is not None and value.decode() not in self.nodes and value.decode() not in self._joiners:
+                self._joiners.append(value.decode())
+        view = self.watcher.last_state
+        present = set(view.nodes) if view is not None else set()
+        return [n for n in self._joiners if n in present]  # its agent is a participant: it runs
 
     def _gone(self) -> tuple[str, ...]:
         # A node in the wait list is restarting (its worker crashed and its agent rejoins): that
@@ -182,17 +260,18 @@ class InProcessResize:
         t0 = time.perf_counter()
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._gone()
-        while not gone and time.monotonic() < deadline:
+        joiners = [] if failed else self._ready_joiners()
+        while not gone and not joiners and time.monotonic() < deadline:
             time.sleep(min(0.05, self.watcher.interval))
             gone = self._gone()
-        if not gone:
+        if not gone and not joiners:
             raise ElasticEmbError(f"a collective failed and no node of generation {self.lc.topology.generation} left "
                                   f"the rendezvous within {self.detect_timeout:g} s: a real failure")
         t1 = time.perf_counter()
         old = self.lc.topology
         try:
             survivors = tuple(n for n in self.nodes if n not in gone)
-            nodes = self._decide(old.generation + 1, survivors)
+            nodes = self._decide(old.generation + 1, survivors, tuple(joiners))
             t2 = time.perf_counter()
             new = self._topology(old, nodes)
             # The decision is final: from here on "a member is gone" means one of these nodes.
@@ -208,7 +287,9 @@ class InProcessResize:
                                  f"{exc}); the agents restart the workers instead") from exc
         t3 = time.perf_counter()
         self.nodes = nodes
-        log.info("resize.in_process", mode="in_process", gone=list(gone), old_generation=old.generation,
+        self._joiners = [n for n in self._joiners if n not in nodes]
+        log.info("resize.in_process", mode="in_process", gone=list(gone), joined=list(joiners),
+                 old_generation=old.generation,
                  new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,
                  rank=new.rank, pid=os.getpid(), detect_s=round(t1 - t0, 6), decide_s=round(t2 - t1, 6),
                  rebuild_s=round(t3 - t2, 6), restored_step=event.restored_step)
@@ -216,7 +297,7 @@ class InProcessResize:
 
     # -- the decision --------------------------------------------------------------------------
 
-    def _decide(self, generation: int, survivors: tuple[str, ...]) -> tuple[str, ...]:
+    def _decide(self, generation: int, survivors: tuple[str, ...], joiners: tuple[str, ...] = ()) -> tuple[str, ...]:
         if not survivors:
             raise ElasticEmbError("no surviving node")
         store = self.watcher._reader.store
@@ -224,9 +305,13 @@ class InProcessResize:
         key = prefix + KEY_DECISION
         me = self.watcher.node
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
-            faultpoint("resize_decider_claimed")  # tests: the decider dies mid-decision
-            record = json.dumps({"generation": generation, "nodes": list(survivors)})
+            faultpoint("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
+            old = self.lc.topology
+            record = json.dumps({"generation": generation, "nodes": list(survivors) + list(joiners),
+                                 "master_addr": old.master_addr, "master_port": old.master_port})
             store.set(key, self._signer.sign(key, record))
+            current = inproc_root(self.watcher._reader.run_id) + KEY_CURRENT
+            store.set(current, self._signer.sign(current, record))  # where joiners look
         deadline = time.monotonic() + self.decide_timeout
         while True:
             value = read_signed(store, self._signer, key, log)
@@ -260,11 +345,15 @@ class InProcessResize:
         return self._store
 
     def _fall_back(self, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"[:500]
-        log.error("resize_fallback", mode="restart", generation=self.lc.topology.generation, reason=reason)
-        watcher = self.watcher
-        try:
-            key = round_prefix(watcher._reader.run_id, watcher.round) + KEY_FALLBACK
-            watcher._reader.store.set(key, self._signer.sign(key, reason))
-        except Exception as store_exc:  # the agents' heartbeat/failure paths still end this world
-            log.error("resize_fallback_unsent", error=repr(store_exc))
+        _request_fallback(self.watcher, self._signer, exc, generation=self.lc.topology.generation)
+
+
+def _request_fallback(watcher, signer: Signer, exc: BaseException, generation: int | None = None) -> None:
+    """Ask every agent for a restart-mode round (the signed fallback key of the running round)."""
+    reason = f"{type(exc).__name__}: {exc}"[:500]
+    log.error("resize_fallback", mode="restart", generation=generation, reason=reason)
+    try:
+        key = round_prefix(watcher._reader.run_id, watcher.round) + KEY_FALLBACK
+        watcher._reader.store.set(key, signer.sign(key, reason))
+    except Exception as store_exc:  # the agents' heartbeat/failure paths still end this world
+        log.error("resize_fallback_unsent", error=repr(store_exc))

@@ -24,14 +24,20 @@ def cluster(tmp_path):
 
 
 def _two_nodes(tmp, agents) -> dict:
+    """a, then b joins (in process: the running worker includes it). Returns, per agent pid, its
+    worker's pid and the generation it is in now."""
     port = free_port()
     agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
     t_b = time.time()
-    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))  # joins: restart mode (drain)
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))
     wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
-    ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["t"] > t_b]
-    return {r["agent_pid"]: r for r in ready}
+    latest: dict = {}
+    for r in worker_records(tmp):
+        if r["ev"] in ("ready", "reformed"):
+            latest[r["pid"]] = r
+    agent_of = {r["pid"]: r["agent_pid"] for r in worker_records(tmp) if r["ev"] == "ready"}
+    return {agent_of[pid]: {"pid": pid, "gen": r["gen"]} for pid, r in latest.items() if r["ws"] == 2}
 
 
 def _reformed(tmp, pid, after):
@@ -83,33 +89,37 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
-    """SIGKILL of one worker (its agent lives): its agent restarts it and rejoins through the wait
-    list. The survivor may first re-form without it in process (when it reads the state between
-    the agent's exit and its rejoin); the rejoin is then a scale-up, which is restart mode today.
-    Either way the world of two comes back with every row bit-exact, and the survivor's restart
-    budget is untouched."""
+def test_a_crashed_worker_rejoins_in_process_and_the_survivor_never_restarts(cluster):
+    """SIGKILL of one worker (its agent lives): torchrun restarts it; the agent leaves the round
+    and rejoins it as a joiner (no new round), the survivor re-forms without the node and then
+    includes the restarted worker. The survivor's pid never changes; rows bit-exact throughout."""
     import os
 
     tmp, agents = cluster
     workers = _two_nodes(tmp, agents)
     a, b = agents
+    survivor = workers[a.pid]["pid"]
     time.sleep(0.5)
     t_kill = time.time()
     os.kill(workers[b.pid]["pid"], signal.SIGKILL)
 
     def back_at_two():
-        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
-        return len(ready) == 2 and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
+        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill]
+        return ready and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
 
-    wait_for(back_at_two, WAIT, "both workers back at world size 2", agents)
+    t_back = wait_for(back_at_two, WAIT, "the restarted worker included at world size 2", agents)
+    time.sleep(0.3)
     recs = worker_records(tmp)
-    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
-    assert all(r["rows_ok"] for r in ready), ready
-    assert [r["restart_count"] for r in ready if r["agent_pid"] == a.pid] == [0]
+    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill]
+    assert len(ready) == 1 and ready[0]["agent_pid"] == b.pid and ready[0]["joined"] and ready[0]["rows_ok"], ready
     reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
-    assert all(r["rows_ok"] and r["ws"] == 1 for r in reformed), reformed
-    print(f"\nworker crash: survivor re-formed in process first: {bool(reformed)}")
+    assert reformed and {r["pid"] for r in reformed} <= {survivor, ready[0]["pid"]}, reformed
+    assert all(r["rows_ok"] for r in reformed), reformed
+    at_two = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["t"] > t_back - 0.01}
+    assert at_two == {survivor, ready[0]["pid"]}, at_two
+    assert not [e for e in events(tmp, "a") if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
+    print(f"\nworker crash, in process: back at world size 2 after {t_back - t_kill:.2f} s "
+          f"(re-forms: {[r['ws'] for r in reformed if r['pid'] == survivor]})")
 
 
 def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
@@ -119,7 +129,8 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     restarted everyone first; either way the world of two comes back bit-exact."""
     tmp, agents = cluster
     port = free_port()
-    fault = {"ELASTIC_EMB_FAULT": "resize_decider_claimed"}
+    # generations: 0 (a alone), 1 (b joined), 2 (c joined), 3 (c left): the decider of 3 dies
+    fault = {"ELASTIC_EMB_FAULT": "resize_decider_claimed@3"}
     agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, extra_env=fault))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
     for name, ws in (("b", 2), ("c", 3)):
@@ -139,3 +150,34 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     assert "faultpoint_kill" in agents[0].output()  # the decider did die mid-decision
     fell_back = [e for n in ("a", "b") for e in events(tmp, n) if e["event"] == "resize_fallback"]
     print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s; fallback requested: {bool(fell_back)}")
+
+
+def test_one_to_two_a_joiner_is_included_in_process(cluster):
+    """A second node's agent joins the running round as one more participant (no agent restarts);
+    its worker registers as ready and waits; the running worker includes it at a step boundary:
+    both build generation + 1 together, the running worker's pid unchanged, rows bit-exact."""
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    first = [r for r in worker_records(tmp) if r["ev"] == "ready"][0]
+    time.sleep(0.5)
+    t_join = time.time()
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_join), WAIT, "world size 2", agents)
+    time.sleep(0.5)
+    recs = worker_records(tmp)
+    reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_join]
+    assert len(reformed) == 1 and reformed[0]["pid"] == first["pid"] and reformed[0]["ws"] == 2, reformed
+    assert reformed[0]["rows_ok"] and reformed[0]["rank"] == 0, reformed
+    joiner = [r for r in recs if r["ev"] == "ready" and r["t"] > t_join]
+    assert len(joiner) == 1 and joiner[0]["joined"] and joiner[0]["rows_ok"] and joiner[0]["ws"] == 2, joiner
+    assert joiner[0]["gen"] == reformed[0]["gen"] == first["gen"] + 1
+    assert joiner[0]["resume"] == reformed[0]["resume"], (joiner, reformed)  # nothing lost, nothing repeated
+    committed = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2}
+    assert committed == {first["pid"], joiner[0]["pid"]}
+    rounds = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
+    assert len(rounds) == 1, rounds  # no new torch round: nobody was restarted
+    last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 1)
+    print(f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
+          f"running worker's pause {t_first - last_before:.2f} s")

@@ -79,6 +79,7 @@ def inner(monkeypatch):
     handler.next_rendezvous()
     # the 1 s poll pause is shortened: one node, last call 1 s, completes well below 1 + 1 s polls
     assert time.monotonic() - start < 30
+    handler.test_params = params
     yield handler
     tc.stop_heartbeats(handler)
 
@@ -168,6 +169,33 @@ def test_every_entry_point_on_a_real_rendezvous(inner):
     tc.exit_rendezvous(inner, 5.0)
     holder.sync()
     assert me not in holder.state.participants
+
+
+def test_join_complete_round_adds_a_second_node_to_the_running_round(inner):
+    """The in-process join: a second node (its own handler on the same store) becomes a participant
+    of the complete round without a new round; a third finds no room (max_nodes=2)."""
+    params = inner.test_params
+    view = RendezvousView.of(tc.current_state(inner))
+    second_params = RendezvousParameters(backend="c10d", endpoint=params.endpoint, run_id="compat", min_nodes=1,
+                                         max_nodes=2, is_host="0", local_addr="127.0.0.2")
+    backend, store = create_backend(second_params)
+    second = tc.create_inner_handler(store, backend, second_params)
+    assert tc.join_complete_round(second) == (1, 2)
+    tc.start_heartbeats(second)
+    try:
+        after = RendezvousView.of(tc.current_state(second))
+        assert after.round == view.round and after.complete
+        assert after.nodes == view.nodes + (node_id(tc.this_node(second)),)
+        round_store = tc.round_store(second)
+        round_store.set("probe", b"x")  # the round's prefix store, as torch hands it to the agent
+        assert tc.agent_store(second).get(f"torch.rendezvous.compat.{view.round}/probe") == b"x"
+        backend3, store3 = create_backend(RendezvousParameters(
+            backend="c10d", endpoint=params.endpoint, run_id="compat", min_nodes=1, max_nodes=2, is_host="0",
+            local_addr="127.0.0.3"))
+        third = tc.create_inner_handler(store3, backend3, second_params)
+        assert tc.join_complete_round(third) is None
+    finally:
+        tc.stop_heartbeats(second)
 
 
 class _Log:

@@ -41,14 +41,8 @@ refreshes its own heartbeat every half ``keep_alive_interval``: torch's timer le
 about two intervals, and with ``keep_alive_max_attempt=2`` a live node is then declared dead
 (measured: stock c10d with those settings formed two worlds side by side on this machine).
 
---rdzv-conf keys (besides torch's own: ``last_call_timeout``, ``join_timeout``,
-``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``,
-``read_timeout``, ``is_host``, ``store_type``, and the etcd ssl/protocol keys, all passed on):
-
-``inner`` (``c10d``; see :data:`INNER_BACKENDS`), ``event_file`` (none), ``drain`` (``1``),
-``drain_timeout`` (30 s),
-``sync_interval`` (0.1 s), ``watch_interval`` (0.1 s, handed to the workers),
-``store_outage_timeout`` (30 s; handed to the workers).
+--rdzv-conf keys: :class:`~elastic_emb.rdzv.conf.ListenerConfig` (torch's own keys pass through to the inner
+backend); the README has the table. ``resize=in_process``: ``docs/RESIZE.md``.
 
 **Store outages and trust.** Every call the agent makes on the store goes through one
 :class:`~elastic_emb.rdzv.outage.OutageGuard` (retries up to ``store_outage_timeout``, then a
@@ -89,6 +83,7 @@ from elastic_emb.rdzv.keys import (
     ENV_NODE_ID,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
+    ENV_JOINER,
     ENV_RESIZE,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
@@ -104,6 +99,14 @@ from elastic_emb.rdzv.keys import (
 )
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, torch_store_outage_error
 from elastic_emb.rdzv.signing import Signer, read_signed
+
+
+def _reraise_signal(exc: BaseException) -> None:
+    """torchrun turns SIGTERM into torch's ``SignalException`` (an ``Exception``) in the agent's
+    main thread, wherever it is: inside a store call of this handler too. Best-effort handlers
+    below catch ``Exception``; they must let that one through, or the agent would live on."""
+    if type(exc).__name__ == "SignalException":
+        raise exc
 
 
 class ElasticEmbRendezvousHandler:
@@ -143,6 +146,8 @@ class ElasticEmbRendezvousHandler:
         self._expected_next: frozenset[str] | None = None
         self._changed_reported = False
         self._fallback_reported = False
+        self._joined_running = False
+        self._restart_requested = False  # num_nodes_waiting() > 0 was answered since the last round
         self._drain_started: float | None = None
         self._drain_done = False
         self._lock = threading.Lock()
@@ -211,7 +216,9 @@ class ElasticEmbRendezvousHandler:
                                              self._config.sync_interval, self._log)
         with self._rdzv_lock:  # no heartbeat of ours interleaves with torch's join operation
             try:
-                info = self._inner.next_rendezvous()
+                info = self._join_running_world(rejoin=previous_round is not None)
+                if info is None:
+                    info = self._inner.next_rendezvous()
             except Exception as exc:
                 self._log.error("rendezvous_failed", previous_round=previous_round, error=f"{type(exc).__name__}: {exc}",
                                 duration_s=round(time.monotonic() - start, 3))
@@ -222,6 +229,7 @@ class ElasticEmbRendezvousHandler:
             try:
                 self._heartbeat()
             except Exception as exc:  # torch's own timer still beats; the next tick of ours retries
+                _reraise_signal(exc)
                 self._log.warning("heartbeat_failed", error=repr(exc))
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
@@ -256,7 +264,41 @@ class ElasticEmbRendezvousHandler:
                                  departures=[n for n in gone if n not in deaths], seconds=time.monotonic() - start)
         return info
 
+    def _join_running_world(self, rejoin: bool):
+        """``resize=in_process``: join a running round as one more participant, so nobody restarts;
+        this agent's workers wait to be included by the running ones. For the agent's first
+        rendezvous, and for a restart this backend did not ask for (its worker failed): the agent
+        leaves the round first (the survivors re-form without it), then rejoins like a joiner. A
+        restart this backend asked for (a fallback, a scale-up through the wait list) is torch's."""
+        self._joined_running = False
+        requested, self._restart_requested = self._restart_requested, False
+        if self._config.resize != "in_process" or (rejoin and requested):
+            return None
+        tc = self._tc
+        if rejoin:
+            if self._round_store is not None and self._fallback_requested():
+                return None
+            tc.stop_heartbeats(self._inner)
+            tc.exit_rendezvous(self._inner, 5.0)
+        joined = tc.join_complete_round(self._inner)
+        if joined is None:
+            return None
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        rank, world = joined
+        tc.start_heartbeats(self._inner)
+        store = tc.round_store(self._inner)
+        self._joined_running = True
+        self._log.info("joined_running_round", group_rank=rank, world_size=world, mode="in_process")
+        return RendezvousInfo(store, rank, world, RendezvousStoreInfo.build(rank, store, tc.this_node(self._inner).addr))
+
     def num_nodes_waiting(self) -> int:
+        waiting = self._num_nodes_waiting()
+        if waiting > 0:
+            self._restart_requested = True
+        return waiting
+
+    def _num_nodes_waiting(self) -> int:
         waiting = self._inner.num_nodes_waiting()
         with self._lock:
             if self._round is None:
@@ -267,6 +309,11 @@ class ElasticEmbRendezvousHandler:
             if self._config.resize == "in_process":
                 if self._fallback_requested():
                     return max(waiting, 1)
+                if changed is None and set(view.nodes) - set(self._members):
+                    # A node joined the running round in process: a member from now on.
+                    self._log.info("node_joined_running", round=self._round,
+                                   nodes=[n for n in view.nodes if n not in self._members])
+                    self._members = view.nodes
                 if changed is not None and self._workers_reform(changed):
                     changed = None
             if changed is not None:
@@ -362,6 +409,7 @@ class ElasticEmbRendezvousHandler:
             except StoreOutageError:
                 raise
             except Exception as exc:  # the next poll tries again
+                _reraise_signal(exc)
                 self._log.warning("eviction_mark_failed", round=self._round, node=n, error=repr(exc))
                 continue
             self._marked_evicted.add(n)
@@ -372,6 +420,7 @@ class ElasticEmbRendezvousHandler:
         except StoreOutageError:
             raise  # the bound passed: the agent fails, naming the store
         except Exception as exc:  # unreadable: call it a departure, the restart is the same
+            _reraise_signal(exc)
             self._log.warning("left_mark_unreadable", round=self._round, node=node, error=repr(exc))
             return True
 
@@ -395,6 +444,7 @@ class ElasticEmbRendezvousHandler:
         except StoreOutageError:
             raise
         except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
+            _reraise_signal(exc)
             self._log.warning("dead_report_unreadable", round=self._round, error=repr(exc))
             return
         fresh = [n for n in reported if n in self._members and n not in self._known_dead]
@@ -450,6 +500,7 @@ class ElasticEmbRendezvousHandler:
         except StoreOutageError:
             raise
         except Exception as exc:
+            _reraise_signal(exc)
             self._log.warning("drain_unreadable", round=self._round, error=repr(exc))
             expected, acks = -1, 0
         outcome = None
@@ -493,6 +544,7 @@ class ElasticEmbRendezvousHandler:
                 ENV_WATCH_INTERVAL: str(self._config.watch_interval),
                 ENV_STORE_OUTAGE_TIMEOUT: str(self._config.store_outage_timeout),
                 ENV_RESIZE: self._config.resize,
+                ENV_JOINER: "1" if self._joined_running else "0",
             }
         )
 
@@ -521,6 +573,10 @@ def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
     # Before torch builds anything: the inner handler reads it in next_rendezvous, the agent in
     # _start_workers .
     os.environ[DISABLE_SHARED_STORE] = "1"
+    if config.resize == "in_process":
+        # Ranks from group rank x local world size without the agents' store exchange (which a
+        # node joining a running round could not complete): every node runs the same nproc.
+        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
     from elastic_emb.rdzv import torch_compat as tc
 
     tc.shorten_rendezvous_polls(config.sync_interval)

@@ -42,6 +42,7 @@ ENV_DRAIN = "ELASTIC_EMB_DRAIN"
 ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
 ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
 ENV_RESIZE = "ELASTIC_EMB_RESIZE"  # restart | in_process (--rdzv-conf resize=)
+ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in process (resize.py)
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -72,6 +73,17 @@ def inproc_prefix(run_id: str, generation: int) -> str:
 
 KEY_DECISION = "decision"  # the decider -> every worker: the new generation's nodes [control]
 KEY_DECIDER = "decider"  # counter: the first claimer decides
+
+
+def inproc_root(run_id: str) -> str:
+    """Store key prefix of the in-process world of a run: the current generation's record
+    (``current``) and the joiners' registry (``joiners`` counter, ``joiner/<i>`` node ids)."""
+    return f"elastic_emb/{run_id}/inproc/"
+
+
+KEY_CURRENT = "current"  # the newest decided generation: {generation, nodes, master_addr, master_port} [control]
+KEY_JOINERS = "joiners"  # counter of joiners registered
+KEY_JOINER = "joiner/"  # + index: a joiner's node id [control]
 
 
 def round_prefix(run_id: str, round_: int) -> str:

@@ -53,7 +53,7 @@ def _fail(what: str) -> TorchCompatError:
 # -- the entry points the handler uses ---------------------------------------------------------
 
 _HANDLER_ATTRS = ("_state_holder", "_this_node", "_settings", "_heartbeat_lock", "_op_executor", "_store",
-                  "_stop_heartbeats")
+                  "_stop_heartbeats", "_start_heartbeats", "_get_store")
 
 
 def check_handler(inner: Any) -> None:
@@ -110,6 +110,40 @@ def wrap_state_backend(inner: Any, wrap: Callable[[Any], Any]) -> None:
 
 def stop_heartbeats(inner: Any) -> None:
     inner._stop_heartbeats()
+
+
+def start_heartbeats(inner: Any) -> None:
+    inner._start_heartbeats()
+
+
+def round_store(inner: Any) -> Any:
+    """The store prefix of the current round (what torch's next_rendezvous hands the agent)."""
+    return inner._get_store()
+
+
+def join_complete_round(inner: Any, attempts: int = 10) -> tuple[int, int] | None:
+    """Add this node to the participants of a complete, running round (compare-and-set) instead of
+    waiting in the wait list for the next round: the in-process join (``resize.py``). Returns
+    ``(group_rank, group_world_size)``, or None when there is no running round with room (then
+    torch's own join is the way in). The rank is the count of participants before this node."""
+    holder = inner._state_holder
+    node = inner._this_node
+    with inner._heartbeat_lock:
+        for _ in range(attempts):
+            holder.sync()
+            state = holder.state
+            if (not state.complete or state.closed or not state.participants or node in state.participants
+                    or len(state.participants) >= inner._settings.max_nodes):
+                return None
+            rank = len(state.participants)
+            state.participants[node] = rank
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+            state.last_heartbeats[node] = datetime.now(timezone.utc)
+            holder.mark_dirty()
+            if holder.sync():
+                return rank, len(holder.state.participants)
+    return None
 
 
 def run_op(inner: Any, op: Callable[[Any, float], Any], timeout: float) -> None:

@@ -231,9 +231,22 @@ def main_lifecycle() -> int:
 
     # resize=in_process: the first generation's store waits end when a member leaves (the
     # survivors re-form instead of waiting out a commit's timeout for a dead peer).
-    store = interruptible_store(worker_store(Topology.from_env(), timeout=30.0), watcher)
-    lc = Lifecycle.start(factory, LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0), watcher=watcher,
-                         store=store)
+    from elastic_emb import config as settings
+    from elastic_emb.resize import InProcessResize, ResizeFallback
+
+    lc_config = LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0)
+    joined = settings.load(None, "joiner").joiner
+    if joined:  # this node joined a running world in process: wait to be included, then start
+        try:
+            lc, resizer = InProcessResize.join(factory, lc_config, watcher, timeout=20.0)
+        except ResizeFallback:
+            log({"ev": "resize_fallback", "gen": -1, "rank": -1})
+            time.sleep(60)  # the agents restart everyone (restart mode); their SIGTERM ends us
+            return 3
+    else:
+        store = interruptible_store(worker_store(Topology.from_env(), timeout=30.0), watcher)
+        lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store)
+        resizer = InProcessResize(lc, watcher)
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
     want = expected_rows(shard.rows.start, shard.rows.stop, lc.step)
@@ -241,12 +254,9 @@ def main_lifecycle() -> int:
     log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": lc.next_step,
          "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
          "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
-         "rows": [shard.rows.start, shard.rows.stop]})
+         "rows": [shard.rows.start, shard.rows.stop], "joined": joined})
     if not rows_ok:
         raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the step-by-step replay")
-    from elastic_emb.resize import InProcessResize, ResizeFallback
-
-    resizer = InProcessResize(lc, watcher)
 
     def reform(failed: bool):
         # resize=in_process: the survivors re-form in this process; the rows must be bit-exact.
