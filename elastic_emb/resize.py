@@ -11,7 +11,9 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
 1. **The agents stay out of the way.** In ``resize=in_process`` mode the backend answers
    ``num_nodes_waiting() == 0`` for a node that left or died (it still evicts the dead from
    torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
-   workers. Joiners, a restarting peer, or a round that moved on stay in restart mode.
+   workers. A new node's agent joins the running round as one more participant and its workers
+   wait to be included (:meth:`InProcessResize.join`; ``docs/RESIZE.md``). A restarting peer (a
+   crashed worker), a fallback, or a round that moved on stay in restart mode.
 2. **Detect.** Each worker's :class:`~elastic_emb.watch.Watcher` polls torch's state; a member node
    of the worker's generation missing from it (and not in the wait list: that one is restarting
    after a worker crash, which stays restart mode) is a departure (:meth:`InProcessResize.pending`).

@@ -89,37 +89,32 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def test_a_crashed_worker_rejoins_in_process_and_the_survivor_never_restarts(cluster):
-    """SIGKILL of one worker (its agent lives): torchrun restarts it; the agent leaves the round
-    and rejoins it as a joiner (no new round), the survivor re-forms without the node and then
-    includes the restarted worker. The survivor's pid never changes; rows bit-exact throughout."""
+def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
+    """SIGKILL of one worker (its agent lives): its agent restarts it and rejoins through the wait
+    list (restart mode for a crash). The survivor may first re-form without it in process (when
+    it reads the state between the agent's exit and its rejoin). Either way the world of two
+    comes back with every row bit-exact, and the survivor's restart budget is untouched."""
     import os
 
     tmp, agents = cluster
     workers = _two_nodes(tmp, agents)
     a, b = agents
-    survivor = workers[a.pid]["pid"]
     time.sleep(0.5)
     t_kill = time.time()
     os.kill(workers[b.pid]["pid"], signal.SIGKILL)
 
     def back_at_two():
-        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill]
-        return ready and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
+        ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+        return len(ready) == 2 and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
 
-    t_back = wait_for(back_at_two, WAIT, "the restarted worker included at world size 2", agents)
-    time.sleep(0.3)
+    wait_for(back_at_two, WAIT, "both workers back at world size 2", agents)
     recs = worker_records(tmp)
-    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill]
-    assert len(ready) == 1 and ready[0]["agent_pid"] == b.pid and ready[0]["joined"] and ready[0]["rows_ok"], ready
+    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
+    assert all(r["rows_ok"] for r in ready), ready
+    assert [r["restart_count"] for r in ready if r["agent_pid"] == a.pid] == [0]
     reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
-    assert reformed and {r["pid"] for r in reformed} <= {survivor, ready[0]["pid"]}, reformed
-    assert all(r["rows_ok"] for r in reformed), reformed
-    at_two = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["t"] > t_back - 0.01}
-    assert at_two == {survivor, ready[0]["pid"]}, at_two
-    assert not [e for e in events(tmp, "a") if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
-    print(f"\nworker crash, in process: back at world size 2 after {t_back - t_kill:.2f} s "
-          f"(re-forms: {[r['ws'] for r in reformed if r['pid'] == survivor]})")
+    assert all(r["rows_ok"] and r["ws"] == 1 for r in reformed), reformed
+    print(f"\nworker crash: survivor re-formed in process first: {bool(reformed)}")
 
 
 def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):

@@ -265,21 +265,16 @@ class ElasticEmbRendezvousHandler:
         return info
 
     def _join_running_world(self, rejoin: bool):
-        """``resize=in_process``: join a running round as one more participant, so nobody restarts;
-        this agent's workers wait to be included by the running ones. For the agent's first
-        rendezvous, and for a restart this backend did not ask for (its worker failed): the agent
-        leaves the round first (the survivors re-form without it), then rejoins like a joiner. A
-        restart this backend asked for (a fallback, a scale-up through the wait list) is torch's."""
+        """``resize=in_process``: the agent's first rendezvous joins a running round as one more
+        participant, so nobody restarts; this agent's workers wait to be included by the running
+        ones. A later rendezvous (its worker failed, a fallback, a scale-up through the wait
+        list) is torch's: restart mode. (Rejoining in process after a worker crash is planned:
+        docs/RESIZE.md.)"""
         self._joined_running = False
-        requested, self._restart_requested = self._restart_requested, False
-        if self._config.resize != "in_process" or (rejoin and requested):
+        self._restart_requested = False
+        if self._config.resize != "in_process" or rejoin:
             return None
         tc = self._tc
-        if rejoin:
-            if self._round_store is not None and self._fallback_requested():
-                return None
-            tc.stop_heartbeats(self._inner)
-            tc.exit_rendezvous(self._inner, 5.0)
         joined = tc.join_complete_round(self._inner)
         if joined is None:
             return None
