@@ -2,8 +2,8 @@
 
 Every manifest of deploy/ is rendered with ``kubectl kustomize`` and must pass: strict core
 schemas for every supported Kubernetes version, our PyTorchJob schema plus the training
-operator's admission rules (cross-checked against the operator's CRD when ../shared/schemas is
-there), and the wiring rules of tests/deploy_rules.py. Each rule also gets a planted error that
+operator's admission rules (cross-checked against the operator's own API types, from its SDK on
+PyPI), and the wiring rules of tests/deploy_rules.py. Each rule also gets a planted error that
 must make it fail, so no rule passes by being unable to fail. The drain hook is run for real:
 torchrun with the elastic_emb backend, two workers running the real Watcher, and the CLI.
 """
@@ -27,8 +27,6 @@ from tests.helpers import deploy_rules as R
 from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture, for the etcd-v2 drain)
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-SHARED_SCHEMAS = R.REPO.parent / "shared" / "schemas"
-CRD = SHARED_SCHEMAS / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 
 
 def _need_kubectl() -> None:
@@ -238,26 +236,24 @@ def test_admission_planted_error_fails(rendered, plant):
     assert any(needle in e for e in errs), errs
 
 
-@pytest.mark.skipif(not CRD.exists(), reason=f"{CRD} is absent: the operator's CRD is reference data kept outside the "
-                                             f"project (../shared/schemas), not copied into it")
-def test_own_schema_agrees_with_the_operator_crd(rendered):
-    schema = R.crd_schema(CRD)
-    # Every field our schema admits exists in the CRD with the same JSON type.
+def test_own_schema_agrees_with_the_operator_api(rendered):
+    """Our PyTorchJob schema and the rendered job against the operator's own API types (its SDK)."""
     paths = R.model_paths(R.PyTorchJob)
     assert len(paths) > 25
-    mismatched = {p: (t, R.crd_path_type(schema, p)) for p, t in paths.items() if R.crd_path_type(schema, p) != t}
+    # Every field our schema admits exists in the operator's API with the same JSON type.
+    mismatched = {p: (t, R.sdk_path_type(p)) for p, t in paths.items() if R.sdk_path_type(p) not in (t, "any")}
     assert mismatched == {}
-    # The rendered job passes the CRD's schema (made strict), and so do our schema's planted
-    # unknown fields fail there too: the two agree on what is a field.
+    # The rendered job has only fields the operator knows, with their types; planted unknown
+    # fields and wrong types fail there as they fail our own schema.
     job = pick(rendered["pytorchjob"], "PyTorchJob")
-    assert R.crd_errors(job, schema) == []
+    assert R.sdk_errors(job) == []
     bad = copy.deepcopy(job)
     bad["spec"]["elasticPolicy"]["minReplica"] = 1
-    assert any("minReplica" in e for e in R.crd_errors(bad, schema))
+    assert any("minReplica" in e for e in R.sdk_errors(bad))
     assert any("minReplica" in e for e in R.pytorchjob_schema_errors(bad))
     bad = copy.deepcopy(job)
     bad["spec"]["elasticPolicy"]["rdzvPort"] = "29400"
-    assert any("rdzvPort" in e for e in R.crd_errors(bad, schema))
+    assert any("rdzvPort" in e for e in R.sdk_errors(bad))
 
 
 # -- wiring -------------------------------------------------------------------------------------

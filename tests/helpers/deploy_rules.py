@@ -10,7 +10,8 @@ assert on the exact rule a planted error breaks:
    unknown fields rejected) for the fields the project uses, plus :func:`admission_errors`, the
    checks the training operator's admission webhook (v1.9) applies on create; its pod template
    goes through the core ``PodTemplateSpec`` schema. ``test_deploy.py`` cross-checks our schema
-   against the operator's CRD when ``../shared/schemas`` is present (:func:`crd_errors`).
+   and the rendered job against the operator's own API types, from its published SDK
+   (:func:`sdk_path_type`, :func:`sdk_errors`).
 3. :func:`wiring_errors`: rules no schema can express, which decide whether the job works at all:
    the rendezvous endpoint names a Service that selects the job's pods and serves the port;
    replicas lie within the node range; the preStop and main commands exist in the image; the
@@ -238,41 +239,110 @@ def admission_errors(job: dict) -> list[str]:
     return errors
 
 
-# -- layer 2c: cross-check against the operator's CRD ---------------------------------------------
+# -- layer 2c: cross-check against the operator's own API types ---------------------------------
+#
+# The training operator publishes its API as a Python SDK (PyPI ``kubeflow-training``, the same
+# release as the operator the templates target), generated from the operator's OpenAPI spec: each
+# model class lists its fields (``attribute_map``: attribute -> JSON key) and their types
+# (``openapi_types``). Pod templates and other core types come from the ``kubernetes`` client's
+# models, generated the same way. Both are installed from the registry by the test extra, so the
+# cross-check needs nothing outside the project.
+
+SDK_ROOT = "KubeflowOrgV1PyTorchJob"
+_SDK_SCALARS = {"int": "integer", "str": "string", "bool": "boolean", "float": "number", "datetime": "string",
+                "date": "string"}
 
 
-def crd_schema(crd_path: Path) -> dict:
-    crd = yaml.safe_load(crd_path.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+def _sdk_class(type_name: str) -> Any:
+    """The SDK model class of ``type_name`` (the operator's or a Kubernetes core type), or None."""
+    import kubeflow.training.models as operator_models
+    import kubernetes.client.models as core_models
+
+    return getattr(operator_models, type_name, None) or getattr(core_models, type_name, None)
 
 
-def _structural_to_jsonschema(node: Any) -> Any:
-    """A CRD structural schema as strict JSON Schema: objects with declared properties reject
-    unknown fields (the API server would silently prune them: for us that is an error),
-    int-or-string becomes anyOf, Kubernetes extensions are dropped."""
-    if isinstance(node, list):
-        return [_structural_to_jsonschema(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _structural_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
-    if node.get("x-kubernetes-int-or-string"):
-        out.pop("type", None)
-        out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
-    if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
-        out["additionalProperties"] = False
-    return out
+def _sdk_dict_value(type_name: str) -> str:
+    """'dict(str, X)' -> 'X'."""
+    return type_name[len("dict("):-1].split(", ", 1)[1]
 
 
-def crd_errors(job: dict, schema: dict) -> list[str]:
-    """Findings of the CRD's own schema (made strict) on a rendered PyTorchJob."""
-    import jsonschema
+def sdk_json_type(type_name: str) -> str:
+    """JSON type of an SDK type string; 'any' for the untyped ``object`` (e.g. int-or-string)."""
+    if type_name == "object":
+        return "any"
+    if type_name.startswith("list["):
+        return "array"
+    if type_name.startswith("dict(") or _sdk_class(type_name) is not None:
+        return "object"
+    return _SDK_SCALARS.get(type_name, "object")
 
-    validator = jsonschema.Draft7Validator(_structural_to_jsonschema(schema))
-    body = {k: v for k, v in job.items() if k != "status"}
-    return [f"CRD {'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-            for e in sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))]
+
+def sdk_path_type(path: str) -> str | None:
+    """The SDK's JSON type at a model_paths() path, or None when the operator's API has no such field."""
+    node = SDK_ROOT
+    for part in path.split("."):
+        array = part.endswith("[]")
+        part = part.removesuffix("[]")
+        cls = _sdk_class(node)
+        if cls is not None:
+            attrs = {key: attr for attr, key in cls.attribute_map.items()}
+            if part not in attrs:
+                return None
+            node = cls.openapi_types[attrs[part]]
+        elif node.startswith("dict("):
+            node = _sdk_dict_value(node)
+        else:
+            return None
+        if array:
+            if not node.startswith("list["):
+                return None
+            node = node[len("list["):-1]
+    return sdk_json_type(node)
+
+
+def sdk_errors(job: dict) -> list[str]:
+    """Fields of a rendered PyTorchJob that the operator's API does not have, or has with another type."""
+    errors: list[str] = []
+
+    def check(value: Any, type_name: str, where: str) -> None:
+        if type_name == "object":
+            return
+        if type_name.startswith("list["):
+            if not isinstance(value, list):
+                errors.append(f"SDK {where}: {value!r} is not an array")
+                return
+            for i, item in enumerate(value):
+                check(item, type_name[len("list["):-1], f"{where}[{i}]")
+            return
+        if type_name.startswith("dict("):
+            if not isinstance(value, dict):
+                errors.append(f"SDK {where}: {value!r} is not an object")
+                return
+            for key, item in value.items():
+                check(item, _sdk_dict_value(type_name), f"{where}/{key}")
+            return
+        cls = _sdk_class(type_name)
+        if cls is not None:
+            if not isinstance(value, dict):
+                errors.append(f"SDK {where}: {value!r} is not a {type_name} object")
+                return
+            attrs = {key: attr for attr, key in cls.attribute_map.items()}
+            for key, item in value.items():
+                if key not in attrs:
+                    errors.append(f"SDK {where}/{key}: {type_name} has no field {key!r}")
+                else:
+                    check(item, cls.openapi_types[attrs[key]], f"{where}/{key}")
+            return
+        want = _SDK_SCALARS.get(type_name)
+        ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "boolean": lambda v: isinstance(v, bool),
+              "string": lambda v: isinstance(v, str)}.get(want)
+        if ok is not None and not ok(value):
+            errors.append(f"SDK {where}: {value!r} is not of type {want}")
+
+    check({k: v for k, v in job.items() if k != "status"}, SDK_ROOT, "")
+    return errors
 
 
 def _leaf_type(ann: Any) -> tuple[str, Any]:
@@ -296,8 +366,8 @@ def _leaf_type(ann: Any) -> tuple[str, Any]:
 
 def model_paths(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
     """Field path -> JSON type for every field our PyTorchJob schema allows. ``metadata``'s
-    children are left out: the CRD declares metadata as a bare object (the API server checks
-    ObjectMeta itself)."""
+    children are left out: the operator declares metadata as a bare object (the API server
+    checks ObjectMeta itself)."""
     import typing
 
     out: dict[str, str] = {}
@@ -319,26 +389,6 @@ def model_paths(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
                 for k in typing.get_args(key) or ("*",):
                     out.update(model_paths(val, f"{path}.{k}"))
     return out
-
-
-def crd_path_type(schema: dict, path: str) -> str | None:
-    """The CRD's type at a model_paths() path, or None when the CRD has no such field."""
-    node = schema
-    for part in path.split("."):
-        array = part.endswith("[]")
-        part = part.removesuffix("[]")
-        props = node.get("properties")
-        if props is not None and part in props:
-            node = props[part]
-        elif isinstance(node.get("additionalProperties"), dict):
-            node = node["additionalProperties"]
-        else:
-            return None
-        if array:
-            if node.get("type") != "array":
-                return None
-            node = node["items"]
-    return node.get("type") or ("string" if node.get("x-kubernetes-int-or-string") else None)
 
 
 # -- layer 3: wiring ------------------------------------------------------------------------
