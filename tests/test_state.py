@@ -98,6 +98,8 @@ def test_replica_holders_are_on_other_nodes():
 class TinyContext:
     """The smallest ShardedContext: one table held in plain tensors."""
 
+    owner_ranks = None  # rows laid out over the topology's ep_size (the contract's row_owners reads it)
+
     def __init__(self, topology, n=40):
         self.topology = topology
         self.rows = owned_range(n, topology.ep_size, topology.rank)
