@@ -1,4 +1,4 @@
-"""The cross-memory-attach row transport (elastic_emb/cma.py) with real rank processes.
+"""The cross-memory-attach row transport (elastic_emb/state/cma.py) with real rank processes.
 
 Each case starts one process per rank (tests/cma_worker.py: real TCPStore, real gloo group),
 hands each rank some old-layout shards as live pieces, restores into a new layout of uneven
@@ -19,7 +19,7 @@ import torch
 
 from elastic_emb.testing.ports import free_port
 from tests.helpers.procs import REPO, run_ranks, torchrun_env
-from elastic_emb import cma
+from elastic_emb.state import cma
 
 CODE = "from tests.helpers import cma_worker; cma_worker.main()"
 

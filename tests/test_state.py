@@ -21,6 +21,8 @@ from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.state import (
     Comm,
+    CommitId,
+    Piece,
     SnapshotTier,
     plan_assignments,
     read_snapshot,
@@ -35,8 +37,11 @@ SPEC = [["float32", [3]], ["float32", []]]  # weight [rows, 3] + one per-row slo
 # -- pure planning ------------------------------------------------------------------------------
 
 
-def _piece(table, start, stop, tier="snapshot", commit="c", handle=0):
-    return {"table": table, "start": start, "stop": stop, "tier": tier, "commit": commit, "handle": handle, "spec": SPEC}
+C = CommitId(1, 0, "c")
+
+
+def _piece(table, start, stop, tier="snapshot", commit=C, handle=0, spec=SPEC):
+    return Piece(table=table, start=start, stop=stop, tier=tier, commit=commit, handle=handle, spec=spec)
 
 
 @settings(max_examples=60, deadline=None)
@@ -51,7 +56,7 @@ def test_plan_partitions_every_row_once(n, old, new, data):
         if len(rr):
             holder = data.draw(st.integers(0, world - 1))
             invs[holder].append(_piece("t", rr.start, rr.stop, handle=len(invs[holder])))
-    plan, missing = plan_assignments(invs, "c", {"t": n}, new, {"t": SPEC})
+    plan, missing = plan_assignments(invs, C, {"t": n}, new, {"t": SPEC})
     assert missing == []
     for dst in range(new):
         want = owned_range(n, new, dst)
@@ -60,7 +65,7 @@ def test_plan_partitions_every_row_once(n, old, new, data):
         assert flat == list(range(want.start, want.stop))
     for a in plan:
         p = invs[a.src][a.handle]
-        assert p["start"] <= a.start < a.stop <= p["stop"]
+        assert p.start <= a.start < a.stop <= p.stop
 
 
 def test_plan_prefers_live_then_local_and_names_missing_rows():
@@ -68,15 +73,15 @@ def test_plan_prefers_live_then_local_and_names_missing_rows():
         [_piece("t", 0, 50, "snapshot", handle=0), _piece("t", 50, 100, "replica", handle=1)],
         [_piece("t", 0, 50, "live", handle=0)],
     ]
-    plan, missing = plan_assignments(invs, "c", {"t": 150}, 2, {"t": SPEC})
+    plan, missing = plan_assignments(invs, C, {"t": 150}, 2, {"t": SPEC})
     by_range = {(a.start, a.stop): (a.src, a.tier) for a in plan}
     assert by_range[(0, 50)] == (1, "live")  # live memory beats a file, even on another rank
     assert by_range[(50, 75)] == (0, "replica")
     assert missing == [("t", 100, 150)]
     # Another commit's pieces never mix in; a different slot layout never fills a table.
-    invs[1].append(_piece("t", 100, 150, commit="other", handle=1))
-    invs[0].append({**_piece("t", 100, 150, handle=2), "spec": [["float64", [3]], ["float32", []]]})
-    assert plan_assignments(invs, "c", {"t": 150}, 2, {"t": SPEC})[1] == [("t", 100, 150)]
+    invs[1].append(_piece("t", 100, 150, commit=CommitId(2, 0, "other"), handle=1))
+    invs[0].append(_piece("t", 100, 150, handle=2, spec=[["float64", [3]], ["float32", []]]))
+    assert plan_assignments(invs, C, {"t": 150}, 2, {"t": SPEC})[1] == [("t", 100, 150)]
 
 
 def test_replica_holders_are_on_other_nodes():
@@ -178,7 +183,7 @@ def test_corrupt_snapshot_is_rejected_and_older_commit_used(tmp_path, world1):
     topo2, comm2 = world1()
     ctx2 = TinyContext(topo2)
     report = restore(ctx2, comm2, snapshot=tier, durable=None)
-    assert report.step == 0 and report.fallback and "1:" in report.fallback
+    assert report.step == 0 and report.fallback and "step 1 " in report.fallback
     assert torch.equal(ctx2.w, torch.full((40, 3), 1.0)) and torch.equal(ctx2.acc, torch.full((40,), 1.5))
 
 
@@ -259,7 +264,7 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
     """Rows restored locally from a file are copied in the checksum's pass (block by block): the
     copies must equal the file's rows at any offset and block size, and a corrupt file must still
     be refused when it is read that way."""
-    import elastic_emb.state as state
+    import elastic_emb.state.snapshot as state
 
     topo, comm = world1()
     tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0)

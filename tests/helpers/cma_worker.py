@@ -80,7 +80,7 @@ class Ctx:
 
 
 def sabotage(mode: str, comm) -> None:
-    from elastic_emb import cma
+    from elastic_emb.state import cma
 
     if mode == "token":
         real = cma.identity

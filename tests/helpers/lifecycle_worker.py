@@ -210,7 +210,9 @@ def main() -> None:
     then_until (last step after the resize), reform (null | env overrides for a same-size
     re-form after the resize)."""
     from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+    from elastic_emb.testing.faults import arm_from_env
 
+    arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it
     spec = json.loads(os.environ["LCW_SPEC"])
     out = spec["out"]
     factory = make_factory(spec)

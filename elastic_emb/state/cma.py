@@ -6,7 +6,7 @@ rank d through a loopback TCP connection: copied into socket buffers by s, out o
 address space straight into its own rows: one kernel copy, no socket, no staging buffer, and s
 does nothing while it happens (see BENCHMARKS.md for what that changes for a live reshard).
 
-How. :func:`transfer` is collective over the restore's communicator (``state.Comm``):
+How. :func:`transfer` is collective over the restore's communicator (:class:`elastic_emb.state.comm.Comm`):
 
 1. Every rank publishes through ``Comm.exchange`` (the store, JSON): its identity (pid, boot id,
    host name, pid namespace, and the address and value of a random 16-byte token in its memory)
@@ -21,7 +21,7 @@ How. :func:`transfer` is collective over the restore's communicator (``state.Com
    copy, measured) and pulls every block.
 3. A barrier (``Comm.exchange``, bounded by the communicator's timeout) on which every receiver
    reports the senders it could not read. Senders keep their source rows alive and unchanged until
-   the barrier; the pairs reported are then moved by the caller over gloo (``state._execute_p2p``),
+   the barrier; the pairs reported are then moved by the caller over gloo (:class:`elastic_emb.state.transport.P2PTransport`),
    which both sides know from the barrier's result.
 
 Any failure with a peer (EPERM from ptrace rules, ENOSYS from a seccomp policy or another OS,
@@ -47,7 +47,7 @@ import torch
 
 from elastic_emb.events import get_logger
 
-log = get_logger("elastic_emb.cma")
+log = get_logger("elastic_emb.state.cma")
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PR_SET_PTRACER = 0x59616D61

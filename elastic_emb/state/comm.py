@@ -1,0 +1,113 @@
+"""The communicator state transfer runs on: one world's process group for tensors, its store for
+small JSON.
+
+Every restore, commit and reshard of one generation talks through a :class:`Comm`. Tensors go
+over the context's own ``process_group`` (a c10d ProcessGroup; raw methods are used, so it need
+not be registered with ``torch.distributed``); a context without one gets a gloo group of its
+own on a private store prefix. Small metadata (inventories, offers, verdicts) travels through
+the store as JSON, never pickle, and every wait on it is bounded by the communicator's timeout.
+
+The k-th communicator a rank makes in a generation pairs with the k-th on every other rank (same
+program order) and gets store keys of its own: reused keys would hand one exchange the values of
+an earlier one, and a process group formed twice on one prefix hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from elastic_emb.events import get_logger
+from elastic_emb.topology import Topology
+
+log = get_logger("elastic_emb.state")
+
+TRANSPORTS = ("cma", "p2p", "alltoall")  # ELASTIC_EMB_TRANSPORT values (see elastic_emb.state.transport)
+
+
+class Comm:
+    """The collective operations state transfer needs, on one world's process group and store."""
+
+    def __init__(self, topology: Topology, store, process_group=None, *, timeout: float = 300.0,
+                 device: torch.device | str | None = None, purpose: str = "state") -> None:
+        import torch.distributed as dist
+
+        from elastic_emb.store import generation_store
+
+        self.topology = topology
+        self.rank = topology.rank
+        self.size = topology.world_size
+        self.timeout = timeout
+        gen_store = generation_store(store, topology, purpose)
+        self.instance = int(gen_store.add(f"instances/rank{self.rank}", 1))
+        self.store = dist.PrefixStore(f"c{self.instance}/", gen_store)
+        self._own_pg = process_group is None
+        if process_group is None:
+            pg_store = dist.PrefixStore(f"c{self.instance}/pg/", gen_store)
+            process_group = dist.ProcessGroupGloo(pg_store, self.rank, self.size, timedelta(seconds=timeout))
+        self.pg = process_group
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if topology.backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        # How rows travel (elastic_emb.state.transport): "cma" (CPU, pull from same-host senders'
+        # memory, gloo p2p for any peer that cannot be read), "p2p" (CPU, gloo send/recv) or
+        # "alltoall" (one collective over a packed buffer: the only safe way for NCCL).
+        self.transport = os.environ.get("ELASTIC_EMB_TRANSPORT") or ("cma" if self.device.type == "cpu" else "alltoall")
+        if self.transport not in TRANSPORTS or (self.transport != "alltoall" and self.device.type != "cpu"):
+            raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
+                             f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)")
+        self._op = 0
+
+    def exchange(self, name: str, obj: Any) -> list[Any]:
+        """All-gather a JSON-able object through the store; returns one entry per rank."""
+        self._op += 1
+        base = f"x{self._op}-{name}"
+        self.store.set(f"{base}/{self.rank}", json.dumps(obj))
+        keys = [f"{base}/{r}" for r in range(self.size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as exc:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise TimeoutError(
+                f"state exchange {name!r} (generation {self.topology.generation}): ranks {missing} did "
+                f"not publish within {self.timeout}s; they died or are stuck: restart the workers"
+            ) from exc
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+        """Send ``send[d]`` (uint8) to rank d; return the byte buffers received from each rank."""
+        in_splits = [int(t.numel()) for t in send]
+        inp = torch.cat([t.to(self.device) for t in send]) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
+        return self.all_to_all_flat(inp, in_splits, recv_sizes)
+
+    def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int],
+                        out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One ``alltoall_base`` of a flat uint8 buffer (into ``out`` if given); every rank must
+        call it, even with nothing to move."""
+        import torch.distributed as dist
+
+        if out is None:
+            out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        elif out.numel() != sum(recv_sizes):
+            raise ValueError(f"all_to_all_flat: out has {out.numel()} bytes, expected {sum(recv_sizes)}")
+        opts = dist.AllToAllOptions()
+        opts.timeout = timedelta(seconds=self.timeout)
+        work = self.pg.alltoall_base(out, inp, list(recv_sizes), list(in_splits), opts)
+        if not work.wait():
+            raise RuntimeError(f"all_to_all of {sum(in_splits)} bytes failed on rank {self.rank}")
+        return list(torch.split(out, list(recv_sizes)))
+
+    def barrier(self, name: str) -> None:
+        self.exchange(name, 0)
+
+    def close(self) -> None:
+        if self._own_pg:
+            try:
+                if hasattr(self.pg, "shutdown"):
+                    self.pg.shutdown()
+            except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
+                log.warning("state_comm_close_failed", error=repr(exc))

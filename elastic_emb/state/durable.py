@@ -1,0 +1,213 @@
+"""The durable tier: ``torch.distributed.checkpoint`` (DCP) checkpoints any world size can load.
+
+Each commit goes to ``<durable_dir>/<run_id>/step-<step>-<fp>/`` with one DTensor ``Shard(0)`` per
+table tensor over the whole world, laid out ``torch.chunk``-style (rank r holds rows
+``owned_range(num_rows, world_size, r)``), so plain DCP without elastic_emb loads it at any world
+size. Before saving, rows move from the context's layout (``ep_size`` owners) to that world
+layout with :func:`elastic_emb.state.transport.move_rows`.
+
+Rank 0 writes ``elastic_emb_manifest.json`` last, once DCP finished (after the background upload
+when asynchronous), with the CRC32 of every saved shard. Loading at another world size verifies
+them: each rank checksums the part of every saved shard it now holds, and the parts combine into
+the saved shard's CRC32 (:func:`elastic_emb.state.manifest.crc32_combine`) without gathering a byte.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from elastic_emb.errors import ChecksumMismatch
+from elastic_emb.events import get_logger
+from elastic_emb.protocol import ShardData
+from elastic_emb.sharding import owned_range
+from elastic_emb.state import points
+from elastic_emb.state.comm import Comm
+from elastic_emb.state.manifest import (
+    DurableManifest,
+    checksum,
+    commit_dirname,
+    crc32_combine,
+    row_bytes,
+    row_spec,
+    tensor_items,
+    write_atomic,
+)
+from elastic_emb.state.transport import LivePiece, move_rows
+
+log = get_logger("elastic_emb.state")
+
+
+class DurableTier:
+    """DCP checkpoints, one DTensor Shard(0) per table tensor over the whole world (torch.chunk
+    layout), so that plain ``torch.distributed.checkpoint.load`` reads them at any world size."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str) -> None:
+        self.root = Path(root) / run_id
+        self.run_id = run_id
+
+    def manifests(self) -> list[DurableManifest]:
+        out = []
+        if not self.root.is_dir():
+            return out
+        for mpath in sorted(self.root.glob("step-*/elastic_emb_manifest.json")):
+            try:
+                m = DurableManifest.model_validate_json(mpath.read_text())
+            except Exception as exc:
+                log.warning("durable_manifest_invalid", path=str(mpath), error=repr(exc)[:300])
+                continue
+            if (mpath.parent / ".metadata").exists():
+                out.append(m)
+        return out
+
+    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
+               asynchronous: bool = False):
+        """Save through DCP (collective). ``group``: a gloo process group registered with
+        torch.distributed with this world's ranks (DCP and DTensor accept no other).
+
+        Returns ``(bytes this rank wrote, future or None)``. Asynchronous: DCP stages the tensors
+        and writes them in a background thread (``dcp.async_save``); rank 0 writes the manifest
+        when its upload completes (DCP's coordinator finishes only after every rank's writes), so
+        a checkpoint cut short by a crash has no manifest. Wait on the future before the next
+        durable commit, a resize or exit."""
+        import torch.distributed.checkpoint as dcp
+
+        topo = comm.topology
+        world_shards = _to_world_layout(shards, comm, num_rows)
+        sd, specs = _dtensor_state_dict(world_shards, group, num_rows)
+        cdir = self.root / commit_dirname(step, topo.fingerprint())
+        cdir.mkdir(parents=True, exist_ok=True)
+        sums = {}
+        for name, shard in world_shards.items():
+            for tname, t in tensor_items(shard):
+                sums[f"{name}.{tname}"] = [shard.rows.start, shard.rows.stop, checksum(t)]
+        gathered = comm.exchange(f"durable{step}", sums)
+        manifest = None
+        if topo.rank == 0:
+            checksums: dict[str, dict[str, list]] = {}
+            for r, s in enumerate(gathered):
+                for key, v in s.items():
+                    checksums.setdefault(key, {})[str(r)] = v
+            manifest = DurableManifest(step=step, generation=topo.generation, fingerprint=topo.fingerprint(),
+                                       run_id=topo.run_id, world_size=topo.world_size, tables=dict(num_rows),
+                                       tensors=specs, checksums=checksums, checkpoint_dir=str(cdir), written_at=time.time())
+        nbytes = sum(s.nbytes() for s in world_shards.values())
+
+        def finish(error: BaseException | None = None) -> None:
+            if manifest is None:
+                return
+            if error is not None:
+                log.error("durable_commit_failed", step=step, dir=str(cdir), error=repr(error)[:500])
+                return
+            points.reached("durable_before_manifest", step)
+            write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json())
+
+        if not asynchronous:
+            dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
+            finish()
+            comm.barrier(f"durable{step}-done")
+            return nbytes, None
+        resp = dcp.async_save(sd, checkpoint_id=str(cdir), process_group=group)
+        fut = getattr(resp, "upload_completion", resp)  # torch >= 2.9 may return an AsyncSaveResponse
+        fut.add_done_callback(lambda f: finish(f.exception()))
+        return nbytes, fut
+
+    def load(self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData],
+             num_rows: dict[str, int], group) -> dict[str, ShardData]:
+        """Load a commit at this world size (world layout) and verify every saved shard's CRC32
+        (combined from the parts the ranks now hold, whatever the world size). Returns this
+        rank's rows in the world layout; the caller moves them to the context's layout."""
+        import torch.distributed.checkpoint as dcp
+
+        world = {}
+        for name, spec in template.items():
+            rows = owned_range(num_rows[name], comm.size, comm.rank)
+            world[name] = ShardData(name, rows, torch.zeros(len(rows), *spec.weight.shape[1:], dtype=spec.weight.dtype),
+                                    {k: torch.zeros(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in spec.slots.items()})
+        sd, _ = _dtensor_state_dict(world, group, num_rows)
+        dcp.load(sd, checkpoint_id=manifest.checkpoint_dir, process_group=group)
+        self._verify(manifest, comm, world)
+        return world
+
+
+    @staticmethod
+    def _verify(manifest: DurableManifest, comm: Comm, world: dict[str, ShardData]) -> None:
+        """Check the loaded rows against the CRC32 of every saved shard, whatever the layout now.
+
+        Each rank takes the CRC32 of the part of every saved shard it holds; the parts of one
+        saved shard, in row order, combine into that shard's CRC32 (:func:`crc32_combine`)."""
+        mine: dict[str, list] = {}
+        for name, shard in world.items():
+            for tname, t in tensor_items(shard):
+                key = f"{name}.{tname}"
+                rb = row_bytes(row_spec(t))
+                for saved_rank, (start, stop, _) in manifest.checksums.get(key, {}).items():
+                    lo, hi = max(start, shard.rows.start), min(stop, shard.rows.stop)
+                    if lo < hi:
+                        part = t[lo - shard.rows.start: hi - shard.rows.start]
+                        mine.setdefault(key, []).append([saved_rank, lo, hi, checksum(part), (hi - lo) * rb])
+        everyone = comm.exchange("durable-verify", mine)
+        for key, saved in sorted(manifest.checksums.items()):
+            for saved_rank, (start, stop, crc) in sorted(saved.items()):
+                parts = sorted((p[1], p[2], p[3], p[4]) for e in everyone for p in e.get(key, []) if p[0] == saved_rank)
+                covered = sum(hi - lo for lo, hi, _, _ in parts)
+                got = 0
+                for _, _, c, n in parts:
+                    got = crc32_combine(got, c, n)
+                if covered != stop - start or got != crc:
+                    raise ChecksumMismatch(
+                        f"durable checkpoint {manifest.checkpoint_dir}: {key} rows [{start}, {stop}) (saved by rank "
+                        f"{saved_rank}) CRC32 {got:#010x} != manifest {crc:#010x} ({covered} of {stop - start} rows "
+                        f"checked); the checkpoint is corrupt or incomplete: use another commit"
+                    )
+
+
+def _registered(pg) -> bool:
+    """Whether torch.distributed knows this process group (DCP and DTensor need that)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False
+
+
+def _dtensor_state_dict(shards: dict[str, ShardData], group, num_rows: dict[str, int]):
+    """DTensors (CPU, Shard(0) over ``group``'s whole world, torch.chunk layout) for DCP."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if group is None or not _registered(group):
+        raise RuntimeError(
+            "the durable tier needs a process group registered with torch.distributed (DCP and DTensor "
+            "accept no other); Lifecycle initializes the default group per generation when durable_dir is set"
+        )
+    mesh = DeviceMesh.from_group(group, "cpu")
+    sd, specs = {}, {}
+    for name, shard in shards.items():
+        for tname, t in tensor_items(shard):
+            shape = (num_rows[name], *t.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            sd[f"{name}.{tname}"] = DTensor.from_local(t.cpu(), mesh, [Shard(0)], run_check=False,
+                                                       shape=torch.Size(shape), stride=stride)
+            specs[f"{name}.{tname}"] = row_spec(t)
+    return sd, specs
+
+
+def _to_world_layout(shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int]) -> dict[str, ShardData]:
+    """Move rows from the context's layout (ep owners) to the torch.chunk layout over the whole world."""
+    if comm.topology.ep_size == comm.size:
+        return shards
+    pieces = [LivePiece(name, s) for name, s in shards.items()]
+    template = {}
+    for name, s in shards.items():
+        rows = owned_range(num_rows[name], comm.size, comm.rank)
+        template[name] = ShardData(name, rows, torch.empty(len(rows), *s.weight.shape[1:], dtype=s.weight.dtype),
+                                   {k: torch.empty(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in s.slots.items()})
+    return move_rows(comm, pieces, template, num_rows, owners=comm.size)

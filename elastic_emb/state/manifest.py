@@ -1,0 +1,220 @@
+"""What a commit is on disk: the manifest records, commit ids, checksums and atomic writes.
+
+A commit of either tier ends with a JSON manifest written last, by atomic rename (write a
+temporary file, fsync, rename): a reader sees either no manifest or a whole one, so a commit torn
+by a crash is never read as complete. The manifest names the commit (step, generation, topology
+fingerprint), the row ranges it holds and the CRC32 of every tensor's bytes, which restore checks
+before it trusts a single row.
+
+Manifests are read back from a directory that anyone with access to the host may have written:
+they are parsed by pydantic with ``extra="forbid"`` (never unpickled), and a file that does not
+validate is reported and ignored, never counted as a commit.
+
+:class:`CommitId` is the typed identity of a commit, ordered newest-last by (step, generation,
+fingerprint); it travels between ranks as a three-element JSON list.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_emb.protocol import ShardData
+
+MANIFEST_VERSION = 1
+
+
+class CommitId(NamedTuple):
+    """Which commit a piece of state belongs to. Tuple order is age order: newer compares greater."""
+
+    step: int
+    generation: int
+    fingerprint: str
+
+    @classmethod
+    def parse(cls, value) -> "CommitId":
+        """From the JSON form ``[step, generation, fingerprint]`` (untrusted: checked)."""
+        if (not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[0], int)
+                or not isinstance(value[1], int) or not isinstance(value[2], str)):
+            raise ValueError(f"commit id {value!r} must be [step:int, generation:int, fingerprint:str]")
+        return cls(int(value[0]), int(value[1]), str(value[2]))
+
+    def __str__(self) -> str:
+        return f"step {self.step} (generation {self.generation}, topology {self.fingerprint})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise tensors of a shard, their bytes and checksums
+# ---------------------------------------------------------------------------------------------
+
+
+def tensor_items(shard: ShardData) -> list[tuple[str, torch.Tensor]]:
+    """The row-wise tensors of a shard in canonical order: weight, then slots by name."""
+    return [("weight", shard.weight)] + [(k, shard.slots[k]) for k in sorted(shard.slots)]
+
+
+def row_spec(t: torch.Tensor) -> list:
+    """[dtype, per-row shape] of a row-wise tensor."""
+    return [str(t.dtype).removeprefix("torch."), list(t.shape[1:])]
+
+
+def row_bytes(spec: list) -> int:
+    """Bytes of one row of a tensor with this [dtype, per-row shape]."""
+    dtype = getattr(torch, spec[0])
+    n = 1
+    for d in spec[1]:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def specs_of(shards: dict[str, ShardData]) -> dict[str, list]:
+    """Per table, the [dtype, per-row shape] of each of its tensors in canonical order."""
+    return {name: [row_spec(t) for _, t in tensor_items(s)] for name, s in shards.items()}
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (moved to the CPU, made contiguous if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def checksum(t: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes (CPU copy when needed)."""
+    return zlib.crc32(as_bytes(t).numpy())
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` in bytes.
+
+    Appending ``len2`` zero bytes to A is a linear map on the 32-bit CRC register over GF(2);
+    it is built by repeated squaring of the one-zero-bit operator, so the cost is O(log len2)
+    32x32 bit-matrix products, independent of the data (the method of zlib's crc32_combine)."""
+    if len2 <= 0:
+        return crc1
+
+    def times(mat: list[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec >>= 1
+            i += 1
+        return out
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]  # shift the register by one zero bit
+    op = square(square(one_bit))  # four zero bits
+    while len2:
+        op = square(op)  # now: 8 * 2^k zero bits, i.e. 2^k zero bytes
+        if len2 & 1:
+            crc1 = times(op, crc1)
+        len2 >>= 1
+    return crc1 ^ crc2
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest records
+# ---------------------------------------------------------------------------------------------
+
+
+class TensorRecord(BaseModel):
+    """One row-wise tensor's bytes inside a shard file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    dtype: str
+    row_shape: list[int]
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    crc32: int
+
+
+class ShardRecord(BaseModel):
+    """One table's rows in one shard file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    table: str
+    num_rows: int = Field(ge=1)
+    start: int = Field(ge=0)
+    stop: int = Field(ge=0)
+    tensors: list[TensorRecord]
+
+
+class SnapshotManifest(BaseModel):
+    """The commit marker of one rank's shard in one node directory (own copy or replica)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: int = MANIFEST_VERSION
+    kind: Literal["snapshot"] = "snapshot"
+    step: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    fingerprint: str
+    run_id: str
+    world_size: int
+    ep_size: int
+    source_rank: int
+    source_node: str
+    holder_node: str
+    replica: bool
+    data_file: str
+    data_bytes: int
+    shards: list[ShardRecord]
+    written_at: float
+
+    @property
+    def commit(self) -> CommitId:
+        return CommitId(self.step, self.generation, self.fingerprint)
+
+
+class DurableManifest(BaseModel):
+    """The commit marker of one DCP checkpoint, written by rank 0 after DCP finished."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: int = MANIFEST_VERSION
+    kind: Literal["durable"] = "durable"
+    step: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    fingerprint: str
+    run_id: str
+    world_size: int
+    tables: dict[str, int]  # table -> num_rows
+    tensors: dict[str, list]  # "<table>.<name>" -> [dtype, row_shape]
+    checksums: dict[str, dict[str, list]]  # "<table>.<name>" -> {rank: [start, stop, crc32]}
+    checkpoint_dir: str
+    written_at: float
+
+    @property
+    def commit(self) -> CommitId:
+        return CommitId(self.step, self.generation, self.fingerprint)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file so that readers see either nothing or all of it (write, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit_dirname(step: int, fingerprint: str) -> str:
+    """The directory name of a commit: zero-padded step (sorts by age), then the fingerprint."""
+    return f"step-{step:012d}-{fingerprint}"
+
+
+def step_of_dirname(name: str) -> int:
+    """The step a commit directory name carries; -1 for a name that is not one."""
+    try:
+        return int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return -1

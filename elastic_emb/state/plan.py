@@ -1,0 +1,129 @@
+"""Pure planning: which rank sends which rows to which new owner, and who holds replicas.
+
+Nothing here touches a file, a store or a process group, so every rank computes the same answer
+from the same inputs, and the tests can drive it with random layouts.
+
+A restore starts from an *inventory*: per rank, the :class:`Piece` records of the row ranges it
+can supply (a live shard in memory, a shard file in its node directory, a replica of another
+node's shard), each tagged with the commit it belongs to. :func:`plan_assignments` then covers
+every row of every table in the new layout from one commit, preferring live memory over an own
+file over a replica (memory moved over the interconnect beats reading a file), then the
+destination itself (no transfer), then the piece reaching furthest, then the lowest rank. The
+ranges nobody holds are returned, never filled with anything: the caller decides whether that
+commit is incomplete (and an older one is tried) or the restore fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_emb.sharding import owned_range
+from elastic_emb.state.manifest import CommitId
+
+Tier = Literal["live", "snapshot", "replica"]
+TIER_PRIORITY = {"live": 0, "snapshot": 1, "replica": 2}
+
+
+class Piece(BaseModel):
+    """One row range of one table that one rank can supply, from one commit.
+
+    ``handle`` names the piece on its holder (an index into the holder's own source list);
+    ``spec`` is [dtype, per-row shape] of each tensor (weight, then slots by name); ``num_rows``
+    the table size the piece was cut from (None for live memory, which always matches)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    table: str
+    start: int = Field(ge=0)
+    stop: int = Field(ge=0)
+    tier: Tier
+    commit: CommitId
+    handle: int = Field(ge=0)
+    spec: list[tuple[str, list[int]]]
+    num_rows: int | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Rows [start, stop) of ``table`` go from rank ``src`` (piece ``handle`` there) to ``dst``."""
+
+    table: str
+    start: int
+    stop: int
+    src: int
+    dst: int
+    handle: int
+    tier: str
+
+
+def plan_assignments(inventories: list[list[Piece]], commit: CommitId, num_rows: dict[str, int], owners: int,
+                     specs: dict[str, list]) -> tuple[list[Assignment], list[tuple[str, int, int]]]:
+    """Choose, for every row of every table in the ``owners`` layout, one rank that sends it.
+
+    Only pieces of ``commit`` whose tensor layout equals ``specs[table]`` count. Returns the
+    assignments and the ranges (table, start, stop) nobody holds."""
+    by_table: dict[str, list[tuple[int, Piece]]] = {}
+    for rank, inv in enumerate(inventories):
+        for p in inv:
+            if p.commit != commit or p.table not in num_rows:
+                continue
+            if [[d, list(s)] for d, s in p.spec] != [[d, list(s)] for d, s in specs[p.table]]:
+                continue  # a different dtype or slot layout cannot fill this table
+            by_table.setdefault(p.table, []).append((rank, p))
+    plan: list[Assignment] = []
+    missing: list[tuple[str, int, int]] = []
+    for table in sorted(num_rows):
+        n = num_rows[table]
+        cands = by_table.get(table, [])
+        for dst in range(owners):
+            want = owned_range(n, owners, dst)
+            cur = want.start
+            while cur < want.stop:
+                covering = [(r, p) for r, p in cands if p.start <= cur < p.stop]
+                if not covering:
+                    nxt = min([p.start for _, p in cands if p.start > cur] + [want.stop])
+                    if missing and missing[-1][0] == table and missing[-1][2] == cur:
+                        missing[-1] = (table, missing[-1][1], nxt)
+                    else:
+                        missing.append((table, cur, nxt))
+                    cur = nxt
+                    continue
+                r, p = min(covering, key=lambda rp: (TIER_PRIORITY[rp[1].tier], rp[0] != dst, -rp[1].stop, rp[0]))
+                stop = min(p.stop, want.stop)
+                plan.append(Assignment(table, cur, stop, r, dst, p.handle, p.tier))
+                cur = stop
+    return plan, missing
+
+
+def missing_rows(pieces: list[Piece], num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The row ranges of each table that no piece covers (pieces of one commit, any holders)."""
+    out: list[tuple[str, int, int]] = []
+    for table in sorted(num_rows):
+        spans = sorted((p.start, p.stop) for p in pieces if p.table == table and p.stop > p.start)
+        cur = 0
+        for a, b in spans:
+            if a > cur:
+                out.append((table, cur, a))
+            cur = max(cur, b)
+        if cur < num_rows[table]:
+            out.append((table, cur, num_rows[table]))
+    return out
+
+
+def replica_holders(records: list[dict], rank: int, replication: int) -> list[int]:
+    """Ranks that hold replicas of ``rank``'s shard: one rank on each of the next ``replication``
+    nodes (in node_rank order, wrapping), the one with the same local rank modulo that node's size.
+    ``records`` has one {"rank", "node_rank", "local_rank"} per rank."""
+    nodes: dict[int, list[dict]] = {}
+    for r in records:
+        nodes.setdefault(r["node_rank"], []).append(r)
+    order = sorted(nodes)
+    me = records[rank]
+    pos = order.index(me["node_rank"])
+    out = []
+    for j in range(1, min(replication, len(order) - 1) + 1):
+        node = sorted(nodes[order[(pos + j) % len(order)]], key=lambda r: r["local_rank"])
+        out.append(node[me["local_rank"] % len(node)]["rank"])
+    return out

@@ -1,0 +1,30 @@
+"""Named points inside a commit, where a test or a drill may stop the process.
+
+The production path only announces that it reached a point (:func:`reached`); nothing happens
+unless a hook is installed. :mod:`elastic_emb.testing.faults` installs one that kills the process
+at a chosen point (and step), which is how the tests and drills prove that a crash at any point
+of a commit leaves the last complete commit restorable.
+
+Points: ``snapshot_before_manifest`` (data and replicas written, manifests not yet) and
+``durable_before_manifest`` (DCP done, manifest not yet written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Hook = Callable[[str, int | None], None]
+_hook: Hook | None = None
+
+
+def reached(point: str, step: int | None = None) -> None:
+    """Announce that this process reached ``point`` (at ``step``): a no-op without a hook."""
+    if _hook is not None:
+        _hook(point, step)
+
+
+def set_hook(hook: Hook | None) -> Hook | None:
+    """Install ``hook`` (None removes it); returns the previous one."""
+    global _hook
+    prev, _hook = _hook, hook
+    return prev

@@ -1,0 +1,324 @@
+"""Restore: bring a freshly constructed context to the newest commit complete for every row.
+
+The same collective code serves a first start, a restart and an in-process resize:
+
+1. Inventory. Every rank publishes, through the store, an :class:`Inventory`: the pieces it can
+   supply (live shards it exported from its previous context, shard files and replicas in its
+   node directory) tagged with their :class:`~elastic_emb.state.manifest.CommitId`, the durable
+   commits it sees, and the row range and tensor layout of each table in its new context.
+2. Choice. Every rank computes the same answer from the same inventories: the newest commit
+   whose pieces cover every row of every table (:func:`~elastic_emb.state.plan.plan_assignments`),
+   or failing that the newest durable commit every rank sees.
+3. Verification. Each rank reads and checks (CRC32) the files it must send from; a corrupt file
+   is reported to everyone and the plan is made again without it.
+4. Transfer. Rows move by the communicator's transport (:mod:`elastic_emb.state.transport`)
+   straight into the context's own tensors when it offers ``shard_views()``, else into a copy
+   that ``import_shard`` takes.
+
+When state exists but no commit is complete, :class:`RestoreError` names the row ranges nobody
+holds: never silent zeros, never fresh random rows. With no state at all the context keeps its
+seeded initial rows (step -1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from elastic_emb.errors import ChecksumMismatch, RestoreError
+from elastic_emb.events import get_logger
+from elastic_emb.protocol import ShardData, row_owners
+from elastic_emb.state.comm import Comm
+from elastic_emb.state.durable import DurableTier
+from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, row_spec, specs_of, tensor_items
+from elastic_emb.state.plan import Assignment, Piece, missing_rows, plan_assignments
+from elastic_emb.state.snapshot import SnapshotTier, read_snapshot
+from elastic_emb.state.transport import LivePiece, execute_plan, move_rows
+
+log = get_logger("elastic_emb.state")
+
+
+class Inventory(BaseModel):
+    """What one rank can supply to a restore, and the shape of its new context."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    pieces: list[Piece]
+    durable: list[CommitId]
+    tables: dict[str, tuple[int, int]]  # table -> this rank's new [start, stop)
+    specs: dict[str, list[tuple[str, list[int]]]]
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """A piece read from a shard file: the file, its manifest and the table inside it."""
+
+    path: Path
+    manifest: SnapshotManifest
+    table: str
+
+    @property
+    def first_row(self) -> int:
+        return next(r.start for r in self.manifest.shards if r.table == self.table)
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did: the commit used, where each new shard's rows came from, bytes moved."""
+
+    step: int  # -1: no committed state, the context keeps its seeded initial rows
+    generation: int | None
+    fingerprint: str | None
+    tiers: dict[str, list[tuple[int, int, str]]] = field(default_factory=dict)  # table -> [(start, stop, tier)] of this rank
+    source_tiers: list[str] = field(default_factory=list)  # distinct tiers used by the whole world
+    bytes_moved: int = 0  # bytes this rank sent over the communicator
+    bytes_local: int = 0  # bytes this rank copied without the communicator
+    fallback: str | None = None  # why an older commit or the durable tier was used
+    seconds: float = 0.0
+    transfer_seconds: float = 0.0  # the row exchange alone (device synchronized)
+    transport: str | None = None  # how rows moved between ranks: cma, p2p, cma+p2p (some pairs fell back), alltoall
+
+    def as_dict(self) -> dict:
+        return {
+            "step": self.step, "generation": self.generation, "fingerprint": self.fingerprint,
+            "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()}, "source_tiers": self.source_tiers,
+            "bytes_moved": self.bytes_moved, "bytes_local": self.bytes_local, "fallback": self.fallback,
+            "seconds": round(self.seconds, 6), "transfer_seconds": round(self.transfer_seconds, 6),
+            "transport": self.transport,
+        }
+
+
+def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inventory, dict[int, object]]:
+    pieces: list[Piece] = []
+    sources: dict[int, object] = {}
+    if live_commit is not None:
+        for shard in live or []:
+            if len(shard.rows):
+                sources[len(pieces)] = shard
+                pieces.append(Piece(table=shard.table, start=shard.rows.start, stop=shard.rows.stop, tier="live",
+                                    commit=live_commit, handle=len(pieces),
+                                    spec=[row_spec(t) for _, t in tensor_items(shard)]))
+    for path, m in snapshot.manifests() if snapshot else []:
+        for rec in m.shards:
+            if rec.stop > rec.start:
+                sources[len(pieces)] = FileSource(path, m, rec.table)
+                pieces.append(Piece(table=rec.table, start=rec.start, stop=rec.stop,
+                                    tier="replica" if m.replica else "snapshot", commit=m.commit, handle=len(pieces),
+                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors], num_rows=rec.num_rows))
+    inv = Inventory(pieces=pieces, durable=[m.commit for m in durable_ms],
+                    tables={name: (s.rows.start, s.rows.stop) for name, s in template.items()},
+                    specs=specs_of(template))
+    return inv, sources
+
+
+def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: DurableTier | None,
+            live: list[ShardData] | None = None, live_commit: tuple[int, int, str] | None = None,
+            require_state: bool = False, max_attempts: int = 4, durable_group=None) -> RestoreReport:
+    """Collective: bring ``context`` to the newest commit complete for every row across tiers.
+
+    ``live``: shards this process exported from its previous context, at commit ``live_commit``
+    = (step, generation, fingerprint). Raises :class:`RestoreError` when state exists but no
+    commit is complete (or when ``require_state`` and there is none)."""
+    t0 = time.perf_counter()
+    # The new context's own shards give shapes and dtypes and receive the rows. A context that
+    # offers ``shard_views()`` (its own storage, writable) is filled in place: no copy of the
+    # shard, no import; otherwise the exported copy is filled and imported back.
+    views = getattr(context, "shard_views", None)
+    in_place = callable(views)
+    template = views() if in_place else context.export_shard()
+    specs = specs_of(template)
+    durable_ms = durable.manifests() if durable is not None and durable_group is not None else []
+    mine, sources = _inventory(template, live, CommitId(*live_commit) if live_commit else None, snapshot, durable_ms)
+    everyone = [Inventory.model_validate(e) for e in comm.exchange("restore-inv", mine.model_dump(mode="json"))]
+    num_rows = _num_rows_from(everyone)
+    owners = row_owners(context)  # the context's layout: ep_size, or its framework's (e.g. TorchRec's)
+    bad: set[tuple[int, int]] = set()  # (rank, handle) of pieces found corrupt
+    for attempt in range(max_attempts):
+        invs = [[p for p in e.pieces if (r, p.handle) not in bad and (p.num_rows or num_rows.get(p.table)) == num_rows.get(p.table)]
+                for r, e in enumerate(everyone)]
+        durable_common = set.intersection(*[set(e.durable) for e in everyone]) if everyone else set()
+        commits = sorted({p.commit for inv in invs for p in inv} | durable_common, reverse=True)
+        if not commits:
+            if require_state or any(e.pieces for e in everyone):
+                raise RestoreError(
+                    "no complete commit found in any tier for this run and state was required: "
+                    f"snapshot dirs on the nodes hold {sum(len(e.pieces) for e in everyone)} usable pieces, "
+                    f"no durable commit seen by every rank; check ELASTIC_EMB_STATE_DIR / ELASTIC_EMB_NODE_ID / "
+                    f"ELASTIC_EMB_DURABLE_DIR point at this run's state",
+                    [(t, 0, n) for t, n in sorted(num_rows.items())],
+                )
+            return RestoreReport(step=-1, generation=None, fingerprint=None,
+                                 tiers={t: [(s.rows.start, s.rows.stop, "init")] for t, s in template.items()},
+                                 source_tiers=["init"], seconds=time.perf_counter() - t0)
+        chosen = None
+        first_missing = None
+        for cid in commits:
+            plan, missing = plan_assignments(invs, cid, num_rows, owners, specs)
+            if not missing:
+                chosen = ("pieces", cid, plan)
+                break
+            if first_missing is None:
+                first_missing = (cid, missing)
+            if cid in durable_common:
+                chosen = ("durable", cid, None)
+                break
+        if chosen is None:
+            cid, missing = first_missing
+            raise RestoreError(
+                f"no commit is complete: the newest, step {cid.step} (generation {cid.generation}), lacks rows "
+                + ", ".join(f"{t}[{a}, {b})" for t, a, b in missing)
+                + " in every tier (live, node snapshots, replicas, durable); those rows were on lost nodes. "
+                  "Bring back a node directory holding them, raise replication, or configure a durable_dir",
+                missing,
+            )
+        notes = []
+        if bad:
+            bad_commits = sorted({everyone[r].pieces[h].commit for r, h in bad})
+            notes.append(f"rejected {len(bad)} corrupt snapshot pieces (checksum) of commits "
+                         + ", ".join(str(c) for c in bad_commits))
+        if first_missing is not None and first_missing[0] != chosen[1]:
+            notes.append(f"{first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
+        fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
+        kind, cid, plan = chosen
+        if kind == "durable":
+            return _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place,
+                                    durable_group, fallback, t0)
+        bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template)
+        bad_all = comm.exchange(f"restore-bad{attempt}", bad_local)
+        if any(bad_all):
+            for r, hs in enumerate(bad_all):
+                bad.update((r, h) for h in hs)
+            continue
+        if fallback:
+            log.warning("restore_fallback", step=cid.step, reason=fallback)
+        tx = time.perf_counter()
+        moved = execute_plan(comm, plan, handles, starts, template, done=filled)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        transfer_s = time.perf_counter() - tx
+        _finish(context, template, in_place)
+        mine_tiers: dict[str, list[tuple[int, int, str]]] = {}
+        local = 0
+        for a in sorted(plan, key=lambda a: (a.table, a.start)):
+            if a.dst == comm.rank:
+                mine_tiers.setdefault(a.table, []).append((a.start, a.stop, a.tier))
+                if a.src == comm.rank:
+                    local += (a.stop - a.start) * sum(row_bytes(s) for s in specs[a.table])
+        return RestoreReport(step=cid.step, generation=cid.generation, fingerprint=cid.fingerprint, tiers=mine_tiers,
+                             source_tiers=sorted({a.tier for a in plan}), bytes_moved=moved.bytes_sent,
+                             bytes_local=local, fallback=fallback, seconds=time.perf_counter() - t0,
+                             transfer_seconds=transfer_s, transport=moved.transport)
+    raise RestoreError(f"restore gave up after {max_attempts} attempts: corrupt snapshot pieces {sorted(bad)}")
+
+
+def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object], template: dict[str, ShardData]):
+    """Read (and verify) the files this rank sends from. Rows that stay on this rank and come from
+    a file are copied while the file is checked (one pass over its bytes, see read_snapshot).
+
+    Returns (handles of corrupt pieces, tensors per handle, first row per handle, indices of the
+    plan's local assignments already filled)."""
+    handles: dict[int, dict[str, torch.Tensor]] = {}
+    starts: dict[int, int] = {}
+    bad_local: list[int] = []
+    files: dict[Path, dict] = {}
+    fills: dict[Path, dict[str, list]] = {}
+    filled: set[int] = set()
+    for i, a in enumerate(plan):
+        src = sources.get(a.handle) if a.src == comm.rank else None
+        if a.dst != comm.rank or not isinstance(src, FileSource):
+            continue
+        shard = template[a.table]
+        lo = a.start - shard.rows.start
+        dsts = {tname: t[lo: lo + (a.stop - a.start)] for tname, t in tensor_items(shard)}
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
+            fills.setdefault(src.path, {}).setdefault(src.table, []).append(
+                (a.start - src.first_row, a.stop - src.first_row, dsts))
+            filled.add(i)
+    for a in plan:
+        if a.src != comm.rank or a.handle in handles:
+            continue
+        src = sources[a.handle]
+        if isinstance(src, ShardData):
+            handles[a.handle] = dict(tensor_items(src))
+            starts[a.handle] = src.rows.start
+            continue
+        try:
+            if src.path not in files:
+                files[src.path] = read_snapshot(src.path, src.manifest, fill=fills.get(src.path))
+        except (ChecksumMismatch, OSError) as exc:
+            log.error("snapshot_rejected", path=str(src.path), error=str(exc))
+            bad_local.append(a.handle)
+            continue
+        handles[a.handle] = files[src.path][src.table]
+        starts[a.handle] = src.first_row
+    return bad_local, handles, starts, filled
+
+
+def _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place, group,
+                     fallback, t0) -> RestoreReport:
+    m = next(m for m in durable_ms if m.commit == cid)
+    world = durable.load(m, comm, template, num_rows, group)
+    shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners)
+    _finish(context, shards, in_place)
+    log.warning("restore_from_durable", step=cid.step, reason=fallback)
+    return RestoreReport(step=cid.step, generation=cid.generation, fingerprint=cid.fingerprint,
+                         tiers={t: [(s.rows.start, s.rows.stop, "durable")] for t, s in shards.items()},
+                         source_tiers=["durable"], bytes_moved=sum(s.nbytes() for s in world.values()),
+                         fallback=fallback or "durable tier used", seconds=time.perf_counter() - t0)
+
+
+def _finish(context, shards: dict[str, ShardData], in_place: bool) -> None:
+    """Hand the restored rows to the context: import them, or (written in place through
+    ``shard_views()``) tell it every row was written, so it need not initialise any lazily."""
+    if not in_place:
+        context.import_shard(shards)
+        return
+    hook = getattr(context, "mark_restored", None)
+    if callable(hook):
+        hook()
+
+
+def _num_rows_from(everyone: list[Inventory]) -> dict[str, int]:
+    """Table sizes from the new context's shards on every rank: the last owned row + 1."""
+    out: dict[str, int] = {}
+    for e in everyone:
+        for name, (_, stop) in e.tables.items():
+            out[name] = max(out.get(name, 0), stop)
+    for name, n in out.items():
+        if n < 1:
+            raise RestoreError(f"table {name!r}: no rank reports any rows; the context exported empty shards everywhere")
+    return out
+
+
+def inspect_state(state_dir, run_id: str, durable_dir=None) -> dict:
+    """Every commit found under ``<state_dir>/<run_id>/*/`` (all node directories visible from
+    here) and ``<durable_dir>/<run_id>/``: for each, the nodes and tiers holding pieces, and the
+    row ranges of each table nobody holds (empty: complete). Newest first. Reads manifests only."""
+    root = Path(state_dir) / run_id
+    found: dict[CommitId, list[tuple[str, SnapshotManifest, object]]] = {}
+    if root.is_dir():
+        for node in sorted(p.name for p in root.iterdir() if p.is_dir()):
+            for _, m in SnapshotTier(state_dir, run_id, node).manifests():
+                for rec in m.shards:
+                    found.setdefault(m.commit, []).append((node, m, rec))
+    out = []
+    for cid in sorted(found, reverse=True):
+        num_rows = {rec.table: rec.num_rows for _, _, rec in found[cid]}
+        pieces = [Piece(table=rec.table, start=rec.start, stop=rec.stop, tier="replica" if m.replica else "snapshot",
+                        commit=cid, handle=i, spec=[(t.dtype, t.row_shape) for t in rec.tensors])
+                  for i, (_, m, rec) in enumerate(found[cid])]
+        missing = missing_rows(pieces, num_rows)
+        out.append({"tier": "snapshot", "step": cid.step, "generation": cid.generation, "fingerprint": cid.fingerprint,
+                    "complete": not missing, "missing": [list(x) for x in missing], "tables": num_rows,
+                    "nodes": sorted({node for node, _, _ in found[cid]}),
+                    "shards": sorted({(m.source_rank, m.replica, node) for node, m, _ in found[cid]})})
+    if durable_dir is not None:
+        for m in DurableTier(durable_dir, run_id).manifests():
+            out.append({"tier": "durable", "step": m.step, "generation": m.generation, "fingerprint": m.fingerprint,
+                        "complete": True, "missing": [], "tables": m.tables, "dir": m.checkpoint_dir})
+    out.sort(key=lambda c: (c["step"], c["generation"]), reverse=True)
+    return {"run_id": run_id, "state_dir": str(state_dir), "durable_dir": str(durable_dir) if durable_dir else None,
+            "commits": out}

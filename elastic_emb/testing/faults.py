@@ -1,0 +1,45 @@
+"""Fault injection at the named points of a commit (:mod:`elastic_emb.state.points`).
+
+``ELASTIC_EMB_FAULT=<point>`` (or ``<point>@<step>``) in a worker's environment, armed by
+:func:`arm_from_env` at the worker's start, kills that worker with SIGKILL (no clean-up, as a
+node loss would) when it reaches the point (at that step). Test workers and drill workers call
+:func:`arm_from_env`; the library never reads the variable itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+
+from elastic_emb.events import get_logger
+from elastic_emb.state import points
+
+log = get_logger("elastic_emb.testing.faults")
+
+ENV_FAULT = "ELASTIC_EMB_FAULT"
+
+
+def matches(spec: str, point: str, step: int | None) -> bool:
+    """Whether the fault ``spec`` (``<point>`` or ``<point>@<step>``) names this point (and step)."""
+    return spec == point or (step is not None and spec == f"{point}@{step}")
+
+
+def kill_at(spec: str) -> points.Hook:
+    """A hook that SIGKILLs this process at the point ``spec`` names."""
+
+    def hook(point: str, step: int | None) -> None:
+        if matches(spec, point, step):
+            log.warning("faultpoint_kill", point=point, step=step, pid=os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def arm_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """Install a kill hook if ``ELASTIC_EMB_FAULT`` is set; returns the spec armed (or None)."""
+    env = os.environ if env is None else env
+    spec = env.get(ENV_FAULT)
+    if spec:
+        points.set_hook(kill_at(spec))
+    return spec or None
