@@ -87,12 +87,17 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+# A run id becomes a directory name of the state tiers and a store key prefix: a plain name only
+# (no separators, no dot names, bounded length); elastic_emb.state.paths applies it to node ids too.
+SAFE_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$"
+
+
 class Topology(BaseModel):
     """What one rank believes about the job it is in. Immutable, strictly typed, validated."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    run_id: str = Field(min_length=1)
+    run_id: str = Field(min_length=1, pattern=SAFE_NAME)
     generation: int = Field(ge=0)
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)

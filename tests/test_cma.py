@@ -128,7 +128,10 @@ def test_bad_transport_setting_names_the_value_and_the_fix(monkeypatch):
     topo = Topology.build(run_id="unit", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
     monkeypatch.setenv("ELASTIC_EMB_TRANSPORT", "shm")
-    with pytest.raises(ValueError, match=r"ELASTIC_EMB_TRANSPORT='shm'.*'cma' or 'p2p' on CPU"):
+    with pytest.raises(ValueError, match=r"ELASTIC_EMB_TRANSPORT.*shm"):
         Comm(topo, store, None, timeout=10)
     monkeypatch.setenv("ELASTIC_EMB_TRANSPORT", "cma")
     assert Comm(topo, store, None, timeout=10).transport == "cma"
+    monkeypatch.setenv("ELASTIC_EMB_TRANSPORT", "p2p")
+    with pytest.raises(ValueError, match=r"ELASTIC_EMB_TRANSPORT='p2p'.*'cma' or 'p2p' on CPU only"):
+        Comm(topo, store, None, timeout=10, device="meta")

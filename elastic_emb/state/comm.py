@@ -15,12 +15,12 @@ an earlier one, and a process group formed twice on one prefix hangs.
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from elastic_emb import config
 from elastic_emb.events import get_logger
 from elastic_emb.topology import Topology
 
@@ -56,8 +56,8 @@ class Comm:
         # How rows travel (elastic_emb.state.transport): "cma" (CPU, pull from same-host senders'
         # memory, gloo p2p for any peer that cannot be read), "p2p" (CPU, gloo send/recv) or
         # "alltoall" (one collective over a packed buffer: the only safe way for NCCL).
-        self.transport = os.environ.get("ELASTIC_EMB_TRANSPORT") or ("cma" if self.device.type == "cpu" else "alltoall")
-        if self.transport not in TRANSPORTS or (self.transport != "alltoall" and self.device.type != "cpu"):
+        self.transport = config.load(None, "transport").transport or ("cma" if self.device.type == "cpu" else "alltoall")
+        if self.transport != "alltoall" and self.device.type != "cpu":
             raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
                              f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)")
         self._op = 0

@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Mapping
 
+from elastic_emb import config
 from elastic_emb.events import get_logger
 from elastic_emb.state import points
 
@@ -38,8 +39,7 @@ def kill_at(spec: str) -> points.Hook:
 
 def arm_from_env(env: Mapping[str, str] | None = None) -> str | None:
     """Install a kill hook if ``ELASTIC_EMB_FAULT`` is set; returns the spec armed (or None)."""
-    env = os.environ if env is None else env
-    spec = env.get(ENV_FAULT)
+    spec = config.load(env, "fault").fault
     if spec:
         points.set_hook(kill_at(spec))
     return spec or None
