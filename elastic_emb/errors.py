@@ -125,6 +125,11 @@ class PullError(ElasticEmbError, OSError):
     """A cross-memory pull from a peer failed; the caller sends that peer's rows another way."""
 
 
+class StorageError(ElasticEmbError, OSError):
+    """A commit could not be written (full or read-only storage): the message names the path, the
+    bytes needed and the bytes free; the partial commit was removed and older commits are kept."""
+
+
 # -- drills and test tooling ----------------------------------------------------------------------
 
 

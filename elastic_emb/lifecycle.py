@@ -80,6 +80,9 @@ class LifecycleConfig(BaseModel):
     agree_timeout: float = Field(default=60.0, gt=0)
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False
+    start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
+    file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
+    dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create
 
     @model_validator(mode="after")
     def _check(self) -> "LifecycleConfig":
@@ -160,9 +163,10 @@ class Lifecycle:
         self._sigterm = threading.Event()
         self._pending_durable = None
         self._default_pg_gen: int | None = None
-        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id,
-                                     replication=config.replication, keep=config.keep)
-        self.durable = DurableTier(config.durable_dir, topology.run_id) if config.durable_dir else None
+        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
+                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode)
+        self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
+                                    dir_mode=config.dir_mode) if config.durable_dir else None)
 
     # -- start -------------------------------------------------------------------------------
 
@@ -187,6 +191,7 @@ class Lifecycle:
             lc.context = check_context(factory(topology, store))
             t3 = time.perf_counter()
             report = lc._restore(live=None, live_commit=None)
+            lc.snapshot.prune(lc._comm_for(lc.context), at_start=True)  # torn commits of earlier generations
         except BaseException:
             lc.close()  # release what was built (communicator, arena, default group) before raising
             raise
@@ -242,7 +247,7 @@ class Lifecycle:
             durable_bytes, self._pending_durable = self.durable.commit(
                 step, shards, comm, num_rows, self._durable_group(), asynchronous=self.config.durable_async)
             tiers.append("durable")
-        self.snapshot.prune()
+        self.snapshot.prune(comm)
         self.step = step
         report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
                               bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
@@ -345,7 +350,8 @@ class Lifecycle:
         comm = self._comm_for(ctx)
         group = self._ensure_default_pg() if self.durable is not None else None
         report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
-                         live_commit=live_commit, require_state=self.config.require_state, durable_group=group)
+                         live_commit=live_commit, require_state=self.config.require_state,
+                         start_fresh=self.config.start_fresh, durable_group=group)
         log.info("lifecycle.restored", **report.as_dict())
         return report
 

@@ -94,7 +94,8 @@ def test_failed_pull_falls_back_to_gloo(tmp_path):
 # -- one process ------------------------------------------------------------------------------------
 
 
-def test_read_remote_copies_and_probe_accepts_only_the_same_process():
+def test_read_remote_copies_and_probe_accepts_only_the_same_process(monkeypatch):
+    monkeypatch.setattr(cma, "job_member", lambda pid: None)  # pytest itself is no job worker: see below
     src = torch.arange(1000, dtype=torch.float32)
     dst = torch.zeros(1000, dtype=torch.float32)
     cma.read_remote(os.getpid(), [(dst.data_ptr(), src.data_ptr(), 4000)])
@@ -108,6 +109,44 @@ def test_read_remote_copies_and_probe_accepts_only_the_same_process():
     assert "probe read failed" in cma._probe(me, unmapped)
     with pytest.raises(cma.PullError):
         cma.read_remote(os.getpid(), [(dst.data_ptr(), 4096, 16)])
+
+
+def test_job_member_accepts_only_siblings_of_the_same_run():
+    """Three children of this test process: A and C of run "job", B of run "other". C accepts A
+    only: B has another run id, and this test process (C's parent) is not a sibling."""
+    import subprocess
+    import sys
+
+    def start(run_id, code):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(TORCHELASTIC_RUN_ID=run_id, PYTHONPATH=REPO)
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+
+    sleeper = "import time; time.sleep(60)"
+    a, b = start("job", sleeper), start("other", sleeper)
+    try:
+        check = ("import json, sys; from elastic_emb.state.cma import job_member; "
+                 f"print(json.dumps([job_member(p) for p in ({a.pid}, {b.pid}, {os.getpid()}, 999999999)]))")
+        c = start("job", check)
+        out, _ = c.communicate(timeout=60)
+        same, other_run, parent, gone = json.loads(out)
+        assert same is None
+        assert "TORCHELASTIC_RUN_ID='other'" in other_run
+        assert "has parent" in parent and "not a process of this job" in gone
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_forged_offer_naming_a_process_outside_the_job_is_refused(tmp_path):
+    """Issue case 9: rank 1 rewrites its offer in the store to name another process (one it
+    started, holding a known pattern at the published addresses, token included, so the old
+    probe passed). Every receiver refuses it before reading a byte (not a worker of this job) and
+    takes rank 1's rows over gloo: every row is exact (the pattern never lands in a row)."""
+    values, fallbacks = _run(tmp_path, "4to3", sabotage=["forge", 1])
+    assert {v["transport"] for v in values} == {"cma+p2p"}, values
+    assert fallbacks and all(f["peer"] == 1 and "not a process of this job" in f["reason"] for f in fallbacks), fallbacks
 
 
 def test_touch_writes_only_inside_the_destination():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from elastic_emb.testing.ports import free_port
 from elastic_emb.errors import ChecksumMismatch, RestoreError
-from elastic_emb.protocol import ShardData
+from elastic_emb.protocol import ContextBase, ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.state import (
     Comm,
@@ -100,8 +100,9 @@ def test_replica_holders_are_on_other_nodes():
 # -- one-rank world: files, manifests, checksums ----------------------------------------------------
 
 
-class TinyContext:
-    """The smallest ShardedContext: one table held in plain tensors."""
+class TinyContext(ContextBase):
+    """The smallest ShardedContext: one table held in plain tensors (no shard_views: restore
+    imports a filled copy)."""
 
     owner_ranks = None  # rows laid out over the topology's ep_size (the contract's row_owners reads it)
 
@@ -183,7 +184,7 @@ def test_corrupt_snapshot_is_rejected_and_older_commit_used(tmp_path, world1):
     topo2, comm2 = world1()
     ctx2 = TinyContext(topo2)
     report = restore(ctx2, comm2, snapshot=tier, durable=None)
-    assert report.step == 0 and report.fallback and "step 1 " in report.fallback
+    assert report.step == 0 and report.fallback and "rank0.bin (step 1, rows t[0, 40)" in report.fallback
     assert torch.equal(ctx2.w, torch.full((40, 3), 1.0)) and torch.equal(ctx2.acc, torch.full((40,), 1.5))
 
 
@@ -229,24 +230,101 @@ def test_first_start_without_state_keeps_initial_rows(tmp_path, world1):
         restore(ctx, comm, snapshot=SnapshotTier(tmp_path, "unit", "nodeA"), durable=None, require_state=True)
 
 
-def test_prune_keeps_newest_complete_commits(tmp_path):
-    import time
+def _shrink_manifest(mpath, stop):
+    """Rewrite a manifest as if its shard held only rows [0, stop): a partial commit."""
+    doc = json.loads(mpath.read_text())
+    n = doc["shards"][0]["stop"]
+    doc["shards"][0]["stop"] = stop
+    for t in doc["shards"][0]["tensors"]:
+        t["nbytes"] = t["nbytes"] * stop // n
+    doc["shards"][0]["tensors"][1]["offset"] = doc["shards"][0]["tensors"][0]["nbytes"]
+    mpath.write_text(json.dumps(doc))
 
-    tier = SnapshotTier(tmp_path, "unit", "nodeA", keep=2)
-    layout = [("step-000000000004-aa", True), ("step-000000000005-aa", True), ("step-000000000005-zz", False),
-              ("step-000000000006-bb", True), ("step-000000000007-bb", False)]
-    for name, complete in layout:
-        d = tier.node_dir / name
-        d.mkdir(parents=True)
-        (d / "rank0.bin").write_bytes(b"x")
-        if complete:
-            (d / "rank0.json").write_text("{}")
-        time.sleep(0.01)
-    tier.prune()
-    # Two newest complete commits stay (5, 6); step 4 goes; the torn step-5 of another
-    # generation goes; a newer torn directory (a commit in progress) stays.
-    assert sorted(p.name for p in tier.node_dir.iterdir()) == [
-        "step-000000000005-aa", "step-000000000006-bb", "step-000000000007-bb"]
+
+def test_prune_counts_only_valid_manifests_that_cover_every_row(tmp_path, world1):
+    """Issue case 1: a partial commit (valid manifest, rows missing), one with an invalid-JSON
+    manifest and a torn one (data only) are newer than the last complete commit. Prune keeps
+    ``keep`` complete commits and every newer directory (it may still complete); restore takes
+    the newest complete commit; the start of the next generation removes the torn ones."""
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=2)
+    ctx = TinyContext(topo)
+    for step in range(5):
+        _commit(tier, ctx, comm, step, float(step))
+        tier.prune(comm)
+    names = lambda: sorted(p.name.split("-")[1].lstrip("0") or "0" for p in tier.node_dir.glob("step-*"))
+    assert names() == ["3", "4"]
+    _commit(tier, ctx, comm, 5, 5.0)
+    _shrink_manifest(tier.node_dir.glob("step-000000000005-*").__next__() / "rank0.json", 25)
+    _commit(tier, ctx, comm, 6, 6.0)
+    (next(tier.node_dir.glob("step-000000000006-*")) / "rank0.json").write_text("{not json")
+    _commit(tier, ctx, comm, 7, 7.0)
+    (next(tier.node_dir.glob("step-000000000007-*")) / "rank0.json").unlink()
+    assert tier.prune(comm) == []
+    assert names() == ["3", "4", "5", "6", "7"]
+    topo2, comm2 = world1()
+    ctx2 = TinyContext(topo2)
+    report = restore(ctx2, comm2, snapshot=tier, durable=None)
+    assert report.step == 4 and torch.equal(ctx2.w, torch.full((40, 3), 4.0))
+    torn = sorted(p.name for p in tier.node_dir.glob("step-00000000000[567]-*"))
+    assert sorted(tier.prune(comm2, at_start=True)) == torn and len(torn) == 3
+    assert names() == ["3", "4"]
+
+
+def test_run_that_committed_never_restarts_from_the_seed_silently(tmp_path, world1):
+    """Issue case 2: every manifest deleted, data files and the run marker still there: restore
+    raises, naming what exists; ``start_fresh`` starts over on purpose."""
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0)
+    ctx = TinyContext(topo)
+    _commit(tier, ctx, comm, 0, 1.0)
+    _commit(tier, ctx, comm, 1, 2.0)
+    assert (tier.node_dir / "run.json").exists()
+    for m in tier.node_dir.glob("step-*/*.json"):
+        m.unlink()
+    topo2, comm2 = world1()
+    ctx2 = TinyContext(topo2)
+    ctx2.w.fill_(-3.0)
+    with pytest.raises(RestoreError, match=r"committed before \(run marker on nodes \['nodeA'\]\).*step-000000000001-"):
+        restore(ctx2, comm2, snapshot=tier, durable=None)
+    assert torch.equal(ctx2.w, torch.full((40, 3), -3.0))
+    report = restore(ctx2, comm2, snapshot=tier, durable=None, start_fresh=True)
+    assert report.step == -1 and report.fallback == "start_fresh" and torch.equal(ctx2.w, torch.full((40, 3), -3.0))
+    # Without the marker, data files without manifests still say that state existed.
+    (tier.node_dir / "run.json").unlink()
+    with pytest.raises(RestoreError, match="without a valid manifest set"):
+        restore(ctx2, comm2, snapshot=tier, durable=None)
+
+
+def test_state_files_are_owner_only_and_ids_cannot_leave_the_root(tmp_path, world1):
+    import os
+    import stat
+
+    from elastic_emb.errors import TopologyError
+    from elastic_emb.state.paths import under
+
+    old = os.umask(0o022)
+    try:
+        topo, comm = world1()
+        tier = SnapshotTier(tmp_path / "root", "unit", "nodeA", replication=0)
+        _commit(tier, TinyContext(topo), comm, 0, 1.0)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path / "root"): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "root").rglob("*")}
+    assert modes and all(m == (0o700 if (tmp_path / "root" / p).is_dir() else 0o600) for p, m in modes.items()), modes
+    assert stat.S_IMODE((tmp_path / "root").stat().st_mode) == 0o700
+    for bad in ("../../x", "/abs", ".", "..", "a/b", ".hidden", "x" * 129, ""):
+        with pytest.raises(TopologyError, match="run_id"):
+            Topology.build(run_id=bad, generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="h", master_port=1)
+        with pytest.raises(ValueError, match="not a plain name"):
+            SnapshotTier(tmp_path / "root", bad, "nodeA")
+        with pytest.raises(ValueError, match="not a plain name"):
+            SnapshotTier(tmp_path / "root", "unit", bad)
+    # A symlink planted in the tree cannot lead a tier outside its root.
+    (tmp_path / "root" / "evil").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="not inside its root"):
+        under(tmp_path / "root", "evil", "nodeA")
 
 
 @settings(max_examples=40, deadline=None)
@@ -284,3 +362,134 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
     path.write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatch, match="'acc'"):
         read_snapshot(path, m, fill=fill)
+
+
+# -- real processes: torn commits on one of two local ranks, a corrupt file on a 4-rank node -------
+
+
+def _lifecycle_run(tmp_path, layout, gen, out, until, extra=None, config=None):
+    from test_lifecycle import rank_env, spec_of
+    from procs import run_ranks
+    import lifecycle_worker as lw
+
+    port = free_port()
+    spec = spec_of(out, train_until=until, config={"transfer_timeout": 8, **(config or {})})
+    envs = [rank_env(tmp_path, layout, r, port, gen, spec, (extra or {}).get(r)) for r in range(len(layout))]
+    return run_ranks(lw.CODE, envs, 120)
+
+
+def test_torn_commits_of_one_local_rank_never_cost_the_last_complete_commit(tmp_path):
+    """Issue case 1 with real processes: two ranks on one node; rank 1 is killed between its data
+    and its manifest at step 5, twice in a row (rank 0's manifest of step 5 is written both times).
+    The third start still restores step 4 bit for bit and trains on."""
+    from test_lifecycle import assert_bit_exact, gather, ok, ref_after
+
+    out = tmp_path / "out"
+    out.mkdir()
+    kill = {1: {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@5"}}
+    for gen in (0, 1):
+        results = _lifecycle_run(tmp_path, ["A", "A"], gen, out, 7, extra=kill)
+        assert results[1].returncode == -9 and results[0].returncode != 0, [(r.returncode, r.stderr[-800:]) for r in results]
+    node = tmp_path / "nodes" / "A" / "test" / "A"
+    assert len(list(node.glob("step-000000000004-*/rank1.json"))) == 1  # step 4 survived both crashes
+    values = ok(_lifecycle_run(tmp_path, ["A", "A"], 2, out, 7))
+    assert [v["start_step"] for v in values] == [4, 4]
+    assert_bit_exact(gather(out, "start", 2), ref_after(4), "restored after two torn commits")
+    assert_bit_exact(gather(out, "phase1", 2), ref_after(7), "trained on")
+    # The torn step-5 directories of generations 0 and 1 went at the start: what is left is complete.
+    left = sorted(node.glob("step-*"))
+    assert left and all((d / "rank0.json").exists() and (d / "rank1.json").exists() for d in left), left
+
+
+def test_one_corrupt_file_on_a_four_rank_node_restores_the_older_commit(tmp_path):
+    """Issue case 3: one flipped byte in rank0.bin of the newest commit, four ranks on the node.
+    The file is rejected once for the whole node (not once per rank) and the previous commit is
+    restored bit for bit."""
+    from test_lifecycle import assert_bit_exact, gather, ok, ref_after
+
+    out = tmp_path / "out"
+    out.mkdir()
+    ok(_lifecycle_run(tmp_path, ["A"] * 4, 0, out, 3))
+    [data] = (tmp_path / "nodes" / "A" / "test" / "A").glob("step-000000000003-*/rank0.bin")
+    raw = bytearray(data.read_bytes())
+    raw[7] ^= 0x40
+    data.write_bytes(bytes(raw))
+    results = _lifecycle_run(tmp_path, ["A"] * 4, 1, out, 4)
+    values = ok(results)
+    assert [v["start_step"] for v in values] == [2] * 4
+    assert_bit_exact(gather(out, "start", 1), ref_after(2), "restored the commit before the corrupt one")
+    rejected = [line for r in results for line in r.stderr.splitlines() if '"snapshot_rejected"' in line]
+    assert len(rejected) == 1, rejected
+
+
+# -- full and read-only storage (a tmpfs the test mounts; needs root) ---------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    import os
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN); this test fills and remounts one")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (a container without CAP_SYS_ADMIN?): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_storage_fails_the_commit_in_one_line_and_keeps_older_commits(tmpfs, world1):
+    import os
+
+    from elastic_emb.errors import StorageError
+
+    topo, comm = world1()
+    tier = SnapshotTier(tmpfs, "unit", "nodeA", replication=0, keep=3)
+    ctx = TinyContext(topo)
+    _commit(tier, ctx, comm, 0, 1.0)
+    filler = tmpfs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:  # fill the filesystem to the last block (bounded: it holds 256 KiB)
+        for _ in range(1000):
+            os.write(fd, b"\0" * 1024)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    with pytest.raises(StorageError) as info:
+        _commit(tier, ctx, comm, 1, 2.0)
+    msg = str(info.value)
+    assert "\n" not in msg and "step-000000000001-" in msg and "needs 640 bytes" in msg and "bytes free" in msg, msg
+    assert [p.name[:17] for p in tier.node_dir.glob("step-*")] == ["step-000000000000"]  # partial dir removed
+    topo2, comm2 = world1()
+    ctx2 = TinyContext(topo2)
+    assert restore(ctx2, comm2, snapshot=tier, durable=None).step == 0
+    assert torch.equal(ctx2.w, torch.full((40, 3), 1.0))
+    filler.unlink()  # space freed: the job commits again
+    _commit(tier, ctx2, comm2, 1, 2.0)
+    assert restore(TinyContext(topo2), comm2, snapshot=tier, durable=None).step == 1
+
+
+def test_restore_from_a_read_only_state_directory(tmpfs, world1):
+    import subprocess
+
+    from elastic_emb.errors import StorageError
+
+    topo, comm = world1()
+    tier = SnapshotTier(tmpfs, "unit", "nodeA", replication=0)
+    ctx = TinyContext(topo)
+    _commit(tier, ctx, comm, 0, 1.0)
+    _commit(tier, ctx, comm, 1, 2.0)
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    topo2, comm2 = world1()
+    ctx2 = TinyContext(topo2)
+    report = restore(ctx2, comm2, snapshot=tier, durable=None)
+    assert report.step == 1 and torch.equal(ctx2.w, torch.full((40, 3), 2.0)) and torch.equal(ctx2.acc, torch.full((40,), 2.5))
+    assert tier.prune(comm2, at_start=True) == []  # nothing to delete, and a read-only root does not fail it
+    with pytest.raises(StorageError, match="Read-only file system"):
+        _commit(tier, ctx2, comm2, 2, 3.0)

@@ -12,11 +12,15 @@ How. :func:`transfer` is collective over the restore's communicator (:class:`ela
    host name, pid namespace, and the address and value of a random 16-byte token in its memory)
    and, for each row block it sends, the address and length of every tensor's bytes (weight, then
    optimizer slots, in the plan's order; a source that is not contiguous is copied first).
-2. Each receiver checks each sender it needs: same boot id, host name and pid namespace, then a
-   probe: it reads the sender's token with ``process_vm_readv`` and compares it with the published
-   value. A match proves that the pid names the process that published the addresses, in this
-   kernel (not a recycled pid, not a process of another pid namespace), and that this process is
-   allowed to read it (ptrace access rules: same user, Yama, seccomp). It then touches its
+2. Each receiver checks each sender it needs: same boot id, host name and pid namespace; then
+   that the offered pid is a worker of this job (:func:`job_member`: the kernel's
+   ``/proc/<pid>`` says it is a sibling of this worker, started by the same agent with the same
+   run id and restart count: a process outside the job, named by a forged offer in the store, is
+   refused before a byte of it is read); then a probe: it reads the sender's token with
+   ``process_vm_readv`` and compares it with the published value. A match proves that the pid
+   names the process that published the addresses, in this kernel (not a recycled pid, not a
+   process of another pid namespace), and that this process is allowed to read it (ptrace access
+   rules: same user, Yama, seccomp). It then touches its
    destination pages in user space (a fresh arena faults in faster there than inside the kernel's
    copy, measured) and pulls every block.
 3. A barrier (``Comm.exchange``, bounded by the communicator's timeout) on which every receiver
@@ -25,7 +29,8 @@ How. :func:`transfer` is collective over the restore's communicator (:class:`ela
    which both sides know from the barrier's result.
 
 Any failure with a peer (EPERM from ptrace rules, ENOSYS from a seccomp policy or another OS,
-another host or pid namespace, a wrong token, a short read) sends that peer's rows over gloo
+another host or pid namespace, a process that is not a worker of this job launched by the same
+agent, a wrong token, a short read) sends that peer's rows over gloo
 instead: rows are never lost or guessed, only slower. The first fallback for a reason is logged as
 a ``cma_fallback`` warning event, later ones at debug level. Under Yama ``ptrace_scope`` 1 (only
 ancestors may read a process) a sender opens itself to readers of its own user with
@@ -45,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from elastic_emb.errors import PullError
 from elastic_emb.events import get_logger
 
 log = get_logger("elastic_emb.state.cma")
@@ -75,10 +81,6 @@ def _load_syscall():
 _libc, _readv = _load_syscall()
 _token: tuple[int, ctypes.Array] | None = None  # (pid that made it, 16 random bytes)
 _warned: set[str] = set()
-
-
-class PullError(OSError):
-    """A pull from a peer failed; the caller sends that peer's rows another way."""
 
 
 def _read_text(path: str) -> str:
@@ -129,6 +131,51 @@ def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
             done += got
 
 
+# Environment entries a worker of this job and launch has, set by its launcher at exec time.
+JOB_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _environ(pid: int | str) -> dict[str, str]:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``). Reading it takes
+    the same ptrace access as reading the process's memory."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def _parent(pid: int | str) -> int:
+    """The parent pid of ``pid`` (``/proc/<pid>/stat``; the command name may hold spaces)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def job_member(pid: int) -> str | None:
+    """None when process ``pid`` proves it is a worker of this job's current launch, else why not.
+
+    Everything in the offer (pid, token, addresses) comes from the store, which anyone who can
+    reach it may write. What a store writer cannot forge is the kernel's view of the offered
+    process: it must be a sibling of this worker (the same parent: the agent that started both
+    for this launch) and have been started with this worker's run id and restart count. Checked
+    before a single byte of the process is read; a refusal sends that peer's rows over gloo."""
+    try:
+        theirs, parent = _environ(pid), _parent(pid)
+        mine = _environ("self")
+    except (OSError, ValueError, IndexError) as exc:
+        return f"not a process of this job: cannot read /proc/{pid} ({exc.__class__.__name__})"
+    if parent != os.getppid():
+        return f"not a process of this job: pid {pid} has parent {parent}, this worker's agent is {os.getppid()}"
+    if not mine.get(JOB_ENV[0]):
+        return f"not a process of this job: this worker has no {JOB_ENV[0]} to compare"
+    for key in JOB_ENV:
+        if theirs.get(key) != mine.get(key):
+            return f"not a process of this job: pid {pid} has {key}={theirs.get(key)!r}, here {mine.get(key)!r}"
+    return None
+
+
 def _probe(me: dict, peer: dict) -> str | None:
     """None when ``peer``'s memory can be read from here, else the reason it cannot."""
     if not me["ok"]:
@@ -138,6 +185,11 @@ def _probe(me: dict, peer: dict) -> str | None:
     for key, what in (("boot", "boot id"), ("host", "host name"), ("pidns", "pid namespace")):
         if not me[key] or me[key] != peer[key]:
             return f"different {what} ({peer[key]!r}, here {me[key]!r})"
+    if not isinstance(peer.get("pid"), int) or peer["pid"] <= 0:
+        return f"bad pid {peer.get('pid')!r} in the offer"
+    refused = job_member(peer["pid"])
+    if refused is not None:
+        return refused
     addr, want = peer["token"]
     got = ctypes.create_string_buffer(16)
     try:

@@ -36,6 +36,7 @@ from elastic_emb.state.manifest import (
     tensor_items,
     write_atomic,
 )
+from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, under
 from elastic_emb.state.transport import LivePiece, move_rows
 
 log = get_logger("elastic_emb.state")
@@ -45,11 +46,17 @@ class DurableTier:
     """DCP checkpoints, one DTensor Shard(0) per table tensor over the whole world (torch.chunk
     layout), so that plain ``torch.distributed.checkpoint.load`` reads them at any world size."""
 
-    def __init__(self, root: str | os.PathLike, run_id: str) -> None:
-        self.root = Path(root) / run_id
-        self.run_id = run_id
+    def __init__(self, root: str | os.PathLike, run_id: str, *, file_mode: int = FILE_MODE,
+                 dir_mode: int = DIR_MODE) -> None:
+        self.base = Path(root)
+        self.run_id = check_name(run_id, "run id")
+        self.root = under(root, run_id)
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
 
     def manifests(self) -> list[DurableManifest]:
+        """The valid manifests of complete checkpoints, newest last. ``checkpoint_dir`` is always
+        the directory the manifest was found in (the recorded path is not trusted)."""
         out = []
         if not self.root.is_dir():
             return out
@@ -59,8 +66,11 @@ class DurableTier:
             except Exception as exc:
                 log.warning("durable_manifest_invalid", path=str(mpath), error=repr(exc)[:300])
                 continue
+            if m.run_id != self.run_id:
+                log.warning("durable_manifest_invalid", path=str(mpath), error=f"run id {m.run_id!r}")
+                continue
             if (mpath.parent / ".metadata").exists():
-                out.append(m)
+                out.append(m.model_copy(update={"checkpoint_dir": str(mpath.parent)}))
         return out
 
     def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
@@ -79,7 +89,7 @@ class DurableTier:
         world_shards = _to_world_layout(shards, comm, num_rows)
         sd, specs = _dtensor_state_dict(world_shards, group, num_rows)
         cdir = self.root / commit_dirname(step, topo.fingerprint())
-        cdir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.base, cdir, self.dir_mode)
         sums = {}
         for name, shard in world_shards.items():
             for tname, t in tensor_items(shard):
@@ -102,8 +112,10 @@ class DurableTier:
             if error is not None:
                 log.error("durable_commit_failed", step=step, dir=str(cdir), error=repr(error)[:500])
                 return
+            for f in cdir.rglob("*"):  # DCP creates its files with the process's umask
+                os.chmod(f, self.dir_mode if f.is_dir() else self.file_mode)
             points.reached("durable_before_manifest", step)
-            write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json())
+            write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json(), self.file_mode)
 
         if not asynchronous:
             dcp.save(sd, checkpoint_id=str(cdir), process_group=group)

@@ -197,10 +197,13 @@ class DurableManifest(BaseModel):
         return CommitId(self.step, self.generation, self.fingerprint)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file so that readers see either nothing or all of it (write, fsync, rename)."""
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a file so that readers see either nothing or all of it (write, fsync, rename);
+    permissions ``mode`` (owner-only by default)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(fd, mode)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -58,8 +58,10 @@ def under(root: str | os.PathLike, *names: str) -> Path:
 
 def make_dirs(root: str | os.PathLike, path: Path, mode: int = DIR_MODE) -> None:
     """Create ``path`` and its missing parents below ``root`` with ``mode`` (the root itself is
-    created with ``mode`` too when missing; existing directories keep theirs)."""
+    created with ``mode`` too when missing, its missing parents with the defaults; existing
+    directories keep their modes)."""
     root = Path(root).resolve()
+    root.parent.mkdir(parents=True, exist_ok=True)  # above the root: the user's directories, their modes
     chain = [p for p in reversed(path.parents) if root in p.parents or p == root] + [path]
     for d in chain:
         try:

@@ -32,7 +32,9 @@ class Piece(BaseModel):
 
     ``handle`` names the piece on its holder (an index into the holder's own source list);
     ``spec`` is [dtype, per-row shape] of each tensor (weight, then slots by name); ``num_rows``
-    the table size the piece was cut from (None for live memory, which always matches)."""
+    the table size the piece was cut from (None for live memory, which always matches); ``file``
+    names the snapshot file it is read from, the same on every rank of its node, so a file found
+    corrupt by one rank is dropped for all of them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     table: str
@@ -43,6 +45,7 @@ class Piece(BaseModel):
     handle: int = Field(ge=0)
     spec: list[tuple[str, list[int]]]
     num_rows: int | None = None
+    file: str | None = None  # "<node>/<commit dir>/<data file>" for pieces read from a snapshot file
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from elastic_emb.state.comm import Comm
 from elastic_emb.state.durable import DurableTier
 from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, row_spec, specs_of, tensor_items
 from elastic_emb.state.plan import Assignment, Piece, missing_rows, plan_assignments
-from elastic_emb.state.snapshot import SnapshotTier, read_snapshot
+from elastic_emb.state.snapshot import NodeListing, SnapshotTier, read_snapshot
 from elastic_emb.state.transport import LivePiece, execute_plan, move_rows
 
 log = get_logger("elastic_emb.state")
@@ -50,6 +50,7 @@ class Inventory(BaseModel):
     durable: list[CommitId]
     tables: dict[str, tuple[int, int]]  # table -> this rank's new [start, stop)
     specs: dict[str, list[tuple[str, list[int]]]]
+    node: NodeListing | None = None  # what this rank's node directory holds (the marker, torn dirs)
 
 
 @dataclass(frozen=True)
@@ -107,52 +108,44 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
                 sources[len(pieces)] = FileSource(path, m, rec.table)
                 pieces.append(Piece(table=rec.table, start=rec.start, stop=rec.stop,
                                     tier="replica" if m.replica else "snapshot", commit=m.commit, handle=len(pieces),
-                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors], num_rows=rec.num_rows))
+                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors], num_rows=rec.num_rows,
+                                    file=f"{snapshot.node_id}/{path.parent.name}/{path.name}"))
     inv = Inventory(pieces=pieces, durable=[m.commit for m in durable_ms],
                     tables={name: (s.rows.start, s.rows.stop) for name, s in template.items()},
-                    specs=specs_of(template))
+                    specs=specs_of(template), node=snapshot.listing() if snapshot else None)
     return inv, sources
 
 
 def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: DurableTier | None,
             live: list[ShardData] | None = None, live_commit: tuple[int, int, str] | None = None,
-            require_state: bool = False, max_attempts: int = 4, durable_group=None) -> RestoreReport:
+            require_state: bool = False, start_fresh: bool = False, durable_group=None) -> RestoreReport:
     """Collective: bring ``context`` to the newest commit complete for every row across tiers.
 
     ``live``: shards this process exported from its previous context, at commit ``live_commit``
     = (step, generation, fingerprint). Raises :class:`RestoreError` when state exists but no
-    commit is complete (or when ``require_state`` and there is none)."""
+    commit is complete, when a node holds the run marker (this run committed before) but no
+    commit is left, or when ``require_state`` and there is none. ``start_fresh``: in those cases
+    keep the context's initial rows instead (an explicit choice to start over)."""
     t0 = time.perf_counter()
     # The new context's own shards give shapes and dtypes and receive the rows. A context that
     # offers ``shard_views()`` (its own storage, writable) is filled in place: no copy of the
     # shard, no import; otherwise the exported copy is filled and imported back.
-    views = getattr(context, "shard_views", None)
-    in_place = callable(views)
-    template = views() if in_place else context.export_shard()
+    views = context.shard_views()
+    in_place = views is not None
+    template = views if in_place else context.export_shard()
     specs = specs_of(template)
     durable_ms = durable.manifests() if durable is not None and durable_group is not None else []
     mine, sources = _inventory(template, live, CommitId(*live_commit) if live_commit else None, snapshot, durable_ms)
     everyone = [Inventory.model_validate(e) for e in comm.exchange("restore-inv", mine.model_dump(mode="json"))]
     num_rows = _num_rows_from(everyone)
     owners = row_owners(context)  # the context's layout: ep_size, or its framework's (e.g. TorchRec's)
-    bad: set[tuple[int, int]] = set()  # (rank, handle) of pieces found corrupt
-    for attempt in range(max_attempts):
-        invs = [[p for p in e.pieces if (r, p.handle) not in bad and (p.num_rows or num_rows.get(p.table)) == num_rows.get(p.table)]
-                for r, e in enumerate(everyone)]
+    rejected: dict[str, str] = {}  # file -> why (corrupt), the same on every rank
+    files = {p.file for e in everyone for p in e.pieces if p.file}
+    for attempt in range(len(files) + 1):  # every failed attempt rejects at least one more file
+        invs = [[p for p in e.pieces if p.file not in rejected and (p.num_rows or num_rows.get(p.table)) == num_rows.get(p.table)]
+                for e in everyone]
         durable_common = set.intersection(*[set(e.durable) for e in everyone]) if everyone else set()
         commits = sorted({p.commit for inv in invs for p in inv} | durable_common, reverse=True)
-        if not commits:
-            if require_state or any(e.pieces for e in everyone):
-                raise RestoreError(
-                    "no complete commit found in any tier for this run and state was required: "
-                    f"snapshot dirs on the nodes hold {sum(len(e.pieces) for e in everyone)} usable pieces, "
-                    f"no durable commit seen by every rank; check ELASTIC_EMB_STATE_DIR / ELASTIC_EMB_NODE_ID / "
-                    f"ELASTIC_EMB_DURABLE_DIR point at this run's state",
-                    [(t, 0, n) for t, n in sorted(num_rows.items())],
-                )
-            return RestoreReport(step=-1, generation=None, fingerprint=None,
-                                 tiers={t: [(s.rows.start, s.rows.stop, "init")] for t, s in template.items()},
-                                 source_tiers=["init"], seconds=time.perf_counter() - t0)
         chosen = None
         first_missing = None
         for cid in commits:
@@ -166,19 +159,18 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                 chosen = ("durable", cid, None)
                 break
         if chosen is None:
-            cid, missing = first_missing
-            raise RestoreError(
-                f"no commit is complete: the newest, step {cid.step} (generation {cid.generation}), lacks rows "
-                + ", ".join(f"{t}[{a}, {b})" for t, a, b in missing)
-                + " in every tier (live, node snapshots, replicas, durable); those rows were on lost nodes. "
-                  "Bring back a node directory holding them, raise replication, or configure a durable_dir",
-                missing,
-            )
+            why = _nothing_complete(everyone, first_missing, rejected, num_rows, require_state)
+            if why is None or start_fresh:
+                if why is not None:
+                    log.warning("restore_start_fresh", reason=str(why))
+                return RestoreReport(step=-1, generation=None, fingerprint=None,
+                                     tiers={t: [(s.rows.start, s.rows.stop, "init")] for t, s in template.items()},
+                                     source_tiers=["init"], fallback="start_fresh" if why is not None else None,
+                                     seconds=time.perf_counter() - t0)
+            raise why
         notes = []
-        if bad:
-            bad_commits = sorted({everyone[r].pieces[h].commit for r, h in bad})
-            notes.append(f"rejected {len(bad)} corrupt snapshot pieces (checksum) of commits "
-                         + ", ".join(str(c) for c in bad_commits))
+        if rejected:
+            notes.append("rejected corrupt snapshot files " + "; ".join(f"{f} ({r})" for f, r in sorted(rejected.items())))
         if first_missing is not None and first_missing[0] != chosen[1]:
             notes.append(f"{first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
         fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
@@ -189,8 +181,9 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template)
         bad_all = comm.exchange(f"restore-bad{attempt}", bad_local)
         if any(bad_all):
-            for r, hs in enumerate(bad_all):
-                bad.update((r, h) for h in hs)
+            for r, bad in enumerate(bad_all):
+                for h, reason in bad:
+                    rejected.setdefault(everyone[r].pieces[h].file, reason)
             continue
         if fallback:
             log.warning("restore_fallback", step=cid.step, reason=fallback)
@@ -211,19 +204,51 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                              source_tiers=sorted({a.tier for a in plan}), bytes_moved=moved.bytes_sent,
                              bytes_local=local, fallback=fallback, seconds=time.perf_counter() - t0,
                              transfer_seconds=transfer_s, transport=moved.transport)
-    raise RestoreError(f"restore gave up after {max_attempts} attempts: corrupt snapshot pieces {sorted(bad)}")
+    raise RestoreError(f"restore rejected every snapshot file it tried: {sorted(rejected)}")
+
+
+def _nothing_complete(everyone: list[Inventory], first_missing, rejected: dict[str, str], num_rows: dict[str, int],
+                      require_state: bool) -> RestoreError | None:
+    """The error to raise when no commit is complete, or None when there is no state at all (a
+    first start: the context keeps its initial rows)."""
+    nodes = {e.node.node: e.node for e in everyone if e.node is not None}
+    marked = sorted(n for n, listing in nodes.items() if listing.marker)
+    held = {n: listing.dirs for n, listing in nodes.items() if listing.dirs}
+    bad = ("; corrupt files rejected: " + "; ".join(f"{f}: {r}" for f, r in sorted(rejected.items()))) if rejected else ""
+    if first_missing is not None:
+        cid, missing = first_missing
+        return RestoreError(
+            f"no commit is complete: the newest, step {cid.step} (generation {cid.generation}), lacks rows "
+            + ", ".join(f"{t}[{a}, {b})" for t, a, b in missing)
+            + f" in every tier (live, node snapshots, replicas, durable){bad}. Those rows were on lost nodes or in "
+              "corrupt files: bring back a node directory holding them, raise replication, configure a durable_dir, "
+              "or start over on purpose (LifecycleConfig.start_fresh)",
+            missing,
+        )
+    if not (require_state or marked or held or rejected):
+        return None
+    whole = [(t, 0, n) for t, n in sorted(num_rows.items())]
+    what = ", ".join(f"{n}: {', '.join(d[-3:])}{' ...' if len(d) > 3 else ''}" for n, d in sorted(held.items())) or "nothing"
+    return RestoreError(
+        f"no complete commit in any tier, yet {'this run committed before (run marker on nodes ' + str(marked) + ')' if marked else 'state was required'}: "
+        f"the node directories hold {what} without a valid manifest set{bad}; check that ELASTIC_EMB_STATE_DIR, "
+        f"ELASTIC_EMB_NODE_ID and ELASTIC_EMB_DURABLE_DIR point at this run's state, or start over on purpose "
+        f"(LifecycleConfig.start_fresh)",
+        whole,
+    )
 
 
 def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object], template: dict[str, ShardData]):
     """Read (and verify) the files this rank sends from. Rows that stay on this rank and come from
     a file are copied while the file is checked (one pass over its bytes, see read_snapshot).
 
-    Returns (handles of corrupt pieces, tensors per handle, first row per handle, indices of the
+    Returns ((handle, reason) of corrupt pieces, tensors per handle, first row per handle, indices of the
     plan's local assignments already filled)."""
     handles: dict[int, dict[str, torch.Tensor]] = {}
     starts: dict[int, int] = {}
-    bad_local: list[int] = []
+    bad_local: list[tuple[int, str]] = []
     files: dict[Path, dict] = {}
+    corrupt: set[Path] = set()
     fills: dict[Path, dict[str, list]] = {}
     filled: set[int] = set()
     for i, a in enumerate(plan):
@@ -245,12 +270,16 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
             handles[a.handle] = dict(tensor_items(src))
             starts[a.handle] = src.rows.start
             continue
+        if src.path in corrupt:
+            continue  # reported once per file
         try:
             if src.path not in files:
                 files[src.path] = read_snapshot(src.path, src.manifest, fill=fills.get(src.path))
         except (ChecksumMismatch, OSError) as exc:
             log.error("snapshot_rejected", path=str(src.path), error=str(exc))
-            bad_local.append(a.handle)
+            rows = ", ".join(f"{r.table}[{r.start}, {r.stop})" for r in src.manifest.shards)
+            bad_local.append((a.handle, f"step {src.manifest.step}, rows {rows}: {exc}"))
+            corrupt.add(src.path)
             continue
         handles[a.handle] = files[src.path][src.table]
         starts[a.handle] = src.first_row
@@ -273,12 +302,10 @@ def _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows
 def _finish(context, shards: dict[str, ShardData], in_place: bool) -> None:
     """Hand the restored rows to the context: import them, or (written in place through
     ``shard_views()``) tell it every row was written, so it need not initialise any lazily."""
-    if not in_place:
+    if in_place:
+        context.mark_restored()
+    else:
         context.import_shard(shards)
-        return
-    hook = getattr(context, "mark_restored", None)
-    if callable(hook):
-        hook()
 
 
 def _num_rows_from(everyone: list[Inventory]) -> dict[str, int]:

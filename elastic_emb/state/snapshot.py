@@ -17,6 +17,7 @@ manifest, copying the rows that stay on the reading rank in the same pass over t
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -25,12 +26,15 @@ from pathlib import Path
 
 import torch
 
-from elastic_emb.errors import ChecksumMismatch
+from pydantic import BaseModel, ConfigDict, Field
+
+from elastic_emb.errors import ChecksumMismatch, StorageError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.manifest import (
+    CommitId,
     ShardRecord,
     SnapshotManifest,
     TensorRecord,
@@ -41,43 +45,80 @@ from elastic_emb.state.manifest import (
     tensor_items,
     write_atomic,
 )
+from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders
 
 log = get_logger("elastic_emb.state")
 
 
+RUN_MARKER = "run.json"
+
+
+class RunMarker(BaseModel):
+    """Written into a node directory with the run's first commit there: from then on, finding no
+    complete commit is an error (:func:`elastic_emb.state.restore.restore`), not a fresh start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    run_id: str
+    node_id: str
+    first_step: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    written_at: float
+
+
+class NodeListing(BaseModel):
+    """What one node directory holds: the commit directories (torn ones included), whether the
+    run marker is there, and the valid manifests' pieces (``[commit, table, start, stop,
+    num_rows]``). Exchanged between ranks so that every rank judges completeness the same way."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    node: str
+    marker: bool
+    dirs: list[str]
+    pieces: list[tuple[CommitId, str, int, int, int]]
+
+
 class SnapshotTier:
     """Node-local snapshots with replicas on other nodes."""
 
-    def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
+                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1 commits")
         self.root = Path(root)
-        self.run_id = run_id
-        self.node_id = node_id
+        self.run_id = check_name(run_id, "run id")
+        self.node_id = check_name(node_id, "node id")
         self.replication = replication
         self.keep = keep
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
 
     @property
     def node_dir(self) -> Path:
-        return self.root / self.run_id / self.node_id
+        return under(self.root, self.run_id, self.node_id)
+
+    # -- commit ---------------------------------------------------------------------------------
 
     def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int]) -> tuple[int, int]:
         """Write this rank's shard and replicas of others'; collective over ``comm``.
 
-        Returns (bytes written locally for own shard, bytes received as replicas)."""
+        Returns (bytes written locally for own shard, bytes received as replicas). Raises
+        :class:`StorageError` on every rank when any rank could not write its data (full or
+        read-only storage): each rank then removes what it wrote of this commit, so the older
+        commits stay the newest complete ones."""
         topo = comm.topology
         cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
-        cdir.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
         records, blob = pack_shard(shards, num_rows)
         data_name = f"rank{topo.rank}.bin"
-        write_blob(cdir / data_name, blob)
+        error = self._write(cdir, data_name, blob, written, step)
         info = {"rank": topo.rank, "node_rank": topo.node_rank, "local_rank": topo.local_rank,
-                "node": self.node_id, "bytes": int(blob.numel()),
+                "node": self.node_id, "bytes": int(blob.numel()), "error": error,
                 "shards": [r.model_dump() for r in records]}
         everyone = comm.exchange(f"snap{step}", info)
+        self._abandon_if_failed(step, cdir, written, [e["error"] for e in everyone])
         # Replicas: who sends to whom follows from the gathered records alone.
         holders = {r["rank"]: replica_holders(everyone, r["rank"], self.replication) for r in everyone}
         send = [torch.empty(0, dtype=torch.uint8) for _ in range(comm.size)]
@@ -88,67 +129,196 @@ class SnapshotTier:
         got = comm.all_to_all(send, recv_sizes) if any(holders.values()) else [None] * comm.size
         replicated = 0
         for r in senders:
-            write_blob(cdir / f"rank{r}.replica.bin", got[r].cpu())
+            error = error or self._write(cdir, f"rank{r}.replica.bin", got[r].cpu(), written, step)
             replicated += everyone[r]["bytes"]
-        # Data is durable on this node; manifests go last (a crash before here leaves no commit).
+        if any(holders.values()):
+            self._abandon_if_failed(step, cdir, written, comm.exchange(f"snap{step}-replicas", error))
+        # Data is durable on every node; manifests go last (a crash before here leaves no commit).
         points.reached("snapshot_before_manifest", step)
         base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
                     world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id)
         own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
                                data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time())
-        write_atomic(cdir / f"rank{topo.rank}.json", own.model_dump_json())
-        for r in senders:
-            rep = SnapshotManifest(**base, source_rank=r, source_node=everyone[r]["node"], replica=True,
-                                   data_file=f"rank{r}.replica.bin", data_bytes=everyone[r]["bytes"],
-                                   shards=[ShardRecord(**s) for s in everyone[r]["shards"]], written_at=time.time())
-            write_atomic(cdir / f"rank{r}.replica.json", rep.model_dump_json())
+        try:
+            self._write_text(cdir / f"rank{topo.rank}.json", own.model_dump_json(), written)
+            for r in senders:
+                rep = SnapshotManifest(**base, source_rank=r, source_node=everyone[r]["node"], replica=True,
+                                       data_file=f"rank{r}.replica.bin", data_bytes=everyone[r]["bytes"],
+                                       shards=[ShardRecord(**s) for s in everyone[r]["shards"]], written_at=time.time())
+                self._write_text(cdir / f"rank{r}.replica.json", rep.model_dump_json(), written)
+            self._mark_run(step, topo.generation)
+        except OSError as exc:
+            self._remove(cdir, written)
+            raise StorageError(storage_message(cdir, 4096, exc, step)) from None
         return int(blob.numel()), replicated
 
+    def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
+        """Write one data file of this commit; None, or the one-line reason it could not be written."""
+        path = cdir / name
+        try:
+            make_dirs(self.root, cdir, self.dir_mode)
+            free = free_bytes(cdir)
+            if free is not None and free < blob.numel():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written.append(path)
+            write_blob(path, blob, self.file_mode)
+        except OSError as exc:
+            return storage_message(path, int(blob.numel()), exc, step)
+        return None
+
+    def _write_text(self, path: Path, text: str, written: list[Path]) -> None:
+        written.append(path)
+        write_atomic(path, text, self.file_mode)
+
+    def _abandon_if_failed(self, step: int, cdir: Path, written: list[Path], errors: list[str | None]) -> None:
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if not failed:
+            return
+        self._remove(cdir, written)
+        log.error("snapshot_commit_failed", step=step, ranks=[r for r, _ in failed], error=failed[0][1])
+        raise StorageError(f"rank {failed[0][0]}: {failed[0][1]}"
+                           + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
+
+    @staticmethod
+    def _remove(cdir: Path, written: list[Path]) -> None:
+        """Remove what this rank wrote of a failed commit, and the directory once it is empty."""
+        for path in written:
+            path.unlink(missing_ok=True)
+        try:
+            cdir.rmdir()
+        except OSError:
+            pass  # other ranks of this node still have files there (they remove theirs), or it is gone
+
+    def _mark_run(self, step: int, generation: int) -> None:
+        path = self.node_dir / RUN_MARKER
+        if not path.exists():
+            marker = RunMarker(run_id=self.run_id, node_id=self.node_id, first_step=step, generation=generation,
+                               written_at=time.time())
+            write_atomic(path, marker.model_dump_json(), self.file_mode)
+
+    # -- reading ----------------------------------------------------------------------------------
+
     def manifests(self) -> list[tuple[Path, SnapshotManifest]]:
-        """Every complete (manifest present and valid) shard in this node's directory."""
+        """Every valid manifest in this node's directory, with its data file. A manifest that does
+        not parse, or names another run or a data file outside its directory, is reported and
+        ignored: never counted."""
         out = []
-        if not self.node_dir.is_dir():
+        try:
+            cdirs = sorted(self.node_dir.glob("step-*"))
+        except OSError:
             return out
-        for cdir in sorted(self.node_dir.glob("step-*")):
+        for cdir in cdirs:
             for mpath in sorted(cdir.glob("rank*.json")):
                 try:
                     m = SnapshotManifest.model_validate_json(mpath.read_text())
+                    check_name(m.data_file, "data file")
+                except FileNotFoundError:
+                    continue  # pruned by another rank of this node meanwhile
                 except Exception as exc:  # a foreign or damaged file: report and skip, never guess
                     log.warning("snapshot_manifest_invalid", path=str(mpath), error=repr(exc)[:300])
                     continue
                 if m.run_id != self.run_id:
+                    log.warning("snapshot_manifest_invalid", path=str(mpath), error=f"run id {m.run_id!r}, "
+                                f"expected {self.run_id!r}")
                     continue
                 out.append((cdir / m.data_file, m))
         return out
 
-    def prune(self) -> None:
-        """Keep this node's newest ``keep`` commit directories that hold a manifest; delete older
-        ones, and torn directories (no manifest) older than the newest kept (local, not collective)."""
-        def mtime(d: Path) -> float:
-            # Every rank of a node prunes the same directory: another may have removed d already.
-            try:
-                return d.stat().st_mtime
-            except FileNotFoundError:
-                return 0.0
+    def listing(self) -> NodeListing:
+        """This node directory's contents (see :class:`NodeListing`)."""
+        try:
+            dirs = sorted(d.name for d in self.node_dir.glob("step-*"))
+            marker = (self.node_dir / RUN_MARKER).exists()
+        except OSError:
+            dirs, marker = [], False
+        pieces = [(m.commit, r.table, r.start, r.stop, r.num_rows) for _, m in self.manifests() for r in m.shards]
+        return NodeListing(node=self.node_id, marker=marker, dirs=dirs, pieces=pieces)
 
-        dirs = sorted(self.node_dir.glob("step-*"), key=lambda d: (step_of_dirname(d.name), mtime(d)))
+    # -- pruning ----------------------------------------------------------------------------------
 
-        def has_manifest(d: Path) -> bool:
-            try:
-                return any(d.glob("rank*.json"))
-            except FileNotFoundError:  # removed by another rank of this node meanwhile
-                return False
+    def prune(self, comm: Comm, *, at_start: bool = False) -> list[str]:
+        """Collective: delete the commit directories of this node that can no longer be needed.
 
-        complete = [d for d in dirs if has_manifest(d)]
-        kept = complete[-self.keep:]
-        if not kept:
-            return
-        newest_kept = step_of_dirname(kept[-1].name)
-        for d in dirs:
-            if d in kept:
+        Completeness is judged over the whole world (every node's valid manifests, exchanged),
+        by the same rule as restore: a commit is complete when valid manifests cover every row
+        of every table. Kept: the newest ``keep`` complete commits, and anything newer than the
+        newest complete one (it may still complete: a commit in progress). Deleted: everything
+        older than the newest complete commit that is not kept. ``at_start`` (after a restart's
+        restore): torn directories of earlier generations are deleted too, since their writers
+        are gone. Without any complete commit nothing is deleted. Local rank 0 deletes; returns
+        the directory names it deleted."""
+        topo = comm.topology
+        lead = topo.local_rank == 0
+        listing = self.listing() if lead else None  # listed before the exchange: never a newer commit
+        everyone = [NodeListing.model_validate(x) if x else None
+                    for x in comm.exchange("prune", listing.model_dump(mode="json") if listing else None)]
+        if listing is None:
+            return []
+        by_commit: dict[CommitId, list[tuple[str, int, int, int]]] = {}
+        for e in everyone:
+            for cid, table, start, stop, n in e.pieces if e else []:
+                by_commit.setdefault(cid, []).append((table, start, stop, n))
+        complete = sorted((c for c, ps in by_commit.items() if not commit_missing(ps)), reverse=True)
+        if not complete:
+            return []
+        kept = set(complete[: self.keep])
+        newest = complete[0]
+        commit_of = {f"{commit_dirname(c.step, c.fingerprint)}": c for c in by_commit}
+        current = topo.fingerprint()
+        deleted = []
+        for name in listing.dirs:
+            cid = commit_of.get(name)
+            if cid in kept:
                 continue
-            if d in complete or step_of_dirname(d.name) < newest_kept:
-                shutil.rmtree(d, ignore_errors=True)
+            newer = cid > newest if cid is not None else step_of_dirname(name) >= newest.step
+            if newer and not (at_start and not name.endswith(f"-{current}")):
+                continue
+            try:
+                shutil.rmtree(self.node_dir / name)
+                deleted.append(name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # read-only storage: restore still works, commits will say why
+                log.warning("snapshot_prune_failed", dir=str(self.node_dir / name), error=str(exc))
+        if deleted:
+            log.info("snapshot_pruned", deleted=deleted, kept=[str(c) for c in sorted(kept)])
+        return deleted
+
+
+def commit_missing(pieces: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int]]:
+    """The rows of a commit no piece ``(table, start, stop, num_rows)`` covers: the one
+    completeness rule of prune and restore, applied to the table sizes the pieces record."""
+    num_rows: dict[str, int] = {}
+    for table, _, _, n in pieces:
+        num_rows[table] = max(num_rows.get(table, 0), n)
+    out: list[tuple[str, int, int]] = []
+    for table in sorted(num_rows):
+        cur = 0
+        for a, b in sorted((a, b) for t, a, b, _ in pieces if t == table and b > a):
+            if a > cur:
+                out.append((table, cur, a))
+            cur = max(cur, b)
+        if cur < num_rows[table]:
+            out.append((table, cur, num_rows[table]))
+    return out
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes available to this user on the filesystem of ``path`` (None if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def storage_message(path: Path, needed: int, exc: OSError, step: int) -> str:
+    """One line: what could not be written, why, bytes needed and free, and what to do."""
+    free = free_bytes(path.parent if not path.is_dir() else path)
+    reason = exc.strerror or str(exc)
+    return (f"cannot write {path} for the commit of step {step} ({reason}): needs {needed} bytes, "
+            f"{'unknown' if free is None else free} bytes free there; the partial commit is removed and older "
+            f"commits stay restorable: free space or make it writable, or point ELASTIC_EMB_STATE_DIR elsewhere")
 
 
 def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor]:
@@ -168,9 +338,9 @@ def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[
     return records, blob
 
 
-def write_blob(path: Path, blob: torch.Tensor) -> None:
-    """Write a byte buffer to ``path`` and fsync it."""
-    with open(path, "wb") as f:
+def write_blob(path: Path, blob: torch.Tensor, mode: int = FILE_MODE) -> None:
+    """Write a byte buffer to ``path`` (permissions ``mode``) and fsync it."""
+    with open_new(path, mode) as f:
         f.write(memoryview(blob.numpy()))
         f.flush()
         os.fsync(f.fileno())
@@ -199,7 +369,9 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
                                f"damaged or was replaced: delete {path.parent} to drop this commit")
     # Map the file rather than read it: on /dev/shm the pages are already in memory, so the
     # checksum and the row copies read them in place (no read copy, no fresh pages).
-    raw = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    # Private (copy-on-write) mapping: the file is opened read-only, so restore works from a
+    # read-only state directory, and nothing restore does can change a committed file.
+    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in manifest.shards:
         n = rec.stop - rec.start

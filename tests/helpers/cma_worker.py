@@ -5,7 +5,7 @@ Run as ``python -c "from tests.helpers import cma_worker; cma_worker.main()"`` w
 
 * ``old``: ranks of the old layout; old shard i holds rows ``owned_range(n, old, i)`` of every table;
 * ``holders``: {old shard: rank of the new world holding it in memory} (shards not listed: rank i);
-* ``sabotage``: optional ``[mode, rank]``: on that rank, ``"token"`` publishes a wrong probe token
+* ``sabotage``: optional ``[mode, rank]``: on that rank, ``"token"`` publishes a wrong probe token, ``"forge"`` an offer naming a process outside the job,
   (readers must refuse it before reading rows), ``"addr"`` publishes unmapped row addresses (the
   probe passes, the pull fails with EFAULT).
 
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from elastic_emb.protocol import ShardData
+from elastic_emb.protocol import ContextBase, ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.topology import Topology
 
@@ -60,7 +60,7 @@ class Holder:
         return ShardData(self.table, self.rows, self.weight, dict(self.slots))
 
 
-class Ctx:
+class Ctx(ContextBase):
     """A context filled in place (``shard_views``), as EmbContext is."""
 
     owner_ranks = None  # rows laid out over the topology's ep_size, as EmbContext does
@@ -98,6 +98,27 @@ def sabotage(mode: str, comm) -> None:
         def exchange(name, obj):
             if name == "cma-offer":
                 obj = {**obj, "rows": {k: [[4096, n] for _, n in spans] for k, spans in obj["rows"].items()}}
+            return real_exchange(name, obj)
+
+        comm.exchange = exchange
+    elif mode == "forge":
+        # Start a process outside the job holding a known pattern; publish an offer that names it,
+        # with a token and row addresses inside that pattern (what a store writer could do).
+        import atexit
+        import subprocess
+        import sys
+
+        victim = subprocess.Popen(
+            [sys.executable, "-c", "import ctypes, sys, time; b = ctypes.create_string_buffer(b'Z' * (8 << 20)); "
+             "print(ctypes.addressof(b), flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+        atexit.register(victim.kill)
+        addr = int(victim.stdout.readline())
+        real_exchange = comm.exchange
+
+        def exchange(name, obj):
+            if name == "cma-offer":
+                ident = {**obj["id"], "pid": victim.pid, "token": [addr, ("5a" * 16)]}
+                obj = {"id": ident, "rows": {k: [[addr, n] for _, n in spans] for k, spans in obj["rows"].items()}}
             return real_exchange(name, obj)
 
         comm.exchange = exchange
