@@ -368,9 +368,9 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
 
 
 def _lifecycle_run(tmp_path, layout, gen, out, until, extra=None, config=None):
-    from test_lifecycle import rank_env, spec_of
-    from procs import run_ranks
-    import lifecycle_worker as lw
+    from tests.helpers import lifecycle_worker as lw
+    from tests.helpers.procs import run_ranks
+    from tests.test_lifecycle import rank_env, spec_of
 
     port = free_port()
     spec = spec_of(out, train_until=until, config={"transfer_timeout": 8, **(config or {})})
@@ -382,7 +382,7 @@ def test_torn_commits_of_one_local_rank_never_cost_the_last_complete_commit(tmp_
     """Issue case 1 with real processes: two ranks on one node; rank 1 is killed between its data
     and its manifest at step 5, twice in a row (rank 0's manifest of step 5 is written both times).
     The third start still restores step 4 bit for bit and trains on."""
-    from test_lifecycle import assert_bit_exact, gather, ok, ref_after
+    from tests.test_lifecycle import assert_bit_exact, gather, ok, ref_after
 
     out = tmp_path / "out"
     out.mkdir()
@@ -405,7 +405,7 @@ def test_one_corrupt_file_on_a_four_rank_node_restores_the_older_commit(tmp_path
     """Issue case 3: one flipped byte in rank0.bin of the newest commit, four ranks on the node.
     The file is rejected once for the whole node (not once per rank) and the previous commit is
     restored bit for bit."""
-    from test_lifecycle import assert_bit_exact, gather, ok, ref_after
+    from tests.test_lifecycle import assert_bit_exact, gather, ok, ref_after
 
     out = tmp_path / "out"
     out.mkdir()
