@@ -80,6 +80,8 @@ class LifecycleConfig(BaseModel):
     agree_timeout: float = Field(default=60.0, gt=0)
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False
+    incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
+    max_chain: int = Field(default=8, ge=0)  # deltas on one base before the next full base
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
     dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create
@@ -164,7 +166,8 @@ class Lifecycle:
         self._pending_durable = None
         self._default_pg_gen: int | None = None
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
-                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode)
+                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
+                                     max_chain=config.max_chain)
         self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
                                     dir_mode=config.dir_mode) if config.durable_dir else None)
 
@@ -208,6 +211,12 @@ class Lifecycle:
     def next_step(self) -> int:
         return self.step + 1
 
+    @property
+    def committed_step(self) -> int:
+        """The newest step whose commit is complete (its manifests written on its own node and on
+        its replica holders); -1 before the first. Commits complete inside ``commit()``."""
+        return self.step
+
     # -- commits -----------------------------------------------------------------------------
 
     def commit(self, step: int, *, force: bool = False) -> CommitReport | None:
@@ -236,13 +245,18 @@ class Lifecycle:
     def _commit(self, step: int) -> CommitReport:
         t0 = time.perf_counter()
         ctx = self._require_context()
-        shards = ctx.export_shard()
+        durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
+        changes = ctx.take_changes() if self.config.incremental and ctx.tracks_changes else None
+        # A delta reads only the changed rows: straight from the context's own tensors when it
+        # offers them (the commit is synchronous, nothing writes them meanwhile), not a full copy.
+        views = ctx.shard_views() if changes is not None and not durable_due else None
+        shards = views if views is not None else ctx.export_shard()
         comm = self._comm_for(ctx)
         num_rows = self._table_rows()
-        written, replicated = self.snapshot.commit(step, shards, comm, num_rows)
+        written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
         tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
-        if self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0:
+        if durable_due:
             self.wait_durable()
             durable_bytes, self._pending_durable = self.durable.commit(
                 step, shards, comm, num_rows, self._durable_group(), asynchronous=self.config.durable_async)

@@ -169,6 +169,7 @@ class SnapshotManifest(BaseModel):
     data_bytes: int
     shards: list[ShardRecord]
     written_at: float
+    parent: CommitId | None = None  # a delta commit: the commit it changes (None: a full base image)
 
     @property
     def commit(self) -> CommitId:

@@ -33,6 +33,7 @@ from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData, row_owners
 from elastic_emb.state.comm import Comm
+from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.durable import DurableTier
 from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, row_spec, specs_of, tensor_items
 from elastic_emb.state.plan import Assignment, Piece, missing_rows, plan_assignments
@@ -51,6 +52,7 @@ class Inventory(BaseModel):
     tables: dict[str, tuple[int, int]]  # table -> this rank's new [start, stop)
     specs: dict[str, list[tuple[str, list[int]]]]
     node: NodeListing | None = None  # what this rank's node directory holds (the marker, torn dirs)
+    gaps: list[tuple[CommitId, CommitId, list[tuple[str, int, int]]]] = []  # (delta, missing parent, its rows)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class FileSource:
     path: Path
     manifest: SnapshotManifest
     table: str
+    chain: tuple[tuple[Path, SnapshotManifest], ...] = ()  # base first, this file last (a delta commit)
 
     @property
     def first_row(self) -> int:
@@ -102,17 +105,23 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
                 pieces.append(Piece(table=shard.table, start=shard.rows.start, stop=shard.rows.stop, tier="live",
                                     commit=live_commit, handle=len(pieces),
                                     spec=[row_spec(t) for _, t in tensor_items(shard)]))
-    for path, m in snapshot.manifests() if snapshot else []:
+    manifests = snapshot.manifests() if snapshot else []
+    chains, broken = resolve_chains(manifests)
+    for path, m in manifests:
+        if path not in chains:
+            continue  # a delta whose chain back to its base is broken (reported as a gap)
         for rec in m.shards:
             if rec.stop > rec.start:
-                sources[len(pieces)] = FileSource(path, m, rec.table)
+                sources[len(pieces)] = FileSource(path, m, rec.table, tuple(chains[path]))
                 pieces.append(Piece(table=rec.table, start=rec.start, stop=rec.stop,
                                     tier="replica" if m.replica else "snapshot", commit=m.commit, handle=len(pieces),
-                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors], num_rows=rec.num_rows,
+                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors if tr.name != INDEX],
+                                    num_rows=rec.num_rows,
                                     file=f"{snapshot.node_id}/{path.parent.name}/{path.name}"))
     inv = Inventory(pieces=pieces, durable=[m.commit for m in durable_ms],
                     tables={name: (s.rows.start, s.rows.stop) for name, s in template.items()},
-                    specs=specs_of(template), node=snapshot.listing() if snapshot else None)
+                    specs=specs_of(template), node=snapshot.listing() if snapshot else None,
+                    gaps=[(m.commit, missing, [(r.table, r.start, r.stop) for r in m.shards]) for m, missing in broken])
     return inv, sources
 
 
@@ -175,6 +184,14 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             notes.append(f"{first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
         fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
         kind, cid, plan = chosen
+        skipped = sorted({(c, miss, tuple(rows)) for e in everyone for c, miss, rows in e.gaps if c > cid})
+        if skipped:
+            raise RestoreError(
+                f"the commit chain has a missing link: {skipped[-1][0]} is a delta on {skipped[-1][1]}, which no "
+                f"node holds, for rows " + ", ".join(f"{t}[{a}, {b})" for t, a, b in skipped[-1][2])
+                + f"; restoring {cid} instead would silently drop the steps after it. Bring back the node directory "
+                  f"holding it, or delete the newer commits on purpose to restore {cid}",
+                [tuple(x) for x in skipped[-1][2]])
         if kind == "durable":
             return _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place,
                                     durable_group, fallback, t0)
@@ -258,7 +275,7 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
         shard = template[a.table]
         lo = a.start - shard.rows.start
         dsts = {tname: t[lo: lo + (a.stop - a.start)] for tname, t in tensor_items(shard)}
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
+        if len(src.chain) <= 1 and all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
             fills.setdefault(src.path, {}).setdefault(src.table, []).append(
                 (a.start - src.first_row, a.stop - src.first_row, dsts))
             filled.add(i)
@@ -273,9 +290,11 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
         if src.path in corrupt:
             continue  # reported once per file
         try:
-            if src.path not in files:
+            if src.path not in files and len(src.chain) > 1:
+                files[src.path] = read_chain(list(src.chain), read_snapshot)
+            elif src.path not in files:
                 files[src.path] = read_snapshot(src.path, src.manifest, fill=fills.get(src.path))
-        except (ChecksumMismatch, OSError) as exc:
+        except (ChecksumMismatch, OSError, ValueError) as exc:
             log.error("snapshot_rejected", path=str(src.path), error=str(exc))
             rows = ", ".join(f"{r.table}[{r.start}, {r.stop})" for r in src.manifest.shards)
             bad_local.append((a.handle, f"step {src.manifest.step}, rows {rows}: {exc}"))

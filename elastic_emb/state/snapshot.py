@@ -18,6 +18,7 @@ manifest, copying the rows that stay on the reading rank in the same pass over t
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import time
@@ -33,6 +34,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
+from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import (
     CommitId,
     ShardRecord,
@@ -40,6 +42,7 @@ from elastic_emb.state.manifest import (
     TensorRecord,
     as_bytes,
     commit_dirname,
+    row_bytes,
     row_spec,
     step_of_dirname,
     tensor_items,
@@ -68,21 +71,22 @@ class RunMarker(BaseModel):
 
 class NodeListing(BaseModel):
     """What one node directory holds: the commit directories (torn ones included), whether the
-    run marker is there, and the valid manifests' pieces (``[commit, table, start, stop,
-    num_rows]``). Exchanged between ranks so that every rank judges completeness the same way."""
+    run marker is there, the valid manifests' pieces (``[commit, table, start, stop, num_rows]``)
+    and the links of delta commits to their parents. Exchanged between ranks so that every rank judges completeness the same way."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     node: str
     marker: bool
     dirs: list[str]
     pieces: list[tuple[CommitId, str, int, int, int]]
+    parents: list[tuple[CommitId, CommitId]] = []  # (delta commit, the commit it changes)
 
 
 class SnapshotTier:
     """Node-local snapshots with replicas on other nodes."""
 
     def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
-                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE) -> None:
+                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
@@ -94,6 +98,11 @@ class SnapshotTier:
         self.keep = keep
         self.file_mode = file_mode
         self.dir_mode = dir_mode
+        if max_chain < 0:
+            raise ValueError(f"max_chain={max_chain} must be >= 0 (0: every commit is a full base)")
+        self.max_chain = max_chain
+        # (fingerprint, last complete commit of this tier in that generation, deltas since its base)
+        self._chain: tuple[str, CommitId, int] | None = None
 
     @property
     def node_dir(self) -> Path:
@@ -101,23 +110,38 @@ class SnapshotTier:
 
     # -- commit ---------------------------------------------------------------------------------
 
-    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int]) -> tuple[int, int]:
+    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int],
+               changes: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
         """Write this rank's shard and replicas of others'; collective over ``comm``.
 
-        Returns (bytes written locally for own shard, bytes received as replicas). Raises
+        ``changes`` (the context's ``take_changes()``; the same choice on every rank): write a
+        delta of those rows on top of the previous commit of this generation, unless the chain
+        is at ``max_chain`` deltas or there is none yet (then a full base). Returns (bytes
+        written locally for own shard, bytes received as replicas). Raises
         :class:`StorageError` on every rank when any rank could not write its data (full or
         read-only storage): each rank then removes what it wrote of this commit, so the older
         commits stay the newest complete ones."""
         topo = comm.topology
         cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
         written: list[Path] = []
-        records, blob = pack_shard(shards, num_rows)
+        parent = None
+        chain = self._chain if self._chain and self._chain[0] == topo.fingerprint() else None
+        if changes is not None and chain is not None and chain[2] < self.max_chain:
+            parent = chain[1]
+            records, blob, _ = pack_delta(shards, changes, num_rows)
+        else:
+            records, blob = pack_shard(shards, num_rows)
+        self._chain = None  # until this commit completes: a failed commit makes the next one a base
         data_name = f"rank{topo.rank}.bin"
         error = self._write(cdir, data_name, blob, written, step)
         info = {"rank": topo.rank, "node_rank": topo.node_rank, "local_rank": topo.local_rank,
                 "node": self.node_id, "bytes": int(blob.numel()), "error": error,
                 "shards": [r.model_dump() for r in records]}
+        info["parent"] = list(parent) if parent else None
         everyone = comm.exchange(f"snap{step}", info)
+        if len({json.dumps(e["parent"]) for e in everyone}) != 1:  # cannot happen with one program on every rank
+            raise RuntimeError(f"commit of step {step}: ranks disagree on the parent commit "
+                               f"{[e['parent'] for e in everyone]}; every rank must pass the same kind of changes")
         self._abandon_if_failed(step, cdir, written, [e["error"] for e in everyone])
         # Replicas: who sends to whom follows from the gathered records alone.
         holders = {r["rank"]: replica_holders(everyone, r["rank"], self.replication) for r in everyone}
@@ -136,7 +160,7 @@ class SnapshotTier:
         # Data is durable on every node; manifests go last (a crash before here leaves no commit).
         points.reached("snapshot_before_manifest", step)
         base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
-                    world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id)
+                    world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id, parent=parent)
         own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
                                data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time())
         try:
@@ -150,6 +174,8 @@ class SnapshotTier:
         except OSError as exc:
             self._remove(cdir, written)
             raise StorageError(storage_message(cdir, 4096, exc, step)) from None
+        length = 0 if parent is None else chain[2] + 1
+        self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), length)
         return int(blob.numel()), replicated
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
@@ -231,8 +257,10 @@ class SnapshotTier:
             marker = (self.node_dir / RUN_MARKER).exists()
         except OSError:
             dirs, marker = [], False
-        pieces = [(m.commit, r.table, r.start, r.stop, r.num_rows) for _, m in self.manifests() for r in m.shards]
-        return NodeListing(node=self.node_id, marker=marker, dirs=dirs, pieces=pieces)
+        manifests = self.manifests()
+        pieces = [(m.commit, r.table, r.start, r.stop, r.num_rows) for _, m in manifests for r in m.shards]
+        parents = sorted({(m.commit, m.parent) for _, m in manifests if m.parent is not None})
+        return NodeListing(node=self.node_id, marker=marker, dirs=dirs, pieces=pieces, parents=parents)
 
     # -- pruning ----------------------------------------------------------------------------------
 
@@ -241,7 +269,8 @@ class SnapshotTier:
 
         Completeness is judged over the whole world (every node's valid manifests, exchanged),
         by the same rule as restore: a commit is complete when valid manifests cover every row
-        of every table. Kept: the newest ``keep`` complete commits, and anything newer than the
+        of every table. Kept: the newest ``keep`` complete commits (a delta with every commit of
+        its chain back to its base), and anything newer than the
         newest complete one (it may still complete: a commit in progress). Deleted: everything
         older than the newest complete commit that is not kept. ``at_start`` (after a restart's
         restore): torn directories of earlier generations are deleted too, since their writers
@@ -262,6 +291,11 @@ class SnapshotTier:
         if not complete:
             return []
         kept = set(complete[: self.keep])
+        parent_of = {c: p for e in everyone if e for c, p in e.parents}
+        for c in list(kept):  # a kept delta keeps its chain back to the base
+            while c in parent_of and parent_of[c] not in kept:
+                c = parent_of[c]
+                kept.add(c)
         newest = complete[0]
         commit_of = {f"{commit_dirname(c.step, c.fingerprint)}": c for c in by_commit}
         current = topo.fingerprint()
@@ -374,11 +408,11 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
     raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in manifest.shards:
-        n = rec.stop - rec.start
         tensors = {}
         for tr in rec.tensors:
             b = raw[tr.offset: tr.offset + tr.nbytes]
-            rb = tr.nbytes // n if n else 0
+            rb = row_bytes([tr.dtype, tr.row_shape])
+            n = tr.nbytes // rb if rb else 0  # the shard's rows (a base) or the changed rows (a delta)
             copies = [(lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
                       for lo, hi, dsts in (fill or {}).get(rec.table, []) if tr.name in dsts]
             if verify:

@@ -1,0 +1,108 @@
+"""Incremental commits: a base image plus a bounded chain of deltas of the rows that changed.
+
+An embedding step writes few rows of a large table, so a commit need only carry those rows. A
+context that tracks its writes (``tracks_changes``, ``take_changes()``: per table a bool mask of
+the rows written since the last call) lets the snapshot tier write, after a full *base* commit,
+*delta* commits: per table the local row numbers that changed (an ``index`` tensor, int64) and
+those rows of the weight and of every optimizer slot, each with its CRC32, in the same file and
+manifest format as a base. A delta's manifest names its ``parent`` commit, so every delta links to
+the one before it, back to a base of the same generation (a new generation, a new layout, always
+starts with a base).
+
+Restore materializes a delta commit of one source rank from the files one holder keeps: the
+base, then every delta in order, each verified against its CRC32s before it is applied
+(:func:`read_chain`). A delta whose manifest was never written (a crash in the middle of a
+commit) is not a commit: the chain simply ends one step earlier (a torn tail is ignored). A link
+missing in the *middle* of a chain, where later deltas exist, is reported by
+:func:`resolve_chains` as a gap, and restore refuses to skip over it silently.
+
+Bound: the chain is at most ``max_chain`` deltas long; the commit after that is a new base
+(compaction by re-basing: it is a complete commit of its own, so a crash at any point leaves the
+previous base and chain restorable until the new base is complete). With ``keep`` complete commits
+kept and their chains, a node directory holds at most two bases and ``max_chain`` deltas per
+shard it stores (own or replica).
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from elastic_emb.protocol import ShardData
+from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, tensor_items
+
+INDEX = "index"  # the tensor of a delta record holding the changed rows' local row numbers (int64)
+
+
+def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor],
+               num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor, int]:
+    """The changed rows of every table back to back in one byte buffer, with their records.
+    Returns (records, buffer, number of changed rows over all tables)."""
+    records, parts, off, total = [], [], 0, 0
+    for name in sorted(shards):
+        sd = shards[name]
+        mask = changes.get(name)
+        if mask is None or mask.shape != (len(sd.rows),) or mask.dtype != torch.bool:
+            raise ValueError(f"take_changes()[{name!r}] must be a bool mask of shape ({len(sd.rows)},), got "
+                             f"{None if mask is None else (tuple(mask.shape), mask.dtype)}")
+        idx = mask.nonzero().flatten()
+        total += int(idx.numel())
+        trs = []
+        for tname, t in [(INDEX, idx.to(torch.int64))] + [(n, t[idx.to(t.device)]) for n, t in tensor_items(sd)]:
+            b = as_bytes(t)
+            spec = row_spec(t)
+            trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
+                                    crc32=zlib.crc32(b.numpy())))
+            parts.append(b)
+            off += int(b.numel())
+        records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
+                                   tensors=trs))
+    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return records, blob, total
+
+
+def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
+    """For every manifest one holder has: the files restoring it takes, base first.
+
+    Returns (chains, gaps): ``chains`` maps (path of the manifest's data file) to the list of
+    (path, manifest) from the base to it, for every manifest whose chain is complete; ``gaps``
+    lists (manifest, the parent commit that is missing) for those whose chain is broken."""
+    by_key = {(m.source_rank, m.replica, m.commit): (p, m) for p, m in manifests}
+    chains: dict[Path, list[tuple[Path, SnapshotManifest]]] = {}
+    gaps: list[tuple[SnapshotManifest, CommitId]] = []
+    for path, m in manifests:
+        chain = [(path, m)]
+        cur = m
+        seen = {m.commit}
+        while cur.parent is not None:
+            nxt = by_key.get((cur.source_rank, cur.replica, cur.parent))
+            if nxt is None or nxt[1].commit in seen or nxt[1].commit >= cur.commit:
+                gaps.append((m, cur.parent))
+                chain = None
+                break
+            seen.add(nxt[1].commit)
+            chain.append(nxt)
+            cur = nxt[1]
+        if chain is not None:
+            chains[path] = list(reversed(chain))
+    return chains, gaps
+
+
+def read_chain(chain: list[tuple[Path, SnapshotManifest]], read) -> dict[str, dict[str, torch.Tensor]]:
+    """Materialize a shard from its base and deltas, in order; ``read(path, manifest)`` reads and
+    verifies one file (:func:`elastic_emb.state.snapshot.read_snapshot`). The base is mapped
+    copy-on-write, so applying the deltas never changes a committed file."""
+    (base_path, base_m), deltas = chain[0], chain[1:]
+    out = read(base_path, base_m)
+    for path, m in deltas:
+        d = read(path, m)
+        for table, tensors in d.items():
+            idx = tensors[INDEX].reshape(-1)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= out[table]["weight"].shape[0]):
+                raise ValueError(f"{path}: delta of table {table!r} names rows outside its shard")
+            for tname, rows in tensors.items():
+                if tname != INDEX:
+                    out[table][tname][idx] = rows
+    return out
