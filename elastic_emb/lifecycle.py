@@ -194,7 +194,6 @@ class Lifecycle:
             lc.context = check_context(factory(topology, store))
             t3 = time.perf_counter()
             report = lc._restore(live=None, live_commit=None)
-            lc.snapshot.prune(lc._comm_for(lc.context), at_start=True)  # torn commits of earlier generations
         except BaseException:
             lc.close()  # release what was built (communicator, arena, default group) before raising
             raise
@@ -366,6 +365,9 @@ class Lifecycle:
         report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
                          live_commit=live_commit, require_state=self.config.require_state,
                          start_fresh=self.config.start_fresh, durable_group=group)
+        # Every rank of the new generation passes here (starters and rebuilders alike): the torn
+        # commits of earlier generations will never complete, remove them.
+        self.snapshot.prune(comm, at_start=True)
         log.info("lifecycle.restored", **report.as_dict())
         return report
 
