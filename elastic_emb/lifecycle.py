@@ -53,6 +53,7 @@ from elastic_emb.state import (
     node_id_from_env,
     restore,
 )
+from elastic_emb.state.writer import CommitWriter
 from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle")
@@ -80,6 +81,7 @@ class LifecycleConfig(BaseModel):
     agree_timeout: float = Field(default=60.0, gt=0)
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False
+    async_commit: bool = False  # commit() returns once the rows are captured; a background thread writes them
     incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
     max_chain: int = Field(default=8, ge=0)  # deltas on one base before the next full base
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
@@ -161,6 +163,8 @@ class Lifecycle:
         self.draining = False
         self.events: list[ResizeEvent] = []
         self._comm: Comm | None = None
+        self._writer: CommitWriter | None = None
+        self._before_in_flight = -1  # self.step before the commit the writer has in flight
         self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._pending_durable = None
@@ -213,7 +217,22 @@ class Lifecycle:
     @property
     def committed_step(self) -> int:
         """The newest step whose commit is complete (its manifests written on its own node and on
-        its replica holders); -1 before the first. Commits complete inside ``commit()``."""
+        its replica holders); -1 before the first. Synchronous commits complete inside
+        ``commit()``; with ``async_commit`` the commit in flight completes in the background."""
+        if self._writer is not None and self._writer.in_flight is not None:
+            return self._before_in_flight
+        return self.step
+
+    def wait_commit(self) -> int:
+        """Block until the commit in flight (``async_commit``) is complete; raise its error if it
+        failed (the lifecycle then counts the step before it as the last committed one).
+        Returns :attr:`committed_step`."""
+        if self._writer is not None:
+            try:
+                self._writer.wait()
+            except BaseException:
+                self.step = self._before_in_flight
+                raise
         return self.step
 
     # -- commits -----------------------------------------------------------------------------
@@ -236,6 +255,7 @@ class Lifecycle:
         if force or drain or step % self.config.commit_every == 0:
             report = self._commit(step)
         if drain:
+            self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
             self.watcher.ack_drain(step)
             self.draining = True
             log.info("lifecycle.draining", step=step)
@@ -252,7 +272,15 @@ class Lifecycle:
         shards = views if views is not None else ctx.export_shard()
         comm = self._comm_for(ctx)
         num_rows = self._table_rows()
-        written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
+        if self.config.async_commit:
+            writer = self._writer_for()
+            self.wait_commit()
+            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes)
+            self._before_in_flight = self.step
+            writer.submit(cap)
+            written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
+        else:
+            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
         tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
         if durable_due:
@@ -260,7 +288,8 @@ class Lifecycle:
             durable_bytes, self._pending_durable = self.durable.commit(
                 step, shards, comm, num_rows, self._durable_group(), asynchronous=self.config.durable_async)
             tiers.append("durable")
-        self.snapshot.prune(comm)
+        if not self.config.async_commit:
+            self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
         self.step = step
         report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
                               bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
@@ -293,6 +322,7 @@ class Lifecycle:
             raise AssertionError(f"reset across sizes {old.world_size}->{new.world_size} must never happen")
         t0 = time.perf_counter()
         self.wait_durable()
+        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
         agree(new, store, timeout=self.config.agree_timeout)
         t1 = time.perf_counter()
         ctx = self._require_context()
@@ -312,6 +342,7 @@ class Lifecycle:
         t0 = time.perf_counter()
         ctx = self._require_context()
         self.wait_durable()
+        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
         committed = False
         healthy = ctx.healthy and not ctx.closed
         # A commit is collective over the old world: only when nobody left (leavers commit before
@@ -442,6 +473,7 @@ class Lifecycle:
 
     def close(self) -> None:
         self.wait_durable()
+        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
         self._close_comm()
         if self.context is not None:
             self.context.close()
@@ -466,7 +498,24 @@ class Lifecycle:
             self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
         return self._comm
 
+    def _writer_for(self) -> CommitWriter:
+        if self._writer is None or self._writer.comm.topology is not self.topology:
+            self._close_writer()
+            comm = Comm(self.topology, self.store, None, timeout=self.config.transfer_timeout, purpose="commit")
+            self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout)
+        return self._writer
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            try:
+                self.wait_commit()
+            except Exception as exc:  # reported; the previous commit stays the newest complete one
+                log.error("lifecycle.commit_failed", step=self._writer.in_flight, error=str(exc)[:500])
+            self._writer.comm.close()
+            self._writer = None
+
     def _close_comm(self) -> None:
+        self._close_writer()
         if self._comm is not None:
             self._comm.close()
             self._comm = None

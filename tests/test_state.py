@@ -584,3 +584,35 @@ def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
     shutil.rmtree(dirs[2])
     with pytest.raises(RestoreError, match=r"missing link: step 3 .* delta on step 2 .*t\[0, 40\)"):
         restore(TrackingContext(topo2), comm2, snapshot=tier, durable=None)
+
+
+# -- asynchronous commits (a background writer) with real processes -----------------------------------
+
+
+def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_flight(tmp_path):
+    from tests.test_lifecycle import assert_bit_exact, gather, ok, ref_after
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"async_commit": True}
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 0, out, 3, config=cfg))
+    assert [v["step"] for v in values] == [3, 3]
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 1, out, 5, config=cfg))
+    assert [v["start_step"] for v in values] == [3, 3]  # close() waited for the commit in flight
+    assert_bit_exact(gather(out, "start", 1), ref_after(3), "restored from asynchronous commits")
+    assert_bit_exact(gather(out, "phase1", 1), ref_after(5), "trained on")
+    # SIGKILL in the writer thread between the data and the manifests of step 7.
+    kill = {r: {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@7"} for r in range(2)}
+    results = _lifecycle_run(tmp_path, ["A", "B"], 2, out, 8, extra=kill, config=cfg)
+    assert [r.returncode for r in results] == [-9, -9], [(r.returncode, r.stderr[-800:]) for r in results]
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 3, out, 8, config=cfg))
+    assert [v["start_step"] for v in values] == [6, 6]
+    assert_bit_exact(gather(out, "start", 3), ref_after(6), "the commit in flight was lost, the one before restored")
+
+
+def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):
+    """2 -> 4 in the same processes: the old ranks' last commit is in flight when the resize
+    starts; the rebuild waits for it, so the new world restores exactly the last step."""
+    from tests.test_lifecycle import _in_process
+
+    _in_process(tmp_path, ["A", "B"], ["A", "B", "C", "D"], {}, config={"async_commit": True})

@@ -5,7 +5,9 @@ unless a hook is installed. :mod:`elastic_emb.testing.faults` installs one that 
 at a chosen point (and step), which is how the tests and drills prove that a crash at any point
 of a commit leaves the last complete commit restorable.
 
-Points: ``snapshot_before_manifest`` (data and replicas written, manifests not yet) and
+Points, in the order a snapshot commit reaches them: ``snapshot_data_written`` (this rank's data
+file written), ``snapshot_replica_in_flight`` (before the replicas are exchanged),
+``snapshot_before_manifest`` (data and replicas written, manifests not yet); and
 ``durable_before_manifest`` (DCP done, manifest not yet written).
 """
 

@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -82,6 +83,18 @@ class NodeListing(BaseModel):
     parents: list[tuple[CommitId, CommitId]] = []  # (delta commit, the commit it changes)
 
 
+@dataclass(frozen=True)
+class Capture:
+    """A commit copied out of the context, ready to be written (:meth:`SnapshotTier.write`)."""
+
+    step: int
+    topology: object  # elastic_emb.topology.Topology of the generation that took it
+    records: list[ShardRecord]
+    blob: torch.Tensor  # this rank's shard (a base) or its changed rows (a delta), packed
+    parent: CommitId | None  # the commit a delta changes; None: a base
+    chain_length: int  # deltas since the base, this one included
+
+
 class SnapshotTier:
     """Node-local snapshots with replicas on other nodes."""
 
@@ -120,20 +133,32 @@ class SnapshotTier:
         written locally for own shard, bytes received as replicas). Raises
         :class:`StorageError` on every rank when any rank could not write its data (full or
         read-only storage): each rank then removes what it wrote of this commit, so the older
-        commits stay the newest complete ones."""
-        topo = comm.topology
-        cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
-        written: list[Path] = []
+        commits stay the newest complete ones. The same as :meth:`write` of :meth:`capture`."""
+        return self.write(self.capture(step, shards, comm.topology, num_rows, changes), comm)
+
+    def capture(self, step: int, shards: dict[str, ShardData], topology, num_rows: dict[str, int],
+                changes: dict[str, torch.Tensor] | None = None) -> "Capture":
+        """Copy what commit ``step`` writes (the whole shard, or the changed rows on top of the
+        previous commit) into a buffer of its own: once it returns, the context may change its
+        rows while :meth:`write` runs (e.g. in a background writer). Local, not collective."""
+        chain = self._chain if self._chain and self._chain[0] == topology.fingerprint() else None
         parent = None
-        chain = self._chain if self._chain and self._chain[0] == topo.fingerprint() else None
         if changes is not None and chain is not None and chain[2] < self.max_chain:
             parent = chain[1]
             records, blob, _ = pack_delta(shards, changes, num_rows)
         else:
             records, blob = pack_shard(shards, num_rows)
         self._chain = None  # until this commit completes: a failed commit makes the next one a base
+        return Capture(step, topology, records, blob, parent, 0 if parent is None else chain[2] + 1)
+
+    def write(self, cap: "Capture", comm: Comm) -> tuple[int, int]:
+        """Write a captured commit: data, replicas, manifests last; collective over ``comm``."""
+        topo, step, parent, records, blob = cap.topology, cap.step, cap.parent, cap.records, cap.blob
+        cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
+        written: list[Path] = []
         data_name = f"rank{topo.rank}.bin"
         error = self._write(cdir, data_name, blob, written, step)
+        points.reached("snapshot_data_written", step)
         info = {"rank": topo.rank, "node_rank": topo.node_rank, "local_rank": topo.local_rank,
                 "node": self.node_id, "bytes": int(blob.numel()), "error": error,
                 "shards": [r.model_dump() for r in records]}
@@ -150,6 +175,7 @@ class SnapshotTier:
             send[h] = blob
         senders = [r for r in range(comm.size) if topo.rank in holders[r]]
         recv_sizes = [everyone[r]["bytes"] if r in senders else 0 for r in range(comm.size)]
+        points.reached("snapshot_replica_in_flight", step)
         got = comm.all_to_all(send, recv_sizes) if any(holders.values()) else [None] * comm.size
         replicated = 0
         for r in senders:
@@ -174,8 +200,7 @@ class SnapshotTier:
         except OSError as exc:
             self._remove(cdir, written)
             raise StorageError(storage_message(cdir, 4096, exc, step)) from None
-        length = 0 if parent is None else chain[2] + 1
-        self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), length)
+        self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
         return int(blob.numel()), replicated
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
