@@ -77,7 +77,7 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
 )
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.state import faultpoint
+from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
 log = get_logger("elastic_emb.resize")
@@ -307,7 +307,7 @@ class InProcessResize:
         key = prefix + KEY_DECISION
         me = self.watcher.node
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
-            faultpoint("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
+            points.reached("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
             old = self.lc.topology
             record = json.dumps({"generation": generation, "nodes": list(survivors) + list(joiners),
                                  "master_addr": old.master_addr, "master_port": old.master_port})

@@ -616,3 +616,27 @@ def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):
     from tests.test_lifecycle import _in_process
 
     _in_process(tmp_path, ["A", "B"], ["A", "B", "C", "D"], {}, config={"async_commit": True})
+
+
+def test_incremental_commits_of_emb_context_restore_bit_for_bit(tmp_path):
+    """EmbContext tracks its writes: with incremental commits (max_chain 2: bases and deltas
+    alternate) two nodes train, restart and restore the last step bit for bit, then a node is
+    lost and its rows come from the replicas of the chain."""
+    import shutil
+
+    from tests.test_lifecycle import assert_bit_exact, gather, ok, ref_after
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"incremental": True, "max_chain": 2}
+    ok(_lifecycle_run(tmp_path, ["A", "B"], 0, out, 4, config=cfg))
+    deltas = [m for m in (tmp_path / "nodes").glob("*/test/*/step-*/rank*.json") if '"parent":[' in m.read_text()]
+    assert deltas, "no delta commit was written"
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 1, out, 6, config=cfg))
+    assert [v["start_step"] for v in values] == [4, 4]
+    assert_bit_exact(gather(out, "start", 1), ref_after(4), "restored from a base and deltas")
+    assert_bit_exact(gather(out, "phase1", 1), ref_after(6), "trained on")
+    shutil.rmtree(tmp_path / "nodes" / "B")
+    [v] = ok(_lifecycle_run(tmp_path, ["A"], 2, out, 7, config=cfg))
+    assert v["start_step"] == 6
+    assert_bit_exact(gather(out, "start", 2), ref_after(6), "node B lost: its chain from the replicas")

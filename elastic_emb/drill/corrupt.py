@@ -41,14 +41,21 @@ def corrupt_newest_snapshot(state_dir: Path, *, table: str = "user", rows: int =
         shards = []
         for rec in m.shards:
             tensors = []
+            # A delta commit holds only the changed rows, their local numbers in its "index" tensor.
+            index = next((tr for tr in rec.tensors if tr.name == "index"), None)
             for tr in rec.tensors:
-                if rec.table == table and tr.name == "weight" and rec.stop > rec.start:
-                    n = min(rows, rec.stop - rec.start)
+                if rec.table == table and tr.name == "weight" and tr.nbytes:
                     w = torch.frombuffer(blob, dtype=getattr(torch, tr.dtype), count=tr.nbytes // 4, offset=tr.offset)
-                    w = w.view(rec.stop - rec.start, *tr.row_shape)
+                    w = w.view(-1, *tr.row_shape)
+                    n = min(rows, w.shape[0])
                     w[:n] += delta  # writes through into `blob`
                     tr = tr.model_copy(update={"crc32": zlib.crc32(bytes(blob[tr.offset: tr.offset + tr.nbytes]))})
-                    changed.append({"table": table, "rows": [rec.start, rec.start + n], "step": step,
+                    if index is None:
+                        hit = list(range(rec.start, rec.start + n))
+                    else:
+                        local = torch.frombuffer(blob, dtype=torch.int64, count=index.nbytes // 8, offset=index.offset)
+                        hit = [rec.start + int(r) for r in local[:n]]
+                    changed.append({"table": table, "rows": [min(hit), max(hit) + 1], "row_list": hit, "step": step,
                                     "file": str(data), "delta": delta})
                 tensors.append(tr)
             shards.append(rec.model_copy(update={"tensors": tensors}))

@@ -7,8 +7,10 @@ of a commit leaves the last complete commit restorable.
 
 Points, in the order a snapshot commit reaches them: ``snapshot_data_written`` (this rank's data
 file written), ``snapshot_replica_in_flight`` (before the replicas are exchanged),
-``snapshot_before_manifest`` (data and replicas written, manifests not yet); and
-``durable_before_manifest`` (DCP done, manifest not yet written).
+``snapshot_before_manifest`` (data and replicas written, manifests not yet);
+``durable_before_manifest`` (DCP done, manifest not yet written); and, outside the state tiers,
+``resize_decider_claimed`` (:mod:`elastic_emb.resize`: the in-process resize's decider claimed
+the decision and has not written it).
 """
 
 from __future__ import annotations

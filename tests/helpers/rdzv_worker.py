@@ -102,6 +102,9 @@ def last_committed() -> int:
 
 
 def main() -> int:
+    from elastic_emb.testing.faults import arm_from_env
+
+    arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it
     t_start = time.time()
     topo = Topology.from_env()
     store = worker_store(topo, timeout=30.0)
