@@ -149,17 +149,27 @@ class ShardRecord(BaseModel):
     tensors: list[TensorRecord]
 
 
-class SnapshotManifest(BaseModel):
-    """The commit marker of one rank's shard in one node directory (own copy or replica)."""
+class CommitRecord(BaseModel):
+    """What every manifest of either tier says about its commit."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     version: int = MANIFEST_VERSION
-    kind: Literal["snapshot"] = "snapshot"
     step: int = Field(ge=0)
     generation: int = Field(ge=0)
     fingerprint: str
     run_id: str
     world_size: int
+    written_at: float
+
+    @property
+    def commit(self) -> CommitId:
+        return CommitId(self.step, self.generation, self.fingerprint)
+
+
+class SnapshotManifest(CommitRecord):
+    """The commit marker of one rank's shard in one node directory (own copy or replica)."""
+
+    kind: Literal["snapshot"] = "snapshot"
     ep_size: int
     source_rank: int
     source_node: str
@@ -168,34 +178,17 @@ class SnapshotManifest(BaseModel):
     data_file: str
     data_bytes: int
     shards: list[ShardRecord]
-    written_at: float
     parent: CommitId | None = None  # a delta commit: the commit it changes (None: a full base image)
 
-    @property
-    def commit(self) -> CommitId:
-        return CommitId(self.step, self.generation, self.fingerprint)
 
-
-class DurableManifest(BaseModel):
+class DurableManifest(CommitRecord):
     """The commit marker of one DCP checkpoint, written by rank 0 after DCP finished."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    version: int = MANIFEST_VERSION
     kind: Literal["durable"] = "durable"
-    step: int = Field(ge=0)
-    generation: int = Field(ge=0)
-    fingerprint: str
-    run_id: str
-    world_size: int
     tables: dict[str, int]  # table -> num_rows
     tensors: dict[str, list]  # "<table>.<name>" -> [dtype, row_shape]
     checksums: dict[str, dict[str, list]]  # "<table>.<name>" -> {rank: [start, stop, crc32]}
     checkpoint_dir: str
-    written_at: float
-
-    @property
-    def commit(self) -> CommitId:
-        return CommitId(self.step, self.generation, self.fingerprint)
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
