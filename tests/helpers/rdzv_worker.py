@@ -102,9 +102,6 @@ def last_committed() -> int:
 
 
 def main() -> int:
-    from elastic_emb.testing.faults import arm_from_env
-
-    arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it
     t_start = time.time()
     topo = Topology.from_env()
     store = worker_store(topo, timeout=30.0)
@@ -322,4 +319,7 @@ if __name__ == "__main__":
     # peer is gone, that is up to the wait's timeout, and the restart waits for it. (The plain
     # worker under a stock agent, which makes no such waits, takes one bounded last look.)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from elastic_emb.testing.faults import arm_from_env
+
+    arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it
     sys.exit(main_lifecycle() if os.environ.get("RDZV_TEST_WORKER") == "lifecycle" else main())
