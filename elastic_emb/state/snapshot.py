@@ -181,10 +181,10 @@ class SnapshotTier:
         for r in senders:
             error = error or self._write(cdir, f"rank{r}.replica.bin", got[r].cpu(), written, step)
             replicated += everyone[r]["bytes"]
-        if any(holders.values()):
-            self._abandon_if_failed(step, cdir, written, comm.exchange(f"snap{step}-replicas", error))
-        # Data is durable on every node; manifests go last (a crash before here leaves no commit).
+        # Data is written on this node; manifests go last (a crash before them leaves no commit).
         points.reached("snapshot_before_manifest", step)
+        if any(holders.values()):  # ... and only once every node has its data
+            self._abandon_if_failed(step, cdir, written, comm.exchange(f"snap{step}-replicas", error))
         base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
                     world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id, parent=parent)
         own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
