@@ -118,6 +118,27 @@ class TorchCompatError(ElasticEmbError, ImportError):
     """The installed torch lacks (or changed the meaning of) a private rendezvous name the backend uses."""
 
 
+class EtcdUnreachable(ElasticEmbError, ConnectionError):
+    """No etcd member answered the call (all unreachable, without a leader, or timing out).
+    ``rdzv.etcd_v3`` raises its subclass that is also torch's ``RendezvousConnectionError``."""
+
+
+class EtcdV3Error(ElasticEmbError, RuntimeError):
+    """etcd answered the call with an error (bad request, permission denied, ...)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ResizeFallback(ElasticEmbError, RuntimeError):
+    """The in-process re-form failed; the agents were asked to restart the workers instead."""
+
+
+class MemberGone(ElasticEmbError, TimeoutError):
+    """A store wait ended because a member of the generation left the rendezvous."""
+
+
 # -- state transport -----------------------------------------------------------------------------
 
 

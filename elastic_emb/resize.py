@@ -63,7 +63,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from elastic_emb import config
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import ElasticEmbError, MemberGone, ResizeFallback
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.keys import (
     KEY_CURRENT,
@@ -81,14 +81,6 @@ from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
 log = get_logger("elastic_emb.resize")
-
-
-class ResizeFallback(ElasticEmbError, RuntimeError):
-    """The in-process re-form failed; the agents were asked to restart the workers instead."""
-
-
-class MemberGone(ElasticEmbError, TimeoutError):
-    """A store wait ended because a member of the generation left the rendezvous."""
 
 
 class InterruptibleStore(dist.Store):

@@ -36,3 +36,29 @@ def test_every_error_is_an_elastic_emb_error_and_a_builtin():
             refined = [b for b in cls.__mro__[1:] if b in builtin_errors and b not in (Exception, BaseException)]
             assert refined, f"{cls.__name__} refines no builtin error (ValueError, RuntimeError, ...)"
         assert getattr(elastic_emb, cls.__name__) is cls
+
+
+def test_every_public_error_class_is_defined_in_errors_py():
+    """One hierarchy in one place: an error class defined elsewhere is re-exported, not redefined.
+    (Private control-flow exceptions are not API.)"""
+    import ast
+    from pathlib import Path
+
+    package = Path(elastic_emb.__file__).parent
+    names = {n for n in vars(errors) if isinstance(getattr(errors, n), type)}
+    builtin_names = {n for n, v in vars(builtins).items() if isinstance(v, type)}
+    elsewhere = []
+    for path in package.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            bases = {ast.unparse(b) for b in node.bases}
+            # Allowed: a class that joins a declared error to a framework's hierarchy (e.g. torch's
+            # RendezvousConnectionError), and click's display class for CLI errors.
+            binds = bool(bases & names) and bool(bases - names - builtin_names)
+            if node.name in names or any(b.endswith(("Error", "Exception", "Timeout")) for b in bases):
+                if bases != {"click.ClickException"} and not (binds and node.name not in names):
+                    elsewhere.append(f"{path.relative_to(package)}: class {node.name}({', '.join(sorted(bases))})")
+    assert elsewhere == [], "define these in elastic_emb/errors.py and import them: " + "; ".join(elsewhere)

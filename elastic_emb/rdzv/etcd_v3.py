@@ -67,6 +67,8 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
+from elastic_emb.errors import EtcdUnreachable, EtcdV3Error
+
 NAME = "etcd-v3"
 STATE_PREFIX = "/torch/elastic/rendezvous/"  # + run id (the same path as torch's etcd-v2 backend)
 STORE_PREFIX = "/torch/elastic/store/"
@@ -80,16 +82,9 @@ _UNAVAILABLE, _DEADLINE_EXCEEDED, _UNAUTHENTICATED = 14, 4, 16
 _MEMBER_DOWN_MESSAGES = ("no leader", "leader changed", "timed out", "not capable", "too many requests")
 
 
-class EtcdV3ConnectionError(ConnectionError, RendezvousConnectionError):
-    """No etcd member answered the call (all unreachable, without a leader, or timing out)."""
-
-
-class EtcdV3Error(RuntimeError):
-    """etcd answered the call with an error (bad request, permission denied, ...)."""
-
-    def __init__(self, message: str, code: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+class EtcdV3ConnectionError(EtcdUnreachable, RendezvousConnectionError):
+    """:class:`~elastic_emb.errors.EtcdUnreachable` that is also torch's ``RendezvousConnectionError``
+    (which torch's rendezvous treats as a connection problem, not a failure)."""
 
 
 class ClientOptions(BaseModel):
