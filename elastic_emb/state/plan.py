@@ -100,19 +100,28 @@ def plan_assignments(inventories: list[list[Piece]], commit: CommitId, num_rows:
     return plan, missing
 
 
-def missing_rows(pieces: list[Piece], num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
-    """The row ranges of each table that no piece covers (pieces of one commit, any holders)."""
+def uncovered(spans, num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The row ranges ``(table, start, stop)`` of each table in ``num_rows`` that no span
+    ``(table, start, stop)`` covers: the one completeness rule of planning, prune and restore."""
+    by_table: dict[str, list[tuple[int, int]]] = {}
+    for table, a, b in spans:
+        if b > a:
+            by_table.setdefault(table, []).append((a, b))
     out: list[tuple[str, int, int]] = []
     for table in sorted(num_rows):
-        spans = sorted((p.start, p.stop) for p in pieces if p.table == table and p.stop > p.start)
         cur = 0
-        for a, b in spans:
+        for a, b in sorted(by_table.get(table, ())):
             if a > cur:
                 out.append((table, cur, a))
             cur = max(cur, b)
         if cur < num_rows[table]:
             out.append((table, cur, num_rows[table]))
     return out
+
+
+def missing_rows(pieces: list[Piece], num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The row ranges of each table that no piece covers (pieces of one commit, any holders)."""
+    return uncovered(((p.table, p.start, p.stop) for p in pieces), num_rows)
 
 
 def replica_holders(records: list[dict], rank: int, replication: int) -> list[int]:

@@ -50,7 +50,7 @@ from elastic_emb.state.manifest import (
     write_atomic,
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
-from elastic_emb.state.plan import replica_holders
+from elastic_emb.state.plan import replica_holders, uncovered
 
 log = get_logger("elastic_emb.state")
 
@@ -350,16 +350,7 @@ def commit_missing(pieces: list[tuple[str, int, int, int]]) -> list[tuple[str, i
     num_rows: dict[str, int] = {}
     for table, _, _, n in pieces:
         num_rows[table] = max(num_rows.get(table, 0), n)
-    out: list[tuple[str, int, int]] = []
-    for table in sorted(num_rows):
-        cur = 0
-        for a, b in sorted((a, b) for t, a, b, _ in pieces if t == table and b > a):
-            if a > cur:
-                out.append((table, cur, a))
-            cur = max(cur, b)
-        if cur < num_rows[table]:
-            out.append((table, cur, num_rows[table]))
-    return out
+    return uncovered(((t, a, b) for t, a, b, _ in pieces), num_rows)
 
 
 def free_bytes(path: Path) -> int | None:
