@@ -188,6 +188,20 @@ class Scenario(BaseModel):
 # -- presets ------------------------------------------------------------------------------------
 
 _STEP = dict(steps=70, step_delay=0.05)
+
+
+def _ep8(name: str, loss: str, story: str) -> Scenario:
+    """Expert-parallel 8 on CPU (4 nodes x 2 ranks): nodes 1 and 3 lost by ``loss``, then two joins."""
+    return Scenario(
+        name=name, description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
+        initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
+        faults=(
+            Fault(kind=loss, at_step=8, node=1), Fault(kind=loss, at_step=20, node=3),
+            Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
+        ),
+    )
+
+
 PRESETS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -256,26 +270,9 @@ PRESETS: dict[str, Scenario] = {
                 Fault(kind="kill_node", at_step=75), Fault(kind="join", at_step=105),
             ),
         ),
-        Scenario(
-            name="ep8",
-            description="Expert-parallel 8 on CPU: 4 nodes x 2 ranks; nodes 1 and 3 SIGKILLed one after the other "
-                        "(8 -> 6 -> 4), then two nodes join (4 -> 6 -> 8).",
-            initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
-            faults=(
-                Fault(kind="kill_node", at_step=8, node=1), Fault(kind="kill_node", at_step=20, node=3),
-                Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
-            ),
-        ),
-        Scenario(
-            name="ep8-term",
-            description="Expert-parallel 8 on CPU, SIGTERM flavour: 4 nodes x 2 ranks; nodes 1 and 3 leave (8 -> 6 -> 4), "
-                        "two nodes join (4 -> 6 -> 8).",
-            initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
-            faults=(
-                Fault(kind="leave", at_step=8, node=1), Fault(kind="leave", at_step=20, node=3),
-                Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
-            ),
-        ),
+        _ep8("ep8", "kill_node", "nodes 1 and 3 SIGKILLed one after the other (8 -> 6 -> 4), then two nodes join "
+                                 "(4 -> 6 -> 8)."),
+        _ep8("ep8-term", "leave", "SIGTERM flavour: nodes 1 and 3 leave (8 -> 6 -> 4), two nodes join (4 -> 6 -> 8)."),
         Scenario(
             name="corrupt-snapshot",
             description="Plants a loss (bytes of node 0's newest snapshot flipped, then a restart): the drill must fail.",
