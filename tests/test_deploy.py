@@ -468,6 +468,22 @@ WIRING_PLANTS = {
 }
 
 
+def _secret_entry(res):
+    (e,) = [e for e in container(pod_template(res))["env"] if e["name"] == "ELASTIC_EMB_JOB_SECRET"]
+    return e
+
+
+WIRING_PLANTS.update({
+    ("indexed-job", "secret", "missing"): (
+        lambda r: container(pod_template(r))["env"].remove(_secret_entry(r)), "is not set"),
+    ("pytorchjob", "secret", "literal"): (
+        lambda r: (_secret_entry(r).pop("valueFrom"), _secret_entry(r).update(value="hunter2hunter2hunter2")),
+        "secretKeyRef"),
+    ("indexed-job", "secret", "optional"): (
+        lambda r: _secret_entry(r)["valueFrom"]["secretKeyRef"].update(optional=True), "must not be optional"),
+})
+
+
 def _etcd_flag(res, flag, change):
     """Change (or with ``change=None`` remove) ``flag=value`` in the etcd container's command."""
     cmd = pick(res, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -1135,6 +1135,23 @@ def rule_store(resources: list[dict], w: Workload) -> list[str]:
     return errors
 
 
+def rule_secret(resources: list[dict], w: Workload) -> list[str]:
+    """ELASTIC_EMB_JOB_SECRET comes from a Secret (never a literal in the template), and is required:
+    a pod that starts without it would accept unsigned control writes from anyone on the store."""
+    c = _container(w.pod_template)
+    entries = [e for e in c.get("env") or [] if e.get("name") == "ELASTIC_EMB_JOB_SECRET"]
+    where = f"{w.kind}/{w.name}"
+    if not entries:
+        return [f"{where}: ELASTIC_EMB_JOB_SECRET is not set: control keys would be unsigned (see README, trust model)"]
+    ref = ((entries[-1].get("valueFrom") or {}).get("secretKeyRef")) or {}
+    if "value" in entries[-1] or not ref.get("name") or not ref.get("key"):
+        return [f"{where}: ELASTIC_EMB_JOB_SECRET must come from a secretKeyRef (name and key), not a literal value"]
+    if ref.get("optional"):
+        return [f"{where}: ELASTIC_EMB_JOB_SECRET's secretKeyRef must not be optional: a missing Secret would "
+                f"start the job unsigned"]
+    return []
+
+
 WIRING_RULES = {
     "endpoint": rule_endpoint,
     "replicas": rule_replicas,
@@ -1146,6 +1163,7 @@ WIRING_RULES = {
     "rdzv_conf": rule_rdzv_conf,
     "completion": rule_completion,
     "store": rule_store,
+    "secret": rule_secret,
 }
 
 
