@@ -139,6 +139,9 @@ class ElasticEmbRendezvousHandler:
         self._round: int | None = None
         self._round_store: Any = None
         self._known_dead: set[str] = set()
+        # Newest heartbeat seen per node: tells a member that is rejoining from a dead one (below).
+        self._beats: dict[str, float] = {}
+        self._expiry_s = expiry.total_seconds()
         self._marked_evicted: set[str] = set()
         # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
         # secret fails here, at agent start, naming the variable.
@@ -299,7 +302,9 @@ class ElasticEmbRendezvousHandler:
             if self._round is None:
                 return waiting
             self._evict_reported_dead()
-            view = RendezvousView.of(self._tc.current_state(self._inner))
+            state = self._tc.current_state(self._inner)
+            self._beats.update(self._tc.heartbeats(state))
+            view = RendezvousView.of(state)
             changed = self._membership_change(view)
             if self._config.resize == "in_process":
                 if self._fallback_requested():
@@ -371,14 +376,25 @@ class ElasticEmbRendezvousHandler:
         absent = [n for n in self._members if n not in view.nodes]
         if not absent:
             return None
-        restarting = [n for n in absent if n in view.wait_list]
-        gone = [n for n in absent if n not in restarting]
-        # A node that left on purpose said so (KEY_LEFT); any other absence is a death:
-        # reported by its orphans, or its heartbeat expired (hung, partitioned, lost host).
+        # A node that left on purpose said so (KEY_LEFT); a node its orphans reported is dead.
+        # torch's next_rendezvous runs its exit operation (deleting the node's participant entry
+        # and heartbeat) and then its join (adding it to the wait list) as two state writes: in
+        # between, a member restarting its workers is absent from both. One whose newest heartbeat
+        # we saw had not expired cannot have been removed for expiry: it is rejoining, not dead.
+        # Any other absence is a death (hung, partitioned, lost host: its heartbeat expired).
         prefix = round_prefix(self._run_id, self._round)
-        for n in gone:
-            if n not in self._known_dead and not self._said_left(prefix, n):
+        now = time.time()
+        restarting, gone = [], []
+        for n in absent:
+            if n in view.wait_list:
+                restarting.append(n)
+            elif n in self._known_dead or self._said_left(prefix, n):
+                gone.append(n)
+            elif now - self._beats.get(n, float("-inf")) < self._expiry_s:
+                restarting.append(n)
+            else:
                 self._known_dead.add(n)
+                gone.append(n)
         dead = [n for n in gone if n in self._known_dead]
         self._mark_evicted(prefix, dead)
         return {

@@ -96,6 +96,19 @@ def current_state(inner: Any) -> Any:
     return inner._state_holder.state
 
 
+def heartbeats(state: Any) -> dict[str, float]:
+    """Each node's heartbeat in a state object (``current_state``), as epoch seconds by node id."""
+    from elastic_emb.rdzv.decode import node_id
+
+    out: dict[str, float] = {}
+    for node, beat in dict(state.last_heartbeats).items():
+        try:
+            out[node_id(node)] = beat.timestamp()
+        except (AttributeError, TypeError, ValueError, OverflowError, OSError):
+            continue  # not a node and a time: nothing to learn from it
+    return out
+
+
 def set_cache_duration(inner: Any, seconds: float) -> None:
     """torch caches the state 1 s; num_nodes_waiting() is polled every --monitor-interval."""
     inner._state_holder._cache_duration = seconds
