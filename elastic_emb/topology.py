@@ -393,19 +393,32 @@ def _raise_generation_mark(topology: Topology, store) -> None:
         if int(current) == topology.generation:
             return
         if int(current) > topology.generation:
-            newer = scope(topology.run_id, int(current)) + "/agree/abort"
-            msg = (
-                f"rank {topology.rank} is from stale generation {topology.generation} of run "
-                f"{topology.run_id!r}; the job is at generation {current}. This process must exit "
-                f"and be restarted by its agent (ELASTIC_EMB_GENERATION={topology.generation})"
-            )
-            store.compare_set(newer, "", json.dumps({"message": msg, "rank": topology.rank, "generation": topology.generation}))
+            msg = _abort_newer_generation(topology, store, int(current))
             raise TopologyDisagreement(msg, {f"rank{topology.rank}": [["generation", topology.generation, int(current)]]})
         swapped = store.compare_set(key, current, mine)
         swapped = swapped.decode() if isinstance(swapped, bytes) else str(swapped)
         if swapped == mine:
             return
     raise TopologyError(f"could not raise the generation mark to {mine} after 64 attempts")
+
+
+def _abort_newer_generation(topology: Topology, store, newer: int) -> str:
+    """Tell generation ``newer`` that this (stale) rank exists, and return the verdict's message.
+
+    The newer generation's decider polls its ``abort`` key, so its ranks fail with the same
+    message at once instead of waiting out their timeout for a rank that sits in an old
+    generation. Both orders of arrival end here: a stale rank that finds the mark already
+    raised, and a stale rank that raised the mark first and then saw it overtaken while
+    it decided its own (old) generation.
+    """
+    msg = (
+        f"rank {topology.rank} is from stale generation {topology.generation} of run "
+        f"{topology.run_id!r}; the job is at generation {newer}. This process must exit "
+        f"and be restarted by its agent (ELASTIC_EMB_GENERATION={topology.generation})"
+    )
+    key = scope(topology.run_id, newer) + "/agree/abort"
+    store.compare_set(key, "", json.dumps({"message": msg, "rank": topology.rank, "generation": topology.generation}))
+    return msg
 
 
 def _decide(topology: Topology, record: dict, store, base: str, deadline: float) -> dict:
@@ -442,10 +455,13 @@ def _decide(topology: Topology, record: dict, store, base: str, deadline: float)
             )
         mark = int(store.get(mark_key))
         if mark > topology.generation:
+            # This generation is stale (it raised the mark first, then a newer one overtook it):
+            # fail here and abort the newer one, which would otherwise wait for our ranks.
+            stale = _abort_newer_generation(topology, store, mark)
             return _fail(
                 "disagreement",
                 record,
-                f"the job moved on to generation {mark} while generation {topology.generation} was agreeing",
+                f"the job moved on to generation {mark} while generation {topology.generation} was agreeing: {stale}",
                 {"generation": [["generation", topology.generation, mark]]},
             )
         if time.monotonic() >= deadline:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_emb.errors import AgreementTimeout, TopologyDisagreement, TopologyError
-from elastic_emb.topology import SHARED_FIELDS, Topology, evaluate, largest_power_of_two_at_most
+from elastic_emb.topology import SHARED_FIELDS, Topology, agree, evaluate, largest_power_of_two_at_most
 from elastic_emb.testing.ports import free_port
 from tests.helpers.procs import run_ranks, torchrun_env
 
@@ -260,3 +260,45 @@ def test_agreement_errors_are_the_public_types():
     assert issubclass(AgreementTimeout, TimeoutError)
     assert set(SHARED_FIELDS) >= {"run_id", "generation", "world_size", "ep_size"}
     assert json.loads(Topology.from_env(BASE_ENV).to_json())["rank"] == 1
+
+
+def test_stale_rank_that_raised_the_mark_first_aborts_the_newer_generation():
+    """The order CI once hit: the stale rank raises the generation mark before the newer ranks do.
+
+    Threads on one real TCPStore make the order certain: the generation-4 rank starts alone and
+    decides its own (old) generation; only once it holds the mark do the generation-5 ranks start.
+    Every rank must raise TopologyDisagreement naming the stale generation, none may time out.
+    """
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    outcomes: dict[int, BaseException | None] = {}
+
+    def run(rank: int, generation: int) -> None:
+        topo = Topology.model_validate(_record(rank, 3, generation=generation, run_id="stale"))
+        # One client per rank, as separate processes have: a client blocks while it waits.
+        client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+        try:
+            agree(topo, client, timeout=20.0)
+            outcomes[rank] = None
+        except BaseException as exc:  # recorded and asserted below
+            outcomes[rank] = exc
+
+    stale = threading.Thread(target=run, args=(1, 4))
+    stale.start()
+    deadline = time.monotonic() + 20
+    while not store.check(["elastic_emb/stale/generation"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.get("elastic_emb/stale/generation") == b"4"
+    newer = [threading.Thread(target=run, args=(r, 5)) for r in (0, 2)]
+    for t in newer:
+        t.start()
+    for t in [stale, *newer]:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert sorted(outcomes) == [0, 1, 2]
+    assert all(isinstance(e, TopologyDisagreement) for e in outcomes.values()), outcomes
+    assert all("stale generation 4" in str(e) for e in outcomes.values()), outcomes
