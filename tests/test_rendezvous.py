@@ -385,3 +385,30 @@ def test_membership_change_classification_against_a_real_store(monkeypatch):
     finally:
         h._closed.set()
         h._left = True
+
+
+def test_liveness_forgets_heartbeats_of_nodes_no_longer_members():
+    """The agent's heartbeat map keeps the running round's members and the newest state's nodes
+    only (a long job with churn does not accumulate entries); a member absent from the state keeps
+    its last heartbeat, which tells a restarting member (fresh beat) from a dead one."""
+    import structlog
+    from torch.distributed import HashStore
+
+    from elastic_emb.rdzv.decode import RendezvousView
+    from elastic_emb.rdzv.liveness import Liveness
+    from elastic_emb.rdzv.signing import Signer
+
+    lv = Liveness("prune", "A", Signer(None), expiry_s=30.0, log=structlog.get_logger())
+    now = time.time()
+    lv.observe({"A": now, "B": now, "J": now}, members=("A", "B"))
+    assert lv.beats == {"A": now, "B": now, "J": now}  # J waits to join: in the state
+    lv.observe({"A": now + 1}, members=("A", "B"))  # B between torch's exit and join; J gone
+    assert lv.beats == {"A": now + 1, "B": now}
+    change = lv.change(3, ("A", "B"), HashStore(), RendezvousView.of_nodes(3, ("A",)))
+    assert (change["restarting"], change["deaths"], change["expected"]) == (["B"], [], ["A", "B"])
+    lv.new_round(("A",))  # B did not come back: no member now
+    assert lv.beats == {"A": now + 1}
+    lv.observe({"A": now - 60}, members=("A", "C"))  # C: a member never seen in a state
+    change = lv.change(4, ("A", "C"), HashStore(), RendezvousView.of_nodes(4, ("A",)))
+    assert (change["deaths"], change["restarting"]) == (["C"], [])  # no fresh beat: dead
+    assert lv.dead == {"C"}

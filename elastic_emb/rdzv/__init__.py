@@ -7,6 +7,7 @@
 - ``signing``: HMAC signatures on the control keys when the job has a secret (both sides);
 - ``conf``: the backend's ``--rdzv-conf`` keys and the registry of inner backends;
 - ``guarded``: the agent's store wrappers (outage guard, state validation before torch unpickles);
+- ``liveness``: the agent's judgement of the running round's members (restarting, departed, dead);
 - ``torch_compat``: every private torch name the backend touches, checked at import;
 - ``handler``: the backend itself (the ``torchrun.handlers`` entry point).
 

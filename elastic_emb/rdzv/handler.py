@@ -25,7 +25,8 @@ a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c
    survivors restart at once instead of waiting for its heartbeat to expire. A SIGKILLed agent
    cannot say goodbye; its orphaned workers notice (their parent changed, see ``watch.py``) and
    report the node dead under a round-scoped store key; the survivors then remove it from the
-   rendezvous state (what torch's heartbeat expiry would do seconds later) and restart.
+   rendezvous state (what torch's heartbeat expiry would do seconds later) and restart. Who of
+   the members is restarting, departed or dead is judged in ``rdzv/liveness.py``.
 4. **Drain before scale-up.** When a node waits to join, every agent posts a drain request for
    the running round; the workers' watchers agree on a last step, finish and commit it, and
    acknowledge; the agent lets torch restart its workers only when every worker acknowledged, or
@@ -88,25 +89,16 @@ from elastic_emb.rdzv.keys import (
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
     KEY_ACKS,
-    KEY_DEAD,
     KEY_DRAIN,
-    KEY_EVICTED,
     KEY_FALLBACK,
     KEY_LEFT,
     KEY_STOP_STEP,
     KEY_WORLD_SIZE,
     round_prefix,
 )
-from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, torch_store_outage_error
+from elastic_emb.rdzv.liveness import Liveness
+from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.signing import Signer, read_signed
-
-
-def _reraise_signal(exc: BaseException) -> None:
-    """torchrun turns SIGTERM into torch's ``SignalException`` (an ``Exception``) in the agent's
-    main thread, wherever it is: inside a store call of this handler too. Best-effort handlers
-    below catch ``Exception``; they must let that one through, or the agent would live on."""
-    if type(exc).__name__ == "SignalException":
-        raise exc
 
 
 class ElasticEmbRendezvousHandler:
@@ -138,14 +130,11 @@ class ElasticEmbRendezvousHandler:
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
         self._round_store: Any = None
-        self._known_dead: set[str] = set()
-        # Newest heartbeat seen per node: tells a member that is rejoining from a dead one (below).
-        self._beats: dict[str, float] = {}
-        self._expiry_s = expiry.total_seconds()
-        self._marked_evicted: set[str] = set()
         # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
         # secret fails here, at agent start, naming the variable.
         self._signer = Signer.from_env()
+        # Who of the running round's members is restarting, departed or dead (rdzv/liveness.py).
+        self._liveness = Liveness(self._run_id, self._node, self._signer, expiry.total_seconds(), self._log)
         self._expected_next: frozenset[str] | None = None
         self._changed_reported = False
         self._fallback_reported = False
@@ -232,13 +221,13 @@ class ElasticEmbRendezvousHandler:
             try:
                 self._heartbeat()
             except Exception as exc:  # torch's own timer still beats; the next tick of ours retries
-                _reraise_signal(exc)
+                reraise_signal(exc)
                 self._log.warning("heartbeat_failed", error=repr(exc))
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
         joins = [n for n in members if n not in previous]
         gone = [n for n in previous if n not in members]
-        deaths = [n for n in gone if n in self._known_dead]
+        deaths = [n for n in gone if n in self._liveness.dead]
         with self._lock:
             self._members = members
             self._round = state.round
@@ -247,8 +236,7 @@ class ElasticEmbRendezvousHandler:
             self._fallback_reported = False
             self._drain_started = None
             self._drain_done = False
-            self._known_dead.clear()  # the dead are no members now; a rejoining node starts clean
-            self._marked_evicted.clear()
+            self._liveness.new_round(members)  # the dead are no members now; a rejoining node starts clean
         self._export_env(state)
         self._log.info(
             "rendezvous_round",
@@ -303,7 +291,7 @@ class ElasticEmbRendezvousHandler:
                 return waiting
             self._evict_reported_dead()
             state = self._tc.current_state(self._inner)
-            self._beats.update(self._tc.heartbeats(state))
+            self._liveness.observe(self._tc.heartbeats(state), self._members)
             view = RendezvousView.of(state)
             changed = self._membership_change(view)
             if self._config.resize == "in_process":
@@ -364,104 +352,15 @@ class ElasticEmbRendezvousHandler:
     # -- scale-down -----------------------------------------------------------------------
 
     def _membership_change(self, view: RendezvousView) -> dict | None:
-        """What differs between the running round and the current state, or None.
-
-        Every event carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
-        heartbeat expired) and ``restarting`` (members already in the wait list: their agent
-        restarted first, they are coming back), and ``expected``: who should form the next round.
-        """
-        if view.round != self._round:
-            return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
-                    "restarting": [], "participants": list(view.nodes), "expected": None}
-        absent = [n for n in self._members if n not in view.nodes]
-        if not absent:
-            return None
-        # A node that left on purpose said so (KEY_LEFT); a node its orphans reported is dead.
-        # torch's next_rendezvous runs its exit operation (deleting the node's participant entry
-        # and heartbeat) and then its join (adding it to the wait list) as two state writes: in
-        # between, a member restarting its workers is absent from both. One whose newest heartbeat
-        # we saw had not expired cannot have been removed for expiry: it is rejoining, not dead.
-        # Any other absence is a death (hung, partitioned, lost host: its heartbeat expired).
-        prefix = round_prefix(self._run_id, self._round)
-        now = time.time()
-        restarting, gone = [], []
-        for n in absent:
-            if n in view.wait_list:
-                restarting.append(n)
-            elif n in self._known_dead or self._said_left(prefix, n):
-                gone.append(n)
-            elif now - self._beats.get(n, float("-inf")) < self._expiry_s:
-                restarting.append(n)
-            else:
-                self._known_dead.add(n)
-                gone.append(n)
-        dead = [n for n in gone if n in self._known_dead]
-        self._mark_evicted(prefix, dead)
-        return {
-            "reason": "participant_gone" if gone else "peer_restarting",
-            "departures": [n for n in gone if n not in dead],
-            "deaths": dead,
-            "restarting": restarting,
-            "participants": list(view.nodes),
-            "expected": sorted(set(view.nodes) | set(restarting)),
-        }
-
-    def _mark_evicted(self, prefix: str, nodes: list[str]) -> None:
-        """With a job secret, confirm each death with a signed eviction mark: a worker of that node
-        that still runs (its agent hung or cut off) stops itself only on such a mark."""
-        if not self._signer.enabled:
-            return
-        for n in nodes:
-            if n in self._marked_evicted:
-                continue
-            key = prefix + KEY_EVICTED + n
-            try:
-                self._round_store.set(key, self._signer.sign(key, self._node))
-            except StoreOutageError:
-                raise
-            except Exception as exc:  # the next poll tries again
-                _reraise_signal(exc)
-                self._log.warning("eviction_mark_failed", round=self._round, node=n, error=repr(exc))
-                continue
-            self._marked_evicted.add(n)
-
-    def _said_left(self, prefix: str, node: str) -> bool:
-        try:
-            return read_signed(self._round_store, self._signer, prefix + KEY_LEFT + node, self._log) is not None
-        except StoreOutageError:
-            raise  # the bound passed: the agent fails, naming the store
-        except Exception as exc:  # unreadable: call it a departure, the restart is the same
-            _reraise_signal(exc)
-            self._log.warning("left_mark_unreadable", round=self._round, node=node, error=repr(exc))
-            return True
+        """What differs between the running round and the state ``view``, or None (``Liveness.change``)."""
+        return self._liveness.change(self._round, self._members, self._round_store, view)
 
     def _evict_reported_dead(self) -> None:
-        """Remove nodes that their orphaned workers reported dead from torch's state.
-
-        Torch would drop them when their heartbeat expires (keep_alive_interval x
-        keep_alive_max_attempt); the report is faster and certain: the reporting worker saw its
-        own agent process vanish.
-        """
-        store = self._round_store
-        prefix = round_prefix(self._run_id, self._round)
-        try:
-            if int(store.add(prefix + KEY_DEAD, 0)) == 0:
-                return
-            reported = [
-                n for n in self._members
-                if n not in self._known_dead
-                and read_signed(store, self._signer, prefix + f"{KEY_DEAD}/{n}", self._log) is not None
-            ]
-        except StoreOutageError:
-            raise
-        except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
-            _reraise_signal(exc)
-            self._log.warning("dead_report_unreadable", round=self._round, error=repr(exc))
-            return
-        fresh = [n for n in reported if n in self._members and n not in self._known_dead]
+        """Remove nodes that their orphaned workers reported dead from torch's state (torch would
+        drop them when their heartbeat expires; the report is faster and certain)."""
+        fresh = self._liveness.take_reported_dead(self._round, self._members, self._round_store)
         if not fresh:
             return
-        self._known_dead.update(fresh)
         removed = self._remove_from_state(set(fresh))
         self._log.info("dead_node_evicted", round=self._round, nodes=fresh, removed=removed, source="orphan_report")
 
@@ -511,7 +410,7 @@ class ElasticEmbRendezvousHandler:
         except StoreOutageError:
             raise
         except Exception as exc:
-            _reraise_signal(exc)
+            reraise_signal(exc)
             self._log.warning("drain_unreadable", round=self._round, error=repr(exc))
             expected, acks = -1, 0
         outcome = None

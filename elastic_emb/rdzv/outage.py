@@ -62,6 +62,14 @@ def is_connection_error(exc: BaseException) -> bool:
     return bool(names & {"RendezvousConnectionError", "DistNetworkError", "EtcdConnectionFailed"})
 
 
+def reraise_signal(exc: BaseException) -> None:
+    """torchrun turns SIGTERM into torch's ``SignalException`` (an ``Exception``) in the agent's
+    main thread, wherever it is: inside a store call of the agent too. Best-effort handlers that
+    catch ``Exception`` call this first: that one must pass, or the agent would live on."""
+    if type(exc).__name__ == "SignalException":
+        raise exc
+
+
 class OutageTracker:
     """When the current outage began, whether it passed the bound, and what the last one was.
 

@@ -1,0 +1,168 @@
+"""Agent side: who of the running round's members is still alive, and why the others are gone.
+
+The handler (``rdzv/handler.py``) compares every fresh rendezvous state with the members of the
+running round. A member absent from the state is one of three things, and the events and the
+next round depend on which:
+
+- **restarting**: it is in the wait list (its agent restarted its workers first and is coming
+  back), or it is between torch's exit and join operations (two state writes: for a moment it is
+  in neither the participants nor the wait list) and its newest heartbeat we saw had not expired;
+  torch removes a node for expiry only, so such a node was not removed as dead. It is expected in
+  the next round.
+- **departed**: it said so: its agent wrote a signed ``left`` mark for the round (SIGTERM, exit).
+- **dead**: its orphaned workers reported it (a signed ``dead`` key, see ``watch.py``), or it is
+  absent for any other reason (hung, partitioned, lost host: its heartbeat expired). With a job
+  secret each death is confirmed with a signed ``evicted`` mark, on which a still-running worker
+  of that node stops itself.
+
+:class:`Liveness` holds what this judgement needs between polls: the nodes known dead in the
+running round, the eviction marks already written, and the newest heartbeat seen per member
+(torch's state drops a node's heartbeat with the node, so the last one must be remembered). The
+heartbeat map holds the running round's members and the nodes of the newest state only: an
+entry of a node that is neither is pruned at every observation, so a long job with churn does
+not accumulate them.
+
+Store errors: the store outage bound (:class:`~elastic_emb.errors.StoreOutageError`) propagates
+(the agent fails, naming the store); any other failed read or write is reported as an event and
+retried at the next poll, never swallowed silently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from elastic_emb.rdzv.decode import RendezvousView
+from elastic_emb.rdzv.keys import KEY_DEAD, KEY_EVICTED, KEY_LEFT, round_prefix
+from elastic_emb.rdzv.outage import StoreOutageError, reraise_signal
+from elastic_emb.rdzv.signing import Signer, read_signed
+
+
+class Liveness:
+    """The agent's judgement of the running round's members (see the module docstring).
+
+    Args:
+        run_id: the rendezvous run id (store keys are scoped by it and the round).
+        node: this agent's node id (the signer of its eviction marks).
+        signer: the job's control-key signer; with no secret, no eviction marks are written.
+        expiry_s: torch's heartbeat expiry (``keep_alive_interval x keep_alive_max_attempt``).
+        log: the handler's structlog logger.
+    """
+
+    def __init__(self, run_id: str, node: str, signer: Signer, expiry_s: float, log: Any) -> None:
+        self._run_id = run_id
+        self._node = node
+        self._signer = signer
+        self._expiry_s = expiry_s
+        self._log = log
+        self.dead: set[str] = set()  # members known dead in the running round
+        self._marked_evicted: set[str] = set()
+        self._beats: dict[str, float] = {}  # newest heartbeat seen, members of the running round only
+
+    @property
+    def beats(self) -> Mapping[str, float]:
+        """The newest heartbeat seen per member (epoch seconds), read-only."""
+        return dict(self._beats)
+
+    def new_round(self, members: Iterable[str]) -> None:
+        """A round completed: the dead are no members now, and a rejoining node starts clean."""
+        self.dead.clear()
+        self._marked_evicted.clear()
+        self.observe({}, members)
+
+    def observe(self, beats: Mapping[str, float], members: Iterable[str]) -> None:
+        """Remember the heartbeats of a fresh state (``torch_compat.heartbeats``: every node in
+        it, participants and wait list) and forget those of nodes that are neither ``members``
+        (the running round's, as the handler now counts them) nor in that state."""
+        keep = set(members) | set(beats)
+        merged = {**self._beats, **beats}
+        self._beats = {n: t for n, t in merged.items() if n in keep}
+
+    def change(self, round_: int, members: tuple[str, ...], store: Any, view: RendezvousView) -> dict | None:
+        """What differs between the running round (``round_``, ``members``, its ``store``) and the
+        state ``view``, or None.
+
+        Every change carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
+        heartbeat expired) and ``restarting`` (absent members coming back), ``participants`` (the
+        state's) and ``expected``: who should form the next round (None when the round moved on).
+        """
+        if view.round != round_:
+            return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
+                    "restarting": [], "participants": list(view.nodes), "expected": None}
+        absent = [n for n in members if n not in view.nodes]
+        if not absent:
+            return None
+        prefix = round_prefix(self._run_id, round_)
+        now = time.time()
+        restarting, gone = [], []
+        for n in absent:
+            if n in view.wait_list:
+                restarting.append(n)
+            elif n in self.dead or self._said_left(store, prefix, round_, n):
+                gone.append(n)
+            elif now - self._beats.get(n, float("-inf")) < self._expiry_s:
+                restarting.append(n)  # between torch's exit and join: not removed for expiry
+            else:
+                self.dead.add(n)
+                gone.append(n)
+        dead = [n for n in gone if n in self.dead]
+        self._mark_evicted(store, prefix, round_, dead)
+        return {
+            "reason": "participant_gone" if gone else "peer_restarting",
+            "departures": [n for n in gone if n not in dead],
+            "deaths": dead,
+            "restarting": restarting,
+            "participants": list(view.nodes),
+            "expected": sorted(set(view.nodes) | set(restarting)),
+        }
+
+    def take_reported_dead(self, round_: int, members: tuple[str, ...], store: Any) -> list[str]:
+        """Members that their orphaned workers newly reported dead in this round (signed ``dead``
+        keys); they count as known dead from now on. Torch would drop them when their heartbeat
+        expires; the report is faster and certain: the reporter saw its own agent vanish."""
+        prefix = round_prefix(self._run_id, round_)
+        try:
+            if int(store.add(prefix + KEY_DEAD, 0)) == 0:
+                return []
+            reported = [
+                n for n in members
+                if n not in self.dead and read_signed(store, self._signer, prefix + f"{KEY_DEAD}/{n}", self._log) is not None
+            ]
+        except StoreOutageError:
+            raise
+        except Exception as exc:  # the store is the rendezvous itself; torch's sync will raise too
+            reraise_signal(exc)
+            self._log.warning("dead_report_unreadable", round=round_, error=repr(exc))
+            return []
+        self.dead.update(reported)
+        return reported
+
+    def _mark_evicted(self, store: Any, prefix: str, round_: int, nodes: list[str]) -> None:
+        """With a job secret, confirm each death with a signed eviction mark: a worker of that node
+        that still runs (its agent hung or cut off) stops itself only on such a mark."""
+        if not self._signer.enabled:
+            return
+        for n in nodes:
+            if n in self._marked_evicted:
+                continue
+            key = prefix + KEY_EVICTED + n
+            try:
+                store.set(key, self._signer.sign(key, self._node))
+            except StoreOutageError:
+                raise
+            except Exception as exc:  # the next poll tries again
+                reraise_signal(exc)
+                self._log.warning("eviction_mark_failed", round=round_, node=n, error=repr(exc))
+                continue
+            self._marked_evicted.add(n)
+
+    def _said_left(self, store: Any, prefix: str, round_: int, node: str) -> bool:
+        try:
+            return read_signed(store, self._signer, prefix + KEY_LEFT + node, self._log) is not None
+        except StoreOutageError:
+            raise  # the bound passed: the agent fails, naming the store
+        except Exception as exc:  # unreadable: call it a departure, the restart is the same
+            reraise_signal(exc)
+            self._log.warning("left_mark_unreadable", round=round_, node=node, error=repr(exc))
+            return True
