@@ -102,51 +102,26 @@ class TorchRecContext(ContextBase):
                        else torch.device("cpu"))
         self._build_fn = build
         self._dense_name = dense_table
-        self._store = store
-        self._forms = 0
-        self._group = None
-        self._pg = None
         self._closed = False
         self._healthy = True
+        self._groups = _ProcessGroups(timeout)
+        self._groups.form(topology, store)
         self._model = None
         self._dense_stale = False
-        self._form_group(topology, store)
         try:
             self._build()
         except BaseException:
-            self._destroy_group()
+            self._groups.destroy()
             raise
 
-    # -- process group and model --------------------------------------------------------------
-
-    def _form_group(self, topology: Topology, store) -> None:
-        if dist.is_initialized():
-            raise ElasticEmbError(
-                f"torch.distributed's default process group is already initialized (rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}); TorchRecContext forms it for each generation itself: destroy it "
-                f"first (dist.destroy_process_group()) and let the context own it"
-            )
-        self._forms += 1
-        prefix = dist.PrefixStore(f"form{self._forms}/", generation_store(store, topology, "torchrec"))
-        dist.init_process_group(topology.backend, store=prefix, rank=topology.rank, world_size=topology.world_size,
-                                timeout=timedelta(seconds=self.timeout))
-        self._group = dist.group.WORLD
-        # TorchRec (and DDP) run on a group of their own: the default one stays free for the
-        # lifecycle's durable checkpoints, whose asynchronous saves issue collectives from another
-        # thread (two threads' collectives on one group could pair up differently on each rank).
-        self._pg = dist.new_group(backend=topology.backend, timeout=timedelta(seconds=self.timeout))
-
-    def _destroy_group(self) -> None:
-        group, self._group, self._pg = self._group, None, None
-        if group is not None and dist.is_initialized() and dist.group.WORLD is group:
-            dist.destroy_process_group()
+    # -- model ---------------------------------------------------------------------------------
 
     def _build(self) -> None:
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.types import ShardingEnv
 
         _forget_collective_validation()
-        env = ShardingEnv.from_process_group(self._pg)
+        env = ShardingEnv.from_process_group(self._groups.pg)
         model = self._build_fn(self.topology, env, self.device)
         if not isinstance(model, DistributedModelParallel):
             raise TypeError(f"build() returned {type(model).__name__}; it must return the torchrec "
@@ -259,7 +234,7 @@ class TorchRecContext(ContextBase):
         send[: mine.shape[0]] = mine
         gathered = torch.empty(ws * block, DENSE_DIM, dtype=mine.dtype, device=self.device)
         with self.guard():
-            work = dist.all_gather_into_tensor(gathered, send, group=self._pg, async_op=True)
+            work = dist.all_gather_into_tensor(gathered, send, group=self._groups.pg, async_op=True)
             work.wait(timedelta(seconds=self.timeout))
         self._dense_flat.copy_(gathered[:rows].reshape(-1))
         offset = 0
@@ -301,9 +276,9 @@ class TorchRecContext(ContextBase):
         saved = self.export_shard()
         dense = self._dense_flat.clone() if self._dense else None
         self._drop_model()
-        self._destroy_group()
-        self._form_group(topology, store)
-        self.topology, self._store = topology, store
+        self._groups.destroy()
+        self._groups.form(topology, store)
+        self.topology = topology
         self._build()
         self._move_rows(saved, old_rank)
         with torch.no_grad():
@@ -322,7 +297,7 @@ class TorchRecContext(ContextBase):
         me = self.topology.rank
         olds = [torch.zeros(1, dtype=torch.long) for _ in range(self.topology.world_size)]
         with self.guard():
-            dist.all_gather(olds, torch.tensor([old_rank]), group=self._pg, async_op=True).wait(
+            dist.all_gather(olds, torch.tensor([old_rank]), group=self._groups.pg, async_op=True).wait(
                 timedelta(seconds=self.timeout))
         olds = [int(t) for t in olds]
         src = olds.index(me)  # the process that held the rows of my new rank
@@ -337,10 +312,10 @@ class TorchRecContext(ContextBase):
             for mine, kept in pairs:
                 # Sizes are functions of the rank, so both ends skip the same empty shards.
                 if kept.numel():
-                    ops.append(dist.P2POp(dist.isend, kept.contiguous().to(self.device), old_rank, self._pg))
+                    ops.append(dist.P2POp(dist.isend, kept.contiguous().to(self.device), old_rank, self._groups.pg))
                 if mine.numel():
                     buf = torch.empty(mine.shape, dtype=mine.dtype, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buf, src, self._pg))
+                    ops.append(dist.P2POp(dist.irecv, buf, src, self._groups.pg))
                     landing.append((mine, buf))
             with self.guard():
                 for work in dist.batch_isend_irecv(ops) if ops else []:
@@ -354,7 +329,7 @@ class TorchRecContext(ContextBase):
             return
         self._closed = True
         self._drop_model()
-        self._destroy_group()
+        self._groups.destroy()
 
     def _drop_model(self) -> None:
         self._model = None
@@ -378,9 +353,44 @@ class TorchRecContext(ContextBase):
         self._check_open("barrier")
         t = torch.ones(1, device=self.device)
         with self.guard():
-            dist.all_reduce(t, group=self._pg, async_op=True).wait(timedelta(seconds=self.timeout))
+            dist.all_reduce(t, group=self._groups.pg, async_op=True).wait(timedelta(seconds=self.timeout))
             if int(t.item()) != self.topology.world_size:
                 raise ElasticEmbError(f"{int(t.item())} of {self.topology.world_size} ranks took part in the barrier")
+
+
+class _ProcessGroups:
+    """The process groups of one generation: torch.distributed's default group, which the context
+    forms (on a fresh store prefix each time) and leaves free for the lifecycle's checkpoints, and
+    TorchRec's own group ``pg``, on which the model and the context's collectives run."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.pg = None
+        self._world = None
+        self._forms = 0  # a reset forms again on the same generation's store: a new prefix each time
+
+    def form(self, topology: Topology, store) -> None:
+        if dist.is_initialized():
+            raise ElasticEmbError(
+                f"torch.distributed's default process group is already initialized (rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}); TorchRecContext forms it for each generation itself: destroy it "
+                f"first (dist.destroy_process_group()) and let the context own it"
+            )
+        self._forms += 1
+        prefix = dist.PrefixStore(f"form{self._forms}/", generation_store(store, topology, "torchrec"))
+        dist.init_process_group(topology.backend, store=prefix, rank=topology.rank, world_size=topology.world_size,
+                                timeout=timedelta(seconds=self.timeout))
+        self._world = dist.group.WORLD
+        # TorchRec (and DDP) run on a group of their own: the default one stays free for the
+        # lifecycle's durable checkpoints, whose asynchronous saves issue collectives from another
+        # thread (two threads' collectives on one group could pair up differently on each rank).
+        self.pg = dist.new_group(backend=topology.backend, timeout=timedelta(seconds=self.timeout))
+
+    def destroy(self) -> None:
+        """Destroy the default group if it is still the one formed here. Idempotent."""
+        world, self._world, self.pg = self._world, None, None
+        if world is not None and dist.is_initialized() and dist.group.WORLD is world:
+            dist.destroy_process_group()
 
 
 def _forget_collective_validation() -> None:

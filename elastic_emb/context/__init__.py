@@ -10,6 +10,7 @@ in one module each:
 ``dedup``              sort-based dedup without a host sync, and its CUDA graphs
 ``lookup``             the pipelined lookup engine and :class:`LookupHandle`
 ``gradients``          sparse gradients routed to their owners and applied there
+``parts``              the group, dedup, arena and checks the lookups and gradients share
 ``dtensor``            the rows as DTensors for ``torch.distributed.checkpoint``
 ``changes``            which rows were written since the last ``take_changes()`` (incremental commits)
 ``checks``             errors the GPU finds (bad ids, NaN gradients), raised without a host sync

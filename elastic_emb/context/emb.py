@@ -13,6 +13,7 @@ The class is a facade over small parts, each in its own module:
 - :class:`~elastic_emb.context.dedup.Deduper`: sort-based dedup and its CUDA graphs;
 - :class:`~elastic_emb.context.lookup.LookupEngine`: the pipelined lookup and its handles;
 - :class:`~elastic_emb.context.gradients.GradientRouter`: sparse gradients to their owners;
+- :class:`~elastic_emb.context.parts.OpParts`: the group, dedup, arena and checks those two share;
 - :mod:`~elastic_emb.context.dtensor`: the rows as DTensors for DCP;
 - :class:`~elastic_emb.context.changes.ChangeTracker`: which rows were written since the last
   :meth:`EmbContext.take_changes` (incremental commits);
@@ -58,6 +59,7 @@ from elastic_emb.context.exchange import MAX_CHUNKS, HeaderExchange, call_tag
 from elastic_emb.context.gradients import GradientRouter
 from elastic_emb.context.group import Group, log, wait_releases
 from elastic_emb.context.lookup import LookupEngine, LookupHandle
+from elastic_emb.context.parts import OpParts
 from elastic_emb import config
 from elastic_emb.errors import CommunicationError, ContextClosed, WorldSizeChanged
 from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
@@ -176,10 +178,10 @@ class EmbContext(ContextBase):
         t, dev = self.topology, self.device
         self._exchange = HeaderExchange(self._group, t, dev, self.tables, self._log)
         self._dedup = Deduper(self._exchange, t, dev, self.capture_dedup, self._log)
-        self._lookups = LookupEngine(self._group, self._dedup, self._arena, t, dev, self.tables,
-                                     self.pipeline_chunks, self._checks, self._log)
-        self._gradients = GradientRouter(self._group, self._dedup, self._arena, t, dev, self.tables, self.optimizer,
-                                         self._lookups.settle, self._changes, self._checks, self.nonfinite_gradients)
+        self._parts = OpParts(self._group, self._dedup, self._arena, t, dev, self.tables, self._checks)
+        self._lookups = LookupEngine(self._parts, self.pipeline_chunks, self._log)
+        self._gradients = GradientRouter(self._parts, self.optimizer, self._lookups.settle, self._changes,
+                                         self.nonfinite_gradients)
 
     def _local_rows(self) -> dict[str, int]:
         return {name: len(self.owned(name)) for name in self.tables}
@@ -363,7 +365,7 @@ class EmbContext(ContextBase):
         self._lookups.retire("closed")
         arena, arena_bytes = self._arena, self._arena.nbytes
         # Nothing may keep the arena alive (handles hold the engine): the next context reuses it.
-        self._arena = self._lookups.arena = self._gradients.arena = None  # type: ignore[assignment]
+        self._arena = self._parts.arena = None  # type: ignore[assignment]
         self._group.release(abort=do_abort, wait=wait, keep=arena if do_abort else None)
         del arena
         if self.device.type == "cuda" and wait:

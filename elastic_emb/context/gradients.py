@@ -28,41 +28,33 @@ from __future__ import annotations
 import torch
 
 from elastic_emb.context import optim
-from elastic_emb.context.arena import Arena
 from elastic_emb.context.changes import ChangeTracker
-from elastic_emb.context.checks import R_BAD_IDS, R_FIRST, R_NONFINITE, R_REFUSED, DeviceChecks
-from elastic_emb.context.dedup import Deduper, check_ids
+from elastic_emb.context.checks import R_BAD_IDS, R_FIRST, R_NONFINITE, R_REFUSED
+from elastic_emb.context.dedup import check_ids
 from elastic_emb.context.exchange import OP_GRADIENTS, call_tag
-from elastic_emb.context.group import Group
+from elastic_emb.context.parts import OpParts
 from elastic_emb.errors import InvalidIds, NonFiniteGradients
 from elastic_emb.protocol import OptimizerSpec, TableSpec
 from elastic_emb.sharding import owned_range
-from elastic_emb.topology import Topology
 
 
 class GradientRouter:
     """Applies one context's sparse gradients over one group and arena."""
 
-    def __init__(self, group: Group, deduper: Deduper, arena: Arena, topology: Topology, device: torch.device,
-                 names, optimizer: OptimizerSpec, settle, tracker: ChangeTracker, checks: DeviceChecks,
+    def __init__(self, parts: OpParts, optimizer: OptimizerSpec, settle, tracker: ChangeTracker,
                  nonfinite: str = "raise"):
-        self.group = group
-        self.deduper = deduper
-        self.arena = arena
-        self.topology = topology
-        self.device = device
-        self.names = sorted(names)
+        self.parts = parts  # shared with the lookup engine (context/parts.py)
         self.optimizer = optimizer
         self._settle = settle  # called before rows are written (the lookup engine's settle)
         self.tracker = tracker
-        self.checks = checks
         self.nonfinite = nonfinite
 
     def apply(self, spec: TableSpec, ids, grads, what: str) -> None:
         """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
         there. Raises :class:`InvalidIds` (after cancelling the call on the peers) for a shape
         mismatch or bad ids."""
-        tag = call_tag(self.names, OP_GRADIENTS, spec.name)
+        parts = self.parts
+        tag = call_tag(parts.names, OP_GRADIENTS, spec.name)
         shape_ok = (
             isinstance(grads, torch.Tensor)
             and isinstance(ids, torch.Tensor)
@@ -74,16 +66,16 @@ class GradientRouter:
         if not shape_ok:
             got = tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__
             n = tuple(ids.shape) if isinstance(ids, torch.Tensor) else "?"
-            self.deduper.exchange.cancel(what, tag)  # tell the peers before raising, so nobody waits
+            parts.deduper.exchange.cancel(what, tag)  # tell the peers before raising, so nobody waits
             raise InvalidIds(
-                f"{what} on rank {self.topology.rank}: grads must be [len(ids), {spec.dim}] for ids of "
+                f"{what} on rank {parts.topology.rank}: grads must be [len(ids), {spec.dim}] for ids of "
                 f"shape {n}, got {got}"
             )
-        if self.topology.world_size == 1:
+        if parts.topology.world_size == 1:
             self._apply_local(spec, ids, grads, what)
             return
-        g = grads.to(device=self.device, dtype=spec.torch_dtype)
-        d = self.deduper.dedup(spec, ids, what, tag, 1, flag=lambda inverse, n: _nonfinite_rows(g, inverse, n))
+        g = grads.to(device=parts.device, dtype=spec.torch_dtype)
+        d = parts.deduper.dedup(spec, ids, what, tag, 1, flag=lambda inverse, n: _nonfinite_rows(g, inverse, n))
         if d.flagged:
             message = (f"{what}: {d.flagged} row(s) of table {spec.name!r} got NaN or infinite gradients "
                        f"(counted on each sending rank)")
@@ -91,23 +83,23 @@ class GradientRouter:
                 raise NonFiniteGradients(f"{message}; no row of that call was updated. Fix the loss (or clip "
                                          f"gradients), or construct the context with nonfinite_gradients='skip'",
                                          spec.name, d.flagged)
-            self.checks.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=d.flagged)
+            parts.checks.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=d.flagged)
         uniq = d.uniq[: d.n_unique]
         send_list, recv_list = [c[0] for c in d.sent], [c[0] for c in d.got]
-        recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=self.device)
-        self.group.wait(self.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange",
-                        host=False)
-        summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=self.device)
+        recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=parts.device)
+        parts.group.wait(parts.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange",
+                         host=False)
+        summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=parts.device)
         if len(uniq):
             summed.index_add_(0, d.inverse, g)
-        recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=self.device)
-        self.group.wait(self.group.alltoall(recv_grads, summed, recv_list, send_list), None,
-                        f"{what} gradient exchange", host=False)
+        recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=parts.device)
+        parts.group.wait(parts.group.alltoall(recv_grads, summed, recv_list, send_list), None,
+                         f"{what} gradient exchange", host=False)
         if not len(recv_ids):
             return
-        start = owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank).start
+        start = owned_range(spec.num_rows, parts.topology.ep_size, parts.topology.rank).start
         # Several senders may have sent the same row: sum them before the (non-linear) update.
-        dump = self.arena.weights[spec.name].shape[0]
+        dump = parts.arena.weights[spec.name].shape[0]
         rows, total, used = _sum_by_row(recv_ids.long() - start, recv_grads, dump)
         keep = used & torch.isfinite(total).all(dim=1)  # skipped rows, and any sum that overflowed
         self._apply(spec, torch.where(keep, rows, dump), total, keep)
@@ -116,22 +108,23 @@ class GradientRouter:
         """The optimizer on local ``rows`` (unique, or the dump row where ``keep`` is False), then
         the change marks; lookups in flight read their rows first."""
         self._settle()
-        optim.apply_rows(self.optimizer, self.arena.padded_weights[spec.name], self.arena.padded_slots[spec.name],
-                         rows, summed, keep)
+        arena = self.parts.arena
+        optim.apply_rows(self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name], rows, summed,
+                         keep)
         self.tracker.mark_rows(spec.name, rows, keep)
 
     def _apply_local(self, spec: TableSpec, ids, grads, what: str) -> None:
         """A world of one rank: the whole update on the device, no host synchronisation. Bad ids
         or (with ``nonfinite="raise"``) non-finite gradients refuse the whole call: every row is
         left as it was, and the device record says why."""
-        checked, reason = check_ids(ids, self.device)
+        checked, reason = check_ids(ids, self.parts.device)
         if checked is None:
             raise InvalidIds(f"{what} on rank 0: {reason}")
-        n, dev = checked.numel(), self.device
+        n, dev = checked.numel(), self.parts.device
         if not n:
             return
         g = grads.to(device=dev, dtype=spec.torch_dtype)
-        dump = self.arena.weights[spec.name].shape[0]  # the arena's dump row (Arena.padded_weights)
+        dump = self.parts.arena.weights[spec.name].shape[0]  # the arena's dump row (Arena.padded_weights)
         bad_ids = (checked < 0) | (checked >= spec.num_rows)
         rows, summed, used = _sum_by_row(torch.where(bad_ids, 0, checked), g, dump)
         finite = torch.isfinite(summed).all(dim=1)
@@ -141,12 +134,12 @@ class GradientRouter:
             refused = refused | (nonfinite > 0)
         keep = used & finite & ~refused
         self._apply(spec, torch.where(keep, rows, dump), summed, keep)  # the others update the dump row
-        slot_no, record = self.checks.record()
+        slot_no, record = self.parts.checks.record()
         record[R_BAD_IDS] = n_bad_ids
         record[R_FIRST] = torch.where(bad_ids, n - torch.arange(n, device=dev), 0).max()
         record[R_NONFINITE] = nonfinite
         record[R_REFUSED] = refused
-        self.checks.post(what, spec, slot_no, checked)
+        self.parts.checks.post(what, spec, slot_no, checked)
 
 
 def _sum_by_row(ids: torch.Tensor, grads: torch.Tensor, dump: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,36 +32,25 @@ the device's verdict (:mod:`elastic_emb.context.checks`), raising
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
 
-from elastic_emb.context.arena import Arena, Staging, staging_need
-from elastic_emb.context.checks import DeviceChecks
-from elastic_emb.context.dedup import Deduper, check_ids
+from elastic_emb.context.arena import Staging, staging_need
+from elastic_emb.context.dedup import check_ids
 from elastic_emb.context.exchange import OP_LOOKUP, call_tag, header_words, range_error
 from elastic_emb.context.gather import gather_ids, gather_rows
-from elastic_emb.context.group import Group
+from elastic_emb.context.parts import OpParts
 from elastic_emb.errors import ContextClosed, InvalidIds
 from elastic_emb.protocol import TableSpec
 from elastic_emb.sharding import owned_range
-from elastic_emb.topology import Topology
 
 
 class LookupEngine:
     """Runs the lookups of one context over one group and arena; tracks the ones in flight."""
 
-    def __init__(self, group: Group, deduper: Deduper, arena: Arena, topology: Topology, device: torch.device,
-                 tables: Mapping[str, TableSpec], pipeline_chunks: int, checks: DeviceChecks, log_):
-        self.group = group
-        self.checks = checks
-        self.deduper = deduper
-        self.arena = arena
-        self.topology = topology
-        self.device = device
-        self.tables = tables
-        self.names = sorted(tables)
+    def __init__(self, parts: OpParts, pipeline_chunks: int, log_):
+        self.parts = parts  # shared with the gradient router (context/parts.py)
         self.pipeline_chunks = pipeline_chunks
         self.log = log_
         self.retired: str | None = None  # why handles can no longer be waited on
@@ -71,7 +60,7 @@ class LookupEngine:
     def side_stream(self) -> "torch.cuda.Stream":
         """CUDA: the stream lookups assemble their results on."""
         if self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
+            self._side = torch.cuda.Stream(device=self.parts.device)
         return self._side
 
     def settle(self) -> None:
@@ -83,7 +72,7 @@ class LookupEngine:
         """Let lookups that were started but never waited finish their exchanges (every rank
         started them, so they complete), so that no collective is in flight at teardown."""
         for handle in list(self.pending):
-            handle._drain(self.group.timeout)
+            handle._drain(self.parts.group.timeout)
         self.pending.clear()
 
     def retire(self, why: str) -> None:
@@ -93,7 +82,7 @@ class LookupEngine:
 
     def lookup(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
         """Start a lookup (see the module docstring)."""
-        if self.topology.world_size == 1:
+        if self.parts.topology.world_size == 1:
             return self._local(spec, ids, what)
         return self._pipelined(spec, ids, what)
 
@@ -108,23 +97,23 @@ class LookupEngine:
         a fresh result (a graph would fix the result's address, and callers keep results across
         lookups), plus a 32-byte memset and copy for the check. On the CPU the ids are checked
         here."""
-        checked, reason = check_ids(ids, self.device)
+        checked, reason = check_ids(ids, self.parts.device)
         if checked is None:
             raise InvalidIds(f"{what} on rank 0: {reason}")
-        weight = self.arena.weights[spec.name]
-        if self.device.type != "cuda":
+        weight = self.parts.arena.weights[spec.name]
+        if self.parts.device.type != "cuda":
             if checked.numel():
                 lo, hi = torch.stack(torch.aminmax(checked)).tolist()  # host memory: no sync
                 reason = range_error(spec, lo, hi)
                 if reason:
                     raise InvalidIds(f"{what} on rank 0: {reason}")
             return LookupHandle(self, spec.name, [], weight.index_select(0, checked), None, False)
-        out = torch.empty(checked.numel(), spec.dim, dtype=spec.torch_dtype, device=self.device)
-        slot, record = self.checks.record()
+        out = torch.empty(checked.numel(), spec.dim, dtype=spec.torch_dtype, device=self.parts.device)
+        slot, record = self.parts.checks.record()
         side = self.side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(torch.cuda.current_stream(self.parts.device))
         gather_ids(out, weight, checked, record, stream=side)
-        check = self.checks.post(what, spec, slot, checked, stream=side)
+        check = self.parts.checks.post(what, spec, slot, checked, stream=side)
         out.record_stream(side)  # made on the caller's stream, written on the side stream
         checked.record_stream(side)
         handle = LookupHandle(self, spec.name, [], out, None, False, bounds=[0, checked.numel()])
@@ -138,16 +127,17 @@ class LookupEngine:
         serve all pieces; then the rows move piece by piece. The receive buffer holds the
         received rows piece by piece, each piece's peers in rank order, as the all-to-alls
         write them."""
+        parts = self.parts
         table = spec.name
-        world, me = self.topology.world_size, self.topology.rank
+        world, me = parts.topology.world_size, parts.topology.rank
         chunks = self.pipeline_chunks
-        tag = call_tag(self.names, OP_LOOKUP, table, chunks)
+        tag = call_tag(parts.names, OP_LOOKUP, table, chunks)
         n = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        d = self.deduper.dedup(spec, ids, what, tag, chunks)
+        d = parts.deduper.dedup(spec, ids, what, tag, chunks)
         uniq, inverse, sent, got, graph, pos = d.uniq, d.inverse, d.sent, d.got, d.graph, d.pos
         rows = spec.num_rows
-        start = owned_range(rows, self.topology.ep_size, me).start
-        dev = self.device
+        start = owned_range(rows, parts.topology.ep_size, me).start
+        dev = parts.device
 
         # Where each piece's unique keys start, and where each peer's keys start within a piece.
         size = [sum(sent[p][k] for p in range(world)) for k in range(chunks)]
@@ -168,12 +158,12 @@ class LookupEngine:
                       for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
             send_keys = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else uniq[:0])
             recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
-            self.group.wait(self.group.alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange",
-                            host=False)
+            parts.group.wait(parts.group.alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange",
+                             host=False)
             # My row number of every key asked of me (piece k's keys are k * rows + id).
             asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
 
-        weight = self.arena.weights[table]
+        weight = parts.arena.weights[table]
         n_serve = [sum(got[p][k] for p in range(world) if p != me) for k in range(chunks)]
         n_local = [sent[me][k] for k in range(chunks)]
         n_remote = [size[k] - n_local[k] for k in range(chunks)]
@@ -186,7 +176,7 @@ class LookupEngine:
         n_recv = rbase[-1] + (sum(n_local) if own_behind else 0)
         need = staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
                             + [((n_recv, spec.dim), spec.torch_dtype)])
-        buf, leased = self.arena.lease(need)
+        buf, leased = parts.arena.lease(need)
         staging = Staging(buf)
         got_rows = staging.take((n_recv, spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in asked_rows
@@ -216,11 +206,11 @@ class LookupEngine:
                     torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
                 out_splits = [0 if p == me else sent[p][k] for p in range(world)]
                 in_splits = [0 if p == me else got[p][k] for p in range(world)]
-                works.append(self.group.alltoall(got_rows[rbase[k] : rbase[k + 1]], serve, out_splits, in_splits))
+                works.append(parts.group.alltoall(got_rows[rbase[k] : rbase[k + 1]], serve, out_splits, in_splits))
                 serves.append(serve)
         except Exception:
             if leased:
-                self.arena.release()
+                parts.arena.release()
             raise
         bounds = [n * k // chunks for k in range(chunks + 1)]
         handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds,
@@ -287,8 +277,8 @@ class LookupHandle:
         return self._result is not None
 
     def _empty_result(self) -> torch.Tensor:
-        spec = self._engine.tables[self._table]
-        return torch.empty(self._bounds[-1], spec.dim, dtype=spec.torch_dtype, device=self._engine.device)
+        spec = self._engine.parts.tables[self._table]
+        return torch.empty(self._bounds[-1], spec.dim, dtype=spec.torch_dtype, device=self._engine.parts.device)
 
     def _reorder(self, k: int, result: torch.Tensor) -> None:
         """Piece k's rows into the caller's order (duplicates expanded), in ``result``."""
@@ -298,7 +288,7 @@ class LookupHandle:
         if self._own_in_recv:
             torch.index_select(self._recv, 0, self._pos[lo:hi], out=result[lo:hi])
         else:
-            gather_rows(result[lo:hi], self._engine.arena.weights[self._table], self._recv, self._pos[lo:hi])
+            gather_rows(result[lo:hi], self._engine.parts.arena.weights[self._table], self._recv, self._pos[lo:hi])
 
     def _reorder_on_side_stream(self, ready, result: torch.Tensor) -> None:
         """``ready``: an event on the caller's stream after the positions are computed and
@@ -322,12 +312,12 @@ class LookupHandle:
         engine = self._engine
         for work in self._works:
             try:
-                work.wait(timedelta(seconds=timeout)) if engine.topology.backend != "nccl" else work.wait()
+                work.wait(timedelta(seconds=timeout)) if engine.parts.topology.backend != "nccl" else work.wait()
             except Exception as exc:  # the context is going away; report, do not raise
                 engine.log.warning("context.pending_lookup_failed", table=self._table, error=str(exc)[:200])
                 break
         if self._queued is not None:
-            torch.cuda.current_stream(engine.device).wait_event(self._queued[1])
+            torch.cuda.current_stream(engine.parts.device).wait_event(self._queued[1])
         self._works = []
         self._drained = True
 
@@ -347,22 +337,22 @@ class LookupHandle:
             # a reset, a CPU exchange of the old communicator was drained, never assembled.
             raise ContextClosed(
                 f"lookup of table {self._table!r} was waited on after its context "
-                f"(generation {engine.topology.generation}) was {engine.retired}; look up again on the "
+                f"(generation {engine.parts.topology.generation}) was {engine.retired}; look up again on the "
                 f"{'new' if engine.retired == 'closed' else 'reset'} context"
             )
         if self._result is not None:  # a one-rank CPU world gathered the rows at lookup time
             self._delivered = True
             return self._result
         if self._check is not None:  # raises InvalidIds for bad ids (bounded wait for the check)
-            engine.checks.raise_through(self._check, timeout)
+            engine.parts.checks.raise_through(self._check, timeout)
         what = f"lookup({self._table!r}) row exchange"
-        group = engine.group
+        group = engine.parts.group
         try:
             if self._queued is not None:
                 result, done = self._queued
                 if timeout is not None:
                     group.wait_event(done, timeout, what)
-                torch.cuda.current_stream(engine.device).wait_event(done)
+                torch.cuda.current_stream(engine.parts.device).wait_event(done)
             else:
                 result = self._empty_result()
                 for k, work in enumerate(self._works):
@@ -371,7 +361,7 @@ class LookupHandle:
             self._result = result
         finally:
             if self._leased:
-                engine.arena.release()
+                engine.parts.arena.release()
                 self._leased = False
             self._works = []
             self._keep = ()
@@ -386,4 +376,4 @@ class LookupHandle:
         caller's stream waits for that assembly (no host wait). The CPU path copied them at
         ``lookup()``."""
         if self._queued is not None:
-            torch.cuda.current_stream(self._engine.device).wait_event(self._queued[1])
+            torch.cuda.current_stream(self._engine.parts.device).wait_event(self._queued[1])

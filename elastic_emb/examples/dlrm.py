@@ -9,8 +9,8 @@ The model is what a TorchRec user writes: an ``EmbeddingBagCollection`` of three
 one id per sample, ``item`` a bag of 1-3 recently seen items, ``category`` one id), sharded
 row-wise by ``DistributedModelParallel`` with fbgemm's fused SGD; a dense tower (an MLP over the
 pooled rows, replicated by DDP) predicts a click; binary cross-entropy, the local batch's mean.
-:func:`build` makes the DMP for whatever world size the job has; the loop in :func:`main` is the
-elastic part: :class:`~elastic_emb.adapters.torchrec.TorchRecContext` plus a
+:func:`build` makes the DMP for whatever world size the job has; the loop (:func:`main` runs
+:func:`~elastic_emb.examples.loop.run_elastic`, the recsys example's loop too) is the elastic part: :class:`~elastic_emb.adapters.torchrec.TorchRecContext` plus a
 :class:`~elastic_emb.lifecycle.Lifecycle` that commits every step and, on a resize, builds a new
 DMP at the new size and moves every row (and the dense tower) across.
 
@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
+
+from elastic_emb.examples.loop import loop_parser, run_elastic
 
 GRAD_BITS = 16  # gradient grid 2**-16
 INIT_BITS = 8  # initial values on the grid 2**-8, in [-0.5, 0.5)
@@ -237,79 +236,22 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
         ctx.close()
 
 
-# -- the elastic training loop ----------------------------------------------------------------------
+# -- the elastic training loop (examples/loop.py) --------------------------------------------------
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="Train steps 0..steps-1 (global count, across restarts).")
-    p.add_argument("--out", type=Path, required=True, help="Directory for progress lines and the final tables.")
-    p.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (paces drills).")
-    p.add_argument("--slow-file", type=Path, default=None, help="While it exists, sleep --slow-delay per step.")
-    p.add_argument("--slow-delay", type=float, default=0.25)
-    p.add_argument("--checksums", action="store_true", help="Add per-table CRC32s of this rank's rows to each step line.")
-    p.add_argument("--drain-timeout", type=float, default=120.0, help="Seconds to wait for the agent's restart when draining.")
-    for field, default in asdict(Config()).items():
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
-    args = p.parse_args(argv)
+    args = loop_parser(__doc__.split("\n\n")[0], Config()).parse_args(argv)
     return args, Config(**{f: getattr(args, f) for f in asdict(Config())})
 
 
 def main(argv=None) -> int:
-    from elastic_emb import Lifecycle, LifecycleConfig, Watcher, bind_topology, configure_logging, get_logger
+    from elastic_emb import configure_logging
     from elastic_emb.adapters.torchrec import TorchRecContext
-    from elastic_emb.examples.recsys import Progress, _record, shard_checksums, write_final
 
     args, cfg = parse_args(argv)
     configure_logging()
-    log = get_logger()
-    progress = Progress(args.out)
     factory = functools.partial(TorchRecContext, build=functools.partial(build, cfg=cfg))
-    watcher = Watcher.from_env()
-    if watcher is not None:
-        watcher.start()
-    started = time.time()
-    lc = Lifecycle.start(factory, LifecycleConfig(), watcher=watcher)
-    try:
-        topo = lc.topology
-        bind_topology(topo)
-        if lc.step == -1:
-            first_start(lc.context, cfg)
-        progress.write("start", rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                       restored_step=lc.step, start_seconds=time.time() - started,
-                       restore=_record(lc.events[-1] if lc.events else None))
-        while lc.next_step < args.steps:
-            step = lc.next_step
-            t0 = time.time()
-            try:
-                loss = train_step(lc.context, step, cfg)
-            except Exception as exc:
-                # A peer died mid-step: if a membership change explains it, the agent restarts us
-                # into the new world; nothing of this step was committed.
-                if watcher is not None and watcher.membership_change_pending(timeout=2.0):
-                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
-                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-                raise
-            report = lc.commit(step)
-            progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                           loss=round(loss, 6), seconds=time.time() - t0, commit=_record(report),
-                           crc=shard_checksums(lc.context) if args.checksums else None)
-            delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
-            if delay and not lc.draining:
-                time.sleep(delay)
-            if lc.draining:
-                progress.write("draining", step=step, rank=topo.rank)
-                if lc.wait_for_restart(args.drain_timeout):
-                    return 0
-                log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
-                return 3
-        path = write_final(lc, cfg, args.out)
-        progress.write("final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                       path=str(path))
-        return 0
-    finally:
-        lc.close()
-        if watcher is not None:
-            watcher.stop()
+    return run_elastic(factory, lambda ctx, step, fields: train_step(ctx, step, cfg), args, cfg,
+                       on_first_start=lambda ctx: first_start(ctx, cfg))
 
 
 if __name__ == "__main__":

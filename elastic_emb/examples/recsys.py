@@ -14,8 +14,9 @@ The model: hashed user and item ids look up rows of two sharded embedding tables
 ``item``); a dense tower (an MLP over the two concatenated rows) predicts a click; binary cross
 entropy; SGD. Nodes may join, leave or die at any time: the :class:`~elastic_emb.lifecycle.Lifecycle`
 commits the tables after every step, rebuilds the context for each new world size and restores
-the newest commit, resharded. The loop below is all a user writes: start, step, commit, and stop
-stepping when the lifecycle says the job is draining for a restart.
+the newest commit, resharded. The loop (:func:`~elastic_emb.examples.loop.run_elastic`, shared
+with the TorchRec example) is all a user writes: start, step, commit, and stop stepping when the
+lifecycle says the job is draining for a restart.
 
 Why the numbers look the way they do (this script doubles as the drills' workload, whose result
 must equal a single-process replay *bit for bit* whatever world sizes it ran at):
@@ -41,17 +42,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
-import time
 import zlib
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from elastic_emb import config
+from elastic_emb.examples.loop import loop_parser, run_elastic
 
 GRAD_BITS = 10  # gradient grid 2**-10; |per-sample grad| <= 1, so batch <= 2**13 keeps fp32 sums exact
 DENSE_DIM = 16  # parameters per row of the `dense` table
@@ -207,140 +204,23 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     return loss / max(1, len(labels))
 
 
-# -- the elastic training loop ---------------------------------------------------------------------
-
-class Progress:
-    """Per-process JSON lines (``<out>/events/<node>-<pid>.jsonl``): what the drill's report reads."""
-
-    def __init__(self, out: Path) -> None:
-        # The drill names its simulated nodes; otherwise the node id the rendezvous backend gives.
-        node = config.load(None, "node_id").node_id or "node"
-        (out / "events").mkdir(parents=True, exist_ok=True)
-        self.file = open(out / "events" / f"{node}-{os.getpid()}.jsonl", "a", buffering=1)
-        self.node = node
-
-    def write(self, event: str, **fields) -> None:
-        self.file.write(json.dumps({"event": event, "t": time.time(), "node": self.node, "pid": os.getpid(), **fields}, default=str) + "\n")
-
-
-def _record(obj) -> dict:
-    """A lifecycle report (pydantic record, dataclass or dict) as JSON-able data."""
-    if obj is None:
-        return {}
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(mode="json")
-    if hasattr(obj, "__dataclass_fields__"):
-        return asdict(obj)
-    return dict(obj) if isinstance(obj, dict) else {"value": str(obj)}
-
-
-def write_final(lc, cfg: Config, out: Path) -> Path:
-    """This rank's rows of every table, with the committed step they reflect."""
-    topo = lc.context.topology
-    shards = {
-        name: {"start": s.rows.start, "stop": s.rows.stop, "num_rows": lc.context.tables[name].num_rows,
-               "weight": s.weight.detach().cpu().clone()}
-        for name, s in lc.context.export_shard().items()
-    }
-    (out / "final").mkdir(parents=True, exist_ok=True)
-    path = out / "final" / f"gen{topo.generation}-w{topo.world_size}-r{topo.rank}-{os.getpid()}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": lc.step, "generation": topo.generation, "world_size": topo.world_size, "rank": topo.rank,
-                "config": asdict(cfg), "time": time.time(), "shards": shards}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def shard_checksums(ctx) -> dict:
-    """CRC32 of this rank's rows of each table: ``{table: [start, stop, crc32]}``.
-
-    Written with every step's progress line (``--checksums``), so a run that diverges from the
-    reference replay is traced to the first step, table and row range where it did."""
-    out = {}
-    for name, s in ctx.export_shard().items():
-        w = s.weight.detach().cpu().contiguous()
-        out[name] = [s.rows.start, s.rows.stop, zlib.crc32(w.view(torch.uint8).numpy()) if w.numel() else 0]
-    return out
-
+# -- the elastic training loop (examples/loop.py) --------------------------------------------------
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="Train steps 0..steps-1 (global count, across restarts).")
-    p.add_argument("--out", type=Path, required=True, help="Directory for progress lines and the final tables.")
-    p.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (paces drills).")
-    p.add_argument("--slow-file", type=Path, default=None,
-                   help="While this file exists, sleep --slow-delay per step instead (drills slow training down "
-                        "while a resize is in flight, so a short run cannot end before it lands).")
-    p.add_argument("--slow-delay", type=float, default=0.25)
-    p.add_argument("--checksums", action="store_true", help="Add per-table CRC32s of this rank's rows to each step line.")
-    p.add_argument("--drain-timeout", type=float, default=120.0, help="Seconds to wait for the agent's restart when draining.")
-    for field, default in asdict(Config()).items():
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
-    args = p.parse_args(argv)
+    args = loop_parser(__doc__.split("\n\n")[0], Config()).parse_args(argv)
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
     cfg.check()
     return args, cfg
 
 
 def main(argv=None) -> int:
-    from elastic_emb import EmbContext, Lifecycle, LifecycleConfig, Watcher, bind_topology, configure_logging, get_logger
+    from elastic_emb import EmbContext, configure_logging
 
     args, cfg = parse_args(argv)
     configure_logging()
-    log = get_logger()
-    progress = Progress(args.out)
     factory = functools.partial(EmbContext, tables=table_specs(cfg), optimizer=optimizer_spec(cfg), seed=cfg.seed)
-    watcher = Watcher.from_env()
-    if watcher is not None:
-        watcher.start()
-    started = time.time()
-    lc = Lifecycle.start(factory, LifecycleConfig(), watcher=watcher)
-    try:
-        topo = lc.topology
-        bind_topology(topo)
-        progress.write("start", rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                       restored_step=lc.step, start_seconds=time.time() - started,
-                       restore=_record(lc.events[-1] if lc.events else None))
-        while lc.next_step < args.steps:
-            step = lc.next_step
-            t0 = time.time()
-            seen: dict = {}
-            try:
-                loss = train_step(lc.context, step, cfg, seen if args.checksums else None)
-            except Exception as exc:
-                # A peer died mid-step. If a membership change explains it, the agent is about to
-                # restart us into a new world (free of --max-restarts): wait for its SIGTERM rather
-                # than exit with a failure. Nothing of this step was committed; it will be redone.
-                if watcher is not None and watcher.membership_change_pending(timeout=2.0):
-                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
-                    log.warning("step_failed_membership_changed", step=step, error=type(exc).__name__)
-                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-                raise
-            report = lc.commit(step)
-            progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                           loss=round(loss, 6), seconds=time.time() - t0, commit=_record(report),
-                           crc=shard_checksums(lc.context) if args.checksums else None, **seen)
-            # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
-            delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
-            if delay and not lc.draining:
-                time.sleep(delay)
-            if lc.draining:
-                # The agent is about to restart us for a new world: everything up to `step` is
-                # committed; stop stepping and wait (bounded) for its SIGTERM.
-                progress.write("draining", step=step, rank=topo.rank)
-                if lc.wait_for_restart(args.drain_timeout):
-                    log.info("drained_for_restart", step=step)
-                    return 0
-                log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
-                return 3
-        path = write_final(lc, cfg, args.out)
-        progress.write("final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation, path=str(path))
-        log.info("training_done", step=lc.step, final=str(path))
-        return 0
-    finally:
-        lc.close()
-        if watcher is not None:
-            watcher.stop()
+    return run_elastic(factory, lambda ctx, step, fields: train_step(ctx, step, cfg, fields if args.checksums else None),
+                       args, cfg)
 
 
 if __name__ == "__main__":
