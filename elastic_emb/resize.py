@@ -72,6 +72,7 @@ from elastic_emb.rdzv.keys import (
     KEY_FALLBACK,
     KEY_JOINER,
     KEY_JOINERS,
+    KEY_PLAN,
     inproc_prefix,
     inproc_root,
     round_prefix,
@@ -162,6 +163,7 @@ class InProcessResize:
         self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
         self._joiners_seen = 0  # joiner registrations already read
         self._joiners: list[str] = []  # registered joiners not yet in the world, in order
+        self._plan: dict | None = None  # the next generation's plan to include joiners, once read
         if self.enabled and watcher.node not in self.nodes:
             raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
                                   f"launch with --rdzv-backend=elastic_emb")
@@ -219,9 +221,55 @@ class InProcessResize:
         return lc, resize
 
     def pending(self) -> bool:
-        """Whether a member node of this generation is gone from the rendezvous, or a joiner is
-        ready to be included (check at step boundaries: one store read)."""
-        return self.enabled and bool(self._gone() or self._ready_joiners())
+        """Whether a member node of this generation is gone from the rendezvous, or the joiners'
+        plan says to re-form now (check at every step boundary: one or two store reads).
+
+        A departure needs no agreement on the step: the departed peer fails everyone's next
+        collective. A joiner does: the running workers keep stepping together, so a worker that
+        re-formed on its own at a boundary where a peer did not yet see the joiner would leave
+        that peer blocked in a collective (seen with 2 -> 3). So only the decider acts on a ready
+        joiner: at the boundary before step ``n`` it publishes the plan "include these joiners
+        after step ``n``" and then takes step ``n``. Every other worker reads the plan at each
+        boundary; none can pass step ``n`` without it, because finishing step ``n``'s collective
+        needs the decider, which wrote the plan before it entered that step."""
+        if not self.enabled:
+            return False
+        if self._gone():
+            return True
+        plan = self._read_plan()
+        if plan is None and self._is_planner() and self._ready_joiners():
+            plan = self._publish_plan(self._ready_joiners())
+        return plan is not None and self.lc.step >= plan["after_step"]
+
+    def _is_planner(self) -> bool:
+        return bool(self.nodes) and self.watcher.node == self.nodes[0] and self.lc.topology.local_rank == 0
+
+    def _plan_key(self) -> str:
+        return inproc_prefix(self.watcher._reader.run_id, self.lc.topology.generation + 1) + KEY_PLAN
+
+    def _read_plan(self) -> dict | None:
+        if self._plan is not None and self._plan["generation"] == self.lc.topology.generation + 1:
+            return self._plan
+        key = self._plan_key()
+        value = read_signed(self.watcher._reader.store, self._signer, key, log)
+        if value is None:
+            return None
+        plan = json.loads(value)
+        if (plan.get("generation") != self.lc.topology.generation + 1 or not isinstance(plan.get("after_step"), int)
+                or not isinstance(plan.get("joiners"), list)):
+            raise ElasticEmbError(f"join plan under {key} is malformed: {value[:200]!r}")
+        self._plan = plan
+        return plan
+
+    def _publish_plan(self, joiners: list[str]) -> dict:
+        key = self._plan_key()
+        plan = {"generation": self.lc.topology.generation + 1, "after_step": self.lc.next_step,
+                "joiners": list(joiners)}
+        self.watcher._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
+        self._plan = plan
+        log.info("resize.join_planned", generation=plan["generation"], after_step=plan["after_step"],
+                 joiners=plan["joiners"])
+        return plan
 
     def _ready_joiners(self) -> list[str]:
         store = self.watcher._reader.store
@@ -254,7 +302,8 @@ class InProcessResize:
         t0 = time.perf_counter()
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._gone()
-        joiners = [] if failed else self._ready_joiners()
+        plan = None if failed else self._read_plan()
+        joiners = [str(n) for n in plan["joiners"]] if plan is not None else []
         while not gone and not joiners and time.monotonic() < deadline:
             time.sleep(min(0.05, self.watcher.interval))
             gone = self._gone()
@@ -282,6 +331,7 @@ class InProcessResize:
         t3 = time.perf_counter()
         self.nodes = nodes
         self._joiners = [n for n in self._joiners if n not in nodes]
+        self._plan = None
         log.info("resize.in_process", mode="in_process", gone=list(gone), joined=list(joiners),
                  old_generation=old.generation,
                  new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,

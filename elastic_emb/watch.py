@@ -136,10 +136,11 @@ class RendezvousReader:
 
             return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
         import etcd
-        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        from elastic_emb.rdzv.etcd_v2 import CasEtcdStore  # agreements need compare_set
 
         client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
-        return EtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
+        return CasEtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
 
     def raw_state(self) -> bytes | None:
         if self._client is None:

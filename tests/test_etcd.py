@@ -345,3 +345,23 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
             assert not watcher.evicted and evicted == [] and watcher.events() == [], watcher.last_state
     finally:
         _close(handler)
+
+
+def test_the_in_process_world_store_on_etcd_v2_has_compare_set(etcd_server):
+    """The generations formed in process agree over the etcd-v2 store, and every agreement raises
+    the generation mark with compare_set, which torch's EtcdStore lacks: CasEtcdStore adds it with
+    TCPStore's semantics (a create that loses, a swap that matches, one that does not)."""
+    from datetime import timedelta
+
+    import etcd
+
+    from elastic_emb.rdzv.etcd_v2 import CasEtcdStore
+
+    client = etcd.Client(host=etcd_server.host, port=etcd_server.client_port, read_timeout=5)
+    store = CasEtcdStore(client, "/elastic_emb/cas", timeout=timedelta(seconds=5))
+    assert store.compare_set("mark", "", "1") == b"1"  # created
+    assert store.compare_set("mark", "", "2") == b"1"  # exists: the holder's value, unchanged
+    assert store.compare_set("mark", "1", "3") == b"3"  # swapped
+    assert store.compare_set("mark", "1", "4") == b"3"  # no match: unchanged
+    assert store.get("mark") == b"3"
+    assert store.compare_set("missing", "z", "q") == b"z" and not store.check(["missing"])

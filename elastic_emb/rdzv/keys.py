@@ -73,6 +73,7 @@ def inproc_prefix(run_id: str, generation: int) -> str:
 
 KEY_DECISION = "decision"  # the decider -> every worker: the new generation's nodes [control]
 KEY_DECIDER = "decider"  # counter: the first claimer decides
+KEY_PLAN = "plan"  # the decider -> every worker: include these joiners after this step [control]
 
 
 def inproc_root(run_id: str) -> str:
