@@ -322,8 +322,8 @@ def test_agent_death_behind_a_wrapper_is_reported(rdzv_store):
 
 def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker():
     """watch.py and drain.py import nothing from the agent-side handler (nor torch_compat, which
-    imports torch's private rendezvous layer): only rdzv.keys, rdzv.decode, rdzv.outage and
-    rdzv.signing (which imports keys alone)."""
+    imports torch's private rendezvous layer): only rdzv.keys, rdzv.decode, rdzv.outage,
+    rdzv.signing (which imports keys alone) and the etcd store clients."""
     import ast
     import pathlib
 
@@ -335,6 +335,7 @@ def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker()
         rdzv = {m for m in mods if m.startswith(("elastic_emb.rdzv", "elastic_emb.rendezvous"))}
         allowed = {"elastic_emb.rdzv.keys", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage",
                    "elastic_emb.rdzv.signing",
-                   "elastic_emb.rdzv.etcd_v3"}  # the inner=etcd-v3 client (torch's public interfaces only)
+                   "elastic_emb.rdzv.etcd_v3",  # the inner=etcd-v3 client (torch's public interfaces only)
+                   "elastic_emb.rdzv.etcd_v2"}  # torch's public EtcdStore plus compare_set
         assert rdzv <= allowed, (name, rdzv)
         assert "elastic_emb.rdzv.keys" in rdzv, name
