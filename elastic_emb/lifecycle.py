@@ -82,7 +82,7 @@ class LifecycleConfig(BaseModel):
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False
     async_commit: bool = False  # commit() returns once the rows are captured; a background thread writes them
-    incremental: bool = False  # commits write the rows changed since the last one (contexts that track changes)
+    incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
     max_chain: int = Field(default=8, ge=0)  # deltas on one base before the next full base
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write

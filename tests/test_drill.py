@@ -210,17 +210,19 @@ def test_drill_loses_nothing(name, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path):
-    """Rows of the newest snapshot are changed *with matching checksums* (a state-layer bug, not
+    """Rows of the newest commit are changed *with matching checksums* (a state-layer bug, not
     a disk error), then the workers are killed so they restore from it: only the comparison with
-    the replay can tell, and it must name the rows and the step."""
+    the replay can tell, and it must name the rows and the step. Commits are incremental by
+    default, so the newest commit is a delta: the planted rows are its first changed rows (the
+    ones that step wrote), not the first rows of the table."""
     report, out = _run("corrupt-snapshot", tmp_path, network="loopback")
     assert report["ok"] is False
     v = report["verification"]
     assert v["ok"] is False and "LOSS DETECTED" in v["error"]
     planted = report["faults"][0]["corrupted"][0]
-    assert planted["table"] == "user" and planted["rows"] == [0, 3]
+    assert planted["table"] == "user" and len(planted["row_list"]) == 3
     rows = {(f["table"], f["row"]) for f in v["findings"] if "row" in f}
-    assert {("user", 0), ("user", 1), ("user", 2)} <= rows
+    assert {("user", r) for r in planted["row_list"]} <= rows
     first = [f for f in v["findings"] if f["problem"] == "first divergence from the replay" and f["table"] == "user"]
     assert first and first[0]["step"] == planted["step"] + 1 and first[0]["process_restored_step"] == planted["step"]
     assert f"right after step {planted['step'] + 1}" in v["error"]

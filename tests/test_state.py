@@ -586,6 +586,38 @@ def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
         restore(TrackingContext(topo2), comm2, snapshot=tier, durable=None)
 
 
+@pytest.mark.parametrize("keep,max_chain", [(2, 4), (3, 2)])
+def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, world1, keep, max_chain):
+    """120 commits (a base, then deltas of up to W random rows, re-based every max_chain + 1),
+    each followed by prune as the lifecycle does: after every commit the node directory holds at
+    most the bound of :mod:`elastic_emb.state.delta` (2 bases and max_chain + keep - 2 deltas),
+    computed here from the config: never more commit directories, never more data bytes."""
+    n, w, steps = 40, 6, 120
+    row = 3 * 4 + 4  # weight float32[3] + one float32 slot
+    base_bytes, delta_bytes = n * row, w * (row + 8)  # + the int64 index of each changed row
+    max_dirs = 2 + max_chain + keep - 2
+    bound = 2 * base_bytes + (max_chain + keep - 2) * delta_bytes
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
+    ctx = TrackingContext(topo)
+    gen = torch.Generator().manual_seed(17)
+    peak = peak_dirs = 0
+    for step in range(steps):
+        rows = torch.randint(0, n, (int(torch.randint(0, w + 1, (1,), generator=gen)),), generator=gen).tolist()
+        ctx.write(rows, float(step + 1))
+        _delta_commit(tier, ctx, comm, step)
+        tier.prune(comm)
+        dirs = list(tier.node_dir.glob("step-*"))
+        used = sum(f.stat().st_size for d in dirs for f in d.glob("*.bin"))
+        assert len(dirs) <= max_dirs and used <= bound, (step, len(dirs), used, bound)
+        peak, peak_dirs = max(peak, used), max(peak_dirs, len(dirs))
+    assert peak > base_bytes and peak_dirs == max_dirs  # the bound is reached: exercised, not trivially met
+    topo2, comm2 = world1()
+    ctx2 = TrackingContext(topo2)
+    assert restore(ctx2, comm2, snapshot=tier, durable=None).step == steps - 1
+    assert torch.equal(ctx2.w, ctx.w) and torch.equal(ctx2.acc, ctx.acc)
+
+
 # -- asynchronous commits (a background writer) with real processes -----------------------------------
 
 
@@ -608,6 +640,61 @@ def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_f
     values = ok(_lifecycle_run(tmp_path, ["A", "B"], 3, out, 8, config=cfg))
     assert [v["start_step"] for v in values] == [6, 6]
     assert_bit_exact(gather(out, "start", 3), ref_after(6), "the commit in flight was lost, the one before restored")
+
+
+def _parents(node_dir, rank: int) -> dict[int, int | None]:
+    """Step -> parent step of this node's own manifests of ``rank`` (None: a base)."""
+    out = {}
+    for m in node_dir.glob(f"test/*/step-*/rank{rank}.json"):
+        d = json.loads(m.read_text())
+        out[d["step"]] = d["parent"][0] if d["parent"] else None
+    return out
+
+
+def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(tmp_path):
+    """Incremental commits by default, chain bound 2: the commit after two deltas is the
+    compaction (a new base). Each start SIGKILLs both ranks (two nodes, a replica each) at one
+    point of that compaction: data written, replica in flight, manifest missing, and half done
+    (rank 0 wrote its own manifest of the new base, rank 1 none). The next start restores the
+    chain before it bit for bit. Last, one node loses a delta of its own chain (the middle
+    link): its rows come from the replica of that chain on the other node, bit for bit."""
+    from tests.test_lifecycle import assert_bit_exact, gather, ok, reference
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"max_chain": 2}
+    kills = [{r: "snapshot_data_written" for r in (0, 1)}, {r: "snapshot_replica_in_flight" for r in (0, 1)},
+             {r: "snapshot_before_manifest" for r in (0, 1)},
+             {0: "snapshot_manifest_partial", 1: "snapshot_before_manifest"}]
+    restored = -1
+    for gen, kill in enumerate(kills):  # each start restores what the previous kill left, then trains on
+        # A start's first commit is a base (at restored + 1); the compaction comes 2 deltas later.
+        compaction = restored + 4
+        extra = {r: {"ELASTIC_EMB_FAULT": f"{point}@{compaction}"} for r, point in kill.items()}
+        results = _lifecycle_run(tmp_path, ["A", "B"], gen, out, compaction, extra=extra, config=cfg)
+        # Each rank is killed at its point, or fails on the peer that was (a collective in progress).
+        codes = [r.returncode for r in results]
+        assert -9 in codes and 0 not in codes, (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
+        if gen:
+            assert_bit_exact(gather(out, "start", gen), reference(16)[restored + 1], f"after the kill at {kills[gen - 1]}")
+        parents = _parents(tmp_path / "nodes" / "A", 0)
+        chain = [compaction - 1, compaction - 2, compaction - 3]
+        assert [parents.get(s, "absent") for s in chain] == [chain[1], chain[2], None], (kill, parents)
+        if gen == 3:  # half done: rank 0's own manifest of the new base exists, rank 1's does not
+            assert parents[compaction] is None and compaction not in _parents(tmp_path / "nodes" / "B", 1)
+        else:
+            assert compaction not in parents
+        restored = compaction - 1
+    # Restore the last one, train a chain (a base, 2 deltas), then drop node B's own middle delta.
+    last = restored + 3
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 4, out, last, config=cfg))
+    assert [v["start_step"] for v in values] == [restored] * 2
+    assert_bit_exact(gather(out, "start", 4), reference(16)[restored + 1], f"after the kill at {kills[-1]}")
+    [middle] = (tmp_path / "nodes" / "B").glob(f"test/B/step-{last - 1:012d}-*/rank1.json")
+    middle.unlink()
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 5, out, -1, config=cfg))
+    assert [v["start_step"] for v in values] == [last, last]
+    assert_bit_exact(gather(out, "start", 5), reference(16)[last + 1], "node B's delta from its replica on A")
 
 
 def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):

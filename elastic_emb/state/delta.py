@@ -19,8 +19,10 @@ missing in the *middle* of a chain, where later deltas exist, is reported by
 Bound: the chain is at most ``max_chain`` deltas long; the commit after that is a new base
 (compaction by re-basing: it is a complete commit of its own, so a crash at any point leaves the
 previous base and chain restorable until the new base is complete). With ``keep`` complete commits
-kept and their chains, a node directory holds at most two bases and ``max_chain`` deltas per
-shard it stores (own or replica).
+kept and their chains (``keep <= max_chain + 1``), after each commit's prune a node directory holds
+at most two bases and ``max_chain + keep - 2`` deltas per shard it stores (own or replica), plus
+the one commit in flight: with the defaults (keep 2) 2x the shard plus the chain window
+(tests/test_state.py checks this bound over a long run).
 """
 
 from __future__ import annotations

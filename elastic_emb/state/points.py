@@ -7,7 +7,9 @@ of a commit leaves the last complete commit restorable.
 
 Points, in the order a snapshot commit reaches them: ``snapshot_data_written`` (this rank's data
 file written), ``snapshot_replica_in_flight`` (before the replicas are exchanged),
-``snapshot_before_manifest`` (data and replicas written, manifests not yet);
+``snapshot_before_manifest`` (data and replicas written on every node, manifests not yet),
+``snapshot_manifest_partial`` (this rank's own manifest written, its replica manifests not yet);
+the same points serve a base, a delta and a compaction (the base that ends a chain);
 ``durable_before_manifest`` (DCP done, manifest not yet written); and, outside the state tiers,
 ``resize_decider_claimed`` (:mod:`elastic_emb.resize`: the in-process resize's decider claimed
 the decision and has not written it).

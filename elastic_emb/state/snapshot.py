@@ -182,15 +182,16 @@ class SnapshotTier:
             error = error or self._write(cdir, f"rank{r}.replica.bin", got[r].cpu(), written, step)
             replicated += everyone[r]["bytes"]
         # Data is written on this node; manifests go last (a crash before them leaves no commit).
-        points.reached("snapshot_before_manifest", step)
         if any(holders.values()):  # ... and only once every node has its data
             self._abandon_if_failed(step, cdir, written, comm.exchange(f"snap{step}-replicas", error))
+        points.reached("snapshot_before_manifest", step)
         base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
                     world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id, parent=parent)
         own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
                                data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time())
         try:
             self._write_text(cdir / f"rank{topo.rank}.json", own.model_dump_json(), written)
+            points.reached("snapshot_manifest_partial", step)
             for r in senders:
                 rep = SnapshotManifest(**base, source_rank=r, source_node=everyone[r]["node"], replica=True,
                                        data_file=f"rank{r}.replica.bin", data_bytes=everyone[r]["bytes"],
