@@ -1,0 +1,247 @@
+"""Commit every step on one GPU: the step alone, incremental commits (sync and async), a full
+snapshot, and torch's DCP ``async_save`` as the anchor, from one process and the same table.
+
+World size 1, no replica (the node-local log only), one fp32 table of ``--table-gib`` GiB on the
+GPU (``--dim`` columns) with a row-wise Adagrad slot, in plain tensors that track the rows they
+write (the ``take_changes`` contract: a bool mask on the device). A step: ``--ids`` random ids
+(duplicates allowed), a gradient per id, the Adagrad update of the distinct rows; then a dense
+part (bf16 matmuls, the count calibrated so the step takes at least ``--min-step-ms``; 0: none,
+the embedding-only loop). Each step ends with a device synchronize (a real step reads its loss).
+
+Measured, medians over ``--steps`` steps:
+
+* ``none``: the step alone (the baseline), with and without the dense part;
+* ``full``: the first commit of the tier, a base (the whole shard: today's full snapshot);
+* ``incremental``: the step, then ``SnapshotTier.commit`` of the rows it wrote (a delta);
+* ``async``: the step, then ``SnapshotTier.capture`` + :class:`CommitWriter` (the background
+  writer of ``async_commit``); its latency (call to complete) is measured on separate commits;
+* ``dcp``: the step, then ``torch.distributed.checkpoint.async_save`` of the table (blocking part,
+  and the time until its future completes);
+* the pinned device-to-host bandwidth, the bound of any commit path that leaves the GPU.
+
+  python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --json commit_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def pick_dir(need: int, explicit: str | None) -> Path:
+    """A directory on a filesystem with ``need`` bytes free: /dev/shm first (the node-local tier's
+    home), else the temporary directory."""
+    if explicit:
+        return Path(explicit)
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        if shutil.disk_usage(base).free > need:
+            return Path(tempfile.mkdtemp(prefix="ee-commit-", dir=base))
+    raise SystemExit(f"no filesystem with {need / 2**30:.1f} GiB free for the commits; pass --state-dir")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table-gib", type=float, default=16.0, help="weight GiB (the Adagrad slot adds 1/dim)")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--ids", type=int, default=1_000_000)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--min-step-ms", type=float, default=20.0)
+    ap.add_argument("--latency-commits", type=int, default=3)
+    ap.add_argument("--dcp-steps", type=int, default=1, help="0: skip the DCP anchor")
+    ap.add_argument("--state-dir", default=None)
+    ap.add_argument("--json", default="bench/commit_gpu.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic_emb.protocol import ContextBase, ShardData
+    from elastic_emb.state import Comm, SnapshotTier
+    from elastic_emb.state.writer import CommitWriter
+    from elastic_emb.testing.ports import free_port
+    from elastic_emb.topology import Topology
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/commit_gpu.py: no CUDA device (use --device cpu for a smoke run)")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = int(args.table_gib * 2**30) // (args.dim * 4)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    topo = Topology.build(run_id="bench", generation=1, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1",
+                          master_port=port)
+    comm = Comm(topo, store, None, timeout=600)
+
+    class Ctx(ContextBase):
+        tracks_changes = True
+
+        def __init__(self):
+            self.topology = topo
+            self.rows = range(rows)
+            self.w = torch.empty(rows, args.dim, device=dev).uniform_(-0.01, 0.01)
+            self.acc = torch.zeros(rows, device=dev)
+            self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)
+
+        def shard_views(self):
+            return {"emb": ShardData("emb", self.rows, self.w, {"acc": self.acc})}
+
+        export_shard = shard_views
+
+        def import_shard(self, shards):
+            raise AssertionError("not used")
+
+        def take_changes(self):
+            out, self.changed = self.changed, torch.zeros(rows, dtype=torch.bool, device=dev)
+            return {"emb": out}
+
+    ctx = Ctx()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    mm = 8192 if dev.type == "cuda" else 256
+    x = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16)
+    wd = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16) / math.sqrt(mm)
+
+    def emb_step() -> None:
+        ids = torch.randint(0, rows, (args.ids,), device=dev, generator=gen)
+        grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        g = torch.zeros(len(uniq), args.dim, device=dev).index_add_(0, inv, grads)
+        ctx.acc[uniq] += (g * g).mean(dim=1)
+        ctx.w[uniq] -= 0.01 * g / (ctx.acc[uniq].sqrt()[:, None] + 1e-10)
+        ctx.changed[uniq] = True
+
+    def dense(reps: int) -> None:
+        y = x
+        for _ in range(reps):
+            y = torch.tanh(y @ wd)
+
+    def timed(fn, n=3) -> float:
+        xs = []
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            xs.append(time.perf_counter() - t0)
+        return statistics.median(xs)
+
+    emb_s = timed(emb_step)
+    mm_s = timed(lambda: dense(1))
+    reps = max(0, math.ceil((args.min_step_ms / 1e3 - emb_s) / mm_s)) if args.min_step_ms else 0
+
+    def step(with_dense: bool) -> None:
+        emb_step()
+        if with_dense:
+            dense(reps)
+        sync()
+
+    # Pinned device-to-host bandwidth (512 MiB), the bound of a commit that leaves the GPU.
+    src = torch.empty(2**29, dtype=torch.uint8, device=dev)
+    pinned = torch.empty(2**29, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    d2h_gbs = src.numel() / timed(lambda: pinned.copy_(src, non_blocking=True), 5) / 1e9
+    del src, pinned
+
+    out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
+                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+                 "torch": torch.__version__}
+    shard_bytes = rows * (args.dim * 4 + 4)
+    state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
+    out["state_dir"] = str(state)
+    tier = SnapshotTier(state, "bench", "node0", replication=0, keep=2, max_chain=10**6)
+    num_rows = {"emb": rows}
+
+    for label, with_dense in (("dense", True), ("emb_only", False)):
+        base = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step(with_dense)
+            base.append(time.perf_counter() - t0)
+        out[f"step_none_{label}_ms"] = _median_ms(base)
+
+    # The first commit is a base: the whole shard, today's full snapshot.
+    ctx.take_changes()
+    t0 = time.perf_counter()
+    tier.commit(0, ctx.shard_views(), comm, num_rows, changes=ctx.take_changes())
+    out["commit_full_s"] = time.perf_counter() - t0
+    out["full_bytes"] = shard_bytes
+    step_no = 1
+    for label, with_dense in (("dense", True), ("emb_only", False)):
+        steps, commits, written = [], [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step(with_dense)
+            t1 = time.perf_counter()
+            w, _ = tier.commit(step_no, ctx.shard_views(), comm, num_rows, changes=ctx.take_changes())
+            tier.prune(comm)
+            t2 = time.perf_counter()
+            steps.append(t2 - t0)
+            commits.append(t2 - t1)
+            written.append(w)
+            step_no += 1
+        out[f"step_incremental_{label}_ms"] = _median_ms(steps)
+        out[f"commit_incremental_{label}_ms"] = _median_ms(commits)
+        out[f"delta_bytes_{label}"] = statistics.median(written)
+        out[f"overhead_incremental_{label}_pct"] = 100 * (out[f"step_incremental_{label}_ms"] / out[f"step_none_{label}_ms"] - 1)
+        out[f"commit_gbs_{label}"] = out[f"delta_bytes_{label}"] / (out[f"commit_incremental_{label}_ms"] / 1e3) / 1e9
+
+    writer = CommitWriter(tier, comm, timeout=600)
+    steps = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step(True)
+        writer.wait()  # as lc.commit does: the next capture follows the commit in flight (its parent)
+        cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows, ctx.take_changes())
+        writer.submit(cap)
+        steps.append(time.perf_counter() - t0)
+        step_no += 1
+    writer.wait()
+    out["step_async_dense_ms"] = _median_ms(steps)
+    out["overhead_async_dense_pct"] = 100 * (out["step_async_dense_ms"] / out["step_none_dense_ms"] - 1)
+    lat = []
+    for _ in range(args.latency_commits):
+        step(True)
+        t0 = time.perf_counter()
+        writer.submit(tier.capture(step_no, ctx.shard_views(), topo, num_rows, ctx.take_changes()))
+        writer.wait()
+        lat.append(time.perf_counter() - t0)
+        step_no += 1
+    out["async_latency_ms"] = _median_ms(lat)
+    out["async_latency_steps"] = out["async_latency_ms"] / out["step_none_dense_ms"]
+    shutil.rmtree(state / "bench", ignore_errors=True)
+
+    if args.dcp_steps:
+        import torch.distributed.checkpoint as dcp
+
+        dist.init_process_group("gloo", store=dist.PrefixStore("dcp/", store), rank=0, world_size=1)
+        blocking, done = [], []
+        for k in range(args.dcp_steps):
+            step(True)
+            t0 = time.perf_counter()
+            fut = dcp.async_save({"w": ctx.w, "acc": ctx.acc}, checkpoint_id=str(state / f"dcp{k}"))
+            blocking.append(time.perf_counter() - t0)
+            fut.result()
+            done.append(time.perf_counter() - t0)
+            shutil.rmtree(state / f"dcp{k}", ignore_errors=True)
+        out["dcp_async_save_blocking_ms"] = _median_ms(blocking)
+        out["dcp_async_save_complete_ms"] = _median_ms(done)
+        out["overhead_dcp_dense_pct"] = 100 * out["dcp_async_save_blocking_ms"] / out["step_none_dense_ms"]
+        dist.destroy_process_group()
+    writer.close()
+    shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
+    print(json.dumps(out, indent=1))
+    Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
