@@ -51,6 +51,7 @@ from elastic_emb.state import (
     RestoreReport,
     SnapshotTier,
     node_id_from_env,
+    points,
     restore,
 )
 from elastic_emb.state.writer import CommitWriter
@@ -390,6 +391,7 @@ class Lifecycle:
     # -- restore -----------------------------------------------------------------------------
 
     def _restore(self, *, live, live_commit) -> RestoreReport:
+        points.reached("lifecycle_restoring", self.topology.generation)  # drills: a node lost mid-restore
         ctx = self._require_context()
         comm = self._comm_for(ctx)
         group = self._ensure_default_pg() if self.durable is not None else None

@@ -185,6 +185,7 @@ class InProcessResize:
         store = reader.store
         root = inproc_root(reader.run_id)
         me = watcher.node
+        points.reached("resize_joiner_registering", int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
         index = int(store.add(root + KEY_JOINERS, 1))
         key = root + KEY_JOINER + str(index)
         store.set(key, signer.sign(key, me))

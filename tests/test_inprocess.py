@@ -259,3 +259,88 @@ def test_three_to_two_to_three_survivors_keep_their_processes(cluster, inner):
     last_at2 = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["t"] < t_first3)
     print(f"\nin-process 3->2->3 ({inner}): leave to first step {t_first2 - t_leave:.2f} s; "
           f"join to first step {t_first3 - t_join:.2f} s, survivors' pause {t_first3 - last_at2:.2f} s")
+
+
+def _newest_ready(tmp, after) -> dict:
+    """Each agent's newest worker started after ``after`` (agent pid -> its ready record)."""
+    return {r["agent_pid"]: r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > after}
+
+
+def test_a_joiner_dying_before_it_is_ready_and_the_job_converges(cluster):
+    """Re-form fault: b's first worker is killed before it registers as ready (fault point
+    ``resize_joiner_registering@0``). a's world never included it, so nothing waits on it; b's
+    agent restarts the worker, which joins. Bound: the world of two trains within WAIT, every
+    row bit-exact, no committed step lost, a's restart budget untouched."""
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    time.sleep(0.5)
+    t_join = time.time()
+    fault = {"ELASTIC_EMB_FAULT": "resize_joiner_registering@0"}
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF, extra_env=fault))
+    a, b = agents
+
+    def at_two():
+        recs = worker_records(tmp)
+        pids = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["t"] > t_join}
+        return len(pids) == 2 and pids
+
+    wait_for(lambda: "faultpoint_kill" in b.output(), WAIT, "b's first worker to die at the fault point", agents)
+    wait_for(at_two, WAIT, "the world of two after the joiner's death", agents)
+    t_two = first_commit_at(tmp, world_size=2, after=t_join)
+    time.sleep(0.3)
+    recs = worker_records(tmp)
+    starts = [r for r in recs if r["ev"] in ("ready", "reformed") and r["t"] > t_join]
+    assert starts and all(r["rows_ok"] for r in starts), starts
+    assert [_steps_lost(recs, r) for r in starts if r["ws"] == 2] == [0] * len([r for r in starts if r["ws"] == 2])
+    newest = _newest_ready(tmp, 0)
+    assert newest[a.pid]["restart_count"] == 0 and newest[b.pid]["restart_count"] >= 1, newest
+    kept = a.pid in {r["agent_pid"] for r in recs if r["ev"] == "ready"} and not any(
+        r["agent_pid"] == a.pid for r in recs if r["ev"] == "ready" and r["t"] > t_join)
+    print(f"\njoiner died before ready: world of two after {t_two - t_join:.2f} s from the join; "
+          f"a's worker kept its process: {kept}")
+
+
+def test_a_second_node_lost_during_the_restore_and_the_job_converges(cluster):
+    """Re-form fault: three nodes; c's node is SIGKILLed (agent and worker); while a and b restore
+    generation 3, b's worker dies at ``lifecycle_restoring@3`` and the test SIGKILLs b's agent (a
+    second node lost). a's re-form fails (its peer is gone mid-restore), it says so in a
+    ``resize_fallback`` event, and the job goes on at world size 1 with every row bit-exact.
+    Bound: within WAIT of the first fault."""
+    import os
+
+    tmp, agents = cluster
+    port = free_port()
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    for name, ws in (("b", 2), ("c", 3)):
+        t = time.time()
+        extra = {"ELASTIC_EMB_FAULT": "lifecycle_restoring@3"} if name == "b" else None
+        agents.append(start_agent(name, tmp, port, worker="lifecycle", conf=CONF, extra_env=extra))
+        wait_for(lambda: first_commit_at(tmp, world_size=ws, after=t), WAIT, f"world size {ws}", agents)
+    a, b, c = agents
+    c_worker = next(r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r["agent_pid"] == c.pid)
+    time.sleep(0.5)
+    t_kill = c.signal(signal.SIGKILL)
+    os.kill(c_worker, signal.SIGKILL)
+    wait_for(lambda: "faultpoint_kill" in b.output(), WAIT, "b's worker to die in the restore", agents, pause=0.01)
+    b.signal(signal.SIGKILL)  # the second node lost: its agent too
+
+    def at_one():
+        newest = _newest_ready(tmp, t_kill).get(a.pid)
+        reformed = [r for r in worker_records(tmp) if r["ev"] == "reformed" and r["t"] > t_kill and r["ws"] == 1]
+        start = newest or (reformed[-1] if reformed else None)
+        return start is not None and start["ws"] == 1 and first_commit_at(tmp, world_size=1, after=start["t"])
+
+    t_one = wait_for(at_one, WAIT, "a alone at world size 1", agents)
+    time.sleep(0.3)
+    recs = worker_records(tmp)
+    starts = [r for r in recs if r["ev"] in ("ready", "reformed") and r["t"] > t_kill]
+    assert starts and all(r["rows_ok"] for r in starts if r["ws"] == 1), starts
+    a_workers = {r["pid"] for r in recs if r["ev"] == "ready" and r["agent_pid"] == a.pid}
+    at_one = {r["pid"] for r in recs if r["ev"] == "commit" and r["t"] >= t_one}
+    assert len(at_one) == 1 and at_one <= a_workers, (at_one, a_workers)  # a's worker alone trains on
+    said = [e for e in events(tmp, "a") if e["event"] == "resize_fallback"]
+    print(f"\nsecond node lost mid-restore: world of one after {t_one - t_kill:.2f} s; fallback said: "
+          f"{[e.get('reason', '')[:120] for e in said]}")
