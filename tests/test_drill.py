@@ -103,6 +103,7 @@ def test_scenario_file_yaml_and_json(tmp_path):
     ({"faults": [{"kind": "explode", "at_step": 1}]}, "kind"),
     ({"initial_nodes": 1, "faults": [{"kind": "leave", "at_step": 3}]}, "min_nodes=1"),
     ({"bogus": 1}, "bogus"),
+    ({"mode": "in_process", "rendezvous": "c10d"}, "mode='in_process' needs rendezvous='elastic_emb'"),
 ])
 def test_invalid_scenarios_are_refused_naming_the_fault(tmp_path, data, needle):
     path = tmp_path / "bad.yaml"
@@ -496,3 +497,20 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
     rank0 = next(w for w in workers if _value(w, "elastic_emb_rank") == 0)
     assert abs(_value(rank0, "elastic_emb_resize_phase_seconds_sum", phase="restore") -
                resize["phases"]["restore"]) <= 0.0006
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(tmp_path):
+    """``mode: in_process``: the demo's 1 -> 2 -> 1 with ``--rdzv-conf resize=in_process``. Node 0's
+    worker is one process from the first step to the last (it re-forms twice in place), and the
+    final tables equal the single-process replay bit for bit (the drill's verification)."""
+    report, out = _run("demo", tmp_path, mode="in_process")
+    assert report["ok"], _explain(report, out)
+    v = report["verification"]
+    assert v["ok"] and v["step"] == PRESETS["demo"].steps - 1 and v["step_checksums_checked"] >= PRESETS["demo"].steps
+    events = [json.loads(line) for f in sorted((out / "run" / "events").glob("*.jsonl")) for line in f.open()]
+    node0 = {e["pid"] for e in events if e["node"] == "node0" and e["event"] in ("start", "step")}
+    assert len(node0) == 1, node0  # never restarted
+    resized = [e for e in events if e["event"] == "resized"]
+    assert [(e["world"], e["pid"]) for e in resized if e["node"] == "node0"] == [(2, *node0), (1, *node0)], resized

@@ -166,7 +166,8 @@ class Drill:
         self.t_first_step: float | None = None
         self.slow_file = self.out / "run" / "slow"
         self.rank0_pid: int | None = None
-        self.awaiting: tuple[int | None, float] | None = None  # (rank 0's pid at the fault, deadline)
+        self.awaiting: tuple[int | None, int, float] | None = None  # (rank 0's pid, generation at the fault, deadline)
+        self.generation = -1  # the newest generation seen stepping
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -207,6 +208,8 @@ class Drill:
                 "keep_alive_max_attempt": 3, "read_timeout": 60, **self.store_conf}
         if s.store == "agent":
             conf["is_host"] = "true" if number == 0 else "false"
+        if s.mode == "in_process":
+            conf["resize"] = "in_process"
         return [
             self.python, "-m", "torch.distributed.run",
             f"--nnodes={s.min_nodes}:{s.max_nodes}", f"--nproc-per-node={s.nproc_per_node}",
@@ -324,7 +327,7 @@ class Drill:
         if fault.kind != "kill_store":
             # Slow training down until a new world steps, so a short drill cannot end first.
             self.slow_file.touch()
-            self.awaiting = (self.rank0_pid, time.monotonic() + 60.0)
+            self.awaiting = (self.rank0_pid, self.generation, time.monotonic() + 60.0)
         self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
         log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
 
@@ -345,11 +348,15 @@ class Drill:
                     self.t_first_step = e["t"]
                 self.max_step = max(self.max_step, e["step"])
                 self.world = e["world"]
+                self.generation = max(self.generation, e.get("generation", -1))
                 if e.get("rank") == 0:
                     self.rank0_pid = e.get("pid")
         if self.awaiting is not None:
-            pid, deadline = self.awaiting
-            if (self.rank0_pid is not None and self.rank0_pid != pid) or time.monotonic() > deadline:
+            pid, generation, deadline = self.awaiting
+            # a new incarnation of rank 0 (restart mode), or the same one in a newer generation
+            # (mode in_process: the survivors keep their processes)
+            if ((self.rank0_pid is not None and self.rank0_pid != pid) or self.generation > generation
+                    or time.monotonic() > deadline):
                 # A new incarnation is stepping (or we gave up waiting): full speed again.
                 self.awaiting = None
                 self.slow_file.unlink(missing_ok=True)

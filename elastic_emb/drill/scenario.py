@@ -92,6 +92,9 @@ class Scenario(BaseModel):
     rendezvous: Literal["elastic_emb", "c10d"] = Field(
         default="elastic_emb", description="torchrun --rdzv-backend (elastic_emb: the project's backend)."
     )
+    mode: Literal["restart", "in_process"] = Field(
+        default="restart", description="How the world resizes: restart (the agents restart every worker) or "
+        "in_process (--rdzv-conf resize=in_process: the survivors re-form in their running processes).")
     store: Literal["drill", "agent", "etcd"] = Field(
         default="drill",
         description="Who hosts the rendezvous store: the drill process (a TCPStore), the first agent "
@@ -125,6 +128,8 @@ class Scenario(BaseModel):
                 f"batch={self.batch} is smaller than the largest world ({self.max_nodes} x "
                 f"{self.nproc_per_node}): every rank needs at least one sample; raise batch"
             )
+        if self.mode == "in_process" and self.rendezvous != "elastic_emb":
+            raise ValueError("mode='in_process' needs rendezvous='elastic_emb' (stock c10d restarts every worker)")
         if self.store == "etcd" and self.rendezvous != "elastic_emb":
             raise ValueError("store='etcd' needs rendezvous='elastic_emb' (it drives etcd through the project's backend)")
         if self.etcd_members > 1 and (self.store != "etcd" or self.etcd_api != "v3"):

@@ -13,6 +13,12 @@ they differ only in the context factory and the step. It is the loop a user writ
 3. When the lifecycle says the job is draining for a restart (a node waits to join), the worker
    stops stepping and waits, bounded, for the agent's SIGTERM: everything up to the last step is
    committed.
+4. With ``--rdzv-conf resize=in_process`` (:mod:`elastic_emb.resize`) the worker re-forms in its
+   own process instead: at each step boundary ``resize.pending()`` says a member left or a
+   joiner is ready, and a step that failed because a peer died re-forms at once; a worker of a
+   joining node waits to be included (``InProcessResize.join``). After a re-form the world's
+   rank and size are ``lc.topology``: torchrun's ``RANK``/``WORLD_SIZE`` still name the first
+   generation (this loop reads nothing else).
 
 Every event goes to a per-process JSON-lines file (:class:`Progress`) that the drills' report and
 replay read; at the end each rank writes its rows (:func:`write_final`).
@@ -111,6 +117,17 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
     return p
 
 
+def _wait_for_sigterm(timeout: float) -> bool:
+    """Block until SIGTERM (True) or ``timeout`` seconds (False): a joiner that was not included
+    waits for the agents' restart-mode round."""
+    import signal
+    import threading
+
+    got = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: got.set())
+    return got.wait(timeout)
+
+
 def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                 on_first_start: Callable[[object], None] | None = None) -> int:
     """Train steps ``lc.next_step .. args.steps - 1`` elastically (see the module docstring).
@@ -125,6 +142,10 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
     Returns the process exit code: 0 when done, or drained / restarted for a new world; 3 when
     the agent did not restart the worker within ``args.drain_timeout``."""
     from elastic_emb import Lifecycle, LifecycleConfig, Watcher, bind_topology, get_logger
+    from elastic_emb.errors import ResizeFallback
+    from elastic_emb.resize import InProcessResize, interruptible_store
+    from elastic_emb.store import worker_store
+    from elastic_emb.topology import Topology
 
     log = get_logger()
     progress = Progress(args.out)
@@ -132,7 +153,35 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
     if watcher is not None:
         watcher.start()
     started = time.time()
-    lc = Lifecycle.start(factory, LifecycleConfig(), watcher=watcher)
+    lc_config = LifecycleConfig()
+    in_process = watcher is not None and config.load(None, "resize").resize == "in_process"
+    if in_process and config.load(None, "joiner").joiner:
+        try:  # this node joined a running world: wait (bounded) to be included, then start with it
+            lc, resize = InProcessResize.join(factory, lc_config, watcher, timeout=args.drain_timeout)
+        except ResizeFallback:
+            return 0 if _wait_for_sigterm(args.drain_timeout) else 3  # the agents restart everyone
+    else:
+        store = interruptible_store(worker_store(Topology.from_env(), timeout=lc_config.agree_timeout), watcher) \
+            if in_process else None
+        lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store)
+        resize = InProcessResize(lc, watcher) if in_process else None
+
+    def reform(step: int, failed: bool):
+        """Re-form in this process; None when it fell back to the agents' restart."""
+        t_last = last_step_t[0]
+        try:
+            event = resize.run(failed=failed)
+        except ResizeFallback:
+            progress.write("resize_fallback", step=step, rank=lc.topology.rank)
+            return None
+        t = lc.topology
+        bind_topology(t)
+        progress.write("resized", mode="in_process", rank=t.rank, world=t.world_size, generation=t.generation,
+                       restored_step=lc.step, failed=failed, seconds=event.total_s, last_step_t=t_last,
+                       restore=record(event))
+        return t
+
+    last_step_t = [time.time()]
     try:
         topo = lc.topology
         bind_topology(topo)
@@ -143,11 +192,24 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                        restore=record(lc.events[-1] if lc.events else None))
         while lc.next_step < args.steps:
             step = lc.next_step
+            if resize is not None and resize.pending():
+                topo = reform(step, failed=False)
+                if topo is None:
+                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
+                continue
             t0 = time.time()
             fields: dict = {}
             try:
                 loss = step_fn(lc.context, step, fields)
+                if resize is not None:  # in process, a commit whose peer died re-forms too
+                    report = lc.commit(step)
             except Exception as exc:
+                if resize is not None:  # a peer died mid-step: re-form now (raises if nobody left)
+                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
+                    topo = reform(step, failed=True)
+                    if topo is None:
+                        return 0 if lc.wait_for_restart(args.drain_timeout) else 3
+                    continue
                 # A peer died mid-step. If a membership change explains it, the agent is about to
                 # restart us into a new world (free of --max-restarts): wait for its SIGTERM rather
                 # than exit with a failure. Nothing of this step was committed; it will be redone.
@@ -156,7 +218,9 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                     log.warning("step_failed_membership_changed", step=step, error=type(exc).__name__)
                     return 0 if lc.wait_for_restart(args.drain_timeout) else 3
                 raise
-            report = lc.commit(step)
+            if resize is None:
+                report = lc.commit(step)
+            last_step_t[0] = time.time()
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                            loss=round(loss, 6), seconds=time.time() - t0, commit=record(report),
                            crc=shard_checksums(lc.context) if args.checksums else None, **fields)
