@@ -502,10 +502,11 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(tmp_path):
-    """``mode: in_process``: the demo's 1 -> 2 -> 1 with ``--rdzv-conf resize=in_process``. Node 0's
+    """``mode: in_process`` (``make demo``'s preset): 1 -> 2 -> 1 with ``--rdzv-conf resize=in_process``. Node 0's
     worker is one process from the first step to the last (it re-forms twice in place), and the
     final tables equal the single-process replay bit for bit (the drill's verification)."""
-    report, out = _run("demo", tmp_path, mode="in_process")
+    assert PRESETS["demo"].mode == "in_process"
+    report, out = _run("demo", tmp_path)
     assert report["ok"], _explain(report, out)
     v = report["verification"]
     assert v["ok"] and v["step"] == PRESETS["demo"].steps - 1 and v["step_checksums_checked"] >= PRESETS["demo"].steps
@@ -514,3 +515,8 @@ def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(tmp_pat
     assert len(node0) == 1, node0  # never restarted
     resized = [e for e in events if e["event"] == "resized"]
     assert [(e["world"], e["pid"]) for e in resized if e["node"] == "node0"] == [(2, *node0), (1, *node0)], resized
+    # the report sees both in-process resizes, with nothing lost and the survivors' pause measured
+    assert report["world_sizes"] == [1, 2, 1], report["world_sizes"]
+    assert [(r["mode"], r["steps_lost"]) for r in report["resizes"]] == [("in_process", 0)] * 2, report["resizes"]
+    assert all(0 < r["pause_seconds"] < 30 for r in report["resizes"]), report["resizes"]
+    print(f"\nin-process demo: pauses {[r['pause_seconds'] for r in report['resizes']]} s")

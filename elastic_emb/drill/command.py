@@ -125,7 +125,8 @@ def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_pr
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
               help="Progress bar on a terminal, plain lines otherwise.")
 def demo_cmd(out, progress) -> int:
-    """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes.
+    """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes, resized in
+    process (``--rdzv-conf resize=in_process``: node 0's worker is never restarted).
 
     Trains the packaged example model; exit 0 when its tables equal the single-process replay
     bit for bit."""

@@ -14,6 +14,11 @@ line. A *resize* is the boundary between two segments, with its phases:
                     (``restore`` is the restore alone, from the lifecycle's report)
 ``first_step``      lifecycle ready -> first committed step of the new world
 
+With ``mode: in_process`` a segment also begins at rank 0's ``resized`` line (the world re-formed
+inside the running processes): ``restart`` is then the detection and decision, ``lifecycle`` the
+rebuild (agree, construct, restore). ``pause_seconds`` is the last step of the old world -> the
+first step of the new one: what the training loop lost to the resize, in either mode.
+
 ``recovery_seconds`` is fault -> first committed step of the new world (last old step when no
 fault caused it). ``steps_lost`` counts committed steps the new world had to redo (the restore
 came from an older commit than the newest one reported): with a commit every step it is 0.
@@ -32,10 +37,12 @@ def segments(events: list[dict]) -> list[dict]:
     """Rank 0's incarnations, in time order."""
     segs: list[dict] = []
     for e in sorted((e for e in events if e.get("rank") == 0), key=lambda e: e["t"]):
-        if e["event"] == "start":
-            segs.append({"start_t": e["t"], "lifecycle_seconds": e.get("start_seconds"), "world": e["world"],
-                         "generation": e.get("generation"), "restored_step": e.get("restored_step"),
-                         "restore": e.get("restore") or {}, "node": e.get("node"), "steps": []})
+        if e["event"] in ("start", "resized"):
+            in_process = e["event"] == "resized"
+            segs.append({"start_t": e["t"], "lifecycle_seconds": e.get("seconds" if in_process else "start_seconds"),
+                         "world": e["world"], "generation": e.get("generation"), "restored_step": e.get("restored_step"),
+                         "restore": e.get("restore") or {}, "node": e.get("node"), "steps": [],
+                         "mode": "in_process" if in_process else "restart"})
         elif e["event"] == "step" and segs:
             segs[-1]["steps"].append((e["t"], e["step"]))
     return segs
@@ -81,6 +88,8 @@ def build_report(result: DrillResult) -> dict:
                     "first_step": round(steps[0][0] - seg["start_t"], 3) if steps else None,
                 },
                 "recovery_seconds": round(steps[0][0] - t_fault, 3) if steps else None,
+                "mode": seg["mode"],
+                "pause_seconds": round(steps[0][0] - prev_last_t, 3) if steps else None,
             })
         if steps:
             committed_max = max(committed_max, max(st for _, st in steps))
@@ -194,12 +203,16 @@ def summary_table(report: dict):
         head.add_row("error", Text(report["error"][:600], style="red"))
     head.add_row("duration", f"{report['duration_seconds']:.1f} s")
     table = Table(title="resizes", title_justify="left", show_lines=False)
-    for col in ("t s", "cause", "world", "from step", "lost", "tiers", "restart s", "start s", "recovery s"):
+    for col in ("t s", "cause", "world", "mode", "from step", "lost", "tiers", "restart s", "start s", "pause s",
+                "recovery s"):
         table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left", no_wrap=True)
     for r in report["resizes"]:
-        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", str(r["restored_step"]),
-                      str(r["steps_lost"]), "+".join(r["source_tiers"]) or "-", f"{r['phases']['restart']:.2f}",
-                      f"{r['phases']['lifecycle']:.2f}", "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")
+        pause = r.get("pause_seconds")
+        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", r.get("mode", "restart"),
+                      str(r["restored_step"]), str(r["steps_lost"]), "+".join(r["source_tiers"]) or "-",
+                      f"{r['phases']['restart']:.2f}", f"{r['phases']['lifecycle']:.2f}",
+                      "-" if pause is None else f"{pause:.2f}",
+                      "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")
     paths = Text(f"report: {report['paths']['json']}\nplot:   {report['paths']['plot']}")
     return Group(head, table, paths)
 

@@ -212,8 +212,10 @@ PRESETS: dict[str, Scenario] = {
     for s in (
         Scenario(
             name="demo",
-            description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store (the README's demo).",
+            description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store, resized in process "
+                        "(the README's demo).",
             initial_nodes=1, max_nodes=2, store="agent", network="loopback", steps=90, step_delay=0.05,
+            mode="in_process",
             faults=(Fault(kind="join", at_step=10), Fault(kind="leave", at_step=55)),
         ),
         Scenario(
