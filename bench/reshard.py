@@ -185,7 +185,8 @@ def worker(args) -> None:
             shutil.rmtree(tier.node_dir, ignore_errors=True)
         # -- durable tier ------------------------------------------------------------------
         if "durable" in args.methods:
-            dtier = DurableTier(Path(args.dcp_dir) / "durable", f"bench{run}")
+            # The tier takes only manifests of its own run id (the topology's); each run its own root.
+            dtier = DurableTier(Path(args.dcp_dir) / "durable" / f"run{run}", ctx.topology.run_id)
             comm = Comm(ctx.topology, store, ctx.process_group, timeout=300)
             sync()
             t0 = time.perf_counter()
