@@ -208,7 +208,7 @@ def summary_table(report: dict):
         table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left", no_wrap=True)
     for r in report["resizes"]:
         pause = r.get("pause_seconds")
-        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", r.get("mode", "restart"),
+        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", {"in_process": "in-proc"}.get(r.get("mode"), "restart"),
                       str(r["restored_step"]), str(r["steps_lost"]), "+".join(r["source_tiers"]) or "-",
                       f"{r['phases']['restart']:.2f}", f"{r['phases']['lifecycle']:.2f}",
                       "-" if pause is None else f"{pause:.2f}",
@@ -223,5 +223,5 @@ def print_summary(report: dict, console=None) -> None:
     if console is None:
         console = Console(highlight=False)
         if not console.is_terminal:
-            console.width = max(console.width, 110)  # a log file has no screen edge to fit
+            console.width = max(console.width, 130)  # a log file has no screen edge to fit
     console.print(summary_table(report))
