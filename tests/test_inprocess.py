@@ -69,9 +69,14 @@ def test_two_to_one_survivor_reforms_in_process(cluster, fault):
     assert not [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill], "an agent restarted a worker"
     after = [r for r in recs if r["ev"] == "commit" and r["t"] > t_kill and r["ws"] == 1]
     assert after and {r["pid"] for r in after} == {survivor["pid"]}
-    # nothing lost or repeated: the survivor resumed right after the newest step committed by the world of two
+    # nothing lost or repeated: the survivor resumed right after the newest step committed by the world of two.
+    # That is the newest step it logged as committed, or the one step it started after it: a commit can
+    # complete on both nodes while the fault cuts the call (and its log line) short, seen on an idle
+    # machine; the rows, checked bit-exact at the restored step above, say which one was kept.
     committed2 = max(r["step"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["pid"] == survivor["pid"])
-    assert rec["resume"] in (committed2 + 1, committed2), (rec, committed2)
+    started2 = max(r["step"] for r in recs if r["ev"] == "start" and r["ws"] == 2 and r["pid"] == survivor["pid"])
+    assert started2 in (committed2, committed2 + 1), (started2, committed2)
+    assert rec["resume"] in (committed2, committed2 + 1, started2 + 1), (rec, committed2, started2)
     assert rec["gen"] == survivor["gen"] + 1
     ev = events(tmp, "a")
     changed = [e for e in ev if e["event"] == "membership_changed" and e.get("mode") == "in_process"]
