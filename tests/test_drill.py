@@ -158,7 +158,10 @@ def _namespaces() -> set[str]:
     if not NETNS_OK:
         return set()
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
-    return {line.split()[0] for line in r.stdout.splitlines() if line.startswith("ee")}
+    # Only the namespaces of drills this process ran (their names carry the creating pid): another
+    # suite or drill on the same machine makes and removes its own meanwhile.
+    mine = f"ee{os.getpid()}x"
+    return {line.split()[0] for line in r.stdout.splitlines() if line.startswith(mine)}
 
 
 def _run(name: str, tmp_path: Path, **update) -> tuple[dict, Path]:

@@ -636,7 +636,9 @@ def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_f
     # SIGKILL in the writer thread between the data and the manifests of step 7.
     kill = {r: {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@7"} for r in range(2)}
     results = _lifecycle_run(tmp_path, ["A", "B"], 2, out, 8, extra=kill, config=cfg)
-    assert [r.returncode for r in results] == [-9, -9], [(r.returncode, r.stderr[-800:]) for r in results]
+    # The first rank at the point is killed; its peer is killed there too or fails on the dead rank (exit 1).
+    codes = [r.returncode for r in results]
+    assert -9 in codes and 0 not in codes, [(r.returncode, r.stderr[-800:]) for r in results]
     values = ok(_lifecycle_run(tmp_path, ["A", "B"], 3, out, 8, config=cfg))
     assert [v["start_step"] for v in values] == [6, 6]
     assert_bit_exact(gather(out, "start", 3), ref_after(6), "the commit in flight was lost, the one before restored")
