@@ -138,7 +138,10 @@ def test_three_member_etcd_loses_its_leader_mid_join_zero_loss(tmp_path):
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
     assert report["ok"], (report.get("error"), report.get("verification"), logs)
     assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
-    assert report["world_sizes"] == [1, 2], report["world_sizes"]
+    # The join may take two rounds when the leader dies during it (a re-form at world 1 first):
+    # what must hold is one node, then two, never fewer, and every row equal to the replay (above).
+    sizes = [w for i, w in enumerate(report["world_sizes"]) if i == 0 or w != report["world_sizes"][i - 1]]
+    assert sizes == [1, 2], report["world_sizes"]
     kill, join = report["faults"]
     assert kill["kind"] == "kill_store" and join["kind"] == "join", report["faults"]
     assert kill["member"] in (0, 1, 2), kill
@@ -286,7 +289,10 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
     assert report["ok"], (report.get("error"), report.get("verification"), logs)
     assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
-    assert report["world_sizes"] == [1, 2], report["world_sizes"]
+    # The join may take two rounds when the leader dies during it (a re-form at world 1 first):
+    # what must hold is one node, then two, never fewer, and every row equal to the replay (above).
+    sizes = [w for i, w in enumerate(report["world_sizes"]) if i == 0 or w != report["world_sizes"][i - 1]]
+    assert sizes == [1, 2], report["world_sizes"]
     assert [r["steps_lost"] for r in report["resizes"]] == [0], report["resizes"]
     assert [f["kind"] for f in report["faults"]] == ["kill_store", "join"], report["faults"]
 
