@@ -45,6 +45,9 @@ from pathlib import Path
 
 from elastic_emb.testing.ports import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
+from _ranks import collect  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("rebuild", "live", "snapshot", "durable", "dcp")
 
@@ -269,19 +272,7 @@ def launch(args, size_mb: int) -> list[dict]:
                "--device", args.device, "--state-dir", args.state_dir, "--dcp-dir", args.dcp_dir,
                "--methods", ",".join(args.methods), "--max-seconds", str(args.max_seconds)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    deadline = time.monotonic() + args.timeout
-    for rank, p in enumerate(procs):
-        try:
-            so, se = p.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"size {size_mb} MB: rank {rank} did not finish within {args.timeout}s")
-        if p.returncode != 0:
-            raise SystemExit(f"size {size_mb} MB: rank {rank} failed (rc={p.returncode}):\n{se[-4000:]}")
-        out.append(json.loads(so.strip().splitlines()[-1]))
-    return out
+    return collect(procs, args.timeout, f"size {size_mb} MB")
 
 
 def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
