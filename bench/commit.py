@@ -2,8 +2,8 @@
 
 Starts ``--world`` rank processes (gloo on CPU), each its own "node" (so every commit also sends a
 replica to the next node, ``replication=1``), each holding one fp32 table of ``--sizes-mb`` MB
-with a row-wise Adagrad accumulator, in plain tensors that track the rows they write (the
-``take_changes`` contract). A step: ``--ids`` random ids among the rank's rows (duplicates
+with a row-wise Adagrad accumulator, in plain tensors that track the rows they write as
+EmbContext does (``take_changed_rows``: the written rows, deduplicated at the commit). A step: ``--ids`` random ids among the rank's rows (duplicates
 allowed), a gradient per id, the Adagrad update of the distinct rows. Per size, in the same
 processes, with ``--steps`` steps each:
 
@@ -67,7 +67,7 @@ def worker(args) -> None:
             n = len(self.rows)
             self.w = (torch.arange(n, dtype=torch.float32)[:, None] + torch.arange(DIM, dtype=torch.float32)) / 1024
             self.acc = torch.zeros(n)
-            self.changed = torch.zeros(n, dtype=torch.bool)
+            self.written: list[torch.Tensor] = []  # the rows each step wrote, as EmbContext tracks them
 
         def shard_views(self):
             return {"emb": ShardData("emb", self.rows, self.w, {"acc": self.acc})}
@@ -80,8 +80,16 @@ def worker(args) -> None:
             self.acc.copy_(shards["emb"].slots["acc"])
 
         def take_changes(self):
-            out, self.changed = self.changed, torch.zeros(len(self.rows), dtype=torch.bool)
-            return {"emb": out}
+            mask = torch.zeros(len(self.rows), dtype=torch.bool)
+            for rows in self.written:
+                mask[rows] = True
+            self.written = []
+            return {"emb": mask}
+
+        def take_changed_rows(self):  # what the lifecycle uses: work grows with the rows written
+            rows = torch.unique(torch.cat(self.written)) if self.written else torch.empty(0, dtype=torch.int64)
+            self.written = []
+            return {"emb": rows}
 
         def step(self, gen: torch.Generator) -> None:
             ids = torch.randint(0, len(self.rows), (args.ids,), generator=gen)
@@ -90,7 +98,7 @@ def worker(args) -> None:
             g = torch.zeros(len(uniq), DIM).index_add_(0, inv, grads)
             self.acc[uniq] += (g * g).mean(dim=1)
             self.w[uniq] -= 0.01 * g / (self.acc[uniq].sqrt()[:, None] + 1e-10)
-            self.changed[uniq] = True
+            self.written.append(uniq)
 
     num_rows = {"emb": rows_total}
     results = {}
@@ -105,9 +113,9 @@ def worker(args) -> None:
             ctx.step(gen)
             t1 = time.perf_counter()
             if mode == "full" or (mode == "incremental" and step == 0):
-                w, r = tier.commit(step, ctx.export_shard(), comm, num_rows, changes=ctx.take_changes() if mode == "incremental" else None)
+                w, r = tier.commit(step, ctx.export_shard(), comm, num_rows, changes=ctx.take_changed_rows() if mode == "incremental" else None)
             elif mode == "incremental":
-                w, r = tier.commit(step, ctx.shard_views(), comm, num_rows, changes=ctx.take_changes())
+                w, r = tier.commit(step, ctx.shard_views(), comm, num_rows, changes=ctx.take_changed_rows())
             else:
                 w = r = 0
             if mode != "none":
@@ -125,7 +133,7 @@ def worker(args) -> None:
             chain = args.max_chain
             for s in range(args.steps + 1, args.steps + 1 + chain + 1):
                 ctx.step(gen)
-                tier.commit(s, ctx.shard_views(), comm, num_rows, changes=ctx.take_changes())
+                tier.commit(s, ctx.shard_views(), comm, num_rows, changes=ctx.take_changed_rows())
             want = ctx.export_shard()["emb"]
             comm.barrier("restore-chain")
             t0 = time.perf_counter()

@@ -266,7 +266,12 @@ class Lifecycle:
         t0 = time.perf_counter()
         ctx = self._require_context()
         durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
-        changes = ctx.take_changes() if self.config.incremental and ctx.tracks_changes else None
+        changes = None
+        if self.config.incremental and ctx.tracks_changes:
+            # The changed rows as row numbers where the context offers them (work per commit grows
+            # with the rows written), else the contract's whole-shard masks.
+            take_rows = getattr(ctx, "take_changed_rows", None)
+            changes = take_rows() if take_rows is not None else ctx.take_changes()
         # A delta reads only the changed rows: straight from the context's own tensors when it
         # offers them (the commit is synchronous, nothing writes them meanwhile), not a full copy.
         views = ctx.shard_views() if changes is not None and not durable_due else None

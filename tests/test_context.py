@@ -405,11 +405,13 @@ def test_nonfinite_gradients_are_refused_or_skipped(kind):
 
 @settings(max_examples=25, deadline=None)
 @given(batches=st.lists(st.lists(st.integers(0, 49), max_size=30), min_size=1, max_size=6),
-       takes=st.lists(st.booleans(), min_size=6, max_size=6))
+       takes=st.lists(st.sampled_from([None, "mask", "rows", "raw"]), min_size=6, max_size=6))
 def test_take_changes_marks_exactly_the_rows_written(batches, takes):
     """Random batches with duplicates and empty ones: after each step, the rows take_changes()
-    reports are exactly the ids applied since the previous take, and exactly the rows whose value
-    changed (SGD with non-zero gradients changes every row it touches)."""
+    (the mask) or take_changed_rows() (the row numbers, deduplicated or raw) reports are exactly
+    the ids applied since the previous take, and exactly the rows whose value changed (SGD with
+    non-zero gradients changes every row it touches). Six batches of up to 30 ids exceed the 50
+    rows, so the tracker's fold into a mask is exercised too."""
     ctx = _ctx1(free_port(), 0, OptimizerSpec(kind="sgd", lr=1.0))
     try:
         since, base = set(), ctx.export_shard()["t"].weight
@@ -417,15 +419,29 @@ def test_take_changes_marks_exactly_the_rows_written(batches, takes):
             ids = torch.tensor(batch, dtype=torch.int64)
             ctx.apply_gradients("t", ids, torch.ones(len(batch), 3))
             since |= set(batch)
-            if take:
+            if take is None:
+                continue
+            if take == "mask":
                 mask = ctx.take_changes()["t"]
                 assert mask.dtype == torch.bool and mask.shape == (50,)
-                now = ctx.export_shard()["t"].weight
-                assert set(mask.nonzero().squeeze(1).tolist()) == since
-                assert set((now != base).any(dim=1).nonzero().squeeze(1).tolist()) == since
-                since, base = set(), now
+                got = set(mask.nonzero().squeeze(1).tolist())
+            elif take == "rows":
+                rows = ctx.take_changed_rows()["t"]
+                assert rows.dtype == torch.int64 and rows.tolist() == sorted(set(rows.tolist())), "sorted, distinct"
+                got = set(rows.tolist())
+            else:
+                raw = ctx.take_changed_rows(unique=False)["t"].tolist()
+                assert all(0 <= r <= 50 for r in raw), f"raw rows {raw} outside the shard and its dump number"
+                got = set(raw) - {50}
+            now = ctx.export_shard()["t"].weight
+            assert got == since
+            assert set((now != base).any(dim=1).nonzero().squeeze(1).tolist()) == since
+            since, base = set(), now
         ctx.import_shard(ctx.export_shard())
         assert ctx.take_changes()["t"].all(), "import_shard writes every row"
         assert not ctx.take_changes()["t"].any(), "take_changes hands over its mask and starts afresh"
+        ctx.import_shard(ctx.export_shard())
+        assert ctx.take_changed_rows()["t"] is None, "import_shard writes every row: None stands for all"
+        assert ctx.take_changed_rows()["t"].numel() == 0, "take_changed_rows hands over its rows and starts afresh"
     finally:
         ctx.close()

@@ -313,6 +313,7 @@ class EmbContext(ContextBase):
         if store is not None:
             self._base_store = store
         self.topology = topology
+        self._changes.before_write()
         moved = self._remap_rows(old_rank)
         if moved:
             self._changes.resize(self._local_rows())  # this process now holds other rows: all changed
@@ -420,6 +421,7 @@ class EmbContext(ContextBase):
         self._check_open("import_shard")
         self._lookups.settle()
         self._arena.check_import(shards, self._owned_all(), self.topology.rank, self.optimizer)
+        self._changes.before_write()
         self._arena.write(shards)
         self._rows.written()
         self._changes.mark_all()
@@ -446,6 +448,7 @@ class EmbContext(ContextBase):
         self._check_open("load_state_dict")
         self._lookups.settle()
         self._materialise()  # a state dict may cover only some slots; the rest keep their values
+        self._changes.before_write()
         load_state_dict(self._arena, self.tables, state)
         self._changes.mark_all()
 
@@ -462,6 +465,20 @@ class EmbContext(ContextBase):
         self._check_open("take_changes")
         self._checks.raise_all()
         return self._changes.take()
+
+    def take_changed_rows(self, unique: bool = True) -> dict[str, torch.Tensor | None]:
+        """The rows :meth:`take_changes` would mark, as per-table int64 tensors of local row
+        numbers (None: every row), at a cost proportional to the rows written, not to the shard.
+        ``unique=False``: duplicates and entries equal to the local row count (no row) included,
+        no host sync (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`)."""
+        self._check_open("take_changed_rows")
+        self._checks.raise_all()
+        return self._changes.take_rows(unique)
+
+    def hold_writes(self, event) -> None:
+        """A device-side commit capture reads rows until the CUDA ``event``: every later write
+        waits for it on the device (no host sync), so no row changes while it is captured."""
+        self._changes.hold(event)
 
     def check_errors(self) -> None:
         """Wait (bounded by the timeout) until the device has checked every call made so far, and

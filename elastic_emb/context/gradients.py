@@ -108,6 +108,7 @@ class GradientRouter:
         """The optimizer on local ``rows`` (unique, or the dump row where ``keep`` is False), then
         the change marks; lookups in flight read their rows first."""
         self._settle()
+        self.tracker.before_write()  # a commit capture still reading rows finishes first
         arena = self.parts.arena
         optim.apply_rows(self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name], rows, summed,
                          keep)

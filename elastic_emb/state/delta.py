@@ -38,18 +38,37 @@ from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, 
 INDEX = "index"  # the tensor of a delta record holding the changed rows' local row numbers (int64)
 
 
-def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor],
+def changed_index(name: str, change: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The local rows of one table a commit carries, from what the context reported: a bool
+    mask of shape ``(n,)`` (``take_changes``), a sorted int64 tensor of distinct local rows
+    (``take_changed_rows``), or None (every row). Checked: a row outside ``[0, n)`` or an
+    unsorted / duplicated index is refused (O(rows changed))."""
+    if change is None:
+        return torch.arange(n, dtype=torch.int64)
+    if change.dtype == torch.bool:
+        if change.shape != (n,):
+            raise ValueError(f"take_changes()[{name!r}] must be a bool mask of shape ({n},), got {tuple(change.shape)}")
+        return change.nonzero().flatten()
+    if change.dtype != torch.int64 or change.dim() != 1:
+        raise ValueError(f"changes[{name!r}] must be a bool mask of shape ({n},) or a 1-D int64 tensor of local rows, "
+                         f"got {(tuple(change.shape), change.dtype)}")
+    if change.numel() and (int(change[0]) < 0 or int(change[-1]) >= n or bool((change[1:] <= change[:-1]).any())):
+        raise ValueError(f"changes[{name!r}]: the changed rows must be distinct, sorted and within [0, {n}) "
+                         f"(take_changed_rows(unique=True) gives them so)")
+    return change
+
+
+def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | None],
                num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor, int]:
     """The changed rows of every table back to back in one byte buffer, with their records.
-    Returns (records, buffer, number of changed rows over all tables)."""
+    ``changes``: per table a bool mask or the sorted distinct changed rows (see
+    :func:`changed_index`). Returns (records, buffer, number of changed rows over all tables)."""
     records, parts, off, total = [], [], 0, 0
     for name in sorted(shards):
         sd = shards[name]
-        mask = changes.get(name)
-        if mask is None or mask.shape != (len(sd.rows),) or mask.dtype != torch.bool:
-            raise ValueError(f"take_changes()[{name!r}] must be a bool mask of shape ({len(sd.rows)},), got "
-                             f"{None if mask is None else (tuple(mask.shape), mask.dtype)}")
-        idx = mask.nonzero().flatten()
+        if name not in changes:
+            raise ValueError(f"changes lack table {name!r}: every table of the shard needs its changed rows")
+        idx = changed_index(name, changes[name], len(sd.rows))
         total += int(idx.numel())
         trs = []
         for tname, t in [(INDEX, idx.to(torch.int64))] + [(n, t[idx.to(t.device)]) for n, t in tensor_items(sd)]:
