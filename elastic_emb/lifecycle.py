@@ -21,7 +21,12 @@ after *every* step: the cadence decides what is written, and the lifecycle learn
 training got, which tells a resize whether the live rows are newer than the last commit.
 
 Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
-durations (teardown, agreement, construct, restore), bytes moved, source tiers, steps.
+durations (teardown, agreement, construct, restore, and the first step), bytes moved, source
+tiers, steps. The event waits for the first step of the new world: it is logged when training
+calls ``commit()`` next (``first_step_s``: restore done -> that call), or, when no step follows,
+at the next resize or ``close()`` (``first_step_s`` null). ``on_membership_change`` returns it at
+once without ``first_step_s``; ``events[-1]`` gets the complete one. A caller that drives the
+change (``resize.InProcessResize``) passes the phases before it: detect, drain, decide.
 
 A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` and a factory
 ``(topology, store) -> context``; the lifecycle checks at construction that the context has every
@@ -146,6 +151,27 @@ class ResizeEvent(BaseModel):
     committed_before: bool
     fallback: str | None = None
     transport: str | None = None  # how rows moved between ranks (RestoreReport.transport)
+    mode: str | None = None  # "in_process" when resize.InProcessResize drove the change
+    pid: int = Field(default_factory=os.getpid)  # in process: the same pid before and after
+    # The phases before the lifecycle's own (from the caller that drove the change; 0 otherwise):
+    detect_s: float = Field(default=0.0, ge=0)  # establishing the change (who left, who joins)
+    drain_s: float = Field(default=0.0, ge=0)  # from seeing it to the step boundary that re-forms
+    decide_s: float = Field(default=0.0, ge=0)  # the new generation's membership published and read
+    # Restore done -> the first commit() of the new world (the first step's lookups and updates);
+    # None until that step ends (or when the world closed or changed again before it).
+    first_step_s: float | None = Field(default=None, ge=0)
+
+
+CALLER_PHASES = ("detect_s", "drain_s", "decide_s")  # the phases before the lifecycle's own
+
+
+def _completed_by_caller(event: ResizeEvent, aborted: float, mode: str | None,
+                         phases: Mapping[str, float] | None) -> ResizeEvent:
+    """``event`` with the phases of the caller that drove the change (``on_membership_change``)."""
+    extra = {k: round(float(v), 6) for k, v in (phases or {}).items()}
+    return ResizeEvent.model_validate({**event.model_dump(), **extra, "mode": mode,  # validated: phases >= 0
+                                       "teardown_s": round(event.teardown_s + aborted, 6),
+                                       "total_s": round(event.total_s + aborted, 6)})
 
 
 class Lifecycle:
@@ -170,6 +196,7 @@ class Lifecycle:
         self._sigterm = threading.Event()
         self._pending_durable = None
         self._default_pg_gen: int | None = None
+        self._unfinished: tuple[int, float] | None = None  # (index in events, restore done): first step pending
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
                                      keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
                                      max_chain=config.max_chain)
@@ -244,6 +271,7 @@ class Lifecycle:
         Collective: every rank calls it with the same ``step``. Returns None when nothing was
         written. After a commit, a drain requested by the watcher is acknowledged and
         :attr:`draining` becomes True."""
+        self._finish_resize(stepped=True)  # the first step after a resize ends here
         if step <= self.step:
             raise ValueError(f"step={step} was already committed (last committed step {self.step}); "
                              f"steps must increase: resume at lifecycle.next_step={self.next_step}")
@@ -305,8 +333,19 @@ class Lifecycle:
 
     # -- membership changes ------------------------------------------------------------------
 
-    def on_membership_change(self, new_topology: Topology, store=None) -> ResizeEvent:
-        """Same world and EP size: ``reset``. Otherwise: commit, close, construct, restore."""
+    def on_membership_change(self, new_topology: Topology, store=None, *, rebuild: bool = False,
+                             abort: bool = False, mode: str | None = None,
+                             phases: Mapping[str, float] | None = None) -> ResizeEvent:
+        """Same world and EP size, open context: ``reset``. Otherwise: commit, close, construct,
+        restore.
+
+        ``rebuild``: destroy and construct even at the same sizes (a fresh context and
+        communicator). ``abort``: a collective failed; abort the old context first, so the
+        restore takes the newest commit, never rows that may hold part of an uncommitted step
+        (a closed context is always rebuilt: ``reset`` needs an open one).
+        ``mode`` and ``phases`` (``detect_s``, ``drain_s``, ``decide_s``) come from the caller that
+        drove the change and go into the event, which is logged after the first step (module
+        docstring)."""
         store = self.store if store is None else store
         old = self.topology
         if new_topology.run_id != old.run_id:
@@ -314,12 +353,37 @@ class Lifecycle:
         if new_topology.generation <= old.generation:
             raise ValueError(f"new topology generation {new_topology.generation} must be > current "
                              f"{old.generation}: each membership change is a new rendezvous round")
-        if (new_topology.world_size, new_topology.ep_size) == (old.world_size, old.ep_size):
+        if set(phases or {}) - set(CALLER_PHASES):
+            raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
+        self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
+        t0 = time.perf_counter()
+        ctx = self.context
+        if abort and ctx is not None and not ctx.closed:
+            ctx.close(abort=True, wait=False)
+        aborted = time.perf_counter() - t0
+        same = (new_topology.world_size, new_topology.ep_size) == (old.world_size, old.ep_size)
+        if same and not rebuild and (ctx is None or not ctx.closed):
             event = self._reform_same_size(new_topology, store)
         else:
             event = self._rebuild(new_topology, store)
+        event = _completed_by_caller(event, aborted, mode, phases)
         self.events.append(event)
+        self._unfinished = (len(self.events) - 1, time.perf_counter())
+        metrics.resize(event, self.snapshot)
         return event
+
+    def _finish_resize(self, *, stepped: bool) -> None:
+        """Log the resize event waiting for its first step: with ``first_step_s`` when a step
+        just ended (``commit``), without when the world closes or changes again first."""
+        if self._unfinished is None:
+            return
+        index, ready = self._unfinished
+        self._unfinished = None
+        event = self.events[index]
+        if stepped:
+            event = event.model_copy(update={"first_step_s": round(time.perf_counter() - ready, 6)})
+            self.events[index] = event
+        log.info("lifecycle.resize", **event.model_dump())
 
     def _reform_same_size(self, new: Topology, store) -> ResizeEvent:
         """The only caller of ``reset``."""
@@ -479,6 +543,7 @@ class Lifecycle:
         self.close()
 
     def close(self) -> None:
+        self._finish_resize(stepped=False)
         self.wait_durable()
         self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
         self._close_comm()
@@ -543,6 +608,7 @@ class Lifecycle:
             shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
             committed_before=committed, fallback=report.fallback, transport=report.transport,
         )
-        log.info("lifecycle.resize" if kind != "start" else "lifecycle.start", **event.model_dump())
-        metrics.resize(event, self.snapshot)
+        if kind == "start":  # a resize's event is logged after its first step (on_membership_change)
+            log.info("lifecycle.start", **event.model_dump())
+            metrics.resize(event, self.snapshot)
         return event

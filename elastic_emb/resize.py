@@ -46,10 +46,14 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    then restarts its workers as in restart mode (a membership restart, budget untouched), and
    the ``resize_fallback`` event says why. The worker raises :class:`ResizeFallback`.
 
-Events: ``lifecycle.resize`` (from the lifecycle: teardown, agreement, construct, restore) and
-one ``resize.in_process`` per change with ``mode=in_process``, the phases ``detect_s``,
-``decide_s``, ``rebuild_s``, the nodes gone, the new rank and world size, and this worker's pid
-(unchanged: the point). The truth of a worker's rank and world size after an in-process resize
+Events: one ``lifecycle.resize`` per change with ``mode=in_process``, this worker's pid
+(unchanged: the point) and every phase: ``detect_s`` (the check that first saw the change, plus,
+after a failed collective, the wait for the rendezvous to show who left), ``drain_s`` (from seeing
+the change to the step boundary where this worker re-forms: the steps a join plan lets run
+first), ``decide_s``, then the lifecycle's ``teardown_s``, ``agreement_s``, ``construct_s``,
+``restore_s`` and ``first_step_s`` (the event is logged when the first step of the new world
+ends, at its ``commit``). Also one ``resize.in_process`` at the re-form itself: the nodes gone and
+joined, the new rank and world size, ``detect_s``, ``decide_s``, ``rebuild_s``. The truth of a worker's rank and world size after an in-process resize
 is ``lifecycle.topology``; torchrun's ``RANK``/``WORLD_SIZE`` go stale.
 """
 
@@ -164,6 +168,7 @@ class InProcessResize:
         self._joiners_seen = 0  # joiner registrations already read
         self._joiners: list[str] = []  # registered joiners not yet in the world, in order
         self._plan: dict | None = None  # the next generation's plan to include joiners, once read
+        self._seen: tuple[float, float] | None = None  # the change first seen: (when, that check's seconds)
         if self.enabled and watcher.node not in self.nodes:
             raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
                                   f"launch with --rdzv-backend=elastic_emb")
@@ -235,12 +240,21 @@ class InProcessResize:
         needs the decider, which wrote the plan before it entered that step."""
         if not self.enabled:
             return False
+        t0 = time.perf_counter()
         if self._gone():
+            self._saw(t0)
             return True
         plan = self._read_plan()
         if plan is None and self._is_planner() and self._ready_joiners():
             plan = self._publish_plan(self._ready_joiners())
+        if plan is not None:
+            self._saw(t0)
         return plan is not None and self.lc.step >= plan["after_step"]
+
+    def _saw(self, t0: float) -> None:
+        if self._seen is None:  # the first check that saw this change: detection ends, drain starts
+            now = time.perf_counter()
+            self._seen = (now, now - t0)
 
     def _is_planner(self) -> bool:
         return bool(self.nodes) and self.watcher.node == self.nodes[0] and self.lc.topology.local_rank == 0
@@ -293,14 +307,18 @@ class InProcessResize:
             return ()
         return tuple(n for n in self.nodes if n not in view.nodes and n not in view.wait_list)
 
-    def run(self, *, failed: bool = False):
-        """Re-form the world without the departed nodes; returns the lifecycle's ResizeEvent.
+    def run(self, *, failed: bool = False, rebuild: bool = False):
+        """Re-form the world without the departed nodes (and with the planned joiners); returns
+        the lifecycle's ResizeEvent (its ``first_step_s`` comes with the next ``commit``).
 
         ``failed``: a collective raised; wait (bounded) for the rendezvous to show a departure,
-        and raise :class:`ElasticEmbError` if none shows (a real failure, not a resize)."""
+        and raise :class:`ElasticEmbError` if none shows (a real failure, not a resize).
+        ``rebuild``: construct a fresh context even when the sizes stay (``bench/resize_gpu.py``:
+        world size 1 rebuilt)."""
         if not self.enabled:
             raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
         t0 = time.perf_counter()
+        seen, self._seen = self._seen, None
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._gone()
         plan = None if failed else self._read_plan()
@@ -320,11 +338,14 @@ class InProcessResize:
             new = self._topology(old, nodes)
             # The decision is final: from here on "a member is gone" means one of these nodes.
             self.watcher.adopt(nodes, new.rank, new.world_size)
-            if failed and self.lc.context is not None and not self.lc.context.closed:
-                # The failed step may have changed this rank's rows without a commit: abort the old
-                # context now, so the rebuild restores the newest commit instead of these rows.
-                self.lc.context.close(abort=True, wait=False)
-            event = self.lc.on_membership_change(new, store=self._world_store())
+            # failed: the failed step may have changed this rank's rows without a commit: the
+            # lifecycle aborts the old context first and restores the newest commit, not these rows.
+            # Detect: the check that first saw the change (none after a failed collective) plus the
+            # wait here; drain: from that check to this step boundary.
+            phases = {"detect_s": (seen[1] if seen is not None else 0.0) + (t1 - t0),
+                      "drain_s": max(0.0, t0 - seen[0]) if seen is not None else 0.0, "decide_s": t2 - t1}
+            event = self.lc.on_membership_change(new, store=self._world_store(), rebuild=rebuild, abort=failed,
+                                                 mode="in_process", phases=phases)
         except Exception as exc:
             self._fall_back(exc)
             raise ResizeFallback(f"in-process resize from generation {old.generation} failed ({type(exc).__name__}: "

@@ -82,10 +82,46 @@ def test_two_to_one_survivor_reforms_in_process(cluster, fault):
     changed = [e for e in ev if e["event"] == "membership_changed" and e.get("mode") == "in_process"]
     assert changed, [e["event"] for e in ev]
     assert not [e for e in ev if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
+    # One lifecycle.resize event with every phase, logged after the first step at world size 1.
+    ev = _resize_event(tmp, survivor["pid"], t_kill)
+    assert ev["new_world_size"] == 1 and ev["new_generation"] == rec["gen"], ev
+    logged = [e for e in _logged_resize_events(a) if e["new_generation"] == rec["gen"]]
+    assert len(logged) == 1 and logged[0]["first_step_s"] == ev["first_step_s"], logged
     last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2)
+    print("\nphases: " + ", ".join(f"{p[:-2]} {ev[p] * 1e3:.1f} ms" for p in PHASES))
     print(f"\nin-process 2->1 ({fault}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
           f"{t_first - last_before:.2f} s, re-form {rec['total_s']:.3f} s (rebuild), tiers {rec['tiers']}, "
           f"after a failed collective: {rec['failed']}")
+
+
+PHASES = ("detect_s", "drain_s", "decide_s", "agreement_s", "teardown_s", "construct_s", "restore_s", "first_step_s")
+
+
+def _resize_event(tmp, pid, after) -> dict:
+    """The complete ``lifecycle.resize`` event of the re-form of worker ``pid`` after ``after``
+    (the worker logs ``lc.events[-1]`` after the first commit of the new world), checked: every
+    phase present and non-negative, mode in_process, the pid of the process that was there before."""
+    got = [r for r in worker_records(tmp) if r["ev"] == "resize_event" and r["pid"] == pid and r["t"] > after]
+    assert got, f"worker {pid} logged no resize_event after its re-form"
+    ev = got[0]
+    assert ev["mode"] == "in_process" and ev["event_pid"] == pid, ev
+    for phase in PHASES:
+        assert isinstance(ev[phase], float) and ev[phase] >= 0.0, (phase, ev)
+    return ev
+
+
+def _logged_resize_events(agent) -> list[dict]:
+    """The structlog ``lifecycle.resize`` lines in an agent's log (its worker's stderr, JSON)."""
+    import json
+
+    out = []
+    for line in agent.output().splitlines():
+        if '"lifecycle.resize"' in line:
+            try:
+                out.append(json.loads(line[line.index("{"):]))
+            except ValueError:
+                pass
+    return [e for e in out if e.get("event") == "lifecycle.resize"]
 
 
 def _iso(t: float) -> str:
@@ -184,6 +220,8 @@ def test_one_to_two_a_joiner_is_included_in_process(cluster):
     assert committed == {first["pid"], joiner[0]["pid"]}
     rounds = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
     assert len(rounds) == 1, rounds  # no new torch round: nobody was restarted
+    ev = _resize_event(tmp, first["pid"], t_join)  # the running worker's event: every phase, its pid
+    assert ev["new_world_size"] == 2 and ev["kind"] == "rebuild", ev
     last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 1)
     print(f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
           f"running worker's pause {t_first - last_before:.2f} s")
@@ -349,3 +387,59 @@ def test_a_second_node_lost_during_the_restore_and_the_job_converges(cluster):
     said = [e for e in events(tmp, "a") if e["event"] == "resize_fallback"]
     print(f"\nsecond node lost mid-restore: world of one after {t_one - t_kill:.2f} s; fallback said: "
           f"{[e.get('reason', '')[:120] for e in said]}")
+
+
+def test_the_resize_event_waits_for_the_first_step(tmp_path):
+    """One process, world size 1 over a real gloo group: a re-form (the same size rebuilt, as
+    ``InProcessResize.run(rebuild=True)`` does) returns its event at once, but logs
+    ``lifecycle.resize`` only when the first step of the new world ends (``commit``), with the
+    caller's phases, every phase non-negative; a re-form with no step after it is logged at
+    ``close`` with ``first_step_s`` null."""
+    import os
+    from datetime import timedelta
+
+    import structlog
+    import torch.distributed as dist
+
+    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+    from elastic_emb.protocol import TableSpec
+    from elastic_emb.topology import Topology
+    from tests.helpers.lifecycle_worker import MiniContext
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+
+    def topo(gen: int) -> Topology:
+        return Topology.build(run_id="firststep", generation=gen, rank=0, world_size=1, local_rank=0,
+                              local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
+                              master_addr="127.0.0.1", master_port=1)
+
+    def factory(t, s):
+        return MiniContext(t, s, tables=[TableSpec(name="t", num_rows=8, dim=2)])
+
+    lc = Lifecycle(factory, LifecycleConfig(state_dir=str(tmp_path), node_id="n0").resolved({}), topo(0), store)
+    lc.context = factory(topo(0), store)
+    for step in range(2):
+        lc.context.train_step(step)
+        lc.commit(step)
+    phases = {"detect_s": 0.001, "drain_s": 0.0, "decide_s": 0.002}
+    with structlog.testing.capture_logs() as logs:
+        ev = lc.on_membership_change(topo(1), rebuild=True, mode="in_process", phases=phases)
+        assert ev.kind == "rebuild" and ev.first_step_s is None and ev.pid == os.getpid()
+        assert not [e for e in logs if e["event"] == "lifecycle.resize"]  # not before the first step
+        time.sleep(0.05)
+        lc.context.train_step(2)
+        lc.commit(2)
+        lc.commit(3)  # a second step logs nothing more
+    logged = [e for e in logs if e["event"] == "lifecycle.resize"]
+    assert len(logged) == 1, logged
+    assert {k: v for k, v in logged[0].items() if k not in ("event", "log_level")} == lc.events[-1].model_dump()
+    done = lc.events[-1]
+    assert done.mode == "in_process" and done.first_step_s >= 0.05 and done.restored_step == 1
+    for phase in PHASES:
+        assert getattr(done, phase) >= 0.0, (phase, done)
+    assert (done.detect_s, done.drain_s, done.decide_s) == (0.001, 0.0, 0.002)
+    with structlog.testing.capture_logs() as logs:
+        lc.on_membership_change(topo(2), rebuild=True)
+        lc.close()
+    logged = [e for e in logs if e["event"] == "lifecycle.resize"]
+    assert len(logged) == 1 and logged[0]["first_step_s"] is None and logged[0]["new_generation"] == 2, logged

@@ -274,7 +274,10 @@ def main_lifecycle() -> int:
              "tiers": event.source_tiers, "total_s": event.total_s})
         if not ok:
             raise RuntimeError(f"rank {t.rank}: rows after the in-process resize differ from step {lc.step}")
+        first_step_due[0] = True
         return t
+
+    first_step_due = [False]  # the lifecycle.resize event completes at the first commit after a re-form
 
     while lc.next_step <= MAX_STEPS:
         if resizer.pending():
@@ -296,6 +299,11 @@ def main_lifecycle() -> int:
                 time.sleep(30)
             raise
         log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
+        if first_step_due[0]:
+            first_step_due[0] = False
+            ev = lc.events[-1].model_dump()
+            log({"ev": "resize_event", "gen": topo.generation, "rank": topo.rank, "event_pid": ev["pid"],
+                 **{k: v for k, v in ev.items() if k not in ("shard_tiers", "rank", "pid")}})
         if lc.draining:
             log({"ev": "drained", "gen": topo.generation, "rank": topo.rank, "step": step})
             lc.wait_for_restart(60)
