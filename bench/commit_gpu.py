@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--latency-commits", type=int, default=3)
     ap.add_argument("--dcp-steps", type=int, default=1, help="0: skip the DCP anchor")
     ap.add_argument("--state-dir", default=None)
+    ap.add_argument("--device-only", action="store_true",
+                    help="after the base, measure only the device path (skip host-path commits and DCP)")
     ap.add_argument("--json", default="bench/commit_gpu.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
@@ -68,6 +70,7 @@ def main() -> None:
 
     from elastic_emb.protocol import ContextBase, ShardData
     from elastic_emb.state import Comm, SnapshotTier
+    from elastic_emb.state.capture import DeviceCapture
     from elastic_emb.state.writer import CommitWriter
     from elastic_emb.testing.ports import free_port
     from elastic_emb.topology import Topology
@@ -93,6 +96,8 @@ def main() -> None:
             self.w = torch.empty(rows, args.dim, device=dev).uniform_(-0.01, 0.01)
             self.acc = torch.zeros(rows, device=dev)
             self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)
+            self.written: list[torch.Tensor] = []  # as EmbContext tracks: the rows of each write
+            self.held: list = []  # GPU captures still reading rows (hold_writes)
 
         def shard_views(self):
             return {"emb": ShardData("emb", self.rows, self.w, {"acc": self.acc})}
@@ -104,7 +109,23 @@ def main() -> None:
 
         def take_changes(self):
             out, self.changed = self.changed, torch.zeros(rows, dtype=torch.bool, device=dev)
+            self.written = []
             return {"emb": out}
+
+        def take_changed_rows(self, unique: bool = True):
+            assert not unique, "the bench's device path takes the raw rows"
+            out = torch.cat(self.written) if self.written else torch.empty(0, dtype=torch.int64, device=dev)
+            self.written = []
+            self.changed.zero_()  # unused by the device path; kept bounded
+            return {"emb": out}
+
+        def hold_writes(self, event) -> None:
+            self.held.append(event)
+
+        def before_write(self) -> None:
+            for event in self.held:
+                torch.cuda.current_stream(dev).wait_event(event)
+            self.held = []
 
     ctx = Ctx()
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -117,9 +138,11 @@ def main() -> None:
         grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
         uniq, inv = torch.unique(ids, return_inverse=True)
         g = torch.zeros(len(uniq), args.dim, device=dev).index_add_(0, inv, grads)
+        ctx.before_write()  # a GPU capture still reading rows finishes first (EmbContext does the same)
         ctx.acc[uniq] += (g * g).mean(dim=1)
         ctx.w[uniq] -= 0.01 * g / (ctx.acc[uniq].sqrt()[:, None] + 1e-10)
         ctx.changed[uniq] = True
+        ctx.written.append(uniq)
 
     def dense(reps: int) -> None:
         y = x
@@ -150,10 +173,16 @@ def main() -> None:
     src = torch.empty(2**29, dtype=torch.uint8, device=dev)
     pinned = torch.empty(2**29, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     d2h_gbs = src.numel() / timed(lambda: pinned.copy_(src, non_blocking=True), 5) / 1e9
+    crc_gbs = None
+    if dev.type == "cuda":  # the GPU's CRC32 of the same bytes (elastic_emb.state.gpucrc)
+        from elastic_emb.state import gpucrc
+
+        gpucrc.tables(dev)
+        crc_gbs = src.numel() / timed(lambda: gpucrc.checksum_words(src, [(0, src.numel())]), 3) / 1e9
     del src, pinned
 
     out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
-                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "gpu_crc32_gbs": crc_gbs, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__}
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
@@ -176,6 +205,81 @@ def main() -> None:
     out["commit_full_s"] = time.perf_counter() - t0
     out["full_bytes"] = shard_bytes
     step_no = 1
+
+    if dev.type == "cuda":  # the device path needs CUDA streams and events
+        # The device path (elastic_emb.state.capture): gather on a side stream, async copy to pinned
+        # memory, checksums and the write in the background writer, up to 3 commits in flight.
+        device = DeviceCapture(dev, buffers=3, timeout=600)
+        dwriter = CommitWriter(tier, comm, timeout=600, depth=3)
+        tier.enable_spares(4, 0)  # as the lifecycle does: data files allocated ahead
+        done: dict[int, float] = {}
+        stages: dict[int, dict] = {}
+        plain_write = tier.write
+
+        def timed_write(cap, c):
+            t0 = time.perf_counter()
+            if cap.copied is not None:
+                cap.copied.synchronize()
+            t1 = time.perf_counter()
+            r = plain_write(cap, c)
+            done[cap.step] = time.perf_counter()
+            stages[cap.step] = {"wait_copy_s": t1 - t0, "crc_write_manifest_s": done[cap.step] - t1,
+                                "bytes": int(cap.blob.numel())}
+            return r
+
+        tier.write = timed_write
+        for label, with_dense in (("dense", True), ("emb_only", False)):
+            steps, calls, called, lat = [], [], {}, []
+            first = step_no
+            for i in range(args.steps + 2):  # the first two fill the pipeline and the pinned buffers
+                t0 = time.perf_counter()
+                step(with_dense)
+                t1 = time.perf_counter()
+                cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
+                                   device=device, hold=ctx.hold_writes)
+                assert cap.parent is not None, "the device path captures deltas"
+                dwriter.submit(cap)
+                t2 = time.perf_counter()
+                called[step_no] = t1
+                if i >= 2:
+                    steps.append(t2 - t0)
+                    calls.append(t2 - t1)
+                step_no += 1
+            t_end = time.perf_counter()
+            dwriter.wait()
+            t_drained = time.perf_counter()
+            lat = [done[k] - called[k] for k in range(first + 2, step_no)]
+            byts = [stages[k]["bytes"] for k in range(first + 2, step_no)]
+            out[f"step_device_{label}_ms"] = _median_ms(steps)
+            out[f"commit_call_device_{label}_ms"] = _median_ms(calls)
+            out[f"overhead_device_{label}_pct"] = 100 * (out[f"step_device_{label}_ms"] / out[f"step_none_{label}_ms"] - 1)
+            out[f"latency_device_{label}_ms"] = _median_ms(lat)
+            out[f"latency_device_{label}_steps"] = out[f"latency_device_{label}_ms"] / out[f"step_none_{label}_ms"]
+            out[f"delta_bytes_device_{label}"] = statistics.median(byts)
+            # Sustained: every delta of the measured steps written, over the time from the first
+            # measured step to the last commit complete.
+            span = done[step_no - 1] - (called[first + 2] - steps[0] + calls[0])
+            out[f"sustained_device_{label}_gbs"] = sum(byts) / span / 1e9
+            out[f"sustained_device_{label}_of_d2h"] = out[f"sustained_device_{label}_gbs"] / d2h_gbs
+            out[f"stages_device_{label}_ms"] = {k: _median_ms([stages[j][k] for j in range(first + 2, step_no)])
+                                                for k in ("wait_copy_s", "crc_write_manifest_s")}
+            out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
+        tier.write = plain_write
+        dwriter.close()
+        gbs = out["sustained_device_emb_only_gbs"]
+        st = out["stages_device_emb_only_ms"]
+        bound = "the pinned D2H copy" if st["wait_copy_s"] > st["crc_write_manifest_s"] else \
+            "the host side (checksums + file write on the writer's threads)"
+        out["device_emb_only_bound_by"] = bound
+        print(f"device path, embedding-only loop: {gbs:.1f} GB/s sustained = {100 * gbs / d2h_gbs:.0f}% of the pinned "
+              f"D2H bandwidth ({d2h_gbs:.1f} GB/s); per commit: waiting for the copy {st['wait_copy_s']:.1f} ms, "
+              f"checksums + write + manifest {st['crc_write_manifest_s']:.1f} ms: bound by {bound}", flush=True)
+        if args.device_only:
+            shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
+            print(json.dumps(out, indent=1))
+            Path(args.json).write_text(json.dumps(out, indent=1))
+            return
+
     for label, with_dense in (("dense", True), ("emb_only", False)):
         steps, commits, written = [], [], []
         for _ in range(args.steps):

@@ -59,10 +59,15 @@ from elastic_emb.state import (
     points,
     restore,
 )
+from elastic_emb.state.capture import DeviceCapture
 from elastic_emb.state.writer import CommitWriter
 from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle")
+
+# Commits in flight at most with GPU captures (each holds a pinned buffer of its delta): enough to
+# cover the copy, the checksum and the write of one commit while the next steps run.
+COMMIT_DEPTH = 3
 
 
 class LifecycleConfig(BaseModel):
@@ -191,7 +196,8 @@ class Lifecycle:
         self.events: list[ResizeEvent] = []
         self._comm: Comm | None = None
         self._writer: CommitWriter | None = None
-        self._before_in_flight = -1  # self.step before the commit the writer has in flight
+        self._before_in_flight = -1  # self.step before the oldest commit the writer has in flight
+        self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first
         self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._pending_durable = None
@@ -248,7 +254,7 @@ class Lifecycle:
         its replica holders); -1 before the first. Synchronous commits complete inside
         ``commit()``; with ``async_commit`` the commit in flight completes in the background."""
         if self._writer is not None and self._writer.in_flight is not None:
-            return self._before_in_flight
+            return max(self._before_in_flight, self._writer.committed_step)
         return self.step
 
     def wait_commit(self) -> int:
@@ -259,7 +265,7 @@ class Lifecycle:
             try:
                 self._writer.wait()
             except BaseException:
-                self.step = self._before_in_flight
+                self.step = max(self._before_in_flight, self._writer.committed_step)
                 raise
         return self.step
 
@@ -295,11 +301,16 @@ class Lifecycle:
         ctx = self._require_context()
         durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
         changes = None
+        # On CUDA, with the background writer, a delta is gathered on the GPU on a side stream
+        # (elastic_emb.state.capture): no host sync, several commits in flight.
+        on_device = bool(self.config.async_commit and self.config.incremental and ctx.tracks_changes
+                         and not durable_due and getattr(ctx, "device", None) is not None and ctx.device.type == "cuda"
+                         and hasattr(ctx, "take_changed_rows") and hasattr(ctx, "hold_writes"))
         if self.config.incremental and ctx.tracks_changes:
             # The changed rows as row numbers where the context offers them (work per commit grows
             # with the rows written), else the contract's whole-shard masks.
             take_rows = getattr(ctx, "take_changed_rows", None)
-            changes = take_rows() if take_rows is not None else ctx.take_changes()
+            changes = take_rows(unique=not on_device) if take_rows is not None else ctx.take_changes()
         # A delta reads only the changed rows: straight from the context's own tensors when it
         # offers them (the commit is synchronous, nothing writes them meanwhile), not a full copy.
         views = ctx.shard_views() if changes is not None and not durable_due else None
@@ -308,10 +319,21 @@ class Lifecycle:
         num_rows = self._table_rows()
         if self.config.async_commit:
             writer = self._writer_for()
-            self.wait_commit()
-            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes)
-            self._before_in_flight = self.step
-            writer.submit(cap)
+            if not on_device:
+                self.wait_commit()  # a host capture names a parent that must be complete
+            elif self._device is None:
+                self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
+                self.snapshot.enable_spares(COMMIT_DEPTH + 1, self.topology.local_rank)
+            if writer.in_flight is None:
+                self._before_in_flight = self.step
+            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,
+                                        device=self._device if on_device else None,
+                                        hold=ctx.hold_writes if on_device else None)
+            try:
+                writer.submit(cap)
+            except BaseException:
+                self.step = max(self._before_in_flight, writer.committed_step)
+                raise
             written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
         else:
             written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
@@ -574,7 +596,7 @@ class Lifecycle:
         if self._writer is None or self._writer.comm.topology is not self.topology:
             self._close_writer()
             comm = Comm(self.topology, self.store, None, timeout=self.config.transfer_timeout, purpose="commit")
-            self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout)
+            self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
         return self._writer
 
     def _close_writer(self) -> None:
@@ -583,7 +605,7 @@ class Lifecycle:
                 self.wait_commit()
             except Exception as exc:  # reported; the previous commit stays the newest complete one
                 log.error("lifecycle.commit_failed", step=self._writer.in_flight, error=str(exc)[:500])
-            self._writer.comm.close()
+            self._writer.close(wait=False)  # waited for above
             self._writer = None
 
     def _close_comm(self) -> None:

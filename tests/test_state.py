@@ -729,3 +729,46 @@ def test_incremental_commits_of_emb_context_restore_bit_for_bit(tmp_path):
     [v] = ok(_lifecycle_run(tmp_path, ["A"], 2, out, 7, config=cfg))
     assert v["start_step"] == 6
     assert_bit_exact(gather(out, "start", 2), ref_after(6), "node B lost: its chain from the replicas")
+
+
+# -- checksums of GPU captures: chunks on several threads, joined --------------------------------------
+
+
+def test_parallel_checksum_and_write_equal_zlib(tmp_path, monkeypatch):
+    """The writer of GPU captures checksums and writes chunk by chunk on several threads: the
+    joined CRC32 of every range equals zlib's of the range, padding between ranges is written
+    too, and the file holds the buffer byte for byte (chunks made small so ranges span many)."""
+    import os
+    import zlib
+
+    import numpy as np
+
+    from elastic_emb.state import crc
+
+    for la, lb in [(0, 5), (5, 0), (1, 1), (1000, 77777), (3, 1 << 20)]:
+        a, b = os.urandom(la), os.urandom(lb)
+        assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
+    monkeypatch.setattr(crc, "CHUNK", 1000)
+    buf = np.frombuffer(os.urandom(100_000), dtype=np.uint8)
+    ranges = [(0, 8000), (8064, 50_000), (60_000, 0), (60_032, 39_968)]
+    got = crc.write_and_checksum(tmp_path / "f.bin", buf, ranges, lambda p: open(p, "w+b"))
+    assert got == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
+    assert (tmp_path / "f.bin").read_bytes() == buf.tobytes()
+
+
+def test_gpu_checksums_equal_zlib():
+    """The CRC32 that GPU captures compute with tensor operations (elastic_emb.state.gpucrc,
+    here on CPU tensors: the same operations) equals zlib's for lengths around the block, word
+    and chunk boundaries, at any 4-aligned offset."""
+    import os
+    import zlib
+
+    from elastic_emb.state import gpucrc
+
+    for n in [0, 1, 3, 4, 8, 1020, 1024, 4100, 262_144, 262_151, 1 << 20, 3_000_003]:
+        data = os.urandom(n + 8)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        sums, after = gpucrc.checksum_words(buf, [(8, n), (0, 8)], chunk_words=1 << 18)
+        flat, k = sums.tolist(), len(after[0])
+        assert gpucrc.finish(flat[:k], after[0], n, data[8 + n - n % 4: 8 + n]) == zlib.crc32(data[8: 8 + n]), n
+        assert gpucrc.finish(flat[k:], after[1], 8, b"") == zlib.crc32(data[:8])

@@ -103,7 +103,11 @@ class ChangeTracker:
                 continue
             parts = list(self._lists[name])
             if name in self._folded:
-                parts.append(self._folded[name].nonzero().flatten())
+                mask = self._folded[name]
+                if unique:
+                    parts.append(mask.nonzero().flatten())
+                else:  # every row or the dump number: no host sync for the count
+                    parts.append(torch.where(mask, torch.arange(n + 1, device=self.device), n))
             rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device)
             if unique and rows.numel():
                 rows = torch.unique(rows)  # sorted

@@ -472,7 +472,10 @@ class EmbContext(ContextBase):
         ``unique=False``: duplicates and entries equal to the local row count (no row) included,
         no host sync (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`)."""
         self._check_open("take_changed_rows")
-        self._checks.raise_all()
+        if unique:
+            self._checks.raise_all()
+        else:  # no wait for the device: a refused call wrote nothing (its rows are marked as no row)
+            self._checks.raise_ready()
         return self._changes.take_rows(unique)
 
     def hold_writes(self, event) -> None:

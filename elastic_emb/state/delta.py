@@ -9,6 +9,10 @@ manifest format as a base. A delta's manifest names its ``parent`` commit, so ev
 the one before it, back to a base of the same generation (a new generation, a new layout, always
 starts with a base).
 
+A delta captured on the GPU (:mod:`elastic_emb.state.capture`) has the same format; its index
+may list a row more than once (with the same bytes) and holds the shard's row count for entries
+that stand for no row, which :func:`read_chain` skips.
+
 Restore materializes a delta commit of one source rank from the files one holder keeps: the
 base, then every delta in order, each verified against its CRC32s before it is applied
 (:func:`read_chain`). A delta whose manifest was never written (a crash in the middle of a
@@ -120,10 +124,14 @@ def read_chain(chain: list[tuple[Path, SnapshotManifest]], read) -> dict[str, di
     for path, m in deltas:
         d = read(path, m)
         for table, tensors in d.items():
-            idx = tensors[INDEX].reshape(-1)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= out[table]["weight"].shape[0]):
+            idx, n = tensors[INDEX].reshape(-1), out[table]["weight"].shape[0]
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > n):
                 raise ValueError(f"{path}: delta of table {table!r} names rows outside its shard")
+            # A GPU capture (elastic_emb.state.capture) may list a row twice (same bytes) and
+            # entries equal to n (no row): those are skipped.
+            keep = idx < n
+            skip = not bool(keep.all())
             for tname, rows in tensors.items():
                 if tname != INDEX:
-                    out[table][tname][idx] = rows
+                    out[table][tname][idx[keep] if skip else idx] = rows[keep] if skip else rows
     return out

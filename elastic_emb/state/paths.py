@@ -71,8 +71,9 @@ def make_dirs(root: str | os.PathLike, path: Path, mode: int = DIR_MODE) -> None
         os.chmod(d, mode)  # mkdir's mode is masked by the umask
 
 
-def open_new(path: Path, mode: int = FILE_MODE):
-    """Open ``path`` for writing (created or truncated) with permissions ``mode``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def open_new(path: Path, mode: int = FILE_MODE, readable: bool = False):
+    """Open ``path`` for writing (created or truncated) with permissions ``mode``; ``readable``:
+    for reading too (a shared mapping of it needs both)."""
+    fd = os.open(path, (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC, mode)
     os.fchmod(fd, mode)  # an existing file keeps its old mode otherwise; the umask may mask it
-    return os.fdopen(fd, "wb")
+    return os.fdopen(fd, "r+b" if readable else "wb")

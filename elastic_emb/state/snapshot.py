@@ -35,6 +35,8 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
+from elastic_emb.state import gpucrc
+from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import (
     CommitId,
@@ -51,6 +53,7 @@ from elastic_emb.state.manifest import (
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
+from elastic_emb.state.spares import SpareFiles
 
 log = get_logger("elastic_emb.state")
 
@@ -93,6 +96,19 @@ class Capture:
     blob: torch.Tensor  # this rank's shard (a base) or its changed rows (a delta), packed
     parent: CommitId | None  # the commit a delta changes; None: a base
     chain_length: int  # deltas since the base, this one included
+    # A capture on the GPU (elastic_emb.state.capture): ``blob`` is complete once ``copied`` (a
+    # CUDA event) has passed, its CRC32s are computed by the writer, and ``buffer`` goes back to
+    # ``device`` after the write.
+    copied: object = None
+    device: object = None
+    buffer: object = None
+    speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
+    sums: object = None  # a GPU capture: the device's CRC32 chunk sums and layout (gpucrc.finish)
+
+    def release(self) -> None:
+        """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
+        if self.device is not None:
+            self.device.release(self.buffer)
 
 
 class SnapshotTier:
@@ -116,6 +132,13 @@ class SnapshotTier:
         self.max_chain = max_chain
         # (fingerprint, last complete commit of this tier in that generation, deltas since its base)
         self._chain: tuple[str, CommitId, int] | None = None
+        self.spares: SpareFiles | None = None  # files allocated ahead for GPU captures
+
+    def enable_spares(self, count: int, local_rank: int) -> None:
+        """Keep ``count`` data files allocated ahead for GPU-captured commits (see
+        :mod:`elastic_emb.state.spares`); one directory per local rank of the node."""
+        if self.spares is None:
+            self.spares = SpareFiles(self.node_dir / f".spare-local{local_rank}", count, self.file_mode, self.dir_mode)
 
     @property
     def node_dir(self) -> Path:
@@ -137,11 +160,32 @@ class SnapshotTier:
         return self.write(self.capture(step, shards, comm.topology, num_rows, changes), comm)
 
     def capture(self, step: int, shards: dict[str, ShardData], topology, num_rows: dict[str, int],
-                changes: dict[str, torch.Tensor] | None = None) -> "Capture":
+                changes: dict[str, torch.Tensor] | None = None, device=None, hold=None) -> "Capture":
         """Copy what commit ``step`` writes (the whole shard, or the changed rows on top of the
         previous commit) into a buffer of its own: once it returns, the context may change its
-        rows while :meth:`write` runs (e.g. in a background writer). Local, not collective."""
+        rows while :meth:`write` runs (e.g. in a background writer). Local, not collective.
+
+        ``device`` (a :class:`~elastic_emb.state.capture.DeviceCapture`) with raw ``changes``
+        (``take_changed_rows(unique=False)``) and ``hold`` (the context's ``hold_writes``): a delta
+        is gathered on the GPU and copied to pinned memory asynchronously, and the chain advances
+        at once (the commits in flight are written in order; after a failed one the caller calls
+        :meth:`break_chain`), so the next commit need not wait for this one."""
         chain = self._chain if self._chain and self._chain[0] == topology.fingerprint() else None
+        if device is not None:
+            parent, length = None, 0
+            if changes is not None and chain is not None and chain[2] < self.max_chain and \
+                    all(changes.get(name) is not None for name in shards):
+                parent, length = chain[1], chain[2] + 1
+                records, blob, copied, buf, sums = device.capture(shards, changes, num_rows, hold)
+                if self.spares is not None:
+                    self.spares.want(int(blob.numel()))
+                cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True, sums)
+            else:  # a base: the whole shard, copied on the host (first commit, and every max_chain + 1)
+                records, blob = pack_shard(shards, num_rows)
+                cap = Capture(step, topology, records, blob, None, 0, speculative=True)
+            fp = topology.fingerprint()
+            self._chain = (fp, CommitId(step, topology.generation, fp), length)
+            return cap
         parent = None
         if changes is not None and chain is not None and chain[2] < self.max_chain:
             parent = chain[1]
@@ -151,13 +195,22 @@ class SnapshotTier:
         self._chain = None  # until this commit completes: a failed commit makes the next one a base
         return Capture(step, topology, records, blob, parent, 0 if parent is None else chain[2] + 1)
 
+    def break_chain(self) -> None:
+        """A commit failed: the next one is a base (it must not name a parent that was never
+        written)."""
+        self._chain = None
+
     def write(self, cap: "Capture", comm: Comm) -> tuple[int, int]:
         """Write a captured commit: data, replicas, manifests last; collective over ``comm``."""
         topo, step, parent, records, blob = cap.topology, cap.step, cap.parent, cap.records, cap.blob
         cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
         written: list[Path] = []
         data_name = f"rank{topo.rank}.bin"
-        error = self._write(cdir, data_name, blob, written, step)
+        if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
+            cap.copied.synchronize()
+            records, error = self._write_checksummed(cdir, data_name, cap, written)
+        else:
+            error = self._write(cdir, data_name, blob, written, step)
         points.reached("snapshot_data_written", step)
         info = {"rank": topo.rank, "node_rank": topo.node_rank, "local_rank": topo.local_rank,
                 "node": self.node_id, "bytes": int(blob.numel()), "error": error,
@@ -201,8 +254,39 @@ class SnapshotTier:
         except OSError as exc:
             self._remove(cdir, written)
             raise StorageError(storage_message(cdir, 4096, exc, step)) from None
-        self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
+        if not cap.speculative:
+            self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
         return int(blob.numel()), replicated
+
+    def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
+        """Write a GPU capture's data file and compute its CRC32s, both on several cores. Returns
+        (its records with their CRC32s, None or the one-line reason it could not be written)."""
+        path = cdir / name
+        ranges = [(tr.offset, tr.nbytes) for rec in cap.records for tr in rec.tensors]
+        try:
+            make_dirs(self.root, cdir, self.dir_mode)
+            spare = self.spares.take(int(cap.blob.numel())) if self.spares is not None and cap.blob.numel() else None
+            free = free_bytes(cdir)
+            if spare is None and free is not None and free < cap.blob.numel():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written.append(path)
+            if spare is not None:  # pages allocated ahead: the copy below only copies
+                os.replace(spare, path)
+            data = cap.blob.numpy()
+            opener = (lambda p: os.fdopen(os.open(p, os.O_RDWR), "r+b")) if spare is not None else \
+                (lambda p: open_new(p, self.file_mode, readable=True))
+            write_and_checksum(path, data, ranges, opener, checksum=False)
+            sums, after = cap.sums
+            flat, at, crcs = sums.tolist(), 0, []
+            for (off, n), rest in zip(ranges, after):
+                crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
+                at += len(rest)
+            crcs = iter(crcs)
+        except OSError as exc:
+            return cap.records, storage_message(path, int(cap.blob.numel()), exc, cap.step)
+        records = [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(crcs)})
+                                                      for tr in rec.tensors]}) for rec in cap.records]
+        return records, None
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
         """Write one data file of this commit; None, or the one-line reason it could not be written."""

@@ -1,22 +1,32 @@
 """The background commit writer: a commit returns once its rows are captured; the files, the
-replicas and the manifests are written while the next step runs.
+replicas and the manifests are written while the next steps run.
 
 ``lc.commit(step)`` (with ``LifecycleConfig.async_commit``) captures the commit into a buffer of
 its own (:meth:`SnapshotTier.capture`: the changed rows, or the whole shard for a base) and
 hands it to :class:`CommitWriter`, whose thread writes it (:meth:`SnapshotTier.write`) and prunes.
-At most one commit is in flight: the next commit, a resize, a drain and ``close`` first wait for
-it (:meth:`CommitWriter.wait`, bounded), so a graceful resize loses no step, and a SIGKILL loses at
-most the commit in flight (its manifests were not written: restore takes the one before).
+Commits are written one after the other, in the order they were captured. At most ``depth`` are
+in flight: the host capture uses 1 (the next capture waits for the parent it names to be
+complete); a GPU capture (:mod:`elastic_emb.state.capture`) names its parent before that is
+written, so several commits may be in flight while the GPU copies and the writer checksums.
+A resize, a drain and ``close`` first wait for every commit in flight (:meth:`CommitWriter.wait`,
+bounded), so a graceful resize loses no step, and a SIGKILL loses at most the commits in flight
+(their manifests were not written: restore takes the newest complete one; a later commit is never
+written before an earlier one, so the chain on disk has no gap).
+
+When a write fails, the commits queued after it are dropped (they would name a parent that does
+not exist), and the next :meth:`submit` or :meth:`wait` raises the error and breaks the tier's
+chain, so the next commit is a base.
 
 The writer has a communicator of its own (a private gloo group and store prefix): its store
 exchanges and replica transfers run beside the training's collectives on the context's group
-without ever pairing with them. A failure of the writer is raised by the next ``wait``.
+without ever pairing with them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 from elastic_emb.events import get_logger
 from elastic_emb.state.comm import Comm
@@ -26,63 +36,118 @@ log = get_logger("elastic_emb.state")
 
 
 class CommitWriter:
-    """Writes one captured commit at a time in a background thread."""
+    """Writes captured commits in order in a background thread, at most ``depth`` in flight."""
 
-    def __init__(self, tier: SnapshotTier, comm: Comm, timeout: float) -> None:
+    def __init__(self, tier: SnapshotTier, comm: Comm, timeout: float, depth: int = 1) -> None:
+        if depth < 1:
+            raise ValueError(f"depth={depth} must be >= 1 commits in flight")
         self.tier = tier
         self.comm = comm
         self.timeout = timeout
+        self.depth = depth
         self.committed_step = -1  # the newest step this writer completed
-        self._thread: threading.Thread | None = None
+        self._queue: deque[Capture] = deque()
+        self._writing: Capture | None = None
         self._error: BaseException | None = None
-        self._in_flight: int | None = None
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
 
     @property
     def in_flight(self) -> int | None:
-        """The step being written, or None."""
-        return self._in_flight if self._thread is not None and self._thread.is_alive() else None
+        """The oldest step captured and not yet complete, or None."""
+        with self._cv:
+            if self._writing is not None:
+                return self._writing.step
+            return self._queue[0].step if self._queue else None
+
+    def _count(self) -> int:
+        return len(self._queue) + (self._writing is not None)
 
     def submit(self, cap: Capture) -> None:
-        """Start writing ``cap`` (after the commit in flight, if any, is complete)."""
-        self.wait()
-        self._in_flight = cap.step
-        self._thread = threading.Thread(target=self._run, args=(cap,), name=f"elastic_emb-commit-{cap.step}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, cap: Capture) -> None:
-        t0 = time.perf_counter()
+        """Queue ``cap`` for writing, once fewer than ``depth`` commits are in flight (bounded)."""
         try:
-            written, replicated = self.tier.write(cap, self.comm)
-            self.tier.prune(self.comm)
-        except BaseException as exc:  # raised to the training thread by the next wait()
-            self._error = exc
-            log.error("commit_failed", step=cap.step, error=str(exc)[:500])
-            return
-        self.committed_step = cap.step
-        log.info("commit_complete", step=cap.step, bytes_snapshot=written, bytes_replicated=replicated,
-                 delta=cap.parent is not None, seconds=round(time.perf_counter() - t0, 6))
+            self._wait_until(lambda: self._count() < self.depth, f"a slot for the commit of step {cap.step}")
+        except BaseException:
+            cap.release()
+            raise
+        with self._cv:
+            self._queue.append(cap)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="elastic_emb-commit-writer", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                cap = self._writing = self._queue.popleft()
+            t0 = time.perf_counter()
+            try:
+                written, replicated = self.tier.write(cap, self.comm)
+                self.tier.prune(self.comm)
+            except BaseException as exc:  # raised to the training thread by the next submit or wait
+                log.error("commit_failed", step=cap.step, error=str(exc)[:500])
+                with self._cv:
+                    self._error = exc
+                    dropped, self._queue = list(self._queue), deque()
+                    self._writing = None
+                    self._cv.notify_all()
+                for c in [cap] + dropped:
+                    c.release()
+                continue
+            cap.release()
+            with self._cv:
+                self.committed_step = cap.step
+                self._writing = None
+                self._cv.notify_all()
+            log.info("commit_complete", step=cap.step, bytes_snapshot=written, bytes_replicated=replicated,
+                     delta=cap.parent is not None, seconds=round(time.perf_counter() - t0, 6))
+
+    def _wait_until(self, ready, what: str) -> None:
+        """Wait (at most ``timeout``) until ``ready()``; raise the error of a failed write first."""
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    self.tier.break_chain()  # the next commit must not name a commit never written
+                    raise error
+                if ready():
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"waited {self.timeout}s for {what}: the commit of step {self._in_flight_locked()} "
+                                       f"is still being written (storage or a peer is stuck); raise transfer_timeout "
+                                       f"or check ELASTIC_EMB_STATE_DIR")
+                self._cv.wait(left)
+
+    def _in_flight_locked(self) -> int | None:
+        if self._writing is not None:
+            return self._writing.step
+        return self._queue[0].step if self._queue else None
 
     def wait(self) -> int:
-        """Block until no commit is in flight (at most ``timeout`` seconds); raise its error if it
-        failed. Returns the newest complete step."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(self.timeout)
-            if thread.is_alive():
-                self._thread = thread
-                raise TimeoutError(f"the commit of step {self._in_flight} is still being written after "
-                                   f"{self.timeout}s (storage or a peer is stuck); raise transfer_timeout or "
-                                   f"check ELASTIC_EMB_STATE_DIR")
-        self._in_flight = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        """Block until no commit is in flight (at most ``timeout`` seconds); raise the error of
+        one that failed. Returns the newest complete step."""
+        self._wait_until(lambda: self._count() == 0, "the commits in flight")
         return self.committed_step
 
-    def close(self) -> None:
-        """Wait for the commit in flight, then release the writer's communicator."""
+    def close(self, wait: bool = True) -> None:
+        """Wait for the commits in flight (unless ``wait`` is False: the caller did), stop the
+        thread, then release the writer's communicator."""
         try:
-            self.wait()
+            if wait:
+                self.wait()
         finally:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            thread = self._thread
+            if thread is not None and self._count() == 0:
+                thread.join(self.timeout)
             self.comm.close()

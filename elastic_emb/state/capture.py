@@ -1,0 +1,151 @@
+"""Delta commits captured on the GPU: a side-stream gather, an asynchronous copy to pinned memory.
+
+On CUDA a commit must not stop the step: a 1M-id step changes about 0.5 GB of rows and slots,
+and gathering them on the host (a sync, an indexed copy, a pageable copy) costs hundreds of
+milliseconds. :class:`DeviceCapture` instead, in ``lc.commit(step)`` and without any host
+synchronisation:
+
+1. takes the rows written since the last commit as the context recorded them
+   (``take_changed_rows(unique=False)``: the int64 row tensors of each write, duplicates
+   included; their sizes are known on the host, so the staging size is too);
+2. on a side stream that first waits for the training stream (so every write of the step is in),
+   gathers the index and the rows of the weight and of every optimizer slot into one device
+   staging buffer, laid out exactly as the delta's data file;
+3. records a "rows read" event, and makes every later write of the context wait for it on the
+   device (``hold_writes``): the next step's lookups and dense part run at once, its row update
+   waits only for the gather, so no captured row is ever torn;
+4. copies the staging buffer into a pinned host buffer (asynchronously, same side stream);
+
+5. computes the CRC32 of every tensor of the delta on the GPU, from the staging buffer
+   (:mod:`elastic_emb.state.gpucrc`), and copies the sums to pinned memory.
+
+The background writer (:class:`~elastic_emb.state.writer.CommitWriter`) then waits for that event
+in its own thread, finishes the checksums (a few bytes each), copies the bytes into the file on
+several cores (:func:`~elastic_emb.state.crc.write_and_checksum`), and writes the manifest last,
+as for any commit. Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next
+capture waits for the oldest commit to be written (bounded), which is the back-pressure that
+keeps host memory bounded.
+
+Duplicates: a row written twice since the last commit appears twice in the delta, with the same
+bytes (both copies were gathered after the step, in one pass). A write that skipped rows marked
+them with the table's local row count (``n``); those entries carry row ``n - 1``'s bytes and
+restore skips them (:func:`~elastic_emb.state.delta.read_chain`). Restore applies the deltas in
+order, so the newest value of each row wins.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from elastic_emb.protocol import ShardData
+from elastic_emb.state import gpucrc
+from elastic_emb.state.delta import INDEX
+from elastic_emb.state.manifest import ShardRecord, TensorRecord, row_bytes, row_spec, tensor_items
+
+ALIGN = 64  # every tensor of the staging buffer starts on this many bytes (views of any dtype)
+PENDING_CRC = -1  # a TensorRecord's crc32 before the writer computed it
+
+
+class DeviceCapture:
+    """Captures deltas of one CUDA context; one per lifecycle (its pinned buffers are reused)."""
+
+    def __init__(self, device: torch.device, buffers: int = 3, timeout: float = 300.0) -> None:
+        if buffers < 1:
+            raise ValueError(f"buffers={buffers} must be >= 1 pinned buffers")
+        device = torch.device(device)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(self.device)
+        self.buffers = buffers
+        self.timeout = timeout
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._cv = threading.Condition()
+        gpucrc.tables(self.device)  # built once here, not in the first commit
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A pinned buffer of at least ``nbytes``: a free one, or a new one while fewer than
+        ``buffers`` exist; else wait (at most ``timeout``) for the writer to release one."""
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while not self._free and self._allocated >= self.buffers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no pinned commit buffer came free in {self.timeout}s: the background "
+                                       f"writer is stuck (storage or a peer); check ELASTIC_EMB_STATE_DIR")
+                self._cv.wait(left)
+            buf = self._free.pop() if self._free else None
+            if buf is None:
+                self._allocated += 1
+        if buf is not None and buf.numel() >= nbytes:
+            return buf
+        del buf  # too small: replaced by one with room to grow (pinned allocations are slow)
+        return torch.empty(max(nbytes + nbytes // 4, 1 << 20), dtype=torch.uint8, pin_memory=True)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a pinned buffer back (the writer wrote what it held)."""
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+    def capture(self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int],
+                hold) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, torch.Tensor, torch.Tensor]:
+        """Start capturing the rows ``rows[table]`` (raw, see the module docstring) of ``shards``
+        (the context's own tensors, on this device). ``hold(event)`` makes the context's writes
+        wait for ``event``. Returns (records with :data:`PENDING_CRC`, the pinned bytes the data
+        file will hold, the event after which they are there, the pinned buffer to release, and
+        per tensor record (in order) its chunks' CRC32 sums (pinned; filled by the event) and the
+        words after each chunk, for :func:`gpucrc.finish`)."""
+        layout, off = [], 0
+        for name in sorted(shards):
+            sd, idx = shards[name], rows.get(name)
+            if idx is None or idx.dtype != torch.int64 or idx.dim() != 1 or idx.device != self.device:
+                raise ValueError(f"rows[{name!r}] must be a 1-D int64 tensor on {self.device}, got "
+                                 f"{None if idx is None else (tuple(idx.shape), idx.dtype, str(idx.device))}")
+            k = idx.numel()
+            items = [(INDEX, None, torch.int64, [], 8)] + [
+                (tname, t, t.dtype, row_spec(t)[1], row_bytes(row_spec(t))) for tname, t in tensor_items(sd)]
+            trs = []
+            for tname, t, dtype, shape, row_b in items:
+                if t is not None and t.device != self.device:
+                    raise ValueError(f"table {name!r} tensor {tname!r} is on {t.device}, not {self.device}")
+                trs.append((TensorRecord(name=tname, dtype=str(dtype).removeprefix("torch."), row_shape=shape,
+                                         offset=off, nbytes=k * row_b, crc32=PENDING_CRC), t))
+                off += -(-k * row_b // ALIGN) * ALIGN
+            layout.append((name, sd, idx, trs))
+        total = off
+        buf = self._acquire(total)
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # the step's writes come first
+        with torch.cuda.stream(side):
+            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            for name, sd, idx, trs in layout:
+                idx.record_stream(side)  # allocated on the training stream, read here
+                n, k = len(sd.rows), idx.numel()
+                src = idx.clamp(max=max(n - 1, 0))  # skipped entries (== n) read row n - 1; restore skips them
+                for tr, t in trs:
+                    dst = staging[tr.offset: tr.offset + tr.nbytes]
+                    if tr.name == INDEX:
+                        dst.view(torch.int64).copy_(idx)
+                    elif k and n:
+                        torch.index_select(t, 0, src, out=dst.view(t.dtype).view(k, *tr.row_shape))
+                    elif k:
+                        dst.zero_()  # an empty shard: every entry is a skipped one
+            read = torch.cuda.Event()
+            read.record(side)
+            host = buf[:total]
+            host.copy_(staging, non_blocking=True)
+            # The checksums where the bytes are, after the copy is queued (the copy engine and
+            # the SMs work at once); the host only finishes them (a few bytes each).
+            ranges = [(tr.offset, tr.nbytes) for _, _, _, trs in layout for tr, _ in trs]
+            dev_sums, after = gpucrc.checksum_words(staging, ranges)
+            sums = torch.empty(dev_sums.numel(), dtype=torch.int32, pin_memory=True)
+            sums.copy_(dev_sums, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)  # after the copy and the checksums
+        hold(read)
+        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
+                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
+        return records, host, copied, buf, (sums, after)

@@ -1,0 +1,197 @@
+"""Delta commits captured on the GPU (elastic_emb.state.capture), checked bit for bit on one GPU.
+
+EmbContext on CUDA (world size 1), a commit after every step through the device path: the
+changed rows as the context recorded them (duplicates, skipped rows), a side-stream gather, an
+asynchronous copy to pinned memory, the background writer (checksums, file, manifest last), up
+to three commits in flight while the next steps already write rows. Every commit the directory
+keeps is materialised (its base and chain, in order) and compared with the shard as it was right
+after its step (a device copy taken in stream order, so no host sync perturbs the overlap); then
+a fresh context restores the newest commit through ``restore`` and matches the last step. The
+lifecycle test does the same through ``Lifecycle.start`` / ``lc.commit`` with ``async_commit``.
+
+On the GPU machine:  python -m pytest tests/test_commit_cuda.py -q
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_emb.protocol import OptimizerSpec, TableSpec
+from elastic_emb.testing.ports import free_port
+from elastic_emb.topology import Topology
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TABLES = [TableSpec(name="a", num_rows=60_000, dim=32), TableSpec(name="b", num_rows=7_000, dim=8)]
+OPT = OptimizerSpec(kind="adagrad", lr=0.5)
+STEPS = 20
+
+
+def _solo(port: int):
+    from elastic_emb.context import EmbContext
+
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
+    topo = Topology.build(run_id="cuda-commit", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                          node_rank=0, num_nodes=1, ep_size=1, backend="nccl", master_addr="127.0.0.1",
+                          master_port=port)
+    ctx = EmbContext(topo, store, tables=TABLES, optimizer=OPT, seed=3, nonfinite_gradients="skip")
+    return topo, store, ctx
+
+
+def _batch(gen: torch.Generator, step: int, spec: TableSpec, nan: bool = True):
+    """Random ids with many duplicates (drawn from a part of the table), an empty batch now and
+    then, and (``nan``) NaN gradients on a few ids (skipped rows: the delta lists them as no row)."""
+    n = 0 if step % 7 == 3 else int(torch.randint(1, 20_000, (1,), generator=gen))
+    hi = max(1, spec.num_rows // (1 + step % 3))
+    ids = torch.randint(0, hi, (n,), generator=gen).cuda()
+    grads = torch.randn(n, spec.dim, generator=gen).cuda()
+    if nan and n and step % 4 == 1:
+        grads[: min(5, n)] = float("nan")
+    return ids, grads
+
+
+def _state(shards) -> dict:
+    return {name: [sd.weight.clone()] + [sd.slots[k].clone() for k in sorted(sd.slots)] for name, sd in shards.items()}
+
+
+def _same(got: dict, want: dict) -> bool:
+    return all(torch.equal(g.cpu(), w.cpu()) for name in want for g, w in zip(got[name], want[name]))
+
+
+def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
+    from elastic_emb.state import Comm, SnapshotTier, restore
+    from elastic_emb.state.capture import DeviceCapture
+    from elastic_emb.state.delta import read_chain, resolve_chains
+    from elastic_emb.state.snapshot import read_snapshot
+    from elastic_emb.state.writer import CommitWriter
+
+    port = free_port()
+    topo, store, ctx = _solo(port)
+    comm = Comm(topo, store, None, timeout=60)
+    num_rows = {t.name: t.num_rows for t in TABLES}
+    tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=STEPS, max_chain=STEPS)
+    tier.enable_spares(3, 0)  # data files allocated ahead, as the lifecycle does
+    device = DeviceCapture(ctx.device, buffers=3, timeout=60)
+    writer = CommitWriter(tier, comm, timeout=60, depth=3)
+    gen = torch.Generator().manual_seed(11)
+    expect = {}
+    try:
+        ctx.take_changed_rows()  # start from here: the lazy seed fill counts as unchanged
+        for step in range(STEPS):
+            for spec in TABLES:
+                ids, grads = _batch(gen, step, spec)
+                ctx.apply_gradients(spec.name, ids, grads)
+            views = ctx.shard_views()
+            cap = tier.capture(step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device,
+                               hold=ctx.hold_writes)
+            assert (cap.parent is None) == (step == 0), f"step {step}: a base only first (parent {cap.parent})"
+            expect[step] = _state(views)  # in stream order: after this step's writes, before the next's
+            writer.submit(cap)
+        assert writer.wait() == STEPS - 1
+        chains, gaps = resolve_chains(tier.manifests())
+        assert not gaps, gaps
+        steps = sorted(chain[-1][1].step for chain in chains.values())
+        assert steps == list(range(STEPS)), f"every commit is kept (keep={STEPS}): {steps}"
+        for chain in chains.values():
+            step = chain[-1][1].step
+            got = read_chain(chain, read_snapshot)
+            names = lambda n: ["weight"] + sorted(k for k in got[n] if k != "weight")  # noqa: E731
+            assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), \
+                f"commit of step {step} differs from the rows right after its step"
+        final = _state(ctx.export_shard())
+    finally:
+        writer.close()
+        ctx.close()
+    topo2, store2, fresh = _solo(free_port())
+    try:
+        comm2 = Comm(topo2, store2, None, timeout=60)
+        assert restore(fresh, comm2, snapshot=tier, durable=None).step == STEPS - 1
+        assert _same(_state(fresh.export_shard()), final), "restore from the base and its chain differs"
+        comm2.close()
+    finally:
+        fresh.close()
+        comm.close()
+
+
+def test_device_capture_takes_no_host_sync(tmp_path):
+    """The training thread's part of a device commit (take the rows, gather, hold, copy, submit)
+    and the next step's update run under sync-debug "error": none of them waits for the GPU."""
+    from elastic_emb.state import Comm, SnapshotTier
+    from elastic_emb.state.capture import DeviceCapture
+    from elastic_emb.state.writer import CommitWriter
+
+    topo, store, ctx = _solo(free_port())
+    comm = Comm(topo, store, None, timeout=60)
+    tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=2, max_chain=100)
+    device = DeviceCapture(ctx.device, buffers=2, timeout=60)
+    writer = CommitWriter(tier, comm, timeout=60, depth=2)
+    num_rows = {t.name: t.num_rows for t in TABLES}
+    gen = torch.Generator().manual_seed(5)
+    try:
+        batches = [[_batch(gen, s, spec) for spec in TABLES] for s in range(6)]
+        for step in range(2):  # the base (a host copy) and one delta to warm the pinned buffers up
+            for spec, (ids, grads) in zip(TABLES, batches[step]):
+                ctx.apply_gradients(spec.name, ids, grads)
+            writer.submit(tier.capture(step, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
+                                       device=device, hold=ctx.hold_writes))
+        writer.wait()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(2, 6):
+                for spec, (ids, grads) in zip(TABLES, batches[step]):
+                    ctx.apply_gradients(spec.name, ids, grads)
+                cap = tier.capture(step, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
+                                   device=device, hold=ctx.hold_writes)
+                writer.submit(cap)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert writer.wait() == 5
+    finally:
+        writer.close()
+        ctx.close()
+        comm.close()
+
+
+def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
+    """``Lifecycle`` with ``async_commit`` on CUDA takes the device path: commit every step,
+    ``committed_step`` trails by at most the commits in flight and reaches the last step after
+    ``wait_commit``; a new lifecycle restores that step bit for bit."""
+    from elastic_emb.context import EmbContext
+    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+
+    def factory(topology, store):
+        return EmbContext(topology, store, tables=TABLES, optimizer=OPT, seed=3)
+
+    def start():
+        port = free_port()
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "cuda-lc", "ELASTIC_EMB_BACKEND": "nccl"}
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
+        cfg = LifecycleConfig(async_commit=True, max_chain=50, state_dir=str(tmp_path), node_id="A")
+        return Lifecycle.start(factory, cfg, env=env, store=store)
+
+    gen = torch.Generator().manual_seed(2)
+    lc = start()
+    try:
+        assert lc.step == -1
+        for step in range(12):
+            for spec in TABLES:
+                lc.context.apply_gradients(spec.name, *_batch(gen, step, spec, nan=False))
+            lc.commit(step)
+            assert lc.committed_step <= step
+        assert lc._device is not None, "async_commit on CUDA must take the device path"
+        assert lc.wait_commit() == 11 and lc.committed_step == 11
+        final = _state(lc.context.export_shard())
+    finally:
+        lc.close()
+    lc2 = start()
+    try:
+        assert lc2.step == 11
+        assert _same(_state(lc2.context.export_shard()), final), "restored rows differ from the last step's"
+    finally:
+        lc2.close()
