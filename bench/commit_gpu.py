@@ -211,7 +211,7 @@ def main() -> None:
         # memory, checksums and the write in the background writer, up to 3 commits in flight.
         device = DeviceCapture(dev, buffers=3, timeout=600)
         dwriter = CommitWriter(tier, comm, timeout=600, depth=3)
-        tier.enable_spares(4, 0)  # as the lifecycle does: data files allocated ahead
+        tier.enable_spares(4)  # as the lifecycle does: data files allocated ahead
         done: dict[int, float] = {}
         stages: dict[int, dict] = {}
         plain_write = tier.write

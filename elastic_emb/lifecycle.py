@@ -197,7 +197,7 @@ class Lifecycle:
         self._comm: Comm | None = None
         self._writer: CommitWriter | None = None
         self._before_in_flight = -1  # self.step before the oldest commit the writer has in flight
-        self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first
+        self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first one
         self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._pending_durable = None
@@ -323,7 +323,7 @@ class Lifecycle:
                 self.wait_commit()  # a host capture names a parent that must be complete
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
-                self.snapshot.enable_spares(COMMIT_DEPTH + 1, self.topology.local_rank)
+                self.snapshot.enable_spares(COMMIT_DEPTH + 1)
             if writer.in_flight is None:
                 self._before_in_flight = self.step
             cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,
@@ -569,6 +569,7 @@ class Lifecycle:
         self.wait_durable()
         self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
         self._close_comm()
+        self.snapshot.close_spares()  # files allocated ahead for GPU captures
         if self.context is not None:
             self.context.close()
             self.context = None

@@ -74,7 +74,7 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
     comm = Comm(topo, store, None, timeout=60)
     num_rows = {t.name: t.num_rows for t in TABLES}
     tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=STEPS, max_chain=STEPS)
-    tier.enable_spares(3, 0)  # data files allocated ahead, as the lifecycle does
+    tier.enable_spares(3)  # data files allocated ahead, as the lifecycle does
     device = DeviceCapture(ctx.device, buffers=3, timeout=60)
     writer = CommitWriter(tier, comm, timeout=60, depth=3)
     gen = torch.Generator().manual_seed(11)
@@ -105,7 +105,9 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
         final = _state(ctx.export_shard())
     finally:
         writer.close()
+        tier.close_spares()
         ctx.close()
+    assert not list(tier.node_dir.glob(".spare-*")), "close_spares removes the files allocated ahead"
     topo2, store2, fresh = _solo(free_port())
     try:
         comm2 = Comm(topo2, store2, None, timeout=60)
@@ -189,6 +191,7 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
         final = _state(lc.context.export_shard())
     finally:
         lc.close()
+    assert not list((tmp_path / "cuda-lc" / "A").glob(".spare-*")), "close() removes the files allocated ahead"
     lc2 = start()
     try:
         assert lc2.step == 11

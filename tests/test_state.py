@@ -772,3 +772,31 @@ def test_gpu_checksums_equal_zlib():
         flat, k = sums.tolist(), len(after[0])
         assert gpucrc.finish(flat[:k], after[0], n, data[8 + n - n % 4: 8 + n]) == zlib.crc32(data[8: 8 + n]), n
         assert gpucrc.finish(flat[k:], after[1], 8, b"") == zlib.crc32(data[:8])
+
+
+def test_spare_files_are_allocated_ahead_taken_and_removed(tmp_path):
+    """Data files for GPU captures are allocated ahead in a directory of the process's own: a
+    wanted size gives files at least that large, a taken file leaves the pool, close removes
+    the directory, and a dead process's directory is removed by the next one."""
+    import subprocess
+    import sys
+    import time
+
+    from elastic_emb.state.spares import SpareFiles, remove_dead_spares
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".spare-{int(dead.stdout)}"
+    stale.mkdir()
+    (stale / "spare0.bin").write_bytes(b"x")
+    remove_dead_spares(tmp_path)
+    assert not stale.exists()
+    spares = SpareFiles(tmp_path / ".spare-1", 2, 0o600, 0o700)
+    spares.want(100_000)
+    deadline, got = time.monotonic() + 30, None
+    while got is None and time.monotonic() < deadline:
+        got = spares.take(100_000)
+        time.sleep(0.01)
+    assert got is not None and got.stat().st_size >= 100_000
+    assert spares.take(10**9) is None, "no file that large was wanted"
+    spares.close()
+    assert not (tmp_path / ".spare-1").exists()

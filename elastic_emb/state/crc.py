@@ -107,7 +107,7 @@ def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]
         os.ftruncate(fd, buf.size)  # also trims a file allocated ahead to this size
         if buf.size:
             with mmap.mmap(fd, buf.size) as mm:
-                dst = np.frombuffer(mm, dtype=np.uint8)
+                dst = np.frombuffer(mm, dtype=np.uint8, count=buf.size)
 
                 def job(r: int, lo: int, hi: int) -> int:
                     np.copyto(dst[lo:hi], buf[lo:hi])

@@ -53,7 +53,7 @@ from elastic_emb.state.manifest import (
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
-from elastic_emb.state.spares import SpareFiles
+from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
 log = get_logger("elastic_emb.state")
 
@@ -134,11 +134,18 @@ class SnapshotTier:
         self._chain: tuple[str, CommitId, int] | None = None
         self.spares: SpareFiles | None = None  # files allocated ahead for GPU captures
 
-    def enable_spares(self, count: int, local_rank: int) -> None:
+    def enable_spares(self, count: int) -> None:
         """Keep ``count`` data files allocated ahead for GPU-captured commits (see
-        :mod:`elastic_emb.state.spares`); one directory per local rank of the node."""
+        :mod:`elastic_emb.state.spares`), in a directory of this process's own."""
         if self.spares is None:
-            self.spares = SpareFiles(self.node_dir / f".spare-local{local_rank}", count, self.file_mode, self.dir_mode)
+            remove_dead_spares(self.node_dir)
+            self.spares = SpareFiles(self.node_dir / f".spare-{os.getpid()}", count, self.file_mode, self.dir_mode)
+
+    def close_spares(self) -> None:
+        """Remove the files allocated ahead (the commits in flight are written)."""
+        if self.spares is not None:
+            self.spares.close()
+            self.spares = None
 
     @property
     def node_dir(self) -> Path:

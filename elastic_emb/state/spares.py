@@ -8,7 +8,8 @@ host (about 5 GB/s on 14 threads), while the same copy into pages already alloca
 allocations do not), sized from the commits seen so far. The writer renames a spare into the
 commit's directory, trims it to the commit's size, and copies into its pages. Spares live in the
 node directory (so a rename moves no bytes) under a dot name that listings and restore never read;
-they are bounded: ``count`` files of at most 1.0625 x the largest delta seen, removed at start.
+they are bounded: ``count`` files of at most 1.0625 x the largest delta seen per process, removed
+by ``close`` and, after a crash, by the next process of the node that allocates spares.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class SpareFiles:
         self.dir = Path(directory)
         self.count = count
         self.file_mode = file_mode
-        shutil.rmtree(self.dir, ignore_errors=True)  # a previous process's spares
+        shutil.rmtree(self.dir, ignore_errors=True)  # a previous process of the same pid
         self.dir.mkdir(mode=dir_mode, parents=True, exist_ok=True)
         self._ready: list[tuple[Path, int]] = []
         self._pending = 0
@@ -64,6 +65,8 @@ class SpareFiles:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, self.file_mode)
             try:
+                # Not mapped here: mapping with MAP_POPULATE ahead made the writer's copies slower
+                # on an H200 host (mmap/munmap of large mappings contend with the copy threads).
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
@@ -88,3 +91,18 @@ class SpareFiles:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove_dead_spares(node_dir: Path) -> None:
+    """Remove the spare directories (``.spare-<pid>``) of processes of this node that are gone."""
+    for d in Path(node_dir).glob(".spare-*"):
+        pid = d.name.removeprefix(".spare-")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's: left alone)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            continue
