@@ -30,7 +30,9 @@ BACKENDS = ("elastic_emb", "c10d")
 
 
 def one(name: str, backend: str, workdir: Path, k: int) -> dict:
-    scenario = Scenario.model_validate({**PRESETS[name].model_dump(), "rendezvous": backend, "network": "loopback"})
+    # Restart mode for both backends (stock c10d has no other): the presets' in-process mode is bench/resize.py's.
+    scenario = Scenario.model_validate({**PRESETS[name].model_dump(), "rendezvous": backend, "network": "loopback",
+                                        "mode": "restart"})
     report = run_drill(scenario, workdir / f"{name}-{backend}-{k}", progress="lines", summary=False)
     r = report["resizes"][0] if report["resizes"] else {}
     return {"scenario": name, "backend": backend, "run": k, "ok": report["ok"], "error": report["error"],

@@ -460,7 +460,7 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
     from elastic_emb.drill.orchestrator import free_port
 
     base = free_port()
-    scenario = PRESETS["scale-up"].model_copy(update={"network": "loopback"})
+    scenario = PRESETS["scale-up"].model_copy(update={"network": "loopback", "mode": "restart"})  # restarted workers
     # node n: agent base + 2n, worker base + 2n + 1 (nproc_per_node 1)
     ports = [base + 2 * n + k for n in range(2) for k in range(2)]
     with _Scraper(ports, seconds=280) as scraper:

@@ -443,3 +443,46 @@ def test_the_resize_event_waits_for_the_first_step(tmp_path):
         lc.close()
     logged = [e for e in logs if e["event"] == "lifecycle.resize"]
     assert len(logged) == 1 and logged[0]["first_step_s"] is None and logged[0]["new_generation"] == 2, logged
+
+
+def test_torchs_exit_barrier_completes_over_the_members_of_now():
+    """torchrun's exit barrier (torch's own ``store_util.barrier``, called as its agent calls it)
+    through ``ExitBarrierStore`` on a real TCPStore. A membership that changed in process leaves
+    every agent counting its round's node count: 2 -> 1 (the survivor counts 2, alone) and 1 -> 2
+    (the joiner counts 2 and arrives first, the first node counts 1: plain torch never completes
+    either). Over the members of now both complete at once; with a member missing the barrier
+    still waits for it, bounded by its timeout."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.utils import store as store_util
+
+    from elastic_emb.rdzv import exit_barrier as eb
+
+    assert agent_api._TERMINAL_STATE_SYNC_ID == eb.TERMINAL_STATE_PREFIX  # torch's names, as installed
+    assert (store_util._NUM_MEMBERS, store_util._LAST_MEMBER_CHECKIN) == ("/num_members", "/last_member")
+    master = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+
+    def barrier(prefix: str, node: str, world: int, members, timeout: float = 10.0) -> float:
+        store = eb.ExitBarrierStore(dist.PrefixStore(prefix, master), node, lambda: members, poll=0.02)
+        t0 = time.monotonic()
+        store_util.barrier(store, world_size=world, key_prefix=eb.TERMINAL_STATE_PREFIX, barrier_timeout=timeout)
+        return time.monotonic() - t0
+
+    # 2 -> 1: the survivor counts 2 but is the only member now.
+    assert barrier("down/", "a", 2, ("a",)) < 2.0
+    # 1 -> 2: the joiner (counting 2) arrives first, then the first node (counting 1).
+    took: dict = {}
+    joiner = threading.Thread(target=lambda: took.setdefault("b", barrier("up/", "b", 2, ("a", "b"))))
+    joiner.start()
+    time.sleep(0.3)
+    took["a"] = barrier("up/", "a", 1, ("a", "b"))
+    joiner.join(10)
+    assert set(took) == {"a", "b"} and took["b"] < 5.0, took
+    # A member that has not arrived is waited for, up to the barrier's timeout.
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"members \['a', 'c'\] did not all arrive within 0.5 s"):
+        barrier("late/", "a", 1 + 5, ("a", "c"), timeout=0.5)
+    assert time.monotonic() - t0 < 5.0

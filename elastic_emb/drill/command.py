@@ -107,6 +107,8 @@ def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_pr
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--scenario") from None
     update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
+    if rendezvous == "c10d" and scenario.mode == "in_process":
+        update["mode"] = "restart"  # stock c10d restarts every worker: the preset's in-process mode cannot apply
     if update:
         scenario = scenario.model_validate({**scenario.model_dump(), **update})
     script_path = None

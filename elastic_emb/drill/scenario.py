@@ -220,20 +220,20 @@ PRESETS: dict[str, Scenario] = {
         ),
         Scenario(
             name="scale-up", description="A second node joins a running 1-node job.",
-            initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), **_STEP,
+            initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), mode="in_process", **_STEP,
         ),
         Scenario(
             name="scale-down", description="One of two nodes leaves gracefully (SIGTERM to its agent).",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="leave", at_step=8),), **_STEP,
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="leave", at_step=8),), mode="in_process", **_STEP,
         ),
         Scenario(
             name="node-loss", description="One of two nodes dies at once (SIGKILL of its agent and workers).",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_node", at_step=8, node=1),), **_STEP,
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_node", at_step=8, node=1),), mode="in_process", **_STEP,
         ),
         Scenario(
             name="agent-loss",
             description="One of two agents is SIGKILLed alone; its orphaned worker must leave by itself.",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_agent", at_step=8, node=1),), **_STEP,
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_agent", at_step=8, node=1),), mode="in_process", **_STEP,
         ),
         Scenario(
             name="torchrec",

@@ -73,6 +73,7 @@ from elastic_emb import metrics
 from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
+from elastic_emb.rdzv.exit_barrier import ExitBarrierStore
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
 from elastic_emb.rdzv.keys import (
     BACKEND_NAME,
@@ -223,6 +224,13 @@ class ElasticEmbRendezvousHandler:
             except Exception as exc:  # torch's own timer still beats; the next tick of ours retries
                 reraise_signal(exc)
                 self._log.warning("heartbeat_failed", error=repr(exc))
+        if self._config.resize == "in_process":
+            # The membership changes inside the round: torch's exit barrier must count the
+            # members of the end, not the round's node count (rdzv/exit_barrier.py).
+            from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+
+            store = ExitBarrierStore(info.store, self._node, self._members_now)
+            info = RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
         joins = [n for n in members if n not in previous]
@@ -277,6 +285,19 @@ class ElasticEmbRendezvousHandler:
         self._joined_running = True
         self._log.info("joined_running_round", group_rank=rank, world_size=world, mode="in_process")
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo.build(rank, store, tc.this_node(self._inner).addr))
+
+    def _members_now(self) -> tuple[str, ...]:
+        """The participants of torch's state now (synced, reported-dead nodes evicted): whom the
+        exit barrier waits for. Unknown (a store error) is no members: the barrier waits on."""
+        try:
+            with self._lock:
+                self._inner.num_nodes_waiting()  # syncs torch's state (cached sync_interval)
+                self._evict_reported_dead()
+                return RendezvousView.of(self._tc.current_state(self._inner)).nodes
+        except Exception as exc:
+            reraise_signal(exc)
+            self._log.warning("exit_barrier_members_unknown", error=repr(exc)[:300])
+            return ()
 
     def num_nodes_waiting(self) -> int:
         waiting = self._num_nodes_waiting()
