@@ -1,0 +1,125 @@
+"""The lifecycle's records: its configuration and the reports of what a commit and a resize did.
+
+Immutable pydantic records, kept apart from :mod:`elastic_emb.lifecycle` (which acts on them) so
+that callers, the CLI and the docs can read the shapes without the machinery. ``ResizeEvent`` is
+what each ``lifecycle.resize`` log event carries, phase by phase (docs/RESIZE.md, "Events").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from elastic_emb import config
+from elastic_emb.state import node_id_from_env
+
+
+class LifecycleConfig(BaseModel):
+    """Where state lives and how often it is committed.
+
+    ``state_dir``: root of the node-local snapshots (default: env ``ELASTIC_EMB_STATE_DIR``, else
+    ``/dev/shm/elastic_emb``); shards go to ``<state_dir>/<run_id>/<node_id>/``.
+    ``durable_dir``: DCP checkpoints (default: env ``ELASTIC_EMB_DURABLE_DIR``; none if unset).
+    ``node_id``: default env ``ELASTIC_EMB_NODE_ID``, else the host name.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    state_dir: str | None = None
+    durable_dir: str | None = None
+    node_id: str | None = None
+    commit_every: int = Field(default=1, ge=1)
+    durable_every: int = Field(default=0, ge=0)  # 0: never (unless durable_dir is set: then every commit)
+    replication: int = Field(default=1, ge=0)
+    durable_async: bool = True  # dcp.async_save in a background thread; False: dcp.save
+    keep: int = Field(default=2, ge=1)
+    agree_timeout: float = Field(default=60.0, gt=0)
+    transfer_timeout: float = Field(default=300.0, gt=0)
+    require_state: bool = False
+    async_commit: bool = False  # commit() returns once the rows are captured; a background thread writes them
+    incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
+    max_chain: int = Field(default=8, ge=0)  # deltas on one base before the next full base
+    start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
+    file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
+    dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create
+
+    @model_validator(mode="after")
+    def _check(self) -> "LifecycleConfig":
+        if self.durable_every and self.durable_every % self.commit_every:
+            raise ValueError(
+                f"durable_every={self.durable_every} must be a multiple of commit_every={self.commit_every} "
+                f"(a durable checkpoint is taken at a commit)"
+            )
+        return self
+
+    def resolved(self, env: Mapping[str, str]) -> "LifecycleConfig":
+        """A copy with environment defaults filled in (every ``ELASTIC_EMB_*`` variable is
+        validated here: a bad one fails the start with a :class:`ConfigError` naming it)."""
+        settings = config.load(env)
+        durable = self.durable_dir or settings.durable_dir
+        durable_every = self.durable_every or (self.commit_every if durable else 0)
+        return self.model_copy(update=dict(
+            state_dir=self.state_dir or settings.state_dir,
+            durable_dir=durable,
+            durable_every=durable_every,
+            node_id=self.node_id or node_id_from_env(env),
+        ))
+
+
+class CommitReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    step: int
+    tiers: list[str]
+    bytes_snapshot: int
+    bytes_replicated: int
+    bytes_durable: int
+    seconds: float
+
+
+class ResizeEvent(BaseModel):
+    """One membership change handled: what was done and how long each phase took."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: str  # "reset" (same size) | "rebuild" (new size) | "start"
+    old_world_size: int | None
+    new_world_size: int
+    old_generation: int | None
+    new_generation: int
+    rank: int
+    teardown_s: float
+    agreement_s: float
+    construct_s: float
+    restore_s: float
+    transfer_s: float = 0.0  # the row exchange inside restore
+    total_s: float
+    bytes_moved: int
+    bytes_local: int
+    source_tiers: list[str]
+    shard_tiers: dict[str, list[list]]
+    restored_step: int
+    committed_before: bool
+    fallback: str | None = None
+    transport: str | None = None  # how rows moved between ranks (RestoreReport.transport)
+    mode: str | None = None  # "in_process" when resize.InProcessResize drove the change
+    pid: int = Field(default_factory=os.getpid)  # in process: the same pid before and after
+    # The phases before the lifecycle's own (from the caller that drove the change; 0 otherwise):
+    detect_s: float = Field(default=0.0, ge=0)  # establishing the change (who left, who joins)
+    drain_s: float = Field(default=0.0, ge=0)  # from seeing it to the step boundary that re-forms
+    decide_s: float = Field(default=0.0, ge=0)  # the new generation's membership published and read
+    # Restore done -> the first commit() of the new world (the first step's lookups and updates);
+    # None until that step ends (or when the world closed or changed again before it).
+    first_step_s: float | None = Field(default=None, ge=0)
+
+
+CALLER_PHASES = ("detect_s", "drain_s", "decide_s")  # the phases before the lifecycle's own
+
+
+def completed_by_caller(event: ResizeEvent, aborted: float, mode: str | None,
+                         phases: Mapping[str, float] | None) -> ResizeEvent:
+    """``event`` with the phases of the caller that drove the change (``on_membership_change``)."""
+    extra = {k: round(float(v), 6) for k, v in (phases or {}).items()}
+    return ResizeEvent.model_validate({**event.model_dump(), **extra, "mode": mode,  # validated: phases >= 0
+                                       "teardown_s": round(event.teardown_s + aborted, 6),
+                                       "total_s": round(event.total_s + aborted, 6)})
