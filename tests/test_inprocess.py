@@ -23,14 +23,37 @@ def cluster(tmp_path):
     kill_all(agents, str(tmp_path))
 
 
-def _two_nodes(tmp, agents) -> dict:
+@pytest.fixture
+def inner(request, tmp_path):
+    """The inner rendezvous (indirect parameter ``c10d`` or ``etcd-v2``): the keyword arguments of
+    ``start_agent`` for it. ``etcd-v2`` starts a real etcd on loopback for the test; requested
+    before ``cluster``, it is stopped after the agents are killed."""
+    import os
+    import shutil
+
+    if request.param == "c10d":
+        yield {}
+        return
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd-server is not installed (Debian package etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd is not installed (test extra)")
+    from elastic_emb.testing.etcd import EtcdServer
+
+    with EtcdServer(os.path.join(str(tmp_path), "etcd")) as server:
+        yield {"inner": "etcd-v2", "endpoint": server.endpoint}
+
+
+INNERS = pytest.mark.parametrize("inner", ["c10d", "etcd-v2"], indirect=True)
+
+
+def _two_nodes(tmp, agents, **kw) -> dict:
     """a, then b joins (in process: the running worker includes it). Returns, per agent pid, its
     worker's pid and the generation it is in now."""
     port = free_port()
-    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
     t_b = time.time()
-    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF, **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
     latest: dict = {}
     for r in worker_records(tmp):
@@ -44,14 +67,16 @@ def _reformed(tmp, pid, after):
     return [r for r in worker_records(tmp) if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > after]
 
 
+@INNERS
 @pytest.mark.parametrize("fault", ["sigterm", "sigkill_node"])
-def test_two_to_one_survivor_reforms_in_process(cluster, fault):
+def test_two_to_one_survivor_reforms_in_process(inner, cluster, fault):
     """SIGTERM of a node's agent (it leaves the rendezvous; its worker dies), or SIGKILL of the
-    whole node (agent and worker at once: no goodbye, no orphan report; its heartbeat expires)."""
+    whole node (agent and worker at once: no goodbye, no orphan report; its heartbeat expires).
+    Over the inner c10d store and over etcd-v2 (a real etcd on loopback)."""
     import os
 
     tmp, agents = cluster
-    workers = _two_nodes(tmp, agents)
+    workers = _two_nodes(tmp, agents, **inner)
     a, b = agents
     survivor = workers[a.pid]
     time.sleep(0.5)  # a few steps at world size 2
@@ -194,18 +219,20 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s; fallback requested: {bool(fell_back)}")
 
 
-def test_one_to_two_a_joiner_is_included_in_process(cluster):
+@INNERS
+def test_one_to_two_a_joiner_is_included_in_process(inner, cluster):
     """A second node's agent joins the running round as one more participant (no agent restarts);
     its worker registers as ready and waits; the running worker includes it at a step boundary:
-    both build generation + 1 together, the running worker's pid unchanged, rows bit-exact."""
+    both build generation + 1 together, the running worker's pid unchanged, rows bit-exact.
+    Over the inner c10d store and over etcd-v2 (a real etcd on loopback)."""
     tmp, agents = cluster
     port = free_port()
-    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF))
+    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, **inner))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
     first = [r for r in worker_records(tmp) if r["ev"] == "ready"][0]
     time.sleep(0.5)
     t_join = time.time()
-    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF))
+    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF, **inner))
     t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_join), WAIT, "world size 2", agents)
     time.sleep(0.5)
     recs = worker_records(tmp)
