@@ -219,6 +219,7 @@ class Lifecycle:
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
                 self.snapshot.enable_spares(COMMIT_DEPTH + 1)
+                self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
             if writer.in_flight is None:
                 self._before_in_flight = self.step
             cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,

@@ -119,6 +119,109 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
         comm.close()
 
 
+def _materialise_all(tier, expect):
+    """Every commit the directory lists, read through its base and chain (CRC32s checked), equals
+    the shard right after its step. Returns the steps checked."""
+    from elastic_emb.state.delta import read_chain, resolve_chains
+    from elastic_emb.state.snapshot import read_snapshot
+
+    chains, gaps = resolve_chains(tier.manifests())
+    assert not gaps, gaps
+    for chain in chains.values():
+        step = chain[-1][1].step
+        got = read_chain(chain, read_snapshot)
+        names = lambda n: ["weight"] + sorted(k for k in got[n] if k != "weight")  # noqa: E731
+        assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), \
+            f"commit of step {step} differs from the rows right after its step"
+    return sorted(chain[-1][1].step for chain in chains.values())
+
+
+def test_log_ring_reuses_segments_and_every_kept_commit_restores(tmp_path):
+    """Deltas land in a ring of registered log segments (no file copy): a commit every step,
+    bases every ``max_chain + 1``, pruning at ``keep=2``; segments are reused once their commits
+    are pruned, never while a kept commit names them (every kept commit is re-read bit for bit
+    along the way); a manifest whose range leaves its segment, or whose segment name leaves the
+    log folder, is refused; close keeps exactly the segments that manifests name, and a fresh
+    context restores the newest commit from them."""
+    import json
+
+    from elastic_emb.errors import ChecksumMismatch
+    from elastic_emb.state import Comm, SnapshotTier, restore
+    from elastic_emb.state.capture import DeviceCapture
+    from elastic_emb.state.ring import Segment
+    from elastic_emb.state.snapshot import read_snapshot
+    from elastic_emb.state.writer import CommitWriter
+
+    steps, max_chain, keep, depth = 40, 4, 2, 3
+    count = max_chain + depth + keep
+    topo, store, ctx = _solo(free_port())
+    comm = Comm(topo, store, None, timeout=60)
+    num_rows = {t.name: t.num_rows for t in TABLES}
+    tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=keep, max_chain=max_chain)
+    tier.enable_ring(count, size=16 << 20)  # room for the largest delta of _batch (made and registered now)
+    device = DeviceCapture(ctx.device, buffers=depth, timeout=60)
+    writer = CommitWriter(tier, comm, timeout=60, depth=depth)
+    gen = torch.Generator().manual_seed(17)
+    expect, used, deltas, checked = {}, [], 0, set()
+    try:
+        ctx.take_changed_rows()
+        for step in range(steps):
+            for spec in TABLES:
+                ctx.apply_gradients(spec.name, *_batch(gen, step, spec))
+            views = ctx.shard_views()
+            cap = tier.capture(step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device,
+                               hold=ctx.hold_writes)
+            if cap.parent is not None:
+                deltas += 1
+                assert isinstance(cap.buffer, Segment), f"step {step}: a delta with a free segment lands in the ring"
+                used.append(cap.buffer.name)
+            expect[step] = _state(views)
+            writer.submit(cap)
+            if step % 5 == 4:  # the kept commits, re-read while segments are being reused
+                writer.wait()
+                checked.update(_materialise_all(tier, expect))
+        assert writer.wait() == steps - 1
+        kept = _materialise_all(tier, expect)
+        checked.update(kept)
+        assert kept[-1] == steps - 1 and len(checked) >= 2 * steps // 5, (kept, sorted(checked))
+        assert len(set(used)) <= count < deltas, f"{deltas} deltas went through {len(set(used))} of {count} segments"
+        final = _state(ctx.export_shard())
+
+        # Untrusted manifests: a range outside the segment, a segment name outside the log folder.
+        path, m = next((p, m) for p, m in tier.manifests() if m.segment is not None)
+        assert path.parent == tier.node_dir / "log" and path.stat().st_size >= m.data_bytes
+        outside = m.model_copy(update={"segment_offset": path.stat().st_size - m.data_bytes + 64})
+        with pytest.raises(ChecksumMismatch, match="outside the log segment"):
+            read_snapshot(path, outside)
+        flipped = m.model_copy(update={"shards": [r.model_copy(update={"tensors": [
+            t.model_copy(update={"crc32": t.crc32 ^ 1}) for t in r.tensors]}) for r in m.shards]})
+        with pytest.raises(ChecksumMismatch):
+            read_snapshot(path, flipped)
+        mfile = next(f for f in tier.node_dir.glob("step-*/rank0.json")
+                     if json.loads(f.read_text()).get("segment") == m.segment)
+        original = mfile.read_text()
+        for bad in ("../../escape.bin", ".hidden"):
+            mfile.write_text(json.dumps({**json.loads(original), "segment": bad}))
+            assert all(x.segment != bad for _, x in tier.manifests()), f"segment {bad!r} must be refused"
+        mfile.write_text(original)
+    finally:
+        writer.close()
+        tier.close_spares()
+        ctx.close()
+    named = {m.segment for _, m in tier.manifests() if m.segment}
+    left = {p.name for p in (tier.node_dir / "log").glob("seg-*.bin")}
+    assert named and left == named, f"close keeps exactly the segments manifests name: {left} vs {named}"
+    topo2, store2, fresh = _solo(free_port())
+    try:
+        comm2 = Comm(topo2, store2, None, timeout=60)
+        assert restore(fresh, comm2, snapshot=tier, durable=None).step == steps - 1
+        assert _same(_state(fresh.export_shard()), final), "restore through the log segments differs"
+        comm2.close()
+    finally:
+        fresh.close()
+        comm.close()
+
+
 def test_device_capture_takes_no_host_sync(tmp_path):
     """The training thread's part of a device commit (take the rows, gather, hold, copy, submit)
     and the next step's update run under sync-debug "error": none of them waits for the GPU."""
@@ -129,6 +232,7 @@ def test_device_capture_takes_no_host_sync(tmp_path):
     topo, store, ctx = _solo(free_port())
     comm = Comm(topo, store, None, timeout=60)
     tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=2, max_chain=100)
+    tier.enable_ring(8, size=16 << 20)  # the copies land in the log ring (made and registered here)
     device = DeviceCapture(ctx.device, buffers=2, timeout=60)
     writer = CommitWriter(tier, comm, timeout=60, depth=2)
     num_rows = {t.name: t.num_rows for t in TABLES}
@@ -153,8 +257,10 @@ def test_device_capture_takes_no_host_sync(tmp_path):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert writer.wait() == 5
+        assert len(list((tier.node_dir / "log").glob("seg-*.bin"))) == 8
     finally:
         writer.close()
+        tier.close_spares()
         ctx.close()
         comm.close()
 
@@ -192,6 +298,7 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
     finally:
         lc.close()
     assert not list((tmp_path / "cuda-lc" / "A").glob(".spare-*")), "close() removes the files allocated ahead"
+    assert list((tmp_path / "cuda-lc" / "A" / "log").glob("seg-*.bin")), "the lifecycle's deltas land in the log ring"
     lc2 = start()
     try:
         assert lc2.step == 11

@@ -14,7 +14,9 @@ synchronisation:
 3. records a "rows read" event, and makes every later write of the context wait for it on the
    device (``hold_writes``): the next step's lookups and dense part run at once, its row update
    waits only for the gather, so no captured row is ever torn;
-4. copies the staging buffer into a pinned host buffer (asynchronously, same side stream);
+4. copies the staging buffer (asynchronously, same side stream) straight into a free segment of
+   the node's log ring (:mod:`elastic_emb.state.ring`: shared-memory files registered with CUDA
+   once), or, when none is free, into a pinned host buffer the writer then copies into a file;
 
 5. computes the CRC32 of every tensor of the delta on the GPU, from the staging buffer
    (:mod:`elastic_emb.state.gpucrc`), and copies the sums to pinned memory.
@@ -91,11 +93,13 @@ class DeviceCapture:
             self._cv.notify()
 
     def capture(self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int],
-                hold) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, torch.Tensor, torch.Tensor]:
+                hold, land=None) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object, torch.Tensor]:
         """Start capturing the rows ``rows[table]`` (raw, see the module docstring) of ``shards``
         (the context's own tensors, on this device). ``hold(event)`` makes the context's writes
-        wait for ``event``. Returns (records with :data:`PENDING_CRC`, the pinned bytes the data
-        file will hold, the event after which they are there, the pinned buffer to release, and
+        wait for ``event``. ``land(nbytes)``: a log segment (:mod:`elastic_emb.state.ring`) to copy
+        the delta straight into, or None (then a pinned buffer of the pool). Returns (records with
+        :data:`PENDING_CRC`, the host bytes the data file will hold, the event after which they are
+        there, the pinned buffer or the segment to release, and
         per tensor record (in order) its chunks' CRC32 sums (pinned; filled by the event) and the
         words after each chunk, for :func:`gpucrc.finish`)."""
         layout, off = [], 0
@@ -116,7 +120,8 @@ class DeviceCapture:
                 off += -(-k * row_b // ALIGN) * ALIGN
             layout.append((name, sd, idx, trs))
         total = off
-        buf = self._acquire(total)
+        seg = land(total) if land is not None else None
+        buf = seg if seg is not None else self._acquire(total)
         side = self.stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # the step's writes come first
         with torch.cuda.stream(side):
@@ -135,7 +140,7 @@ class DeviceCapture:
                         dst.zero_()  # an empty shard: every entry is a skipped one
             read = torch.cuda.Event()
             read.record(side)
-            host = buf[:total]
+            host = (seg.host if seg is not None else buf)[:total]
             host.copy_(staging, non_blocking=True)
             # The checksums where the bytes are, after the copy is queued (the copy engine and
             # the SMs work at once); the host only finishes them (a few bytes each).

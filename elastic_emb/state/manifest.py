@@ -179,6 +179,10 @@ class SnapshotManifest(CommitRecord):
     data_bytes: int
     shards: list[ShardRecord]
     parent: CommitId | None = None  # a delta commit: the commit it changes (None: a full base image)
+    # A delta landed in a log segment (elastic_emb.state.ring): its bytes are
+    # ``<node dir>/log/<segment>[segment_offset: segment_offset + data_bytes]``, not ``data_file``.
+    segment: str | None = None
+    segment_offset: int = Field(default=0, ge=0)
 
 
 class DurableManifest(CommitRecord):

@@ -53,6 +53,7 @@ from elastic_emb.state.manifest import (
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
+from elastic_emb.state.ring import LOG_DIR, Segment, SegmentRing, segment_path, sweep_segments
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
 log = get_logger("elastic_emb.state")
@@ -107,7 +108,9 @@ class Capture:
 
     def release(self) -> None:
         """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
-        if self.device is not None:
+        if isinstance(self.buffer, Segment):
+            self.buffer.release()  # a log segment: free again unless its manifest was written
+        elif self.device is not None:
             self.device.release(self.buffer)
 
 
@@ -133,6 +136,8 @@ class SnapshotTier:
         # (fingerprint, last complete commit of this tier in that generation, deltas since its base)
         self._chain: tuple[str, CommitId, int] | None = None
         self.spares: SpareFiles | None = None  # files allocated ahead for GPU captures
+        self.ring: SegmentRing | None = None  # log segments the GPU copies deltas into
+        self._ring_count = 0  # enable_ring: the ring is made at the first GPU delta (sized by it)
 
     def enable_spares(self, count: int) -> None:
         """Keep ``count`` data files allocated ahead for GPU-captured commits (see
@@ -142,10 +147,32 @@ class SnapshotTier:
             self.spares = SpareFiles(self.node_dir / f".spare-{os.getpid()}", count, self.file_mode, self.dir_mode)
 
     def close_spares(self) -> None:
-        """Remove the files allocated ahead (the commits in flight are written)."""
+        """Remove the files allocated ahead and close the log ring (the commits in flight are
+        written; the segments that manifests name stay for restore)."""
         if self.spares is not None:
             self.spares.close()
             self.spares = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    def enable_ring(self, count: int, size: int | None = None) -> None:
+        """Land GPU-captured deltas in a ring of ``count`` log segments (see
+        :mod:`elastic_emb.state.ring`) of ``size`` bytes; without ``size``, made at the first GPU
+        delta with segments of 1.25 x its size."""
+        self._ring_count = count
+        if size is not None and self.ring is None:
+            self.ring = self._make_ring(size)
+
+    def _make_ring(self, size: int) -> SegmentRing:
+        d = self.node_dir / LOG_DIR
+        make_dirs(self.root, d, self.dir_mode)
+        return SegmentRing(d, self._ring_count, size, self.file_mode)
+
+    def _land(self, nbytes: int) -> Segment | None:
+        if self.ring is None:
+            self.ring = self._make_ring(nbytes + nbytes // 4)
+        return self.ring.acquire(nbytes)
 
     @property
     def node_dir(self) -> Path:
@@ -183,8 +210,9 @@ class SnapshotTier:
             if changes is not None and chain is not None and chain[2] < self.max_chain and \
                     all(changes.get(name) is not None for name in shards):
                 parent, length = chain[1], chain[2] + 1
-                records, blob, copied, buf, sums = device.capture(shards, changes, num_rows, hold)
-                if self.spares is not None:
+                records, blob, copied, buf, sums = device.capture(
+                    shards, changes, num_rows, hold, land=self._land if self._ring_count else None)
+                if self.spares is not None and not isinstance(buf, Segment):
                     self.spares.want(int(blob.numel()))
                 cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True, sums)
             else:  # a base: the whole shard, copied on the host (first commit, and every max_chain + 1)
@@ -213,9 +241,13 @@ class SnapshotTier:
         cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
         written: list[Path] = []
         data_name = f"rank{topo.rank}.bin"
+        seg = cap.buffer if isinstance(cap.buffer, Segment) else None
         if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
             cap.copied.synchronize()
-            records, error = self._write_checksummed(cdir, data_name, cap, written)
+            if seg is not None:  # already in its log segment: only the checksums are finished
+                records, error = self._landed_records(cap, seg), None
+            else:
+                records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
             error = self._write(cdir, data_name, blob, written, step)
         points.reached("snapshot_data_written", step)
@@ -248,9 +280,14 @@ class SnapshotTier:
         base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
                     world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id, parent=parent)
         own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
-                               data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time())
+                               data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time(),
+                               segment=seg.name if seg is not None else None)
         try:
+            if seg is not None:
+                make_dirs(self.root, cdir, self.dir_mode)
             self._write_text(cdir / f"rank{topo.rank}.json", own.model_dump_json(), written)
+            if seg is not None:
+                seg.ring.landed(seg, cdir / f"rank{topo.rank}.json")  # held while this manifest exists
             points.reached("snapshot_manifest_partial", step)
             for r in senders:
                 rep = SnapshotManifest(**base, source_rank=r, source_node=everyone[r]["node"], replica=True,
@@ -294,6 +331,21 @@ class SnapshotTier:
         records = [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(crcs)})
                                                       for tr in rec.tensors]}) for rec in cap.records]
         return records, None
+
+    @staticmethod
+    def _landed_records(cap: "Capture", seg: Segment) -> list[ShardRecord]:
+        """The records of a delta the copy engine wrote into ``seg``, with their CRC32s finished
+        from the GPU's chunk sums (and the few tail bytes of each tensor, read in place)."""
+        data = seg.host.numpy()
+        ranges = [(tr.offset, tr.nbytes) for rec in cap.records for tr in rec.tensors]
+        sums, after = cap.sums
+        flat, at, crcs = sums.tolist(), 0, []
+        for (off, n), rest in zip(ranges, after):
+            crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
+            at += len(rest)
+        crcs = iter(crcs)
+        return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(crcs)}) for tr in rec.tensors]})
+                for rec in cap.records]
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
         """Write one data file of this commit; None, or the one-line reason it could not be written."""
@@ -355,6 +407,7 @@ class SnapshotTier:
                 try:
                     m = SnapshotManifest.model_validate_json(mpath.read_text())
                     check_name(m.data_file, "data file")
+                    data = cdir / m.data_file if m.segment is None else segment_path(self.node_dir, m.segment)
                 except FileNotFoundError:
                     continue  # pruned by another rank of this node meanwhile
                 except Exception as exc:  # a foreign or damaged file: report and skip, never guess
@@ -364,8 +417,18 @@ class SnapshotTier:
                     log.warning("snapshot_manifest_invalid", path=str(mpath), error=f"run id {m.run_id!r}, "
                                 f"expected {self.run_id!r}")
                     continue
-                out.append((cdir / m.data_file, m))
-        return out
+                out.append((data, m))
+        # A segment holds one commit at a time: two manifests naming it cannot both be right (a
+        # damaged or foreign one); only the newest is read, its CRC32s decide.
+        newest: dict[str, int] = {}
+        for i, (_, m) in enumerate(out):
+            if m.segment is not None and (m.segment not in newest or out[newest[m.segment]][1].commit < m.commit):
+                newest[m.segment] = i
+        dropped = {i for i, (_, m) in enumerate(out) if m.segment is not None and newest[m.segment] != i}
+        for i in sorted(dropped):
+            log.warning("snapshot_manifest_invalid", path=str(out[i][0]), error=f"log segment {out[i][1].segment!r} "
+                        f"is named by a newer commit too; this one is not read")
+        return [x for i, x in enumerate(out) if i not in dropped]
 
     def listing(self) -> NodeListing:
         """This node directory's contents (see :class:`NodeListing`)."""
@@ -433,6 +496,8 @@ class SnapshotTier:
                 log.warning("snapshot_prune_failed", dir=str(self.node_dir / name), error=str(exc))
         if deleted:
             log.info("snapshot_pruned", deleted=deleted, kept=[str(c) for c in sorted(kept)])
+        if (self.node_dir / LOG_DIR).is_dir():  # segments of exited processes that no commit names
+            sweep_segments(self.node_dir, {m.segment for _, m in self.manifests() if m.segment})
         return deleted
 
 
@@ -506,14 +571,21 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
     bytes, which the caller must overwrite or discard (restore re-plans without the piece, and
     raises if no commit is left, so the rows are never used)."""
     size = path.stat().st_size if path.exists() else -1
-    if size != manifest.data_bytes:
+    at = manifest.segment_offset if manifest.segment is not None else 0
+    if manifest.segment is not None:  # a log segment holds more than this commit: the range must lie in it
+        if manifest.data_bytes < 0 or at + manifest.data_bytes > size:
+            raise ChecksumMismatch(f"{path}: the manifest's range [{at}, {at + manifest.data_bytes}) lies outside the "
+                                   f"log segment ({size} bytes); the commit is damaged or foreign: delete it")
+    elif size != manifest.data_bytes:
         raise ChecksumMismatch(f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the file is "
                                f"damaged or was replaced: delete {path.parent} to drop this commit")
     # Map the file rather than read it: on /dev/shm the pages are already in memory, so the
     # checksum and the row copies read them in place (no read copy, no fresh pages).
     # Private (copy-on-write) mapping: the file is opened read-only, so restore works from a
     # read-only state directory, and nothing restore does can change a committed file.
-    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size > 0 else torch.empty(0, dtype=torch.uint8)
+    if manifest.segment is not None:
+        raw = raw[at: at + manifest.data_bytes]
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in manifest.shards:
         tensors = {}
@@ -534,7 +606,7 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
                 for off, dst in copies:
                     dst.copy_(b[off: off + dst.numel()])
             dtype = getattr(torch, tr.dtype)
-            if tr.offset % torch.empty((), dtype=dtype).element_size():
+            if (at + tr.offset) % torch.empty((), dtype=dtype).element_size():
                 b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
             tensors[tr.name] = b.view(dtype).reshape(n, *tr.row_shape)
         out[rec.table] = tensors
