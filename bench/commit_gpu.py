@@ -233,6 +233,24 @@ def main() -> None:
             return r
 
         tier.write = timed_write
+        # Where the training thread's time in a capture goes (host time of each part).
+        from elastic_emb.state import capture as capture_mod
+
+        parts: dict[str, list[float]] = {"take_rows": [], "device_capture": [], "gpu_crc_launch": []}
+
+        def timed(fn, key):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    parts[key].append(time.perf_counter() - t0)
+            return run
+
+        plain_crc, plain_dcap, plain_take = capture_mod.gpucrc.checksum_words, device.capture, ctx.take_changed_rows
+        capture_mod.gpucrc.checksum_words = timed(plain_crc, "gpu_crc_launch")
+        device.capture = timed(plain_dcap, "device_capture")
+        ctx.take_changed_rows = timed(plain_take, "take_rows")
         for label, with_dense in (("dense", True), ("emb_only", False)):
             steps, calls, called, lat = [], [], {}, []
             first = step_no
@@ -271,18 +289,23 @@ def main() -> None:
             out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
             out[f"ring_commits_device_{label}"] = sum(stages[k]["ring"] for k in range(first + 2, step_no))
         tier.write = plain_write
+        capture_mod.gpucrc.checksum_words, device.capture, ctx.take_changed_rows = plain_crc, plain_dcap, plain_take
+        out["capture_call_parts_ms"] = {k: _median_ms(v[4:]) for k, v in parts.items() if len(v) > 4}
         dwriter.close()
+        out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0
         tier.close_spares()  # and the log ring (unregistered; its segments go with the state dir)
         gbs = out["sustained_device_emb_only_gbs"]
         st = out["stages_device_emb_only_ms"]
         out["ring_segments"] = args.ring
-        out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0
-        bound = "the pinned D2H copy" if st["wait_copy_s"] > st["crc_write_manifest_s"] else \
+        call = out["commit_call_device_emb_only_ms"]
+        bound = "the capture call in the training thread" if call > max(st.values()) else \
+            "the pinned D2H copy" if st["wait_copy_s"] > st["crc_write_manifest_s"] else \
             "the host side (checksums + file write on the writer's threads)"
         out["device_emb_only_bound_by"] = bound
         print(f"device path, embedding-only loop: {gbs:.1f} GB/s sustained = {100 * gbs / d2h_gbs:.0f}% of the pinned "
               f"D2H bandwidth ({d2h_gbs:.1f} GB/s); per commit: waiting for the copy {st['wait_copy_s']:.1f} ms, "
-              f"checksums + write + manifest {st['crc_write_manifest_s']:.1f} ms: bound by {bound}", flush=True)
+              f"checksums + write + manifest {st['crc_write_manifest_s']:.1f} ms, the capture call {call:.1f} ms: "
+              f"bound by {bound}", flush=True)
         if args.device_only:
             shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
             print(json.dumps(out, indent=1))

@@ -14,7 +14,9 @@ On the GPU machine:  python -m pytest tests/test_commit_cuda.py -q
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +76,9 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
     comm = Comm(topo, store, None, timeout=60)
     num_rows = {t.name: t.num_rows for t in TABLES}
     tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=STEPS, max_chain=STEPS)
+    # Not on /dev/shm: no ring can be registered there, so the deltas take the pinned-buffer path
+    # (and a ring too small for a kept chain of STEPS would send them there as well).
+    tier.enable_ring(2)
     tier.enable_spares(3)  # data files allocated ahead, as the lifecycle does
     device = DeviceCapture(ctx.device, buffers=3, timeout=60)
     writer = CommitWriter(tier, comm, timeout=60, depth=3)
@@ -119,6 +124,19 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
         comm.close()
 
 
+@pytest.fixture
+def shm_path():
+    """A directory on /dev/shm: the log ring needs memory-backed files (the state dir's default)."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="ee-ring-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _materialise_all(tier, expect):
     """Every commit the directory lists, read through its base and chain (CRC32s checked), equals
     the shard right after its step. Returns the steps checked."""
@@ -136,7 +154,7 @@ def _materialise_all(tier, expect):
     return sorted(chain[-1][1].step for chain in chains.values())
 
 
-def test_log_ring_reuses_segments_and_every_kept_commit_restores(tmp_path):
+def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
     """Deltas land in a ring of registered log segments (no file copy): a commit every step,
     bases every ``max_chain + 1``, pruning at ``keep=2``; segments are reused once their commits
     are pruned, never while a kept commit names them (every kept commit is re-read bit for bit
@@ -157,7 +175,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(tmp_path):
     topo, store, ctx = _solo(free_port())
     comm = Comm(topo, store, None, timeout=60)
     num_rows = {t.name: t.num_rows for t in TABLES}
-    tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=keep, max_chain=max_chain)
+    tier = SnapshotTier(shm_path, "cuda-commit", "A", replication=0, keep=keep, max_chain=max_chain)
     tier.enable_ring(count, size=16 << 20)  # room for the largest delta of _batch (made and registered now)
     device = DeviceCapture(ctx.device, buffers=depth, timeout=60)
     writer = CommitWriter(tier, comm, timeout=60, depth=depth)
@@ -222,7 +240,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(tmp_path):
         comm.close()
 
 
-def test_device_capture_takes_no_host_sync(tmp_path):
+def test_device_capture_takes_no_host_sync(shm_path):
     """The training thread's part of a device commit (take the rows, gather, hold, copy, submit)
     and the next step's update run under sync-debug "error": none of them waits for the GPU."""
     from elastic_emb.state import Comm, SnapshotTier
@@ -231,7 +249,7 @@ def test_device_capture_takes_no_host_sync(tmp_path):
 
     topo, store, ctx = _solo(free_port())
     comm = Comm(topo, store, None, timeout=60)
-    tier = SnapshotTier(tmp_path, "cuda-commit", "A", replication=0, keep=2, max_chain=100)
+    tier = SnapshotTier(shm_path, "cuda-commit", "A", replication=0, keep=2, max_chain=100)
     tier.enable_ring(8, size=16 << 20)  # the copies land in the log ring (made and registered here)
     device = DeviceCapture(ctx.device, buffers=2, timeout=60)
     writer = CommitWriter(tier, comm, timeout=60, depth=2)
@@ -265,7 +283,7 @@ def test_device_capture_takes_no_host_sync(tmp_path):
         comm.close()
 
 
-def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
+def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
     """``Lifecycle`` with ``async_commit`` on CUDA takes the device path: commit every step,
     ``committed_step`` trails by at most the commits in flight and reaches the last step after
     ``wait_commit``; a new lifecycle restores that step bit for bit."""
@@ -280,7 +298,7 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "cuda-lc", "ELASTIC_EMB_BACKEND": "nccl"}
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
-        cfg = LifecycleConfig(async_commit=True, max_chain=50, state_dir=str(tmp_path), node_id="A")
+        cfg = LifecycleConfig(async_commit=True, max_chain=50, state_dir=str(shm_path), node_id="A")
         return Lifecycle.start(factory, cfg, env=env, store=store)
 
     gen = torch.Generator().manual_seed(2)
@@ -297,8 +315,8 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(tmp_path):
         final = _state(lc.context.export_shard())
     finally:
         lc.close()
-    assert not list((tmp_path / "cuda-lc" / "A").glob(".spare-*")), "close() removes the files allocated ahead"
-    assert list((tmp_path / "cuda-lc" / "A" / "log").glob("seg-*.bin")), "the lifecycle's deltas land in the log ring"
+    assert not list((shm_path / "cuda-lc" / "A").glob(".spare-*")), "close() removes the files allocated ahead"
+    assert list((shm_path / "cuda-lc" / "A" / "log").glob("seg-*.bin")), "the lifecycle's deltas land in the log ring"
     lc2 = start()
     try:
         assert lc2.step == 11

@@ -32,6 +32,7 @@ tensor's CRC32 is verified (:func:`~elastic_emb.state.snapshot.read_snapshot`).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -97,6 +98,7 @@ class SegmentRing:
                 if self._cudart is not None:
                     err = int(self._cudart.cudaHostRegister(seg.host.data_ptr(), self.size, 0))
                     if err != 0:
+                        _clear_cuda_error()  # else torch's next CUDA call reports it as its own
                         raise RuntimeError(f"cudaHostRegister of log segment {path} ({self.size} bytes) failed with "
                                            f"CUDA error {err}: lower the ring size or raise the locked-memory limit")
                     self._registered.append(seg.host.data_ptr())
@@ -156,6 +158,35 @@ class SegmentRing:
             self._lock_fd = None
             if not any(self.dir.glob(f"seg-{self.token}-*.bin")):
                 (self.dir / f"ring-{self.token}.lock").unlink(missing_ok=True)
+
+
+def on_memory_fs(path: Path) -> bool:
+    """Whether ``path`` lies on tmpfs (or hugetlbfs/ramfs): only such file pages can be
+    registered with CUDA for long (Linux refuses long-term pins of pages of disk filesystems)."""
+    target, best, fstype = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount = left.split()[4].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, right.split()[0]
+    except (OSError, IndexError):
+        return False
+    return fstype in ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister`` (torch's bindings
+    return the error but leave it set, and torch's next check would raise it)."""
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "libcudart" in line and line.rstrip().endswith(tuple("0123456789o"))}
+    for lib in sorted(libs):
+        try:
+            ctypes.CDLL(lib).cudaGetLastError()
+        except OSError:
+            continue
 
 
 def segment_path(node_dir: Path, name: str) -> Path:

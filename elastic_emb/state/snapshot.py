@@ -53,7 +53,7 @@ from elastic_emb.state.manifest import (
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
-from elastic_emb.state.ring import LOG_DIR, Segment, SegmentRing, segment_path, sweep_segments
+from elastic_emb.state.ring import LOG_DIR, Segment, SegmentRing, on_memory_fs, segment_path, sweep_segments
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
 log = get_logger("elastic_emb.state")
@@ -164,15 +164,27 @@ class SnapshotTier:
         if size is not None and self.ring is None:
             self.ring = self._make_ring(size)
 
-    def _make_ring(self, size: int) -> SegmentRing:
+    def _make_ring(self, size: int) -> SegmentRing | None:
+        """The log ring, or None (then deltas take the pinned-buffer path, and no ring is tried
+        again): the state dir is not in memory (its pages cannot stay registered), or
+        registering failed (e.g. the locked-memory limit)."""
         d = self.node_dir / LOG_DIR
-        make_dirs(self.root, d, self.dir_mode)
-        return SegmentRing(d, self._ring_count, size, self.file_mode)
+        try:
+            make_dirs(self.root, d, self.dir_mode)
+            if not on_memory_fs(d):
+                raise RuntimeError(f"{d} is not on tmpfs: only memory-backed pages can be registered with CUDA")
+            return SegmentRing(d, self._ring_count, size, self.file_mode)
+        except (OSError, RuntimeError) as exc:
+            log.warning("log_ring_unavailable", dir=str(d), segments=self._ring_count, segment_bytes=size,
+                        error=str(exc)[:300], remedy="deltas are copied into files instead; put "
+                        "ELASTIC_EMB_STATE_DIR on /dev/shm (and raise ulimit -l) for the ring")
+            self._ring_count = 0
+            return None
 
     def _land(self, nbytes: int) -> Segment | None:
         if self.ring is None:
             self.ring = self._make_ring(nbytes + nbytes // 4)
-        return self.ring.acquire(nbytes)
+        return self.ring.acquire(nbytes) if self.ring is not None else None
 
     @property
     def node_dir(self) -> Path:
