@@ -22,9 +22,10 @@ synchronisation:
    (:mod:`elastic_emb.state.gpucrc`), and copies the sums to pinned memory.
 
 The background writer (:class:`~elastic_emb.state.writer.CommitWriter`) then waits for that event
-in its own thread, finishes the checksums (a few bytes each), copies the bytes into the file on
-several cores (:func:`~elastic_emb.state.crc.write_and_checksum`), and writes the manifest last,
-as for any commit. Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next
+in its own thread, finishes the checksums (a few bytes each), and writes the manifest last, as for
+any commit: naming the log segment the bytes already are in, or, for a delta that took the pinned
+path, after copying them into a file on several cores
+(:func:`~elastic_emb.state.crc.write_and_checksum`). Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next
 capture waits for the oldest commit to be written (bounded), which is the back-pressure that
 keeps host memory bounded.
 
@@ -154,3 +155,17 @@ class DeviceCapture:
         records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
                                tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
         return records, host, copied, buf, (sums, after)
+
+
+def finished_records(records: list[ShardRecord], sums, data) -> list[ShardRecord]:
+    """``records`` of a GPU capture with their CRC32s finished from the GPU's chunk sums
+    (``sums``: :func:`gpucrc.checksum_words`' pair, read after the capture's event) and the few
+    tail bytes of each tensor, read from ``data`` (the delta's bytes on the host, numpy uint8)."""
+    chunk_sums, after = sums
+    flat, at, crcs = chunk_sums.tolist(), 0, []
+    for (off, n), rest in zip([(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors], after):
+        crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
+        at += len(rest)
+    it = iter(crcs)
+    return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it)}) for tr in rec.tensors]})
+            for rec in records]

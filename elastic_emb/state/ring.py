@@ -160,6 +160,24 @@ class SegmentRing:
                 (self.dir / f"ring-{self.token}.lock").unlink(missing_ok=True)
 
 
+def newest_per_segment(manifests: list) -> list:
+    """``(path, manifest)`` pairs less those naming a segment a newer commit's manifest names too:
+    a segment holds one commit at a time, so one of them is damaged or foreign; only the newest is
+    read (and its CRC32s decide)."""
+    newest: dict[str, int] = {}
+    for i, (_, m) in enumerate(manifests):
+        if m.segment is not None and (m.segment not in newest or manifests[newest[m.segment]][1].commit < m.commit):
+            newest[m.segment] = i
+    out = []
+    for i, (path, m) in enumerate(manifests):
+        if m.segment is not None and newest[m.segment] != i:
+            log.warning("snapshot_manifest_invalid", path=str(path), error=f"log segment {m.segment!r} is named by "
+                        f"a newer commit too; this one is not read")
+            continue
+        out.append((path, m))
+    return out
+
+
 def on_memory_fs(path: Path) -> bool:
     """Whether ``path`` lies on tmpfs (or hugetlbfs/ramfs): only such file pages can be
     registered with CUDA for long (Linux refuses long-term pins of pages of disk filesystems)."""

@@ -35,7 +35,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
-from elastic_emb.state import gpucrc
+from elastic_emb.state.capture import finished_records
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import (
@@ -53,7 +53,8 @@ from elastic_emb.state.manifest import (
 )
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
-from elastic_emb.state.ring import LOG_DIR, Segment, SegmentRing, on_memory_fs, segment_path, sweep_segments
+from elastic_emb.state.ring import (LOG_DIR, Segment, SegmentRing, newest_per_segment, on_memory_fs, segment_path,
+                                    sweep_segments)
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
 log = get_logger("elastic_emb.state")
@@ -257,7 +258,7 @@ class SnapshotTier:
         if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
             cap.copied.synchronize()
             if seg is not None:  # already in its log segment: only the checksums are finished
-                records, error = self._landed_records(cap, seg), None
+                records, error = finished_records(cap.records, cap.sums, seg.host.numpy()), None
             else:
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
@@ -332,32 +333,9 @@ class SnapshotTier:
             opener = (lambda p: os.fdopen(os.open(p, os.O_RDWR), "r+b")) if spare is not None else \
                 (lambda p: open_new(p, self.file_mode, readable=True))
             write_and_checksum(path, data, ranges, opener, checksum=False)
-            sums, after = cap.sums
-            flat, at, crcs = sums.tolist(), 0, []
-            for (off, n), rest in zip(ranges, after):
-                crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
-                at += len(rest)
-            crcs = iter(crcs)
         except OSError as exc:
             return cap.records, storage_message(path, int(cap.blob.numel()), exc, cap.step)
-        records = [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(crcs)})
-                                                      for tr in rec.tensors]}) for rec in cap.records]
-        return records, None
-
-    @staticmethod
-    def _landed_records(cap: "Capture", seg: Segment) -> list[ShardRecord]:
-        """The records of a delta the copy engine wrote into ``seg``, with their CRC32s finished
-        from the GPU's chunk sums (and the few tail bytes of each tensor, read in place)."""
-        data = seg.host.numpy()
-        ranges = [(tr.offset, tr.nbytes) for rec in cap.records for tr in rec.tensors]
-        sums, after = cap.sums
-        flat, at, crcs = sums.tolist(), 0, []
-        for (off, n), rest in zip(ranges, after):
-            crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
-            at += len(rest)
-        crcs = iter(crcs)
-        return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(crcs)}) for tr in rec.tensors]})
-                for rec in cap.records]
+        return finished_records(cap.records, cap.sums, data), None
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
         """Write one data file of this commit; None, or the one-line reason it could not be written."""
@@ -430,17 +408,7 @@ class SnapshotTier:
                                 f"expected {self.run_id!r}")
                     continue
                 out.append((data, m))
-        # A segment holds one commit at a time: two manifests naming it cannot both be right (a
-        # damaged or foreign one); only the newest is read, its CRC32s decide.
-        newest: dict[str, int] = {}
-        for i, (_, m) in enumerate(out):
-            if m.segment is not None and (m.segment not in newest or out[newest[m.segment]][1].commit < m.commit):
-                newest[m.segment] = i
-        dropped = {i for i, (_, m) in enumerate(out) if m.segment is not None and newest[m.segment] != i}
-        for i in sorted(dropped):
-            log.warning("snapshot_manifest_invalid", path=str(out[i][0]), error=f"log segment {out[i][1].segment!r} "
-                        f"is named by a newer commit too; this one is not read")
-        return [x for i, x in enumerate(out) if i not in dropped]
+        return newest_per_segment(out)
 
     def listing(self) -> NodeListing:
         """This node directory's contents (see :class:`NodeListing`)."""
