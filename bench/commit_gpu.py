@@ -176,16 +176,16 @@ def main() -> None:
     src = torch.empty(2**29, dtype=torch.uint8, device=dev)
     pinned = torch.empty(2**29, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     d2h_gbs = src.numel() / timed(lambda: pinned.copy_(src, non_blocking=True), 5) / 1e9
-    crc_gbs = None
-    if dev.type == "cuda":  # the GPU's CRC32 of the same bytes (elastic_emb.state.gpucrc)
-        from elastic_emb.state import gpucrc
+    # The writer's CRC32 of the same bytes on the host (elastic_emb.state.crc: chunks on its threads).
+    from elastic_emb.state.crc import checksum_ranges, threads
 
-        gpucrc.tables(dev)
-        crc_gbs = src.numel() / timed(lambda: gpucrc.checksum_words(src, [(0, src.numel())]), 3) / 1e9
-    del src, pinned
+    host = pinned.numpy()
+    crc_gbs = host.size / timed(lambda: checksum_ranges(host, [(0, host.size)]), 5) / 1e9
+    crc_threads = threads()
+    del src, pinned, host
 
     out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
-                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "gpu_crc32_gbs": crc_gbs, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs, "host_crc32_threads": crc_threads, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__}
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
@@ -234,9 +234,7 @@ def main() -> None:
 
         tier.write = timed_write
         # Where the training thread's time in a capture goes (host time of each part).
-        from elastic_emb.state import capture as capture_mod
-
-        parts: dict[str, list[float]] = {"take_rows": [], "device_capture": [], "gpu_crc_launch": []}
+        parts: dict[str, list[float]] = {"take_rows": [], "device_capture": []}
 
         def timed(fn, key):
             def run(*a, **k):
@@ -247,8 +245,7 @@ def main() -> None:
                     parts[key].append(time.perf_counter() - t0)
             return run
 
-        plain_crc, plain_dcap, plain_take = capture_mod.gpucrc.checksum_words, device.capture, ctx.take_changed_rows
-        capture_mod.gpucrc.checksum_words = timed(plain_crc, "gpu_crc_launch")
+        plain_dcap, plain_take = device.capture, ctx.take_changed_rows
         device.capture = timed(plain_dcap, "device_capture")
         ctx.take_changed_rows = timed(plain_take, "take_rows")
         for label, with_dense in (("dense", True), ("emb_only", False)):
@@ -289,7 +286,7 @@ def main() -> None:
             out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
             out[f"ring_commits_device_{label}"] = sum(stages[k]["ring"] for k in range(first + 2, step_no))
         tier.write = plain_write
-        capture_mod.gpucrc.checksum_words, device.capture, ctx.take_changed_rows = plain_crc, plain_dcap, plain_take
+        device.capture, ctx.take_changed_rows = plain_dcap, plain_take
         out["capture_call_parts_ms"] = {k: _median_ms(v[4:]) for k, v in parts.items() if len(v) > 4}
         dwriter.close()
         out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0

@@ -756,22 +756,41 @@ def test_parallel_checksum_and_write_equal_zlib(tmp_path, monkeypatch):
     assert (tmp_path / "f.bin").read_bytes() == buf.tobytes()
 
 
-def test_gpu_checksums_equal_zlib():
-    """The CRC32 that GPU captures compute with tensor operations (elastic_emb.state.gpucrc,
-    here on CPU tensors: the same operations) equals zlib's for lengths around the block, word
-    and chunk boundaries, at any 4-aligned offset."""
+def test_writer_checksums_of_landed_bytes_equal_zlib(monkeypatch):
+    """The background writer checksums a GPU capture's bytes where they landed
+    (``capture.finished_records`` -> ``crc.checksum_ranges``, chunks on 3 threads, joined): every
+    tensor's CRC32 equals zlib's of that tensor's bytes, for sizes that are not multiples of the
+    chunk or of the thread count, empty tensors, odd offsets and a range of exactly one chunk."""
     import os
     import zlib
+    from concurrent.futures import ThreadPoolExecutor
 
-    from elastic_emb.state import gpucrc
+    import numpy as np
 
-    for n in [0, 1, 3, 4, 8, 1020, 1024, 4100, 262_144, 262_151, 1 << 20, 3_000_003]:
-        data = os.urandom(n + 8)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        sums, after = gpucrc.checksum_words(buf, [(8, n), (0, 8)], chunk_words=1 << 18)
-        flat, k = sums.tolist(), len(after[0])
-        assert gpucrc.finish(flat[:k], after[0], n, data[8 + n - n % 4: 8 + n]) == zlib.crc32(data[8: 8 + n]), n
-        assert gpucrc.finish(flat[k:], after[1], 8, b"") == zlib.crc32(data[:8])
+    from elastic_emb.state import crc
+    from elastic_emb.state.capture import PENDING_CRC, finished_records
+    from elastic_emb.state.manifest import ShardRecord, TensorRecord
+
+    pool = ThreadPoolExecutor(max_workers=3)
+    monkeypatch.setattr(crc, "_pool", pool)
+    monkeypatch.setattr(crc, "CHUNK", 1000)
+    try:
+        buf = np.frombuffer(os.urandom(40_000), dtype=np.uint8)
+        ranges = [(0, 0), (1, 1), (3, 999), (1002, 1000), (2002, 1001), (3003, 3001), (6004, 0),
+                  (6005, 33_995)]
+        assert crc.checksum_ranges(buf, ranges) == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
+        records = [ShardRecord(table="t", num_rows=9, start=0, stop=9, tensors=[
+            TensorRecord(name=f"x{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
+            for i, (o, n) in enumerate(ranges[:4])]),
+            ShardRecord(table="u", num_rows=9, start=0, stop=9, tensors=[
+                TensorRecord(name=f"y{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
+                for i, (o, n) in enumerate(ranges[4:])])]
+        got = [tr.crc32 for rec in finished_records(records, buf) for tr in rec.tensors]
+        assert got == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
+        with pytest.raises(ValueError, match="outside the 40000-byte buffer"):
+            crc.checksum_ranges(buf, [(39_999, 2)])
+    finally:
+        pool.shutdown()
 
 
 def test_spare_files_are_allocated_ahead_taken_and_removed(tmp_path):

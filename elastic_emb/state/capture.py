@@ -16,18 +16,20 @@ synchronisation:
    waits only for the gather, so no captured row is ever torn;
 4. copies the staging buffer (asynchronously, same side stream) straight into a free segment of
    the node's log ring (:mod:`elastic_emb.state.ring`: shared-memory files registered with CUDA
-   once), or, when none is free, into a pinned host buffer the writer then copies into a file;
+   once), or, when none is free, into a pinned host buffer the writer then copies into a file.
 
-5. computes the CRC32 of every tensor of the delta on the GPU, from the staging buffer
-   (:mod:`elastic_emb.state.gpucrc`), and copies the sums to pinned memory.
+That is all the training thread launches: no checksum. The background writer
+(:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's event in its own thread,
+computes the CRC32 of every tensor of the delta over the bytes where they landed, on several
+cores (:func:`finished_records`; zlib's CRC32, so restore checks them as any other), and writes
+the manifest last, as for any commit: naming the log segment the bytes already are in, or, for a
+delta that took the pinned path, after copying them into a file and checksumming them on the way
+(:func:`~elastic_emb.state.crc.write_and_checksum`). (A CRC32 computed on the GPU cost the training
+thread about 16 ms per commit of launching small tensor operations, most of a 20 ms step.)
 
-The background writer (:class:`~elastic_emb.state.writer.CommitWriter`) then waits for that event
-in its own thread, finishes the checksums (a few bytes each), and writes the manifest last, as for
-any commit: naming the log segment the bytes already are in, or, for a delta that took the pinned
-path, after copying them into a file on several cores
-(:func:`~elastic_emb.state.crc.write_and_checksum`). Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next
-capture waits for the oldest commit to be written (bounded), which is the back-pressure that
-keeps host memory bounded.
+Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next capture
+waits for the oldest commit to be written (bounded), which is the back-pressure that keeps host
+memory bounded.
 
 Duplicates: a row written twice since the last commit appears twice in the delta, with the same
 bytes (both copies were gathered after the step, in one pass). A write that skipped rows marked
@@ -44,7 +46,7 @@ import time
 import torch
 
 from elastic_emb.protocol import ShardData
-from elastic_emb.state import gpucrc
+from elastic_emb.state.crc import checksum_ranges
 from elastic_emb.state.delta import INDEX
 from elastic_emb.state.manifest import ShardRecord, TensorRecord, row_bytes, row_spec, tensor_items
 
@@ -66,7 +68,6 @@ class DeviceCapture:
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._cv = threading.Condition()
-        gpucrc.tables(self.device)  # built once here, not in the first commit
 
     def _acquire(self, nbytes: int) -> torch.Tensor:
         """A pinned buffer of at least ``nbytes``: a free one, or a new one while fewer than
@@ -94,15 +95,13 @@ class DeviceCapture:
             self._cv.notify()
 
     def capture(self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int],
-                hold, land=None) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object, torch.Tensor]:
+                hold, land=None) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object]:
         """Start capturing the rows ``rows[table]`` (raw, see the module docstring) of ``shards``
         (the context's own tensors, on this device). ``hold(event)`` makes the context's writes
         wait for ``event``. ``land(nbytes)``: a log segment (:mod:`elastic_emb.state.ring`) to copy
         the delta straight into, or None (then a pinned buffer of the pool). Returns (records with
         :data:`PENDING_CRC`, the host bytes the data file will hold, the event after which they are
-        there, the pinned buffer or the segment to release, and
-        per tensor record (in order) its chunks' CRC32 sums (pinned; filled by the event) and the
-        words after each chunk, for :func:`gpucrc.finish`)."""
+        there, and the pinned buffer or the segment to release)."""
         layout, off = [], 0
         for name in sorted(shards):
             sd, idx = shards[name], rows.get(name)
@@ -143,29 +142,26 @@ class DeviceCapture:
             read.record(side)
             host = (seg.host if seg is not None else buf)[:total]
             host.copy_(staging, non_blocking=True)
-            # The checksums where the bytes are, after the copy is queued (the copy engine and
-            # the SMs work at once); the host only finishes them (a few bytes each).
-            ranges = [(tr.offset, tr.nbytes) for _, _, _, trs in layout for tr, _ in trs]
-            dev_sums, after = gpucrc.checksum_words(staging, ranges)
-            sums = torch.empty(dev_sums.numel(), dtype=torch.int32, pin_memory=True)
-            sums.copy_(dev_sums, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(side)  # after the copy and the checksums
+            copied.record(side)  # the bytes are on the host: the writer checksums them there
         hold(read)
         records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
                                tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
-        return records, host, copied, buf, (sums, after)
+        return records, host, copied, buf
 
 
-def finished_records(records: list[ShardRecord], sums, data) -> list[ShardRecord]:
-    """``records`` of a GPU capture with their CRC32s finished from the GPU's chunk sums
-    (``sums``: :func:`gpucrc.checksum_words`' pair, read after the capture's event) and the few
-    tail bytes of each tensor, read from ``data`` (the delta's bytes on the host, numpy uint8)."""
-    chunk_sums, after = sums
-    flat, at, crcs = chunk_sums.tolist(), 0, []
-    for (off, n), rest in zip([(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors], after):
-        crcs.append(gpucrc.finish(flat[at: at + len(rest)], rest, n, data[off + n - n % 4: off + n].tobytes()))
-        at += len(rest)
+def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of every tensor of ``records``, in order."""
+    return [(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors]
+
+
+def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None) -> list[ShardRecord]:
+    """``records`` of a GPU capture (:data:`PENDING_CRC`) with the CRC32 of each tensor's bytes:
+    ``crcs`` (one per tensor, in order) when the caller computed them, else computed here from
+    ``data`` (the delta's bytes on the host, numpy uint8, read only after the capture's event) on
+    several cores (:func:`~elastic_emb.state.crc.checksum_ranges`)."""
+    if crcs is None:
+        crcs = checksum_ranges(data, record_ranges(records))
     it = iter(crcs)
     return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it)}) for tr in rec.tensors]})
             for rec in records]

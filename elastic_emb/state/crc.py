@@ -1,16 +1,18 @@
 """CRC32 of large buffers on several cores, and a background commit's data file written by them.
 
-A delta captured on the GPU lands in pinned host memory and is checksummed and written by the
-background writer (:mod:`elastic_emb.state.capture`). zlib's CRC32 runs at about 1 GB/s on one
-core, so a 0.5 GB delta would take half a second: too slow for a commit every 20 ms step. CRC32
-is linear, so the buffer is cut into chunks, each chunk's CRC32 is computed on a thread of its own
-(``zlib.crc32`` releases the GIL), and the chunks' CRCs are joined (:func:`crc32_combine`): the
+A delta captured on the GPU lands in a log segment or in pinned host memory, and the background
+writer (:mod:`elastic_emb.state.capture`) checksums it there (:func:`checksum_ranges`), or, from
+pinned memory, copies it into a file and checksums it on the way (:func:`write_and_checksum`).
+zlib's CRC32 runs at about 1 GB/s on one core, so a 0.5 GB delta would take half a second: too
+slow for a commit every 20 ms step. CRC32 is linear, so the buffer is cut into chunks, each
+chunk's CRC32 is computed on a thread of its own (``zlib.crc32`` releases the GIL), and the chunks' CRCs are joined (:func:`crc32_combine`): the
 CRC of ``A + B`` is the CRC of ``A`` advanced over ``len(B)`` zero bytes, xor the CRC of ``B``.
 Advancing over ``m`` zero bytes is a linear map on the 32 bits of the CRC; the maps for 1, 2, 4,
 ... bytes are built once by squaring (``_ZEROS``), so a join costs at most one 32x32 bit-matrix
 product per set bit of ``m``. The same threads copy their chunk into the file, mapped (numpy's
-copy releases the GIL too), and checksum it while it is in cache. The result equals ``zlib.crc32`` of the whole
-buffer, so a manifest written this way is read back by the same code as any other.
+copy releases the GIL too), and checksum it while it is in cache. The result equals
+``zlib.crc32`` of the whole buffer, so a manifest written this way is read back by the same code
+as any other.
 """
 
 from __future__ import annotations
@@ -71,29 +73,57 @@ CHUNK = 16 << 20  # per thread job: large enough that the join is negligible, sm
 _pool: ThreadPoolExecutor | None = None
 
 
-def pool() -> ThreadPoolExecutor:
-    """The process's checksum-and-write threads: all the cores this process may use but two
+def threads() -> int:
+    """How many checksum-and-write threads the process has: all the cores it may use but two
     (the training thread and the GPU's feeder), at least one."""
+    return max(1, len(os.sched_getaffinity(0)) - 2)
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's checksum-and-write threads (:func:`threads` of them)."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)) - 2),
-                                   thread_name_prefix="elastic_emb-crc")
+        _pool = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="elastic_emb-crc")
     return _pool
 
 
-def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]], opener,
-                       checksum: bool = True) -> list[int]:
+def _chunks(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(range number, chunk start, chunk end)`` for every chunk of at most :data:`CHUNK` bytes
+    of each ``(off, n)`` of ``ranges``, in order (an empty range has none)."""
+    return [(r, c, min(c + CHUNK, off + n)) for r, (off, n) in enumerate(ranges) for c in range(off, off + n, CHUNK)]
+
+
+def _joined(ranges: list[tuple[int, int]], jobs: list[tuple[int, int, int]], crcs: list[int]) -> list[int]:
+    """Each range's CRC32 from its chunks' (in order; an empty range: 0, zlib's CRC of b"")."""
+    out = [0] * len(ranges)
+    for (r, lo, hi), crc in zip(jobs, crcs):
+        if r >= 0:
+            out[r] = crc32_combine(out[r], crc, hi - lo) if lo != ranges[r][0] else crc
+    return out
+
+
+def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]:
+    """The CRC32 (``zlib.crc32``) of ``buf[off: off + n]`` for each ``(off, n)`` of ``ranges``, the
+    uint8 array ``buf`` read in place, chunk by chunk on the pool's threads. This is how the
+    background writer checksums a GPU capture's bytes where they landed (a log segment or a
+    pinned buffer), off the training thread."""
+    for off, n in ranges:
+        if off < 0 or n < 0 or off + n > buf.size:
+            raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
+    jobs = _chunks(ranges)
+    crcs = [f.result() for f in [pool().submit(lambda lo, hi: zlib.crc32(memoryview(buf[lo:hi])), lo, hi)
+                                 for _, lo, hi in jobs]]
+    return _joined(ranges, jobs, crcs)
+
+
+def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]], opener) -> list[int]:
     """Write the uint8 array ``buf`` to a new file ``path`` (``opener(path)`` opens it for
     writing and reading) and fsync it; return the CRC32 of ``buf[off: off + n]`` for each
     ``(off, n)`` of ``ranges`` (disjoint). Both on the pool's threads, chunk by chunk: the file is
     sized first and mapped, and each thread copies its chunks into the mapping (a ``write`` of
     one file is serialised by the kernel's lock on it; page faults of a mapping are not) and
-    checksums them while they are in cache. ``checksum=False``: the copy alone (the checksums
-    were computed elsewhere); returns []."""
-    jobs: list[tuple[int, int, int]] = []  # (range number or -1: padding, chunk start, chunk end)
-    for r, (off, n) in enumerate(ranges):
-        for c in range(off, off + n, CHUNK):
-            jobs.append((r, c, min(c + CHUNK, off + n)))
+    checksums them while they are in cache."""
+    jobs = _chunks(ranges)  # (range number or -1: padding, chunk start, chunk end)
     at = 0
     for lo, hi in sorted((off, off + n) for off, n in ranges):
         if lo > at:
@@ -111,17 +141,11 @@ def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]
 
                 def job(r: int, lo: int, hi: int) -> int:
                     np.copyto(dst[lo:hi], buf[lo:hi])
-                    return zlib.crc32(memoryview(buf[lo:hi])) if r >= 0 and checksum else 0
+                    return zlib.crc32(memoryview(buf[lo:hi])) if r >= 0 else 0
 
                 try:
                     crcs = [fut.result() for fut in [pool().submit(job, *j) for j in jobs]]
                 finally:
                     del dst
         os.fsync(fd)
-    if not checksum:
-        return []
-    out = [0] * len(ranges)
-    for (r, lo, hi), crc in zip(jobs, crcs):
-        if r >= 0:
-            out[r] = crc32_combine(out[r], crc, hi - lo) if lo != ranges[r][0] else crc
-    return out
+    return _joined(ranges, jobs, crcs)

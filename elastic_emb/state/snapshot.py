@@ -35,7 +35,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
-from elastic_emb.state.capture import finished_records
+from elastic_emb.state.capture import finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import (
@@ -105,7 +105,6 @@ class Capture:
     device: object = None
     buffer: object = None
     speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
-    sums: object = None  # a GPU capture: the device's CRC32 chunk sums and layout (gpucrc.finish)
 
     def release(self) -> None:
         """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
@@ -223,11 +222,11 @@ class SnapshotTier:
             if changes is not None and chain is not None and chain[2] < self.max_chain and \
                     all(changes.get(name) is not None for name in shards):
                 parent, length = chain[1], chain[2] + 1
-                records, blob, copied, buf, sums = device.capture(
+                records, blob, copied, buf = device.capture(
                     shards, changes, num_rows, hold, land=self._land if self._ring_count else None)
                 if self.spares is not None and not isinstance(buf, Segment):
                     self.spares.want(int(blob.numel()))
-                cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True, sums)
+                cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True)
             else:  # a base: the whole shard, copied on the host (first commit, and every max_chain + 1)
                 records, blob = pack_shard(shards, num_rows)
                 cap = Capture(step, topology, records, blob, None, 0, speculative=True)
@@ -257,8 +256,8 @@ class SnapshotTier:
         seg = cap.buffer if isinstance(cap.buffer, Segment) else None
         if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
             cap.copied.synchronize()
-            if seg is not None:  # already in its log segment: only the checksums are finished
-                records, error = finished_records(cap.records, cap.sums, seg.host.numpy()), None
+            if seg is not None:  # already in its log segment: checksummed there, on several cores
+                records, error = finished_records(cap.records, seg.host.numpy()), None
             else:
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
@@ -319,7 +318,7 @@ class SnapshotTier:
         """Write a GPU capture's data file and compute its CRC32s, both on several cores. Returns
         (its records with their CRC32s, None or the one-line reason it could not be written)."""
         path = cdir / name
-        ranges = [(tr.offset, tr.nbytes) for rec in cap.records for tr in rec.tensors]
+        ranges = record_ranges(cap.records)
         try:
             make_dirs(self.root, cdir, self.dir_mode)
             spare = self.spares.take(int(cap.blob.numel())) if self.spares is not None and cap.blob.numel() else None
@@ -332,10 +331,10 @@ class SnapshotTier:
             data = cap.blob.numpy()
             opener = (lambda p: os.fdopen(os.open(p, os.O_RDWR), "r+b")) if spare is not None else \
                 (lambda p: open_new(p, self.file_mode, readable=True))
-            write_and_checksum(path, data, ranges, opener, checksum=False)
+            crcs = write_and_checksum(path, data, ranges, opener)  # each chunk checksummed while in cache
         except OSError as exc:
             return cap.records, storage_message(path, int(cap.blob.numel()), exc, cap.step)
-        return finished_records(cap.records, cap.sums, data), None
+        return finished_records(cap.records, data, crcs), None
 
     def _write(self, cdir: Path, name: str, blob: torch.Tensor, written: list[Path], step: int) -> str | None:
         """Write one data file of this commit; None, or the one-line reason it could not be written."""
