@@ -52,7 +52,6 @@ from elastic_emb.state.manifest import ShardRecord, TensorRecord, row_bytes, row
 
 ALIGN = 64  # every tensor of the staging buffer starts on this many bytes (views of any dtype)
 PENDING_CRC = -1  # a TensorRecord's crc32 before the writer computed it
-COPY_PIECE = 16 << 20  # bytes per device-to-host copy of a delta (see capture: the step's reads interleave)
 
 
 class DeviceCapture:
@@ -142,12 +141,7 @@ class DeviceCapture:
             read = torch.cuda.Event()
             read.record(side)
             host = (seg.host if seg is not None else buf)[:total]
-            # In pieces: a copy engine runs one copy at a time, and the step's own small reads
-            # back (its loss, torch.unique's count) queue behind the copy it is running. Whole-delta
-            # copies (~10 ms for 516 MB on an H200) were charged to the next step; a piece bounds
-            # that wait to one piece (BENCHMARKS.md, the device path).
-            for lo in range(0, total, COPY_PIECE):
-                host[lo: lo + COPY_PIECE].copy_(staging[lo: lo + COPY_PIECE], non_blocking=True)
+            host.copy_(staging, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(side)  # the bytes are on the host: the writer checksums them there
         hold(read)
