@@ -298,8 +298,10 @@ def main() -> None:
         gbs = out["sustained_device_emb_only_gbs"]
         st = out["stages_device_emb_only_ms"]
         out["ring_segments"] = args.ring
-        call = out["commit_call_device_emb_only_ms"]
-        bound = "the capture call in the training thread" if call > max(st.values()) else \
+        # The call's own work (taking the rows, launching the gather and the copy); the rest of a
+        # call is waiting for a commit slot, i.e. back-pressure from the stage that is the bound.
+        own = sum(out.get("capture_call_parts_ms", {}).values())
+        bound = "the capture call in the training thread" if own > max(st.values()) else \
             "the pinned D2H copy" if st["wait_copy_s"] > st["crc_write_manifest_s"] else \
             "the host side (checksums + file write on the writer's threads)"
         out["device_emb_only_bound_by"] = bound
