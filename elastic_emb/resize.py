@@ -12,8 +12,10 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    ``num_nodes_waiting() == 0`` for a node that left or died (it still evicts the dead from
    torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
    workers. A new node's agent joins the running round as one more participant and its workers
-   wait to be included (:meth:`InProcessResize.join`; ``docs/RESIZE.md``). A restarting peer (a
-   crashed worker), a fallback, or a round that moved on stay in restart mode.
+   wait to be included (:meth:`InProcessResize.join`; ``docs/RESIZE.md``). A crashed worker's
+   agent leaves the round (a departure for the survivors), waits for their decision without it
+   and rejoins as a joiner (``rdzv/rejoin.py``). A peer in the wait list, a fallback, or a round
+   that moved on stay in restart mode.
 2. **Detect.** Each worker's :class:`~elastic_emb.watch.Watcher` polls torch's state; a member node
    of the worker's generation missing from it (and not in the wait list: that one is restarting
    after a worker crash, which stays restart mode) is a departure (:meth:`InProcessResize.pending`).
@@ -165,7 +167,8 @@ class InProcessResize:
         self._store = None
         self._store_timeout = store_timeout
         self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
-        self._joiners_seen = 0  # joiner registrations already read
+        self._joiners_seen = 0  # joiner registrations counted
+        self._joiner_slots: list[int] = []  # counted registrations not written yet (read again)
         self._joiners: list[str] = []  # registered joiners not yet in the world, in order
         self._plan: dict | None = None  # the next generation's plan to include joiners, once read
         self._seen: tuple[float, float] | None = None  # the change first seen: (when, that check's seconds)
@@ -292,9 +295,19 @@ class InProcessResize:
         count = int(store.add(root + KEY_JOINERS, 0))
         while self._joiners_seen < count:
             self._joiners_seen += 1
-            value = read_signed(store, self._signer, root + KEY_JOINER + str(self._joiners_seen), log)
+            self._joiner_slots.append(self._joiners_seen)
+        unwritten = []
+        for index in self._joiner_slots:
+            key = root + KEY_JOINER + str(index)
+            if not store.check([key]):
+                # counted, not written yet (a joiner adds, then sets): read it at a later boundary,
+                # or the registration is lost and the joiner waits for nothing (seen under load)
+                unwritten.append(index)
+                continue
+            value = read_signed(store, self._signer, key, log)
             if value is not None and value.decode() not in self.nodes and value.decode() not in self._joiners:
                 self._joiners.append(value.decode())
+        self._joiner_slots = unwritten
         view = self.watcher.last_state
         present = set(view.nodes) if view is not None else set()
         return [n for n in self._joiners if n in present]  # its agent is a participant: it runs

@@ -156,38 +156,53 @@ def _iso(t: float) -> str:
 
 
 def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
-    """SIGKILL of one worker (its agent lives): its agent restarts it and rejoins through the wait
-    list (restart mode for a crash). The survivor may first re-form without it in process (when
-    it reads the state between the agent's exit and its rejoin). Either way the world of two
-    comes back with every row bit-exact, and the survivor's restart budget is untouched."""
+    """SIGKILL of one worker (its agent lives): the survivor re-forms without it in its own
+    process (2 -> 1); the crashed node's agent leaves the round, waits for that decision, restarts
+    its worker as a joiner (rdzv/rejoin.py), and the survivor includes it at a step boundary
+    (1 -> 2). The survivor's pid never changes, no agent starts a new round, rows are bit-exact."""
     import os
 
     tmp, agents = cluster
     workers = _two_nodes(tmp, agents)
     a, b = agents
+    survivor = workers[a.pid]["pid"]
     time.sleep(0.5)
     t_kill = time.time()
     os.kill(workers[b.pid]["pid"], signal.SIGKILL)
 
-    def back_at_two():
+    def rejoined():
         ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
-        return len(ready) == 2 and first_commit_at(tmp, world_size=2, after=max(r["t"] for r in ready))
+        return ready and first_commit_at(tmp, world_size=2, after=ready[0]["t"])
 
-    wait_for(back_at_two, WAIT, "both workers back at world size 2", agents)
+    t_back = wait_for(rejoined, WAIT, "the restarted worker included at world size 2", agents)
+    time.sleep(0.5)
     recs = worker_records(tmp)
-    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill and r["ws"] == 2]
-    assert all(r["rows_ok"] for r in ready), ready
-    assert [r["restart_count"] for r in ready if r["agent_pid"] == a.pid] == [0]
+    ready = [r for r in recs if r["ev"] == "ready" and r["t"] > t_kill]
+    assert len(ready) == 1 and ready[0]["agent_pid"] == b.pid, ready  # only the crashed worker restarted
+    joiner = ready[0]
+    assert joiner["joined"] and joiner["rows_ok"] and joiner["restart_count"] == 1, joiner
     reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
-    assert all(r["rows_ok"] and r["ws"] == 1 for r in reformed), reformed
-    print(f"\nworker crash: survivor re-formed in process first: {bool(reformed)}")
+    assert {r["pid"] for r in reformed} == {survivor}, reformed
+    assert [(r["ws"], r["rank"]) for r in reformed] == [(1, 0), (2, 0)] and all(r["rows_ok"] for r in reformed), reformed
+    assert joiner["gen"] == reformed[1]["gen"] == reformed[0]["gen"] + 1, (joiner, reformed)
+    assert joiner["resume"] == reformed[1]["resume"], (joiner, reformed)  # the join loses and repeats nothing
+    assert {r["pid"] for r in recs if r["ev"] == "commit" and r["t"] > t_back} == {survivor, joiner["pid"]}
+    # no new torch round: a's agent logs none, b's agent rejoined the running one (its round logged again)
+    rounds = {n: [e["round"] for e in events(tmp, n) if e["event"] == "rendezvous_round"] for n in ("a", "b")}
+    assert rounds["a"] == [0] and rounds["b"] == [0, 0], rounds
+    rejoin = [e["event"] for e in events(tmp, "b") if e["timestamp"] > _iso(t_kill)]
+    assert rejoin[:3] == ["worker_failed_rejoining", "survivors_reformed", "joined_running_round"], rejoin
+    t_one = first_commit_at(tmp, world_size=1, after=t_kill)
+    print(f"\nworker crash: survivor at world size 1 after {t_one - t_kill:.2f} s, the restarted worker included "
+          f"after {t_back - t_kill:.2f} s (includes its Python start)")
 
 
 def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     """Three nodes; c leaves (SIGTERM); the decider (a's worker, first survivor) is killed right
-    after claiming the decision (fault point). b waits at most decide_timeout for the record,
-    asks the agents for a restart (resize_fallback) unless a's agent restarting its crashed worker
-    restarted everyone first; either way the world of two comes back bit-exact."""
+    after claiming the decision (fault point). b waits at most decide_timeout for the record and
+    asks the agents for a restart (resize_fallback); a's agent, waiting to rejoin after its
+    worker's crash (rdzv/rejoin.py), sees that and takes torch's join: the world of two comes
+    back bit-exact, restarted."""
     tmp, agents = cluster
     port = free_port()
     # generations: 0 (a alone), 1 (b joined), 2 (c joined), 3 (c left): the decider of 3 dies

@@ -99,6 +99,7 @@ from elastic_emb.rdzv.keys import (
 )
 from elastic_emb.rdzv.liveness import Liveness
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
+from elastic_emb.rdzv.rejoin import leave_for_rejoin
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 
@@ -266,14 +267,18 @@ class ElasticEmbRendezvousHandler:
     def _join_running_world(self, rejoin: bool):
         """``resize=in_process``: the agent's first rendezvous joins a running round as one more
         participant, so nobody restarts; this agent's workers wait to be included by the running
-        ones. A later rendezvous (its worker failed, a fallback, a scale-up through the wait
-        list) is torch's: restart mode. (Rejoining in process after a worker crash is planned:
-        docs/RESIZE.md.)"""
-        self._joined_running = False
-        self._restart_requested = False
-        if self._config.resize != "in_process" or rejoin:
+        ones. A later rendezvous after this node's worker crashed does the same once the survivors
+        re-formed without it (``rdzv/rejoin.py``); after a fallback or a scale-up through the wait
+        list (``num_nodes_waiting() > 0`` was answered) it is torch's: restart mode."""
+        was_joiner, self._joined_running = self._joined_running, False
+        restart_requested, self._restart_requested = self._restart_requested, False
+        if self._config.resize != "in_process":
             return None
         tc = self._tc
+        if rejoin and (restart_requested or self._fallback_requested() or not leave_for_rejoin(
+                tc, self._inner, self._round_store, self._signer, run_id=self._run_id, round_=self._round,
+                node=self._node, was_joiner=was_joiner, log=self._log)):
+            return None
         joined = tc.join_complete_round(self._inner)
         if joined is None:
             return None
