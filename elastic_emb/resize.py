@@ -405,6 +405,12 @@ class InProcessResize:
             if time.monotonic() >= deadline:
                 raise ElasticEmbError(f"no decision for generation {generation} under {key} within "
                                       f"{self.decide_timeout:g} s (the decider, node {survivors[0]}, died or is stuck)")
+            view = self.watcher.last_state
+            if me != survivors[0] and view is not None and survivors[0] not in view.nodes:
+                # its worker died deciding and its agent left the round to rejoin (rdzv/rejoin.py):
+                # no decision can come; fall back now rather than after decide_timeout
+                raise ElasticEmbError(f"the decider of generation {generation}, node {survivors[0]}, left the "
+                                      f"rendezvous before publishing the decision under {key}")
             time.sleep(0.01)
 
     def _topology(self, old: Topology, nodes: tuple[str, ...]) -> Topology:

@@ -199,10 +199,10 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
 
 def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     """Three nodes; c leaves (SIGTERM); the decider (a's worker, first survivor) is killed right
-    after claiming the decision (fault point). b waits at most decide_timeout for the record and
-    asks the agents for a restart (resize_fallback); a's agent, waiting to rejoin after its
-    worker's crash (rdzv/rejoin.py), sees that and takes torch's join: the world of two comes
-    back bit-exact, restarted."""
+    after claiming the decision (fault point). b waits for the record until a's node leaves the
+    round (or decide_timeout) and asks the agents for a restart (resize_fallback); a's agent,
+    waiting to rejoin after its worker's crash (rdzv/rejoin.py), sees that and takes torch's
+    join: the world of two comes back bit-exact, restarted."""
     tmp, agents = cluster
     port = free_port()
     # generations: 0 (a alone), 1 (b joined), 2 (c joined), 3 (c left): the decider of 3 dies
