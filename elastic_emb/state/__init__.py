@@ -39,9 +39,9 @@ from elastic_emb.state.manifest import (
     as_bytes,
     checksum,
     commit_dirname,
-    crc32_combine,
     write_atomic,
 )
+from elastic_emb.state.crc import crc32_combine
 from elastic_emb.state.paths import node_id_from_env
 from elastic_emb.state.plan import Assignment, Piece, plan_assignments, replica_holders
 from elastic_emb.state.restore import Inventory, RestoreReport, inspect_state, restore

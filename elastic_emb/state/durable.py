@@ -9,7 +9,7 @@ layout with :func:`elastic_emb.state.transport.move_rows`.
 Rank 0 writes ``elastic_emb_manifest.json`` last, once DCP finished (after the background upload
 when asynchronous), with the CRC32 of every saved shard. Loading at another world size verifies
 them: each rank checksums the part of every saved shard it now holds, and the parts combine into
-the saved shard's CRC32 (:func:`elastic_emb.state.manifest.crc32_combine`) without gathering a byte.
+the saved shard's CRC32 (:func:`elastic_emb.state.crc.crc32_combine`) without gathering a byte.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
+from elastic_emb.state.crc import crc32_combine
 from elastic_emb.state.manifest import (
     DurableManifest,
     checksum,
     commit_dirname,
-    crc32_combine,
     row_bytes,
     row_spec,
     tensor_items,

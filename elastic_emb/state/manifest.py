@@ -90,35 +90,6 @@ def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(as_bytes(t).numpy())
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` in bytes.
-
-    Appending ``len2`` zero bytes to A is a linear map on the 32-bit CRC register over GF(2);
-    it is built by repeated squaring of the one-zero-bit operator, so the cost is O(log len2)
-    32x32 bit-matrix products, independent of the data (the method of zlib's crc32_combine)."""
-    if len2 <= 0:
-        return crc1
-
-    def times(mat: list[int], vec: int) -> int:
-        out, i = 0, 0
-        while vec:
-            if vec & 1:
-                out ^= mat[i]
-            vec >>= 1
-            i += 1
-        return out
-
-    def square(mat: list[int]) -> list[int]:
-        return [times(mat, mat[n]) for n in range(32)]
-
-    one_bit = [0xEDB88320] + [1 << n for n in range(31)]  # shift the register by one zero bit
-    op = square(square(one_bit))  # four zero bits
-    while len2:
-        op = square(op)  # now: 8 * 2^k zero bits, i.e. 2^k zero bytes
-        if len2 & 1:
-            crc1 = times(op, crc1)
-        len2 >>= 1
-    return crc1 ^ crc2
 
 
 # ---------------------------------------------------------------------------------------------
