@@ -85,48 +85,32 @@ from elastic_emb.rdzv.keys import (
 )
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.state import points
+from elastic_emb.store import ForwardingStore
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
 log = get_logger("elastic_emb.resize")
 
 
-class InterruptibleStore(dist.Store):
+class InterruptibleStore(ForwardingStore):
     """A store whose waits (and blocking gets) end as soon as ``interrupted()`` says so.
 
     Wraps any ``torch.distributed.Store``; used by ``PrefixStore`` and by gloo process groups like
     the store it wraps. A wait polls ``check`` (1 ms, doubling to 10 ms) instead of blocking in
     the store's client, so a survivor never waits out a timeout for a peer that is gone.
+    ``multi_get``/``multi_set`` are torch's defaults (a loop over ``get``/``set``), not the inner
+    store's, so a ``multi_get`` waits interruptibly too.
     """
 
     def __init__(self, inner, interrupted) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._interrupted = interrupted
 
-    def set(self, key, value):
-        return self._inner.set(key, value)
+    multi_get = dist.Store.multi_get
+    multi_set = dist.Store.multi_set
 
     def get(self, key):
         self.wait([key])
         return self._inner.get(key)
-
-    def add(self, key, value):
-        return self._inner.add(key, value)
-
-    def compare_set(self, key, expected, desired):
-        return self._inner.compare_set(key, expected, desired)
-
-    def check(self, keys):
-        return self._inner.check(keys)
-
-    def delete_key(self, key):
-        return self._inner.delete_key(key)
-
-    def num_keys(self):
-        return self._inner.num_keys()
-
-    def set_timeout(self, timeout):
-        return self._inner.set_timeout(timeout)
 
     def wait(self, keys, timeout=None):
         limit = (timeout or self._inner.timeout).total_seconds()

@@ -5,6 +5,9 @@ torchrun tells each worker where the store is (MASTER_ADDR, MASTER_PORT) and whe
 already hosts it (TORCHELASTIC_USE_AGENT_STORE). With torch's shared rendezvous store disabled
 (the elastic_emb backend always disables it: with it a scale-up deadlocks) rank 0 hosts a fresh store for
 every rendezvous round, so no key of an earlier round survives into the next.
+
+:class:`ForwardingStore` is the base of the store wrappers (the exit barrier's, the interruptible
+one): it passes every operation to the store it wraps, so a wrapper states only what it changes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,66 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic_emb.topology import Topology, scope
+
+
+class ForwardingStore(dist.Store):
+    """A ``torch.distributed.Store`` that passes every operation to ``inner``.
+
+    A subclass overrides only what it changes. A Python ``dist.Store`` subclass is used by C++
+    callers (``PrefixStore``, gloo) through torch's trampoline, which calls the Python method of
+    the same name where there is one and torch's default otherwise. ``multi_get``/``multi_set``
+    are forwarded here as well; a wrapper that changes ``get`` or ``set`` must restore torch's
+    defaults for them (``multi_get = dist.Store.multi_get``: a loop over ``self.get``), or a
+    ``multi_get`` would bypass its ``get``.
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def set(self, key, value):
+        return self._inner.set(key, value)
+
+    def get(self, key):
+        return self._inner.get(key)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def wait(self, keys, timeout=None):
+        return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    # torch's trampoline calls these two by their C++ names (a PrefixStore over a wrapper).
+    def deleteKey(self, key):  # noqa: N802
+        return self.delete_key(key)
+
+    def getNumKeys(self):  # noqa: N802
+        return self.num_keys()
+
+    def multi_get(self, keys):
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys, values):
+        return self._inner.multi_set(keys, values)
+
+    def set_timeout(self, timeout: timedelta):
+        return self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout
 
 
 def worker_store(topology: Topology, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> dist.Store:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
-import torch.distributed as dist
+from elastic_emb.store import ForwardingStore
 
 # torch's names (torch/distributed/elastic/agent/server/api.py and utils/store.py; checked by
 # tests/test_inprocess.py against the installed torch).
@@ -38,19 +37,18 @@ LAST_MEMBER = TERMINAL_STATE_PREFIX + "/last_member"
 ARRIVED = TERMINAL_STATE_PREFIX + "/arrived/"
 
 
-class ExitBarrierStore(dist.Store):
+class ExitBarrierStore(ForwardingStore):
     """``inner`` with torch's exit barrier completed by the current members (module docstring).
 
     ``node``: this agent's node id; ``members()``: the node ids that are members now."""
 
     def __init__(self, inner, node: str, members: Callable[[], tuple[str, ...]], poll: float = 0.1) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._node = node
         self._members = members
         self._poll = poll
 
-    # the barrier's two operations ------------------------------------------------------------
+    # the barrier's two operations (everything else passes through) -----------------------------
 
     def add(self, key, value):
         if key == NUM_MEMBERS and value == 1:
@@ -59,7 +57,7 @@ class ExitBarrierStore(dist.Store):
 
     def wait(self, keys, timeout=None):
         if list(keys) != [LAST_MEMBER]:
-            return self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+            return super().wait(keys, timeout)
         limit = (timeout or self._inner.timeout).total_seconds()
         deadline = time.monotonic() + limit
         while not self._inner.check([LAST_MEMBER]):
@@ -72,36 +70,3 @@ class ExitBarrierStore(dist.Store):
                                    f"(arrived: {[n for n in members if self._inner.check([ARRIVED + n])]})")
             time.sleep(self._poll)
         return None
-
-    # everything else passes through ---------------------------------------------------------
-
-    def set(self, key, value):
-        return self._inner.set(key, value)
-
-    def get(self, key):
-        return self._inner.get(key)
-
-    def compare_set(self, key, expected, desired):
-        return self._inner.compare_set(key, expected, desired)
-
-    def check(self, keys):
-        return self._inner.check(keys)
-
-    def delete_key(self, key):
-        return self._inner.delete_key(key)
-
-    def num_keys(self):
-        return self._inner.num_keys()
-
-    def multi_get(self, keys):
-        return self._inner.multi_get(keys)
-
-    def multi_set(self, keys, values):
-        return self._inner.multi_set(keys, values)
-
-    def set_timeout(self, timeout: timedelta):
-        return self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout
