@@ -1,7 +1,8 @@
 """Collect the result of bench rank processes: each prints one JSON line last, within one deadline.
 
-Shared by the benches that start one process per rank themselves (bench/commit.py, bench/reshard.py);
-a rank that fails or overruns ends the bench with its stderr tail, and every rank is killed on timeout.
+Shared by the benches that start one process per rank themselves (bench/commit.py, bench/reshard.py,
+bench/lookup.py); a rank that fails or overruns ends the bench with its stderr tail, and every rank is
+killed (the others would wait for it in a collective until their own timeout).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[di
                 q.kill()
             raise SystemExit(f"{what}: rank {rank} did not finish within {timeout}s") from None
         if p.returncode != 0:
+            for q in procs:
+                q.kill()
             raise SystemExit(f"{what}: rank {rank} failed (rc={p.returncode}):\n{se[-4000:]}")
         out.append(json.loads(so.strip().splitlines()[-1]))
     return out

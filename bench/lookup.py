@@ -41,6 +41,9 @@ import time
 
 from elastic_emb.testing.ports import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _ranks import collect  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -312,21 +315,7 @@ def launch(args, world: int) -> list[dict]:
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
                "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--host-split"] if args.host_split else []) + (["--in-flight"] if args.in_flight else []) + (["--profile", args.profile] if args.profile else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    deadline = time.monotonic() + args.timeout
-    for rank, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"world {world}: rank {rank} did not finish within --timeout {args.timeout}s")
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"world {world}: rank {rank} exited {p.returncode}:\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return collect(procs, args.timeout, f"world {world}")
 
 
 def main(argv=None) -> None:
@@ -381,7 +370,6 @@ def main(argv=None) -> None:
         ap.error(f"--ranks {args.ranks} needs more than the {torch.cuda.device_count()} GPUs here")
     torch.set_num_threads(1)
     if args.device == "cuda" and args.ranks == [1]:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import lookup_one_gpu
 
         report = lookup_one_gpu.run(args)
