@@ -71,6 +71,7 @@ import torch.distributed as dist
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError, MemberGone, ResizeFallback
 from elastic_emb.events import get_logger
+from elastic_emb.rdzv.outage import is_connection_error
 from elastic_emb.rdzv.keys import (
     KEY_CURRENT,
     KEY_DECIDER,
@@ -231,9 +232,17 @@ class InProcessResize:
         if self._gone():
             self._saw(t0)
             return True
-        plan = self._read_plan()
-        if plan is None and self._is_planner() and self._ready_joiners():
-            plan = self._publish_plan(self._ready_joiners())
+        try:
+            plan = self._read_plan()
+            if plan is None and self._is_planner() and self._ready_joiners():
+                plan = self._publish_plan(self._ready_joiners())
+        except Exception as exc:
+            if not is_connection_error(exc):
+                raise
+            # The store is down (etcd restarting): the collectives do not need it, so keep training;
+            # the watcher counts the outage, and past its bound the agent stops this worker.
+            self.watcher._store_failed(exc)
+            return False
         if plan is not None:
             self._saw(t0)
         return plan is not None and self.lc.step >= plan["after_step"]

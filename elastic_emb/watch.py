@@ -135,6 +135,10 @@ class RendezvousReader:
             import torch.distributed as dist
 
             return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
+        if self.backend == "etcd-v3":  # its own client: the endpoint may list several members
+            from elastic_emb.rdzv.etcd_v3 import open_reader
+
+            return open_reader(self.endpoint, self.run_id, timeout)[0]
         import etcd
 
         from elastic_emb.rdzv.etcd_v2 import CasEtcdStore  # agreements need compare_set

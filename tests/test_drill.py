@@ -84,6 +84,8 @@ def test_presets_validate_and_simulate():
     for name, s in PRESETS.items():
         history = s.simulate()
         assert history[0] == list(range(s.initial_nodes)), name
+        for mode in ("restart", "in_process"):  # every preset validates in both modes (gpu-2-1-2 too)
+            assert Scenario.model_validate({**s.model_dump(), "mode": mode}).simulate() == history, (name, mode)
     assert PRESETS["demo"].simulate() == [[0], [0, 1], [0]]
 
 
@@ -363,6 +365,29 @@ def test_cli_lists_presets_and_refuses_a_bad_scenario(tmp_path):
     assert bad.exit_code == 2 and "neither a preset" in bad.output
     missing = runner.invoke(main, ["drill"])
     assert missing.exit_code == 2 and "--scenario is required" in missing.output
+
+
+def test_cli_mode_runs_any_preset_in_either_mode(tmp_path, monkeypatch):
+    """``--mode restart|in_process`` overrides the preset's mode (what is run is the validated
+    scenario); in process with stock c10d is refused before anything starts."""
+    from click.testing import CliRunner
+
+    from elastic_emb.cli import main
+    from elastic_emb.drill import command
+
+    ran = []
+    monkeypatch.setattr(command, "_run", lambda scenario, out, script, progress: ran.append(scenario) or 0)
+    runner = CliRunner()
+    for name in ("worker-crash", "demo"):
+        for mode in ("restart", "in_process"):
+            r = runner.invoke(main, ["drill", "--scenario", name, "--mode", mode, "--out", str(tmp_path / name)])
+            assert r.exit_code == 0, r.output
+            assert (ran[-1].name, ran[-1].mode) == (name, mode)
+            assert ran[-1].faults == PRESETS[name].faults
+    refused = runner.invoke(main, ["drill", "--scenario", "demo", "--mode", "in_process", "--rendezvous", "c10d",
+                                   "--out", str(tmp_path / "c")])
+    assert refused.exit_code == 2 and "needs the elastic_emb rendezvous" in refused.output
+    assert len(ran) == 4
 
 
 def test_default_out_is_the_working_directory_or_a_temporary_one(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
 from elastic_emb.console import EXIT_FAILED, EXIT_OK, UserError
 
@@ -84,13 +85,16 @@ def preset_help() -> str:
               help="Override the scenario's network (netns: one namespace per node, needs root).")
 @click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
               help="Override the scenario's torchrun --rdzv-backend.")
+@click.option("--mode", type=click.Choice(["restart", "in_process"]), default=None,
+              help="Override the scenario's resize mode: restart (the agents restart every worker) or in_process "
+                   "(--rdzv-conf resize=in_process: the survivors re-form in their running processes).")
 @click.option("--script", default=None,
               help="Training script to drill [default: the packaged example, `elastic-emb example-path`].")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
               help="Progress bar on a terminal, plain lines otherwise.")
 @click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
-def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_presets) -> int:
-    """Run a restart drill: real torchrun agents, real faults, tables checked bit for bit.
+def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, list_presets) -> int:
+    """Run a resize drill: real torchrun agents, real faults, tables checked bit for bit.
 
     Exit 0 on PASS (for a scenario that plants a loss: when the loss was caught), 1 on FAIL,
     2 on bad input."""
@@ -106,11 +110,18 @@ def drill_cmd(scenario_spec, out, network, rendezvous, script, progress, list_pr
         scenario = load_scenario(scenario_spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--scenario") from None
-    update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous)) if v}
+    update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous), ("mode", mode)) if v}
+    if rendezvous == "c10d" and mode == "in_process":
+        raise click.BadParameter("--mode in_process needs the elastic_emb rendezvous (stock c10d restarts every "
+                                 "worker); drop --rendezvous c10d or use --mode restart", param_hint="--mode")
     if rendezvous == "c10d" and scenario.mode == "in_process":
         update["mode"] = "restart"  # stock c10d restarts every worker: the preset's in-process mode cannot apply
     if update:
-        scenario = scenario.model_validate({**scenario.model_dump(), **update})
+        try:
+            scenario = scenario.model_validate({**scenario.model_dump(), **update})
+        except ValidationError as exc:
+            problems = "; ".join(e["msg"] for e in exc.errors())
+            raise click.BadParameter(f"{scenario.name} with {update}: {problems}", param_hint="--scenario") from None
     script_path = None
     if script is not None:
         script_path = Path(script).expanduser()
