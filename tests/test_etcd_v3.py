@@ -280,3 +280,100 @@ def test_conf_keys_and_endpoints_are_validated():
     assert v3.ClientOptions.from_env({"PET_RDZV_CONF": "inner=etcd-v3,read_timeout=7"}).read_timeout == 7.0
     with pytest.raises(ValueError, match=v3.ENV_OPTIONS):
         v3.ClientOptions.from_env({v3.ENV_OPTIONS: "{not json"})
+
+
+def test_calls_keep_one_connection_and_reconnect_after_a_member_restart(etcd_server):
+    """A client reuses its connection across calls (one per concurrent caller, at most MAX_IDLE
+    idle); after the member restarted (SIGKILL, start again on the same port) the next call opens
+    a fresh connection instead of failing on the dead one."""
+    client = v3.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    url = client.endpoints[0]
+    client.put("k", b"v")
+    (conn,) = client._idle[url]
+    first = conn.sock.getsockname()
+    for _ in range(20):
+        assert client.get("k").value == b"v"
+    assert [c.sock.getsockname() for c in client._idle[url]] == [first]  # the same TCP connection, 21 calls
+    barrier = threading.Barrier(8)
+
+    def calls():
+        barrier.wait(10)
+        for _ in range(5):
+            client.get("k")
+
+    threads = [threading.Thread(target=calls) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert 1 <= len(client._idle[url]) <= v3.MAX_IDLE
+    etcd_server.kill()
+    etcd_server.start()
+    assert client.get("k").value == b"v"  # the idle connections were dead: seen, replaced
+    assert [c.sock.getsockname() for c in client._idle[url]] != [first]
+
+
+def _one_shot_http_server(replies: int):
+    """A loopback HTTP server that answers the first request of each connection (keep-alive) and
+    closes the connection on the next one without a reply: a member closing an idle connection
+    just as the client reuses it. Returns (url, connections accepted, stop)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    accepted: list[int] = []
+    stop = threading.Event()
+    body = json.dumps({"header": {"revision": "1"}, "kvs": []}).encode()
+
+    def serve():
+        deadline = time.monotonic() + 30
+        while not stop.is_set() and time.monotonic() < deadline and len(accepted) < replies:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(1)
+            with conn:
+                try:
+                    conn.settimeout(5)
+                    data = conn.recv(65536)
+                    while data and b"\r\n\r\n" not in data:  # bounded by the 5 s socket timeout
+                        data += conn.recv(65536)
+                    head, _, rest = data.partition(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                    while len(rest) < length:  # the whole request read: the next recv is the next request
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        rest += chunk
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    conn.recv(65536)  # the next request on this connection: closed unanswered
+                except OSError:
+                    pass
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted, stop
+
+
+def test_a_kept_connection_closed_unanswered_is_retried_once_on_a_fresh_one():
+    url, accepted, stop = _one_shot_http_server(replies=3)
+    try:
+        client = v3.EtcdV3Client([url], v3.ClientOptions(read_timeout=5))
+        assert client.get("a") is None and len(accepted) == 1
+        assert client.get("b") is None and len(accepted) == 2  # the kept one failed unanswered: a new one served it
+    finally:
+        stop.set()
+
+
+def test_a_member_that_never_replies_fails_within_read_timeout():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        client = v3.EtcdV3Client([f"http://127.0.0.1:{silent.getsockname()[1]}"], v3.ClientOptions(read_timeout=0.5))
+        start = time.monotonic()
+        with pytest.raises(v3.EtcdV3ConnectionError, match="timed out"):
+            client.get("k")
+        assert time.monotonic() - start < 5.0

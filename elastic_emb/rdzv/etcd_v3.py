@@ -11,15 +11,21 @@ last line that still has it. This module keeps the rendezvous in etcd through th
   live in (drain requests, acknowledgements, death reports);
 - :func:`create_backend` builds both from torchrun's ``RendezvousParameters``.
 
-**Why the JSON gateway over ``urllib``, not a client library.** Every etcd since 3.4 serves the
+**Why the JSON gateway over ``http.client``, not a client library.** Every etcd since 3.4 serves the
 v3 API as JSON over HTTP at ``/v3/...`` (Debian's etcd-server 3.4 and the 3.5/3.6 images alike):
 keys and values are base64 strings, int64 fields are decimal strings. The rendezvous needs five
 calls (range, txn, put, delete, lease grant) and token authentication; with the standard
 library they are a page of code and add no dependency to every training image. The gRPC clients
 on PyPI are either unmaintained (``etcd3``, last release 2020, pinned to old protobuf) or pull
 grpcio and protobuf (tens of MB, version conflicts with other users of protobuf in a training
-image). A plain-HTTP client is also easy to reason about across a member failover: every call is
-one request on a fresh connection, so nothing is left half-open on a dead member.
+image). A plain-HTTP client is also easy to reason about across a member failover.
+
+**Connections.** A client keeps its HTTP/1.1 connections open between calls (up to :data:`MAX_IDLE`
+idle ones per member, for the agent's threads): a call costs one round trip, not a TCP (and TLS)
+handshake too. A connection that failed is closed, never reused; an idle one the member closed is
+seen before use (its socket reads as ready) and replaced, and one that fails before any reply is
+retried once on a fresh connection to the same member. Every socket operation is bounded by
+``read_timeout``. No ``http_proxy`` (etcd is cluster-internal); a forked child opens its own.
 
 **Semantics** (those torch's own backends are held to): ``get_state`` is ``None`` when no state
 exists and raises ``RendezvousStateError`` when the stored value is not base64 (the state is
@@ -50,14 +56,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import json
 import os
 import random
+import select
 import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -80,6 +87,9 @@ CONF_KEYS = frozenset({"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_c
 # gRPC status codes the gateway returns when a member cannot serve the call (try another one).
 _UNAVAILABLE, _DEADLINE_EXCEEDED, _UNAUTHENTICATED = 14, 4, 16
 _MEMBER_DOWN_MESSAGES = ("no leader", "leader changed", "timed out", "not capable", "too many requests")
+MAX_IDLE = 4  # idle keep-alive connections kept per member
+# a reused connection failing with one of these read no reply: the member had closed it
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class EtcdV3ConnectionError(EtcdUnreachable, RendezvousConnectionError):
@@ -192,6 +202,8 @@ class EtcdV3Client:
         self._token: str | None = None
         self._lock = threading.Lock()
         self._ssl = self._ssl_context() if self.options.protocol == "https" else None
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}  # member URL -> idle connections
+        self._pid = os.getpid()  # a forked child must not share its parent's sockets
 
     @classmethod
     def from_endpoint(cls, endpoint: str, options: ClientOptions | None = None) -> "EtcdV3Client":
@@ -237,14 +249,7 @@ class EtcdV3Client:
         headers = {"Content-Type": "application/json"}
         if self._token and not path.startswith("auth/"):
             headers["Authorization"] = self._token
-        req = urllib.request.Request(f"{url}/v3/{path}", data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.options.read_timeout, context=self._ssl) as r:  # noqa: S310
-                raw = r.read()
-        except urllib.error.HTTPError as exc:
-            raw = exc.read() or b"{}"
-        except (OSError, urllib.error.URLError, TimeoutError) as exc:  # refused, reset, DNS, timeout, TLS
-            raise _MemberDown(f"{type(exc).__name__}: {exc}") from None
+        raw = self._post(url, f"/v3/{path}", json.dumps(body).encode(), headers)
         try:
             reply = json.loads(raw or b"{}")
         except ValueError:
@@ -262,6 +267,54 @@ class EtcdV3Client:
                 raise _MemberDown(f"etcd: {message} (code {code})")
             raise EtcdV3Error(f"etcd refused /v3/{path} at {url}: {message} (code {code})", code)
         return reply
+
+    def _post(self, url: str, target: str, data: bytes, headers: Mapping[str, str]) -> bytes:
+        """One POST on a kept connection to ``url`` (module docstring, Connections); the body of
+        any status (etcd's gateway answers errors as JSON with a 4xx/5xx status)."""
+        for attempt in range(2):
+            conn, reused = self._checkout(url)
+            try:
+                conn.request("POST", target, body=data, headers=headers)
+                reply = conn.getresponse()
+                raw = reply.read()
+            except _STALE as exc:
+                conn.close()
+                if reused and attempt == 0:
+                    continue  # closed by the member while idle: once more, on a fresh connection
+                raise _MemberDown(f"{type(exc).__name__}: {exc}") from None
+            except (OSError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, bad reply
+                conn.close()
+                raise _MemberDown(f"{type(exc).__name__}: {exc}") from None
+            if reply.will_close:
+                conn.close()
+            else:
+                self._checkin(url, conn)
+            return raw
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _checkout(self, url: str) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection to ``url`` that is still open, else a new one; and whether reused."""
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
+                self._idle, self._pid = {}, os.getpid()
+            idle = self._idle.get(url) or []
+            while idle:
+                conn = idle.pop()
+                if _open(conn):
+                    return conn, True
+                conn.close()
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.options.read_timeout,
+                                               context=self._ssl), False
+        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.options.read_timeout), False
+
+    def _checkin(self, url: str, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(url, [])
+            if len(idle) < MAX_IDLE and self._pid == os.getpid():
+                return idle.append(conn)
+        conn.close()
 
     def _authenticate(self, url: str) -> None:
         path = self.options.password_file
@@ -326,6 +379,20 @@ class EtcdV3Client:
 
 class _MemberDown(Exception):
     """One member could not serve a call (internal: the client moves on to the next)."""
+
+
+def _open(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection is still usable: its socket exists and has nothing to read (an
+    idle HTTP connection that reads as ready was closed by the member, or holds stray bytes)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
 
 
 # -- the rendezvous backend ---------------------------------------------------------------------
