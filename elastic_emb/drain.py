@@ -12,7 +12,10 @@ agree on a last step, commit it, and count themselves in ``acks``; each watcher 
 number of acknowledgements to expect as ``world_size``. This module writes nothing else and
 reads only those keys (signing the request when the job has a secret, ``rdzv/signing.py``), through the same :class:`elastic_emb.watch.RendezvousReader` the workers
 use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs this
-client against real watchers.
+client against real watchers. The two counts cannot be signed (``acks`` is an atomic add): they
+are read as untrusted input, and one outside ``[0, rdzv.keys.MAX_COUNT]`` (a wrapped or foreign
+value) ends the drain with :class:`DrainError` naming the key and the value (both are checked
+before the request is written).
 
 A drain is job-wide by nature: all ranks take part in every collective, so no rank can stop
 alone; "drain this node" means "let the whole world stop after the same committed step". After
@@ -38,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from elastic_emb.errors import DrainError
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
 # tests/test_deploy.py runs this client against real watchers.
-from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, round_prefix
+from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, count_value, round_prefix
 from elastic_emb.rdzv.keys import KEY_WORLD_SIZE as KEY_EXPECTED
 from elastic_emb.rdzv.signing import Signer, read_signed
 
@@ -133,15 +136,17 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     prefix = round_prefix(target.run_id, state.round)
     if not store.check([prefix + KEY_EXPECTED]):
         return done("no_watchers", state.round)
-    expected = int(store.get(prefix + KEY_EXPECTED))
+    expected = _count(prefix + KEY_EXPECTED, store.get(prefix + KEY_EXPECTED), target)
+    if expected == 0:  # a watcher writes its world size (>= 1): none did
+        return done("no_watchers", state.round)
+    acks = _count(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0), target)  # checked before asking anything
     signer = Signer.from_env()
     if read_signed(store, signer, prefix + KEY_DRAIN) is None:
         request = json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()})
         store.set(prefix + KEY_DRAIN, signer.sign(prefix + KEY_DRAIN, request))
     deadline = start + timeout
-    acks = 0
     while True:
-        acks = int(store.add(prefix + KEY_ACKS, 0))
+        acks = _count(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0), target)
         if acks >= expected:
             value = read_signed(store, signer, prefix + KEY_STOP_STEP)
             stop = int(value) if value is not None else None
@@ -149,3 +154,11 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
         if time.monotonic() >= deadline:
             return done("timeout", state.round, acks, expected)
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+def _count(key: str, raw: object, target: DrainTarget) -> int:
+    """A count of the drain protocol read from the store (untrusted: ``rdzv.keys.count_value``)."""
+    try:
+        return count_value(key, raw)
+    except ValueError as exc:
+        raise DrainError(f"cannot drain run {target.run_id!r}: {exc}") from None

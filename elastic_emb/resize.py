@@ -80,6 +80,7 @@ from elastic_emb.rdzv.keys import (
     KEY_JOINER,
     KEY_JOINERS,
     KEY_PLAN,
+    count_value,
     inproc_prefix,
     inproc_root,
     round_prefix,
@@ -154,6 +155,7 @@ class InProcessResize:
         self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
         self._joiners_seen = 0  # joiner registrations counted
         self._joiner_slots: list[int] = []  # counted registrations not written yet (read again)
+        self._joiners_error = ""  # the last foreign joiners count reported
         self._joiners: list[str] = []  # registered joiners not yet in the world, in order
         self._plan: dict | None = None  # the next generation's plan to include joiners, once read
         self._seen: tuple[float, float] | None = None  # the change first seen: (when, that check's seconds)
@@ -285,7 +287,13 @@ class InProcessResize:
     def _ready_joiners(self) -> list[str]:
         store = self.watcher._reader.store
         root = inproc_root(self.watcher._reader.run_id)
-        count = int(store.add(root + KEY_JOINERS, 0))
+        try:  # untrusted (a foreign count would make this loop run to it)
+            count = count_value(root + KEY_JOINERS, store.add(root + KEY_JOINERS, 0))
+        except ValueError as exc:
+            if str(exc) != self._joiners_error:  # once per foreign value, not at every step
+                self._joiners_error = str(exc)
+                log.warning("resize.joiners_unreadable", error=str(exc))
+            count = self._joiners_seen
         while self._joiners_seen < count:
             self._joiners_seen += 1
             self._joiner_slots.append(self._joiners_seen)

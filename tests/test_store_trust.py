@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_DEAD, KEY_DRAIN, round_prefix
+from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_ACKS, KEY_DEAD, KEY_DRAIN, KEY_WORLD_SIZE, round_prefix
 from elastic_emb.testing.ports import free_port
 from tests.helpers.agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
 
@@ -95,12 +95,23 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     logs = agents[0].output() + agents[1].output()
     assert "control_key_rejected" in logs and prefix + KEY_DRAIN in logs  # the watchers said so too
 
-    # The same request, signed with the secret (the preStop client), stops both at one step.
-    from elastic_emb.drain import DrainTarget, request_drain
+    # The counts cannot be signed: foreign ones (negative, wrapped past int64) are refused by name
+    # before the preStop client asks anything (a wrapped acks would have faked the acknowledgement).
+    from elastic_emb.drain import DrainError, DrainTarget, request_drain
 
     monkeypatch.setenv("ELASTIC_EMB_JOB_SECRET", SECRET)
     store.delete_key(prefix + KEY_DRAIN)
-    outcome = request_drain(DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="rdzvtest"), timeout=30)
+    target = DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="rdzvtest")
+    assert store.get(prefix + KEY_WORLD_SIZE) == b"2" and store.add(prefix + KEY_ACKS, 0) == 0
+    for key, forged in ((KEY_WORLD_SIZE, "-2"), (KEY_WORLD_SIZE, "9" * 30), (KEY_ACKS, str(2**63 - 1))):
+        store.set(prefix + key, forged)
+        with pytest.raises(DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*not a count in"):
+            request_drain(target, timeout=5)
+        store.set(prefix + key, {KEY_WORLD_SIZE: "2", KEY_ACKS: "0"}[key])
+    assert not store.check([prefix + KEY_DRAIN])  # nothing was asked of the workers
+
+    # The same request, signed with the secret (the preStop client), stops both at one step.
+    outcome = request_drain(target, timeout=30)
     assert outcome.outcome == "acknowledged" and outcome.acks == 2, outcome
     drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]
     assert len(drained) == 2 and len({r["step"] for r in drained}) == 1, drained
@@ -125,3 +136,14 @@ def test_signatures_bind_the_key_and_need_the_secret():
     assert Signer(None).sign("k", "42") == b"42" and Signer(None).verify("k", v) == (b"42", "")
     with pytest.raises(SecretError, match="ELASTIC_EMB_JOB_SECRET is 5 bytes"):
         Signer.from_env({"ELASTIC_EMB_JOB_SECRET": "short"})
+
+
+def test_counts_read_from_the_store_are_bounded_non_negative_integers():
+    from elastic_emb.rdzv.keys import MAX_COUNT, count_value
+
+    for raw, value in ((0, 0), (7, 7), (b"2", 2), ("12", 12), (str(MAX_COUNT).encode(), MAX_COUNT)):
+        assert count_value("k", raw) == value
+    for raw in (-1, b"-1", MAX_COUNT + 1, 2**63 - 1, -(2**63), b"", b" 3", b"3\n", b"0x10", b"1e3", "\u00b2", b"\xb2",
+                b"9" * 30, True, None, 1.5):
+        with pytest.raises(ValueError, match=r"^store key 'elastic_emb/r/round1/acks' holds .*, not a count in \[0, "):
+            count_value("elastic_emb/r/round1/acks", raw)

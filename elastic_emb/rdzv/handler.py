@@ -95,6 +95,7 @@ from elastic_emb.rdzv.keys import (
     KEY_LEFT,
     KEY_STOP_STEP,
     KEY_WORLD_SIZE,
+    count_value,
     round_prefix,
 )
 from elastic_emb.rdzv.liveness import Liveness
@@ -431,8 +432,9 @@ class ElasticEmbRendezvousHandler:
             store.set(prefix + KEY_DRAIN, self._signer.sign(prefix + KEY_DRAIN, request))
             self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
         try:
-            expected = int(store.get(prefix + KEY_WORLD_SIZE)) if store.check([prefix + KEY_WORLD_SIZE]) else 0
-            acks = int(store.add(prefix + KEY_ACKS, 0))
+            expected = count_value(prefix + KEY_WORLD_SIZE, store.get(prefix + KEY_WORLD_SIZE)) \
+                if store.check([prefix + KEY_WORLD_SIZE]) else 0
+            acks = count_value(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0))  # untrusted, like every key
         except StoreOutageError:
             raise
         except Exception as exc:

@@ -93,3 +93,24 @@ def round_prefix(run_id: str, round_: int) -> str:
 
 # The job's secret: when set, control values under round_prefix() are HMAC-signed (rdzv/signing.py).
 ENV_JOB_SECRET = "ELASTIC_EMB_JOB_SECRET"
+
+
+MAX_COUNT = 1 << 20  # the bound of every count key (acks, world_size, joiners): far above any job
+
+
+def count_value(key: str, raw: object) -> int:
+    """A count read from the store, as untrusted input (anyone who reaches the store can write
+    anything under any key; a counter cannot be signed): an integer in [0, :data:`MAX_COUNT`]
+    (``add``'s int, or ``get``'s decimal ASCII bytes). Anything else raises ValueError naming the
+    key and the value, so a foreign write can neither fake a count nor make a reader loop on it."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif isinstance(raw, (bytes, bytearray, str)) and 0 < len(raw) <= 8:
+        text = raw.decode("ascii", "replace") if isinstance(raw, (bytes, bytearray)) else raw
+        value = int(text) if text.isascii() and text.isdigit() else -1
+    else:
+        value = -1
+    if not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"store key {key!r} holds {raw!r:.80}, not a count in [0, {MAX_COUNT}]: a foreign write "
+                         f"to the rendezvous store (check who can reach the endpoint, or use a new run id)")
+    return value
