@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elastic_emb.protocol import ShardData
 
@@ -106,7 +106,16 @@ class TensorRecord(BaseModel):
     row_shape: list[int]
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
-    crc32: int
+    crc32: int  # the checksum of the bytes by ``algorithm`` (the name predates the field)
+    # elastic_emb.state.digest: "crc32" (zlib) or "xxh3_64" (GPU-captured deltas); absent: "crc32"
+    algorithm: Literal["crc32", "xxh3_64"] = "crc32"
+
+    @model_validator(mode="after")
+    def _value_fits(self) -> "TensorRecord":
+        bits = 64 if self.algorithm == "xxh3_64" else 32
+        if not -1 <= self.crc32 < 1 << bits:  # -1: not computed yet (a capture in flight)
+            raise ValueError(f"tensor {self.name!r}: checksum {self.crc32} does not fit {self.algorithm} ({bits} bits)")
+        return self
 
 
 class ShardRecord(BaseModel):

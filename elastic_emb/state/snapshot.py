@@ -35,8 +35,9 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
-from elastic_emb.state.capture import finished_records, record_ranges
+from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
+from elastic_emb.state.digest import NAMES, Digest
 from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import (
     CommitId,
@@ -257,7 +258,7 @@ class SnapshotTier:
         if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
             cap.copied.synchronize()
             if seg is not None:  # already in its log segment: checksummed there, on several cores
-                records, error = finished_records(cap.records, seg.host.numpy()), None
+                records, error = finished_records(cap.records, seg.host.numpy(), algorithm=DELTA_CHECKSUM), None
             else:
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
@@ -575,11 +576,11 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
             copies = [(lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
                       for lo, hi, dsts in (fill or {}).get(rec.table, []) if tr.name in dsts]
             if verify:
-                got = _crc_and_copy(b, copies)
+                got = _crc_and_copy(b, copies, tr.algorithm)
                 if got != tr.crc32:
                     raise ChecksumMismatch(
-                        f"{path}: table {rec.table!r} tensor {tr.name!r} rows [{rec.start}, {rec.stop}) has CRC32 "
-                        f"{got:#010x}, manifest says {tr.crc32:#010x}; the snapshot is corrupt: delete {path.parent}"
+                        f"{path}: table {rec.table!r} tensor {tr.name!r} rows [{rec.start}, {rec.stop}) has "
+                        f"{NAMES[tr.algorithm]} {got:#x}, manifest says {tr.crc32:#x}; the snapshot is corrupt: delete {path.parent}"
                     )
             else:
                 for off, dst in copies:
@@ -592,18 +593,31 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
     return out
 
 
-def _crc_and_copy(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]]) -> int:
-    """CRC32 of the bytes ``b``; meanwhile copy ``b[off: off + len(dst)]`` into each flat ``dst``.
-    Block by block: each block is copied first (which brings it into cache), then checksummed."""
-    crc = 0
+def _crc_and_copy(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]], algorithm: str = "crc32") -> int:
+    """The checksum (``algorithm``, :mod:`elastic_emb.state.digest`) of the bytes ``b``; meanwhile
+    copy ``b[off: off + len(dst)]`` into each flat ``dst``. Block by block: each block is copied
+    first (which brings it into cache), then checksummed."""
     total = b.numel()
+    if algorithm != "crc32":
+        d = Digest(algorithm)
+        for c0 in range(0, total, VERIFY_CHUNK):
+            c1 = min(c0 + VERIFY_CHUNK, total)
+            _copy_block(b, copies, c0, c1)
+            d.update(b[c0:c1].numpy())
+        return d.value()
+    crc = 0
     if not copies:
         return zlib.crc32(b.numpy()) if total else 0
     for c0 in range(0, total, VERIFY_CHUNK):
         c1 = min(c0 + VERIFY_CHUNK, total)
-        for off, dst in copies:
-            lo, hi = max(c0, off), min(c1, off + dst.numel())
-            if lo < hi:
-                dst[lo - off: hi - off].copy_(b[lo:hi])
+        _copy_block(b, copies, c0, c1)
         crc = zlib.crc32(b[c0:c1].numpy(), crc)
     return crc
+
+
+def _copy_block(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]], c0: int, c1: int) -> None:
+    """The part of each ``(off, dst)`` of ``copies`` that lies in ``b[c0:c1]``, copied."""
+    for off, dst in copies:
+        lo, hi = max(c0, off), min(c1, off + dst.numel())
+        if lo < hi:
+            dst[lo - off: hi - off].copy_(b[lo:hi])
