@@ -66,6 +66,12 @@ def main() -> None:
     ap.add_argument("--ring", type=int, default=24,
                     help="log segments the device path copies deltas into (0: pinned buffers + file copies)")
     ap.add_argument("--json", default="bench/commit_gpu.json")
+    ap.add_argument("--copy-piece-mb", type=float, default=None,
+                    help="the capture's device-to-host copy in pieces of this many MiB (0: one copy; default: the library's)")
+    ap.add_argument("--delta-checksum", choices=("crc32", "xxh3_64"), default=None,
+                    help="the checksum of deltas in the log ring (default: the library's)")
+    ap.add_argument("--profile", default=None,
+                    help="a path (.json.gz): a torch.profiler trace of a few dense steps of the device path")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
 
@@ -129,7 +135,7 @@ def main() -> None:
 
         def before_write(self) -> None:
             for event in self.held:
-                torch.cuda.current_stream(dev).wait_event(event)
+                event.wait(torch.cuda.current_stream(dev))
             self.held = []
 
     ctx = Ctx()
@@ -185,11 +191,17 @@ def main() -> None:
 
     host = pinned.numpy()
     crc_gbs = host.size / timed(lambda: checksum_ranges(host, [(0, host.size)]), 5) / 1e9
+    try:
+        from elastic_emb.state.digest import digest_ranges
+    except ImportError:  # a library from before XXH3-64 (a before/after run)
+        xxh_gbs = None
+    else:
+        xxh_gbs = host.size / timed(lambda: digest_ranges(host, [(0, host.size)], "xxh3_64"), 5) / 1e9
     crc_threads = threads()
     del src, pinned, host
 
     out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
-                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs, "host_crc32_threads": crc_threads, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs, "host_xxh3_gbs": xxh_gbs, "host_crc32_threads": crc_threads, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__}
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
@@ -216,7 +228,14 @@ def main() -> None:
     if dev.type == "cuda":  # the device path needs CUDA streams and events
         # The device path (elastic_emb.state.capture): gather on a side stream, async copy to pinned
         # memory, checksums and the write in the background writer, up to 3 commits in flight.
-        device = DeviceCapture(dev, buffers=3, timeout=600)
+        from elastic_emb.state import snapshot as snapshot_mod
+
+        if args.delta_checksum:
+            snapshot_mod.DELTA_CHECKSUM = args.delta_checksum
+        pieces = {} if args.copy_piece_mb is None else {"piece_bytes": int(args.copy_piece_mb * 2**20)}
+        device = DeviceCapture(dev, buffers=3, timeout=600, **pieces)
+        out["copy_piece_bytes"] = getattr(device, "piece_bytes", 0)
+        out["delta_checksum"] = getattr(snapshot_mod, "DELTA_CHECKSUM", "crc32")
         dwriter = CommitWriter(tier, comm, timeout=600, depth=3)
         tier.enable_spares(4)  # as the lifecycle does: data files allocated ahead
         if args.ring:  # the log ring, made (and registered) at the first delta, a warm-up one
@@ -237,8 +256,19 @@ def main() -> None:
             return r
 
         tier.write = timed_write
+        plain_prune = tier.prune
+        prunes: list[float] = []
+
+        def timed_prune(c):
+            t0 = time.perf_counter()
+            try:
+                return plain_prune(c)
+            finally:
+                prunes.append(time.perf_counter() - t0)
+
+        tier.prune = timed_prune
         # Where the training thread's time in a capture goes (host time of each part).
-        parts: dict[str, list[float]] = {"take_rows": [], "device_capture": []}
+        parts: dict[str, list[float]] = {"take_rows": [], "device_capture": [], "land": [], "submit": []}
 
         def timed(fn, key):
             def run(*a, **k):
@@ -249,9 +279,11 @@ def main() -> None:
                     parts[key].append(time.perf_counter() - t0)
             return run
 
-        plain_dcap, plain_take = device.capture, ctx.take_changed_rows
+        plain_dcap, plain_take, plain_land, plain_submit = device.capture, ctx.take_changed_rows, tier._land, dwriter.submit
         device.capture = timed(plain_dcap, "device_capture")
         ctx.take_changed_rows = timed(plain_take, "take_rows")
+        tier._land = timed(plain_land, "land")  # inside device_capture
+        dwriter.submit = timed(plain_submit, "submit")
         for label, with_dense in (("dense", True), ("emb_only", False)):
             steps, calls, called, lat = [], [], {}, []
             first = step_no
@@ -289,8 +321,21 @@ def main() -> None:
                                                 for k in ("wait_copy_s", "crc_write_manifest_s")}
             out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
             out[f"ring_commits_device_{label}"] = sum(stages[k]["ring"] for k in range(first + 2, step_no))
-        tier.write = plain_write
-        device.capture, ctx.take_changed_rows = plain_dcap, plain_take
+        if args.profile:  # the device timeline of a few dense steps, each committed
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    step(True)
+                    dwriter.submit(tier.capture(step_no, ctx.shard_views(), topo, num_rows,
+                                                ctx.take_changed_rows(unique=False), device=device,
+                                                hold=ctx.hold_writes))
+                    step_no += 1
+                dwriter.wait()
+            prof.export_chrome_trace(args.profile)
+        tier.write, tier.prune = plain_write, plain_prune
+        out["writer_prune_ms"] = _median_ms(prunes) if prunes else None
+        device.capture, ctx.take_changed_rows, tier._land, dwriter.submit = plain_dcap, plain_take, plain_land, plain_submit
         out["capture_call_parts_ms"] = {k: _median_ms(v[4:]) for k, v in parts.items() if len(v) > 4}
         dwriter.close()
         out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0
@@ -298,16 +343,21 @@ def main() -> None:
         gbs = out["sustained_device_emb_only_gbs"]
         st = out["stages_device_emb_only_ms"]
         out["ring_segments"] = args.ring
-        # The call's own work (taking the rows, launching the gather and the copy); the rest of a
-        # call is waiting for a commit slot, i.e. back-pressure from the stage that is the bound.
-        own = sum(out.get("capture_call_parts_ms", {}).values())
-        bound = "the capture call in the training thread" if own > max(st.values()) else \
-            "the pinned D2H copy" if st["wait_copy_s"] > st["crc_write_manifest_s"] else \
-            "the host side (checksums + file write on the writer's threads)"
+        # Per commit, the time of each stage of the pipeline; the slowest one bounds it: the call's
+        # own work on the training thread (taking the rows, laying out and handing over the
+        # capture; the rest of a call is waiting for a commit slot, i.e. back-pressure), the
+        # copy at the pinned D2H bandwidth, and the writer's host work (checksums, manifest, prune).
+        own = sum(v for k, v in out.get("capture_call_parts_ms", {}).items() if k in ("take_rows", "device_capture"))
+        copy_ms = out["delta_bytes_device_emb_only"] / d2h_gbs / 1e6
+        host_ms = st["crc_write_manifest_s"] + (out["writer_prune_ms"] or 0.0)
+        stage = {"the capture call in the training thread": own, "the pinned D2H copy": copy_ms,
+                 "the host side (checksums, manifest and prune on the writer's threads)": host_ms}
+        bound = max(stage, key=stage.get)
+        out["device_emb_only_stage_ms"] = {"capture_call": own, "d2h_copy": copy_ms, "writer_host": host_ms}
         out["device_emb_only_bound_by"] = bound
         print(f"device path, embedding-only loop: {gbs:.1f} GB/s sustained = {100 * gbs / d2h_gbs:.0f}% of the pinned "
-              f"D2H bandwidth ({d2h_gbs:.1f} GB/s); per commit: waiting for the copy {st['wait_copy_s']:.1f} ms, "
-              f"checksums + write + manifest {st['crc_write_manifest_s']:.1f} ms, the capture call {call:.1f} ms: "
+              f"D2H bandwidth ({d2h_gbs:.1f} GB/s); per commit: the copy {copy_ms:.1f} ms at that bandwidth, "
+              f"checksums + write + manifest + prune {host_ms:.1f} ms, the capture call {own:.1f} ms: "
               f"bound by {bound}", flush=True)
         if args.device_only:
             shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None

@@ -8,7 +8,7 @@
 #
 # Run from the repository root on the device machine, with the wheels of the packages its image
 # lacks carried in .whl/ (pydantic, pydantic-core, annotated-types, typing-inspection,
-# typing-extensions, structlog, pydantic-settings, python-dotenv). Writes one JSON per benchmark and a log to
+# typing-extensions, structlog, pydantic-settings, python-dotenv, xxhash). Writes one JSON per benchmark and a log to
 # $OUT (or out/gpu), and prints a short table at the end. Never changes GPU settings; keeps
 # NVLink multicast off.
 set -uo pipefail

@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TABLES = [TableSpec(name="a", num_rows=60_000, dim=32), TableSpec(name="b", num_rows=7_000, dim=8)]
 OPT = OptimizerSpec(kind="adagrad", lr=0.5)
 STEPS = 20
+PIECE = 64 << 10  # the copies off the GPU in many pieces, alternating streams (capture._copy)
 
 
 def _solo(port: int):
@@ -64,8 +65,24 @@ def _same(got: dict, want: dict) -> bool:
     return all(torch.equal(g.cpu(), w.cpu()) for name in want for g, w in zip(got[name], want[name]))
 
 
+def _restore_matches(tier, comm, step: int, final: dict, what: str) -> None:
+    """A fresh context restores the newest commit of ``tier`` (that of ``step``) through
+    ``restore`` and holds ``final`` bit for bit; then ``comm`` (the writer's) is closed."""
+    from elastic_emb.state import Comm, restore
+
+    topo2, store2, fresh = _solo(free_port())
+    try:
+        comm2 = Comm(topo2, store2, None, timeout=60)
+        assert restore(fresh, comm2, snapshot=tier, durable=None).step == step
+        assert _same(_state(fresh.export_shard()), final), f"restore {what} differs"
+        comm2.close()
+    finally:
+        fresh.close()
+        comm.close()
+
+
 def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
-    from elastic_emb.state import Comm, SnapshotTier, restore
+    from elastic_emb.state import Comm, SnapshotTier
     from elastic_emb.state.capture import DeviceCapture
     from elastic_emb.state.delta import read_chain, resolve_chains
     from elastic_emb.state.snapshot import read_snapshot
@@ -80,7 +97,7 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
     # (and a ring too small for a kept chain of STEPS would send them there as well).
     tier.enable_ring(2)
     tier.enable_spares(3)  # data files allocated ahead, as the lifecycle does
-    device = DeviceCapture(ctx.device, buffers=3, timeout=60)
+    device = DeviceCapture(ctx.device, buffers=3, timeout=60, piece_bytes=PIECE)
     writer = CommitWriter(tier, comm, timeout=60, depth=3)
     gen = torch.Generator().manual_seed(11)
     expect = {}
@@ -113,15 +130,7 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
         tier.close_spares()
         ctx.close()
     assert not list(tier.node_dir.glob(".spare-*")), "close_spares removes the files allocated ahead"
-    topo2, store2, fresh = _solo(free_port())
-    try:
-        comm2 = Comm(topo2, store2, None, timeout=60)
-        assert restore(fresh, comm2, snapshot=tier, durable=None).step == STEPS - 1
-        assert _same(_state(fresh.export_shard()), final), "restore from the base and its chain differs"
-        comm2.close()
-    finally:
-        fresh.close()
-        comm.close()
+    _restore_matches(tier, comm, STEPS - 1, final, "from the base and its chain")
 
 
 @pytest.fixture
@@ -164,7 +173,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
     import json
 
     from elastic_emb.errors import ChecksumMismatch
-    from elastic_emb.state import Comm, SnapshotTier, restore
+    from elastic_emb.state import Comm, SnapshotTier
     from elastic_emb.state.capture import DeviceCapture
     from elastic_emb.state.ring import Segment
     from elastic_emb.state.snapshot import read_snapshot
@@ -177,7 +186,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
     num_rows = {t.name: t.num_rows for t in TABLES}
     tier = SnapshotTier(shm_path, "cuda-commit", "A", replication=0, keep=keep, max_chain=max_chain)
     tier.enable_ring(count, size=16 << 20)  # room for the largest delta of _batch (made and registered now)
-    device = DeviceCapture(ctx.device, buffers=depth, timeout=60)
+    device = DeviceCapture(ctx.device, buffers=depth, timeout=60, piece_bytes=PIECE)
     writer = CommitWriter(tier, comm, timeout=60, depth=depth)
     gen = torch.Generator().manual_seed(17)
     expect, used, deltas, checked = {}, [], 0, set()
@@ -229,15 +238,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
     named = {m.segment for _, m in tier.manifests() if m.segment}
     left = {p.name for p in (tier.node_dir / "log").glob("seg-*.bin")}
     assert named and left == named, f"close keeps exactly the segments manifests name: {left} vs {named}"
-    topo2, store2, fresh = _solo(free_port())
-    try:
-        comm2 = Comm(topo2, store2, None, timeout=60)
-        assert restore(fresh, comm2, snapshot=tier, durable=None).step == steps - 1
-        assert _same(_state(fresh.export_shard()), final), "restore through the log segments differs"
-        comm2.close()
-    finally:
-        fresh.close()
-        comm.close()
+    _restore_matches(tier, comm, steps - 1, final, "through the log segments")
 
 
 def test_device_capture_takes_no_host_sync(shm_path):
@@ -251,7 +252,7 @@ def test_device_capture_takes_no_host_sync(shm_path):
     comm = Comm(topo, store, None, timeout=60)
     tier = SnapshotTier(shm_path, "cuda-commit", "A", replication=0, keep=2, max_chain=100)
     tier.enable_ring(8, size=16 << 20)  # the copies land in the log ring (made and registered here)
-    device = DeviceCapture(ctx.device, buffers=2, timeout=60)
+    device = DeviceCapture(ctx.device, buffers=2, timeout=60, piece_bytes=PIECE)
     writer = CommitWriter(tier, comm, timeout=60, depth=2)
     num_rows = {t.name: t.num_rows for t in TABLES}
     gen = torch.Generator().manual_seed(5)

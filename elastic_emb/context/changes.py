@@ -129,5 +129,5 @@ class ChangeTracker:
         if self._held:
             stream = torch.cuda.current_stream(self.device)
             for event in self._held:
-                stream.wait_event(event)
+                event.wait(stream)  # a CUDA event, or a capture's pending one (the same wait(stream))
             self._held = []

@@ -7,21 +7,32 @@ synchronisation:
 
 1. takes the rows written since the last commit as the context recorded them
    (``take_changed_rows(unique=False)``: the int64 row tensors of each write, duplicates
-   included; their sizes are known on the host, so the staging size is too);
-2. on a side stream that first waits for the training stream (so every write of the step is in),
-   gathers the index and the rows of the weight and of every optimizer slot into one device
-   staging buffer, laid out exactly as the delta's data file;
-3. records a "rows read" event, and makes every later write of the context wait for it on the
-   device (``hold_writes``): the next step's lookups and dense part run at once, its row update
-   waits only for the gather, so no captured row is ever torn;
-4. copies the staging buffer (asynchronously, same side stream) straight into a free segment of
-   the node's log ring (:mod:`elastic_emb.state.ring`: shared-memory files registered with CUDA
-   once), or, when none is free, into a pinned host buffer the writer then copies into a file.
+   included; their sizes are known on the host, so the staging size is too), lays the delta
+   out, records a "step done" event on the training stream and hands the rest to the capture's
+   launcher thread; it also makes every later write of the context wait (``hold_writes``) for
+   the "rows read" event of step 3, which the launcher records;
+2. the launcher thread, on a side stream that first waits for "step done" (so every write of
+   the step is in), gathers the index and the rows of the weight and of every optimizer slot
+   into one device staging buffer, laid out exactly as the delta's data file;
+3. records "rows read": the next step's lookups and dense part run at once, its row update
+   waits only for the gather (on the device; on the host only until the launcher has launched
+   the gather, a fraction of a millisecond), so no captured row is ever torn;
+4. copies the staging buffer (asynchronously) straight into a free segment of the node's log
+   ring (:mod:`elastic_emb.state.ring`: shared-memory files registered with CUDA once), or,
+   when none is free, into a pinned host buffer the writer then copies into a file; in pieces
+   alternating between two streams (:meth:`DeviceCapture._copy`), so that the training
+   stream's own small reads from the GPU are not queued behind a whole delta.
 
-That is all the training thread launches: no checksum. The background writer
+Why a thread launches the gather and the copy: the training thread's time in ``lc.commit`` is
+time the GPU idles (a step ends by reading its loss, which drains the training stream), and on
+an H200 launching them took it 1-4 ms per commit of a 20 ms step. Now it spends about the cost
+of laying out the records.
+
+No checksum is computed on the GPU or by the training thread. The background writer
 (:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's event in its own thread,
-computes the CRC32 of every tensor of the delta over the bytes where they landed, on several
-cores (:func:`finished_records`; zlib's CRC32, so restore checks them as any other), and writes
+computes the checksum of every tensor of the delta over the bytes where they landed, on several
+cores (:func:`finished_records`; XXH3-64 in 16 MiB chunks, :data:`DELTA_CHECKSUM`: zlib's CRC32
+was the bound of the whole commit path, see :mod:`elastic_emb.state.digest`), and writes
 the manifest last, as for any commit: naming the log segment the bytes already are in, or, for a
 delta that took the pinned path, after copying them into a file and checksumming them on the way
 (:func:`~elastic_emb.state.crc.write_and_checksum`). (A CRC32 computed on the GPU cost the training
@@ -42,29 +53,40 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import torch
 
 from elastic_emb.protocol import ShardData
-from elastic_emb.state.crc import checksum_ranges
+from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.delta import INDEX
 from elastic_emb.state.manifest import ShardRecord, TensorRecord, row_bytes, row_spec, tensor_items
 
 ALIGN = 64  # every tensor of the staging buffer starts on this many bytes (views of any dtype)
 PENDING_CRC = -1  # a TensorRecord's crc32 before the writer computed it
+DELTA_CHECKSUM = "xxh3_64"  # the algorithm of a delta's checksums when it landed in a log segment
+IDLE_SECONDS = 2.0  # the launcher thread exits after this long without a capture
+PIECE_BYTES = 16 << 20  # the device-to-host copy of a delta goes in pieces of this size (see DeviceCapture._copy)
 
 
 class DeviceCapture:
     """Captures deltas of one CUDA context; one per lifecycle (its pinned buffers are reused)."""
 
-    def __init__(self, device: torch.device, buffers: int = 3, timeout: float = 300.0) -> None:
+    def __init__(self, device: torch.device, buffers: int = 3, timeout: float = 300.0,
+                 piece_bytes: int = PIECE_BYTES) -> None:
         if buffers < 1:
             raise ValueError(f"buffers={buffers} must be >= 1 pinned buffers")
+        if piece_bytes < 0:
+            raise ValueError(f"piece_bytes={piece_bytes} must be >= 0 (0: the delta in one copy)")
         device = torch.device(device)
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device)
+        self.stream2 = torch.cuda.Stream(self.device)  # every other piece of the copy (see _copy)
+        self.piece_bytes = piece_bytes
         self.buffers = buffers
         self.timeout = timeout
+        self._jobs: deque[_Job] = deque()  # captures whose gather and copy the launcher has yet to launch
+        self._thread: threading.Thread | None = None
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._cv = threading.Condition()
@@ -122,11 +144,42 @@ class DeviceCapture:
         total = off
         seg = land(total) if land is not None else None
         buf = seg if seg is not None else self._acquire(total)
+        host = (seg.host if seg is not None else buf)[:total]
+        job = _Job(self.timeout, host, total, layout)
+        job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
+        with self._cv:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="elastic_emb-capture", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        hold(_PendingRead(job))
+        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
+                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
+        return records, host, _PendingCopy(job), buf
+
+    def _run(self) -> None:
+        """The launcher thread: launches each job's gather and copy, in order; exits when idle."""
+        torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                if not self._jobs:
+                    self._cv.wait(IDLE_SECONDS)
+                if not self._jobs:
+                    self._thread = None  # a later capture starts another
+                    return
+                job = self._jobs.popleft()
+            try:
+                self._launch(job)
+            except BaseException as exc:  # raised where the capture is waited for (a write, a hold)
+                job.fail(exc)
+
+    def _launch(self, job: "_Job") -> None:
         side = self.stream
-        side.wait_stream(torch.cuda.current_stream(self.device))  # the step's writes come first
+        side.wait_event(job.ready)
         with torch.cuda.stream(side):
-            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-            for name, sd, idx, trs in layout:
+            staging = torch.empty(job.total, dtype=torch.uint8, device=self.device)
+            for name, sd, idx, trs in job.layout:
                 idx.record_stream(side)  # allocated on the training stream, read here
                 n, k = len(sd.rows), idx.numel()
                 src = idx.clamp(max=max(n - 1, 0))  # skipped entries (== n) read row n - 1; restore skips them
@@ -140,14 +193,95 @@ class DeviceCapture:
                         dst.zero_()  # an empty shard: every entry is a skipped one
             read = torch.cuda.Event()
             read.record(side)
-            host = (seg.host if seg is not None else buf)[:total]
-            host.copy_(staging, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(side)  # the bytes are on the host: the writer checksums them there
-        hold(read)
-        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
-                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
-        return records, host, copied, buf
+        job.layout = None  # the row tensors may go (their last use is recorded on ``side``)
+        job.set_read(read)
+        job.set_copied(self._copy(job.host, staging, read))
+
+    def _copy(self, host: torch.Tensor, staging: torch.Tensor, read: torch.cuda.Event) -> torch.cuda.Event:
+        """Copy ``staging`` into ``host`` after ``read``; the event after which all of it is there.
+
+        In pieces of ``piece_bytes``, alternately on the two side streams, each piece waiting for
+        the one before: a stream's queue runs dry after each piece, so a small read of the
+        training stream (``.item()``, ``torch.unique``'s count), which goes through the same copy
+        engine, waits for one piece, not for the whole delta (measured on an H200: a 516 MB copy
+        in one piece, or in pieces queued on one stream, kept such a read waiting 8-9 ms)."""
+        side, other = self.stream, self.stream2
+        total = host.numel()
+        piece = min(self.piece_bytes or total, total) or 1
+        prev = read  # recorded on ``side``
+        for i, lo in enumerate(range(0, total, piece)):
+            st = side if i % 2 == 0 else other
+            if i:
+                st.wait_event(prev)
+            with torch.cuda.stream(st):
+                host[lo: lo + piece].copy_(staging[lo: lo + piece], non_blocking=True)
+            prev = torch.cuda.Event()
+            prev.record(st)
+        if total > piece:
+            staging.record_stream(other)  # freed only once the other stream's pieces have read it
+            side.wait_event(prev)  # the next capture comes after this copy's last piece, as before
+        return prev
+
+
+class _Job:
+    """One capture between the training thread and the launcher: what to gather and where to
+    copy it, and the two events the launcher records ("rows read", "copied"), or its error."""
+
+    def __init__(self, timeout: float, host: torch.Tensor, total: int, layout: list) -> None:
+        self.timeout = timeout
+        self.host = host
+        self.total = total
+        self.layout = layout
+        self.ready = torch.cuda.Event()  # recorded on the training stream by the capture
+        self.read: torch.cuda.Event | None = None
+        self.copied: torch.cuda.Event | None = None
+        self.error: BaseException | None = None
+        self._read_set = threading.Event()
+        self._copied_set = threading.Event()
+
+    def set_read(self, event: torch.cuda.Event) -> None:
+        self.read = event
+        self._read_set.set()
+
+    def set_copied(self, event: torch.cuda.Event) -> None:
+        self.copied = event
+        self._copied_set.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.layout = None
+        self._read_set.set()
+        self._copied_set.set()
+
+    def wait_launched(self, flag: threading.Event, what: str) -> None:
+        if not flag.wait(self.timeout):
+            raise TimeoutError(f"the capture's {what} was not launched within {self.timeout}s: the capture launcher "
+                               f"thread is stuck (a CUDA call that does not return); check the GPU")
+        if self.error is not None:
+            raise RuntimeError(f"launching a commit's {what} on the GPU failed: {self.error}") from self.error
+
+
+class _PendingRead:
+    """What the context's writes wait for (``hold_writes``): "rows read" once launched. Has the
+    ``wait(stream)`` of a CUDA event, which ``Stream.wait_event`` calls."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+
+    def wait(self, stream=None) -> None:
+        self.job.wait_launched(self.job._read_set, "gather")
+        self.job.read.wait(stream)
+
+
+class _PendingCopy:
+    """What the writer waits for: every piece of the copy on the host (``synchronize``)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+
+    def synchronize(self) -> None:
+        self.job.wait_launched(self.job._copied_set, "copy to the host")
+        self.job.copied.synchronize()
 
 
 def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
@@ -155,13 +289,15 @@ def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
     return [(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors]
 
 
-def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None) -> list[ShardRecord]:
-    """``records`` of a GPU capture (:data:`PENDING_CRC`) with the CRC32 of each tensor's bytes:
-    ``crcs`` (one per tensor, in order) when the caller computed them, else computed here from
-    ``data`` (the delta's bytes on the host, numpy uint8, read only after the capture's event) on
-    several cores (:func:`~elastic_emb.state.crc.checksum_ranges`)."""
+def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None,
+                     algorithm: str = "crc32") -> list[ShardRecord]:
+    """``records`` of a GPU capture (:data:`PENDING_CRC`) with the checksum of each tensor's bytes
+    by ``algorithm`` (:mod:`elastic_emb.state.digest`): ``crcs`` (one per tensor, in order) when
+    the caller computed them, else computed here from ``data`` (the delta's bytes on the host,
+    numpy uint8, read only after the capture's event) on several cores
+    (:func:`~elastic_emb.state.digest.digest_ranges`)."""
     if crcs is None:
-        crcs = checksum_ranges(data, record_ranges(records))
+        crcs = digest_ranges(data, record_ranges(records), algorithm)
     it = iter(crcs)
-    return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it)}) for tr in rec.tensors]})
-            for rec in records]
+    return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it), "algorithm": algorithm})
+                                               for tr in rec.tensors]}) for rec in records]

@@ -112,12 +112,14 @@ class SegmentRing:
         larger than a segment, or every segment is in flight or named by a manifest."""
         if nbytes > self.size:
             return None
-        with self._cv:
+        with self._cv:  # a free one first: checking whether held ones were pruned costs a stat each
             for seg in self.segments:
-                if seg.state == "held" and (seg.manifest is None or not seg.manifest.exists()):
-                    seg.state, seg.manifest = "free", None  # its commit was pruned
                 if seg.state == "free":
                     seg.state = "flight"
+                    return seg
+            for seg in self.segments:
+                if seg.state == "held" and (seg.manifest is None or not seg.manifest.exists()):
+                    seg.state, seg.manifest = "flight", None  # its commit was pruned
                     return seg
         return None
 
