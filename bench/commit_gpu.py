@@ -70,13 +70,20 @@ def main() -> None:
                     help="the capture's device-to-host copy in pieces of this many MiB (0: one copy; default: the library's)")
     ap.add_argument("--delta-checksum", choices=("crc32", "xxh3_64"), default=None,
                     help="the checksum of deltas in the log ring (default: the library's)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (s) for the run: how long a thread may keep the GIL from another")
     ap.add_argument("--profile", default=None,
                     help="a path (.json.gz): a torch.profiler trace of a few dense steps of the device path")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
 
+    import sys
+
     import torch
     import torch.distributed as dist
+
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     from elastic_emb.protocol import ContextBase, ShardData
     from elastic_emb.state import Comm, SnapshotTier
@@ -202,7 +209,7 @@ def main() -> None:
 
     out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
                  "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs, "host_xxh3_gbs": xxh_gbs, "host_crc32_threads": crc_threads, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-                 "torch": torch.__version__}
+                 "torch": torch.__version__, "switch_interval_s": sys.getswitchinterval()}
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
     out["state_dir"] = str(state)

@@ -139,6 +139,7 @@ class SnapshotTier:
         self.spares: SpareFiles | None = None  # files allocated ahead for GPU captures
         self.ring: SegmentRing | None = None  # log segments the GPU copies deltas into
         self._ring_count = 0  # enable_ring: the ring is made at the first GPU delta (sized by it)
+        self._parsed: dict[bytes, SnapshotManifest] = {}  # manifests() parses each file's bytes once
 
     def enable_spares(self, count: int) -> None:
         """Keep ``count`` data files allocated ahead for GPU-captured commits (see
@@ -392,10 +393,16 @@ class SnapshotTier:
             cdirs = sorted(self.node_dir.glob("step-*"))
         except OSError:
             return out
+        # Parsed manifests by their exact bytes: the background writer prunes after every commit,
+        # which lists every manifest twice, and parsing them all again cost it milliseconds per
+        # commit (held under the GIL, which the training thread needs to launch its kernels).
+        # Keyed by content, a rewritten file is always parsed again.
+        parsed, seen = self._parsed, {}
         for cdir in cdirs:
             for mpath in sorted(cdir.glob("rank*.json")):
                 try:
-                    m = SnapshotManifest.model_validate_json(mpath.read_text())
+                    raw = mpath.read_bytes()
+                    m = parsed.get(raw) or SnapshotManifest.model_validate_json(raw)
                     check_name(m.data_file, "data file")
                     data = cdir / m.data_file if m.segment is None else segment_path(self.node_dir, m.segment)
                 except FileNotFoundError:
@@ -407,7 +414,9 @@ class SnapshotTier:
                     log.warning("snapshot_manifest_invalid", path=str(mpath), error=f"run id {m.run_id!r}, "
                                 f"expected {self.run_id!r}")
                     continue
+                seen[raw] = m
                 out.append((data, m))
+        self._parsed = seen  # only what is still there: bounded by the directory
         return newest_per_segment(out)
 
     def listing(self) -> NodeListing:
