@@ -12,8 +12,12 @@ Per transport, three operations a rendezvous does: ``get`` (one range), ``check`
 of two ranges: what a watcher polls), ``add`` (``EtcdV3Store.add``: a range and a
 compare-and-swap). Reported: calls per second, the median of ``--runs`` runs of ``--calls``
 calls each, runs of the transports interleaved; and each transport's ratio to ``urllib``.
+``--tls``: etcd serves HTTPS with a self-signed certificate (made here with ``openssl``) and
+requires it as the client certificate too, as a cluster's etcd does: every new connection then
+costs a TLS handshake.
 
     python bench/etcd_calls.py --runs 5 --calls 300 --out out/etcd_calls.json
+    python bench/etcd_calls.py --runs 5 --calls 300 --tls --out out/etcd_calls_tls.json
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 
 from elastic_emb.rdzv import etcd_v3 as v3
-from elastic_emb.testing.etcd import EtcdServer, etcd_binary
+from elastic_emb.testing.etcd import EtcdServer, TLSFiles, etcd_binary
 
 
 class UrllibClient(v3.EtcdV3Client):
@@ -41,7 +46,7 @@ class UrllibClient(v3.EtcdV3Client):
     def _post(self, url: str, target: str, data: bytes, headers: Mapping[str, str]) -> bytes:
         req = urllib.request.Request(url + target, data=data, headers=dict(headers), method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.options.read_timeout) as r:  # noqa: S310 - loopback
+            with urllib.request.urlopen(req, timeout=self.options.read_timeout, context=self._ssl) as r:  # noqa: S310
                 return r.read()
         except urllib.error.HTTPError as exc:
             return exc.read() or b"{}"
@@ -82,6 +87,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--calls", type=int, default=300, help="calls per run")
+    ap.add_argument("--tls", action="store_true", help="etcd over HTTPS with client certificates")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.calls < 1:
@@ -89,13 +95,22 @@ def main(argv=None) -> None:
     if etcd_binary() is None:
         raise SystemExit("etcd is not installed (Debian package etcd-server)")
     samples: dict[str, dict[str, list[float]]] = {t: {op: [] for op in ("get", "check", "add")} for t in TRANSPORTS}
-    with tempfile.TemporaryDirectory() as tmp, EtcdServer(tmp) as server:
-        stores = {t: v3.EtcdV3Store(cls.from_endpoint(server.endpoint), prefix=f"/bench/{t}/")
-                  for t, cls in TRANSPORTS.items()}
-        for run in range(args.runs):
-            for op in ("get", "check", "add"):
-                for t, store in stores.items():  # interleaved: load on the machine hits all alike
-                    samples[t][op].append(rate(store, op, args.calls, f"{op}{run}"))
+    with tempfile.TemporaryDirectory() as tmp:
+        tls, options = None, v3.ClientOptions()
+        if args.tls:
+            cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                            "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True, timeout=60)
+            tls = TLSFiles(cert=Path(cert), key=Path(key), ca=Path(cert))
+            options = v3.ClientOptions(protocol="https", ca_cert=cert, ssl_cert=cert, ssl_cert_key=key)
+        with EtcdServer(os.path.join(tmp, "etcd"), tls=tls) as server:
+            stores = {t: v3.EtcdV3Store(cls.from_endpoint(server.endpoint, options), prefix=f"/bench/{t}/")
+                      for t, cls in TRANSPORTS.items()}
+            for run in range(args.runs):
+                for op in ("get", "check", "add"):
+                    for t, store in stores.items():  # interleaved: load on the machine hits all alike
+                        samples[t][op].append(rate(store, op, args.calls, f"{op}{run}"))
     version = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
     medians = {t: {op: statistics.median(v) for op, v in ops.items()} for t, ops in samples.items()}
     ratios = {t: {op: medians[t][op] / medians["urllib"][op] for op in ops} for t, ops in medians.items()}
@@ -103,9 +118,10 @@ def main(argv=None) -> None:
     for t in TRANSPORTS:
         for op in ("get", "check", "add"):
             print(f"{t:>9} {op:>6} {medians[t][op]:9.0f} {ratios[t][op]:8.2f}x")
-    print(f"(medians of {args.runs} runs x {args.calls} calls; one etcd on loopback; add = range + compare-and-swap)")
+    print(f"(medians of {args.runs} runs x {args.calls} calls; one etcd on loopback{' over TLS' if args.tls else ''}; "
+          f"add = range + compare-and-swap)")
     report = {"bench": "etcd_calls", "date": time.strftime("%Y-%m-%d", time.gmtime()), "runs": args.runs,
-              "calls": args.calls, "machine": platform.machine(), "cpus": os.cpu_count(),
+              "calls": args.calls, "tls": args.tls, "machine": platform.machine(), "cpus": os.cpu_count(),
               "python": sys.version.split()[0], "etcd_version": version, "samples": samples, "medians": medians,
               "ratios_to_urllib": ratios}
     if args.out:
