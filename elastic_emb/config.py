@@ -72,7 +72,11 @@ class Settings(BaseSettings):
     native_cache: str | None = _setting(None, "where the example native context's compiled extension is cached; "
                                         "unset: `~/.cache/elastic_emb/native_context`", min_length=1)
     # -- set by the elastic_emb rendezvous backend in every worker -------------------------------
-    generation: int = _setting(0, "the rendezvous round (the topology's generation)", "agent", ge=0)
+    generation: int = _setting(0, "the topology's generation: the rendezvous round; with `resize=in_process`, the "
+                               "round plus the run's in-process high-water mark (never reused after a fallback)",
+                               "agent", ge=0)
+    rdzv_round: int | None = _setting(None, "the rendezvous round the worker was started in (its watcher's round "
+                                      "keys); unset: the generation", "agent", ge=0)
     rdzv_backend: Literal["c10d", "etcd-v2", "etcd-v3"] | None = _setting(None, "the inner rendezvous backend, "
                                                                           "for the watcher", "agent")
     etcd_options: str | None = _setting(None, "inner=etcd-v3: the agent's etcd client options (JSON, no secrets: "

@@ -77,6 +77,7 @@ from elastic_emb.rdzv.keys import (
     KEY_DECIDER,
     KEY_DECISION,
     KEY_FALLBACK,
+    KEY_GENERATIONS,
     KEY_JOINER,
     KEY_JOINERS,
     KEY_PLAN,
@@ -278,6 +279,7 @@ class InProcessResize:
         key = self._plan_key()
         plan = {"generation": self.lc.topology.generation + 1, "after_step": self.lc.next_step,
                 "joiners": list(joiners)}
+        _raise_generations(self.watcher._reader.store, self.watcher._reader.run_id, plan["generation"])
         self.watcher._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
         self._plan = plan
         log.info("resize.join_planned", generation=plan["generation"], after_step=plan["after_step"],
@@ -384,6 +386,8 @@ class InProcessResize:
         prefix = inproc_prefix(self.watcher._reader.run_id, generation)
         key = prefix + KEY_DECISION
         me = self.watcher.node
+        if me == survivors[0] and self.lc.topology.local_rank == 0:
+            _raise_generations(store, self.watcher._reader.run_id, generation)  # before any key of it
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
             points.reached("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
             old = self.lc.topology
@@ -432,6 +436,17 @@ class InProcessResize:
 
     def _fall_back(self, exc: BaseException) -> None:
         _request_fallback(self.watcher, self._signer, exc, generation=self.lc.topology.generation)
+
+
+def _raise_generations(store, run_id: str, generation: int) -> None:
+    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``
+    before writing any key of it: the agents start a torch round at ``round + mark``, so a round
+    after a fallback never reuses this generation (``rdzv/handler.py``). Two raisers at once may
+    overshoot; a higher mark only makes later generations larger, never equal."""
+    key = inproc_root(run_id) + KEY_GENERATIONS
+    now = int(store.add(key, 0))
+    if now < generation:
+        store.add(key, generation - now)
 
 
 def _request_fallback(watcher, signer: Signer, exc: BaseException, generation: int | None = None) -> None:

@@ -245,8 +245,8 @@ class Watcher:
         from elastic_emb.config import load, variable
 
         env = os.environ if env is None else env
-        settings = load(env, "rdzv_endpoint", "rdzv_backend", "agent_pid", "generation", "watch_interval", "drain",
-                        "store_outage_timeout", "rdzv_node")
+        settings = load(env, "rdzv_endpoint", "rdzv_backend", "agent_pid", "generation", "rdzv_round",
+                        "watch_interval", "drain", "store_outage_timeout", "rdzv_node")
         endpoint = settings.rdzv_endpoint
         if not endpoint:
             get_logger("elastic_emb.watch").info(
@@ -259,8 +259,10 @@ class Watcher:
         backend = settings.rdzv_backend or "c10d"
         reader = RendezvousReader(backend, endpoint, run_id)
         agent_pid = settings.agent_pid or os.getppid()
+        # The round (a backend older than ELASTIC_EMB_RDZV_ROUND: the generation was the round).
         # Unset (no elastic_emb backend): the round is learnt from the first complete state.
-        gen = settings.generation if env.get(variable("generation")) else None
+        gen = settings.rdzv_round if settings.rdzv_round is not None else (
+            settings.generation if env.get(variable("generation")) else None)
         kwargs.setdefault("interval", settings.watch_interval)
         kwargs.setdefault("drain", settings.drain)
         kwargs.setdefault("store_outage_timeout", settings.store_outage_timeout)

@@ -231,7 +231,25 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     assert all(r["rows_ok"] for r in ready), ready
     assert "faultpoint_kill" in agents[0].output()  # the decider did die mid-decision
     fell_back = [e for n in ("a", "b") for e in events(tmp, n) if e["event"] == "resize_fallback"]
-    print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s; fallback requested: {bool(fell_back)}")
+    assert fell_back, "no agent saw the fallback request"
+    # Generations strictly increase across the fallback: the restarted world's generation is above
+    # every one formed in process before (3 was claimed by the dead decider), so no generation is
+    # seen with two memberships, and one fallback suffices (a reused generation met that
+    # generation's closed agreement, or its stale join plan, and needed a second one).
+    recs = worker_records(tmp)
+    worlds: dict = {}
+    for r in recs:
+        if r["ev"] in ("ready", "reformed", "commit"):
+            worlds.setdefault(r["gen"], set()).add(r["ws"])
+    assert all(len(ws) == 1 for ws in worlds.values()), worlds
+    before = max(r["gen"] for r in recs if r["ev"] in ("ready", "reformed") and r["t"] < t_kill)
+    assert before == 2 and all(r["gen"] > 3 for r in ready), (before, ready)
+    rounds = {n: [e["round"] for e in events(tmp, n) if e["event"] == "rendezvous_round"] for n in ("a", "b")}
+    assert rounds["a"] == [0, 1] and rounds["b"] == [0, 1], rounds  # one fallback, one new torch round
+    gens = [e["generation"] for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
+    assert gens[0] == 0 and gens[1] == {r["gen"] for r in ready}.pop(), (gens, ready)
+    print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s at generation {gens[1]} "
+          f"(round 1); fallback requested: {bool(fell_back)}")
 
 
 @INNERS

@@ -87,15 +87,19 @@ from elastic_emb.rdzv.keys import (
     ENV_RDZV_ENDPOINT,
     ENV_JOINER,
     ENV_RESIZE,
+    ENV_ROUND,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
     KEY_ACKS,
     KEY_DRAIN,
     KEY_FALLBACK,
+    KEY_GENERATIONS,
     KEY_LEFT,
+    KEY_ROUND_GENERATION,
     KEY_STOP_STEP,
     KEY_WORLD_SIZE,
     count_value,
+    inproc_root,
     round_prefix,
 )
 from elastic_emb.rdzv.liveness import Liveness
@@ -132,6 +136,7 @@ class ElasticEmbRendezvousHandler:
         tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log))
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
+        self._generation = 0  # the generation the running round started at (_round_generation)
         self._round_store: Any = None
         # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
         # secret fails here, at agent start, naming the variable.
@@ -247,10 +252,12 @@ class ElasticEmbRendezvousHandler:
             self._drain_started = None
             self._drain_done = False
             self._liveness.new_round(members)  # the dead are no members now; a rejoining node starts clean
+        self._generation = self._round_generation(state.round)
         self._export_env(state)
         self._log.info(
             "rendezvous_round",
             round=state.round,
+            generation=self._generation,
             previous_round=previous_round,
             world_size=len(members),
             group_rank=info.rank,
@@ -278,7 +285,7 @@ class ElasticEmbRendezvousHandler:
         tc = self._tc
         if rejoin and (restart_requested or self._fallback_requested() or not leave_for_rejoin(
                 tc, self._inner, self._round_store, self._signer, run_id=self._run_id, round_=self._round,
-                node=self._node, was_joiner=was_joiner, log=self._log)):
+                generation=self._generation, node=self._node, was_joiner=was_joiner, log=self._log)):
             return None
         joined = tc.join_complete_round(self._inner)
         if joined is None:
@@ -468,11 +475,30 @@ class ElasticEmbRendezvousHandler:
 
     # -- worker environment ---------------------------------------------------------------
 
+    def _round_generation(self, round_: int) -> int:
+        """The generation the workers of round ``round_`` start at: the round itself in restart
+        mode; in ``resize=in_process`` mode the round plus the in-process high-water mark
+        (``KEY_GENERATIONS``, raised by every in-process re-form before it writes a key of its
+        generation), so a round after a fallback never reuses a generation that the workers
+        formed in process with another membership. Every agent that completed the round reads
+        the same mark (the workers that could raise it are stopped, the new ones not started);
+        an agent that joined the running round reads what they wrote."""
+        if self._config.resize != "in_process":
+            return round_
+        key = round_prefix(self._run_id, round_) + KEY_ROUND_GENERATION
+        if self._joined_running:
+            value = read_signed(self._round_store, self._signer, key, self._log)
+            return int(value) if value is not None and value.isdigit() else round_
+        generation = round_ + int(self._round_store.add(inproc_root(self._run_id) + KEY_GENERATIONS, 0))
+        self._round_store.set(key, self._signer.sign(key, str(generation)))
+        return generation
+
     def _export_env(self, state: RendezvousView) -> None:
         """torchrun starts the workers with a copy of the agent's os.environ."""
         os.environ.update(
             {
-                ENV_GENERATION: str(state.round),
+                ENV_GENERATION: str(self._generation),
+                ENV_ROUND: str(state.round),
                 ENV_RDZV_BACKEND: self._config.inner,
                 ENV_RDZV_ENDPOINT: self._endpoint,
                 ENV_NODE_ID: self._node,

@@ -10,7 +10,8 @@ Environment the backend puts into the agent's ``os.environ`` after each round (t
 it into every worker it then starts):
 
 ====================================  =====================================================
-``ELASTIC_EMB_GENERATION``            the rendezvous round (read by ``Topology.from_env``)
+``ELASTIC_EMB_GENERATION``            the topology's generation (read by ``Topology.from_env``)
+``ELASTIC_EMB_RDZV_ROUND``            the rendezvous round (the watcher's round keys)
 ``ELASTIC_EMB_RDZV_BACKEND``          the inner backend (``c10d``, ``etcd-v2``, ...)
 ``ELASTIC_EMB_RDZV_ENDPOINT``         the rendezvous endpoint (what the watcher reads)
 ``ELASTIC_EMB_RDZV_NODE``             this agent's node id in the rendezvous
@@ -42,6 +43,7 @@ ENV_DRAIN = "ELASTIC_EMB_DRAIN"
 ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
 ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
 ENV_RESIZE = "ELASTIC_EMB_RESIZE"  # restart | in_process (--rdzv-conf resize=)
+ENV_ROUND = "ELASTIC_EMB_RDZV_ROUND"  # the torch round (the generation may be higher: in-process mode)
 ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in process (resize.py)
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -85,6 +87,14 @@ def inproc_root(run_id: str) -> str:
 KEY_CURRENT = "current"  # the newest decided generation: {generation, nodes, master_addr, master_port} [control]
 KEY_JOINERS = "joiners"  # counter of joiners registered
 KEY_JOINER = "joiner/"  # + index: a joiner's node id [control]
+# Counter under inproc_root(): at least the highest generation an in-process re-form wrote keys
+# for (raised before any such key). A torch round r then starts at generation r + this counter, so
+# a generation is never reused for another membership after a fallback (the topology agreement
+# and the in-process keys are scoped by generation).
+KEY_GENERATIONS = "generations"
+# Under round_prefix(): the generation the round started at (what an agent joining the running
+# round reads; the others compute it).
+KEY_ROUND_GENERATION = "generation"
 
 
 def round_prefix(run_id: str, round_: int) -> str:

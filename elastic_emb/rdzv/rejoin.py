@@ -35,9 +35,10 @@ from elastic_emb.rdzv.signing import Signer, read_signed
 REJOIN_TIMEOUT_S = 30.0  # the survivors' detect (10 s) and decide (10 s) bounds, with margin
 
 
-def _current(store: Any, signer: Signer, run_id: str, round_: int, log: Any) -> tuple[int, list] | None:
+def _current(store: Any, signer: Signer, run_id: str, floor: int, log: Any) -> tuple[int, list] | None:
     """The in-process world's newest decision ``(generation, nodes)``; None when there is none
-    of this round (a generation below the round is a stale record of an earlier one)."""
+    of this round (a generation below ``floor``, the round's first, is a stale record of an
+    earlier round)."""
     value = read_signed(store, signer, inproc_root(run_id) + KEY_CURRENT, log)
     try:
         record = json.loads(value) if value is not None else None
@@ -46,22 +47,25 @@ def _current(store: Any, signer: Signer, run_id: str, round_: int, log: Any) -> 
     if not isinstance(record, dict):
         return None
     generation, nodes = record.get("generation"), record.get("nodes")
-    if not isinstance(generation, int) or not isinstance(nodes, list) or generation < round_:
+    if not isinstance(generation, int) or not isinstance(nodes, list) or generation < floor:
         return None
     return generation, nodes
 
 
 def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id: str, round_: int, node: str,
-                     was_joiner: bool, log: Any, timeout: float = REJOIN_TIMEOUT_S) -> bool:
+                     was_joiner: bool, log: Any, timeout: float = REJOIN_TIMEOUT_S,
+                     generation: int | None = None) -> bool:
     """Leave the running round after this node's worker crashed and wait until the survivors
     re-formed without it (module docstring). True: join the running round as a joiner now.
     ``was_joiner``: the crashed worker was started as a joiner; with no decision of this round
-    naming its node it was never included, and nobody re-forms for it."""
+    naming its node it was never included, and nobody re-forms for it. ``generation``: the one
+    the round started at (default: the round's number)."""
+    floor = round_ if generation is None else generation
     inner.num_nodes_waiting()  # syncs torch's state
     view = RendezvousView.of(tc.current_state(inner))
     if view.round != round_ or node not in view.nodes or len(view.nodes) < 2:
         return False  # alone, or the round moved on: nobody to re-form in process
-    before = _current(store, signer, run_id, round_, log)
+    before = _current(store, signer, run_id, floor, log)
     start = time.monotonic()
     tc.stop_heartbeats(inner)
     key = round_prefix(run_id, round_) + KEY_LEFT + node
@@ -71,13 +75,13 @@ def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id:
     if (before is None and was_joiner) or (before is not None and node not in before[1]):
         log.info("rejoin_not_included", round=round_, reason="its worker had not been included yet")
         return True  # its worker had not been included yet: nobody re-forms for it
-    floor = before[0] if before is not None else -1
+    newest = before[0] if before is not None else -1
     fallback = round_prefix(run_id, round_) + KEY_FALLBACK
     deadline = start + timeout
     why = f"the survivors did not re-form without node {node} within {timeout:g} s"
     while time.monotonic() < deadline:
-        now = _current(store, signer, run_id, round_, log)
-        if now is not None and now[0] > floor and node not in now[1]:
+        now = _current(store, signer, run_id, floor, log)
+        if now is not None and now[0] > newest and node not in now[1]:
             log.info("survivors_reformed", round=round_, generation=now[0], nodes=now[1],
                      wait_s=round(time.monotonic() - start, 3))
             return True
