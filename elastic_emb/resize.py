@@ -87,6 +87,7 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
 )
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.rollcall import PROBE_AFTER_S, Prober, RollCall
 from elastic_emb.state import points
 from elastic_emb.store import ForwardingStore
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
@@ -129,19 +130,42 @@ class InterruptibleStore(ForwardingStore):
             pause = min(0.01, pause * 2)
 
 
+class _WaitGuard:
+    """The ``interrupted`` callable of the in-process stores: the watcher's view (a member gone, a
+    peer's collective failed) and, once one wait has lasted ``PROBE_AFTER_S``, the members'
+    liveness sockets (``rollcall.Prober``): a SIGKILLed peer that a survivor waits on in the store
+    (a commit's exchange) fails no collective, and its heartbeat takes seconds to expire."""
+
+    def __init__(self, watcher) -> None:
+        self._watcher = watcher
+        self._last = self._since = 0.0
+
+    def __call__(self) -> bool:
+        if self._watcher.interrupted():
+            return True
+        prober = self._watcher.prober
+        if prober is None:
+            return False
+        now = time.monotonic()
+        if now - self._last > 0.05:  # InterruptibleStore asks every <= 10 ms: a gap is a new wait
+            self._since = now
+        self._last = now
+        return now - self._since >= PROBE_AFTER_S and bool(prober.probe_members())
+
+
 def interruptible_store(store, watcher):
     """``store`` with waits that end when ``watcher`` sees a member of the generation gone (for
     ``Lifecycle.start(store=...)`` in ``resize=in_process`` mode; ``store`` itself otherwise)."""
     if watcher is None or config.load(None, "resize").resize != "in_process":
         return store
-    return InterruptibleStore(store, lambda: bool(watcher.gone()))
+    return InterruptibleStore(store, _WaitGuard(watcher))
 
 
 class InProcessResize:
     """Drives :meth:`Lifecycle.on_membership_change` from the watcher's view (module docstring)."""
 
     def __init__(self, lifecycle, watcher, *, env: Mapping[str, str] | None = None, detect_timeout: float = 10.0,
-                 decide_timeout: float = 10.0, store_timeout: float = 30.0) -> None:
+                 decide_timeout: float = 10.0, store_timeout: float = 30.0, rollcall_grace: float = 0.5) -> None:
         env = os.environ if env is None else env
         settings = config.load(env, "resize", "membership", "ep_size")
         self.lc = lifecycle
@@ -149,6 +173,7 @@ class InProcessResize:
         self.enabled = settings.resize == "in_process" and watcher is not None and watcher.node is not None
         self.detect_timeout = detect_timeout
         self.decide_timeout = decide_timeout
+        self.rollcall_grace = rollcall_grace
         self._fixed_ep = settings.ep_size
         self._signer = Signer.from_env(env)
         self._store = None
@@ -163,6 +188,9 @@ class InProcessResize:
         if self.enabled and watcher.node not in self.nodes:
             raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
                                   f"launch with --rdzv-backend=elastic_emb")
+        if self.enabled:  # a peer's failed collective ends this generation's store waits at once
+            watcher.watch_failures(self._rollcall(lifecycle.topology.generation + 1).failed_key)
+            self._listen(lifecycle.topology, self.nodes)
 
     @classmethod
     def join(cls, factory, lifecycle_config, watcher, *, env: Mapping[str, str] | None = None,
@@ -209,7 +237,7 @@ class InProcessResize:
                    MASTER_ADDR=str(record["master_addr"]), MASTER_PORT=str(record["master_port"]),
                    ELASTIC_EMB_GENERATION=str(record["generation"]))
         watcher.adopt(nodes, rank, world)
-        world_store = InterruptibleStore(reader.world_store(store_timeout), lambda: bool(watcher.gone()))
+        world_store = InterruptibleStore(reader.world_store(store_timeout), _WaitGuard(watcher))
         lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
         resize._store = world_store
@@ -232,7 +260,7 @@ class InProcessResize:
         if not self.enabled:
             return False
         t0 = time.perf_counter()
-        if self._gone():
+        if self._gone() or self.watcher.failure_seen:
             self._saw(t0)
             return True
         try:
@@ -249,6 +277,41 @@ class InProcessResize:
         if plan is not None:
             self._saw(t0)
         return plan is not None and self.lc.step >= plan["after_step"]
+
+    def planned(self) -> bool:
+        """A join plan for the next generation is published: its ``after_step`` is to be taken
+        (a worker that idles between steps takes it, then re-forms at ``pending()``)."""
+        return self.enabled and self._read_plan() is not None
+
+    def _listen(self, topology: Topology, nodes: tuple[str, ...]) -> None:
+        """This worker's liveness socket (``rollcall.Prober``), once per process."""
+        watcher = self.watcher
+        if watcher.prober is None:
+            prober = Prober(watcher._reader.store, watcher._reader.run_id, self._signer, log)
+            try:
+                prober.listen(watcher.node, topology.local_rank)
+                watcher.prober = prober
+            except OSError as exc:  # the roll call's grace and the heartbeat still find the dead
+                log.warning("liveness_socket_unavailable", node=watcher.node, error=repr(exc))
+                return
+        watcher.prober.members, watcher.prober.local_world_size = nodes, topology.local_world_size
+        watcher.prober.found = ()
+
+    def _rollcall(self, generation: int) -> RollCall:
+        return RollCall(self.watcher._reader.store, self.watcher._reader.run_id, generation, self._signer, log)
+
+    def _roll_call(self, old: Topology) -> tuple[str, ...]:
+        """After a failed collective: abort the old communicator first (a survivor still blocked
+        in the collective fails at once too), answer the roll call of the next generation and
+        return the member nodes gone or silent (``rollcall.py``)."""
+        ctx = self.lc.context
+        if ctx is not None and not ctx.closed:
+            ctx.close(abort=True, wait=False)
+        reader = self.watcher._reader
+        _raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
+        roll = self._rollcall(old.generation + 1)
+        roll.answer(self.watcher.node, old.local_rank)
+        return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober)
 
     def _saw(self, t0: float) -> None:
         if self._seen is None:  # the first check that saw this change: detection ends, drain starts
@@ -327,16 +390,21 @@ class InProcessResize:
         """Re-form the world without the departed nodes (and with the planned joiners); returns
         the lifecycle's ResizeEvent (its ``first_step_s`` comes with the next ``commit``).
 
-        ``failed``: a collective raised; wait (bounded) for the rendezvous to show a departure,
-        and raise :class:`ElasticEmbError` if none shows (a real failure, not a resize).
+        ``failed``: a collective raised (or a peer's did: ``Watcher.failure_seen``); the old
+        communicator is aborted, the members answer a roll call (``rollcall.py``, bounded by
+        ``rollcall_grace``) and the silent ones count as gone at once, without waiting for their
+        heartbeat to expire. If every member answers, wait (bounded by ``detect_timeout``) for the
+        rendezvous to show a departure, and raise :class:`ElasticEmbError` if none shows (a real
+        failure, not a resize).
         ``rebuild``: construct a fresh context even when the sizes stay (``bench/resize_gpu.py``:
         world size 1 rebuilt)."""
         if not self.enabled:
             raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
         t0 = time.perf_counter()
         seen, self._seen = self._seen, None
+        failed = failed or self.watcher.failure_seen
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
-        gone = self._gone()
+        gone = self._roll_call(self.lc.topology) if failed else self._gone()
         plan = None if failed else self._read_plan()
         joiners = [str(n) for n in plan["joiners"]] if plan is not None else []
         while not gone and not joiners and time.monotonic() < deadline:
@@ -352,8 +420,11 @@ class InProcessResize:
             nodes = self._decide(old.generation + 1, survivors, tuple(joiners))
             t2 = time.perf_counter()
             new = self._topology(old, nodes)
-            # The decision is final: from here on "a member is gone" means one of these nodes.
+            # The decision is final: from here on "a member is gone" means one of these nodes, and
+            # a failed collective is one of the new generation.
             self.watcher.adopt(nodes, new.rank, new.world_size)
+            self.watcher.watch_failures(self._rollcall(new.generation + 1).failed_key)
+            self._listen(new, nodes)  # the probes now cover these members, nothing found dead yet
             # failed: the failed step may have changed this rank's rows without a commit: the
             # lifecycle aborts the old context first and restores the newest commit, not these rows.
             # Detect: the check that first saw the change (none after a failed collective) plus the
@@ -430,8 +501,7 @@ class InProcessResize:
     def _world_store(self):
         if self._store is None:
             watcher = self.watcher
-            self._store = InterruptibleStore(watcher._reader.world_store(self._store_timeout),
-                                             lambda: bool(watcher.gone()))
+            self._store = InterruptibleStore(watcher._reader.world_store(self._store_timeout), _WaitGuard(watcher))
         return self._store
 
     def _fall_back(self, exc: BaseException) -> None:

@@ -235,6 +235,9 @@ class Watcher:
         self._members: tuple[str, ...] = ()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
         self.last_state: RendezvousView | None = None
+        self._failure_key: str | None = None  # resize.py: a peer's collective failed (rollcall.py)
+        self.prober = None  # resize.py: the members' liveness sockets (rollcall.Prober)
+        self.failure_seen = False
         self._log = get_logger("elastic_emb.watch", rank=rank)
         # ValueError for a negative bound, before anything starts.
         self._outage = OutageTracker(store_outage_timeout, self._log, round=round_)
@@ -373,6 +376,15 @@ class Watcher:
             self._events = [e for e in self._events if e.kind not in ("departure", "round_advanced")]
         self.rank, self.world_size = rank, world_size
 
+    def watch_failures(self, key: str | None) -> None:
+        """In process (``rollcall.py``): every poll reads ``key``, set when a collective of this
+        generation failed; ``failure_seen`` then holds (and ``interrupted()``)."""
+        self._failure_key, self.failure_seen = key, False
+
+    def interrupted(self) -> bool:
+        """This generation is over: a member gone or a peer's collective failed (store waits end)."""
+        return self.failure_seen or bool(self.gone())
+
     def gone(self) -> tuple[str, ...]:
         """Members of this worker's generation absent from the last state read (none if unread)."""
         view = self.last_state
@@ -477,6 +489,11 @@ class Watcher:
         if self._agent_gone():
             self._orphaned()
             return
+        if self._failure_key is not None and not self.failure_seen:
+            try:
+                self.failure_seen = bool(self._reader.store.check([self._failure_key]))
+            except Exception as exc:  # the state read below reports an outage; this is a hint only
+                self._log.debug("watch_store_error", op="failure_flag", error=repr(exc))
         try:
             view = self._reader.state()
         except UnsafeStateError as exc:

@@ -287,9 +287,10 @@ def main_lifecycle() -> int:
         try:
             train_step(lc.context, step, topo.rank)
             lc.commit(step)
-        except Exception:
+        except Exception as exc:
             if resizer.enabled:
-                log({"ev": "collective_failed", "gen": topo.generation, "rank": topo.rank, "step": step})
+                log({"ev": "collective_failed", "gen": topo.generation, "rank": topo.rank, "step": step,
+                     "error": f"{type(exc).__name__}: {exc}"[:300]})
                 topo = reform(failed=True)
                 continue
             # A peer vanished mid-collective. If the membership changed, the agent is about to
@@ -309,7 +310,17 @@ def main_lifecycle() -> int:
             lc.wait_for_restart(60)
             return 3
         if MODE == "idle":
-            break
+            # idle: no collective until a change; in process, the next generation takes one step
+            # (a join plan names the step to take first), then idles again
+            deadline = time.monotonic() + 600
+            while resizer.enabled and not (resizer.pending() or resizer.planned()) and time.monotonic() < deadline:
+                if watcher.evicted:
+                    log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
+                    os._exit(3)
+                time.sleep(0.02)
+            if not resizer.enabled:
+                break
+            continue
         time.sleep(STEP_S)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # idle: no collectives, wait for a restart or an eviction

@@ -1,0 +1,188 @@
+"""Roll call after a failed collective: which member nodes of a generation still answer.
+
+Why: a collective fails at once when a peer's process dies (its TCP connections reset), but the
+rendezvous learns of a SIGKILLed node only when its heartbeat expires (``keep_alive_interval x
+keep_alive_max_attempt``, seconds). Waiting for that made an in-process re-form after a node kill
+take the expiry plus the re-form. The survivors know much sooner: each of them saw its own
+collective fail, and a live process can say so.
+
+Protocol (keys under ``rdzv.keys.inproc_prefix(run_id, generation)``, the generation being
+formed; the caller raises the run's generation high-water mark first, ``resize.py``):
+
+1. A worker whose collective failed (or that saw another worker's call, below) sets the
+   ``failed`` flag and its own signed ``alive/<node>/<local rank>`` mark.
+2. Every other worker's watcher reads the flag at its next poll (``Watcher.watch_failures``):
+   a worker blocked in a store wait (a commit's exchange with the dead peer) is interrupted, a
+   worker at a step boundary re-forms at once; a worker blocked in a collective fails as soon as
+   the first survivor aborts its communicator (``InProcessResize.run`` aborts before the call).
+3. :meth:`RollCall.absent` waits, bounded by ``grace``, until every member node either has all
+   ``local_world_size`` marks or is gone from the rendezvous state; the nodes still unmarked
+   then are taken as dead. A node with a local worker missing is absent as a whole: its agent
+   restarts it (rejoin or restart mode), never half a node.
+
+Faster and certain where it applies: every worker listens on a TCP socket of its own
+(:class:`Prober`, address signed under ``inproc_root``) that it never closes while it lives. A
+connection refused there means no process holds the port: that worker is dead (its host up, as
+after a SIGKILL). The roll call takes such a node as absent at once, and a survivor blocked in a
+store wait for a peer (a commit's exchange: no collective fails there) probes the members once
+the wait has lasted ``PROBE_AFTER_S``, so a node killed then is found without its heartbeat
+expiring. A probe accepted, timed out or unreachable proves nothing (the roll call's grace and
+the heartbeat still decide): a starved live process is never called dead by a probe, the kernel
+accepts for it.
+
+The trade-off, stated: a live worker that cannot answer within ``grace`` (a process stopped or
+starved for that long) is taken for dead; it then finds itself outside the decision and asks for
+a restart (``resize_fallback``): slower, never wrong. Nobody answers for nobody: a mark is
+signed with the job's secret when it has one.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from elastic_emb.rdzv.keys import inproc_prefix, inproc_root
+from elastic_emb.rdzv.signing import Signer, read_signed
+
+KEY_FAILED = "failed"  # a collective of the generation before this one failed [flag]
+KEY_ALIVE = "alive/"  # + node + "/" + local rank: that worker answered the roll call [control]
+KEY_PROBE = "probe/"  # under inproc_root: + node + "/" + local rank: its liveness socket HOST:PORT [control]
+PROBE_AFTER_S = 0.2  # a store wait this long probes the members (a healthy exchange takes milliseconds)
+PROBE_EVERY_S = 0.1
+
+
+class RollCall:
+    """The roll call of the re-form into ``generation`` (see the module docstring)."""
+
+    def __init__(self, store, run_id: str, generation: int, signer: Signer, log) -> None:
+        self._store = store
+        self._prefix = inproc_prefix(run_id, generation)
+        self._signer = signer
+        self._log = log
+
+    @property
+    def failed_key(self) -> str:
+        return self._prefix + KEY_FAILED
+
+    def _mark(self, node: str, local_rank: int) -> str:
+        return f"{self._prefix}{KEY_ALIVE}{node}/{local_rank}"
+
+    def answer(self, node: str, local_rank: int) -> None:
+        """This worker is alive and re-forming: flag the failure for the others, then answer."""
+        self._store.set(self.failed_key, b"1")
+        key = self._mark(node, local_rank)
+        self._store.set(key, self._signer.sign(key, node))
+
+    def _answered(self, node: str, local_world_size: int) -> bool:
+        keys = [self._mark(node, r) for r in range(local_world_size)]
+        if not self._store.check(keys):
+            return False
+        if not self._signer.enabled:
+            return True
+        return all(read_signed(self._store, self._signer, k, self._log) == node.encode() for k in keys)
+
+    def absent(self, nodes: Iterable[str], local_world_size: int, gone: Callable[[], Iterable[str]], grace: float,
+               prober: "Prober | None" = None, poll: float = 0.005) -> tuple[str, ...]:
+        """The nodes of ``nodes`` that are gone from the rendezvous (``gone()``), refuse the
+        ``prober``'s connection, or did not answer within ``grace`` seconds, in ``nodes``' order."""
+        nodes = tuple(nodes)
+        deadline = time.monotonic() + grace
+        answered: set[str] = set()
+        dead: set[str] = set()
+        while True:
+            if prober is not None:
+                dead |= set(prober.dead([n for n in nodes if n not in answered and n not in dead], local_world_size))
+            left = set(gone()) | dead
+            for n in nodes:
+                if n not in answered and n not in left and self._answered(n, local_world_size):
+                    answered.add(n)
+            missing = [n for n in nodes if n not in answered and n not in left]
+            if not missing or time.monotonic() >= deadline:
+                return tuple(n for n in nodes if n not in answered or n in left)
+            time.sleep(poll)
+
+
+class Prober:
+    """Kernel-level liveness of the workers of one run (module docstring): :meth:`listen` opens
+    this worker's socket and publishes its address; :meth:`dead` probes the members'. ``found``
+    holds the members the last probe of a store wait found dead (``resize.py`` clears it when the
+    world re-forms)."""
+
+    def __init__(self, store, run_id: str, signer: Signer, log, timeout: float = 0.2) -> None:
+        self._store = store
+        self._root = inproc_root(run_id)
+        self._signer = signer
+        self._log = log
+        self._timeout = timeout
+        self._addrs: dict[tuple[str, int], tuple[str, int]] = {}
+        self._sock: socket.socket | None = None
+        self.members: tuple[str, ...] = ()
+        self.local_world_size = 1
+        self.found: tuple[str, ...] = ()
+        self._probed = 0.0
+
+    def listen(self, node: str, local_rank: int) -> None:
+        """Listen on the node's address (the one in its rendezvous id, ``addr_pid_localid``) for
+        as long as this process lives, and publish it (signed). A daemon thread accepts and closes
+        every probe, so the backlog never fills."""
+        host = node.rsplit("_", 2)[0]
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(64)
+        self._sock = sock
+        threading.Thread(target=self._serve, name="elastic_emb-liveness", daemon=True).start()
+        key = f"{self._root}{KEY_PROBE}{node}/{local_rank}"
+        self._store.set(key, self._signer.sign(key, f"{host}:{sock.getsockname()[1]}"))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def _addr(self, node: str, local_rank: int) -> tuple[str, int] | None:
+        if (node, local_rank) not in self._addrs:
+            key = f"{self._root}{KEY_PROBE}{node}/{local_rank}"
+            if not self._store.check([key]):
+                return None
+            value = read_signed(self._store, self._signer, key, self._log)
+            host, _, port = (value or b"").decode().rpartition(":")
+            if not host or not port.isdigit() or host != node.rsplit("_", 2)[0]:
+                self._log.warning("liveness_address_rejected", node=node, value=(value or b"")[:80])
+                return None
+            self._addrs[(node, local_rank)] = (host, int(port))
+        return self._addrs[(node, local_rank)]
+
+    def _refused(self, addr: tuple[str, int]) -> bool:
+        try:
+            with socket.create_connection(addr, timeout=self._timeout):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # timed out, unreachable: proves nothing
+            return False
+
+    def dead(self, nodes: Iterable[str], local_world_size: int) -> tuple[str, ...]:
+        """The nodes of ``nodes`` with a worker whose socket refused a connection."""
+        out = []
+        for n in nodes:
+            for r in range(local_world_size):
+                addr = self._addr(n, r)
+                if addr is not None and self._refused(addr):
+                    out.append(n)
+                    break
+        return tuple(out)
+
+    def probe_members(self) -> tuple[str, ...]:
+        """During a long store wait: probe the members, at most every ``PROBE_EVERY_S``."""
+        now = time.monotonic()
+        if not self.found and now - self._probed >= PROBE_EVERY_S:
+            self._probed = now
+            self.found = self.dead(self.members, self.local_world_size)
+            if self.found:
+                self._log.warning("liveness_probe_refused", nodes=list(self.found))
+        return self.found
