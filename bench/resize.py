@@ -12,13 +12,17 @@ interval):
    first step committed at world size 3 (includes the joiner's own torchrun start);
 2. SIGTERM of that agent: **scale-down (SIGTERM)**, timed from the signal to the first step at
    world size 2;
-3. SIGKILL of the second agent: **scale-down (SIGKILL)**, to the first step at world size 1.
+3. SIGKILL of the second node: **scale-down (SIGKILL)**, to the first step at world size 1. With
+   ``--kill node`` (the default) its agent and its worker at once (a node lost: no goodbye, no
+   orphan report; busy workers are in a collective or a commit when it lands); with ``--kill
+   agent`` the agent alone (its orphaned worker reports the node dead).
 
 Backend ``elastic_emb:in_process`` is the elastic_emb backend with ``resize=in_process`` and the
-lifecycle worker (``docs/RESIZE.md``): the scale-up still restarts the workers (joiners are not
-in-process yet), the two scale-downs re-form the survivors in their processes. Every backend
-also reports the survivors' **pause**: the last step committed at the old world size to the first
-step at the new one.
+lifecycle worker (``docs/RESIZE.md``): the joiner is included by the running workers, the
+scale-downs re-form the survivors in their processes. Every backend also reports the survivors'
+**pause**: the last step committed at the old world size to the first step at the new one.
+``--table-mb`` sizes the lifecycle worker's table (fp32, 64 columns; 0: the tests' 64 x 4
+table) and puts the snapshots on /dev/shm.
 
 ``--mode idle`` runs with idle workers (one step per generation, then no collective; the
 drain before the scale-up then ends by its 1 s timeout). A resize that does not happen within ``--cap`` seconds is recorded as ``null``
@@ -94,8 +98,19 @@ def _last_commit_before(tmp: str, ws: int, before: float) -> float | None:
     return max(times) if times else None
 
 
-def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dict:
+def _worker_of(tmp: str, agent) -> int | None:
+    ready = [r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r.get("agent_pid") == agent.pid]
+    return ready[-1] if ready else None
+
+
+def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: str = "node",
+             table_mb: int = 0) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"resize-{backend.replace(':', '-')}-")
+    extra: dict = {}
+    if table_mb:
+        shm = tempfile.mkdtemp(prefix="resize-bench-", dir="/dev/shm")
+        extra = {"RDZV_TEST_ROWS": str(table_mb * 2**20 // (64 * 4)), "RDZV_TEST_DIM": "64",
+                 "ELASTIC_EMB_STATE_DIR": shm}
     if backend == "elastic_emb:in_process":
         backend, conf, worker = "elastic_emb", conf + ",resize=in_process", "lifecycle"
     port = free_port()
@@ -105,7 +120,7 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dic
     pause: dict = {}
     try:
         kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf,
-                  worker=worker)
+                  worker=worker, extra_env=extra)
         agents.append(start_agent("a", tmp, port, **kw))
         wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), 60, "world size 1", agents)
         agents.append(start_agent("b", tmp, port, **kw))
@@ -117,10 +132,16 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dic
         if t is None:
             return {"results": out, "split": split, "pause": pause}
         out["scale_up"] = t - t0
+        last = _last_commit_before(tmp, 2, t)
+        if last is not None:
+            pause["scale_up"] = t - last  # the running workers' pause (a restart: every worker's)
         time.sleep(1.5)
         for scenario, victim, sig, ws in (("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
                                           ("scale_down_sigkill", agents[1], signal.SIGKILL, 1)):
+            worker_pid = _worker_of(tmp, victim) if sig == signal.SIGKILL and kill == "node" else None
             t0 = victim.signal(sig)
+            if worker_pid is not None:
+                os.kill(worker_pid, signal.SIGKILL)  # the whole node: agent and worker
             t = _until(tmp, agents, ws, t0, cap)
             if t is None:
                 break
@@ -136,6 +157,10 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str) -> dic
         return {"results": out, "split": split, "pause": pause}
     finally:
         kill_all(agents, tmp)
+        if extra.get("ELASTIC_EMB_STATE_DIR"):
+            import shutil
+
+            shutil.rmtree(extra["ELASTIC_EMB_STATE_DIR"], ignore_errors=True)
 
 
 def main() -> None:
@@ -145,6 +170,10 @@ def main() -> None:
     ap.add_argument("--worker", choices=["plain", "lifecycle"], default="plain",
                     help="plain: one all_reduce per step; lifecycle: elastic_emb's Lifecycle over an EmbContext")
     ap.add_argument("--cap", type=float, default=20.0, help="seconds to wait for a resize before recording null")
+    ap.add_argument("--kill", choices=["node", "agent"], default="node",
+                    help="the SIGKILL scale-down: the node's agent and worker (node), or its agent alone")
+    ap.add_argument("--table-mb", type=int, default=0,
+                    help="lifecycle worker's table in MiB (64 fp32 columns); 0: the tests' 64 x 4 table")
     ap.add_argument("--backends", default="elastic_emb,elastic_emb:in_process,c10d")
     ap.add_argument("--out", default="out/resize.json")
     ap.add_argument("--conf", default=FAST_CONF, help="--rdzv-conf of the elastic_emb agents")
@@ -158,14 +187,17 @@ def main() -> None:
     raw: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
     splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}
     floors: list[float] = []
-    pauses: dict = {b: {s: [] for s in SCENARIOS[1:]} for b in backends}
+    pauses: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
+    loads: list[float] = []
     for run in range(args.runs):
         floors.append(import_floor())
         for b in backends:  # interleaved, so load drifts hit both backends alike
-            res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf, args.worker)
+            loads.append(os.getloadavg()[0])
+            res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf, args.worker,
+                           args.kill, args.table_mb)
             for s in SCENARIOS:
                 raw[b][s].append(res["results"][s])
-            for s in SCENARIOS[1:]:
+            for s in SCENARIOS:
                 pauses[b][s].append(res["pause"].get(s))
             for s, v in res["split"].items():
                 for k in v:
@@ -177,9 +209,15 @@ def main() -> None:
         vals = [v for v in values if v is not None]
         return statistics.median(vals) if len(vals) == len(values) and vals else None
 
+    def cell(value, values):
+        vals = [v for v in values if v is not None]
+        if value is None:
+            return "-"
+        return f"{value:.2f}" if len(vals) < 2 else f"{value:.2f} ({min(vals):.2f}-{max(vals):.2f})"
+
     summary = {b: {s: med(raw[b][s]) for s in SCENARIOS} for b in backends}
     split_med = {s: {k: (statistics.median(v) if v else None) for k, v in d.items()} for s, d in splits.items()}
-    print(f"\nfault-to-first-step, median of {args.runs} runs, workers {args.mode} during scale-down (s); "
+    print(f"\nfault-to-first-step, median (range) of {args.runs} runs, workers {args.mode} during scale-down (s); "
           f"null = no resize within {args.cap:.0f} s")
     head = f"| scenario | {' | '.join(backends)} | ratio c10d/elastic_emb | elastic_emb agent side | elastic_emb worker side |"
     print(head)
@@ -189,15 +227,16 @@ def main() -> None:
         c = summary.get("c10d", {}).get(s)
         ratio = f"{c / e:.2f}" if (e and c) else ("> " + f"{args.cap / e:.1f}" if e and c is None and "c10d" in backends else "-")
         sp = split_med.get(s, {})
-        cells = " | ".join("-" if summary[b][s] is None else f"{summary[b][s]:.2f}" for b in backends)
+        cells = " | ".join(cell(summary[b][s], raw[b][s]) for b in backends)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"| {s} | {cells} | {ratio} | {fmt(sp.get('agent_s'))} | {fmt(sp.get('worker_s'))} |")
     pause_med = {b: {s: med(v) for s, v in d.items()} for b, d in pauses.items()}
     print("\nsurvivors' pause (last step at the old size to first step at the new), median (s)")
     print(f"| scenario | {' | '.join(backends)} |")
     print("| --- |" + " ---: |" * len(backends))
-    for s in SCENARIOS[1:]:
-        print(f"| {s} | " + " | ".join("-" if pause_med[b][s] is None else f"{pause_med[b][s]:.2f}" for b in backends) + " |")
+    for s in SCENARIOS:
+        print(f"| {s} | " + " | ".join(cell(pause_med[b][s], pauses[b][s]) for b in backends) + " |")
+    print(f"\nload average (1 min) at each sequence's start: {min(loads):.1f}-{max(loads):.1f}")
     print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
           f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -207,7 +246,8 @@ def main() -> None:
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
             "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
             "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
-            "pause_raw_s": pauses, "pause_median_s": pause_med,
+            "pause_raw_s": pauses, "pause_median_s": pause_med, "kill": args.kill, "table_mb": args.table_mb,
+            "load_avg_1min": loads,
             "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
         }, f, indent=2)
     print(f"\nwrote {args.out}")

@@ -228,7 +228,7 @@ class InProcessResize:
                                       f"{timeout:g} s (no running worker calls InProcessResize.pending(), or it died)")
                 _request_fallback(watcher, signer, exc)
                 raise ResizeFallback(str(exc)) from exc
-            time.sleep(0.02)
+            time.sleep(0.005)  # the running workers' agreement waits for this worker: its pause
         nodes = tuple(str(n) for n in record["nodes"])
         lws, local = int(env["LOCAL_WORLD_SIZE"]), int(env["LOCAL_RANK"])
         node_rank = nodes.index(me)
@@ -311,7 +311,8 @@ class InProcessResize:
         _raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
         roll = self._rollcall(old.generation + 1)
         roll.answer(self.watcher.node, old.local_rank)
-        return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober)
+        return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober,
+                           patience=self.detect_timeout)
 
     def _saw(self, t0: float) -> None:
         if self._seen is None:  # the first check that saw this change: detection ends, drain starts
@@ -391,9 +392,10 @@ class InProcessResize:
         the lifecycle's ResizeEvent (its ``first_step_s`` comes with the next ``commit``).
 
         ``failed``: a collective raised (or a peer's did: ``Watcher.failure_seen``); the old
-        communicator is aborted, the members answer a roll call (``rollcall.py``, bounded by
-        ``rollcall_grace``) and the silent ones count as gone at once, without waiting for their
-        heartbeat to expire. If every member answers, wait (bounded by ``detect_timeout``) for the
+        communicator is aborted and the members answer a roll call (``rollcall.py``): a node whose
+        worker's liveness socket refuses is gone at once, without waiting for its heartbeat to
+        expire; one proven alive is waited for up to ``detect_timeout``, one unknown up to
+        ``rollcall_grace``. If every member answers, wait (bounded by ``detect_timeout``) for the
         rendezvous to show a departure, and raise :class:`ElasticEmbError` if none shows (a real
         failure, not a resize).
         ``rebuild``: construct a fresh context even when the sizes stay (``bench/resize_gpu.py``:
@@ -468,6 +470,7 @@ class InProcessResize:
             current = inproc_root(self.watcher._reader.run_id) + KEY_CURRENT
             store.set(current, self._signer.sign(current, record))  # where joiners look
         deadline = time.monotonic() + self.decide_timeout
+        pause = 0.001
         while True:
             value = read_signed(store, self._signer, key, log)
             if value is not None:
@@ -487,7 +490,8 @@ class InProcessResize:
                 # no decision can come; fall back now rather than after decide_timeout
                 raise ElasticEmbError(f"the decider of generation {generation}, node {survivors[0]}, left the "
                                       f"rendezvous before publishing the decision under {key}")
-            time.sleep(0.01)
+            time.sleep(pause)  # every survivor waits here: part of the pause
+            pause = min(0.005, pause * 2)
 
     def _topology(self, old: Topology, nodes: tuple[str, ...]) -> Topology:
         lws = old.local_world_size

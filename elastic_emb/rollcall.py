@@ -15,10 +15,11 @@ formed; the caller raises the run's generation high-water mark first, ``resize.p
    a worker blocked in a store wait (a commit's exchange with the dead peer) is interrupted, a
    worker at a step boundary re-forms at once; a worker blocked in a collective fails as soon as
    the first survivor aborts its communicator (``InProcessResize.run`` aborts before the call).
-3. :meth:`RollCall.absent` waits, bounded by ``grace``, until every member node either has all
-   ``local_world_size`` marks or is gone from the rendezvous state; the nodes still unmarked
-   then are taken as dead. A node with a local worker missing is absent as a whole: its agent
-   restarts it (rejoin or restart mode), never half a node.
+3. :meth:`RollCall.absent` waits until every member node either has all ``local_world_size``
+   marks, is gone from the rendezvous state, or is proven dead (below); a node still unmarked
+   is waited for ``patience`` seconds while its workers are proven alive, ``grace`` seconds when
+   nothing is known of it, and then taken as dead. A node with a local worker missing is absent
+   as a whole: its agent restarts it (rejoin or restart mode), never half a node.
 
 Faster and certain where it applies: every worker listens on a TCP socket of its own
 (:class:`Prober`, address signed under ``inproc_root``) that it never closes while it lives. A
@@ -26,13 +27,12 @@ connection refused there means no process holds the port: that worker is dead (i
 after a SIGKILL). The roll call takes such a node as absent at once, and a survivor blocked in a
 store wait for a peer (a commit's exchange: no collective fails there) probes the members once
 the wait has lasted ``PROBE_AFTER_S``, so a node killed then is found without its heartbeat
-expiring. A probe accepted, timed out or unreachable proves nothing (the roll call's grace and
-the heartbeat still decide): a starved live process is never called dead by a probe, the kernel
-accepts for it.
+expiring. A probe accepted proves the worker alive (the kernel accepts for a busy or starved
+process too: the roll call waits for its answer); timed out or unreachable proves nothing.
 
-The trade-off, stated: a live worker that cannot answer within ``grace`` (a process stopped or
-starved for that long) is taken for dead; it then finds itself outside the decision and asks for
-a restart (``resize_fallback``): slower, never wrong. Nobody answers for nobody: a mark is
+The trade-off, stated: a worker that cannot answer within ``patience`` (proven alive: hung) or
+``grace`` (unknown: no socket reachable) is taken for dead; it then finds itself outside the
+decision and asks for a restart (``resize_fallback``): slower, never wrong. Nobody answers for nobody: a mark is
 signed with the job's secret when it has one.
 """
 
@@ -84,22 +84,32 @@ class RollCall:
         return all(read_signed(self._store, self._signer, k, self._log) == node.encode() for k in keys)
 
     def absent(self, nodes: Iterable[str], local_world_size: int, gone: Callable[[], Iterable[str]], grace: float,
-               prober: "Prober | None" = None, poll: float = 0.005) -> tuple[str, ...]:
-        """The nodes of ``nodes`` that are gone from the rendezvous (``gone()``), refuse the
-        ``prober``'s connection, or did not answer within ``grace`` seconds, in ``nodes``' order."""
+               prober: "Prober | None" = None, patience: float = 10.0, poll: float = 0.005) -> tuple[str, ...]:
+        """The nodes of ``nodes`` that are gone from the rendezvous (``gone()``) or did not answer,
+        in ``nodes``' order. A node that has not answered is waited for: not at all once a worker
+        of it refuses the ``prober``'s connection (dead), up to ``patience`` seconds while its
+        sockets accept (alive, busy: a long step or commit), up to ``grace`` seconds when nothing
+        is known of it (no prober, no address, no connection)."""
         nodes = tuple(nodes)
-        deadline = time.monotonic() + grace
+        start = time.monotonic()
         answered: set[str] = set()
         dead: set[str] = set()
+        alive: set[str] = set()
+        probed = float("-inf")
         while True:
-            if prober is not None:
-                dead |= set(prober.dead([n for n in nodes if n not in answered and n not in dead], local_world_size))
+            now = time.monotonic()
+            if prober is not None and now - probed >= 0.05:
+                probed = now
+                status = prober.status([n for n in nodes if n not in answered and n not in dead], local_world_size)
+                dead |= {n for n, v in status.items() if v is False}
+                alive = {n for n, v in status.items() if v is True}
             left = set(gone()) | dead
             for n in nodes:
                 if n not in answered and n not in left and self._answered(n, local_world_size):
                     answered.add(n)
             missing = [n for n in nodes if n not in answered and n not in left]
-            if not missing or time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if all(waited >= (patience if n in alive else grace) for n in missing):
                 return tuple(n for n in nodes if n not in answered or n in left)
             time.sleep(poll)
 
@@ -157,25 +167,33 @@ class Prober:
             self._addrs[(node, local_rank)] = (host, int(port))
         return self._addrs[(node, local_rank)]
 
-    def _refused(self, addr: tuple[str, int]) -> bool:
+    def _probe(self, addr: tuple[str, int]) -> bool | None:
+        """True: accepted (alive); False: refused (dead); None: timed out or unreachable."""
         try:
             with socket.create_connection(addr, timeout=self._timeout):
-                return False
+                return True
         except ConnectionRefusedError:
-            return True
-        except OSError:  # timed out, unreachable: proves nothing
             return False
+        except OSError:  # proves nothing
+            return None
+
+    def status(self, nodes: Iterable[str], local_world_size: int) -> dict[str, bool | None]:
+        """Per node: False when a worker's socket refused a connection (dead), True when every
+        worker's accepted (alive), None when nothing is known."""
+        out: dict[str, bool | None] = {}
+        for n in nodes:
+            seen = []
+            for r in range(local_world_size):
+                addr = self._addr(n, r)
+                seen.append(None if addr is None else self._probe(addr))
+                if seen[-1] is False:
+                    break
+            out[n] = False if False in seen else (True if all(v is True for v in seen) else None)
+        return out
 
     def dead(self, nodes: Iterable[str], local_world_size: int) -> tuple[str, ...]:
         """The nodes of ``nodes`` with a worker whose socket refused a connection."""
-        out = []
-        for n in nodes:
-            for r in range(local_world_size):
-                addr = self._addr(n, r)
-                if addr is not None and self._refused(addr):
-                    out.append(n)
-                    break
-        return tuple(out)
+        return tuple(n for n, v in self.status(nodes, local_world_size).items() if v is False)
 
     def probe_members(self) -> tuple[str, ...]:
         """During a long store wait: probe the members, at most every ``PROBE_EVERY_S``."""

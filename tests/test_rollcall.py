@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -87,8 +88,22 @@ def test_the_roll_call_takes_the_silent_and_the_refusing_as_absent(store):
     killed.wait(10)
     t0 = time.monotonic()
     prober = Prober(store, "rc", signer, LOG)
-    assert roll.absent(nodes[:1] + nodes[2:], 2, lambda: (), grace=30.0, prober=prober) == (nodes[2],)
+    assert roll.absent(nodes[:1] + nodes[2:], 1, lambda: (), grace=30.0, prober=prober) == (nodes[2],)
     assert time.monotonic() - t0 < 5.0
+    # a node proven alive (its socket accepts) that does not answer is waited for up to patience,
+    # not grace (a long step: it answers when it gets there)
+    busy = _child(store, nodes[1])
+    try:
+        t0 = time.monotonic()
+        silent = RollCall(store, "rc", 8, signer, LOG)
+        assert silent.absent(nodes[1:2], 1, lambda: (), grace=0.05, prober=prober, patience=0.8) == (nodes[1],)
+        assert time.monotonic() - t0 >= 0.8
+        roll2 = RollCall(store, "rc", 6, signer, LOG)
+        threading.Timer(0.5, roll2.answer, args=(nodes[1], 0)).start()
+        assert roll2.absent(nodes[1:2], 1, lambda: (), grace=0.05, prober=prober, patience=30.0) == ()
+    finally:
+        busy.kill()
+        busy.wait(10)
 
 
 def test_a_signed_roll_call_ignores_unsigned_answers(store):

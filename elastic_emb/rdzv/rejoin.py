@@ -73,8 +73,10 @@ def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id:
     tc.exit_rendezvous(inner, 5.0)
     log.info("worker_failed_rejoining", round=round_, mode="in_process", timeout_s=timeout)
     if (before is None and was_joiner) or (before is not None and node not in before[1]):
-        log.info("rejoin_not_included", round=round_, reason="its worker had not been included yet")
-        return True  # its worker had not been included yet: nobody re-forms for it
+        # its worker had not been included yet, or the survivors already re-formed without it
+        # (after a failed collective they do so in a fraction of a second: rollcall.py)
+        log.info("rejoin_not_included", round=round_, reason="the newest decision leaves this node out")
+        return True
     newest = before[0] if before is not None else -1
     fallback = round_prefix(run_id, round_) + KEY_FALLBACK
     deadline = start + timeout
