@@ -120,7 +120,7 @@ class Prober:
     holds the members the last probe of a store wait found dead (``resize.py`` clears it when the
     world re-forms)."""
 
-    def __init__(self, store, run_id: str, signer: Signer, log, timeout: float = 0.2) -> None:
+    def __init__(self, store, run_id: str, signer: Signer, log, timeout: float = 0.1) -> None:
         self._store = store
         self._root = inproc_root(run_id)
         self._signer = signer
