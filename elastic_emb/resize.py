@@ -518,7 +518,7 @@ def _raise_generations(store, run_id: str, generation: int) -> None:
     after a fallback never reuses this generation (``rdzv/handler.py``). Two raisers at once may
     overshoot; a higher mark only makes later generations larger, never equal."""
     key = inproc_root(run_id) + KEY_GENERATIONS
-    now = int(store.add(key, 0))
+    now = count_value(key, store.add(key, 0))
     if now < generation:
         store.add(key, generation - now)
 

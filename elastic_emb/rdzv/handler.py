@@ -488,8 +488,9 @@ class ElasticEmbRendezvousHandler:
         key = round_prefix(self._run_id, round_) + KEY_ROUND_GENERATION
         if self._joined_running:
             value = read_signed(self._round_store, self._signer, key, self._log)
-            return int(value) if value is not None and value.isdigit() else round_
-        generation = round_ + int(self._round_store.add(inproc_root(self._run_id) + KEY_GENERATIONS, 0))
+            return count_value(key, value) if value is not None else round_
+        key_mark = inproc_root(self._run_id) + KEY_GENERATIONS
+        generation = round_ + count_value(key_mark, self._round_store.add(key_mark, 0))
         self._round_store.set(key, self._signer.sign(key, str(generation)))
         return generation
 
