@@ -131,7 +131,8 @@ def test_unknown_scenario_names_the_presets():
 
 # -- drills end to end ----------------------------------------------------------------------------
 
-EXPECTED_WORLDS = {"scale-up": [1, 2], "scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2, 2],
+# worker-crash runs in process: the crashed worker's node leaves (2 -> 1) and rejoins (1 -> 2).
+EXPECTED_WORLDS = {"scale-up": [1, 2], "scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2, 1, 2],
                    "agent-loss": [2, 1]}
 # Loopback for two drills, one namespace per node for the other two (when root can make them),
 # so both network modes run in every test pass.
@@ -200,11 +201,15 @@ def test_drill_loses_nothing(name, tmp_path):
     assert v["rows_checked"] == 4096 + 4096 + 35
     assert v["step_checksums_checked"] >= PRESETS[name].steps  # every committed step was checked
     assert report["world_sizes"] == EXPECTED_WORLDS[name], _explain(report, out)
-    assert [r["steps_lost"] for r in report["resizes"]] == [0]
+    assert [r["steps_lost"] for r in report["resizes"]] == [0] * (len(EXPECTED_WORLDS[name]) - 1), report["resizes"]
     assert report["network"] == ("netns" if NETWORK[name] == "auto" and NETNS_OK else "loopback")
     assert (out / "report.png").stat().st_size > 10_000
     saved = json.loads((out / "report.json").read_text())
     assert saved["resizes"][0]["recovery_seconds"] > 0 and saved["faults"][0]["kind"] == PRESETS[name].faults[0].kind
+    if name == "worker-crash":
+        # In process: the crashed worker's node leaves the world and rejoins it; the survivor lives on.
+        causes = [r["cause"] for r in report["resizes"]]
+        assert causes == ["crash_worker node1", "rejoin node1 (crash_worker)"], report["resizes"]
     if name == "agent-loss":
         # The orphaned worker (its agent SIGKILLed) left by itself, before the drill's cleanup.
         assert report["faults"][0]["orphans"] and report["orphans_alive_at_end"] == []

@@ -377,3 +377,20 @@ def test_a_member_that_never_replies_fails_within_read_timeout():
         with pytest.raises(v3.EtcdV3ConnectionError, match="timed out"):
             client.get("k")
         assert time.monotonic() - start < 5.0
+
+
+def test_the_in_process_world_store_takes_a_multi_member_endpoint(etcd_server):
+    """The generations formed in process (resize.py) get their store from the watcher's reader:
+    over etcd-v3 it is a v3 client of every listed member (python-etcd, used before, could not parse
+    'a:1,b:2' and every in-process join of the store-member-loss drill fell back to restart).
+    The first member listed is down here: the client goes on to the next one."""
+    from elastic_emb.testing.ports import free_port
+    from elastic_emb.watch import RendezvousReader
+
+    reader = RendezvousReader("etcd-v3", f"127.0.0.1:{free_port()},{etcd_server.endpoint}", "multi")
+    store = reader.world_store(5.0)
+    assert isinstance(store, v3.EtcdV3Store)
+    store.set("gen1/key", "value")
+    assert store.get("gen1/key") == b"value" and store.add("gen1/count", 2) == 2
+    assert store.compare_set("gen1/mark", "", "1") == b"1"  # agreements raise the mark with compare_set
+    assert store.compare_set("gen1/mark", "1", "2") == b"2"

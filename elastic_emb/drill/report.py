@@ -54,6 +54,7 @@ def build_report(result: DrillResult) -> dict:
     faults = [f.as_dict(t0) for f in result.faults]
     timeline, resizes = [], []
     committed_max = -1
+    crashed = None  # the crash_worker fault behind the previous resize: in process, its node rejoins next
     for i, seg in enumerate(segs):
         steps = seg["steps"]
         entry = {"world": seg["world"], "generation": seg["generation"], "node_of_rank0": seg["node"],
@@ -72,9 +73,16 @@ def build_report(result: DrillResult) -> dict:
             lc_begin = seg["start_t"] - (seg["lifecycle_seconds"] or 0.0)
             restored = seg["restored_step"] if seg["restored_step"] is not None else -1
             restore = seg["restore"]
+            if fault is not None:
+                cause_name = f"{fault.fault.kind} node{fault.node}"
+            elif crashed is not None and seg["world"] > prev["world"]:
+                cause_name = f"rejoin node{crashed.node} (crash_worker)"
+            else:
+                cause_name = "unplanned"
+            crashed = fault if fault is not None and fault.fault.kind == "crash_worker" else None
             resizes.append({
                 "from_world": prev["world"], "to_world": seg["world"],
-                "cause": f"{fault.fault.kind} node{fault.node}" if fault else "unplanned",
+                "cause": cause_name,
                 "t": round(t_fault - t0, 3),
                 "restored_step": restored, "newest_committed_before": committed_max,
                 "steps_lost": max(0, committed_max - restored),

@@ -200,6 +200,7 @@ def _ep8(name: str, loss: str, story: str) -> Scenario:
     return Scenario(
         name=name, description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
         initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
+        mode="in_process",
         faults=(
             Fault(kind=loss, at_step=8, node=1), Fault(kind=loss, at_step=20, node=3),
             Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
@@ -242,14 +243,16 @@ PRESETS: dict[str, Scenario] = {
             # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they join.
             workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=0.5,
             timeout=420, faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
+            mode="in_process",
         ),
         Scenario(
             name="worker-crash", description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="crash_worker", at_step=8, node=1),), **_STEP,
+            initial_nodes=2, max_nodes=2, faults=(Fault(kind="crash_worker", at_step=8, node=1),), mode="in_process",
+            **_STEP,
         ),
         Scenario(
             name="flapping", description="A node joins and leaves, twice.",
-            initial_nodes=1, max_nodes=2, steps=160, step_delay=0.05,
+            initial_nodes=1, max_nodes=2, steps=160, step_delay=0.05, mode="in_process",
             faults=(
                 Fault(kind="join", at_step=8), Fault(kind="leave", at_step=45),
                 Fault(kind="join", at_step=75), Fault(kind="kill_node", at_step=115),
@@ -258,19 +261,20 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="store-host-loss",
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
-            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05,
+            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05, mode="in_process",
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
         ),
         Scenario(
             name="store-member-loss",
             description="A 3-member etcd cluster holds the rendezvous; its leader is SIGKILLed as a node joins "
                         "and comes back 5 s later.",
-            initial_nodes=1, max_nodes=2, store="etcd", etcd_members=3, steps=100, step_delay=0.05,
+            initial_nodes=1, max_nodes=2, store="etcd", etcd_members=3, steps=100, step_delay=0.05, mode="in_process",
             faults=(Fault(kind="kill_store", at_step=15, duration=5.0), Fault(kind="join", at_step=15)),
         ),
         Scenario(
             name="gpu-2-1-2",
             description="GPU (nccl, one GPU per node): 2 nodes, one leaves, one joins, one dies, one joins.",
+            # Restart mode until it has been drilled in process on two GPUs (`--mode in_process` runs it so).
             initial_nodes=2, max_nodes=2, backend="nccl", network="loopback", steps=150, step_delay=0.05,
             faults=(
                 Fault(kind="leave", at_step=10), Fault(kind="join", at_step=40),
@@ -283,7 +287,7 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="corrupt-snapshot",
             description="Plants a loss (bytes of node 0's newest snapshot flipped, then a restart): the drill must fail.",
-            initial_nodes=1, max_nodes=2, steps=60, step_delay=0.05, expect_failure=True,
+            initial_nodes=1, max_nodes=2, steps=60, step_delay=0.05, expect_failure=True, mode="in_process",
             faults=(Fault(kind="corrupt", at_step=10, node=0), Fault(kind="join", at_step=11)),
         ),
     )
