@@ -64,6 +64,7 @@ from elastic_emb.state import (
     restore,
 )
 from elastic_emb.state.capture import DeviceCapture
+from elastic_emb.state.comm import thread_store
 from elastic_emb.state.writer import CommitWriter
 from elastic_emb.topology import Topology, agree
 
@@ -96,6 +97,7 @@ class Lifecycle:
         self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._pending_durable = None
+        self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
         self._default_pg_gen: int | None = None
         self._unfinished: tuple[int, float] | None = None  # (index in events, restore done): first step pending
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
@@ -237,8 +239,12 @@ class Lifecycle:
         durable_bytes = 0
         if durable_due:
             self.wait_durable()
+            group = self._durable_group()
+            # Asynchronous: the rest of the save runs in a thread, on a communicator of the
+            # durable tier's own (the context's and the writer's stay free for the steps).
+            dcomm = self._durable_comm(group) if self.config.durable_async else comm
             durable_bytes, self._pending_durable = self.durable.commit(
-                step, shards, comm, num_rows, self._durable_group(), asynchronous=self.config.durable_async)
+                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async)
             tiers.append("durable")
         if not self.config.async_commit:
             self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
@@ -426,6 +432,19 @@ class Lifecycle:
     def _durable_group(self):
         return self._ensure_default_pg()
 
+    def _durable_comm(self, group) -> Comm:
+        """The durable tier's communicator of this generation, on DCP's group (used only by the
+        durable thread, one checkpoint at a time)."""
+        if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
+            self._dcomm = Comm(self.topology, thread_store(self.store), group, timeout=self.config.transfer_timeout,
+                               device="cpu", purpose="durable")
+        return self._dcomm
+
+    @property
+    def durable_in_flight(self) -> bool:
+        """Whether an asynchronous durable checkpoint is still being written (its manifest not yet)."""
+        return self._pending_durable is not None and not self._pending_durable.done()
+
     def wait_durable(self, timeout: float | None = None) -> None:
         """Block until the asynchronous durable checkpoint in flight (if any) is written."""
         fut, self._pending_durable = self._pending_durable, None
@@ -469,6 +488,7 @@ class Lifecycle:
         if self.context is not None:
             self.context.close()
             self.context = None
+        self._dcomm = None
         if self._owns_default_pg:
             import torch.distributed as dist
 
@@ -492,7 +512,8 @@ class Lifecycle:
     def _writer_for(self) -> CommitWriter:
         if self._writer is None or self._writer.comm.topology is not self.topology:
             self._close_writer()
-            comm = Comm(self.topology, self.store, None, timeout=self.config.transfer_timeout, purpose="commit")
+            comm = Comm(self.topology, thread_store(self.store), None, timeout=self.config.transfer_timeout,
+                        purpose="commit")
             self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
         return self._writer
 

@@ -33,7 +33,7 @@ class LifecycleConfig(BaseModel):
     commit_every: int = Field(default=1, ge=1)
     durable_every: int = Field(default=0, ge=0)  # 0: never (unless durable_dir is set: then every commit)
     replication: int = Field(default=1, ge=0)
-    durable_async: bool = True  # dcp.async_save in a background thread; False: dcp.save
+    durable_async: bool = True  # the DCP save of a copy of the shard runs in a thread; False: in commit()
     keep: int = Field(default=2, ge=1)
     agree_timeout: float = Field(default=60.0, gt=0)
     transfer_timeout: float = Field(default=300.0, gt=0)

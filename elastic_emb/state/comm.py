@@ -29,6 +29,21 @@ log = get_logger("elastic_emb.state")
 TRANSPORTS = ("cma", "p2p", "alltoall")  # ELASTIC_EMB_TRANSPORT values (see elastic_emb.state.transport)
 
 
+def thread_store(store):
+    """A client of ``store`` of its own, for a communicator used from a background thread.
+
+    A TCPStore client serves one request at a time: a thread blocked in ``wait()`` on a client it
+    shares stalls every ``set()`` of the other threads, and two ranks whose threads each wait for
+    a key the other rank's stalled thread would set never wake (seen: the durable thread and the
+    training thread). ``Store.clone()`` (torch >= 2.8) gives a connection of its own; a store
+    without it (a Python store) is shared as it is."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        log.debug("store_not_cloned", store=type(store).__name__, error=str(exc)[:200])
+        return store
+
+
 class Comm:
     """The collective operations state transfer needs, on one world's process group and store."""
 

@@ -6,8 +6,14 @@ table tensor over the whole world, laid out ``torch.chunk``-style (rank r holds 
 size. Before saving, rows move from the context's layout (``ep_size`` owners) to that world
 layout with :func:`elastic_emb.state.transport.move_rows`.
 
-Rank 0 writes ``elastic_emb_manifest.json`` last, once DCP finished (after the background upload
-when asynchronous), with the CRC32 of every saved shard. Loading at another world size verifies
+Asynchronous (the default, ``LifecycleConfig.durable_async``): the commit only takes the copy of
+the shard (``export_shard()``) and starts a thread; the move to the world layout, the CRC32s,
+``dcp.save`` and the manifest run there, on the durable tier's own communicator and DCP's group,
+while the steps go on. Not ``dcp.async_save``: it would stage a second copy of what is already a
+copy, synchronously, and the move and the CRC32s would still run in the training thread.
+
+Rank 0 writes ``elastic_emb_manifest.json`` last, once DCP finished on every rank, with the CRC32
+of every saved shard. Loading at another world size verifies
 them: each rank checksums the part of every saved shard it now holds, and the parts combine into
 the saved shard's CRC32 (:func:`elastic_emb.state.crc.crc32_combine`) without gathering a byte.
 """
@@ -15,7 +21,9 @@ the saved shard's CRC32 (:func:`elastic_emb.state.crc.crc32_combine`) without ga
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -74,28 +82,58 @@ class DurableTier:
         return out
 
     def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
-               asynchronous: bool = False):
-        """Save through DCP (collective). ``group``: a gloo process group registered with
-        torch.distributed with this world's ranks (DCP and DTensor accept no other).
+               asynchronous: bool = False) -> tuple[int, Future | None]:
+        """Save ``shards`` through DCP (collective). ``group``: a gloo process group registered
+        with torch.distributed with this world's ranks (DCP and DTensor accept no other).
 
-        Returns ``(bytes this rank wrote, future or None)``. Asynchronous: DCP stages the tensors
-        and writes them in a background thread (``dcp.async_save``); rank 0 writes the manifest
-        when its upload completes (DCP's coordinator finishes only after every rank's writes), so
-        a checkpoint cut short by a crash has no manifest. Wait on the future before the next
-        durable commit, a resize or exit."""
+        ``shards`` must be a copy of its own (``export_shard()``): asynchronously, the training
+        changes the context's rows meanwhile. Returns ``(bytes this rank hands over, future or
+        None)``. Asynchronous: everything after the capture (the move to the world layout, the
+        CRC32s, the DCP save, the manifest) runs in a background thread, so the step goes on at
+        once; ``comm`` must then be a communicator of the durable tier's own (on ``group``), used
+        by nobody else meanwhile. Wait on the future before the next durable commit, a resize or
+        exit. A checkpoint cut short by a crash has no manifest (rank 0 writes it last, once DCP
+        finished on every rank)."""
+        nbytes = sum(s.nbytes() for s in shards.values())
+        if not asynchronous:
+            self._save(step, shards, comm, num_rows, group, None)
+            return nbytes, None
+        copied = None
+        if any(t.is_cuda for s in shards.values() for _, t in tensor_items(s)):
+            copied = torch.cuda.Event()  # the thread reads the copy once the training stream made it
+            copied.record()
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                self._save(step, shards, comm, num_rows, group, copied)
+            except BaseException as exc:  # reported by finish and by the future's waiter
+                log.error("durable_commit_failed", step=step, error=repr(exc)[:500])
+                fut.set_exception(exc)
+            else:
+                fut.set_result(step)
+
+        threading.Thread(target=run, name=f"elastic_emb-durable-{step}", daemon=True).start()
+        return nbytes, fut
+
+    def _save(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
+              copied) -> None:
+        """The whole save of one rank: world layout, CRC32s, DCP, and (rank 0) the manifest last."""
         import torch.distributed.checkpoint as dcp
 
+        points.reached("durable_saving", step)
+        if copied is not None:  # a GPU capture: its bytes exist once the event passed
+            copied.synchronize()
+        shards = {n: _on_cpu(s) for n, s in shards.items()}
         topo = comm.topology
         world_shards = _to_world_layout(shards, comm, num_rows)
         sd, specs = _dtensor_state_dict(world_shards, group, num_rows)
         cdir = self.root / commit_dirname(step, topo.fingerprint())
         make_dirs(self.base, cdir, self.dir_mode)
-        sums = {}
-        for name, shard in world_shards.items():
-            for tname, t in tensor_items(shard):
-                sums[f"{name}.{tname}"] = [shard.rows.start, shard.rows.stop, checksum(t)]
+        sums = {f"{name}.{tname}": [shard.rows.start, shard.rows.stop, checksum(t)]
+                for name, shard in world_shards.items() for tname, t in tensor_items(shard)}
         gathered = comm.exchange(f"durable{step}", sums)
-        manifest = None
+        dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
         if topo.rank == 0:
             checksums: dict[str, dict[str, list]] = {}
             for r, s in enumerate(gathered):
@@ -104,28 +142,11 @@ class DurableTier:
             manifest = DurableManifest(step=step, generation=topo.generation, fingerprint=topo.fingerprint(),
                                        run_id=topo.run_id, world_size=topo.world_size, tables=dict(num_rows),
                                        tensors=specs, checksums=checksums, checkpoint_dir=str(cdir), written_at=time.time())
-        nbytes = sum(s.nbytes() for s in world_shards.values())
-
-        def finish(error: BaseException | None = None) -> None:
-            if manifest is None:
-                return
-            if error is not None:
-                log.error("durable_commit_failed", step=step, dir=str(cdir), error=repr(error)[:500])
-                return
             for f in cdir.rglob("*"):  # DCP creates its files with the process's umask
                 os.chmod(f, self.dir_mode if f.is_dir() else self.file_mode)
             points.reached("durable_before_manifest", step)
             write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json(), self.file_mode)
-
-        if not asynchronous:
-            dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
-            finish()
-            comm.barrier(f"durable{step}-done")
-            return nbytes, None
-        resp = dcp.async_save(sd, checkpoint_id=str(cdir), process_group=group)
-        fut = getattr(resp, "upload_completion", resp)  # torch >= 2.9 may return an AsyncSaveResponse
-        fut.add_done_callback(lambda f: finish(f.exception()))
-        return nbytes, fut
+        comm.barrier(f"durable{step}-done")
 
     def load(self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData],
              num_rows: dict[str, int], group) -> dict[str, ShardData]:
@@ -210,6 +231,13 @@ def _dtensor_state_dict(shards: dict[str, ShardData], group, num_rows: dict[str,
                                                        shape=torch.Size(shape), stride=stride)
             specs[f"{name}.{tname}"] = row_spec(t)
     return sd, specs
+
+
+def _on_cpu(shard: ShardData) -> ShardData:
+    """The shard with its tensors in host memory (DCP's gloo group and the CRC32 read them there)."""
+    if not shard.weight.is_cuda:
+        return shard
+    return ShardData(shard.table, shard.rows, shard.weight.cpu(), {k: v.cpu() for k, v in shard.slots.items()})
 
 
 def _to_world_layout(shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int]) -> dict[str, ShardData]:
