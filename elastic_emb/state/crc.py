@@ -111,9 +111,16 @@ def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]
         if off < 0 or n < 0 or off + n > buf.size:
             raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
     jobs = _chunks(ranges)
+    if len(jobs) <= 1:  # one chunk: a thread would only add its hand-over
+        return _joined(ranges, jobs, [zlib.crc32(memoryview(buf[lo:hi])) for _, lo, hi in jobs])
     crcs = [f.result() for f in [pool().submit(lambda lo, hi: zlib.crc32(memoryview(buf[lo:hi])), lo, hi)
                                  for _, lo, hi in jobs]]
     return _joined(ranges, jobs, crcs)
+
+
+def crc32_of(buf: np.ndarray) -> int:
+    """The CRC32 (``zlib.crc32``) of the whole uint8 array ``buf``, on the pool's threads."""
+    return checksum_ranges(buf, [(0, buf.size)])[0] if buf.size else 0
 
 
 def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]], opener) -> list[int]:

@@ -31,12 +31,12 @@ the one commit in flight: with the defaults (keep 2) 2x the shard plus the chain
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import torch
 
 from elastic_emb.protocol import ShardData
+from elastic_emb.state.crc import crc32_of
 from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, tensor_items
 
 INDEX = "index"  # the tensor of a delta record holding the changed rows' local row numbers (int64)
@@ -79,7 +79,7 @@ def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | N
             b = as_bytes(t)
             spec = row_spec(t)
             trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
-                                    crc32=zlib.crc32(b.numpy())))
+                                    crc32=crc32_of(b.numpy())))
             parts.append(b)
             off += int(b.numel())
         records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
@@ -115,12 +115,20 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
     return chains, gaps
 
 
-def read_chain(chain: list[tuple[Path, SnapshotManifest]], read) -> dict[str, dict[str, torch.Tensor]]:
-    """Materialize a shard from its base and deltas, in order; ``read(path, manifest)`` reads and
-    verifies one file (:func:`elastic_emb.state.snapshot.read_snapshot`). The base is mapped
-    copy-on-write, so applying the deltas never changes a committed file."""
+def read_chain(chain: list[tuple[Path, SnapshotManifest]], read, fill: dict | None = None,
+               materialize: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """Materialize a shard from its base and deltas, in order; ``read(path, manifest, fill=)``
+    reads and verifies one file (:func:`elastic_emb.state.snapshot.read_snapshot`). The base is
+    mapped copy-on-write, so applying the deltas never changes a committed file.
+
+    ``fill`` (as :func:`~elastic_emb.state.snapshot.read_snapshot`'s): rows that stay on the
+    reading rank are copied out of the base in its checksum pass, and every delta is applied to
+    them too. ``materialize=False``: only ``fill`` is wanted (every row of this shard stays on
+    this rank), so the deltas are not also applied to the base's mapping (whose pages would be
+    copied on write): the tensors returned then hold the base's rows only. The same caveat as
+    ``read_snapshot``'s: on ChecksumMismatch the destinations hold unverified rows."""
     (base_path, base_m), deltas = chain[0], chain[1:]
-    out = read(base_path, base_m)
+    out = read(base_path, base_m, fill=fill)
     for path, m in deltas:
         d = read(path, m)
         for table, tensors in d.items():
@@ -130,8 +138,14 @@ def read_chain(chain: list[tuple[Path, SnapshotManifest]], read) -> dict[str, di
             # A GPU capture (elastic_emb.state.capture) may list a row twice (same bytes) and
             # entries equal to n (no row): those are skipped.
             keep = idx < n
-            skip = not bool(keep.all())
-            for tname, rows in tensors.items():
-                if tname != INDEX:
-                    out[table][tname][idx[keep] if skip else idx] = rows[keep] if skip else rows
+            if not bool(keep.all()):
+                idx, tensors = idx[keep], {k: v[keep] for k, v in tensors.items() if k != INDEX}
+            for lo, hi, dsts in (fill or {}).get(table, []):
+                sel = ((idx >= lo) & (idx < hi)).nonzero().flatten()
+                for tname, dst in dsts.items():
+                    dst[idx[sel] - lo] = tensors[tname][sel]
+            if materialize:
+                for tname, rows in tensors.items():
+                    if tname != INDEX:
+                        out[table][tname][idx] = rows
     return out

@@ -17,7 +17,6 @@ fingerprint); it travels between ranks as a three-element JSON list.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -25,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elastic_emb.protocol import ShardData
+from elastic_emb.state.crc import crc32_of
 
 MANIFEST_VERSION = 1
 
@@ -86,8 +86,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(t: torch.Tensor) -> int:
-    """CRC32 of a tensor's bytes (CPU copy when needed)."""
-    return zlib.crc32(as_bytes(t).numpy())
+    """CRC32 (zlib's) of a tensor's bytes (CPU copy when needed), on the writer's threads
+    (:func:`elastic_emb.state.crc.crc32_of`): the one checksum path of every commit."""
+    return crc32_of(as_bytes(t).numpy())
 
 
 

@@ -10,6 +10,7 @@ file written), ``snapshot_replica_in_flight`` (before the replicas are exchanged
 ``snapshot_before_manifest`` (data and replicas written on every node, manifests not yet),
 ``snapshot_manifest_partial`` (this rank's own manifest written, its replica manifests not yet);
 the same points serve a base, a delta and a compaction (the base that ends a chain);
+``durable_saving`` (a durable commit's save begins, in its thread when asynchronous) and
 ``durable_before_manifest`` (DCP done, manifest not yet written); and, outside the state tiers,
 ``resize_decider_claimed`` (:mod:`elastic_emb.resize`: the in-process resize's decider claimed
 the decision and has not written it), ``resize_joiner_registering`` (a joiner's worker, before

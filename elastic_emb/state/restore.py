@@ -275,10 +275,13 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
         shard = template[a.table]
         lo = a.start - shard.rows.start
         dsts = {tname: t[lo: lo + (a.stop - a.start)] for tname, t in tensor_items(shard)}
-        if len(src.chain) <= 1 and all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
             fills.setdefault(src.path, {}).setdefault(src.table, []).append(
                 (a.start - src.first_row, a.stop - src.first_row, dsts))
             filled.add(i)
+    # A chain is applied to its base's mapping only when some of its rows leave this rank.
+    sent = {sources[a.handle].path for i, a in enumerate(plan)
+            if a.src == comm.rank and i not in filled and isinstance(sources.get(a.handle), FileSource)}
     for a in plan:
         if a.src != comm.rank or a.handle in handles:
             continue
@@ -291,7 +294,8 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
             continue  # reported once per file
         try:
             if src.path not in files and len(src.chain) > 1:
-                files[src.path] = read_chain(list(src.chain), read_snapshot)
+                files[src.path] = read_chain(list(src.chain), read_snapshot, fill=fills.get(src.path),
+                                             materialize=src.path in sent)
             elif src.path not in files:
                 files[src.path] = read_snapshot(src.path, src.manifest, fill=fills.get(src.path))
         except (ChecksumMismatch, OSError, ValueError) as exc:
