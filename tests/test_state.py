@@ -342,7 +342,7 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
     """Rows restored locally from a file are copied in the checksum's pass (block by block): the
     copies must equal the file's rows at any offset and block size, and a corrupt file must still
     be refused when it is read that way."""
-    import elastic_emb.state.snapshot as state
+    import elastic_emb.state.shardfile as state
 
     topo, comm = world1()
     tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0)

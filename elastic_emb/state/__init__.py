@@ -17,7 +17,8 @@ Modules, from the bottom up:
 * :mod:`.plan`: pure planning (who sends which rows to whom, replica placement).
 * :mod:`.transport`: one :class:`Transport` interface; all-to-all, gloo p2p and cross-memory
   attach (:mod:`.cma`) behind it; :func:`execute_plan` and :func:`move_rows` on top.
-* :mod:`.snapshot`, :mod:`.durable`: the two tiers that write commits.
+* :mod:`.snapshot`, :mod:`.durable`: the two tiers that write commits (:mod:`.shardfile`: a
+  snapshot's data file, packed, written and read back verified).
 * :mod:`.restore`: the collective restore (inventory, choice of commit, verification, transfer)
   and :func:`inspect_state` for operators.
 * :mod:`.points`: named points of a commit where tests inject faults (a no-op in production).

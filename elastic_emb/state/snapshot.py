@@ -7,12 +7,13 @@ communicator to one rank on each of the next ``replication`` nodes, which write 
 node directory as ``rank<r>.replica.bin``. Losing any ``replication`` nodes therefore loses
 nothing. A rank reads only its own node's directory, so node identity must be stable across
 restarts (torchrun renumbers node ranks): directories are keyed by a node id,
-``ELASTIC_EMB_NODE_ID`` if set, else the host name.
+``ELASTIC_EMB_NODE_ID`` if set, else the host name. The data file's format, its writing and its
+verified reading are :mod:`.shardfile`'s.
 
 Data files are written and fsynced first; the manifests (one per shard held, own or replica) go
 last, by atomic rename, so a commit cut short by a crash has no manifest and does not exist for
 restore. Reading a shard back (:func:`read_snapshot`) checks every tensor's CRC32 against its
-manifest, copying the rows that stay on the reading rank in the same pass over the bytes.
+manifest (:mod:`.shardfile`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,30 +30,18 @@ import torch
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_emb.errors import ChecksumMismatch, StorageError
+from elastic_emb.errors import StorageError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
-from elastic_emb.state.digest import NAMES, Digest
 from elastic_emb.state.delta import pack_delta
-from elastic_emb.state.manifest import (
-    CommitId,
-    ShardRecord,
-    SnapshotManifest,
-    TensorRecord,
-    as_bytes,
-    commit_dirname,
-    row_bytes,
-    row_spec,
-    step_of_dirname,
-    tensor_items,
-    write_atomic,
-)
+from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, commit_dirname, step_of_dirname, write_atomic
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
+from elastic_emb.state.shardfile import pack_shard, read_snapshot, write_blob  # noqa: F401 (re-exported)
 from elastic_emb.state.ring import (LOG_DIR, Segment, SegmentRing, newest_per_segment, on_memory_fs, segment_path,
                                     sweep_segments)
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
@@ -515,118 +503,3 @@ def storage_message(path: Path, needed: int, exc: OSError, step: int) -> str:
     return (f"cannot write {path} for the commit of step {step} ({reason}): needs {needed} bytes, "
             f"{'unknown' if free is None else free} bytes free there; the partial commit is removed and older "
             f"commits stay restorable: free space or make it writable, or point ELASTIC_EMB_STATE_DIR elsewhere")
-
-
-def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor]:
-    """Every table's row-wise tensors back to back in one byte buffer, with their records."""
-    records, parts, off = [], [], 0
-    for name in sorted(shards):
-        sd = shards[name]
-        trs = []
-        for tname, t in tensor_items(sd):
-            b = as_bytes(t)
-            trs.append(TensorRecord(name=tname, dtype=row_spec(t)[0], row_shape=row_spec(t)[1], offset=off,
-                                    nbytes=int(b.numel()), crc32=zlib.crc32(b.numpy())))
-            parts.append(b)
-            off += int(b.numel())
-        records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop, tensors=trs))
-    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return records, blob
-
-
-def write_blob(path: Path, blob: torch.Tensor, mode: int = FILE_MODE) -> None:
-    """Write a byte buffer to ``path`` (permissions ``mode``) and fsync it."""
-    with open_new(path, mode) as f:
-        f.write(memoryview(blob.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# A block of a snapshot tensor copied into its destination and checksummed while it is in cache:
-# the file's bytes then come from memory once, not once for the CRC32 and again for the copy.
-# 2 MiB: fastest of 0.5-4 MiB measured for 128 MB shards with two ranks sharing a 32 MiB L3.
-VERIFY_CHUNK = 2 << 20
-
-
-def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
-                  fill: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] | None = None,
-                  ) -> dict[str, dict[str, torch.Tensor]]:
-    """Load one shard file; check every tensor's CRC32. Returns table -> name -> tensor.
-
-    ``fill``: table -> [(row_lo, row_hi, {tensor name: destination rows})], rows counted from the
-    shard's first row: those rows are also copied into the (contiguous) destinations, in the same
-    pass over the file as the checksum, block by block while each block is in cache. The copies
-    happen before the verdict: when ChecksumMismatch is raised, the destinations hold unverified
-    bytes, which the caller must overwrite or discard (restore re-plans without the piece, and
-    raises if no commit is left, so the rows are never used)."""
-    size = path.stat().st_size if path.exists() else -1
-    at = manifest.segment_offset if manifest.segment is not None else 0
-    if manifest.segment is not None:  # a log segment holds more than this commit: the range must lie in it
-        if manifest.data_bytes < 0 or at + manifest.data_bytes > size:
-            raise ChecksumMismatch(f"{path}: the manifest's range [{at}, {at + manifest.data_bytes}) lies outside the "
-                                   f"log segment ({size} bytes); the commit is damaged or foreign: delete it")
-    elif size != manifest.data_bytes:
-        raise ChecksumMismatch(f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the file is "
-                               f"damaged or was replaced: delete {path.parent} to drop this commit")
-    # Map the file rather than read it: on /dev/shm the pages are already in memory, so the
-    # checksum and the row copies read them in place (no read copy, no fresh pages).
-    # Private (copy-on-write) mapping: the file is opened read-only, so restore works from a
-    # read-only state directory, and nothing restore does can change a committed file.
-    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size > 0 else torch.empty(0, dtype=torch.uint8)
-    if manifest.segment is not None:
-        raw = raw[at: at + manifest.data_bytes]
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for rec in manifest.shards:
-        tensors = {}
-        for tr in rec.tensors:
-            b = raw[tr.offset: tr.offset + tr.nbytes]
-            rb = row_bytes([tr.dtype, tr.row_shape])
-            n = tr.nbytes // rb if rb else 0  # the shard's rows (a base) or the changed rows (a delta)
-            copies = [(lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
-                      for lo, hi, dsts in (fill or {}).get(rec.table, []) if tr.name in dsts]
-            if verify:
-                got = _crc_and_copy(b, copies, tr.algorithm)
-                if got != tr.crc32:
-                    raise ChecksumMismatch(
-                        f"{path}: table {rec.table!r} tensor {tr.name!r} rows [{rec.start}, {rec.stop}) has "
-                        f"{NAMES[tr.algorithm]} {got:#x}, manifest says {tr.crc32:#x}; the snapshot is corrupt: delete {path.parent}"
-                    )
-            else:
-                for off, dst in copies:
-                    dst.copy_(b[off: off + dst.numel()])
-            dtype = getattr(torch, tr.dtype)
-            if (at + tr.offset) % torch.empty((), dtype=dtype).element_size():
-                b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
-            tensors[tr.name] = b.view(dtype).reshape(n, *tr.row_shape)
-        out[rec.table] = tensors
-    return out
-
-
-def _crc_and_copy(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]], algorithm: str = "crc32") -> int:
-    """The checksum (``algorithm``, :mod:`elastic_emb.state.digest`) of the bytes ``b``; meanwhile
-    copy ``b[off: off + len(dst)]`` into each flat ``dst``. Block by block: each block is copied
-    first (which brings it into cache), then checksummed."""
-    total = b.numel()
-    if algorithm != "crc32":
-        d = Digest(algorithm)
-        for c0 in range(0, total, VERIFY_CHUNK):
-            c1 = min(c0 + VERIFY_CHUNK, total)
-            _copy_block(b, copies, c0, c1)
-            d.update(b[c0:c1].numpy())
-        return d.value()
-    crc = 0
-    if not copies:
-        return zlib.crc32(b.numpy()) if total else 0
-    for c0 in range(0, total, VERIFY_CHUNK):
-        c1 = min(c0 + VERIFY_CHUNK, total)
-        _copy_block(b, copies, c0, c1)
-        crc = zlib.crc32(b[c0:c1].numpy(), crc)
-    return crc
-
-
-def _copy_block(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]], c0: int, c1: int) -> None:
-    """The part of each ``(off, dst)`` of ``copies`` that lies in ``b[c0:c1]``, copied."""
-    for off, dst in copies:
-        lo, hi = max(c0, off), min(c1, off + dst.numel())
-        if lo < hi:
-            dst[lo - off: hi - off].copy_(b[lo:hi])
