@@ -1,25 +1,26 @@
 """Cost of a commit every step: full snapshots against incremental (base + deltas) commits.
 
 Starts ``--world`` rank processes (gloo on CPU), each its own "node" (so every commit also sends a
-replica to the next node, ``replication=1``), each holding one fp32 table of ``--sizes-mb`` MB
-with a row-wise Adagrad accumulator, in plain tensors that track the rows they write as
-EmbContext does (``take_changed_rows``: the written rows, deduplicated at the commit). A step: ``--ids`` random ids among the rank's rows (duplicates
-allowed), a gradient per id, the Adagrad update of the distinct rows. Per size, in the same
-processes, with ``--steps`` steps each:
+replica to the next node, ``replication=1``), each holding one fp32 table per size of
+``--sizes-mb`` (MB per rank) with a row-wise Adagrad accumulator, in plain tensors that track the
+rows they write as EmbContext does (``take_changed_rows``: the written rows, deduplicated at the
+commit). A step: ``--ids`` random ids among the rank's rows (duplicates allowed), a gradient per
+id, the Adagrad update of the distinct rows. In the same processes, ``--steps`` steps per mode:
 
 * ``none``: the step alone (the baseline);
 * ``full``: the step, then ``SnapshotTier.commit`` of the whole shard (today's snapshot);
 * ``incremental``: the step, then a delta commit of the rows written (a new base every
-  ``--max-chain`` deltas, which is in the figures);
-* ``restore``: restoring from a base alone, and from a base plus a chain of ``--max-chain``
-  deltas, into a fresh context.
+  ``--max-chain + 1`` commits: reported apart, as ``commit_base_ms``, and in the mean);
+* ``restore``: restoring from a base plus a chain of ``--max-chain`` deltas, and from a full base
+  of the same rows, alternately, ``--restore-reps`` times each, into fresh contexts.
 
-Reported (medians, the slowest rank of each step): step time per mode, the commit's share of the
-step, commit time, bytes written and replicated per commit, and the ratios the issue's targets
-name: incremental / full commit time, and the incremental commit time at 2x the table against 1x.
-Every restore is checked row for row. JSON to ``--json``.
+This machine's load drifts, so the sizes are interleaved step by step (in ABBA order) and every
+ratio is taken per step, between measurements made moments apart: the incremental commit at each
+size over the first size's at the same step, and each chain restore over the full restore next to
+it. Reported: medians (the slowest rank of each step) and, for the ratios, the median with its
+quartiles. Every restore is checked row for row. JSON to ``--json``.
 
-  python bench/commit.py --sizes-mb 64,128 --ids 2000 --steps 20      # CPU, 2 ranks
+  python bench/commit.py --sizes-mb 64,128 --ids 2000 --steps 40      # CPU, 2 ranks
 """
 
 from __future__ import annotations
@@ -55,18 +56,20 @@ def worker(args) -> None:
 
     topo = Topology.from_env()
     store = worker_store(topo, timeout=120)
-    rows_total = args.size_mb * 2**20 // (DIM * 4 + 4) * topo.world_size
-    comm = Comm(topo, store, None, timeout=300)
+    comm = Comm(topo, store, None, timeout=120)
 
     class Ctx(ContextBase):
         tracks_changes = True
 
-        def __init__(self):
+        def __init__(self, rows_total: int, fill: bool = True):
             self.topology = topo
             self.rows = owned_range(rows_total, topo.ep_size, topo.rank)
             n = len(self.rows)
-            self.w = (torch.arange(n, dtype=torch.float32)[:, None] + torch.arange(DIM, dtype=torch.float32)) / 1024
-            self.acc = torch.zeros(n)
+            if fill:
+                self.w = (torch.arange(n, dtype=torch.float32)[:, None] + torch.arange(DIM, dtype=torch.float32)) / 1024
+                self.acc = torch.zeros(n)
+            else:  # a fresh context for a restore to fill: pages touched, values irrelevant
+                self.w, self.acc = torch.zeros(n, DIM), torch.zeros(n)
             self.written: list[torch.Tensor] = []  # the rows each step wrote, as EmbContext tracks them
 
         def shard_views(self):
@@ -100,64 +103,85 @@ def worker(args) -> None:
             self.w[uniq] -= 0.01 * g / (self.acc[uniq].sqrt()[:, None] + 1e-10)
             self.written.append(uniq)
 
-    num_rows = {"emb": rows_total}
-    results = {}
+    sizes = [int(x) for x in args.sizes_mb.split(",")]
+    rows_of = {mb: mb * 2**20 // (DIM * 4 + 4) * topo.world_size for mb in sizes}
+    results: dict = {"sizes": sizes}
+
+    def tier_for(name: str) -> SnapshotTier:
+        return SnapshotTier(Path(args.state_dir) / name, "bench", f"node{topo.rank}", replication=1, keep=2,
+                            max_chain=args.max_chain)
+
+    # Steps and commits: the sizes interleaved step by step (ABBA order), so that the load of this
+    # shared machine drifts alike for every size; a ratio is taken per step, between sizes.
     for mode in ("none", "full", "incremental"):
-        tier = SnapshotTier(args.state_dir, "bench", f"node{topo.rank}", replication=1, keep=2, max_chain=args.max_chain)
-        ctx = Ctx()
-        gen = torch.Generator().manual_seed(topo.rank)
-        steps, commits, written, replicated = [], [], [], []
+        ctxs = {mb: Ctx(rows_of[mb]) for mb in sizes}
+        tiers = {mb: tier_for(f"{mode}-{mb}") for mb in sizes}
+        gens = {mb: torch.Generator().manual_seed(topo.rank) for mb in sizes}
+        rec = {mb: {"step_s": [], "commit_s": [], "written": [], "replicated": [], "base": []} for mb in sizes}
         for step in range(args.steps + 1):
-            comm.barrier(f"{mode}-{step}")
-            t0 = time.perf_counter()
-            ctx.step(gen)
-            t1 = time.perf_counter()
-            if mode == "full" or (mode == "incremental" and step == 0):
-                w, r = tier.commit(step, ctx.export_shard(), comm, num_rows, changes=ctx.take_changed_rows() if mode == "incremental" else None)
-            elif mode == "incremental":
-                w, r = tier.commit(step, ctx.shard_views(), comm, num_rows, changes=ctx.take_changed_rows())
-            else:
-                w = r = 0
-            if mode != "none":
-                tier.prune(comm)
-            t2 = time.perf_counter()
-            if step:  # step 0 of incremental is the first base: measured in `full`
-                steps.append(t2 - t0)
-                commits.append(t2 - t1)
-                written.append(w)
-                replicated.append(r)
-        results[mode] = {"step_s": steps, "commit_s": commits, "written": written, "replicated": replicated}
-        if mode == "incremental":
-            # Restore from the base + the longest chain, then from a full commit of the same rows.
-            want = ctx.export_shard()["emb"]
-            chain = args.max_chain
-            for s in range(args.steps + 1, args.steps + 1 + chain + 1):
-                ctx.step(gen)
-                tier.commit(s, ctx.shard_views(), comm, num_rows, changes=ctx.take_changed_rows())
-            want = ctx.export_shard()["emb"]
-            comm.barrier("restore-chain")
-            t0 = time.perf_counter()
-            fresh = Ctx()
-            rep = restore(fresh, comm, snapshot=tier, durable=None)
-            results["restore_chain_s"] = time.perf_counter() - t0
-            ok = torch.equal(fresh.w, want.weight) and torch.equal(fresh.acc, want.slots["acc"])
-            tier.commit(10**6, ctx.export_shard(), comm, num_rows)  # a full base of the same rows
-            comm.barrier("restore-full")
-            t0 = time.perf_counter()
-            fresh = Ctx()
-            rep2 = restore(fresh, comm, snapshot=tier, durable=None)
-            results["restore_full_s"] = time.perf_counter() - t0
-            ok = ok and torch.equal(fresh.w, want.weight) and rep2.step == 10**6
-            if not ok:
-                raise SystemExit(f"rank {topo.rank}: restored rows differ from the committed rows (step {rep.step})")
-        shutil.rmtree(Path(args.state_dir) / "bench", ignore_errors=True)
+            for mb in (sizes if step % 2 == 0 else sizes[::-1]):
+                ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
+                comm.barrier(f"{mode}-{step}-{mb}")
+                t0 = time.perf_counter()
+                ctx.step(gens[mb])
+                t1 = time.perf_counter()
+                base = mode == "full" or step % (args.max_chain + 1) == 0
+                if mode == "full":
+                    w, r = tier.commit(step, ctx.export_shard(), comm, nr)
+                elif mode == "incremental":
+                    shards = ctx.export_shard() if step == 0 else ctx.shard_views()
+                    w, r = tier.commit(step, shards, comm, nr, changes=ctx.take_changed_rows())
+                else:
+                    w = r = 0
+                if mode != "none":
+                    tier.prune(comm)
+                t2 = time.perf_counter()
+                if step:  # step 0 of incremental is the first base: measured in `full`
+                    for key, v in (("step_s", t2 - t0), ("commit_s", t2 - t1), ("written", w), ("replicated", r),
+                                   ("base", base)):
+                        rec[mb][key].append(v)
+        results[mode] = rec
+        for mb in sizes:
+            shutil.rmtree(Path(args.state_dir) / f"{mode}-{mb}", ignore_errors=True)
         comm.barrier(f"{mode}-cleaned")
-    results["shard_bytes"] = len(Ctx().rows) * (DIM * 4 + 4)
+
+    # Restore: per size, a base + the longest chain (max_chain deltas) in one tier and a full base
+    # of the same rows in another; restores from the two alternate, each into a fresh context
+    # (made before the clock starts) and checked row for row.
+    results["restore"] = {}
+    for mb in sizes:
+        nr = {"emb": rows_of[mb]}
+        ctx, gen = Ctx(rows_of[mb]), torch.Generator().manual_seed(topo.rank)
+        chain_tier, full_tier = tier_for(f"chain-{mb}"), tier_for(f"full-{mb}")
+        for s in range(args.max_chain + 1):
+            ctx.step(gen)
+            chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
+                              changes=ctx.take_changed_rows())
+        want = ctx.export_shard()["emb"]
+        full_tier.commit(args.max_chain, {"emb": want}, comm, nr)
+        times = {"chain": [], "full": []}
+        for rep in range(args.restore_reps):
+            for kind in (("chain", "full") if rep % 2 == 0 else ("full", "chain")):
+                fresh = Ctx(rows_of[mb], fill=False)
+                comm.barrier(f"restore-{mb}-{rep}-{kind}")
+                t0 = time.perf_counter()
+                rep_ = restore(fresh, comm, snapshot=chain_tier if kind == "chain" else full_tier, durable=None)
+                times[kind].append(time.perf_counter() - t0)
+                if not (rep_.step == args.max_chain and torch.equal(fresh.w, want.weight)
+                        and torch.equal(fresh.acc, want.slots["acc"])):
+                    raise SystemExit(f"rank {topo.rank}: {kind} restore at {mb} MB: the rows differ from the "
+                                     f"committed rows (step {rep_.step})")
+        results["restore"][str(mb)] = times
+        for name in (f"chain-{mb}", f"full-{mb}"):
+            shutil.rmtree(Path(args.state_dir) / name, ignore_errors=True)
+        comm.barrier(f"restore-{mb}-cleaned")
+    results["shard_bytes"] = {str(mb): len(owned_range(rows_of[mb], topo.ep_size, topo.rank)) * (DIM * 4 + 4)
+                              for mb in sizes}
     comm.close()
     print(json.dumps({"rank": topo.rank, "results": results}), flush=True)
 
 
-def launch(args, size_mb: int) -> list[dict]:
+def launch(args) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
@@ -168,68 +192,99 @@ def launch(args, size_mb: int) -> list[dict]:
                    MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench", ELASTIC_EMB_BACKEND="gloo",
                    TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_LEVEL="warning",
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-        cmd = [sys.executable, __file__, "--worker", "--size-mb", str(size_mb), "--steps", str(args.steps),
-               "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--state-dir", args.state_dir]
+        cmd = [sys.executable, __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
+               "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
+               "--state-dir", args.state_dir]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return collect(procs, args.timeout, f"size {size_mb} MB")
+    return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
 
 
-def summarize(size_mb: int, per_rank: list[dict], args) -> dict:
-    def slowest(mode, key):
-        n = len(per_rank[0]["results"][mode][key])
-        return [max(r["results"][mode][key][i] for r in per_rank) for i in range(n)]
+def spread(values: list[float]) -> dict:
+    """Median and quartiles (and the count) of a list of values."""
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "n": len(values)}
 
-    row = {"size_mb_per_rank": size_mb, "world": args.world, "ids_per_step": args.ids, "max_chain": args.max_chain,
-           "shard_bytes": per_rank[0]["results"]["shard_bytes"]}
-    for mode in ("none", "full", "incremental"):
-        row[f"step_{mode}_ms"] = statistics.median(slowest(mode, "step_s")) * 1e3
-        if mode != "none":
-            row[f"commit_{mode}_ms"] = statistics.median(slowest(mode, "commit_s")) * 1e3
-            row[f"written_{mode}_bytes"] = statistics.median(per_rank[0]["results"][mode]["written"])
-            row[f"replicated_{mode}_bytes"] = statistics.median(per_rank[0]["results"][mode]["replicated"])
-            row[f"overhead_{mode}_pct"] = 100 * (row[f"step_{mode}_ms"] / row["step_none_ms"] - 1)
-    row["incremental_over_full"] = row["commit_incremental_ms"] / row["commit_full_ms"]
-    row["restore_chain_s"] = max(r["results"]["restore_chain_s"] for r in per_rank)
-    row["restore_full_s"] = max(r["results"]["restore_full_s"] for r in per_rank)
-    row["restore_chain_over_full"] = row["restore_chain_s"] / row["restore_full_s"]
-    return row
+
+def summarize(per_rank: list[dict], args) -> dict:
+    """Per size, the medians of the table's columns; between sizes and between restores, the
+    ratio taken per step (or per repetition), with its quartiles."""
+    res = [r["results"] for r in per_rank]
+    sizes = res[0]["sizes"]
+
+    def slowest(mode, mb, key):  # the slowest rank of each step
+        n = len(res[0][mode][mb][key])
+        return [max(r[mode][mb][key][i] for r in res) for i in range(n)]
+
+    rows = []
+    for mb in map(str, sizes):
+        row = {"size_mb_per_rank": int(mb), "world": args.world, "ids_per_step": args.ids, "max_chain": args.max_chain,
+               "shard_bytes": res[0]["shard_bytes"][mb]}
+        for mode in ("none", "full", "incremental"):
+            steps, commits = slowest(mode, mb, "step_s"), slowest(mode, mb, "commit_s")
+            is_base = res[0][mode][mb]["base"]
+            if mode == "incremental":  # deltas only; the bases (every max_chain + 1) apart
+                row["commit_base_ms"] = statistics.median([c for c, b in zip(commits, is_base) if b]) * 1e3 \
+                    if any(is_base) else None
+                row["commit_incremental_mean_with_bases_ms"] = statistics.fmean(commits) * 1e3
+                steps = [s for s, b in zip(steps, is_base) if not b]
+                commits = [c for c, b in zip(commits, is_base) if not b]
+            row[f"step_{mode}_ms"] = statistics.median(steps) * 1e3
+            if mode != "none":
+                row[f"commit_{mode}_ms"] = statistics.median(commits) * 1e3
+                written = [w for w, b in zip(res[0][mode][mb]["written"], is_base) if mode == "full" or not b]
+                replicated = [w for w, b in zip(res[0][mode][mb]["replicated"], is_base) if mode == "full" or not b]
+                row[f"written_{mode}_bytes"] = statistics.median(written)
+                row[f"replicated_{mode}_bytes"] = statistics.median(replicated)
+                row[f"overhead_{mode}_pct"] = 100 * (row[f"step_{mode}_ms"] / row["step_none_ms"] - 1)
+        row["incremental_over_full"] = row["commit_incremental_ms"] / row["commit_full_ms"]
+        rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
+              for k in ("chain", "full")}
+        row["restore_chain_s"] = statistics.median(rt["chain"])
+        row["restore_full_s"] = statistics.median(rt["full"])
+        row["restore_chain_over_full"] = spread([c / f for c, f in zip(rt["chain"], rt["full"])])
+        rows.append(row)
+    # Doubling (or any change of) the table at fixed ids: per delta step, the slowest rank's commit
+    # at each size over the first size's commit at the same step.
+    first = str(sizes[0])
+    c0 = slowest("incremental", first, "commit_s")
+    is_base = res[0]["incremental"][first]["base"]
+    for row in rows[1:]:
+        c1 = slowest("incremental", str(row["size_mb_per_rank"]), "commit_s")
+        row[f"incremental_over_{first}mb"] = spread([b / a for a, b, base in zip(c0, c1, is_base) if not base])
+    return {"rows": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mb", default="64,128", help="table MB per rank, comma-separated")
+    ap.add_argument("--sizes-mb", default="64,128", help="table MB per rank, comma-separated (all in one run)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ids", type=int, default=2000, help="ids per step per rank")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40, help="steps per mode and size")
     ap.add_argument("--max-chain", type=int, default=8)
+    ap.add_argument("--restore-reps", type=int, default=7, help="restores of each kind per size")
     ap.add_argument("--state-dir", default=None, help="default: a fresh directory under /dev/shm")
-    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default="bench/commit.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     own_dir = args.state_dir is None
     args.state_dir = args.state_dir or tempfile.mkdtemp(prefix="elastic_emb-bench-commit-", dir="/dev/shm")
-    rows = []
     try:
-        for size in [int(s) for s in args.sizes_mb.split(",")]:
-            row = summarize(size, launch(args, size), args)
-            rows.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        summary = summarize(launch(args), args)
     finally:
         if own_dir:
             shutil.rmtree(args.state_dir, ignore_errors=True)
-    if len(rows) >= 2:
-        print(f"incremental commit at {rows[-1]['size_mb_per_rank']} MB / {rows[0]['size_mb_per_rank']} MB per rank: "
-              f"{rows[-1]['commit_incremental_ms'] / rows[0]['commit_incremental_ms']:.2f}x")
+    for row in summary["rows"]:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     import torch
 
-    Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                                           "args": {k: v for k, v in vars(args).items() if k not in ("worker", "size_mb")},
-                                           "rows": rows}, indent=2))
+    Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+                                           "load_average": os.getloadavg(),
+                                           "args": {k: v for k, v in vars(args).items() if k != "worker"},
+                                           **summary}, indent=2))
 
 
 if __name__ == "__main__":
