@@ -33,7 +33,7 @@ def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[
         for tname, t in tensor_items(sd):
             b = as_bytes(t)
             trs.append(TensorRecord(name=tname, dtype=row_spec(t)[0], row_shape=row_spec(t)[1], offset=off,
-                                    nbytes=int(b.numel()), crc32=zlib.crc32(b.numpy())))
+                                    nbytes=int(b.numel()), crc32=crc32_of(b.numpy())))
             parts.append(b)
             off += int(b.numel())
         records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop, tensors=trs))
