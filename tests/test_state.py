@@ -591,7 +591,9 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
     """120 commits (a base, then deltas of up to W random rows, re-based every max_chain + 1),
     each followed by prune as the lifecycle does: after every commit the node directory holds at
     most the bound of :mod:`elastic_emb.state.delta` (2 bases and max_chain + keep - 2 deltas),
-    computed here from the config: never more commit directories, never more data bytes."""
+    computed here from the config: never more commit directories, never more data bytes. The
+    prunes the tier skips (a delta at least ``keep`` from its base) leave nothing behind: a full
+    prune of a fresh tier on the same directory then deletes nothing."""
     n, w, steps = 40, 6, 120
     row = 3 * 4 + 4  # weight float32[3] + one float32 slot
     base_bytes, delta_bytes = n * row, w * (row + 8)  # + the int64 index of each changed row
@@ -602,16 +604,23 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
     ctx = TrackingContext(topo)
     gen = torch.Generator().manual_seed(17)
     peak = peak_dirs = 0
+    full_prunes = []
+    full_prune = tier._prune
+    tier._prune = lambda c, at_start: full_prunes.append(step) or full_prune(c, at_start)
     for step in range(steps):
         rows = torch.randint(0, n, (int(torch.randint(0, w + 1, (1,), generator=gen)),), generator=gen).tolist()
         ctx.write(rows, float(step + 1))
         _delta_commit(tier, ctx, comm, step)
         tier.prune(comm)
+        fresh = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
+        assert fresh.prune(comm) == [], f"step {step}: the prune after it left deletable commits"
         dirs = list(tier.node_dir.glob("step-*"))
         used = sum(f.stat().st_size for d in dirs for f in d.glob("*.bin"))
         assert len(dirs) <= max_dirs and used <= bound, (step, len(dirs), used, bound)
         peak, peak_dirs = max(peak, used), max(peak_dirs, len(dirs))
     assert peak > base_bytes and peak_dirs == max_dirs  # the bound is reached: exercised, not trivially met
+    # Full prunes only at the base and the keep - 1 deltas after it (the others were skipped).
+    assert full_prunes == [s for s in range(steps) if s % (max_chain + 1) < keep], full_prunes
     topo2, comm2 = world1()
     ctx2 = TrackingContext(topo2)
     assert restore(ctx2, comm2, snapshot=tier, durable=None).step == steps - 1

@@ -128,6 +128,11 @@ class SnapshotTier:
         self.ring: SegmentRing | None = None  # log segments the GPU copies deltas into
         self._ring_count = 0  # enable_ring: the ring is made at the first GPU delta (sized by it)
         self._parsed: dict[bytes, SnapshotManifest] = {}  # manifests() parses each file's bytes once
+        # What prune needs to know to skip itself (see _prune_frees_nothing): the newest commit this
+        # tier wrote (its id, parent, deltas since its base), and the commit a prune last left as
+        # the newest complete one with nothing else deletable (None: the next prune is a full one).
+        self._written: tuple[CommitId, CommitId | None, int] | None = None
+        self._pruned_at: CommitId | None = None
 
     def enable_spares(self, count: int) -> None:
         """Keep ``count`` data files allocated ahead for GPU-captured commits (see
@@ -206,7 +211,8 @@ class SnapshotTier:
         is gathered on the GPU and copied to pinned memory asynchronously, and the chain advances
         at once (the commits in flight are written in order; after a failed one the caller calls
         :meth:`break_chain`), so the next commit need not wait for this one."""
-        chain = self._chain if self._chain and self._chain[0] == topology.fingerprint() else None
+        fp = topology.fingerprint()  # (a hash of the topology's JSON: once per call, it runs on the training thread)
+        chain = self._chain if self._chain and self._chain[0] == fp else None
         if device is not None:
             parent, length = None, 0
             if changes is not None and chain is not None and chain[2] < self.max_chain and \
@@ -220,7 +226,6 @@ class SnapshotTier:
             else:  # a base: the whole shard, copied on the host (first commit, and every max_chain + 1)
                 records, blob = pack_shard(shards, num_rows)
                 cap = Capture(step, topology, records, blob, None, 0, speculative=True)
-            fp = topology.fingerprint()
             self._chain = (fp, CommitId(step, topology.generation, fp), length)
             return cap
         parent = None
@@ -302,6 +307,7 @@ class SnapshotTier:
             raise StorageError(storage_message(cdir, 4096, exc, step)) from None
         if not cap.speculative:
             self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
+        self._written = (CommitId(step, topo.generation, topo.fingerprint()), parent, cap.chain_length)
         return int(blob.numel()), replicated
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
@@ -377,8 +383,9 @@ class SnapshotTier:
         not parse, or names another run or a data file outside its directory, is reported and
         ignored: never counted."""
         out = []
+        node_dir = self.node_dir  # resolved (and checked) once: it stats every component
         try:
-            cdirs = sorted(self.node_dir.glob("step-*"))
+            cdirs = sorted(node_dir.glob("step-*"))
         except OSError:
             return out
         # Parsed manifests by their exact bytes: the background writer prunes after every commit,
@@ -392,7 +399,7 @@ class SnapshotTier:
                     raw = mpath.read_bytes()
                     m = parsed.get(raw) or SnapshotManifest.model_validate_json(raw)
                     check_name(m.data_file, "data file")
-                    data = cdir / m.data_file if m.segment is None else segment_path(self.node_dir, m.segment)
+                    data = cdir / m.data_file if m.segment is None else segment_path(node_dir, m.segment)
                 except FileNotFoundError:
                     continue  # pruned by another rank of this node meanwhile
                 except Exception as exc:  # a foreign or damaged file: report and skip, never guess
@@ -432,21 +439,48 @@ class SnapshotTier:
         older than the newest complete commit that is not kept. ``at_start`` (after a restart's
         restore): torn directories of earlier generations are deleted too, since their writers
         are gone. Without any complete commit nothing is deleted. Local rank 0 deletes; returns
-        the directory names it deleted."""
+        the directory names it deleted.
+
+        Skipped, without listing or exchanging anything, when it could delete nothing (see
+        :meth:`_prune_frees_nothing`): a delta that extends a chain already ``keep`` commits long,
+        right after a prune that left only kept commits. Every rank decides alike (the same
+        commits, the same parents), so the collective exchange is skipped on all or none."""
+        written = self._written
+        if not at_start and self._prune_frees_nothing(written):
+            self._pruned_at = written[0]
+            return []
+        self._pruned_at = None  # until this prune has completed
+        deleted, newest = self._prune(comm, at_start)
+        # Clean: the commit just written is the newest complete one, so the prune kept only it, the
+        # keep - 1 commits before it and their chains (and what may still complete).
+        if written is not None and newest == written[0]:
+            self._pruned_at = newest
+        return deleted
+
+    def _prune_frees_nothing(self, written: tuple[CommitId, CommitId | None, int] | None) -> bool:
+        """Whether a full prune now would delete nothing: the newest commit written is a delta on
+        the commit the last prune left as the newest complete one (nothing else deletable), and it
+        is at least ``keep`` deltas from its base. Then the ``keep`` newest complete commits are
+        it and ``keep - 1`` of its own ancestors: the kept set only grew by this commit, and the
+        one commit that left the newest ``keep`` stays, as a link of its chain. (A kill between
+        its write and here changes nothing: a new process prunes in full first.)"""
+        return (written is not None and self._pruned_at is not None and written[1] == self._pruned_at
+                and written[2] >= self.keep)
+
+    def _prune(self, comm: Comm, at_start: bool) -> tuple[list[str], CommitId | None]:
+        """The full prune: (the directory names deleted, the newest complete commit or None)."""
         topo = comm.topology
         lead = topo.local_rank == 0
         listing = self.listing() if lead else None  # listed before the exchange: never a newer commit
         everyone = [NodeListing.model_validate(x) if x else None
                     for x in comm.exchange("prune", listing.model_dump(mode="json") if listing else None)]
-        if listing is None:
-            return []
         by_commit: dict[CommitId, list[tuple[str, int, int, int]]] = {}
         for e in everyone:
             for cid, table, start, stop, n in e.pieces if e else []:
                 by_commit.setdefault(cid, []).append((table, start, stop, n))
         complete = sorted((c for c, ps in by_commit.items() if not commit_missing(ps)), reverse=True)
-        if not complete:
-            return []
+        if not complete or listing is None:  # (every rank has the same answer; local rank 0 deletes)
+            return [], complete[0] if complete else None
         kept = set(complete[: self.keep])
         parent_of = {c: p for e in everyone if e for c, p in e.parents}
         for c in list(kept):  # a kept delta keeps its chain back to the base
@@ -475,7 +509,7 @@ class SnapshotTier:
             log.info("snapshot_pruned", deleted=deleted, kept=[str(c) for c in sorted(kept)])
         if (self.node_dir / LOG_DIR).is_dir():  # segments of exited processes that no commit names
             sweep_segments(self.node_dir, {m.segment for _, m in self.manifests() if m.segment})
-        return deleted
+        return deleted, newest
 
 
 def commit_missing(pieces: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int]]:
