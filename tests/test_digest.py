@@ -58,6 +58,25 @@ def test_parallel_streamed_and_defined_digests_agree(small_chunks):
         digest.Digest("md5")
 
 
+def test_chunks_are_checksummed_as_the_copy_lands(small_chunks):
+    """``landed`` (a delta's copy landing piece by piece): the buffer holds zeros until each
+    piece's bytes are in, and the digests equal those of the whole buffer: no chunk was read
+    before its piece had landed, and every piece was awaited (the generator ran to its end)."""
+    src = np.frombuffer(os.urandom(40_000), dtype=np.uint8)
+    for algorithm, define in (("crc32", lambda b: zlib.crc32(b)), ("xxh3_64", lambda b: _by_definition(b, 1000))):
+        want = [define(src[o: o + n].tobytes()) for o, n in RANGES]
+        buf, ended = np.zeros_like(src), []
+
+        def landed(piece=3_333):
+            for lo in range(0, src.size, piece):
+                buf[lo: lo + piece] = src[lo: lo + piece]
+                yield min(lo + piece, src.size)
+            ended.append(True)
+
+        assert digest.digest_ranges(buf, RANGES, algorithm, landed()) == want, algorithm
+        assert ended == [True], algorithm
+
+
 def test_records_validate_the_algorithm_and_the_value():
     base = dict(name="weight", dtype="float32", row_shape=[4], offset=0, nbytes=16)
     assert TensorRecord(**base, crc32=5).algorithm == "crc32", "a manifest without the field means CRC32"
@@ -70,7 +89,8 @@ def test_records_validate_the_algorithm_and_the_value():
 
 def test_restore_verifies_an_xxh3_record(tmp_path, small_chunks):
     from elastic_emb.state.manifest import ShardRecord, SnapshotManifest
-    from elastic_emb.state.snapshot import ChecksumMismatch, read_snapshot
+    from elastic_emb.errors import ChecksumMismatch
+    from elastic_emb.state.snapshot import read_snapshot
 
     w = torch.arange(3000 * 4, dtype=torch.float32).reshape(3000, 4)  # 48000 bytes: many 1000-byte chunks
     raw = w.view(torch.uint8).reshape(-1).numpy()

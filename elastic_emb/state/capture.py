@@ -196,10 +196,13 @@ class DeviceCapture:
             read.record(side)
         job.layout = None  # the row tensors may go (their last use is recorded on ``side``)
         job.set_read(read)
-        job.set_copied(self._copy(job.host, staging, read))
+        job.set_copied(*self._copy(job.host, staging, read))
 
-    def _copy(self, host: torch.Tensor, staging: torch.Tensor, read: torch.cuda.Event) -> torch.cuda.Event:
-        """Copy ``staging`` into ``host`` after ``read``; the event after which all of it is there.
+    def _copy(self, host: torch.Tensor, staging: torch.Tensor,
+              read: torch.cuda.Event) -> tuple[torch.cuda.Event, list[tuple[int, torch.cuda.Event]]]:
+        """Copy ``staging`` into ``host`` after ``read``; the event after which all of it is there,
+        and per piece (the byte it ends at, the event after which it and every piece before it are
+        there: each piece waits for the one before), so the writer can checksum what has landed.
 
         In pieces of ``piece_bytes``, alternately on the two side streams, each piece waiting for
         the one before: a stream's queue runs dry after each piece, so a small read of the
@@ -210,6 +213,7 @@ class DeviceCapture:
         total = host.numel()
         piece = min(self.piece_bytes or total, total) or 1
         prev = read  # recorded on ``side``
+        marks = []
         for i, lo in enumerate(range(0, total, piece)):
             st = side if i % 2 == 0 else other
             if i:
@@ -218,10 +222,11 @@ class DeviceCapture:
                 host[lo: lo + piece].copy_(staging[lo: lo + piece], non_blocking=True)
             prev = torch.cuda.Event()
             prev.record(st)
+            marks.append((min(lo + piece, total), prev))
         if total > piece:
             staging.record_stream(other)  # freed only once the other stream's pieces have read it
             side.wait_event(prev)  # the next capture comes after this copy's last piece, as before
-        return prev
+        return prev, marks
 
 
 class _Job:
@@ -236,6 +241,7 @@ class _Job:
         self.ready = torch.cuda.Event()  # recorded on the training stream by the capture
         self.read: torch.cuda.Event | None = None
         self.copied: torch.cuda.Event | None = None
+        self.marks: list[tuple[int, torch.cuda.Event]] = []  # per piece of the copy (see DeviceCapture._copy)
         self.error: BaseException | None = None
         self._read_set = threading.Event()
         self._copied_set = threading.Event()
@@ -244,8 +250,8 @@ class _Job:
         self.read = event
         self._read_set.set()
 
-    def set_copied(self, event: torch.cuda.Event) -> None:
-        self.copied = event
+    def set_copied(self, event: torch.cuda.Event, marks: list[tuple[int, torch.cuda.Event]] = ()) -> None:
+        self.copied, self.marks = event, list(marks)
         self._copied_set.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -284,6 +290,17 @@ class _PendingCopy:
         self.job.wait_launched(self.job._copied_set, "copy to the host")
         self.job.copied.synchronize()
 
+    def landed(self):
+        """The bytes on the host so far, a count from the start of the delta, yielded once each
+        piece of the copy has ended (the last: all of them): the writer checksums each part as it
+        lands instead of after the whole copy."""
+        self.job.wait_launched(self.job._copied_set, "copy to the host")
+        for end, event in self.job.marks:
+            event.synchronize()
+            yield end
+        self.job.copied.synchronize()
+        yield self.job.total
+
 
 def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of every tensor of ``records``, in order."""
@@ -291,14 +308,14 @@ def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
 
 
 def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None,
-                     algorithm: str = "crc32") -> list[ShardRecord]:
+                     algorithm: str = "crc32", landed=None) -> list[ShardRecord]:
     """``records`` of a GPU capture (:data:`PENDING_CRC`) with the checksum of each tensor's bytes
     by ``algorithm`` (:mod:`elastic_emb.state.digest`): ``crcs`` (one per tensor, in order) when
     the caller computed them, else computed here from ``data`` (the delta's bytes on the host,
     numpy uint8, read only after the capture's event) on several cores
-    (:func:`~elastic_emb.state.digest.digest_ranges`)."""
+    (:func:`~elastic_emb.state.digest.digest_ranges`; ``landed``: as the copy lands, see there)."""
     if crcs is None:
-        crcs = digest_ranges(data, record_ranges(records), algorithm)
+        crcs = digest_ranges(data, record_ranges(records), algorithm, landed)
     it = iter(crcs)
     return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it), "algorithm": algorithm})
                                                for tr in rec.tensors]}) for rec in records]

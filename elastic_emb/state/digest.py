@@ -85,11 +85,18 @@ def digest(data, algorithm: str) -> int:
     return d.value()
 
 
-def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str) -> list[int]:
+def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str, landed=None) -> list[int]:
     """The checksum of ``buf[off: off + n]`` for each ``(off, n)`` of ``ranges``, the uint8 array
     read in place on the checksum threads of :mod:`elastic_emb.state.crc` (both libraries
-    release the GIL), chunk by chunk: how the background writer checksums a GPU capture."""
+    release the GIL), chunk by chunk: how the background writer checksums a GPU capture.
+
+    ``landed`` (XXH3-64): an iterable of growing byte counts, each yielded once ``buf[:count]``
+    holds its final bytes (the copy of a delta landing piece by piece): a chunk is handed to the
+    threads as soon as it has landed, so the checksums run beside the copy, not after it. Every
+    count is consumed before the result."""
     if algorithm == "crc32":
+        for _ in landed or ():
+            pass  # CRC32 chunks are joined in order by crc.checksum_ranges: after the whole copy
         return crc.checksum_ranges(buf, ranges)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"checksum algorithm {algorithm!r} is not one of {ALGORITHMS}")
@@ -99,8 +106,13 @@ def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str
     xxh = _xxhash()
     jobs = [(r, c, min(c + TREE_CHUNK, off + n)) for r, (off, n) in enumerate(ranges)
             for c in range(off, off + n, TREE_CHUNK)]
-    futures = [crc.pool().submit(lambda lo, hi: xxh.xxh3_64_intdigest(memoryview(buf[lo:hi])), lo, hi)
-               for _, lo, hi in jobs]
+    jobs.sort(key=lambda j: j[2])  # by the byte each chunk ends at: the order it lands in
+    run = lambda lo, hi: xxh.xxh3_64_intdigest(memoryview(buf[lo:hi]))
+    futures = []
+    for mark in landed or ():
+        while len(futures) < len(jobs) and jobs[len(futures)][2] <= mark:
+            futures.append(crc.pool().submit(run, *jobs[len(futures)][1:]))
+    futures += [crc.pool().submit(run, lo, hi) for _, lo, hi in jobs[len(futures):]]
     per: list[list[int]] = [[] for _ in ranges]
     for (r, _, _), fut in zip(jobs, futures):
         per[r].append(fut.result())

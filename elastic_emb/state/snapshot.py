@@ -250,10 +250,15 @@ class SnapshotTier:
         data_name = f"rank{topo.rank}.bin"
         seg = cap.buffer if isinstance(cap.buffer, Segment) else None
         if cap.copied is not None:  # a GPU capture: wait here (not in the training thread) for its bytes
-            cap.copied.synchronize()
-            if seg is not None:  # already in its log segment: checksummed there, on several cores
-                records, error = finished_records(cap.records, seg.host.numpy(), algorithm=DELTA_CHECKSUM), None
+            if seg is not None:  # landing in its log segment: checksummed there, on several cores, piece by
+                # piece as the copy lands (a capture without pieces: after the whole copy)
+                landed = cap.copied.landed() if hasattr(cap.copied, "landed") else None
+                if landed is None:
+                    cap.copied.synchronize()
+                records, error = finished_records(cap.records, seg.host.numpy(), algorithm=DELTA_CHECKSUM,
+                                                  landed=landed), None
             else:
+                cap.copied.synchronize()
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
             error = self._write(cdir, data_name, blob, written, step)
