@@ -29,9 +29,11 @@ an H200 launching them took it 2 ms per commit of a 20 ms step, 4.7 ms once the 
 pieces. Now it spends about the cost of laying out the records (0.3 ms there).
 
 No checksum is computed on the GPU or by the training thread. The background writer
-(:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's event in its own thread,
+(:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's events in its own thread,
 computes the checksum of every tensor of the delta over the bytes where they landed, on several
-cores (:func:`finished_records`; for a delta in a log segment XXH3-64 in 16 MiB chunks,
+cores, each chunk as soon as the piece of the copy holding its end has landed (:meth:`_PendingCopy.landed`;
+on an H200 this left 3-5 ms of the writer's work after a 9.4 ms copy, against 10.7 ms after the
+whole copy) (:func:`finished_records`; for a delta in a log segment XXH3-64 in 16 MiB chunks,
 :data:`DELTA_CHECKSUM`: zlib's CRC32 was the bound of the whole commit path, see
 :mod:`elastic_emb.state.digest`; the pinned path keeps CRC32), and writes
 the manifest last, as for any commit: naming the log segment the bytes already are in, or, for a
