@@ -314,6 +314,23 @@ class InProcessResize:
         return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober,
                            patience=self.detect_timeout)
 
+    def join_due(self) -> bool:
+        """At the end of training: whether a join plan asks to re-form after the step just taken
+        (the planner published it at the boundary before the last step, so every worker saw it
+        before that step's collective). Without this re-form the joiner would wait to be included
+        by a world that has finished. Departures are not acted on here: with no collective left,
+        the workers could disagree on them."""
+        if not self.enabled:
+            return False
+        try:
+            plan = self._read_plan()
+        except Exception as exc:
+            if not is_connection_error(exc):
+                raise
+            self.watcher._store_failed(exc)
+            return False
+        return plan is not None and self.lc.step >= plan["after_step"]
+
     def _saw(self, t0: float) -> None:
         if self._seen is None:  # the first check that saw this change: detection ends, drain starts
             now = time.perf_counter()

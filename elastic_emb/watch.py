@@ -379,7 +379,8 @@ class Watcher:
     def watch_failures(self, key: str | None) -> None:
         """In process (``rollcall.py``): every poll reads ``key``, set when a collective of this
         generation failed; ``failure_seen`` then holds (and ``interrupted()``)."""
-        self._failure_key, self.failure_seen = key, False
+        with self._lock:  # a poll that read the previous key must not set the flag of this one
+            self._failure_key, self.failure_seen = key, False
 
     def interrupted(self) -> bool:
         """This generation is over: a member gone or a peer's collective failed (store waits end)."""
@@ -489,9 +490,16 @@ class Watcher:
         if self._agent_gone():
             self._orphaned()
             return
-        if self._failure_key is not None and not self.failure_seen:
+        key = self._failure_key
+        if key is not None and not self.failure_seen:
             try:
-                self.failure_seen = bool(self._reader.store.check([self._failure_key]))
+                seen = bool(self._reader.store.check([key]))
+                with self._lock:
+                    # watch_failures may have moved to the next generation's key meanwhile: the
+                    # previous generation's failure (set before it re-formed) is not this one's
+                    # (seen: the new generation's agreement ended with MemberGone and fell back).
+                    if seen and self._failure_key == key:
+                        self.failure_seen = True
             except Exception as exc:  # the state read below reports an outage; this is a hint only
                 self._log.debug("watch_store_error", op="failure_flag", error=repr(exc))
         try:

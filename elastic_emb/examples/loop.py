@@ -237,6 +237,12 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                     return 0
                 log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
                 return 3
+        if resize is not None and resize.join_due():
+            # A joiner became ready just before the last step: include it now, so that the world
+            # that writes the final tables is the one the joiner's agent is part of.
+            topo = reform(lc.step + 1, failed=False)
+            if topo is None:
+                return 0 if lc.wait_for_restart(args.drain_timeout) else 3
         path = write_final(lc, cfg, args.out)
         progress.write("final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                        path=str(path))
