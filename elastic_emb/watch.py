@@ -237,6 +237,7 @@ class Watcher:
         self.last_state: RendezvousView | None = None
         self._failure_key: str | None = None  # resize.py: a peer's collective failed (rollcall.py)
         self.prober = None  # resize.py: the members' liveness sockets (rollcall.Prober)
+        self.on_failure: Callable[[], None] | None = None  # resize.py: abort the communicator
         self.failure_seen = False
         self._log = get_logger("elastic_emb.watch", rank=rank)
         # ValueError for a negative bound, before anything starts.
@@ -377,10 +378,18 @@ class Watcher:
         self.rank, self.world_size = rank, world_size
 
     def watch_failures(self, key: str | None) -> None:
-        """In process (``rollcall.py``): every poll reads ``key``, set when a collective of this
-        generation failed; ``failure_seen`` then holds (and ``interrupted()``)."""
-        with self._lock:  # a poll that read the previous key must not set the flag of this one
+        """In process (``rollcall.py``): each poll reads ``key``, set when a collective of this
+        generation failed; then ``failure_seen`` holds and ``on_failure`` runs once (locked: never
+        for a replaced key)."""
+        with self._lock:
             self._failure_key, self.failure_seen = key, False
+
+    def _control_set(self, key: str) -> bool:
+        try:
+            return bool(self._reader.store.check([key]))
+        except Exception as exc:  # the state read reports an outage; this is a hint only
+            self._log.debug("watch_store_error", op="failure_flag", error=repr(exc))
+            return False
 
     def interrupted(self) -> bool:
         """This generation is over: a member gone or a peer's collective failed (store waits end)."""
@@ -490,18 +499,15 @@ class Watcher:
         if self._agent_gone():
             self._orphaned()
             return
-        key = self._failure_key
-        if key is not None and not self.failure_seen:
-            try:
-                seen = bool(self._reader.store.check([key]))
-                with self._lock:
-                    # watch_failures may have moved to the next generation's key meanwhile: the
-                    # previous generation's failure (set before it re-formed) is not this one's
-                    # (seen: the new generation's agreement ended with MemberGone and fell back).
-                    if seen and self._failure_key == key:
-                        self.failure_seen = True
-            except Exception as exc:  # the state read below reports an outage; this is a hint only
-                self._log.debug("watch_store_error", op="failure_flag", error=repr(exc))
+        if (key := self._failure_key) is not None and not self.failure_seen and self._control_set(key):
+            with self._lock:
+                # watch_failures may have moved to the next generation's key meanwhile: the previous
+                # generation's failure is not this one's (seen: the new generation's agreement ended
+                # with MemberGone and fell back)
+                if key == self._failure_key and not self.failure_seen:
+                    self.failure_seen = True
+                    if self.on_failure is not None:
+                        self.on_failure()
         try:
             view = self._reader.state()
         except UnsafeStateError as exc:
