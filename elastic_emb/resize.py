@@ -306,8 +306,7 @@ class InProcessResize:
             except OSError as exc:  # the roll call's grace and the heartbeat still find the dead
                 log.warning("liveness_socket_unavailable", node=watcher.node, error=repr(exc))
                 return
-        watcher.prober.members, watcher.prober.local_world_size = nodes, topology.local_world_size
-        watcher.prober.found = ()
+        watcher.prober.enter(topology.generation, nodes, topology.local_world_size)
 
     def _rollcall(self, generation: int) -> RollCall:
         return RollCall(self.watcher._reader.store, self.watcher._reader.run_id, generation, self._signer, log)

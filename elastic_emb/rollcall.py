@@ -22,7 +22,8 @@ formed; the caller raises the run's generation high-water mark first, ``resize.p
    as a whole: its agent restarts it (rejoin or restart mode), never half a node.
 
 Faster and certain where it applies: every worker listens on a TCP socket of its own
-(:class:`Prober`, address signed under ``inproc_root``) that it never closes while it lives. A
+(:class:`Prober`, its address signed under the prefix of each generation it is in, so a
+crashed worker's stale address is never probed in a later one) that it never closes while it lives. A
 connection refused there means no process holds the port: that worker is dead (its host up, as
 after a SIGKILL). The roll call takes such a node as absent at once, and a survivor blocked in a
 store wait for a peer (a commit's exchange: no collective fails there) probes the members once
@@ -43,12 +44,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from elastic_emb.rdzv.keys import inproc_prefix, inproc_root
+from elastic_emb.rdzv.keys import inproc_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 KEY_FAILED = "failed"  # a collective of the generation before this one failed [flag]
 KEY_ALIVE = "alive/"  # + node + "/" + local rank: that worker answered the roll call [control]
-KEY_PROBE = "probe/"  # under inproc_root: + node + "/" + local rank: its liveness socket HOST:PORT [control]
+KEY_PROBE = "probe/"  # under inproc_prefix: + node + "/" + local rank: its liveness socket HOST:PORT [control]
 PROBE_AFTER_S = 0.2  # a store wait this long probes the members (a healthy exchange takes milliseconds)
 PROBE_EVERY_S = 0.1
 
@@ -116,18 +117,20 @@ class RollCall:
 
 class Prober:
     """Kernel-level liveness of the workers of one run (module docstring): :meth:`listen` opens
-    this worker's socket and publishes its address; :meth:`dead` probes the members'. ``found``
-    holds the members the last probe of a store wait found dead (``resize.py`` clears it when the
-    world re-forms)."""
+    this worker's socket, :meth:`enter` publishes its address for a generation and probes that
+    generation's members from then on; :meth:`dead` probes. ``found`` holds the members the last
+    probe of a store wait found dead (cleared by :meth:`enter`)."""
 
     def __init__(self, store, run_id: str, signer: Signer, log, timeout: float = 0.1) -> None:
         self._store = store
-        self._root = inproc_root(run_id)
+        self._run_id = run_id
         self._signer = signer
         self._log = log
         self._timeout = timeout
-        self._addrs: dict[tuple[str, int], tuple[str, int]] = {}
+        self._addrs: dict[tuple[str, int], tuple[str, int]] = {}  # of ``generation``
         self._sock: socket.socket | None = None
+        self._me: tuple[str, int] | None = None
+        self.generation = -1
         self.members: tuple[str, ...] = ()
         self.local_world_size = 1
         self.found: tuple[str, ...] = ()
@@ -135,16 +138,26 @@ class Prober:
 
     def listen(self, node: str, local_rank: int) -> None:
         """Listen on the node's address (the one in its rendezvous id, ``addr_pid_localid``) for
-        as long as this process lives, and publish it (signed). A daemon thread accepts and closes
-        every probe, so the backlog never fills."""
+        as long as this process lives. A daemon thread accepts and closes every probe, so the
+        backlog never fills."""
         host = node.rsplit("_", 2)[0]
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.bind((host, 0))
         sock.listen(64)
         self._sock = sock
         threading.Thread(target=self._serve, name="elastic_emb-liveness", daemon=True).start()
-        key = f"{self._root}{KEY_PROBE}{node}/{local_rank}"
-        self._store.set(key, self._signer.sign(key, f"{host}:{sock.getsockname()[1]}"))
+        self._me = (node, local_rank)
+
+    def enter(self, generation: int, members: tuple[str, ...], local_world_size: int) -> None:
+        """This worker is in ``generation`` (before its agreement): publish its address there
+        (signed) and probe ``members`` by their addresses of that generation from now on."""
+        self.generation, self.members, self.local_world_size = generation, tuple(members), local_world_size
+        self._addrs, self.found = {}, ()
+        if self._me is not None and self._sock is not None:
+            node, local_rank = self._me
+            key = f"{inproc_prefix(self._run_id, generation)}{KEY_PROBE}{node}/{local_rank}"
+            host = node.rsplit("_", 2)[0]
+            self._store.set(key, self._signer.sign(key, f"{host}:{self._sock.getsockname()[1]}"))
 
     def _serve(self) -> None:
         while True:
@@ -156,7 +169,7 @@ class Prober:
 
     def _addr(self, node: str, local_rank: int) -> tuple[str, int] | None:
         if (node, local_rank) not in self._addrs:
-            key = f"{self._root}{KEY_PROBE}{node}/{local_rank}"
+            key = f"{inproc_prefix(self._run_id, self.generation)}{KEY_PROBE}{node}/{local_rank}"
             if not self._store.check([key]):
                 return None
             value = read_signed(self._store, self._signer, key, self._log)

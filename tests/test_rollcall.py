@@ -29,7 +29,9 @@ import structlog, torch.distributed as dist
 from elastic_emb.rdzv.signing import Signer
 from elastic_emb.rollcall import Prober
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
-Prober(store, "rc", Signer(None), structlog.get_logger()).listen(sys.argv[2], 0)
+prober = Prober(store, "rc", Signer(None), structlog.get_logger())
+prober.listen(sys.argv[2], 0)
+prober.enter(5, (), 1)  # publishes its address for generation 5
 print("listening", flush=True)
 time.sleep(60)
 """
@@ -51,6 +53,9 @@ def test_a_killed_workers_socket_refuses_and_a_stopped_ones_is_accepted(store):
     procs = {n: _child(store, n) for n in (live, killed)}
     try:
         prober = Prober(store, "rc", Signer(None), LOG)
+        prober.enter(4, (live, killed), 1)
+        assert prober.dead([live, killed], 1) == ()  # no address published for generation 4: no evidence
+        prober.enter(5, (live, killed), 1)
         assert prober.dead([live, killed, "127.0.0.1_3_0"], 1) == ()  # the third never published: no evidence
         os.kill(procs[live].pid, signal.SIGSTOP)  # alive but not running: the kernel still accepts
         procs[killed].kill()
@@ -58,7 +63,6 @@ def test_a_killed_workers_socket_refuses_and_a_stopped_ones_is_accepted(store):
         t0 = time.monotonic()
         assert prober.dead([live, killed], 1) == (killed,)
         assert time.monotonic() - t0 < 2.0
-        prober.members, prober.local_world_size = (live, killed), 1
         assert prober.probe_members() == (killed,) and prober.found == (killed,)
     finally:
         for p in procs.values():
@@ -88,6 +92,7 @@ def test_the_roll_call_takes_the_silent_and_the_refusing_as_absent(store):
     killed.wait(10)
     t0 = time.monotonic()
     prober = Prober(store, "rc", signer, LOG)
+    prober.enter(5, nodes, 1)
     assert roll.absent(nodes[:1] + nodes[2:], 1, lambda: (), grace=30.0, prober=prober) == (nodes[2],)
     assert time.monotonic() - t0 < 5.0
     # a node proven alive (its socket accepts) that does not answer is waited for up to patience,
