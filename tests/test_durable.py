@@ -3,7 +3,7 @@
 Two real gloo ranks train an :class:`~elastic_emb.context.EmbContext` with a durable tier. The
 durable thread of both ranks is held at the fault point ``durable_saving`` of step 3 (a gate, not
 a clock): steps 4 and 5 then run and commit while the checkpoint of step 3 is demonstrably still
-in flight (no file of it exists yet). Once the gate opens, the checkpoint completes and holds
+in flight (no DCP file of this rank, no metadata and no manifest exist yet). Once the gate opens, the checkpoint completes and holds
 the rows of step 3, not the later ones: plain ``torch.distributed.checkpoint.load`` reads it in
 this test's single process (world size 1, saved at 2), bit for bit.
 """
@@ -50,8 +50,12 @@ seen = []
 for step in (4, 5):  # the checkpoint of step 3 is held at its gate all along
     lw.train_step(lc.context, step)
     lc.commit(step)
-    seen.append({"step": step, "in_flight": lc.durable_in_flight, "committed": lc.committed_step,
-                 "files": glob.glob(os.path.join(spec["config"]["durable_dir"], "test", "step-000000000003-*"))})
+    # This rank's DCP files and the checkpoint's metadata and manifest (the other rank may have
+    # opened its own gate already and made the directory: its files are not this rank's save).
+    ckpt = os.path.join(spec["config"]["durable_dir"], "test", "step-000000000003-*")
+    files = [f for f in glob.glob(os.path.join(ckpt, "*")) + glob.glob(os.path.join(ckpt, ".*"))
+             if os.path.basename(f).startswith((f"__{lc.topology.rank}", ".metadata", "elastic_emb_manifest"))]
+    seen.append({"step": step, "in_flight": lc.durable_in_flight, "committed": lc.committed_step, "files": files})
 gate.set()
 lc.wait_durable()
 lc.close()
