@@ -128,6 +128,21 @@ def _wait_for_sigterm(timeout: float) -> bool:
     return got.wait(timeout)
 
 
+def _pace(delay: float, resize) -> None:
+    """Drill pacing: sleep ``delay`` after a step, in slices, and stop early once a join plan asks
+    this world to re-form (``InProcessResize.join_due``). A drill slows training down while a
+    joiner starts, so that a short run cannot end first; the re-form itself must not wait for the
+    rest of a slowed step, or the pause a drill reports would be the pacing, not the re-form."""
+    deadline = time.monotonic() + delay
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+        if resize is not None and resize.join_due():
+            return
+
+
 def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                 on_first_start: Callable[[object], None] | None = None) -> int:
     """Train steps ``lc.next_step .. args.steps - 1`` elastically (see the module docstring).
@@ -227,7 +242,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
             # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
             delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
             if delay and not lc.draining:
-                time.sleep(delay)
+                _pace(delay, resize)
             if lc.draining:
                 # The agent is about to restart us for a new world: everything up to `step` is
                 # committed; stop stepping and wait (bounded) for its SIGTERM.
