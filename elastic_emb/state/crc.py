@@ -102,14 +102,19 @@ def _joined(ranges: list[tuple[int, int]], jobs: list[tuple[int, int, int]], crc
     return out
 
 
+def check_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    """Raise ValueError naming the first ``(off, n)`` of ``ranges`` that is not inside ``buf``."""
+    for off, n in ranges:
+        if off < 0 or n < 0 or off + n > buf.size:
+            raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
+
+
 def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]:
     """The CRC32 (``zlib.crc32``) of ``buf[off: off + n]`` for each ``(off, n)`` of ``ranges``, the
     uint8 array ``buf`` read in place, chunk by chunk on the pool's threads. This is how the
     background writer checksums a GPU capture's bytes where they landed (a log segment or a
     pinned buffer), off the training thread."""
-    for off, n in ranges:
-        if off < 0 or n < 0 or off + n > buf.size:
-            raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
+    check_ranges(buf, ranges)
     jobs = _chunks(ranges)
     if len(jobs) <= 1:  # one chunk: a thread would only add its hand-over
         return _joined(ranges, jobs, [zlib.crc32(memoryview(buf[lo:hi])) for _, lo, hi in jobs])

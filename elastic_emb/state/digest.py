@@ -100,9 +100,7 @@ def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str
         return crc.checksum_ranges(buf, ranges)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"checksum algorithm {algorithm!r} is not one of {ALGORITHMS}")
-    for off, n in ranges:
-        if off < 0 or n < 0 or off + n > buf.size:
-            raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
+    crc.check_ranges(buf, ranges)
     xxh = _xxhash()
     jobs = [(r, c, min(c + TREE_CHUNK, off + n)) for r, (off, n) in enumerate(ranges)
             for c in range(off, off + n, TREE_CHUNK)]
