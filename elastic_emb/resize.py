@@ -264,20 +264,26 @@ class InProcessResize:
         if self._gone() or self.watcher.failure_seen:
             self._saw(t0)
             return True
-        try:
-            plan = self._read_plan()
-            if plan is None and self._is_planner() and self._ready_joiners():
-                plan = self._publish_plan(self._ready_joiners())
-        except Exception as exc:
-            if not is_connection_error(exc):
-                raise
-            # The store is down (etcd restarting): the collectives do not need it, so keep training;
-            # the watcher counts the outage, and past its bound the agent stops this worker.
-            self.watcher._store_failed(exc)
-            return False
+        plan = self._current_plan(publish=True)
         if plan is not None:
             self._saw(t0)
         return plan is not None and self.lc.step >= plan["after_step"]
+
+    def _current_plan(self, *, publish: bool) -> dict | None:
+        """The next generation's join plan, or None; with ``publish``, the planner first publishes
+        one when joiners are ready. None too while the store is down (etcd restarting): the
+        collectives do not need it, so training goes on; the watcher counts the outage, and past
+        its bound the agent stops this worker."""
+        try:
+            plan = self._read_plan()
+            if plan is None and publish and self._is_planner() and self._ready_joiners():
+                plan = self._publish_plan(self._ready_joiners())
+            return plan
+        except Exception as exc:
+            if not is_connection_error(exc):
+                raise
+            self.watcher._store_failed(exc)
+            return None
 
     def planned(self) -> bool:
         """A join plan for the next generation is published: its ``after_step`` is to be taken
@@ -333,13 +339,7 @@ class InProcessResize:
         the workers could disagree on them."""
         if not self.enabled:
             return False
-        try:
-            plan = self._read_plan()
-        except Exception as exc:
-            if not is_connection_error(exc):
-                raise
-            self.watcher._store_failed(exc)
-            return False
+        plan = self._current_plan(publish=False)
         return plan is not None and self.lc.step >= plan["after_step"]
 
     def _saw(self, t0: float) -> None:
