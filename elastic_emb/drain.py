@@ -10,7 +10,7 @@ wire contract, and ``watch.py``): a round-scoped ``drain`` key under
 :func:`elastic_emb.rdzv.keys.round_prefix`, which every worker's ``Watcher`` polls; the workers
 agree on a last step, commit it, and count themselves in ``acks``; each watcher published the
 number of acknowledgements to expect as ``world_size``. This module writes nothing else and
-reads only those keys (signing the request when the job has a secret, ``rdzv/signing.py``), through the same :class:`elastic_emb.watch.RendezvousReader` the workers
+reads only those keys (signing the request when the job has a secret, ``rdzv/signing.py``), through the same :class:`elastic_emb.rdzv.reader.RendezvousReader` the workers
 use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs this
 client against real watchers. The two counts cannot be signed (``acks`` is an atomic add): they
 are read as untrusted input, and one outside ``[0, rdzv.keys.MAX_COUNT]`` (a wrapped or foreign
@@ -113,7 +113,7 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     """
     if timeout <= 0 or poll <= 0:
         raise ValueError(f"timeout={timeout!r} and poll={poll!r} must be > 0 seconds")
-    from elastic_emb.watch import RendezvousReader  # imports torch.distributed: only when draining
+    from elastic_emb.rdzv.reader import RendezvousReader  # imports torch.distributed: only when draining
 
     start = time.monotonic()
     try:

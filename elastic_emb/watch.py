@@ -3,13 +3,16 @@
 torchrun tells a worker nothing about membership. :class:`Watcher` polls the
 rendezvous state every ``interval`` seconds (bounded: every store read has a timeout and the
 loop sleeps on an Event, so ``stop()`` returns within one interval plus one read) and turns
-differences into :class:`MembershipEvent` records:
+differences into :class:`~elastic_emb.membership.MembershipEvent` records: ``join_pending``,
+``departure``, ``round_advanced``, ``evicted`` (decided from each state by
+:func:`elastic_emb.membership.classify`, a pure function, where the kinds are explained),
+``agent_lost`` (the worker's own agent process vanished: its parent changed) and
+``drain_requested``.
 
-``join_pending`` (a node waits in the wait list: a scale-up restart is coming), ``departure``
-(a participant of the worker's round is gone from the state: heartbeat expired or it left),
-``round_advanced`` (the rendezvous moved past the worker's round), ``agent_lost`` (the worker's
-own agent process vanished: its parent changed), ``evicted`` (the worker's node is
-outside the membership), ``drain_requested``.
+The parts: ``rdzv/reader.py`` opens the store and reads the state for each inner backend;
+``membership.py`` says what one state means; this module holds what needs a thread, a store
+and time: the polling loop, the orphan stop, the drain agreement, the outage accounting and the
+signed confirmations below. The reader's and the events' names stay importable from here.
 
 **Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store:
 the watcher decodes it with the restricted decoder of ``rdzv/decode.py`` (the same one the agent
@@ -57,23 +60,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from elastic_emb.events import get_logger
-# The worker side imports the wire contract (keys), the shared decoder and view (decode) and the
-# shared outage tracker (outage) from the rendezvous package; never the agent-side handler.
+from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
+# The worker side imports the wire contract (keys), the shared decoder and view (decode), the
+# shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
+# the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
 from elastic_emb.rdzv.keys import (
     KEY_EVICTED,
-    C10D_NULL_STATE,
-    C10D_STATE_KEY,
-    ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
-    ETCD_STATE_KEY,
-    ETCD_STORE_PREFIX,
     KEY_ACK,
     KEY_ACKS,
     KEY_DEAD,
@@ -84,102 +81,14 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
 )
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
+from elastic_emb.rdzv.reader import RendezvousReader, print_state
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 StateView = RendezvousView  # the name this module used before the two views were merged
-__all__ = ["ALLOWED_CLASSES", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView", "StateView",
-           "UnsafeStateError", "Watcher", "decode_state", "print_state"]
-
-
-# -- reading the rendezvous ---------------------------------------------------------------------
-
-
-class RendezvousReader:
-    """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend."""
-
-    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0) -> None:
-        self.backend = backend
-        self.run_id = run_id
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{ENV_RDZV_ENDPOINT}={endpoint!r} must be HOST:PORT")
-        self.endpoint = endpoint
-        if backend == "c10d":
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
-            )
-            self._state_key = C10D_STATE_KEY.format(run_id=run_id)
-            self._client = None
-        elif backend == "etcd-v2":
-            import etcd  # python-etcd
-            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
-
-            self._client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
-            self.store = EtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
-            self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
-        elif backend == "etcd-v3":
-            from elastic_emb.rdzv.etcd_v3 import open_reader
-
-            self.store, self._v3 = open_reader(endpoint, run_id, timeout)
-            self._client = self._v3
-        else:
-            raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d, etcd-v2 or etcd-v3")
-
-    def world_store(self, timeout: float):
-        """A separate client of the rendezvous store with a longer timeout: the store of the
-        generations the survivors form in process (``resize.py``), whose process groups wait on it."""
-        host, _, port = self.endpoint.rpartition(":")
-        if self._client is None:
-            import torch.distributed as dist
-
-            return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
-        if self.backend == "etcd-v3":  # its own client: the endpoint may list several members
-            from elastic_emb.rdzv.etcd_v3 import open_reader
-
-            return open_reader(self.endpoint, self.run_id, timeout)[0]
-        import etcd
-
-        from elastic_emb.rdzv.etcd_v2 import CasEtcdStore  # agreements need compare_set
-
-        client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
-        return CasEtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
-
-    def raw_state(self) -> bytes | None:
-        if self._client is None:
-            if not self.store.check([self._state_key]):
-                return None
-            raw = self.store.get(self._state_key)
-            return None if raw == C10D_NULL_STATE else raw
-        if self.backend == "etcd-v3":
-            return self._v3.raw_state()
-        import etcd
-
-        try:
-            return self._client.read(self._state_key).value.encode()
-        except etcd.EtcdKeyNotFound:
-            return None
-
-    def state(self) -> RendezvousView | None:
-        raw = self.raw_state()
-        return None if raw is None else decode_state(raw)
-
-
-# -- events -------------------------------------------------------------------------------------
-
-EventKind = Literal["join_pending", "departure", "round_advanced", "agent_lost", "evicted", "drain_requested"]
-
-
-class MembershipEvent(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: EventKind
-    round: int  # the worker's round (generation)
-    state_round: int | None = None
-    nodes: tuple[str, ...] = ()
-    participants: tuple[str, ...] = ()
-    at: float  # time.time()
+# Names this module exported before the reader (rdzv/reader.py) and the event classification
+# (membership.py) moved out; they stay importable from here.
+__all__ = ["ALLOWED_CLASSES", "EventKind", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView",
+           "StateView", "UnsafeStateError", "Watcher", "decode_state", "print_state"]
 
 
 # -- the watcher --------------------------------------------------------------------------------
@@ -355,12 +264,11 @@ class Watcher:
         workers: wait for its SIGTERM instead of exiting with an error, which torch would count
         against the restart budget. False means the failure is a real one.
         """
-        explaining = {"departure", "round_advanced", "join_pending", "agent_lost", "evicted"}
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 seen = {kind for kind, _ in self._reported}
-            if self._evicted or seen & explaining:
+            if self._evicted or seen & EXPLAINING:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -400,7 +308,7 @@ class Watcher:
         view = self.last_state
         if view is None or self.round is None:
             return ()
-        return tuple(n for n in self._members if n not in view.nodes)
+        return departed(self._members, view)
 
     @property
     def stop_step(self) -> int | None:
@@ -528,16 +436,11 @@ class Watcher:
             self._members = view.nodes
         if self.round is None:
             return
-        if view.wait_list:
-            self._emit("join_pending", nodes=view.wait_list, state_round=view.round)
-        gone = tuple(n for n in self._members if n not in view.nodes)
-        if gone:
-            self._emit("departure", nodes=gone, state_round=view.round)
-        if view.round > self.round:
-            self._emit("round_advanced", state_round=view.round)
-        if self.node is not None and view.round >= self.round and self.node not in view.nodes and self.node not in view.wait_list:
-            if self._eviction_confirmed():
-                self._evict("evicted", nodes=(self.node,), state_round=view.round)
+        for change in classify(view, round_=self.round, members=self._members, node=self.node):
+            if change.kind != "evicted":
+                self._emit(change.kind, nodes=change.nodes, state_round=change.state_round)
+            elif self._eviction_confirmed():
+                self._evict("evicted", nodes=change.nodes, state_round=change.state_round)
 
     def _eviction_confirmed(self) -> bool:
         """Whether to believe a state that leaves this node out. Without a job secret, yes: the
@@ -606,17 +509,3 @@ class Watcher:
         term = threading.Timer(self.stop_delay, os.kill, args=(os.getpid(), signal.SIGTERM))
         term.daemon = True
         term.start()
-
-
-# -- print the rendezvous state (restricted decoding): ``elastic-emb rdzv-state`` -----------------
-
-
-def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float = 0.0, count: int = 1) -> int:
-    """Print the decoded rendezvous state as JSON lines (``count`` reads, ``follow`` s apart)."""
-    reader = RendezvousReader(inner, endpoint, run_id)
-    for i in range(max(1, count)):
-        view = reader.state()
-        print(view.model_dump_json() if view is not None else '{"state": null}', flush=True)
-        if i + 1 < count:
-            time.sleep(follow)
-    return 0

@@ -1,0 +1,119 @@
+"""The worker side's one way into a running rendezvous: :class:`RendezvousReader`.
+
+A worker (its :class:`~elastic_emb.watch.Watcher`), the preStop hook (``drain.py``) and
+``elastic-emb rdzv-state`` all need the same two things of the job's rendezvous, whatever inner
+backend it runs on: torch's state (to decode with the restricted decoder of ``rdzv/decode.py``)
+and a ``torch.distributed.Store`` holding elastic_emb's round keys (``rdzv/keys.py``). This
+module opens both from an endpoint and a run id, for each inner backend:
+
+- ``c10d``: a ``TCPStore`` client of the agent's store; the state under ``keys.C10D_STATE_KEY``;
+- ``etcd-v2``: torch's ``EtcdStore`` (python-etcd); the state under ``keys.ETCD_STATE_KEY``;
+- ``etcd-v3``: :class:`~elastic_emb.rdzv.etcd_v3.EtcdV3Store`, and the backend's ``raw_state()``.
+
+It reads and writes nothing else, imports no agent-side module (never ``handler.py``), and
+imports each backend's client only when that backend is used. Every store operation is bounded
+by ``timeout``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from elastic_emb.rdzv.decode import RendezvousView, decode_state
+from elastic_emb.rdzv.keys import (
+    C10D_NULL_STATE,
+    C10D_STATE_KEY,
+    ENV_RDZV_BACKEND,
+    ENV_RDZV_ENDPOINT,
+    ETCD_STATE_KEY,
+    ETCD_STORE_PREFIX,
+)
+
+__all__ = ["RendezvousReader", "print_state"]
+
+
+class RendezvousReader:
+    """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{ENV_RDZV_ENDPOINT}={endpoint!r} must be HOST:PORT")
+        self.endpoint = endpoint
+        if backend == "c10d":
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
+            )
+            self._state_key = C10D_STATE_KEY.format(run_id=run_id)
+            self._client = None
+        elif backend == "etcd-v2":
+            import etcd  # python-etcd
+            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+            self._client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
+            self.store = EtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
+            self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
+        elif backend == "etcd-v3":
+            from elastic_emb.rdzv.etcd_v3 import open_reader
+
+            self.store, self._v3 = open_reader(endpoint, run_id, timeout)
+            self._client = self._v3
+        else:
+            raise ValueError(f"{ENV_RDZV_BACKEND}={backend!r}: use c10d, etcd-v2 or etcd-v3")
+
+    def world_store(self, timeout: float):
+        """A separate client of the rendezvous store with a longer timeout: the store of the
+        generations the survivors form in process (``resize.py``), whose process groups wait on it."""
+        host, _, port = self.endpoint.rpartition(":")
+        if self._client is None:
+            import torch.distributed as dist
+
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
+        if self.backend == "etcd-v3":  # its own client: the endpoint may list several members
+            from elastic_emb.rdzv.etcd_v3 import open_reader
+
+            return open_reader(self.endpoint, self.run_id, timeout)[0]
+        import etcd
+
+        from elastic_emb.rdzv.etcd_v2 import CasEtcdStore  # agreements need compare_set
+
+        client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
+        return CasEtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
+
+    def raw_state(self) -> bytes | None:
+        if self._client is None:
+            if not self.store.check([self._state_key]):
+                return None
+            raw = self.store.get(self._state_key)
+            return None if raw == C10D_NULL_STATE else raw
+        if self.backend == "etcd-v3":
+            return self._v3.raw_state()
+        import etcd
+
+        try:
+            return self._client.read(self._state_key).value.encode()
+        except etcd.EtcdKeyNotFound:
+            return None
+
+    def state(self) -> RendezvousView | None:
+        raw = self.raw_state()
+        return None if raw is None else decode_state(raw)
+
+
+# -- print the rendezvous state (restricted decoding): ``elastic-emb rdzv-state`` -----------------
+
+
+def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float = 0.0, count: int = 1) -> int:
+    """Print the decoded rendezvous state as JSON lines (``count`` reads, ``follow`` s apart)."""
+    reader = RendezvousReader(inner, endpoint, run_id)
+    for i in range(max(1, count)):
+        view = reader.state()
+        print(view.model_dump_json() if view is not None else '{"state": null}', flush=True)
+        if i + 1 < count:
+            time.sleep(follow)
+    return 0
