@@ -10,18 +10,19 @@ barrier until the last rank returns from agree(). Prints a table of medians and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
+import sys
 import threading
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from elastic_emb.topology import Topology, agree
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 
 def trial(port: int, world_size: int, generation: int, clients: list) -> dict:
@@ -87,11 +88,7 @@ def main() -> None:
         print(f"ranks={ws:4d}  median {row['wall_median_ms']:8.1f} ms  (min {row['wall_min_ms']:.1f}, max {row['wall_max_ms']:.1f}; "
               f"per-rank median {row['per_rank_median_ms']:.1f} ms)", flush=True)
         del clients
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "agree", "torch": torch.__version__, "python": platform.python_version(),
-                   "cpus": os.cpu_count(), "results": results}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, "agree", {"results": results})
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from elastic_emb.testing.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
 from _ranks import collect  # noqa: E402
+from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DIM = 64
@@ -279,12 +280,7 @@ def main() -> None:
             shutil.rmtree(args.state_dir, ignore_errors=True)
     for row in summary["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    import torch
-
-    Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-                                           "load_average": os.getloadavg(),
-                                           "args": {k: v for k, v in vars(args).items() if k != "worker"},
-                                           **summary}, indent=2))
+    write_json(args.json, "commit", {"args": {k: v for k, v in vars(args).items() if k != "worker"}, **summary})
 
 
 if __name__ == "__main__":

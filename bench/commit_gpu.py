@@ -30,11 +30,16 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -210,7 +215,7 @@ def main() -> None:
 
     out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
                  "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs, "host_xxh3_gbs": xxh_gbs, "host_crc32_threads": crc_threads, "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "switch_interval_s": sys.getswitchinterval()}
+                 "switch_interval_s": sys.getswitchinterval()}
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + 4 * 2**30, args.state_dir)
     out["state_dir"] = str(state)
@@ -394,7 +399,7 @@ def main() -> None:
         if args.device_only:
             shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
             print(json.dumps(out, indent=1))
-            Path(args.json).write_text(json.dumps(out, indent=1))
+            write_json(args.json, "commit_gpu", out, indent=1)
             return
 
     for label, with_dense in (("dense", True), ("emb_only", False)):
@@ -461,7 +466,7 @@ def main() -> None:
     writer.close()
     shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
     print(json.dumps(out, indent=1))
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, "commit_gpu", out, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -50,7 +54,7 @@ def main() -> None:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     one = torch.ones(1, device=dev)
-    out: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "copy_bytes": nbytes}
+    out: dict = {"copy_bytes": nbytes}
 
     def issue(mode: str, piece: int):
         """Start the copy on the side stream; returns a thread (paced) or None."""
@@ -206,8 +210,7 @@ def main() -> None:
         t.append(time.perf_counter() - t0)
     out["pinned_d2h_gbs"] = nbytes / statistics.median(t) / 1e9
     print(json.dumps(out, indent=1))
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.json, "d2h_overlap", out, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 from elastic_emb.drill import PRESETS, Scenario, run_drill
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 BACKENDS = ("elastic_emb", "c10d")
 
@@ -77,10 +80,7 @@ def main() -> int:
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             print(f"{name:12} {backend:12} {entry['ok']:>2}/{entry['runs']:<2} {fmt(rec):>11} {fmt(entry['restart_s']):>10} "
                   f"{fmt(entry['lifecycle_s']):>12} {entry['steps_lost']:>5} {fmt(entry['ratio_vs_c10d']):>14}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "runs": rows, "machine": platform.platform(),
-                                    "cpus": __import__("os").cpu_count(), "time": time.time()}, indent=2))
-    print(f"\nJSON: {args.out}")
+    write_json(args.out, "drill_recovery", {"summary": summary, "runs": rows})
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -40,6 +40,9 @@ import traceback
 
 from elastic_emb.testing.ports import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
+
 LAYOUT = ["A0", "A1", "B0", "B1", "C0", "C1", "D0", "D1"]
 SURVIVORS = ["A0", "A1", "C0", "C1"]
 DIM = 64
@@ -269,9 +272,7 @@ def main() -> None:
         if own_dir:
             shutil.rmtree(args.state_dir, ignore_errors=True)
     s = summarize(res, args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(s, f, indent=2)
+    write_json(args.json, "ep8", s)
     print(f"\n8 simulated ranks (4 nodes x 2, gloo, CPU), table {args.mb} MB, median of {args.runs} runs\n")
     print(f"{'measure':44} {'value':>12}")
     print(f"{'topology agreement, world 8':44} {s['agree_s'] * 1e3:>10.2f} ms")
@@ -284,7 +285,6 @@ def main() -> None:
         print(f"{'resize ' + name + ' total (slowest survivor)':44} {r['resize_total_s'] * 1e3:>10.1f} ms"
               f"  (teardown {r['phases_s']['teardown_s'] * 1e3:.1f}, agree {r['phases_s']['agreement_s'] * 1e3:.1f},"
               f" construct {r['phases_s']['construct_s'] * 1e3:.1f}, restore {r['phases_s']['restore_s'] * 1e3:.1f} ms)")
-    print(f"\nJSON: {args.json}")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ costs a TLS handshake.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,6 +36,9 @@ from pathlib import Path
 
 from elastic_emb.rdzv import etcd_v3 as v3
 from elastic_emb.testing.etcd import EtcdServer, TLSFiles, etcd_binary
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 
 class UrllibClient(v3.EtcdV3Client):
@@ -120,15 +121,9 @@ def main(argv=None) -> None:
             print(f"{t:>9} {op:>6} {medians[t][op]:9.0f} {ratios[t][op]:8.2f}x")
     print(f"(medians of {args.runs} runs x {args.calls} calls; one etcd on loopback{' over TLS' if args.tls else ''}; "
           f"add = range + compare-and-swap)")
-    report = {"bench": "etcd_calls", "date": time.strftime("%Y-%m-%d", time.gmtime()), "runs": args.runs,
-              "calls": args.calls, "tls": args.tls, "machine": platform.machine(), "cpus": os.cpu_count(),
-              "python": sys.version.split()[0], "etcd_version": version, "samples": samples, "medians": medians,
-              "ratios_to_urllib": ratios}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, "etcd_calls", {"runs": args.runs, "calls": args.calls, "tls": args.tls, "samples": samples,
+                                            "medians": medians, "ratios_to_urllib": ratios}, extra={"etcd": version})
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from elastic_emb.testing.ports import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
 from _ranks import collect  # noqa: E402
+from _report import write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -375,10 +375,7 @@ def main(argv=None) -> None:
         report = lookup_one_gpu.run(args)
         lookup_one_gpu.print_report(report)
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-            print(f"wrote {args.out}")
+            write_json(args.out, "lookup_one_gpu", report)
         return
 
     rows = []
@@ -421,11 +418,8 @@ def main(argv=None) -> None:
             rows.append(entry)
 
     report = {
-        "benchmark": "lookup",
         "device": args.device,
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None},
         "results": rows,
     }
     head = f"{'ranks':>5} {'chunks':>6} {'ids/step':>10} {'F.embedding rows/s':>19} {'sharded rows/s':>15} {'ratio':>6}"
@@ -457,10 +451,7 @@ def main(argv=None) -> None:
           f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f}; "
           f"chunks marked e: eager dedup; result assembled by {rows[0].get('assembly')})")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, "lookup", report)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Medians of ``--runs`` runs of ``--iters`` iterations. Prints a table; ``--out`` 
 from __future__ import annotations
 
 import datetime
-import platform
 import statistics
 import time
 
@@ -178,10 +177,7 @@ def run(args) -> dict:
 
     copy_bound = med(copy_s)
     report = {
-        "benchmark": "lookup_one_gpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"python": platform.python_version(), "torch": torch.__version__,
-                 "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0), "assembly": kernel_status()},
+        "assembly": kernel_status(),
         "config": {"rows": args.rows, "dim": args.dim, "batch": args.batch, "runs": args.runs, "iters": args.iters,
                    "unique_fraction": unique_fraction},
         "exact_vs_index_select": exact,
@@ -208,8 +204,10 @@ def run(args) -> dict:
 def print_report(r: dict) -> None:
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     c = r["config"]
-    print(f"one GPU ({r['host']['gpu']}, torch {r['host']['torch']}), table {c['rows']} x {c['dim']} fp32, "
-          f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['host']['assembly']}")
+    import torch
+
+    print(f"one GPU ({torch.cuda.get_device_name(0)}, torch {torch.__version__}), table {c['rows']} x {c['dim']} fp32, "
+          f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['assembly']}")
     print(f"  copy bound            {ms(r['copy_bound_s']):8.3f} ms  ({r['copy_bound_bytes_per_s'] / 1e12:.2f} TB/s moved)")
     print(f"  index_select          {ms(r['index_select_s']):8.3f} ms  {r['index_select_fraction_of_copy_bound']:.2f} of the bound")
     print(f"  lookup (back to back) {ms(r['lookup_back_to_back_s']):8.3f} ms  {r['fraction_of_copy_bound']:.2f} of the bound, "
@@ -225,7 +223,11 @@ def print_report(r: dict) -> None:
 
 if __name__ == "__main__":
     import argparse
-    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+    from _report import write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=20_000_000)
@@ -238,5 +240,4 @@ if __name__ == "__main__":
     rep = run(a)
     print_report(rep)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rep, f, indent=2)
+        write_json(a.out, "lookup_one_gpu", rep)

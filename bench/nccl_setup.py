@@ -30,6 +30,9 @@ import time
 
 from elastic_emb.testing.ports import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
+
 CONFIGS = {
     "default": {},
     "cumem-off": {"env": {"NCCL_CUMEM_ENABLE": "0"}},
@@ -173,11 +176,7 @@ def main() -> None:
         for line in r["raw"][0].get("nccl_timings", []):
             print("    " + line[-200:])
         sys.stdout.flush()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"benchmark": "nccl_setup", "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, "nccl_setup", {"rows": rows})
 
 
 if __name__ == "__main__":

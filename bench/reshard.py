@@ -47,6 +47,7 @@ from elastic_emb.testing.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
 from _ranks import collect  # noqa: E402
+from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("rebuild", "live", "snapshot", "durable", "dcp")
@@ -384,14 +385,12 @@ def main() -> None:
     for r in rows:
         if "live_transports" in r:
             print(f"size {r['size_mb']} MB: live rows moved by {', '.join(r['live_transports'])}")
-    doc = {"bench": "reshard", "device": args.device, "world": args.world, "runs": args.runs,
+    doc = {"device": args.device, "world": args.world, "runs": args.runs,
            "transport": args.transport or ("alltoall" if args.device == "cuda" else "cma"),
            "state_dir": args.state_dir, "argv": sys.argv[1:], "results": rows,
            "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time"}
     path = Path(args.json or REPO / "out" / f"reshard-{args.device}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {path}")
+    write_json(path, "reshard", doc)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,7 @@ step: torchrun starting Python, importing torch, agreeing, gloo init).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -51,6 +49,8 @@ from datetime import datetime
 if not __package__:
     sys.exit("bench/resize.py imports tests.helpers: run it from the repository root as `python -m bench.resize`")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 from elastic_emb.testing.ports import free_port  # noqa: E402
 from tests.helpers.agents import (  # noqa: E402
     FAST_CONF,
@@ -239,18 +239,14 @@ def main() -> None:
     print(f"\nload average (1 min) at each sequence's start: {min(loads):.1f}-{max(loads):.1f}")
     print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
           f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({
-            "benchmark": "resize", "runs": args.runs, "mode": args.mode, "worker": args.worker, "cap_s": args.cap,
+    write_json(args.out, "resize", {
+            "runs": args.runs, "mode": args.mode, "worker": args.worker, "cap_s": args.cap,
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
             "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
             "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
             "pause_raw_s": pauses, "pause_median_s": pause_med, "kill": args.kill, "table_mb": args.table_mb,
             "load_avg_1min": loads,
-            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
-        }, f, indent=2)
-    print(f"\nwrote {args.out}")
+        })
 
 
 if __name__ == "__main__":

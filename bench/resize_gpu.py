@@ -42,13 +42,15 @@ import datetime
 import json
 import os
 import pickle
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 PHASES = ("detect_s", "drain_s", "decide_s", "teardown_s", "agreement_s", "construct_s", "restore_s", "first_step_s")
 RUN_ID = "bench-resize-gpu"
@@ -109,10 +111,7 @@ def main() -> int:
             shutil.rmtree(state_dir, ignore_errors=True)
     report(result)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(args.out, "resize_gpu", result, indent=1)
     return 0
 
 
@@ -230,9 +229,7 @@ def measure(args, state_dir: str) -> dict:
     raw = _raw(args, factory, lc.topology, world_store, batch, cuda)
     restart = [_restart(args) for _ in range(args.restart_runs)]
     del master
-    return {"bench": "resize_gpu", "date": datetime.date.today().isoformat(), "host": platform.node(),
-            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "gpu": torch.cuda.get_device_name(0) if cuda else None, "device": args.device,
+    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "device": args.device,
             "rows": args.rows, "dim": args.dim, "table_bytes": args.rows * args.dim * 4, "batch": args.batch,
             "runs": runs, "setup": setup, "raw_runs": raw, "restart_runs": restart,
             "median": {k: statistics.median(r[k] for r in runs) for k in ("path_s", "commit_s", "detect_wall_s", *PHASES)},

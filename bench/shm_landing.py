@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -125,13 +129,13 @@ def main() -> None:
         if not ok:
             raise SystemExit("the registered mapping does not hold the copied bytes")
     os.rmdir(d)
-    out = {"mib": args.mib, "threads": args.threads, "torch": torch.__version__}
+    out = {"mib": args.mib, "threads": args.threads}
     for k, v in res.items():
         s = statistics.median(v)
         out[f"{k}_ms"] = s * 1e3
         out[f"{k}_gbs"] = (n * (args.threads if k == "fallocate_parallel_each" else 1)) / s / 1e9
     print(json.dumps(out, indent=1))
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, "shm_landing", out, indent=1)
 
 
 if __name__ == "__main__":

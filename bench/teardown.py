@@ -31,6 +31,9 @@ import time
 
 from elastic_emb.testing.ports import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+from _report import write_json  # noqa: E402
+
 WORKER = r"""
 import json, os, sys, time
 from datetime import timedelta
@@ -180,13 +183,7 @@ def main() -> None:
     print(f"destroy + reconstruct as the lifecycle does it (close(wait=False)): median "
           f"{summary['overlapped_rebuild_s']:.4f} s to the first lookup (max {summary['overlapped_rebuild_max_s']:.4f}); "
           f"background destroy took {summary['background_release_s']:.4f} s; errors: {summary['overlapped_errors'] or 'none'}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "teardown", "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                   "device": torch.cuda.get_device_name(0), "rows": args.rows,
-                   "teardown": table, "rebuild": summary}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, "teardown", {"rows": args.rows, "teardown": table, "rebuild": summary})
 
 
 if __name__ == "__main__":
