@@ -20,7 +20,10 @@ interval):
 Backend ``elastic_emb:in_process`` is the elastic_emb backend with ``resize=in_process`` and the
 lifecycle worker (``docs/RESIZE.md``): the joiner is included by the running workers, the
 scale-downs re-form the survivors in their processes. Every backend also reports the survivors'
-**pause**: the last step committed at the old world size to the first step at the new one.
+**pause**: the last step committed at the old world size to the first step at the new one, and
+(busy workers) the **longest step** in the 1.5 s after that first step (commit to commit): a
+commit that goes to the background after a re-form must not just move the pause to the steps
+after it.
 ``--table-mb`` sizes the lifecycle worker's table (fp32, 64 columns; 0: the tests' 64 x 4
 table) and puts the snapshots on /dev/shm.
 
@@ -98,6 +101,18 @@ def _last_commit_before(tmp: str, ws: int, before: float) -> float | None:
     return max(times) if times else None
 
 
+def _longest_gap(tmp: str, ws: int, t: float, window: float) -> float | None:
+    """The longest time between consecutive commits of one rank at world size ``ws`` within
+    ``window`` seconds after ``t`` (the first step at the new size): a commit that goes to the
+    background after a re-form must not just move the pause to the next steps."""
+    per: dict = {}
+    for r in worker_records(tmp):
+        if r["ev"] == "commit" and r["ws"] == ws and t <= r["t"] <= t + window:
+            per.setdefault(r["rank"], []).append(r["t"])
+    gaps = [b - a for ts in per.values() for a, b in zip(ts, ts[1:])]
+    return max(gaps) if gaps else None
+
+
 def _worker_of(tmp: str, agent) -> int | None:
     ready = [r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r.get("agent_pid") == agent.pid]
     return ready[-1] if ready else None
@@ -118,6 +133,7 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: 
     out: dict = {s: None for s in SCENARIOS}
     split: dict = {}
     pause: dict = {}
+    gap: dict = {}  # busy: the longest step (commit to commit) in the 1.5 s after the first at the new size
     try:
         kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf,
                   worker=worker, extra_env=extra)
@@ -130,12 +146,14 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: 
         agents.append(start_agent("c", tmp, port, **kw))
         t = _until(tmp, agents, 3, t0, cap)
         if t is None:
-            return {"results": out, "split": split, "pause": pause}
+            return {"results": out, "split": split, "pause": pause, "gap": gap}
         out["scale_up"] = t - t0
         last = _last_commit_before(tmp, 2, t)
         if last is not None:
             pause["scale_up"] = t - last  # the running workers' pause (a restart: every worker's)
         time.sleep(1.5)
+        if mode == "busy":
+            gap["scale_up"] = _longest_gap(tmp, 3, t, 1.5)
         for scenario, victim, sig, ws in (("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
                                           ("scale_down_sigkill", agents[1], signal.SIGKILL, 1)):
             worker_pid = _worker_of(tmp, victim) if sig == signal.SIGKILL and kill == "node" else None
@@ -154,7 +172,9 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: 
                 if r is not None:
                     split[scenario] = {"agent_s": r - t0, "worker_s": t - r}
             time.sleep(1.5)
-        return {"results": out, "split": split, "pause": pause}
+            if mode == "busy":
+                gap[scenario] = _longest_gap(tmp, ws, t, 1.5)
+        return {"results": out, "split": split, "pause": pause, "gap": gap}
     finally:
         kill_all(agents, tmp)
         if extra.get("ELASTIC_EMB_STATE_DIR"):
@@ -188,6 +208,7 @@ def main() -> None:
     splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}
     floors: list[float] = []
     pauses: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
+    gaps: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
     loads: list[float] = []
     for run in range(args.runs):
         floors.append(import_floor())
@@ -199,6 +220,7 @@ def main() -> None:
                 raw[b][s].append(res["results"][s])
             for s in SCENARIOS:
                 pauses[b][s].append(res["pause"].get(s))
+                gaps[b][s].append(res["gap"].get(s))
             for s, v in res["split"].items():
                 for k in v:
                     splits[s][k].append(v[k])
@@ -236,6 +258,14 @@ def main() -> None:
     print("| --- |" + " ---: |" * len(backends))
     for s in SCENARIOS:
         print(f"| {s} | " + " | ".join(cell(pause_med[b][s], pauses[b][s]) for b in backends) + " |")
+    if args.mode == "busy":
+        gap_med = {b: {s: med(v) for s, v in d.items()} for b, d in gaps.items()}
+        print("\nlongest step after the change (commit to commit, the 1.5 s after the first step at the new size; "
+              "steps are 0.05 s apart plus the step itself), median (s)")
+        print(f"| scenario | {' | '.join(backends)} |")
+        print("| --- |" + " ---: |" * len(backends))
+        for s in SCENARIOS:
+            print(f"| {s} | " + " | ".join(cell(gap_med[b][s], gaps[b][s]) for b in backends) + " |")
     print(f"\nload average (1 min) at each sequence's start: {min(loads):.1f}-{max(loads):.1f}")
     print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
           f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
@@ -244,7 +274,7 @@ def main() -> None:
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
             "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
             "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
-            "pause_raw_s": pauses, "pause_median_s": pause_med, "kill": args.kill, "table_mb": args.table_mb,
+            "pause_raw_s": pauses, "pause_median_s": pause_med, "longest_step_after_raw_s": gaps, "kill": args.kill, "table_mb": args.table_mb,
             "load_avg_1min": loads,
         })
 

@@ -19,6 +19,8 @@ Commits (:meth:`Lifecycle.commit`, at step boundaries): every ``commit_every`` s
 snapshot (+ replicas), every ``durable_every`` steps also a DCP checkpoint. Call ``commit(step)``
 after *every* step: the cadence decides what is written, and the lifecycle learns how far
 training got, which tells a resize whether the live rows are newer than the last commit.
+After an in-process re-form the new generation's first commit (a full base) is written in the
+background and the commits due meanwhile are coalesced into one delta (``first_base.py``).
 
 Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
 durations (teardown, agreement, construct, restore, and the first step), bytes moved, source
@@ -47,6 +49,7 @@ from collections.abc import Mapping
 from elastic_emb import metrics
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
+from elastic_emb.first_base import FirstBase
 from elastic_emb.lifecycle_records import (  # re-exported: users import them from here
     CALLER_PHASES,
     CommitReport,
@@ -100,6 +103,7 @@ class Lifecycle:
         self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
         self._default_pg_gen: int | None = None
         self._unfinished: tuple[int, float] | None = None  # (index in events, restore done): first step pending
+        self._first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
                                      keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
                                      max_chain=config.max_chain)
@@ -110,8 +114,12 @@ class Lifecycle:
 
     @classmethod
     def start(cls, factory: ContextFactory, config: LifecycleConfig | None = None, *,
-              env: Mapping[str, str] | None = None, store=None, watcher=None) -> "Lifecycle":
-        """Topology from env -> agree -> construct -> restore the newest complete commit."""
+              env: Mapping[str, str] | None = None, store=None, watcher=None,
+              background_base: bool = False) -> "Lifecycle":
+        """Topology from env -> agree -> construct -> restore the newest complete commit.
+
+        ``background_base``: this worker joins a generation formed in process, whose running
+        workers write its first base in the background (``on_membership_change``): so does it."""
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()
@@ -135,6 +143,8 @@ class Lifecycle:
         t4 = time.perf_counter()
         lc.step = report.step
         lc._seen_step = report.step
+        if background_base:
+            lc._first_base = FirstBase(store, topology)
         event = lc._event("start", None, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
         lc.events.append(event)
         return lc
@@ -151,8 +161,11 @@ class Lifecycle:
         its replica holders); -1 before the first. Synchronous commits complete inside
         ``commit()``; with ``async_commit`` the commit in flight completes in the background."""
         if self._writer is not None and self._writer.in_flight is not None:
-            return max(self._before_in_flight, self._writer.committed_step)
-        return self.step
+            done = max(self._before_in_flight, self._writer.committed_step)
+        else:
+            done = self.step
+        coalesced = self._first_base.coalesced if self._first_base is not None else None
+        return done if coalesced is None else min(done, coalesced - 1)  # coalesced steps are not written yet
 
     def wait_commit(self) -> int:
         """Block until the commit in flight (``async_commit``) is complete; raise its error if it
@@ -184,7 +197,10 @@ class Lifecycle:
                                   f"{step}; exit and let the agent restart it")
         drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
         report = None
-        if force or drain or step % self.config.commit_every == 0:
+        due = force or drain or step % self.config.commit_every == 0
+        if due and self._first_base is not None:
+            report, due = self._first_base_commit(step, forced=force or drain)
+        if due:
             report = self._commit(step)
         if drain:
             self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
@@ -193,7 +209,23 @@ class Lifecycle:
             log.info("lifecycle.draining", step=step)
         return report
 
-    def _commit(self, step: int) -> CommitReport:
+    def _first_base_commit(self, step: int, *, forced: bool) -> tuple[CommitReport | None, bool]:
+        """A due commit inside the first-base window of a generation formed in process
+        (``first_base.py``): the base itself goes to the background writer; later due steps are
+        coalesced until every rank's base is complete. Returns (its report, whether to commit
+        ``step`` as usual now)."""
+        fb = self._first_base
+        if fb.step is None:
+            fb.step = step
+            return self._commit(step, background=True), False
+        if not forced and fb.defer(step, self._writer is None or self._writer.in_flight is None):
+            self.step = step  # taken, its rows not written: committed_step stays below fb.coalesced
+            return None, False
+        self._first_base = None  # the window ends: from here, commits as configured
+        self.wait_commit()  # complete on every rank (or forced: waited for here); raises a failed base's error
+        return None, True
+
+    def _commit(self, step: int, *, background: bool = False) -> CommitReport:
         t0 = time.perf_counter()
         ctx = self._require_context()
         durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
@@ -214,7 +246,8 @@ class Lifecycle:
         shards = views if views is not None else ctx.export_shard()
         comm = self._comm_for(ctx)
         num_rows = self._table_rows()
-        if self.config.async_commit:
+        background = background or bool(self.config.async_commit)
+        if background:
             writer = self._writer_for()
             if not on_device:
                 self.wait_commit()  # a host capture names a parent that must be complete
@@ -246,7 +279,7 @@ class Lifecycle:
             durable_bytes, self._pending_durable = self.durable.commit(
                 step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async)
             tiers.append("durable")
-        if not self.config.async_commit:
+        if not background:
             self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
         self.step = step
         report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
@@ -259,7 +292,7 @@ class Lifecycle:
 
     def on_membership_change(self, new_topology: Topology, store=None, *, rebuild: bool = False,
                              abort: bool = False, mode: str | None = None,
-                             phases: Mapping[str, float] | None = None) -> ResizeEvent:
+                             phases: Mapping[str, float] | None = None, background_base: bool = False) -> ResizeEvent:
         """Same world and EP size, open context: ``reset``. Otherwise: commit, close, construct,
         restore.
 
@@ -269,7 +302,10 @@ class Lifecycle:
         (a closed context is always rebuilt: ``reset`` needs an open one).
         ``mode`` and ``phases`` (``detect_s``, ``drain_s``, ``decide_s``) come from the caller that
         drove the change and go into the event, which is logged after the first step (module
-        docstring)."""
+        docstring). ``background_base``: the new generation's first commit (a full base) is
+        written in the background and the commits due meanwhile are coalesced
+        (``first_base.py``); every rank of the new generation must pass the same (the in-process
+        resize does, and its joiners' ``start``)."""
         store = self.store if store is None else store
         old = self.topology
         if new_topology.run_id != old.run_id:
@@ -280,6 +316,7 @@ class Lifecycle:
         if set(phases or {}) - set(CALLER_PHASES):
             raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
         self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
+        self._first_base = None  # a window still open ends here: the live rows or the restore cover it
         t0 = time.perf_counter()
         ctx = self.context
         if abort and ctx is not None and not ctx.closed:
@@ -290,6 +327,8 @@ class Lifecycle:
             event = self._reform_same_size(new_topology, store)
         else:
             event = self._rebuild(new_topology, store)
+        if background_base:
+            self._first_base = FirstBase(store, new_topology)
         event = completed_by_caller(event, aborted, mode, phases)
         self.events.append(event)
         self._unfinished = (len(self.events) - 1, time.perf_counter())

@@ -22,7 +22,9 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    The worker checks at every step boundary, or at once when a collective failed (a peer died
    mid-step): :meth:`InProcessResize.run` with ``failed=True`` then waits, bounded by
    ``detect_timeout``, for the state to show who is gone; if nobody is, the failure was a real
-   one and is re-raised.
+   one and is re-raised. Between collectives, local rank 0 of each node probes the next member
+   node's liveness sockets (``rollcall.watch_neighbour``); at its next step boundary a refusal
+   counts as a failed collective.
 3. **Decide.** One decider, the first surviving node's local rank 0 (the survivors' order is
    the old generation's order), claims the decision with an atomic counter and publishes the new
    generation's record under ``rdzv.keys.inproc_prefix(run_id, generation)``: the surviving
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 
@@ -87,7 +90,7 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
 )
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.rollcall import PROBE_AFTER_S, Prober, RollCall
+from elastic_emb.rollcall import PROBE_AFTER_S, Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.state import points
 from elastic_emb.store import ForwardingStore
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
@@ -192,6 +195,10 @@ class InProcessResize:
             watcher.watch_failures(self._rollcall(lifecycle.topology.generation + 1).failed_key)
             watcher.on_failure = self._abort_context
             self._listen(lifecycle.topology, self.nodes)
+        # a dead next node found by its liveness socket (rollcall.watch_neighbour), this generation
+        self.neighbour_dead = threading.Event()
+        if self.enabled and lifecycle.topology.local_rank == 0:
+            watch_neighbour(self, InProcessResize._probe_neighbour, log)
 
     @classmethod
     def join(cls, factory, lifecycle_config, watcher, *, env: Mapping[str, str] | None = None,
@@ -239,7 +246,8 @@ class InProcessResize:
                    ELASTIC_EMB_GENERATION=str(record["generation"]))
         watcher.adopt(nodes, rank, world)
         world_store = InterruptibleStore(reader.world_store(store_timeout), _WaitGuard(watcher))
-        lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher)
+        lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher,
+                             background_base=True)  # as the running workers' re-form (first_base.py)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
         resize._store = world_store
         log.info("resize.joined", mode="in_process", node=me, generation=record["generation"], rank=rank,
@@ -261,7 +269,7 @@ class InProcessResize:
         if not self.enabled:
             return False
         t0 = time.perf_counter()
-        if self._gone() or self.watcher.failure_seen:
+        if self._gone() or self.watcher.failure_seen or self.neighbour_dead.is_set():
             self._saw(t0)
             return True
         plan = self._current_plan(publish=True)
@@ -289,6 +297,24 @@ class InProcessResize:
         """A join plan for the next generation is published: its ``after_step`` is to be taken
         (a worker that idles between steps takes it, then re-forms at ``pending()``)."""
         return self.enabled and self._read_plan() is not None
+
+    def _probe_neighbour(self) -> None:
+        """A tick of the neighbour probe (``rollcall.watch_neighbour``, local rank 0 only): a
+        worker of the next member node refuses its liveness connection (dead, as after a SIGKILL,
+        while no collective is in flight to fail). Only this worker's next step-boundary check
+        (:meth:`pending`) acts on it, as on a failed collective (abort, roll call: the others
+        follow through the roll call's flag), instead of waiting for the node's heartbeat to
+        expire. Nothing else: a peer that finished training and exited refuses too, and a worker
+        past its last step boundary must not be aborted for that."""
+        prober, lc = self.watcher.prober, self.lc
+        ctx = lc.context
+        gen = lc.topology.generation
+        if prober is None or self.neighbour_dead.is_set() or ctx is None or ctx.closed or prober.generation != gen:
+            return  # no socket, already found, closed, or mid re-form (the roll call probes then)
+        dead = prober.dead(next_node(prober.members, self.watcher.node), prober.local_world_size)
+        if dead and lc.topology.generation == gen:
+            self.neighbour_dead.set()
+            log.warning("resize.neighbour_dead", nodes=list(dead), generation=gen, remedy="re-forming without it")
 
     def _abort_context(self) -> None:
         """The watcher's thread, when a peer's collective failed: abort this worker's
@@ -432,7 +458,7 @@ class InProcessResize:
             raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
         t0 = time.perf_counter()
         seen, self._seen = self._seen, None
-        failed = failed or self.watcher.failure_seen
+        failed = failed or self.watcher.failure_seen or self.neighbour_dead.is_set()
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._roll_call(self.lc.topology) if failed else self._gone()
         plan = None if failed else self._read_plan()
@@ -462,13 +488,14 @@ class InProcessResize:
             phases = {"detect_s": (seen[1] if seen is not None else 0.0) + (t1 - t0),
                       "drain_s": max(0.0, t0 - seen[0]) if seen is not None else 0.0, "decide_s": t2 - t1}
             event = self.lc.on_membership_change(new, store=self._world_store(), rebuild=rebuild, abort=failed,
-                                                 mode="in_process", phases=phases)
+                                                 mode="in_process", phases=phases, background_base=True)
         except Exception as exc:
             self._fall_back(exc)
             raise ResizeFallback(f"in-process resize from generation {old.generation} failed ({type(exc).__name__}: "
                                  f"{exc}); the agents restart the workers instead") from exc
         t3 = time.perf_counter()
         self.nodes = nodes
+        self.neighbour_dead.clear()  # the new generation's neighbour is probed from now on
         self._joiners = [n for n in self._joiners if n not in nodes]
         self._plan = None
         log.info("resize.in_process", mode="in_process", gone=list(gone), joined=list(joiners),

@@ -21,6 +21,15 @@ formed; the caller raises the run's generation high-water mark first, ``resize.p
    nothing is known of it, and then taken as dead. A node with a local worker missing is absent
    as a whole: its agent restarts it (rejoin or restart mode), never half a node.
 
+Between collectives nothing fails: idle workers (or a node killed while the others sleep
+between steps) would learn of a dead node only at its heartbeat expiry. So local rank 0 of each
+member node probes the workers of the *next* member node (in the generation's order, wrapping)
+every ``NEIGHBOUR_EVERY_S`` (:func:`watch_neighbour`, one connection per worker probed: every
+node is watched by one other, not by all); at that worker's next step boundary a refusal counts
+as a failed collective, and the roll call follows (its flag brings in the others). Not before:
+a peer that finished training and exited refuses too. Two adjacent nodes lost at once: the
+second is still found by the roll call's own probes or its heartbeat.
+
 Faster and certain where it applies: every worker listens on a TCP socket of its own
 (:class:`Prober`, its address signed under the prefix of each generation it is in, so a
 crashed worker's stale address is never probed in a later one) that it never closes while it lives. A
@@ -42,6 +51,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 
 from elastic_emb.rdzv.keys import inproc_prefix
@@ -52,6 +62,42 @@ KEY_ALIVE = "alive/"  # + node + "/" + local rank: that worker answered the roll
 KEY_PROBE = "probe/"  # under inproc_prefix: + node + "/" + local rank: its liveness socket HOST:PORT [control]
 PROBE_AFTER_S = 0.2  # a store wait this long probes the members (a healthy exchange takes milliseconds)
 PROBE_EVERY_S = 0.1
+NEIGHBOUR_EVERY_S = 0.1  # local rank 0 of each node probes the next node's workers this often
+
+
+def next_node(members: tuple[str, ...], me: str) -> tuple[str, ...]:
+    """The member node after ``me`` in the generation's order (wrapping), as a 1-tuple; empty
+    when ``me`` is not a member or is the only one."""
+    if me not in members or len(members) < 2:
+        return ()
+    return (members[(members.index(me) + 1) % len(members)],)
+
+
+def watch_neighbour(owner, tick: Callable[[object], None], log, every: float = NEIGHBOUR_EVERY_S) -> threading.Thread:
+    """Call ``tick(owner)`` every ``every`` seconds in a daemon thread for as long as ``owner``
+    lives (held by a weak reference: the thread ends once ``owner`` is collected). An error of one
+    tick is reported once per kind and the next tick runs."""
+    ref = weakref.ref(owner)
+    del owner
+
+    def run() -> None:
+        reported: set[str] = set()
+        while True:
+            time.sleep(every)
+            target = ref()
+            if target is None:
+                return
+            try:
+                tick(target)
+            except Exception as exc:  # the heartbeat and the collectives still find the dead
+                if type(exc).__name__ not in reported:
+                    reported.add(type(exc).__name__)
+                    log.warning("liveness_neighbour_probe_failed", error=repr(exc)[:300])
+            del target
+
+    thread = threading.Thread(target=run, name="elastic_emb-neighbour-probe", daemon=True)
+    thread.start()
+    return thread
 
 
 class RollCall:
@@ -70,9 +116,13 @@ class RollCall:
     def _mark(self, node: str, local_rank: int) -> str:
         return f"{self._prefix}{KEY_ALIVE}{node}/{local_rank}"
 
+    def flag(self) -> None:
+        """Flag the failure of the generation before this one: every member's watcher sees it."""
+        self._store.set(self.failed_key, b"1")
+
     def answer(self, node: str, local_rank: int) -> None:
         """This worker is alive and re-forming: flag the failure for the others, then answer."""
-        self._store.set(self.failed_key, b"1")
+        self.flag()
         key = self._mark(node, local_rank)
         self._store.set(key, self._signer.sign(key, node))
 

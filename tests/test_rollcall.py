@@ -17,7 +17,7 @@ import structlog
 import torch.distributed as dist
 
 from elastic_emb.rdzv.signing import Signer
-from elastic_emb.rollcall import Prober, RollCall
+from elastic_emb.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.testing.ports import free_port
 
 LOG = structlog.get_logger("test")
@@ -119,3 +119,27 @@ def test_a_signed_roll_call_ignores_unsigned_answers(store):
     assert roll.absent((node,), 1, lambda: (), grace=0.2) == (node,)
     roll.answer(node, 0)
     assert roll.absent((node,), 1, lambda: (), grace=5.0) == ()
+
+
+def test_each_node_probes_the_next_one_and_the_probe_lives_as_long_as_its_owner():
+    nodes = ("a", "b", "c")
+    assert [next_node(nodes, n) for n in nodes] == [("b",), ("c",), ("a",)]  # every node watched by one other
+    assert next_node(("a",), "a") == () and next_node(nodes, "z") == ()
+
+    class Owner:
+        ticks = 0
+
+        def tick(self):
+            self.ticks += 1
+            if self.ticks == 2:
+                raise OSError("store down")  # reported, and the next tick still runs
+
+    owner = Owner()
+    thread = watch_neighbour(owner, Owner.tick, LOG, every=0.01)
+    deadline = time.monotonic() + 10
+    while owner.ticks < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.ticks >= 4
+    del owner  # the thread holds only a weak reference: it ends with its owner
+    thread.join(10)
+    assert not thread.is_alive()

@@ -532,12 +532,20 @@ def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: thr
         del handler
 
 
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: madvise(MADV_HUGEPAGE) for allocations >= 2 MiB
+
+
 def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
     """Build the handler from torchrun's ``RendezvousParameters``."""
     config = ListenerConfig.from_params(params.config)
     # Before torch builds anything: the inner handler reads it in next_rendezvous, the agent in
     # _start_workers .
     os.environ[DISABLE_SHARED_STORE] = "1"
+    # Workers inherit the agent's environment: large CPU allocations (a new context's table, the
+    # buffers of a commit, a restore's received rows) on transparent huge pages. Page faults of 4
+    # KiB pages were most of a 256 MB re-form's restore and base commit on the 2-core VM (a fresh
+    # 128 MB tensor: 0.17 s, 0.03 s with it; docs/RESIZE.md). The user's own setting wins.
+    os.environ.setdefault(THP_ENV, "1")
     if config.resize == "in_process":
         # Ranks from group rank x local world size without the agents' store exchange (which a
         # node joining a running round could not complete): every node runs the same nproc.
