@@ -17,11 +17,22 @@ Measured, medians over ``--steps`` steps:
 * ``incremental``: the step, then ``SnapshotTier.commit`` of the rows it wrote (a delta);
 * ``async``: the step, then ``SnapshotTier.capture`` + :class:`CommitWriter` (the background
   writer of ``async_commit``); its latency (call to complete) is measured on separate commits;
+* the device path (``elastic_emb.state.capture``), dense loop: windows of ``--window`` steps in
+  each of ``--modes``, interleaved in this process for ``--rounds`` rounds (the order rotated);
+  per round each mode's median step against that round's baseline window, the figure the median
+  over the rounds with their range; per step the training thread's spans (embedding part, dense
+  launch, loss read, commit call) and the steps of the capture call. Modes: none, commit,
+  nowrite (the writer only waits for the copy), nocopy (the gather only), si (a short
+  ``sys.setswitchinterval``), fewthreads (4 checksum threads), bigpiece (64 MiB pieces);
+  ``MODE@issue``: in the issue's step order (lookup, dense part, row update). Then the
+  embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
 * ``dcp``: the step, then ``torch.distributed.checkpoint.async_save`` of the table (blocking part,
   and the time until its future completes);
 * the pinned device-to-host bandwidth, the bound of any commit path that leaves the GPU.
 
   python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --json commit_gpu.json
+  python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --device-only --dcp-steps 0 \
+      --modes none,commit,nowrite,nocopy,none@issue,commit@issue --rounds 14 --window 8
 """
 
 from __future__ import annotations
@@ -76,6 +87,11 @@ def main() -> None:
                     help="the capture's device-to-host copy in pieces of this many MiB (0: one copy; default: the library's)")
     ap.add_argument("--delta-checksum", choices=("crc32", "xxh3_64"), default=None,
                     help="the checksum of deltas in the log ring (default: the library's)")
+    ap.add_argument("--rounds", type=int, default=7, help="dense loop: rounds of interleaved windows")
+    ap.add_argument("--window", type=int, default=8, help="dense loop: measured steps per window")
+    ap.add_argument("--modes", default="none,commit",
+                    help="dense loop: the modes interleaved (none,commit,nowrite,nocopy,si,fewthreads,bigpiece)")
+    ap.add_argument("--switch-short", type=float, default=2e-4, help="the 'si' mode's sys.setswitchinterval (s)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (s) for the run: how long a thread may keep the GIL from another")
     ap.add_argument("--profile", default=None,
@@ -138,9 +154,10 @@ def main() -> None:
 
         def take_changed_rows(self, unique: bool = True):
             assert not unique, "the bench's device path takes the raw rows"
-            out = torch.cat(self.written) if self.written else torch.empty(0, dtype=torch.int64, device=dev)
+            # as EmbContext's tracker takes them: one write's rows as they are, several concatenated
+            w = self.written
+            out = w[0] if len(w) == 1 else torch.cat(w) if w else torch.empty(0, dtype=torch.int64, device=dev)
             self.written = []
-            self.changed.zero_()  # unused by the device path; kept bounded
             return {"emb": out}
 
         def hold_writes(self, event) -> None:
@@ -269,8 +286,16 @@ def main() -> None:
                 yield from self.inner.landed()
                 self.at.append(time.perf_counter())
 
+        write_mode = {"skip": False}  # the "nowrite" and "nocopy" modes of the dense windows
+
         def timed_write(cap, c):
             t0, at = time.perf_counter(), []
+            if write_mode["skip"]:  # only wait for the copy: no checksums, no manifest
+                cap.copied.synchronize()
+                done[cap.step] = time.perf_counter()
+                stages[cap.step] = {"wait_copy_s": done[cap.step] - t0, "crc_write_manifest_s": 0.0,
+                                    "write_s": done[cap.step] - t0, "bytes": int(cap.blob.numel()), "ring": False}
+                return 0, 0
             if cap.copied is not None:
                 cap = dataclasses.replace(cap, copied=Landing(cap.copied, at))
             r = plain_write(cap, c)
@@ -288,6 +313,8 @@ def main() -> None:
         prunes: list[float] = []
 
         def timed_prune(c):
+            if write_mode["skip"]:
+                return None
             t0 = time.perf_counter()
             try:
                 return plain_prune(c)
@@ -295,6 +322,9 @@ def main() -> None:
                 prunes.append(time.perf_counter() - t0)
 
         tier.prune = timed_prune
+        # The dense windows' other capture settings.
+        variants = {"commit": device}
+        variants["bigpiece"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=64 << 20)  # 4x fewer pieces
         # Where the training thread's time in a capture goes (host time of each part).
         parts: dict[str, list[float]] = {"take_rows": [], "device_capture": [], "land": [], "submit": []}
 
@@ -312,7 +342,210 @@ def main() -> None:
         ctx.take_changed_rows = timed(plain_take, "take_rows")
         tier._land = timed(plain_land, "land")  # inside device_capture
         dwriter.submit = timed(plain_submit, "submit")
-        for label, with_dense in (("dense", True), ("emb_only", False)):
+        # The dense loop: windows of --window steps in each mode, interleaved round after round in
+        # this process (the baseline beside the commits, so drifts of the machine hit both); per
+        # round the overhead of each mode against that round's baseline window; the figure is the
+        # median over the rounds, with its spread. Modes: none (no commit), commit (the device
+        # path), nowrite (the writer only waits for the copy: no checksums, manifest, prune),
+        # nocopy (the gather only, no device-to-host copy, no write), si (commit, with a short
+        # sys.setswitchinterval). Per step the training thread's spans: the embedding part (to its
+        # row update, a host sync inside), launching the dense part, the loss read, the commit call.
+        plain_copy = getattr(device, "_copy", None)
+
+        def nocopy(host, staging, read):  # the gather only: the "copy" is over once the rows are read
+            return read, [(host.numel(), read)]
+
+        def spans_step(order: str) -> tuple[float, float, float, float]:
+            """One dense step: ``update-first`` (the loop above: the row update, then the dense
+            part), or ``issue`` (issue 17's shape: lookup, dense part, apply_gradients; the next
+            step's row update, which waits for a capture's gather, then comes after its dense part).
+            Spans: to the end of the first part (a host sync inside: torch.unique's count), to
+            the end of the launches, the loss read."""
+            t0 = time.perf_counter()
+            if order == "update-first":
+                g = emb_step()
+                t1 = time.perf_counter()
+                loss = g.sum() + dense(reps).float().mean()
+            else:
+                ids = torch.randint(0, rows, (args.ids,), device=dev, generator=gen)
+                uniq, inv = torch.unique(ids, return_inverse=True)
+                looked = ctx.w[uniq]  # the lookup (a real one gathers per id; per distinct row here)
+                t1 = time.perf_counter()
+                y = dense(reps)
+                grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
+                g = torch.zeros(len(uniq), args.dim, device=dev).index_add_(0, inv, grads)
+                ctx.before_write()
+                ctx.acc[uniq] += (g * g).mean(dim=1)
+                ctx.w[uniq] -= 0.01 * g / (ctx.acc[uniq].sqrt()[:, None] + 1e-10)
+                ctx.changed[uniq] = True
+                ctx.written.append(uniq)
+                loss = y.float().mean() + looked.mean()
+            t2 = time.perf_counter()
+            loss.item()
+            return t0, t1, t2, time.perf_counter()
+
+        called: dict[int, float] = {}
+        trace_ms: dict[str, dict[str, list[float]]] = {}
+        import elastic_emb.state.capture as capture_mod
+        import elastic_emb.state.crc as crc_mod
+        from concurrent.futures import ThreadPoolExecutor
+
+        base_dirs = set(p.name for p in tier.node_dir.iterdir())
+        base_chain = tier._chain
+
+        def forget_deltas() -> None:
+            """After a drained window, outside every measured span: the deltas written go (their
+            log segments free again) and the next delta extends the base again. Without this the
+            chain grows without end (the bench keeps the base: a new one is a 17 GB host copy)
+            and its deltas hold every segment of the ring, so later windows fall back to files."""
+            for p in tier.node_dir.iterdir():
+                if p.name not in base_dirs:
+                    shutil.rmtree(p, ignore_errors=True)
+            tier._chain, tier._written, tier._pruned_at = base_chain, None, None
+
+        def window(name: str) -> tuple[list[tuple], list[float]]:
+            nonlocal step_no
+            mode, _, order = name.partition("@")  # "MODE@issue": in the issue's step order
+            order = order or "update-first"
+            commit = mode != "none"
+            write_mode["skip"] = mode in ("nowrite", "nocopy")
+            cur = variants.get(mode, device)
+            if mode == "nocopy":
+                device._copy = nocopy
+            if mode == "si":
+                sys.setswitchinterval(args.switch_short)
+            saved_pool = crc_mod._pool
+            if mode == "fewthreads":  # the checksums on 4 threads instead of all cores but two
+                crc_mod._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bench-crc4")
+            if hasattr(capture_mod, "TRACE"):
+                capture_mod.TRACE = []  # the steps of each capture call (elastic_emb.state.capture._trace)
+            got, lats, first = [], [], step_no
+            try:
+                for i in range(args.window + 2):  # the first two fill the pipeline
+                    t0, t1, t2, t3 = spans_step(order)
+                    if commit:
+                        cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows,
+                                           ctx.take_changed_rows(unique=False), device=cur, hold=ctx.hold_writes)
+                        assert cap.parent is not None, "the device path captures deltas"
+                        dwriter.submit(cap)
+                        called[step_no] = t3
+                        step_no += 1
+                    else:
+                        ctx.written.clear()  # as a commit's take would (outside no measured span)
+                    t4 = time.perf_counter()
+                    if i >= 2:
+                        got.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+                dwriter.wait()
+                forget_deltas()
+                calls_trace = []
+                for label, ns in getattr(capture_mod, "TRACE", None) or []:
+                    if label == "start":
+                        calls_trace.append({})
+                        prev = ns
+                    elif calls_trace:
+                        calls_trace[-1][label] = (ns - prev) / 1e6
+                        prev = ns
+                for c in calls_trace[2:]:
+                    for label, ms in c.items():
+                        trace_ms.setdefault(name, {}).setdefault(label, []).append(ms)
+            finally:
+                if crc_mod._pool is not saved_pool:
+                    crc_mod._pool.shutdown()
+                    crc_mod._pool = saved_pool
+                if hasattr(capture_mod, "TRACE"):
+                    capture_mod.TRACE = None
+                write_mode["skip"] = False
+                if plain_copy is not None:
+                    device._copy = plain_copy
+                sys.setswitchinterval(switch_default)
+            if commit:
+                lats = [done[k] - called[k] for k in range(first + 2, step_no)]
+            return got, lats
+
+        switch_default = sys.getswitchinterval()
+        modes = [m for m in args.modes.split(",")
+                 if m.split("@")[0] in variants or m.split("@")[0] in ("none", "nowrite", "nocopy", "si", "fewthreads")]
+        if "commit" not in modes:
+            modes.append("commit")
+        for m in list(modes):  # every order measured has its baseline
+            base = "none" + m[len(m.split("@")[0]):]
+            if base not in modes:
+                modes.insert(0, base)
+        per_round: dict[str, list[float]] = {m: [] for m in modes}
+        spans: dict[str, list[tuple]] = {m: [] for m in modes}
+        lat_all: list[float] = []
+        lat_issue: list[float] = []
+        for _ in range(2):  # warm-up windows (the ring's segments, the allocator, the threads)
+            window("commit")
+        for r in range(args.rounds):
+            seq = modes[r % len(modes):] + modes[:r % len(modes)]  # rotate: no mode always first
+            meds = {}
+            for m in seq:
+                got, lats = window(m)
+                spans[m] += got
+                meds[m] = statistics.median(x[4] for x in got)
+                if m == "commit":
+                    lat_all += lats
+                elif m == "commit@issue":
+                    lat_issue += lats
+            for m in modes:
+                base = "none" + m[len(m.split("@")[0]):]
+                per_round[m].append(meds[m] / meds[base] - 1 if m != base else meds[m])
+        names = ("emb_ms", "dense_launch_ms", "loss_read_ms", "commit_call_ms", "step_ms")
+        out["dense_windows"] = {"rounds": args.rounds, "window_steps": args.window, "modes": modes,
+                                "switch_short_s": args.switch_short}
+        for m in modes:
+            is_base = m.startswith("none")
+            out["dense_windows"][m] = {
+                "spans_median_ms": {n: _median_ms([x[j] for x in spans[m]]) for j, n in enumerate(names)},
+                "overhead_pct_per_round": None if is_base else [100 * v for v in per_round[m]],
+                "overhead_pct_median": None if is_base else 100 * statistics.median(per_round[m]),
+                "capture_call_steps_ms": {k: statistics.median(v) for k, v in trace_ms.get(m, {}).items()},
+            }
+        out["step_none_dense_interleaved_ms"] = _median_ms(per_round["none"])
+        ov = [100 * v for v in per_round["commit"]]
+        out["overhead_device_dense_pct"] = statistics.median(ov)
+        out["overhead_device_dense_pct_range"] = [min(ov), max(ov)]
+        out["step_device_dense_ms"] = out["dense_windows"]["commit"]["spans_median_ms"]["step_ms"]
+        out["commit_call_device_dense_ms"] = out["dense_windows"]["commit"]["spans_median_ms"]["commit_call_ms"]
+        out["latency_device_dense_ms"] = _median_ms(lat_all)
+        out["latency_device_dense_ms_max"] = max(lat_all) * 1e3
+        out["latency_device_dense_steps"] = out["latency_device_dense_ms"] / out["step_none_dense_interleaved_ms"]
+        if "commit@issue" in modes:
+            ov = [100 * v for v in per_round["commit@issue"]]
+            out["overhead_device_dense_issue_order_pct"] = statistics.median(ov)
+            out["overhead_device_dense_issue_order_pct_range"] = [min(ov), max(ov)]
+            out["step_none_dense_issue_order_ms"] = _median_ms(per_round["none@issue"])
+            out["latency_device_dense_issue_order_ms"] = _median_ms(lat_issue)
+            out["latency_device_dense_issue_order_ms_max"] = max(lat_issue) * 1e3
+            out["latency_device_dense_issue_order_steps"] = (out["latency_device_dense_issue_order_ms"]
+                                                             / out["step_none_dense_issue_order_ms"])
+        print("dense loop, interleaved windows (median over %d rounds of %d steps; spans ms: emb, dense launch, "
+              "loss read, commit call, step):" % (args.rounds, args.window), flush=True)
+        for m in modes:
+            d = out["dense_windows"][m]
+            ovs = d["overhead_pct_per_round"]
+            print(f"  {m:8s} " + " ".join(f"{v:7.3f}" for v in d["spans_median_ms"].values())
+                  + ("" if ovs is None else f"  overhead {d['overhead_pct_median']:+.2f}% "
+                     f"(rounds {min(ovs):+.2f}..{max(ovs):+.2f})"), flush=True)
+            if d["capture_call_steps_ms"]:
+                print("           capture call, ms: " + " ".join(f"{k} {v:.3f}" for k, v in d["capture_call_steps_ms"].items()),
+                      flush=True)
+        print(f"  commit latency {out['latency_device_dense_ms']:.1f} ms median "
+              f"({out['latency_device_dense_steps']:.2f} steps), max {out['latency_device_dense_ms_max']:.1f} ms",
+              flush=True)
+        if lat_issue:
+            print(f"  commit@issue latency {out['latency_device_dense_issue_order_ms']:.1f} ms median "
+                  f"({out['latency_device_dense_issue_order_steps']:.2f} steps), max "
+                  f"{out['latency_device_dense_issue_order_ms_max']:.1f} ms", flush=True)
+
+        # The embedding-only loop: the writer woken every MARK_BYTES landed (the library's), and
+        # (emb_only_piecemarks) once per piece of the copy, as before MARK_BYTES.
+        plain_marks = getattr(capture_mod, "MARK_BYTES", None)
+        for label, with_dense in (("emb_only_piecemarks", False), ("emb_only", False)):
+            if plain_marks is not None:
+                capture_mod.MARK_BYTES = 1 if label == "emb_only_piecemarks" else plain_marks
+            forget_deltas()
             steps, calls, called, lat = [], [], {}, []
             first = step_no
             for i in range(args.steps + 2):  # the first two fill the pipeline and the pinned buffers
@@ -336,9 +569,10 @@ def main() -> None:
             byts = [stages[k]["bytes"] for k in range(first + 2, step_no)]
             out[f"step_device_{label}_ms"] = _median_ms(steps)
             out[f"commit_call_device_{label}_ms"] = _median_ms(calls)
-            out[f"overhead_device_{label}_pct"] = 100 * (out[f"step_device_{label}_ms"] / out[f"step_none_{label}_ms"] - 1)
+            base_ms = out["step_none_emb_only_ms"]
+            out[f"overhead_device_{label}_pct"] = 100 * (out[f"step_device_{label}_ms"] / base_ms - 1)
             out[f"latency_device_{label}_ms"] = _median_ms(lat)
-            out[f"latency_device_{label}_steps"] = out[f"latency_device_{label}_ms"] / out[f"step_none_{label}_ms"]
+            out[f"latency_device_{label}_steps"] = out[f"latency_device_{label}_ms"] / base_ms
             out[f"delta_bytes_device_{label}"] = statistics.median(byts)
             # Sustained: every delta of the measured steps written, over the time from the first
             # measured step to the last commit complete.
@@ -355,6 +589,12 @@ def main() -> None:
                                                 for k in ("wait_copy_s", "crc_write_manifest_s", "write_s")}
             out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
             out[f"ring_commits_device_{label}"] = sum(stages[k]["ring"] for k in range(first + 2, step_no))
+        if plain_marks is not None:
+            capture_mod.MARK_BYTES = plain_marks
+            p = out["steady_device_emb_only_piecemarks_of_d2h"]
+            print(f"embedding-only loop, writer woken once per piece of the copy: {100 * p:.0f}% of D2H steady, "
+                  f"the writer after the copy {out['stages_device_emb_only_piecemarks_ms']['crc_write_manifest_s']:.1f} ms",
+                  flush=True)
         if args.profile:  # the device timeline of a few dense steps, each committed
             from torch.profiler import ProfilerActivity, profile
 

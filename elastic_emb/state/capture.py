@@ -26,14 +26,19 @@ synchronisation:
 Why a thread launches the gather and the copy: the training thread's time in ``lc.commit`` is
 time the GPU idles (a step ends by reading its loss, which drains the training stream), and on
 an H200 launching them took it 2 ms per commit of a 20 ms step, 4.7 ms once the copy went in
-pieces. Now it spends about the cost of laying out the records (0.3 ms there).
+pieces. Now it spends the cost of laying out the records, taking a log segment and recording an
+event: 0.3 ms on that host (:data:`TRACE` lists each step for the bench), 0.5 ms with the rest of
+``SnapshotTier.capture``. Measured there and not kept (BENCHMARKS.md, "The device path"): the
+pieces launched through the CUDA driver by ``ctypes`` (fewer Python calls in the launcher), the
+gather launched by the training thread itself, larger pieces; none made the step faster.
 
 No checksum is computed on the GPU or by the training thread. The background writer
 (:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's events in its own thread,
 computes the checksum of every tensor of the delta over the bytes where they landed, on several
-cores, each chunk as soon as the piece of the copy holding its end has landed (:meth:`_PendingCopy.landed`;
-on an H200 this left 3-5 ms of the writer's work after a 9.4 ms copy, against 10.7 ms after the
-whole copy) (:func:`finished_records`; for a delta in a log segment XXH3-64 in 16 MiB chunks,
+cores, each chunk once the copy has landed past its end (:meth:`_PendingCopy.landed`: the writer
+wakes every :data:`MARK_BYTES`, not once per piece, so it takes the GIL a few times per commit;
+on an H200 checksumming as the copy lands left 3-5 ms of the writer's work after a 9.4 ms copy,
+against 10.7 ms after the whole copy) (:func:`finished_records`; for a delta in a log segment XXH3-64 in 16 MiB chunks,
 :data:`DELTA_CHECKSUM`: zlib's CRC32 was the bound of the whole commit path, see
 :mod:`elastic_emb.state.digest`; the pinned path keeps CRC32), and writes
 the manifest last, as for any commit: naming the log segment the bytes already are in, or, for a
@@ -54,6 +59,7 @@ order, so the newest value of each row wins.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -63,13 +69,20 @@ import torch
 from elastic_emb.protocol import ShardData
 from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.delta import INDEX
-from elastic_emb.state.manifest import ShardRecord, TensorRecord, row_bytes, row_spec, tensor_items
+from elastic_emb.state.manifest import ShardRecord, TensorRecord, tensor_items
 
 ALIGN = 64  # every tensor of the staging buffer starts on this many bytes (views of any dtype)
 PENDING_CRC = -1  # a TensorRecord's crc32 before the writer computed it
 DELTA_CHECKSUM = "xxh3_64"  # the algorithm of a delta's checksums when it landed in a log segment
 IDLE_SECONDS = 2.0  # the launcher thread exits after this long without a capture
 PIECE_BYTES = 16 << 20  # the device-to-host copy of a delta goes in pieces of this size (see DeviceCapture._copy)
+MARK_BYTES = 64 << 20  # the writer wakes once per this many bytes landed (see _PendingCopy.landed)
+TRACE: list | None = None  # a list to append (label, perf_counter_ns) to at the steps of a capture call (bench)
+
+
+def _trace(label: str) -> None:
+    if TRACE is not None:
+        TRACE.append((label, time.perf_counter_ns()))
 
 
 class DeviceCapture:
@@ -127,6 +140,7 @@ class DeviceCapture:
         the delta straight into, or None (then a pinned buffer of the pool). Returns (records with
         :data:`PENDING_CRC`, the host bytes the data file will hold, the event after which they are
         there, and the pinned buffer or the segment to release)."""
+        _trace("start")
         layout, off = [], 0
         for name in sorted(shards):
             sd, idx = shards[name], rows.get(name)
@@ -134,31 +148,40 @@ class DeviceCapture:
                 raise ValueError(f"rows[{name!r}] must be a 1-D int64 tensor on {self.device}, got "
                                  f"{None if idx is None else (tuple(idx.shape), idx.dtype, str(idx.device))}")
             k = idx.numel()
-            items = [(INDEX, None, torch.int64, [], 8)] + [
-                (tname, t, t.dtype, row_spec(t)[1], row_bytes(row_spec(t))) for tname, t in tensor_items(sd)]
             trs = []
-            for tname, t, dtype, shape, row_b in items:
-                if t is not None and t.device != self.device:
-                    raise ValueError(f"table {name!r} tensor {tname!r} is on {t.device}, not {self.device}")
-                trs.append((TensorRecord(name=tname, dtype=str(dtype).removeprefix("torch."), row_shape=shape,
-                                         offset=off, nbytes=k * row_b, crc32=PENDING_CRC), t))
+            for tname, t in [(INDEX, None)] + tensor_items(sd):
+                if t is None:
+                    dtype, shape, row_b = "int64", [], 8
+                else:  # (the row size from the tensor itself: manifest.row_bytes makes a tensor to ask)
+                    if t.device != self.device:
+                        raise ValueError(f"table {name!r} tensor {tname!r} is on {t.device}, not {self.device}")
+                    shape = list(t.shape[1:])
+                    dtype, row_b = str(t.dtype).removeprefix("torch."), t.element_size() * math.prod(shape)
+                trs.append((TensorRecord(name=tname, dtype=dtype, row_shape=shape, offset=off, nbytes=k * row_b,
+                                         crc32=PENDING_CRC), t))
                 off += -(-k * row_b // ALIGN) * ALIGN
             layout.append((name, sd, idx, trs))
         total = off
+        _trace("layout")
         seg = land(total) if land is not None else None
         buf = seg if seg is not None else self._acquire(total)
         host = (seg.host if seg is not None else buf)[:total]
+        _trace("land")
+        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
+                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
+        _trace("records")
         job = _Job(self.timeout, host, total, layout)
         job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
+        hold(_PendingRead(job))
+        _trace("ready")
+        # The launcher is woken last: from then on it competes with this thread for the GIL.
         with self._cv:
             self._jobs.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="elastic_emb-capture", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        hold(_PendingRead(job))
-        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
-                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
+        _trace("handed")
         return records, host, _PendingCopy(job), buf
 
     def _run(self) -> None:
@@ -292,14 +315,20 @@ class _PendingCopy:
         self.job.wait_launched(self.job._copied_set, "copy to the host")
         self.job.copied.synchronize()
 
-    def landed(self):
-        """The bytes on the host so far, a count from the start of the delta, yielded once each
-        piece of the copy has ended (the last: all of them): the writer checksums each part as it
-        lands instead of after the whole copy."""
+    def landed(self, every: int | None = None):
+        """The bytes on the host so far, a count from the start of the delta, yielded once at least
+        ``every`` more bytes of the copy have landed since the last count (the last: all of them):
+        the writer checksums each part as it lands instead of after the whole copy, and wakes (and
+        takes the GIL) a few times per commit, not once per piece of the copy (default
+        :data:`MARK_BYTES`; 1: once per piece)."""
         self.job.wait_launched(self.job._copied_set, "copy to the host")
-        for end, event in self.job.marks:
-            event.synchronize()
-            yield end
+        every = MARK_BYTES if every is None else every
+        marks, last = self.job.marks, 0
+        for end, event in marks[:-1]:
+            if end - last >= every:
+                event.synchronize()
+                last = end
+                yield end
         self.job.copied.synchronize()
         yield self.job.total
 
