@@ -8,14 +8,17 @@ timeout), so the departing node's rows are in a commit before its workers die.
 The request travels through the rendezvous backend's own drain protocol (``rdzv/keys.py``, the
 wire contract, and ``watch.py``): a round-scoped ``drain`` key under
 :func:`elastic_emb.rdzv.keys.round_prefix`, which every worker's ``Watcher`` polls; the workers
-agree on a last step, commit it, and count themselves in ``acks``; each watcher published the
-number of acknowledgements to expect as ``world_size``. This module writes nothing else and
-reads only those keys (signing the request when the job has a secret, ``rdzv/signing.py``), through the same :class:`elastic_emb.rdzv.reader.RendezvousReader` the workers
-use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs this
-client against real watchers. The two counts cannot be signed (``acks`` is an atomic add): they
-are read as untrusted input, and one outside ``[0, rdzv.keys.MAX_COUNT]`` (a wrapped or foreign
-value) ends the drain with :class:`DrainError` naming the key and the value (both are checked
-before the request is written).
+agree on a last step, commit it, and each writes its own signed acknowledgement; each watcher
+published the number of acknowledgements to expect as ``world_size`` (signed too). This module
+writes nothing else and reads only those keys (signing the request when the job has a secret,
+``rdzv/signing.py``), through the same :class:`elastic_emb.rdzv.reader.RendezvousReader` the
+workers use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs
+this client against real watchers. The drain counts a rank only when its acknowledgement
+verifies and names that rank and the round (``rdzv/drain_acks.py``): a forged ``acks`` counter,
+even one equal to ``world_size``, cannot end it early. Both counts are read as untrusted input:
+a ``world_size`` without a valid signature, or either one outside ``[0, rdzv.keys.MAX_COUNT]``
+(a wrapped or foreign value), ends the drain with :class:`DrainError` naming the key and the
+value (both are checked before the request is written).
 
 A drain is job-wide by nature: all ranks take part in every collective, so no rank can stop
 alone; "drain this node" means "let the whole world stop after the same committed step". After
@@ -33,16 +36,17 @@ import json
 import os
 import socket
 import time
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import DrainError
+from elastic_emb.events import get_logger
+from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
 # tests/test_deploy.py runs this client against real watchers.
-from elastic_emb.rdzv.keys import KEY_ACKS, KEY_DRAIN, KEY_STOP_STEP, count_value, round_prefix
-from elastic_emb.rdzv.keys import KEY_WORLD_SIZE as KEY_EXPECTED
+from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_STOP_STEP, round_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 
@@ -134,31 +138,33 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
         return done("no_running_round", None if state is None else state.round)
     store = reader.store
     prefix = round_prefix(target.run_id, state.round)
-    if not store.check([prefix + KEY_EXPECTED]):
-        return done("no_watchers", state.round)
-    expected = _count(prefix + KEY_EXPECTED, store.get(prefix + KEY_EXPECTED), target)
-    if expected == 0:  # a watcher writes its world size (>= 1): none did
-        return done("no_watchers", state.round)
-    acks = _count(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0), target)  # checked before asking anything
     signer = Signer.from_env()
+    log = get_logger("elastic_emb.drain", round=state.round)
+    counter = AckCounter(store, signer, prefix, state.round, log)
+    expected = _checked(target, read_expected, store, signer, prefix)
+    if not expected:  # a watcher writes its world size (>= 1): none did
+        return done("no_watchers", state.round)
+    _checked(target, counter.hint)  # checked before asking anything
     if read_signed(store, signer, prefix + KEY_DRAIN) is None:
         request = json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()})
         store.set(prefix + KEY_DRAIN, signer.sign(prefix + KEY_DRAIN, request))
     deadline = start + timeout
     while True:
-        acks = _count(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0), target)
+        last = time.monotonic() >= deadline
+        acks = _checked(target, counter.count, expected, final=last)
         if acks >= expected:
-            value = read_signed(store, signer, prefix + KEY_STOP_STEP)
+            value = read_signed(store, signer, prefix + KEY_STOP_STEP, log)
             stop = int(value) if value is not None else None
             return done("acknowledged", state.round, acks, expected, stop)
-        if time.monotonic() >= deadline:
+        if last:
             return done("timeout", state.round, acks, expected)
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
-def _count(key: str, raw: object, target: DrainTarget) -> int:
-    """A count of the drain protocol read from the store (untrusted: ``rdzv.keys.count_value``)."""
+def _checked(target: DrainTarget, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A count of the drain protocol read from the store (untrusted input, ``rdzv/drain_acks.py``):
+    a foreign value ends the drain with :class:`DrainError` naming the key and the value."""
     try:
-        return count_value(key, raw)
+        return read(*args, **kwargs)
     except ValueError as exc:
         raise DrainError(f"cannot drain run {target.run_id!r}: {exc}") from None

@@ -35,7 +35,8 @@ touches shared state: ``evicted`` is True before the stop begins, and the lifecy
 leave the others blocked in a collective. ``drain_requested(step)`` settles that: the first rank
 to see the request after committing step ``s`` fixes the last step at ``s + 1`` (no rank can
 have started ``s + 2``: that needs this rank in step ``s + 1``'s collective), and every rank
-then stops after committing it and calls ``ack_drain(step)``.
+then stops after committing it and calls ``ack_drain(step)``, which writes this rank's own signed
+acknowledgement (``rdzv/drain_acks.py``: a drain counts only acknowledgements that verify).
 
 **Store outages.** The workers' own collectives do not use the rendezvous store, so while it
 is unreachable (etcd restarting, say) they keep training, and the watcher treats the
@@ -68,16 +69,14 @@ from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, class
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
+from elastic_emb.rdzv.drain_acks import write_ack, write_expected
 from elastic_emb.rdzv.keys import (
     KEY_EVICTED,
     ENV_RDZV_ENDPOINT,
-    KEY_ACK,
-    KEY_ACKS,
     KEY_DEAD,
     KEY_DRAIN,
     KEY_STOP_CLAIM,
     KEY_STOP_STEP,
-    KEY_WORLD_SIZE,
     round_prefix,
 )
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
@@ -211,8 +210,8 @@ class Watcher:
             return self
         self._poll()  # learn the round and membership before the worker builds anything
         if self.round is not None:
-            try:  # tells the agent how many acknowledgements a drain needs
-                self._reader.store.set(self._prefix() + KEY_WORLD_SIZE, str(self.world_size))
+            try:  # tells the agent how many acknowledgements a drain needs (signed: rdzv/drain_acks.py)
+                write_expected(self._reader.store, self._signer, self._prefix(), self.world_size)
             except Exception as exc:
                 self._log.warning("watch_store_error", op="world_size", error=repr(exc))
         self._thread = threading.Thread(target=self._run, name="elastic_emb-watch", daemon=True)
@@ -315,12 +314,11 @@ class Watcher:
         return self._stop_step
 
     def ack_drain(self, step: int) -> None:
-        """Tell the agent this worker committed ``step`` and stopped stepping."""
+        """Tell the agent this worker committed ``step`` and stopped stepping (this rank's signed
+        acknowledgement, ``rdzv/drain_acks.py``)."""
         if self._acked or self.round is None or self._evicted:
             return  # outside the membership: touch no shared state
-        store = self._reader.store
-        store.set(self._prefix() + KEY_ACK + str(self.rank), str(step))
-        store.add(self._prefix() + KEY_ACKS, 1)
+        write_ack(self._reader.store, self._signer, self._prefix(), self.round, self.rank, step)
         self._acked = True
         self._log.info("drain_acknowledged", round=self.round, step=step)
 

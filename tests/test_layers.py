@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.rdzv.keys",),
     ("elastic_emb.rdzv.signing", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage", "elastic_emb.rdzv.conf",
      "elastic_emb.rdzv.torch_compat", "elastic_emb.rdzv.etcd_v3", "elastic_emb.rdzv.etcd_v3_client",
-     "elastic_emb.rdzv.etcd_v2", "elastic_emb.rdzv.reader"),
+     "elastic_emb.rdzv.etcd_v2", "elastic_emb.rdzv.reader", "elastic_emb.rdzv.drain_acks"),
     ("elastic_emb.context", "elastic_emb.state", "elastic_emb.adapters", "elastic_emb.membership"),
     ("elastic_emb.watch", "elastic_emb.rollcall"),
     ("elastic_emb.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness"),

@@ -95,26 +95,42 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     logs = agents[0].output() + agents[1].output()
     assert "control_key_rejected" in logs and prefix + KEY_DRAIN in logs  # the watchers said so too
 
-    # The counts cannot be signed: foreign ones (negative, wrapped past int64) are refused by name
-    # before the preStop client asks anything (a wrapped acks would have faked the acknowledgement).
+    # Foreign counts (an unsigned world_size, negative or not; an acks counter wrapped past int64)
+    # are refused by name before the preStop client asks anything.
     from elastic_emb.drain import DrainError, DrainTarget, request_drain
 
     monkeypatch.setenv("ELASTIC_EMB_JOB_SECRET", SECRET)
     store.delete_key(prefix + KEY_DRAIN)
     target = DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="rdzvtest")
-    assert store.get(prefix + KEY_WORLD_SIZE) == b"2" and store.add(prefix + KEY_ACKS, 0) == 0
-    for key, forged in ((KEY_WORLD_SIZE, "-2"), (KEY_WORLD_SIZE, "9" * 30), (KEY_ACKS, str(2**63 - 1))):
+    signed_world = store.get(prefix + KEY_WORLD_SIZE)  # the watchers' count, signed
+    assert signed_world.startswith(b"eesig1:") and signed_world.endswith(b":2") and store.add(prefix + KEY_ACKS, 0) == 0
+    for key, forged in ((KEY_WORLD_SIZE, "-2"), (KEY_WORLD_SIZE, "1"), (KEY_WORLD_SIZE, "9" * 30),
+                        (KEY_ACKS, str(2**63 - 1))):
         store.set(prefix + key, forged)
-        with pytest.raises(DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*not a count in"):
+        with pytest.raises(DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*(unsigned|not a count in)"):
             request_drain(target, timeout=5)
-        store.set(prefix + key, {KEY_WORLD_SIZE: "2", KEY_ACKS: "0"}[key])
+        store.set(prefix + key, {KEY_WORLD_SIZE: signed_world, KEY_ACKS: "0"}[key])
     assert not store.check([prefix + KEY_DRAIN])  # nothing was asked of the workers
 
-    # The same request, signed with the secret (the preStop client), stops both at one step.
-    outcome = request_drain(target, timeout=30)
-    assert outcome.outcome == "acknowledged" and outcome.acks == 2, outcome
-    drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]
-    assert len(drained) == 2 and len({r["step"] for r in drained}) == 1, drained
+    # Forged acknowledgements in range (the counter at the expected 2, each rank's key written
+    # without the secret) do not end the drain: the same request, signed (the preStop client),
+    # returns only once both workers acknowledged themselves, after committing the agreed step.
+    store.set(prefix + KEY_ACKS, "2")
+    for rank in (0, 1):
+        store.set(prefix + f"ack/{rank}", json.dumps({"round": round_, "rank": rank, "step": 0}))
+    from structlog.testing import capture_logs
+
+    from elastic_emb.events import configure_logging
+
+    configure_logging()  # once, outside the capture (a set-up inside it would replace the capture)
+    with capture_logs() as logged:
+        outcome = request_drain(target, timeout=30)
+    assert outcome.outcome == "acknowledged" and outcome.acks == 2 and outcome.stop_step is not None, outcome
+    drained = lambda: [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]  # noqa: E731
+    wait_for(lambda: len(drained()) == 2, WAIT, "both workers' drained records", agents)
+    assert {r["step"] for r in drained()} == {outcome.stop_step}, drained()
+    assert {e.get("key") for e in logged if e.get("event") == "control_key_rejected"} >= {prefix + "ack/0", prefix + "ack/1"}
+    assert any(e.get("event") == "drain_acks_unverified" and e["claimed"] == 2 for e in logged), logged
 
 
 def _iso(t: float) -> str:
@@ -147,3 +163,41 @@ def test_counts_read_from_the_store_are_bounded_non_negative_integers():
                 b"9" * 30, True, None, 1.5):
         with pytest.raises(ValueError, match=r"^store key 'elastic_emb/r/round1/acks' holds .*, not a count in \[0, "):
             count_value("elastic_emb/r/round1/acks", raw)
+
+
+def test_drain_acks_count_only_each_ranks_own_signed_record_of_the_round():
+    """rdzv/drain_acks.py on a real TCPStore: the counter is a hint; a rank counts only when its
+    key verifies and names that rank and the round (a replay from another rank or round does not)."""
+    from elastic_emb.rdzv.drain_acks import AckCounter, ack_record, read_expected, write_ack, write_expected
+    from elastic_emb.rdzv.signing import Signer
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), use_libuv=True)
+    signer, prefix = Signer(SECRET.encode()), round_prefix("acktest", 7)
+    counter = AckCounter(store, signer, prefix, 7)
+    assert read_expected(store, signer, prefix) is None
+    write_expected(store, signer, prefix, 3)
+    assert read_expected(store, signer, prefix) == 3
+    store.set(prefix + KEY_ACKS, "3")  # forged in range: nothing verifies yet
+    store.set(prefix + "ack/0", ack_record(7, 0, 5))  # unsigned
+    store.set(prefix + "ack/1", signer.sign(prefix + "ack/0", ack_record(7, 1, 5)))  # signed for another key
+    assert counter.count(3) == 0 and counter.steps == {}
+    write_ack(store, signer, prefix, 7, 2, 5)
+    write_ack(store, signer, round_prefix("acktest", 6), 6, 0, 5)  # another round's: not this one's
+    assert counter.count(3) == 1 and counter.steps == {2: 5}
+    write_ack(store, signer, prefix, 7, 0, 5)
+    write_ack(store, signer, prefix, 7, 1, 5)
+    assert counter.count(3) == 3 and counter.steps == {0: 5, 1: 5, 2: 5}
+    # Without the forged counter the hint stays below the count until the last look.
+    fresh, prefix8 = AckCounter(store, signer, round_prefix("acktest", 8), 8), round_prefix("acktest", 8)
+    store.set(prefix8 + "ack/0", signer.sign(prefix8 + "ack/0", ack_record(8, 0, 1)))
+    assert fresh.count(1) == 0 and fresh.count(1, final=True) == 1
+    # Without a secret the record is all there is: one naming another rank or round is not counted.
+    prefix9 = round_prefix("acktest", 9)
+    store.set(prefix9 + "ack/0", ack_record(9, 1, 5))
+    store.set(prefix9 + "ack/1", ack_record(8, 1, 5))
+    store.set(prefix9 + KEY_ACKS, "2")
+    assert AckCounter(store, Signer(None), prefix9, 9).count(2) == 0
+    store.set(prefix + KEY_WORLD_SIZE, "1")  # unsigned: refused by name
+    with pytest.raises(ValueError, match=rf"store key '{prefix}world_size' holds b'1', unsigned"):
+        read_expected(store, signer, prefix)

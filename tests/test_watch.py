@@ -8,6 +8,7 @@ torchrun agents in test_rendezvous.py.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import pickle
 import threading
@@ -251,7 +252,8 @@ def test_drain_ranks_agree_on_the_last_step(rdzv_store):
         w1.ack_drain(11)
         w1.ack_drain(11)  # idempotent
         assert int(master.add(p + "acks", 0)) == 2
-        assert master.get(p + "ack/0") == b"11" and master.get(p + "ack/1") == b"11"
+        for rank in (0, 1):  # each rank's own acknowledgement (no secret here: unsigned)
+            assert json.loads(master.get(p + f"ack/{rank}")) == {"round": 5, "rank": rank, "step": 11}
     finally:
         w0.stop()
         w1.stop()
@@ -335,6 +337,7 @@ def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker()
         rdzv = {m for m in mods if m.startswith(("elastic_emb.rdzv", "elastic_emb.rendezvous"))}
         allowed = {"elastic_emb.rdzv.keys", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage",
                    "elastic_emb.rdzv.signing", "elastic_emb.rdzv.reader",  # the store reader (imports the two below)
+                   "elastic_emb.rdzv.drain_acks",  # the drain's signed acknowledgements (keys and signing only)
                    "elastic_emb.rdzv.etcd_v3",  # the inner=etcd-v3 client (torch's public interfaces only)
                    "elastic_emb.rdzv.etcd_v2"}  # torch's public EtcdStore plus compare_set
         assert rdzv <= allowed, (name, rdzv)

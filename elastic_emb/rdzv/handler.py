@@ -90,18 +90,17 @@ from elastic_emb.rdzv.keys import (
     ENV_ROUND,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
-    KEY_ACKS,
     KEY_DRAIN,
     KEY_FALLBACK,
     KEY_GENERATIONS,
     KEY_LEFT,
     KEY_ROUND_GENERATION,
     KEY_STOP_STEP,
-    KEY_WORLD_SIZE,
     count_value,
     inproc_root,
     round_prefix,
 )
+from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 from elastic_emb.rdzv.liveness import Liveness
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
@@ -150,6 +149,7 @@ class ElasticEmbRendezvousHandler:
         self._restart_requested = False  # num_nodes_waiting() > 0 was answered since the last round
         self._drain_started: float | None = None
         self._drain_done = False
+        self._drain_acks: AckCounter | None = None
         self._lock = threading.Lock()
         self._rdzv_lock = threading.Lock()
         self._left = False
@@ -438,10 +438,12 @@ class ElasticEmbRendezvousHandler:
             request = json.dumps({"round": self._round, "waiting": list(view.wait_list)})
             store.set(prefix + KEY_DRAIN, self._signer.sign(prefix + KEY_DRAIN, request))
             self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
+        if self._drain_acks is None or self._drain_acks.prefix != prefix:  # verified acks only (drain_acks.py)
+            self._drain_acks = AckCounter(store, self._signer, prefix, self._round, self._log)
+        last = now - self._drain_started >= self._config.drain_timeout
         try:
-            expected = count_value(prefix + KEY_WORLD_SIZE, store.get(prefix + KEY_WORLD_SIZE)) \
-                if store.check([prefix + KEY_WORLD_SIZE]) else 0
-            acks = count_value(prefix + KEY_ACKS, store.add(prefix + KEY_ACKS, 0))  # untrusted, like every key
+            expected = read_expected(store, self._signer, prefix) or 0  # untrusted, like every key
+            acks = self._drain_acks.count(expected, final=last) if expected > 0 else 0
         except StoreOutageError:
             raise
         except Exception as exc:
@@ -453,7 +455,7 @@ class ElasticEmbRendezvousHandler:
             outcome = "no_watchers"  # the workers run no elastic_emb watcher: nobody will ack
         elif expected > 0 and acks >= expected:
             outcome = "acknowledged"
-        elif now - self._drain_started >= self._config.drain_timeout:
+        elif last:
             outcome = "timeout"
         if outcome is None:
             return 0

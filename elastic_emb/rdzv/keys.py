@@ -57,9 +57,9 @@ C10D_NULL_STATE = b"Y2FuaW1hZGFt"  # torch's "no state yet" sentinel in the c10d
 # Key names under round_prefix() (the drain protocol and death/leave reports). elastic_emb.drain
 # (the preStop client) speaks the same protocol.
 KEY_DRAIN = "drain"  # agent (or preStop hook) -> workers: stop after an agreed step [control]
-KEY_WORLD_SIZE = "world_size"  # watchers -> agent: acknowledgements to expect
-KEY_ACKS = "acks"  # counter of workers that committed the last step and stopped
-KEY_ACK = "ack/"  # + rank: the step that worker stopped after
+KEY_WORLD_SIZE = "world_size"  # watchers -> agent: acknowledgements to expect [control]
+KEY_ACKS = "acks"  # counter of acknowledgements: a hint of when to look only (rdzv/drain_acks.py)
+KEY_ACK = "ack/"  # + rank: that worker's acknowledgement {round, rank, step}; only these are counted [control]
 KEY_STOP_CLAIM = "stop_claim"  # counter: the first rank to see a drain fixes the last step
 KEY_STOP_STEP = "stop_step"  # the agreed last step
 KEY_DEAD = "dead"  # counter of death reports; + "/" + node id: one report [control]
