@@ -356,7 +356,9 @@ class Watcher:
         raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
 
     def _emit(self, kind: EventKind, *, nodes: tuple[str, ...] = (), state_round: int | None = None,
-              once: bool = True) -> MembershipEvent | None:
+              once: bool = True, before: Callable[[MembershipEvent], None] | None = None) -> MembershipEvent | None:
+        """Record an event (``once``: only the first of its kind and nodes); ``before`` runs with
+        it before ``events()`` can return it."""
         with self._lock:
             if once:
                 key = (kind, nodes)
@@ -367,6 +369,8 @@ class Watcher:
             kind=kind, round=self.round if self.round is not None else -1, state_round=state_round,
             nodes=nodes, participants=self._members, at=time.time(),
         )
+        if before is not None:
+            before(event)
         with self._lock:
             self._events.append(event)
         self._log.info("membership_event", kind=kind, round=event.round, state_round=state_round, nodes=list(nodes))
@@ -485,9 +489,9 @@ class Watcher:
         if self._evicted:
             return
         self._evicted = True
-        event = self._emit(kind, nodes=nodes, state_round=state_round, once=False)
-        if self._on_evicted is not None and event is not None:
-            self._on_evicted(event)
+        # on_evicted runs before the event is visible: whoever sees it in events() sees its effect
+        self._emit(kind, nodes=nodes, state_round=state_round, once=False, before=self._on_evicted)
+        if self._on_evicted is not None:
             return
         self._log.warning("worker_stopping", reason=kind, delay_s=self.stop_delay, grace_s=self.evict_grace)
         # The stop waits stop_delay first: the surviving agents need a few monitor intervals to
