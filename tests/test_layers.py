@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.context", "elastic_emb.state", "elastic_emb.adapters", "elastic_emb.membership"),
     ("elastic_emb.watch", "elastic_emb.rollcall"),
     ("elastic_emb.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness"),
-    ("elastic_emb.lifecycle_records",),
+    ("elastic_emb.lifecycle_records", "elastic_emb.first_base"),
     ("elastic_emb.lifecycle", "elastic_emb.rdzv"),
     ("elastic_emb.resize",),
     ("elastic_emb.rendezvous",),
