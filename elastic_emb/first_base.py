@@ -18,6 +18,10 @@ decided once, by rank 0, and read by every other rank from the generation's stor
 in once its own writer has nothing in flight, and rank 0 ends the window at the first due step at
 which every rank has.
 
+Only where it pays: a shard of at least ``MIN_SHARD_BYTES`` of weights (judged from the table
+specs and the world size, the same on every rank). A small base costs less in the training thread
+than the background writer's own communicator takes to form, and is complete at once.
+
 The trade-off, stated: a second failure inside the window (about the base's write time) restores
 the newest complete commit, so it costs the steps since that commit, not one step; a drain or a
 forced commit inside the window waits for the base and commits as usual; a job that closes inside
@@ -26,11 +30,29 @@ the window leaves its last steps uncommitted (``close()`` waits for the base onl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
+
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
 
 KEY_DONE = "done"  # ranks whose base is complete (counted once each)
 KEY_STEP = "step/"  # + a due step: rank 0's verdict, b"1": coalesced, b"0": commit
+
+
+MIN_SHARD_BYTES = 16 << 20  # a rank's share of the tables' weights from which the base goes to the background
+
+
+def wanted(tables: Mapping[str, object], world_size: int) -> bool:
+    """Whether a generation of ``world_size`` ranks over ``tables`` (name -> TableSpec) writes its
+    first base in the background: an average shard of at least :data:`MIN_SHARD_BYTES` of
+    weights. The same answer on every rank (specs and world size only)."""
+    total = 0
+    for spec in tables.values():
+        itemsize = torch.empty((), dtype=getattr(torch, getattr(spec, "dtype", "float32"))).element_size()
+        total += int(spec.num_rows) * int(getattr(spec, "dim", 1)) * itemsize
+    return total >= MIN_SHARD_BYTES * max(1, world_size)
 
 
 class FirstBase:

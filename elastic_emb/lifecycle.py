@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from elastic_emb import metrics
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
+from elastic_emb import first_base
 from elastic_emb.first_base import FirstBase
 from elastic_emb.lifecycle_records import (  # re-exported: users import them from here
     CALLER_PHASES,
@@ -119,7 +120,8 @@ class Lifecycle:
         """Topology from env -> agree -> construct -> restore the newest complete commit.
 
         ``background_base``: this worker joins a generation formed in process, whose running
-        workers write its first base in the background (``on_membership_change``): so does it."""
+        workers may write its first base in the background (``on_membership_change``): so does
+        it, by the same rule."""
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()
@@ -143,7 +145,7 @@ class Lifecycle:
         t4 = time.perf_counter()
         lc.step = report.step
         lc._seen_step = report.step
-        if background_base:
+        if background_base and first_base.wanted(lc.context.tables, topology.world_size):
             lc._first_base = FirstBase(store, topology)
         event = lc._event("start", None, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
         lc.events.append(event)
@@ -303,9 +305,9 @@ class Lifecycle:
         ``mode`` and ``phases`` (``detect_s``, ``drain_s``, ``decide_s``) come from the caller that
         drove the change and go into the event, which is logged after the first step (module
         docstring). ``background_base``: the new generation's first commit (a full base) is
-        written in the background and the commits due meanwhile are coalesced
-        (``first_base.py``); every rank of the new generation must pass the same (the in-process
-        resize does, and its joiners' ``start``)."""
+        written in the background and the commits due meanwhile are coalesced, when the shards
+        are large enough to pay (``first_base.py``); every rank of the new generation must pass
+        the same (the in-process resize does, and its joiners' ``start``)."""
         store = self.store if store is None else store
         old = self.topology
         if new_topology.run_id != old.run_id:
@@ -327,7 +329,7 @@ class Lifecycle:
             event = self._reform_same_size(new_topology, store)
         else:
             event = self._rebuild(new_topology, store)
-        if background_base:
+        if background_base and first_base.wanted(self._require_context().tables, new_topology.world_size):
             self._first_base = FirstBase(store, new_topology)
         event = completed_by_caller(event, aborted, mode, phases)
         self.events.append(event)

@@ -1,7 +1,8 @@
 """The first base of a generation formed in process, written in the background
 (elastic_emb/first_base.py): one process, world size 1, a real EmbContext on gloo, the real
 background writer and snapshot files. The base's write is held at a commit point (the tests'
-hook of ``state.points``) so the window is open for as long as the test says."""
+hook of ``state.points``) so the window is open for as long as the test says. The tables are
+small, so the size rule (``first_base.wanted``) is lowered to take them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_emb import first_base
 from elastic_emb.context import EmbContext
 from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
 from elastic_emb.protocol import OptimizerSpec, TableSpec
@@ -37,7 +39,8 @@ def _step(ctx, step: int) -> None:
     ctx.apply_gradients("t", ids, -torch.ones(2, 4) * (step + 1))
 
 
-def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_one_delta(tmp_path):
+def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_one_delta(tmp_path, monkeypatch):
+    monkeypatch.setattr(first_base, "MIN_SHARD_BYTES", 0)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
     config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
     lc = Lifecycle(_factory, config, _topo(0), store)
@@ -87,7 +90,8 @@ def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_o
     lc2.close()
 
 
-def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path):
+def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path, monkeypatch):
+    monkeypatch.setattr(first_base, "MIN_SHARD_BYTES", 0)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
     config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
     lc = Lifecycle(_factory, config, _topo(0), store)
@@ -101,3 +105,11 @@ def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path):
     report = lc.commit(2, force=True)  # a drain or a forced commit is never coalesced
     assert report is not None and lc.committed_step == 2 and lc._first_base is None
     lc.close()
+
+
+def test_only_shards_worth_a_background_write_take_it():
+    big = TableSpec(name="t", num_rows=1 << 20, dim=64)  # 256 MB of fp32 weights
+    assert first_base.wanted({"t": big}, 2) and first_base.wanted({"t": big}, 16)  # 16 MiB shards
+    assert not first_base.wanted({"t": big}, 17) and not first_base.wanted({"t": TABLE}, 1)
+    half = TableSpec(name="h", num_rows=1 << 20, dim=64, dtype="float16")
+    assert first_base.wanted({"h": half}, 8) and not first_base.wanted({"h": half}, 9)
