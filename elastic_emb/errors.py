@@ -135,6 +135,11 @@ class ResizeFallback(ElasticEmbError, RuntimeError):
     """The in-process re-form failed; the agents were asked to restart the workers instead."""
 
 
+class JobComplete(ElasticEmbError):
+    """The job finished (a node's workers all succeeded) before this node could join it: there is
+    no world left to join, and nothing to do but exit 0."""
+
+
 class MemberGone(ElasticEmbError, TimeoutError):
     """A store wait ended because a member of the generation left the rendezvous."""
 

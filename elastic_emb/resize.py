@@ -72,10 +72,11 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from elastic_emb import config
-from elastic_emb.errors import ElasticEmbError, MemberGone, ResizeFallback
+from elastic_emb.errors import ElasticEmbError, JobComplete, MemberGone, ResizeFallback
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.outage import is_connection_error
 from elastic_emb.rdzv.keys import (
+    KEY_COMPLETE,
     KEY_CURRENT,
     KEY_DECIDER,
     KEY_DECISION,
@@ -208,7 +209,8 @@ class InProcessResize:
         then start the lifecycle in that generation (agree, construct, restore together with the
         running workers, which rebuild at the same time). Returns ``(lifecycle, resize)``.
         Not included within ``timeout``: asks the agents for a restart-mode round and raises
-        :class:`ResizeFallback`."""
+        :class:`ResizeFallback`. The job finished first (an agent marked it complete): raises
+        :class:`~elastic_emb.errors.JobComplete` (the worker has nothing to do; exit 0)."""
         from elastic_emb.lifecycle import Lifecycle
 
         env = dict(os.environ if env is None else env)
@@ -224,11 +226,20 @@ class InProcessResize:
         log.info("resize.joiner_ready", node=me, index=index)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
+        look_for_end = 0.0
         while True:
             value = read_signed(store, signer, root + KEY_CURRENT, log)
             record = json.loads(value) if value is not None else {}
             if me in record.get("nodes", ()):
                 break
+            if time.monotonic() >= look_for_end:  # the running world finished first (its agents marked it)
+                look_for_end = time.monotonic() + 0.1
+                done = read_signed(store, signer, root + KEY_COMPLETE, log)
+                if done is not None:
+                    log.info("resize.job_complete_before_join", node=me, mark=done.decode()[:200],
+                             outcome="exit 0: the job finished before this node could join it")
+                    raise JobComplete(f"node {me}: the job finished before this node could join it "
+                                      f"(marked complete: {done.decode()[:200]}); nothing to do")
             if time.monotonic() >= deadline:
                 # Nobody includes us (no running worker left, or it died deciding): ask the agents
                 # for a restart-mode round, which starts a world with everyone.

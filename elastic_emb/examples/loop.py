@@ -157,7 +157,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
     Returns the process exit code: 0 when done, or drained / restarted for a new world; 3 when
     the agent did not restart the worker within ``args.drain_timeout``."""
     from elastic_emb import Lifecycle, LifecycleConfig, Watcher, bind_topology, get_logger
-    from elastic_emb.errors import ResizeFallback
+    from elastic_emb.errors import JobComplete, ResizeFallback
     from elastic_emb.resize import InProcessResize, interruptible_store
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology
@@ -173,6 +173,10 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
     if in_process and config.load(None, "joiner").joiner:
         try:  # this node joined a running world: wait (bounded) to be included, then start with it
             lc, resize = InProcessResize.join(factory, lc_config, watcher, timeout=args.drain_timeout)
+        except JobComplete as exc:  # the world finished first: nothing to join, nothing lost
+            progress.write("job_complete_before_join", reason=str(exc)[:300])
+            watcher.stop()
+            return 0
         except ResizeFallback:
             return 0 if _wait_for_sigterm(args.drain_timeout) else 3  # the agents restart everyone
     else:

@@ -87,6 +87,9 @@ def inproc_root(run_id: str) -> str:
 KEY_CURRENT = "current"  # the newest decided generation: {generation, nodes, master_addr, master_port} [control]
 KEY_JOINERS = "joiners"  # counter of joiners registered
 KEY_JOINER = "joiner/"  # + index: a joiner's node id [control]
+# agents -> joiners: the job finished (an agent's workers all succeeded, it entered torch's exit
+# barrier); no world will include a joiner any more, so a joiner still starting exits 0 [control]
+KEY_COMPLETE = "complete"
 # Counter under inproc_root(): at least the highest generation an in-process re-form wrote keys
 # for (raised before any such key). A torch round r then starts at generation r + this counter, so
 # a generation is never reused for another membership after a fallback (the topology agreement
