@@ -135,7 +135,7 @@ class ResizeFallback(ElasticEmbError, RuntimeError):
     """The in-process re-form failed; the agents were asked to restart the workers instead."""
 
 
-class JobComplete(ElasticEmbError):
+class JobComplete(ElasticEmbError, RuntimeError):
     """The job finished (a node's workers all succeeded) before this node could join it: there is
     no world left to join, and nothing to do but exit 0."""
 
