@@ -75,8 +75,8 @@ from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError, JobComplete, MemberGone, ResizeFallback
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.outage import is_connection_error
+from elastic_emb.rdzv.job_complete import read_mark
 from elastic_emb.rdzv.keys import (
-    KEY_COMPLETE,
     KEY_CURRENT,
     KEY_DECIDER,
     KEY_DECISION,
@@ -234,12 +234,12 @@ class InProcessResize:
                 break
             if time.monotonic() >= look_for_end:  # the running world finished first (its agents marked it)
                 look_for_end = time.monotonic() + 0.1
-                done = read_signed(store, signer, root + KEY_COMPLETE, log)
+                done = read_mark(store, signer, reader.run_id, log)
                 if done is not None:
-                    log.info("resize.job_complete_before_join", node=me, mark=done.decode()[:200],
+                    log.info("resize.job_complete_before_join", node=me, mark=done,
                              outcome="exit 0: the job finished before this node could join it")
                     raise JobComplete(f"node {me}: the job finished before this node could join it "
-                                      f"(marked complete: {done.decode()[:200]}); nothing to do")
+                                      f"(marked complete: {done}); nothing to do")
             if time.monotonic() >= deadline:
                 # Nobody includes us (no running worker left, or it died deciding): ask the agents
                 # for a restart-mode round, which starts a world with everyone.

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from elastic_emb.drill import PRESETS, LossDetected, Scenario, chaos, load_scenario, run_drill, verify
+from elastic_emb.drill.scenario import Fault
 from elastic_emb.drill import procs
 from elastic_emb.drill.network import netns_works
 from elastic_emb.drill.replay import EXAMPLE, load_script
@@ -220,13 +221,17 @@ def test_drill_loses_nothing(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path):
+@pytest.mark.parametrize("mode", ["in_process", "restart"])
+def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path, mode):
     """Rows of the newest commit are changed *with matching checksums* (a state-layer bug, not
     a disk error), then the workers are killed so they restore from it: only the comparison with
     the replay can tell, and it must name the rows and the step. Commits are incremental by
     default, so the newest commit is a delta: the planted rows are its first changed rows (the
-    ones that step wrote), not the first rows of the table."""
-    report, out = _run("corrupt-snapshot", tmp_path, network="loopback")
+    ones that step wrote), not the first rows of the table. In both resize modes (the join after
+    the planting re-forms in process, or restarts every worker)."""
+    report, out = _run("corrupt-snapshot", tmp_path, network="loopback", mode=mode)
+    # (the planting restarts node 0's worker in either mode; the join after it goes the mode's way)
+    assert [r["mode"] for r in report["resizes"] if r["cause"].startswith("join")] == [mode], report["resizes"]
     assert report["ok"] is False
     v = report["verification"]
     assert v["ok"] is False and "LOSS DETECTED" in v["error"]
@@ -553,3 +558,45 @@ def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(tmp_pat
     assert [(r["mode"], r["steps_lost"]) for r in report["resizes"]] == [("in_process", 0)] * 2, report["resizes"]
     assert all(0 < r["pause_seconds"] < 30 for r in report["resizes"]), report["resizes"]
     print(f"\nin-process demo: pauses {[r['pause_seconds'] for r in report['resizes']]} s")
+
+
+# -- restart mode of the presets that run in process by default -------------------------------------
+
+# One drill in restart mode (the agents restart every worker at each change) with the faults whose
+# restart paths the in-process presets differ in: an etcd outage with a join right after it
+# (store-host-loss), a worker crash (worker-crash), a graceful leave and a join (flapping, scale-up),
+# a whole node SIGKILLed (node-loss, torchrec, ep8). One drill instead of one per preset: each costs
+# 20-70 s on the 2-core machine (the torch import of every restarted worker). corrupt-snapshot runs in
+# both modes above; the TorchRec and EP8 restart paths across processes are tests/test_ep8.py's
+# restart-kill flavour and `elastic-emb drill --scenario torchrec|ep8|ep8-term --mode restart`.
+RESTART_MIX = Scenario(
+    name="restart-mix", description="Restart mode: store-host-loss, worker-crash, flapping and node-loss in one drill.",
+    initial_nodes=1, max_nodes=2, store="etcd", network="loopback", mode="restart", steps=95, step_delay=0.05,
+    faults=(
+        Fault(kind="kill_store", at_step=6, duration=3.0), Fault(kind="join", at_step=18),
+        Fault(kind="crash_worker", at_step=32, node=1), Fault(kind="leave", at_step=46),
+        Fault(kind="join", at_step=60), Fault(kind="kill_node", at_step=76, node=2),
+    ),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_restart_mode_drill_of_the_in_process_presets_loses_nothing(tmp_path):
+    """:data:`RESTART_MIX`: 1 -> 2 (after an etcd outage) -> 2 (a worker crashed, every worker
+    restarted) -> 1 -> 2 -> 1 (a node SIGKILLed), each change a restart of every worker, nothing
+    lost, the final tables equal the single-process replay bit for bit."""
+    if not shutil.which("etcd"):
+        pytest.skip("etcd-server is not installed (Debian package etcd-server)")
+    out = tmp_path / RESTART_MIX.name
+    report = run_drill(RESTART_MIX, out, progress="lines", summary=False)
+    assert not _leftovers(out), f"processes left behind: {_leftovers(out)}"
+    assert report["ok"], _explain(report, out)
+    v = report["verification"]
+    assert v["ok"] and v["step"] == RESTART_MIX.steps - 1 and v["step_checksums_checked"] >= RESTART_MIX.steps
+    assert report["world_sizes"] == [1, 2, 2, 1, 2, 1], _explain(report, out)
+    causes = [(r["cause"], r["mode"], r["steps_lost"]) for r in report["resizes"]]
+    assert causes == [("join node1", "restart", 0), ("crash_worker node1", "restart", 0), ("leave node1", "restart", 0),
+                      ("join node2", "restart", 0), ("kill_node node2", "restart", 0)], causes
+    assert [f["kind"] for f in report["faults"]] == [f.kind for f in RESTART_MIX.faults], report["faults"]
+    print(f"\nrestart mode mix: recoveries {[r['recovery_seconds'] for r in report['resizes']]} s")

@@ -159,6 +159,7 @@ class Drill:
         self.etcd = None  # elastic_emb.testing.etcd.EtcdCluster when store == "etcd"
         self.gpus: dict[int, list[int]] = {}  # node -> GPU indices (backend nccl)
         self.orphans_alive: list[int] = []
+        self.late_joiners: set[str] = set()  # nodes whose join came after the job finished
         self.store_back_at: float | None = None
         self.max_step = -1
         self.world = 0
@@ -343,6 +344,8 @@ class Drill:
 
     def _observe(self, new: list[dict]) -> None:
         for e in new:
+            if e.get("event") == "job_complete_before_join":
+                self.late_joiners.add(e["node"])
             if e.get("event") == "step":
                 if self.t_first_step is None:
                     self.t_first_step = e["t"]
@@ -429,6 +432,14 @@ class Drill:
                 when = " before the first committed step" if self.max_step < 0 else ""
                 error = f"agents failed{when}: " + "; ".join(
                     f"{n.name} exit {n.exit_code}: {worker_error(n.log_path)} (log {n.log_path})" for n in failed)
+            # A join that came after the end exits 0 (its worker or its agent saw the job marked
+            # complete), but the drill did not resize: say so instead of passing.
+            self.late_joiners |= {n.name for n in self.nodes.values()
+                                  if "job_finished_before_join" in n.log_path.read_text(errors="replace")}
+            if error is None and self.late_joiners:
+                error = (f"{sorted(self.late_joiners)} came after the job finished (the world ended before it could "
+                         f"include them; their agents exited 0): raise steps or slow_delay so that the join lands "
+                         f"during training")
             if error is None and pending:
                 error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
                          f"fired (last committed step {self.max_step}); raise steps or step_delay")

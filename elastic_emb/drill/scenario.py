@@ -222,8 +222,10 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="scale-up", description="A second node joins a running 1-node job.",
             # The joiner starts a process (imports torch) while the world trains on: on a loaded
-            # machine that took over 20 s, longer than 0.25 s x 62 steps. A slowed step ends as
-            # soon as the join is due, so the pause reported is still the re-form's.
+            # machine that took over 20 s, longer than 0.25 s x 62 steps. A join that comes after
+            # the end now exits 0 (the job is marked complete), but the drill would have resized
+            # nothing (it fails saying so): the slow steps keep the join inside training. A slowed
+            # step ends as soon as the join is due, so the pause reported is still the re-form's.
             initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), mode="in_process", slow_delay=1.0,
             **_STEP,
         ),

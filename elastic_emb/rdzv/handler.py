@@ -73,8 +73,8 @@ from elastic_emb import metrics
 from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
-from elastic_emb.rdzv.exit_barrier import NUM_MEMBERS, ExitBarrierStore
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
+from elastic_emb.rdzv.job_complete import CompletingExitBarrierStore, closed_and_complete, mark_complete
 from elastic_emb.rdzv.keys import (
     BACKEND_NAME,
     DISABLE_SHARED_STORE,
@@ -90,7 +90,6 @@ from elastic_emb.rdzv.keys import (
     ENV_ROUND,
     ENV_STORE_OUTAGE_TIMEOUT,
     ENV_WATCH_INTERVAL,
-    KEY_COMPLETE,
     KEY_DRAIN,
     KEY_FALLBACK,
     KEY_GENERATIONS,
@@ -221,7 +220,9 @@ class ElasticEmbRendezvousHandler:
                 if info is None:
                     info = self._inner.next_rendezvous()
             except Exception as exc:
-                if self._job_finished(exc, previous_round):
+                if self._config.resize == "in_process" and closed_and_complete(
+                        exc, lambda: self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard),
+                        self._signer, self._run_id, self._log):
                     # torch's own way out (RendezvousGracefulExitError) makes its launcher crash on
                     # a None result (pytorch#194710, torch <= 2.13); SystemExit(0) is what
                     # torchrun's @record turns into exit code 0.
@@ -242,7 +243,7 @@ class ElasticEmbRendezvousHandler:
             # members of the end, not the round's node count (rdzv/exit_barrier.py).
             from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
-            store = _CompletingExitBarrierStore(info.store, self._node, self._members_now, self._mark_job_complete)
+            store = CompletingExitBarrierStore(info.store, self._node, self._members_now, self._mark_job_complete)
             info = RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
@@ -305,45 +306,15 @@ class ElasticEmbRendezvousHandler:
         self._log.info("joined_running_round", group_rank=rank, world_size=world, mode="in_process")
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo.build(rank, store, tc.this_node(self._inner).addr))
 
-    # -- the end of the job (resize=in_process) ----------------------------------------------
-
-    def _complete_key(self) -> str:
-        return inproc_root(self._run_id) + KEY_COMPLETE
-
     def _mark_job_complete(self) -> None:
-        """This agent's workers all succeeded (torch enters its exit barrier only then): mark the job
-        complete, so that a joiner still starting exits 0 (``InProcessResize.join``, and
-        :meth:`_job_finished` for an agent that finds the rendezvous closed) instead of waiting for a
-        world that is gone. The mark lives as long as torch's closed state under the same run id."""
-        key = self._complete_key()
+        """At torch's exit barrier (every local worker succeeded): mark the job complete (rdzv/job_complete.py)."""
         try:
-            mark = json.dumps({"node": self._node, "round": self._round, "generation": self._generation})
-            self._round_store.set(key, self._signer.sign(key, mark))
+            mark_complete(self._round_store, self._signer, self._run_id, node=self._node, round=self._round,
+                          generation=self._generation)
             self._log.info("job_complete_marked", round=self._round)
         except Exception as exc:  # joiners then wait their bound and fail, as without the mark
             reraise_signal(exc)
             self._log.warning("job_complete_mark_failed", round=self._round, error=repr(exc)[:300])
-
-    def _job_finished(self, exc: BaseException, previous_round: int | None) -> bool:
-        """Whether ``exc`` is torch's closed rendezvous of a job that finished (an agent marked it
-        complete): then this node came too late to join, which is no failure. A rendezvous closed
-        without the mark (the job failed or was stopped) stays an error."""
-        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-
-        if not isinstance(exc, RendezvousClosedError) or self._config.resize != "in_process":
-            return False
-        try:
-            store = self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard)
-            mark = read_signed(store, self._signer, self._complete_key(), self._log)
-        except Exception as err:  # the store is gone with the job (an agent hosted it): torch's error stands
-            reraise_signal(err)
-            self._log.warning("job_complete_unreadable", error=repr(err)[:300])
-            return False
-        if mark is None:
-            return False
-        self._log.info("job_finished_before_join", previous_round=previous_round, mark=mark.decode()[:200],
-                       outcome="exit 0: the job finished before this node could join it")
-        return True
 
     def _members_now(self) -> tuple[str, ...]:
         """The participants of torch's state now (synced, reported-dead nodes evicted): whom the
@@ -562,20 +533,6 @@ class ElasticEmbRendezvousHandler:
         )
 
 
-
-
-class _CompletingExitBarrierStore(ExitBarrierStore):
-    """The exit barrier's store that also marks the job complete at this agent's arrival (torch
-    enters the barrier only when every local worker succeeded): ``mark()``, before the count."""
-
-    def __init__(self, inner, node: str, members: Callable[[], tuple[str, ...]], mark: Callable[[], None]) -> None:
-        super().__init__(inner, node, members)
-        self._mark = mark
-
-    def add(self, key, value):
-        if key == NUM_MEMBERS and value == 1:
-            self._mark()
-        return super().add(key, value)
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:
