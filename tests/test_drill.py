@@ -228,13 +228,14 @@ def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path, 
     the replay can tell, and it must name the rows and the step. Commits are incremental by
     default, so the newest commit is a delta: the planted rows are its first changed rows (the
     ones that step wrote), not the first rows of the table. In both resize modes (the join after
-    the planting re-forms in process, or restarts every worker)."""
+    the planting re-forms in process, or restarts every worker; under load it may come after the
+    end, which changes nothing here: the restore of the planted commit is the planting's restart)."""
     report, out = _run("corrupt-snapshot", tmp_path, network="loopback", mode=mode)
-    # (the planting restarts node 0's worker in either mode; the join after it goes the mode's way)
-    assert [r["mode"] for r in report["resizes"] if r["cause"].startswith("join")] == [mode], report["resizes"]
+    if mode == "restart":  # every change restarted every worker (in process, the planting does too)
+        assert report["resizes"] and {r["mode"] for r in report["resizes"]} == {"restart"}, report["resizes"]
     assert report["ok"] is False
     v = report["verification"]
-    assert v["ok"] is False and "LOSS DETECTED" in v["error"]
+    assert v["ok"] is False and "LOSS DETECTED" in v["error"], _explain(report, out)
     planted = report["faults"][0]["corrupted"][0]
     assert planted["table"] == "user" and len(planted["row_list"]) == 3
     rows = {(f["table"], f["row"]) for f in v["findings"] if "row" in f}
