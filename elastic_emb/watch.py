@@ -10,9 +10,10 @@ differences into :class:`~elastic_emb.membership.MembershipEvent` records: ``joi
 ``drain_requested``.
 
 The parts: ``rdzv/reader.py`` opens the store and reads the state for each inner backend;
-``membership.py`` says what one state means; this module holds what needs a thread, a store
-and time: the polling loop, the orphan stop, the drain agreement, the outage accounting and the
-signed confirmations below. The reader's and the events' names stay importable from here.
+``membership.py`` says what one state means; ``selfstop.py`` notices a dead agent and stops the
+process; ``rdzv/drain_acks.py`` writes the drain's signed acknowledgements. This module holds
+what needs a thread, a store and time: the polling loop, the orphan report, the drain agreement,
+the outage accounting and the signed confirmations below. The reader's and the events' names stay importable from here.
 
 **Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store:
 the watcher decodes it with the restricted decoder of ``rdzv/decode.py`` (the same one the agent
@@ -26,8 +27,9 @@ between agent and worker, reports the node dead under the
 round's store keys (the surviving agents then evict it from the rendezvous and restart at
 once, see ``rdzv/handler.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
 later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
-alive ``evict_grace`` seconds after the eviction, the kernel ends it (SIGALRM from an interval
-timer, which needs no Python thread, so it also cuts a slow interpreter teardown short). A worker outside the membership never
+alive ``evict_grace`` seconds after the eviction, the kernel ends it (``selfstop.py``: SIGALRM
+from an interval timer, which needs no Python thread, so it also cuts a slow interpreter
+teardown short). A worker outside the membership never
 touches shared state: ``evicted`` is True before the stop begins, and the lifecycle checks it.
 
 **Drain.** When the agent asks the running workers to drain before a scale-up (a round-scoped
@@ -56,7 +58,6 @@ does not pass on); the worker's node is the participant whose pid is its parent'
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -82,6 +83,7 @@ from elastic_emb.rdzv.keys import (
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
 from elastic_emb.rdzv.reader import RendezvousReader, print_state
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.selfstop import agent_gone, stop_self
 
 StateView = RendezvousView  # the name this module used before the two views were merged
 # Names this module exported before the reader (rdzv/reader.py) and the event classification
@@ -391,22 +393,8 @@ class Watcher:
             mine = [p.node for p in view.participants if p.pid == self.agent_pid]
         return mine[0] if len(mine) == 1 else None
 
-    def _agent_gone(self) -> bool:
-        """Our agent died: our parent changed (we were reparented), or, when a wrapper (a shell,
-        a launcher script) sits between the agent and us, the agent's pid no longer exists."""
-        if os.getppid() != self._initial_parent:
-            return True
-        if self.agent_pid != self._initial_parent:
-            try:
-                os.kill(self.agent_pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:  # exists, owned by someone else: alive
-                return False
-        return False
-
     def _poll(self) -> None:
-        if self._agent_gone():
+        if agent_gone(self._initial_parent, self.agent_pid):
             self._orphaned()
             return
         if (key := self._failure_key) is not None and not self.failure_seen and self._control_set(key):
@@ -494,20 +482,4 @@ class Watcher:
         if self._on_evicted is not None:
             return
         self._log.warning("worker_stopping", reason=kind, delay_s=self.stop_delay, grace_s=self.evict_grace)
-        # The stop waits stop_delay first: the surviving agents need a few monitor intervals to
-        # read the death report and SIGTERM their own workers; an orphan that vanished at once
-        # would fail their collective first, and torch counts a failure against the restart
-        # budget. Then the SIGTERM an agent would send (the worker's handler, if any, runs), and a
-        # hard exit at evict_grace, so an orphan blocked in a collective cannot outlive it.
-        # The hard deadline is the kernel's: an interval timer whose SIGALRM (default action:
-        # terminate) needs no Python thread, so it fires even while the interpreter is tearing
-        # down. A process that handles SIGALRM itself gets a Python timer instead.
-        if signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
-            signal.setitimer(signal.ITIMER_REAL, self.evict_grace)
-        else:
-            hard = threading.Timer(self.evict_grace, os._exit, args=(3,))
-            hard.daemon = True
-            hard.start()
-        term = threading.Timer(self.stop_delay, os.kill, args=(os.getpid(), signal.SIGTERM))
-        term.daemon = True
-        term.start()
+        stop_self(self.stop_delay, self.evict_grace)  # SIGTERM after the delay, the kernel's end at the grace
