@@ -27,6 +27,11 @@ is reached (one store read per missing rank, not one per rank on every poll), an
 it gives up, so a counter held low by a store writer delays a drain to its timeout, no more.
 A counter that claims more than the keys show is reported once (``drain_acks_unverified``).
 
+Mixed versions (a rolling change): a worker from before this format writes a bare step under
+``ack/<rank>`` and an unsigned ``world_size``, which a reader here does not count (and, with a
+secret, reports as unreadable); an older reader cannot parse a signed ``world_size``. Either way
+that drain ends by its timeout, never early.
+
 Without a secret nothing is signed and the record checks are all there is (the trust model the
 README states: whoever can reach the store can steer the job). What no signature prevents: a
 store writer can delete keys (a deleted ``world_size`` reads as "no watchers"), as it can delete
