@@ -31,7 +31,7 @@ WAIT = 120.0  # bound of every wait below (a loaded 2-core machine: a torchrun s
 STEPS = 30
 
 
-def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None) -> subprocess.Popen:
+def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None, max_restarts: int = 2) -> subprocess.Popen:
     """One torchrun agent (stock ``torch.distributed.run``, ``--rdzv-backend=elastic_emb``, in process)
     running the packaged example through ``tests/helpers/late_joiner.py``."""
     state = out / "state" / f"node{number}"
@@ -45,7 +45,7 @@ def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None)
             "event_file": str(out / f"events-node{number}.jsonl")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
            "--rdzv-backend=elastic_emb", f"--rdzv-endpoint={endpoint}", "--rdzv-id=late-joiner",
-           "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()), "--max-restarts=2",
+           "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()), f"--max-restarts={max_restarts}",
            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(SCRIPT),
            "--steps", str(STEPS), "--batch", "64", "--user-rows", "512", "--item-rows", "512", "--seed", "0",
            "--step-delay", "0.05", "--out", str(out / "run"), "--checksums", "--slow-file", str(out / "slow"),
@@ -148,3 +148,50 @@ def test_nodes_joining_a_job_that_finishes_first_exit_zero(cluster):
     assert v["ok"] and v["step"] == STEPS - 1 and v["step_checksums_checked"] >= STEPS, v
     print(f"\nlate joiner: its worker exited {finished[0]['t'] - final_t:.2f} s after the world's final tables; "
           f"a node started after the end exited 0 in {time.time() - t_end:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_that_failed_stays_a_failure_for_a_node_that_comes_after_it(cluster):
+    """The counter-case: node0's worker fails (exit 1, no restarts left), so its agent fails and
+    closes the rendezvous without entering the exit barrier: no mark. A node that comes after it
+    finds the rendezvous closed and fails on torch's ``RendezvousClosedError``, as before: only a
+    job that finished lets a late node exit 0."""
+    out, endpoint, procs = cluster
+    procs[0] = _agent(out, 0, endpoint, {"LATE_JOINER_FAIL": "1"}, max_restarts=0)
+    _wait(lambda: procs[0].poll() is not None, "node0's agent to fail", procs, out)
+    assert procs[0].returncode != 0
+    assert not [e for e in _events(out / "events-node0.jsonl") if e["event"] == "job_complete_marked"]
+    procs[1] = _agent(out, 1, endpoint)
+    _wait(lambda: procs[1].poll() is not None, "node1's agent to exit", procs, out)
+    assert procs[1].returncode != 0
+    agent1 = _events(out / "events-node1.jsonl")
+    failed = [e for e in agent1 if e["event"] == "rendezvous_failed"]
+    assert failed and "RendezvousClosedError" in failed[0]["error"], agent1
+    assert not [e for e in agent1 if e["event"] == "job_finished_before_join"], agent1
+
+
+def test_the_mark_is_read_only_for_a_closed_rendezvous_and_only_when_validly_signed():
+    """``closed_and_complete``: a closed rendezvous with the signed mark is a finished job; without
+    the mark, with a mark that is not validly signed, or for any other error, it is not."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    from elastic_emb.events import event_logger
+    from elastic_emb.rdzv.job_complete import closed_and_complete, complete_key, mark_complete
+    from elastic_emb.rdzv.signing import Signer
+
+    store, log, signer = dist.HashStore(), event_logger(None), Signer(b"s" * 32)
+    closed = RendezvousClosedError()
+    assert not closed_and_complete(closed, lambda: store, signer, "job", log)  # no mark yet
+    store.set(complete_key("job"), b'{"node": "forged"}')  # unsigned, with a job secret set
+    assert not closed_and_complete(closed, lambda: store, signer, "job", log)
+    mark_complete(store, signer, "job", node="a", round=0, generation=0)
+    assert closed_and_complete(closed, lambda: store, signer, "job", log)
+    assert not closed_and_complete(RendezvousTimeoutError(), lambda: store, signer, "job", log)
+    assert not closed_and_complete(closed, lambda: store, signer, "another-job", log)
+
+    def gone():
+        raise ConnectionError("store gone with the agent that hosted it")
+
+    assert not closed_and_complete(closed, gone, signer, "job", log)  # unreadable: torch's error stands
