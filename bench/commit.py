@@ -14,6 +14,16 @@ id, the Adagrad update of the distinct rows. In the same processes, ``--steps`` 
 * ``restore``: restoring from a base plus a chain of ``--max-chain`` deltas, and from a full base
   of the same rows, alternately, ``--restore-reps`` times each, into fresh contexts.
 
+* ``scaling``: the cost of a delta commit against the table size at fixed ids: ``--scaling-commits``
+  delta commits per size (a base every ``--scaling-max-chain + 1``, left out), the sizes
+  interleaved in ABBA order. Per commit the wall time (the slowest rank) and the CPU time of the
+  rank processes (all their threads: the work, which the machine's load hardly changes) are
+  recorded. Reported per measure: the ratio of the medians over all commits with a bootstrap
+  90% interval (pairs resampled), the median and quartiles of the per-pair ratios, and of the
+  ratios of medians over blocks of ``--block`` consecutive pairs.
+
+``--phases`` picks which of ``steps`` (none, full, incremental), ``restore`` and ``scaling`` run.
+
 This machine's load drifts, so the sizes are interleaved step by step (in ABBA order) and every
 ratio is taken per step, between measurements made moments apart: the incremental commit at each
 size over the first size's at the same step, and each chain restore over the full restore next to
@@ -21,6 +31,7 @@ it. Reported: medians (the slowest rank of each step) and, for the ratios, the m
 quartiles. Every restore is checked row for row. JSON to ``--json``.
 
   python bench/commit.py --sizes-mb 64,128 --ids 2000 --steps 40      # CPU, 2 ranks
+  python bench/commit.py --sizes-mb 64,128 --phases scaling --scaling-commits 240
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -112,9 +124,10 @@ def worker(args) -> None:
         return SnapshotTier(Path(args.state_dir) / name, "bench", f"node{topo.rank}", replication=1, keep=2,
                             max_chain=args.max_chain)
 
+    phases = set(args.phases.split(","))
     # Steps and commits: the sizes interleaved step by step (ABBA order), so that the load of this
     # shared machine drifts alike for every size; a ratio is taken per step, between sizes.
-    for mode in ("none", "full", "incremental"):
+    for mode in ("none", "full", "incremental") if "steps" in phases else ():
         ctxs = {mb: Ctx(rows_of[mb]) for mb in sizes}
         tiers = {mb: tier_for(f"{mode}-{mb}") for mb in sizes}
         gens = {mb: torch.Generator().manual_seed(topo.rank) for mb in sizes}
@@ -150,7 +163,7 @@ def worker(args) -> None:
     # of the same rows in another; restores from the two alternate, each into a fresh context
     # (made before the clock starts) and checked row for row.
     results["restore"] = {}
-    for mb in sizes:
+    for mb in sizes if "restore" in phases else ():
         nr = {"emb": rows_of[mb]}
         ctx, gen = Ctx(rows_of[mb]), torch.Generator().manual_seed(topo.rank)
         chain_tier, full_tier = tier_for(f"chain-{mb}"), tier_for(f"full-{mb}")
@@ -176,10 +189,80 @@ def worker(args) -> None:
         for name in (f"chain-{mb}", f"full-{mb}"):
             shutil.rmtree(Path(args.state_dir) / name, ignore_errors=True)
         comm.barrier(f"restore-{mb}-cleaned")
+    if "scaling" in phases:
+        results["scaling"] = scaling(args, sizes, rows_of, Ctx, tier_for, comm)
     results["shard_bytes"] = {str(mb): len(owned_range(rows_of[mb], topo.ep_size, topo.rank)) * (DIM * 4 + 4)
                               for mb in sizes}
     comm.close()
     print(json.dumps({"rank": topo.rank, "results": results}), flush=True)
+
+
+def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
+    """Delta commits at every size, interleaved (ABBA); per commit: wall seconds, this process's
+    CPU seconds (every thread), whether it was a base. Runs in each rank process."""
+    import torch
+
+    ctxs = {mb: Ctx(rows_of[mb]) for mb in sizes}
+    tiers = {mb: tier_for(f"scaling-{mb}") for mb in sizes}
+    for tier in tiers.values():
+        tier.max_chain = args.scaling_max_chain
+    gens = {mb: torch.Generator().manual_seed(1000 + comm.rank) for mb in sizes}
+    rec = {mb: {"wall_s": [], "cpu_s": [], "base": []} for mb in sizes}
+    for step in range(args.scaling_commits + 1):
+        for mb in (sizes if step % 2 == 0 else sizes[::-1]):
+            ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
+            ctx.step(gens[mb])
+            shards = ctx.export_shard() if step == 0 else ctx.shard_views()
+            comm.barrier(f"scaling-{step}-{mb}")
+            c0, t0 = time.process_time(), time.perf_counter()
+            tier.commit(step, shards, comm, nr, changes=ctx.take_changed_rows())
+            tier.prune(comm)
+            t1, c1 = time.perf_counter(), time.process_time()
+            if step:  # step 0: the first base
+                rec[mb]["wall_s"].append(t1 - t0)
+                rec[mb]["cpu_s"].append(c1 - c0)
+                rec[mb]["base"].append(step % (args.scaling_max_chain + 1) == 0)
+    for mb in sizes:
+        shutil.rmtree(Path(args.state_dir) / f"scaling-{mb}", ignore_errors=True)
+    comm.barrier("scaling-cleaned")
+    return {str(mb): v for mb, v in rec.items()}
+
+
+def ratio_stats(a: list[float], b: list[float], block: int, reps: int = 2000) -> dict:
+    """How ``b`` compares with ``a`` (paired: a[i] and b[i] measured moments apart): the ratio of
+    the medians with a bootstrap 90% interval over resampled pairs, the per-pair ratios, and the
+    ratios of the medians of blocks of ``block`` consecutive pairs (median and quartiles each)."""
+    n = len(a)
+    rng = random.Random(0)
+    boot = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        boot.append(statistics.median(b[i] for i in idx) / statistics.median(a[i] for i in idx))
+    boot.sort()
+    blocks = [statistics.median(b[i:i + block]) / statistics.median(a[i:i + block])
+              for i in range(0, n - block + 1, block)]
+    return {"ratio_of_medians": statistics.median(b) / statistics.median(a),
+            "ci90": [boot[int(0.05 * reps)], boot[int(0.95 * reps) - 1]],
+            "pairs": spread([y / x for x, y in zip(a, b)]),
+            "blocks": spread(blocks) if blocks else None,
+            "median_a_ms": statistics.median(a) * 1e3, "median_b_ms": statistics.median(b) * 1e3}
+
+
+def summarize_scaling(res: list[dict], sizes: list[int], block: int) -> dict:
+    """Per size over the first: wall (the slowest rank of each commit) and CPU (the ranks' sum)."""
+    first = str(sizes[0])
+    keep = [i for i, base in enumerate(res[0]["scaling"][first]["base"]) if not base]
+
+    def series(mb, key, combine):
+        return [combine(r["scaling"][mb][key][i] for r in res) for i in keep]
+
+    out = {}
+    for mb in map(str, sizes[1:]):
+        out[f"{mb}mb_over_{first}mb"] = {
+            "commits": len(keep),
+            "wall": ratio_stats(series(first, "wall_s", max), series(mb, "wall_s", max), block),
+            "cpu": ratio_stats(series(first, "cpu_s", sum), series(mb, "cpu_s", sum), block)}
+    return out
 
 
 def launch(args) -> list[dict]:
@@ -195,7 +278,8 @@ def launch(args) -> list[dict]:
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
         cmd = [sys.executable, __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
                "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
-               "--state-dir", args.state_dir]
+               "--state-dir", args.state_dir, "--phases", args.phases, "--scaling-commits", str(args.scaling_commits),
+               "--scaling-max-chain", str(args.scaling_max_chain)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
 
@@ -211,6 +295,11 @@ def summarize(per_rank: list[dict], args) -> dict:
     ratio taken per step (or per repetition), with its quartiles."""
     res = [r["results"] for r in per_rank]
     sizes = res[0]["sizes"]
+    out: dict = {"rows": []}
+    if "scaling" in res[0]:
+        out["scaling"] = summarize_scaling(res, sizes, args.block)
+    if "none" not in res[0]:
+        return out
 
     def slowest(mode, mb, key):  # the slowest rank of each step
         n = len(res[0][mode][mb][key])
@@ -238,11 +327,12 @@ def summarize(per_rank: list[dict], args) -> dict:
                 row[f"replicated_{mode}_bytes"] = statistics.median(replicated)
                 row[f"overhead_{mode}_pct"] = 100 * (row[f"step_{mode}_ms"] / row["step_none_ms"] - 1)
         row["incremental_over_full"] = row["commit_incremental_ms"] / row["commit_full_ms"]
-        rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
-              for k in ("chain", "full")}
-        row["restore_chain_s"] = statistics.median(rt["chain"])
-        row["restore_full_s"] = statistics.median(rt["full"])
-        row["restore_chain_over_full"] = spread([c / f for c, f in zip(rt["chain"], rt["full"])])
+        if mb in res[0]["restore"]:
+            rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
+                  for k in ("chain", "full")}
+            row["restore_chain_s"] = statistics.median(rt["chain"])
+            row["restore_full_s"] = statistics.median(rt["full"])
+            row["restore_chain_over_full"] = spread([c / f for c, f in zip(rt["chain"], rt["full"])])
         rows.append(row)
     # Doubling (or any change of) the table at fixed ids: per delta step, the slowest rank's commit
     # at each size over the first size's commit at the same step.
@@ -252,7 +342,7 @@ def summarize(per_rank: list[dict], args) -> dict:
     for row in rows[1:]:
         c1 = slowest("incremental", str(row["size_mb_per_rank"]), "commit_s")
         row[f"incremental_over_{first}mb"] = spread([b / a for a, b, base in zip(c0, c1, is_base) if not base])
-    return {"rows": rows}
+    return {**out, "rows": rows}
 
 
 def main() -> None:
@@ -263,6 +353,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per mode and size")
     ap.add_argument("--max-chain", type=int, default=8)
     ap.add_argument("--restore-reps", type=int, default=7, help="restores of each kind per size")
+    ap.add_argument("--phases", default="steps,restore,scaling", help="which of steps, restore, scaling to run")
+    ap.add_argument("--scaling-commits", type=int, default=240, help="delta commits per size in the scaling phase")
+    ap.add_argument("--scaling-max-chain", type=int, default=59, help="deltas per base in the scaling phase")
+    ap.add_argument("--block", type=int, default=10, help="pairs per block (scaling: ratios of block medians)")
     ap.add_argument("--state-dir", default=None, help="default: a fresh directory under /dev/shm")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default="bench/commit.json")
@@ -280,6 +374,14 @@ def main() -> None:
             shutil.rmtree(args.state_dir, ignore_errors=True)
     for row in summary["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    for name, sc in summary.get("scaling", {}).items():
+        for measure in ("wall", "cpu"):
+            r = sc[measure]
+            print(f"{name} delta commit, {measure}: medians {r['median_a_ms']:.2f} -> {r['median_b_ms']:.2f} ms, "
+                  f"ratio of medians {r['ratio_of_medians']:.3f} (90% CI {r['ci90'][0]:.3f}-{r['ci90'][1]:.3f}); "
+                  f"per pair {r['pairs']['median']:.3f} ({r['pairs']['q1']:.3f}-{r['pairs']['q3']:.3f}); "
+                  f"blocks of {args.block} {r['blocks']['median']:.3f} ({r['blocks']['q1']:.3f}-{r['blocks']['q3']:.3f}); "
+                  f"{sc['commits']} pairs", flush=True)
     write_json(args.json, "commit", {"args": {k: v for k, v in vars(args).items() if k != "worker"}, **summary})
 
 

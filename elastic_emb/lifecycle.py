@@ -74,6 +74,14 @@ from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle")
 
+# A SIGTERM (a graceful leave: the agent forwards it; kubelet's, after preStop) waits this long at
+# most for the commit in flight before the process ends as it would have (torchrun's agent sends
+# SIGKILL 30 s after its SIGTERM by default).
+SIGTERM_COMMIT_WAIT = 20.0
+
+# close(): how long the thread of an abandoned writer may take to leave its aborted store wait.
+ABANDONED_JOIN = 5.0
+
 # Commits in flight at most with GPU captures (each holds a pinned buffer of its delta): enough to
 # cover the copy, the checksum and the write of one commit while the next steps run.
 COMMIT_DEPTH = 3
@@ -100,6 +108,8 @@ class Lifecycle:
         self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first one
         self._owns_default_pg = False
         self._sigterm = threading.Event()
+        self._sigterm_installed = None  # the SIGTERM handler that finishes the commit in flight
+        self._abandoned: list[CommitWriter] = []  # writers whose commits a dead peer's re-form dropped
         self._pending_durable = None
         self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
         self._default_pg_gen: int | None = None
@@ -234,7 +244,9 @@ class Lifecycle:
         changes = None
         # On CUDA, with the background writer, a delta is gathered on the GPU on a side stream
         # (elastic_emb.state.capture): no host sync, several commits in flight.
-        on_device = bool(self.config.async_commit and self.config.incremental and ctx.tracks_changes
+        asynchronous = self._async_for(ctx)
+        background = background or asynchronous  # (the first base of a generation formed in process, too)
+        on_device = bool(asynchronous and self.config.incremental and ctx.tracks_changes
                          and not durable_due and getattr(ctx, "device", None) is not None and ctx.device.type == "cuda"
                          and hasattr(ctx, "take_changed_rows") and hasattr(ctx, "hold_writes"))
         if self.config.incremental and ctx.tracks_changes:
@@ -248,7 +260,6 @@ class Lifecycle:
         shards = views if views is not None else ctx.export_shard()
         comm = self._comm_for(ctx)
         num_rows = self._table_rows()
-        background = background or bool(self.config.async_commit)
         if background:
             writer = self._writer_for()
             if not on_device:
@@ -321,6 +332,10 @@ class Lifecycle:
         self._first_base = None  # a window still open ends here: the live rows or the restore cover it
         t0 = time.perf_counter()
         ctx = self.context
+        if abort or ctx is None or ctx.closed or not ctx.healthy:
+            # A peer died: the commit in flight may wait for it (its replica, its exchange) up to
+            # transfer_timeout and cannot complete; drop it instead of waiting for it.
+            self._abandon_writer()
         if abort and ctx is not None and not ctx.closed:
             ctx.close(abort=True, wait=False)
         aborted = time.perf_counter() - t0
@@ -521,10 +536,28 @@ class Lifecycle:
         self.close()
 
     def close(self) -> None:
+        """Wait for the commits in flight, then release everything. Raises the error of a
+        commit in flight that failed (after releasing): like a synchronous ``commit()``, the
+        caller learns that its last commit is not complete."""
         self._finish_resize(stepped=False)
         self.wait_durable()
-        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
+        failed: BaseException | None = None
+        try:
+            self.wait_commit()  # the commit in flight completes first: a graceful resize loses no step
+        except Exception as exc:
+            failed = exc
+            log.error("lifecycle.commit_failed", committed_step=self.step, error=str(exc)[:500])
+        self._close_writer()
         self._close_comm()
+        for writer in self._abandoned:  # out of their store waits (aborted) before the process exits
+            if not writer.join(ABANDONED_JOIN):
+                log.warning("lifecycle.abandoned_writer_alive", seconds=ABANDONED_JOIN,
+                            remedy="its replica transfer to the dead peer runs to transfer_timeout")
+        self._abandoned = []
+        if self._sigterm_installed is not None and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) is self._sigterm_installed:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm_installed = None
         self.snapshot.close_spares()  # files allocated ahead for GPU captures
         if self.context is not None:
             self.context.close()
@@ -536,6 +569,8 @@ class Lifecycle:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_pg = False
+        if failed is not None:
+            raise failed
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -550,13 +585,54 @@ class Lifecycle:
             self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
         return self._comm
 
+    def _async_for(self, ctx) -> bool:
+        """Whether commits go through the background writer: ``async_commit``, or by default
+        (None) when commits are incremental, i.e. the context tracks its changes."""
+        if self.config.async_commit is not None:
+            return self.config.async_commit
+        return bool(self.config.incremental and ctx.tracks_changes)
+
     def _writer_for(self) -> CommitWriter:
         if self._writer is None or self._writer.comm.topology is not self.topology:
             self._close_writer()
             comm = Comm(self.topology, thread_store(self.store), None, timeout=self.config.transfer_timeout,
-                        purpose="commit")
+                        purpose="commit", interruptible=True)
             self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
+            self._finish_commit_on_sigterm()
         return self._writer
+
+    def _finish_commit_on_sigterm(self) -> None:
+        """With commits in the background, a SIGTERM first waits (bounded) for the commit in
+        flight, then ends the process as the default action would: a worker stopped by its agent
+        (a graceful leave) leaves its last commit complete, as a synchronous commit did. Installed
+        from the main thread only, and only over the default action (never over the user's)."""
+        if self._sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def finish_then_terminate(signum, frame) -> None:
+            writer = self._writer
+            if writer is not None and writer.in_flight is not None:
+                log.info("lifecycle.sigterm_waits_for_commit", step=writer.in_flight)
+                try:
+                    writer.wait(min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
+                except BaseException as exc:  # the process ends anyway; the previous commit stays the newest
+                    log.error("lifecycle.commit_failed", step=writer.in_flight, error=str(exc)[:300])
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, finish_then_terminate)
+        self._sigterm_installed = finish_then_terminate
+
+    def _abandon_writer(self) -> None:
+        """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
+        the committed step falls back to the newest complete commit."""
+        if self._writer is not None:
+            if self._writer.abandon() is not None:
+                self.step = max(self._before_in_flight, self._writer.committed_step)
+            self._abandoned.append(self._writer)  # close() gives its thread a moment to exit
+            self._writer = None
 
     def _close_writer(self) -> None:
         if self._writer is not None:

@@ -55,7 +55,8 @@ for step in (4, 5):  # the checkpoint of step 3 is held at its gate all along
     ckpt = os.path.join(spec["config"]["durable_dir"], "test", "step-000000000003-*")
     files = [f for f in glob.glob(os.path.join(ckpt, "*")) + glob.glob(os.path.join(ckpt, ".*"))
              if os.path.basename(f).startswith((f"__{lc.topology.rank}", ".metadata", "elastic_emb_manifest"))]
-    seen.append({"step": step, "in_flight": lc.durable_in_flight, "committed": lc.committed_step, "files": files})
+    # the snapshot commit of the step completes (waited for) while the durable save is held
+    seen.append({"step": step, "in_flight": lc.durable_in_flight, "committed": lc.wait_commit(), "files": files})
 gate.set()
 lc.wait_durable()
 lc.close()

@@ -293,10 +293,12 @@ def test_one_to_two_a_joiner_is_included_in_process(inner, cluster):
 
 
 def _steps_lost(recs, reformed) -> int:
-    """Steps a re-form rolled back: the newest step any worker logged as committed before it,
-    minus the step it restored (``resume - 1``; a step whose commit completed but whose log line
-    was cut by the fault counts as kept: the rows, checked bit-exact, say it was)."""
-    before = [r["step"] for r in recs if r["ev"] == "commit" and r["t"] < reformed["t"] and r["ws"] != reformed["ws"]]
+    """Steps a re-form rolled back: the newest step any worker logged as complete before it
+    (``committed``: a commit in flight is not complete), minus the step it restored (``resume -
+    1``; a step whose commit completed but whose log line was cut by the fault counts as kept:
+    the rows, checked bit-exact, say it was)."""
+    before = [r.get("committed", r["step"]) for r in recs
+              if r["ev"] == "commit" and r["t"] < reformed["t"] and r["ws"] != reformed["ws"]]
     return max(0, max(before) - (reformed["resume"] - 1))
 
 

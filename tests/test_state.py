@@ -653,6 +653,37 @@ def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_f
     assert_bit_exact(gather(out, "start", 3), ref_after(6), "the commit in flight was lost, the one before restored")
 
 
+def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(tmp_path):
+    """Nodes A and B commit in the background; B dies (SIGKILL) in its writer right after the data
+    of step 2, so A's commit of step 2 waits for B in its writer. A re-forms alone with abort
+    (a peer died): it drops that commit instead of waiting out transfer_timeout for it, restores
+    step 1 (B's rows from their replica on A) bit for bit, and trains on to step 4."""
+    from tests.helpers import lifecycle_worker as lw
+    from tests.helpers.procs import run_ranks
+    from tests.test_lifecycle import assert_bit_exact, gather, layout_env, rank_env, ref_after, spec_of
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    timeout = 60.0
+    config = {"async_commit": True, "transfer_timeout": timeout}
+    specs = [spec_of(out, train_until=2, then_until=4, config=config,
+                     resize={"env": layout_env(["A"], 0, port, 1), "abort": True}),
+             spec_of(out, train_until=2, config=config, resize={"env": None})]
+    kill = {"ELASTIC_EMB_FAULT": "snapshot_data_written@2"}
+    envs = [rank_env(tmp_path, ["A", "B"], r, port, 0, specs[r], kill if r == 1 else None) for r in range(2)]
+    a, b = run_ranks(lw.CODE, envs, 150)
+    assert b.returncode == -9, (b.returncode, b.stderr[-1500:])
+    assert a.returncode == 0, (a.returncode, a.stderr[-3000:])
+    ev = a.value["events"][-1]
+    assert ev["restored_step"] == 1 and a.value["step"] == 4, ev
+    assert set(ev["source_tiers"]) == {"snapshot", "replica"}, ev  # aborted: no live rows
+    # Bound, not a speed figure: the re-form did not wait for the dropped commit's timeout.
+    assert ev["teardown_s"] < timeout / 2, ev
+    assert_bit_exact(gather(out, "resized", 1), ref_after(1), "restored after dropping the commit in flight")
+    assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
+
+
 def _parents(node_dir, rank: int) -> dict[int, int | None]:
     """Step -> parent step of this node's own manifests of ``rank`` (None: a base)."""
     out = {}

@@ -328,7 +328,10 @@ class Drill:
         if fault.kind != "kill_store":
             # Slow training down until a new world steps, so a short drill cannot end first.
             self.slow_file.touch()
-            self.awaiting = (self.rank0_pid, self.generation, time.monotonic() + 60.0)
+            # In process, a crashed worker's node leaves the world and rejoins it: two re-forms; slow
+            # down until the second (else the survivor, stepping fast once alone, may finish first).
+            rejoins = fault.kind == "crash_worker" and self.scenario.mode == "in_process"
+            self.awaiting = (self.rank0_pid, self.generation + int(rejoins), time.monotonic() + 60.0)
         self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
         log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
 

@@ -21,7 +21,10 @@ first step of the new one: what the training loop lost to the resize, in either 
 
 ``recovery_seconds`` is fault -> first committed step of the new world (last old step when no
 fault caused it). ``steps_lost`` counts committed steps the new world had to redo (the restore
-came from an older commit than the newest one reported): with a commit every step it is 0.
+came from an older commit than the newest one reported complete): with a commit every step it is 0.
+``steps_in_flight`` counts the steps after that whose commits were still in flight (asynchronous
+commits: the step lines' ``committed`` field says which step was complete) and that the new world
+redid: a fault that kills a rank loses at most those (one at ``commit_every=1``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def segments(events: list[dict]) -> list[dict]:
                          "mode": "in_process" if in_process else "restart"})
         elif e["event"] == "step" and segs:
             segs[-1]["steps"].append((e["t"], e["step"]))
+            # complete when its line was written (lines without the field: synchronous commits)
+            segs[-1]["complete"] = max(segs[-1].get("complete", -1), e.get("committed", e["step"]))
     return segs
 
 
@@ -53,7 +58,8 @@ def build_report(result: DrillResult) -> dict:
     segs = segments(result.events)
     faults = [f.as_dict(t0) for f in result.faults]
     timeline, resizes = [], []
-    committed_max = -1
+    committed_max = -1  # the newest step reported (its commit complete or in flight)
+    complete_max = -1  # the newest step reported complete
     crashed = None  # the crash_worker fault behind the previous resize: in process, its node rejoins next
     for i, seg in enumerate(segs):
         steps = seg["steps"]
@@ -84,8 +90,10 @@ def build_report(result: DrillResult) -> dict:
                 "from_world": prev["world"], "to_world": seg["world"],
                 "cause": cause_name,
                 "t": round(t_fault - t0, 3),
-                "restored_step": restored, "newest_committed_before": committed_max,
-                "steps_lost": max(0, committed_max - restored),
+                "restored_step": restored, "newest_committed_before": complete_max,
+                "newest_step_before": committed_max,
+                "steps_lost": max(0, complete_max - restored),
+                "steps_in_flight": max(0, committed_max - max(restored, complete_max)),
                 "source_tiers": restore.get("source_tiers") or [],
                 "fallback": restore.get("fallback"),
                 "phases": {
@@ -101,6 +109,7 @@ def build_report(result: DrillResult) -> dict:
             })
         if steps:
             committed_max = max(committed_max, max(st for _, st in steps))
+            complete_max = max(complete_max, seg.get("complete", -1))
     # World size over time (0 while no world is training) and throughput in 1 s bins.
     world_series: list[list[float]] = [[0.0, 0]]
     for seg in segs:
@@ -217,7 +226,9 @@ def summary_table(report: dict):
     for r in report["resizes"]:
         pause = r.get("pause_seconds")
         table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", {"in_process": "in-proc"}.get(r.get("mode"), "restart"),
-                      str(r["restored_step"]), str(r["steps_lost"]), "+".join(r["source_tiers"]) or "-",
+                      str(r["restored_step"]),
+                      str(r["steps_lost"]) + (f" +{r['steps_in_flight']} in flight" if r.get("steps_in_flight") else ""),
+                      "+".join(r["source_tiers"]) or "-",
                       f"{r['phases']['restart']:.2f}", f"{r['phases']['lifecycle']:.2f}",
                       "-" if pause is None else f"{pause:.2f}",
                       "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")

@@ -242,6 +242,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
             last_step_t[0] = time.time()
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
                            loss=round(loss, 6), seconds=time.time() - t0, commit=record(report),
+                           committed=lc.committed_step,  # complete; the step's own commit may be in flight
                            crc=shard_checksums(lc.context) if args.checksums else None, **fields)
             # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
             delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay

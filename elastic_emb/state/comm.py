@@ -7,6 +7,11 @@ not be registered with ``torch.distributed``); a context without one gets a gloo
 own on a private store prefix. Small metadata (inventories, offers, verdicts) travels through
 the store as JSON, never pickle, and every wait on it is bounded by the communicator's timeout.
 
+A communicator used from a background thread (``interruptible``) waits on the store by polling
+in short sleeps, so that :meth:`Comm.abort` from another thread ends the wait at once: a thread
+still blocked inside the store client when the process exits is torn down mid-call (seen: the
+store's server, in rank 0's process, closing under it aborts the process).
+
 The k-th communicator a rank makes in a generation pairs with the k-th on every other rank (same
 program order) and gets store keys of its own: reused keys would hand one exchange the values of
 an earlier one, and a process group formed twice on one prefix hangs.
@@ -15,6 +20,8 @@ an earlier one, and a process group formed twice on one prefix hangs.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +32,10 @@ from elastic_emb.events import get_logger
 from elastic_emb.topology import Topology
 
 log = get_logger("elastic_emb.state")
+
+# Interruptible waits: the first poll after this many seconds, doubling up to the last (the latency a
+# wait adds at most once the keys are there, against store round trips while it waits).
+POLL_FIRST, POLL_MAX = 0.0005, 0.01
 
 TRANSPORTS = ("cma", "p2p", "alltoall")  # ELASTIC_EMB_TRANSPORT values (see elastic_emb.state.transport)
 
@@ -44,11 +55,16 @@ def thread_store(store):
         return store
 
 
+class CommAborted(RuntimeError):
+    """A wait of an aborted communicator (:meth:`Comm.abort`)."""
+
+
 class Comm:
     """The collective operations state transfer needs, on one world's process group and store."""
 
     def __init__(self, topology: Topology, store, process_group=None, *, timeout: float = 300.0,
-                 device: torch.device | str | None = None, purpose: str = "state") -> None:
+                 device: torch.device | str | None = None, purpose: str = "state",
+                 interruptible: bool = False) -> None:
         import torch.distributed as dist
 
         from elastic_emb.store import generation_store
@@ -76,6 +92,8 @@ class Comm:
             raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
                              f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)")
         self._op = 0
+        self.interruptible = interruptible
+        self._aborted = threading.Event()
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
         """All-gather a JSON-able object through the store; returns one entry per rank."""
@@ -86,7 +104,12 @@ class Comm:
         self.store.set(f"{base}/{self.rank}", json.dumps(obj))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
+            if self.interruptible:
+                self._poll(keys, name)
+            else:
+                self.store.wait(keys, timedelta(seconds=self.timeout))
+        except CommAborted:
+            raise
         except Exception as exc:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             raise TimeoutError(
@@ -94,6 +117,18 @@ class Comm:
                 f"not publish within {self.timeout}s; they died or are stuck: restart the workers"
             ) from exc
         return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def _poll(self, keys: list[str], name: str) -> None:
+        """Wait for ``keys`` by polling (bounded by the timeout), ending early on :meth:`abort`."""
+        deadline = time.monotonic() + self.timeout
+        pause = POLL_FIRST
+        while not self.store.check(keys):
+            if self._aborted.wait(pause):
+                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                                  f"the communicator was aborted (a peer died)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout}s for {len(keys)} keys")
+            pause = min(2 * pause, POLL_MAX)
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         """Send ``send[d]`` (uint8) to rank d; return the byte buffers received from each rank."""
@@ -120,6 +155,13 @@ class Comm:
 
     def barrier(self, name: str) -> None:
         self.exchange(name, 0)
+
+    def abort(self) -> None:
+        """A peer died: an interruptible wait on the store (in another thread) raises
+        :class:`CommAborted` now instead of at its timeout, and so does every later one. (A gloo
+        transfer blocked on the peer is not ended by aborting its group: it runs to its timeout,
+        or fails when the peer's connection closes.)"""
+        self._aborted.set()
 
     def close(self) -> None:
         if self._own_pg:

@@ -13,6 +13,13 @@ bounded), so a graceful resize loses no step, and a SIGKILL loses at most the co
 (their manifests were not written: restore takes the newest complete one; a later commit is never
 written before an earlier one, so the chain on disk has no gap).
 
+After a peer died (an aborted re-form), :meth:`CommitWriter.abandon` drops the commits in flight
+without waiting: the one being written may wait for the dead peer (its store exchange, its replica)
+for up to the transfer timeout, and it is not complete anyway. The writer's communicator is
+aborted, the queued commits are released, and the thread, once its write returns or fails (its store
+waits poll and end at the abort; a gloo transfer to the dead peer runs to its timeout), exits
+without pruning; the lifecycle counts the last complete commit as its committed step.
+
 When a write fails, the commits queued after it are dropped (they would name a parent that does
 not exist), and the next :meth:`submit` or :meth:`wait` raises the error and breaks the tier's
 chain, so the next commit is a base.
@@ -35,6 +42,10 @@ from elastic_emb.state.snapshot import Capture, SnapshotTier
 log = get_logger("elastic_emb.state")
 
 
+class _Abandoned(Exception):
+    """The write of an abandoned writer returned: not a failure, nobody waits for it."""
+
+
 class CommitWriter:
     """Writes captured commits in order in a background thread, at most ``depth`` in flight."""
 
@@ -52,6 +63,7 @@ class CommitWriter:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._abandoned = False  # abandon(): the thread's write, when it returns, is nobody's
 
     @property
     def in_flight(self) -> int | None:
@@ -89,8 +101,18 @@ class CommitWriter:
             t0 = time.perf_counter()
             try:
                 written, replicated = self.tier.write(cap, self.comm)
+                if self._abandoned:  # a re-form is under way on a new communicator: prune nothing here
+                    raise _Abandoned()
                 self.tier.prune(self.comm)
             except BaseException as exc:  # raised to the training thread by the next submit or wait
+                if self._abandoned:
+                    log.warning("commit_abandoned", step=cap.step, seconds=round(time.perf_counter() - t0, 6),
+                                error=None if isinstance(exc, _Abandoned) else str(exc)[:300])
+                    cap.release()
+                    with self._cv:
+                        self._writing = None
+                        self._cv.notify_all()
+                    return
                 log.error("commit_failed", step=cap.step, error=str(exc)[:500])
                 with self._cv:
                     self._error = exc
@@ -108,9 +130,10 @@ class CommitWriter:
             log.info("commit_complete", step=cap.step, bytes_snapshot=written, bytes_replicated=replicated,
                      delta=cap.parent is not None, seconds=round(time.perf_counter() - t0, 6))
 
-    def _wait_until(self, ready, what: str) -> None:
+    def _wait_until(self, ready, what: str, timeout: float | None = None) -> None:
         """Wait (at most ``timeout``) until ``ready()``; raise the error of a failed write first."""
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self._cv:
             while True:
                 if self._error is not None:
@@ -121,7 +144,7 @@ class CommitWriter:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"waited {self.timeout}s for {what}: the commit of step {self._in_flight_locked()} "
+                    raise TimeoutError(f"waited {timeout}s for {what}: the commit of step {self._in_flight_locked()} "
                                        f"is still being written (storage or a peer is stuck); raise transfer_timeout "
                                        f"or check ELASTIC_EMB_STATE_DIR")
                 self._cv.wait(left)
@@ -131,11 +154,37 @@ class CommitWriter:
             return self._writing.step
         return self._queue[0].step if self._queue else None
 
-    def wait(self) -> int:
-        """Block until no commit is in flight (at most ``timeout`` seconds); raise the error of
-        one that failed. Returns the newest complete step."""
-        self._wait_until(lambda: self._count() == 0, "the commits in flight")
+    def abandon(self) -> int | None:
+        """A peer died: drop the commits in flight without waiting for them (module docstring).
+        Returns the oldest step dropped, or None when none was in flight. The writer is unusable
+        afterwards; its thread exits on its own once the write it is in returns or fails."""
+        with self._cv:
+            oldest = self._in_flight_locked()
+            self._abandoned = self._stop = True
+            dropped, self._queue = list(self._queue), deque()
+            self._cv.notify_all()
+        for cap in dropped:
+            cap.release()
+        self.comm.abort()  # its store waits for the dead peer end now
+        if oldest is not None:
+            log.warning("commits_abandoned", oldest_step=oldest, newest_complete=self.committed_step,
+                        reason="a peer died: the commits in flight cannot complete")
+        return oldest
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until no commit is in flight (at most ``timeout`` seconds, default the writer's);
+        raise the error of one that failed. Returns the newest complete step."""
+        self._wait_until(lambda: self._count() == 0, "the commits in flight", timeout)
         return self.committed_step
+
+    def join(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) for the thread to exit; whether it did (an abandoned
+        writer's thread must not be inside a store call when the interpreter exits)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Wait for the commits in flight (unless ``wait`` is False: the caller did), stop the

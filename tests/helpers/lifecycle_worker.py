@@ -241,10 +241,11 @@ def main() -> None:
     if resize is not None:
         if resize.get("env") is None:  # this process leaves the job
             result["departed"] = True
+            lc.wait_commit()  # a leaver drains first: its last commit is complete before it goes
             print(json.dumps(result), flush=True)
             os._exit(0)  # like a node going away: no clean-up, no goodbye
         topo = Topology.from_env(new_env(resize["env"]))
-        ev = lc.on_membership_change(topo)
+        ev = lc.on_membership_change(topo, abort=bool(resize.get("abort")))
         result["events"].append(ev.model_dump())
         dump(lc.context, out, "resized")
         for step in range(lc.next_step, spec.get("then_until", -1) + 1):

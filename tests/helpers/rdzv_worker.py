@@ -312,7 +312,9 @@ def main_lifecycle() -> int:
                 log({"ev": "collective_failed_membership", "gen": topo.generation, "rank": topo.rank, "step": step})
                 time.sleep(30)
             raise
-        log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
+        # committed: the newest complete commit (this step's may still be in flight, async commits)
+        log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step,
+             "committed": lc.committed_step})
         if first_step_due[0]:
             first_step_due[0] = False
             ev = lc.events[-1].model_dump()
