@@ -147,6 +147,10 @@ class MemberGone(ElasticEmbError, TimeoutError):
 # -- state transport -----------------------------------------------------------------------------
 
 
+class CommAborted(ElasticEmbError, RuntimeError):
+    """A wait of a state communicator that was aborted (a peer died; ``state.comm.Comm.abort``)."""
+
+
 class PullError(ElasticEmbError, OSError):
     """A cross-memory pull from a peer failed; the caller sends that peer's rows another way."""
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from elastic_emb import config
+from elastic_emb.errors import CommAborted
 from elastic_emb.events import get_logger
 from elastic_emb.topology import Topology
 
@@ -53,10 +54,6 @@ def thread_store(store):
     except (AttributeError, RuntimeError, NotImplementedError) as exc:
         log.debug("store_not_cloned", store=type(store).__name__, error=str(exc)[:200])
         return store
-
-
-class CommAborted(RuntimeError):
-    """A wait of an aborted communicator (:meth:`Comm.abort`)."""
 
 
 class Comm:
