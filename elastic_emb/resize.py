@@ -311,12 +311,9 @@ class InProcessResize:
 
     def _probe_neighbour(self) -> None:
         """A tick of the neighbour probe (``rollcall.watch_neighbour``, local rank 0 only): a
-        worker of the next member node refuses its liveness connection (dead, as after a SIGKILL,
-        while no collective is in flight to fail). Only this worker's next step-boundary check
-        (:meth:`pending`) acts on it, as on a failed collective (abort, roll call: the others
-        follow through the roll call's flag), instead of waiting for the node's heartbeat to
-        expire. Nothing else: a peer that finished training and exited refuses too, and a worker
-        past its last step boundary must not be aborted for that."""
+        worker of the next member node refuses its liveness connection (dead, no collective in
+        flight to fail). Only the next :meth:`pending` acts on it, as on a failed collective (a
+        peer that finished training and exited refuses too: nothing past the last step)."""
         prober, lc = self.watcher.prober, self.lc
         ctx = lc.context
         gen = lc.topology.generation
@@ -472,6 +469,10 @@ class InProcessResize:
         failed = failed or self.watcher.failure_seen or self.neighbour_dead.is_set()
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._roll_call(self.lc.topology) if failed else self._gone()
+        if gone and not failed:  # a survivor whose probe saw the same departure first holds a roll call
+            reader = self.watcher._reader
+            _raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
+            self._rollcall(self.lc.topology.generation + 1).present(self.watcher.node, self.lc.topology.local_rank)
         plan = None if failed else self._read_plan()
         joiners = [str(n) for n in plan["joiners"]] if plan is not None else []
         while not gone and not joiners and time.monotonic() < deadline:

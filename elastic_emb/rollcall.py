@@ -123,6 +123,13 @@ class RollCall:
     def answer(self, node: str, local_rank: int) -> None:
         """This worker is alive and re-forming: flag the failure for the others, then answer."""
         self.flag()
+        self.present(node, local_rank)
+
+    def present(self, node: str, local_rank: int) -> None:
+        """Answer without flagging: a worker that re-forms for a departure it saw in the
+        rendezvous (no collective failed) while another member may hold a roll call for the same
+        change (its neighbour probe found the departed worker dead first), which would otherwise
+        wait ``patience`` for this live worker's answer."""
         key = self._mark(node, local_rank)
         self._store.set(key, self._signer.sign(key, node))
 
