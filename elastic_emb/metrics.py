@@ -216,6 +216,13 @@ def commit(report: Any) -> None:
     m["step"].set(report.step)
 
 
+def replicated(nbytes: int) -> None:
+    """A background commit received ``nbytes`` as replicas (its report, made before they moved, says 0)."""
+    m = _of("worker")
+    if m is not None and nbytes:
+        m["commit_bytes"].labels(tier="replica").inc(nbytes)
+
+
 def lookups(table: str, count: int) -> None:
     """``count`` ids of ``table`` were looked up."""
     m = _of("worker")

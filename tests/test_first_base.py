@@ -74,7 +74,7 @@ def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_o
         assert lc.committed_step == 2  # the base complete; steps 3 and 4 are not written yet
         _step(lc.context, 5)
         report = lc.commit(5)  # the window ends: one delta with the rows of steps 3, 4 and 5
-        assert report is not None and lc.committed_step == 5
+        assert report is not None and lc.wait_commit() == 5  # (asynchronous commits: complete once waited for)
         assert 0 < report.bytes_snapshot < 64 * 4 * 4, report
         want = lc.context.export_shard()["t"].weight.clone()
         lc.close()
@@ -103,7 +103,7 @@ def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path, monkeypa
     lc.commit(1)
     _step(lc.context, 2)
     report = lc.commit(2, force=True)  # a drain or a forced commit is never coalesced
-    assert report is not None and lc.committed_step == 2 and lc._first_base is None
+    assert report is not None and lc.wait_commit() == 2 and lc._first_base is None
     lc.close()
 
 

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 
+from elastic_emb import metrics
 from elastic_emb.events import get_logger
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.snapshot import Capture, SnapshotTier
@@ -127,6 +128,7 @@ class CommitWriter:
                 self.committed_step = cap.step
                 self._writing = None
                 self._cv.notify_all()
+            metrics.replicated(replicated)
             log.info("commit_complete", step=cap.step, bytes_snapshot=written, bytes_replicated=replicated,
                      delta=cap.parent is not None, seconds=round(time.perf_counter() - t0, 6))
 

@@ -143,6 +143,7 @@ def rank_main(spec: dict, me: str) -> None:
         for step in range(lc.next_step, until[k] + 1):
             lw.train_step(lc.context, step)
             lc.commit(step)
+        lc.wait_commit()  # the phase's last commit is complete before its transition (a drain waits; the kills come later)
         lw.dump(lc.context, out, "trained")
     result["step"] = lc.step
     if last < len(phases) - 1:  # this process leaves after phase ``last``
