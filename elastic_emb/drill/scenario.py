@@ -200,7 +200,7 @@ def _ep8(name: str, loss: str, story: str) -> Scenario:
     return Scenario(
         name=name, description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
         initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
-        mode="in_process",
+        mode="in_process", slow_delay=1.0,  # the joiners' agents took 30 s to start at load 9-14 (as scale-up)
         faults=(
             Fault(kind=loss, at_step=8, node=1), Fault(kind=loss, at_step=20, node=3),
             Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
@@ -215,8 +215,10 @@ PRESETS: dict[str, Scenario] = {
             name="demo",
             description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store, resized in process "
                         "(the README's demo).",
+            # slow_delay=1.0 as in scale-up (below): a joiner that needs 45 s to import torch on a
+            # loaded machine still joins while the world trains.
             initial_nodes=1, max_nodes=2, store="agent", network="loopback", steps=90, step_delay=0.05,
-            mode="in_process",
+            mode="in_process", slow_delay=1.0,
             faults=(Fault(kind="join", at_step=10), Fault(kind="leave", at_step=55)),
         ),
         Scenario(
