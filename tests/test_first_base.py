@@ -39,12 +39,19 @@ def _step(ctx, step: int) -> None:
     ctx.apply_gradients("t", ids, -torch.ones(2, 4) * (step + 1))
 
 
-def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_one_delta(tmp_path, monkeypatch):
+def _lifecycle(tmp_path, monkeypatch):
+    """A world-size-1 lifecycle with a context, whose first base after a re-form always goes to the
+    background (the tests' table is far below the size where that pays)."""
     monkeypatch.setattr(first_base, "MIN_SHARD_BYTES", 0)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
     config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
     lc = Lifecycle(_factory, config, _topo(0), store)
     lc.context = _factory(_topo(0), store)
+    return lc, config, store
+
+
+def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_one_delta(tmp_path, monkeypatch):
+    lc, config, store = _lifecycle(tmp_path, monkeypatch)
     for step in range(2):
         _step(lc.context, step)
         lc.commit(step)
@@ -91,11 +98,7 @@ def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_o
 
 
 def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path, monkeypatch):
-    monkeypatch.setattr(first_base, "MIN_SHARD_BYTES", 0)
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
-    config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
-    lc = Lifecycle(_factory, config, _topo(0), store)
-    lc.context = _factory(_topo(0), store)
+    lc, _, _ = _lifecycle(tmp_path, monkeypatch)
     _step(lc.context, 0)
     lc.commit(0)
     lc.on_membership_change(_topo(1), rebuild=True, background_base=True)
