@@ -280,13 +280,18 @@ class InProcessResize:
         if not self.enabled:
             return False
         t0 = time.perf_counter()
-        if self._gone() or self.watcher.failure_seen or self.neighbour_dead.is_set():
+        if self.departure_seen():
             self._saw(t0)
             return True
         plan = self._current_plan(publish=True)
         if plan is not None:
             self._saw(t0)
         return plan is not None and self.lc.step >= plan["after_step"]
+
+    def departure_seen(self) -> bool:
+        """Whether this worker already knows a member is gone (the watcher's last view, a failed
+        collective, the neighbour probe): memory only, no store read."""
+        return self.enabled and bool(self._gone() or self.watcher.failure_seen or self.neighbour_dead.is_set())
 
     def _current_plan(self, *, publish: bool) -> dict | None:
         """The next generation's join plan, or None; with ``publish``, the planner first publishes

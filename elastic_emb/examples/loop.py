@@ -129,17 +129,18 @@ def _wait_for_sigterm(timeout: float) -> bool:
 
 
 def _pace(delay: float, resize) -> None:
-    """Drill pacing: sleep ``delay`` after a step, in slices, and stop early once a join plan asks
-    this world to re-form (``InProcessResize.join_due``). A drill slows training down while a
-    joiner starts, so that a short run cannot end first; the re-form itself must not wait for the
-    rest of a slowed step, or the pause a drill reports would be the pacing, not the re-form."""
+    """Drill pacing: sleep ``delay`` after a step, in slices, and stop early once this world has a
+    reason to re-form (a departure this worker saw, or a join plan: ``InProcessResize``). A drill
+    slows training down while a resize is in flight, so that a short run cannot end first; the
+    re-form itself must not wait for the rest of a slowed step, or the pause a drill reports would
+    be the pacing, not the re-form."""
     deadline = time.monotonic() + delay
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return
         time.sleep(min(left, 0.05))
-        if resize is not None and resize.join_due():
+        if resize is not None and (resize.departure_seen() or resize.join_due()):
             return
 
 
@@ -257,7 +258,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                     return 0
                 log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
                 return 3
-        if resize is not None and resize.join_due():
+        if resize is not None and (resize.departure_seen() or resize.join_due()):
             # A joiner became ready just before the last step: include it now, so that the world
             # that writes the final tables is the one the joiner's agent is part of.
             topo = reform(lc.step + 1, failed=False)
