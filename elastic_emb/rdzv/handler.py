@@ -224,7 +224,7 @@ class ElasticEmbRendezvousHandler:
                         exc, lambda: self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard),
                         self._signer, self._run_id, self._log):
                     # torch's own way out (RendezvousGracefulExitError) makes its launcher crash on
-                    # a None result (pytorch#194710, torch <= 2.13); SystemExit(0) is what
+                    # a None result (launch_agent calls is_failed() on it; torch 2.11-2.13); SystemExit(0) is what
                     # torchrun's @record turns into exit code 0.
                     raise SystemExit(0) from None
                 self._log.error("rendezvous_failed", previous_round=previous_round, error=f"{type(exc).__name__}: {exc}",

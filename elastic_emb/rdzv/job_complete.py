@@ -16,7 +16,8 @@ The protocol, one signed store key (``inproc_root(run_id) + KEY_COMPLETE``):
   :class:`~elastic_emb.errors.JobComplete`: the worker exits 0 with one event.
 * **Read by an agent** that finds the rendezvous closed (``ElasticEmbRendezvousHandler``): with the
   mark set it exits 0 with one event. torch has a way out for this (``RendezvousGracefulExitError``)
-  but its launcher crashes on the ``None`` result that it produces (pytorch#194710, torch <= 2.13),
+  but its launcher crashes on the ``None`` result that it produces (the agent's ``run`` returns None
+  after it; ``launch_agent`` then calls ``result.is_failed()``: read in torch 2.11-2.13),
   so the handler raises ``SystemExit(0)``, which torchrun's ``@record`` turns into exit code 0. A
   rendezvous closed without the mark (the job failed, or was stopped) stays torch's error.
 
