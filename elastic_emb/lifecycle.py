@@ -47,6 +47,7 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
+from elastic_emb.default_group import DefaultGroup
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb import first_base
@@ -69,7 +70,7 @@ from elastic_emb.state import (
 )
 from elastic_emb.state.capture import DeviceCapture
 from elastic_emb.state.comm import thread_store
-from elastic_emb.state.writer import CommitWriter
+from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
 from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle")
@@ -106,13 +107,12 @@ class Lifecycle:
         self._writer: CommitWriter | None = None
         self._before_in_flight = -1  # self.step before the oldest commit the writer has in flight
         self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first one
-        self._owns_default_pg = False
         self._sigterm = threading.Event()
         self._sigterm_installed = None  # the SIGTERM handler that finishes the commit in flight
         self._abandoned: list[CommitWriter] = []  # writers whose commits a dead peer's re-form dropped
         self._pending_durable = None
         self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
-        self._default_pg_gen: int | None = None
+        self._default_group = DefaultGroup()  # DCP's process group, for the durable tier
         self._unfinished: tuple[int, float] | None = None  # (index in events, restore done): first step pending
         self._first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
@@ -157,7 +157,7 @@ class Lifecycle:
         lc._seen_step = report.step
         if background_base and first_base.wanted(lc.context.tables, topology.world_size):
             lc._first_base = FirstBase(store, topology)
-        event = lc._event("start", None, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
+        event = lc._event("start", None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
         lc.events.append(event)
         return lc
 
@@ -285,7 +285,7 @@ class Lifecycle:
         durable_bytes = 0
         if durable_due:
             self.wait_durable()
-            group = self._durable_group()
+            group = self._ensure_default_pg()
             # Asynchronous: the rest of the save runs in a thread, on a communicator of the
             # durable tier's own (the context's and the writer's stay free for the steps).
             dcomm = self._durable_comm(group) if self.config.durable_async else comm
@@ -384,7 +384,7 @@ class Lifecycle:
         self._ensure_default_pg()
         report = RestoreReport(step=self.step, generation=new.generation, fingerprint=new.fingerprint(),
                                source_tiers=["live"])
-        return self._event("reset", old, None, 0.0, t1 - t0, t2 - t1, 0.0, t2 - t0, report, False)
+        return self._event("reset", old, 0.0, t1 - t0, t2 - t1, 0.0, t2 - t0, report, False)
 
     def _rebuild(self, new: Topology, store) -> ResizeEvent:
         """Destroy and construct: the path for a new world or EP size. Never calls reset."""
@@ -435,7 +435,7 @@ class Lifecycle:
         t4 = time.perf_counter()
         self.step = report.step
         self._seen_step = report.step
-        return self._event("rebuild", old, None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, committed)
+        return self._event("rebuild", old, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, committed)
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -443,7 +443,7 @@ class Lifecycle:
         points.reached("lifecycle_restoring", self.topology.generation)  # drills: a node lost mid-restore
         ctx = self._require_context()
         comm = self._comm_for(ctx)
-        group = self._ensure_default_pg() if self.durable is not None else None
+        group = self._ensure_default_pg()
         report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
                          live_commit=live_commit, require_state=self.config.require_state,
                          start_fresh=self.config.start_fresh, durable_group=group)
@@ -456,37 +456,11 @@ class Lifecycle:
     # -- the default process group for DCP ---------------------------------------------------
 
     def _ensure_default_pg(self):
-        """DCP and DTensor need a registered group: (re)initialize the default gloo group for this
-        generation on a private store prefix, unless the user already owns a matching one."""
+        """DCP's default process group of this generation (``default_group.py``), or None without
+        a durable tier."""
         if self.durable is None:
             return None
-        import torch.distributed as dist
-
-        from elastic_emb.store import generation_store
-
-        t = self.topology
-        if dist.is_initialized():
-            if not self._owns_default_pg:
-                if dist.get_world_size() == t.world_size and dist.get_rank() == t.rank:
-                    return dist.group.WORLD
-                raise ElasticEmbError(
-                    f"the default process group (rank {dist.get_rank()} of {dist.get_world_size()}) was created "
-                    f"outside elastic_emb and does not match rank {t.rank} of {t.world_size}; destroy it before "
-                    f"a resize, or leave durable_dir unset"
-                )
-            if self._default_pg_gen == t.generation:
-                return dist.group.WORLD
-            dist.destroy_process_group()
-        from datetime import timedelta
-
-        dist.init_process_group("gloo", store=generation_store(self.store, t, "dcp"), rank=t.rank,
-                                world_size=t.world_size, timeout=timedelta(seconds=self.config.transfer_timeout))
-        self._owns_default_pg = True
-        self._default_pg_gen = t.generation
-        return dist.group.WORLD
-
-    def _durable_group(self):
-        return self._ensure_default_pg()
+        return self._default_group.ensure(self.topology, self.store, self.config.transfer_timeout)
 
     def _durable_comm(self, group) -> Comm:
         """The durable tier's communicator of this generation, on DCP's group (used only by the
@@ -554,21 +528,14 @@ class Lifecycle:
                 log.warning("lifecycle.abandoned_writer_alive", seconds=ABANDONED_JOIN,
                             remedy="its replica transfer to the dead peer runs to transfer_timeout")
         self._abandoned = []
-        if self._sigterm_installed is not None and threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) is self._sigterm_installed:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self._sigterm_installed = None
+        uninstall_sigterm(self._sigterm_installed)
+        self._sigterm_installed = None
         self.snapshot.close_spares()  # files allocated ahead for GPU captures
         if self.context is not None:
             self.context.close()
             self.context = None
         self._dcomm = None
-        if self._owns_default_pg:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self._owns_default_pg = False
+        self._default_group.destroy()
         if failed is not None:
             raise failed
 
@@ -602,28 +569,10 @@ class Lifecycle:
         return self._writer
 
     def _finish_commit_on_sigterm(self) -> None:
-        """With commits in the background, a SIGTERM first waits (bounded) for the commit in
-        flight, then ends the process as the default action would: a worker stopped by its agent
-        (a graceful leave) leaves its last commit complete, as a synchronous commit did. Installed
-        from the main thread only, and only over the default action (never over the user's)."""
-        if self._sigterm_installed or threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return
-
-        def finish_then_terminate(signum, frame) -> None:
-            writer = self._writer
-            if writer is not None and writer.in_flight is not None:
-                log.info("lifecycle.sigterm_waits_for_commit", step=writer.in_flight)
-                try:
-                    writer.wait(min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
-                except BaseException as exc:  # the process ends anyway; the previous commit stays the newest
-                    log.error("lifecycle.commit_failed", step=writer.in_flight, error=str(exc)[:300])
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, finish_then_terminate)
-        self._sigterm_installed = finish_then_terminate
+        """A SIGTERM first waits (bounded) for the commit in flight (``writer.finish_commit_on_sigterm``)."""
+        if not self._sigterm_installed:
+            self._sigterm_installed = finish_commit_on_sigterm(
+                lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
 
     def _abandon_writer(self) -> None:
         """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
@@ -652,19 +601,10 @@ class Lifecycle:
     def _table_rows(self) -> dict[str, int]:
         return {name: int(spec.num_rows) for name, spec in self._require_context().tables.items()}
 
-    def _event(self, kind, old: Topology | None, _unused, teardown, agreement, construct, restore_s, total,
+    def _event(self, kind, old: Topology | None, teardown, agreement, construct, restore_s, total,
                report: RestoreReport, committed: bool) -> ResizeEvent:
-        new = self.topology
-        event = ResizeEvent(
-            kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
-            old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
-            teardown_s=round(teardown, 6), agreement_s=round(agreement, 6), construct_s=round(construct, 6),
-            restore_s=round(restore_s, 6), transfer_s=round(report.transfer_seconds, 6), total_s=round(total, 6),
-            bytes_moved=report.bytes_moved,
-            bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
-            shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
-            committed_before=committed, fallback=report.fallback, transport=report.transport,
-        )
+        event = ResizeEvent.of(kind, old, self.topology, teardown=teardown, agreement=agreement, construct=construct,
+                               restore_s=restore_s, total=total, report=report, committed=committed)
         if kind == "start":  # a resize's event is logged after its first step (on_membership_change)
             log.info("lifecycle.start", **event.model_dump())
             metrics.resize(event, self.snapshot)

@@ -115,6 +115,22 @@ class ResizeEvent(BaseModel):
     # None until that step ends (or when the world closed or changed again before it).
     first_step_s: float | None = Field(default=None, ge=0)
 
+    @classmethod
+    def of(cls, kind: str, old, new, *, teardown: float, agreement: float, construct: float, restore_s: float,
+           total: float, report, committed: bool) -> "ResizeEvent":
+        """The event of a change from topology ``old`` (None at start) to ``new``, with the
+        lifecycle's phase durations and its ``RestoreReport``."""
+        return cls(
+            kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
+            old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
+            teardown_s=round(teardown, 6), agreement_s=round(agreement, 6), construct_s=round(construct, 6),
+            restore_s=round(restore_s, 6), transfer_s=round(report.transfer_seconds, 6), total_s=round(total, 6),
+            bytes_moved=report.bytes_moved,
+            bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
+            shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
+            committed_before=committed, fallback=report.fallback, transport=report.transport,
+        )
+
 
 CALLER_PHASES = ("detect_s", "drain_s", "decide_s")  # the phases before the lifecycle's own
 

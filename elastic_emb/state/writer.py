@@ -31,8 +31,11 @@ without ever pairing with them.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from collections import deque
 
 from elastic_emb import metrics
@@ -202,3 +205,37 @@ class CommitWriter:
             if thread is not None and self._count() == 0:
                 thread.join(self.timeout)
             self.comm.close()
+
+
+def finish_commit_on_sigterm(writer_of: Callable[[], "CommitWriter | None"], wait_s: float):
+    """With commits in the background, make a SIGTERM first wait (at most ``wait_s``) for the
+    commit in flight of ``writer_of()``, then end the process as the default action would: a worker
+    stopped by its agent (a graceful leave) leaves its last commit complete, as a synchronous commit
+    did. Installed from the main thread only, and only over the default action (never over the
+    user's). Returns the handler installed, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def finish_then_terminate(signum, frame) -> None:
+        writer = writer_of()
+        if writer is not None and writer.in_flight is not None:
+            log.info("lifecycle.sigterm_waits_for_commit", step=writer.in_flight)
+            try:
+                writer.wait(wait_s)
+            except BaseException as exc:  # the process ends anyway; the previous commit stays the newest
+                log.error("lifecycle.commit_failed", step=writer.in_flight, error=str(exc)[:300])
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, finish_then_terminate)
+    return finish_then_terminate
+
+
+def uninstall_sigterm(handler) -> None:
+    """Put the default SIGTERM action back if ``handler`` (from :func:`finish_commit_on_sigterm`)
+    is still the one installed (main thread only)."""
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
