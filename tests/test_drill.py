@@ -493,11 +493,14 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
     """scale-up (1 -> 2 nodes) with ELASTIC_EMB_METRICS_PORT: each worker's endpoint, last read
     before it exited, agrees with the drill's report (world size, generation, restore time, steps
     lost) and with what it must have done (a commit and 35 dense-row lookups per step)."""
-    from elastic_emb.drill.orchestrator import free_port
+    from elastic_emb.testing.ports import free_ports
 
-    base = free_port()
+    # node n: agent base + 2n, worker base + 2n + 1 (nproc_per_node 1). All four are reserved for
+    # the whole test: the scraper keeps reading after the drill's processes exited (and before
+    # they bound), and an unreserved port may then be served by any other listener on the machine
+    # (seen once: a worker port's last reading was a page without a single sample).
+    base = free_ports(4)
     scenario = PRESETS["scale-up"].model_copy(update={"network": "loopback", "mode": "restart"})  # restarted workers
-    # node n: agent base + 2n, worker base + 2n + 1 (nproc_per_node 1)
     ports = [base + 2 * n + k for n in range(2) for k in range(2)]
     with _Scraper(ports, seconds=280) as scraper:
         report = run_drill(scenario, tmp_path / "d", progress="lines", summary=False, metrics_port=base)

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from elastic_emb.testing.ports import free_port, release_ports, reserve_port
+from elastic_emb.testing.ports import PortReservation, free_port, free_ports, release_ports, reserve_port
 
 
 def test_held_ports_are_never_picked_by_bind_0_or_connect():
@@ -69,3 +69,29 @@ def test_free_port_holds_until_released():
     assert release_ports() >= 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # released: the kernel has it back
+
+
+def test_free_ports_reserves_a_run_that_its_consumers_bind_and_nobody_else_takes():
+    """The metrics endpoints' layout (base, base + 1, ...): every port of the run is held (a
+    bind to port 0 never gets one, a second reservation of one is refused), and an HTTP server
+    (SO_REUSEADDR, like prometheus-client's) serves on each beside its reservation."""
+    import http.server
+
+    base = free_ports(4)
+    run = set(range(base, base + 4))
+    try:
+        with pytest.raises(OSError):
+            PortReservation(base + 2)  # another reservation of a held port
+        picked = set()
+        for _ in range(2000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                picked.add(s.getsockname()[1])
+        assert not run & picked, f"held ports handed out: {sorted(run & picked)}"
+        for port in sorted(run):
+            server = http.server.HTTPServer(("0.0.0.0", port), http.server.BaseHTTPRequestHandler)
+            server.server_close()
+    finally:
+        assert release_ports() >= 4
+    with pytest.raises(ValueError):
+        free_ports(0)

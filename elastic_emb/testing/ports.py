@@ -23,22 +23,31 @@ reservation first (and accept the race) or pass it the socket itself.
 
 :func:`free_port` is the one-call form: the number of a port reserved until
 :func:`release_ports` (the test suite calls it after every test) or the end of the process.
-tests/test_ports.py checks both properties against the kernel.
+:func:`free_ports` reserves a run of consecutive ports the same way, for a consumer that derives
+ports from a base (the metrics endpoints: agent ``P``, its workers ``P + 1 + local rank``). A
+port of the run after the first is bound by number, at first without ``SO_REUSEADDR``, so the
+bind fails (and another run is tried) when any socket holds it, another reservation included;
+the option is set once the port is ours, so its consumer binds beside it like any reserved port.
+tests/test_ports.py checks these properties against the kernel.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 
-__all__ = ["PortReservation", "free_port", "release_ports", "reserve_port"]
+__all__ = ["PortReservation", "free_port", "free_ports", "release_ports", "reserve_port"]
 
 
 class PortReservation:
-    """A port held by a bound, non-listening socket until :meth:`release` (or ``with`` exit)."""
+    """A port held by a bound, non-listening socket until :meth:`release` (or ``with`` exit).
 
-    def __init__(self) -> None:
-        self._sock: socket.socket | None = _bind_wildcard()
+    ``port``: 0 (the kernel picks a free one) or the number to reserve, which must be held by no
+    socket at all (else ``OSError``, EADDRINUSE)."""
+
+    def __init__(self, port: int = 0) -> None:
+        self._sock: socket.socket | None = _bind_wildcard(port)
         self.port: int = self._sock.getsockname()[1]
 
     @property
@@ -61,7 +70,7 @@ class PortReservation:
         return f"PortReservation(port={self.port}, held={self.held})"
 
 
-def _bind_wildcard() -> socket.socket:
+def _bind_wildcard(port: int = 0) -> socket.socket:
     errors = []
     for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
@@ -72,11 +81,17 @@ def _bind_wildcard() -> socket.socket:
         try:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((addr, 0))
+            if port == 0:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((addr, 0))
+            else:  # exclusive first: a bind with the option would share the port with another reservation
+                sock.bind((addr, port))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             return sock
         except OSError as exc:
             sock.close()
+            if port and exc.errno == errno.EADDRINUSE:
+                raise  # taken: the caller tries another port
             errors.append(f"{addr}: {exc}")
     raise OSError(f"cannot reserve a TCP port: binding port 0 failed on every wildcard address ({'; '.join(errors)}); "
                   f"is networking available in this namespace?")
@@ -106,3 +121,29 @@ def release_ports() -> int:
     for reservation in held:
         reservation.release()
     return len(held)
+
+
+def free_ports(count: int, attempts: int = 100) -> int:
+    """The first of ``count`` consecutive free ports, all reserved until :func:`release_ports` (or
+    the end of the process). Tries up to ``attempts`` runs (a run fails when one of its later ports
+    is taken)."""
+    if count < 1:
+        raise ValueError(f"count={count!r}: reserve at least one port")
+    for _ in range(attempts):
+        run = [PortReservation()]
+        try:
+            while len(run) < count:
+                if run[0].port + len(run) > 65535:
+                    raise OSError(errno.EADDRINUSE, "past the last port")
+                run.append(PortReservation(run[0].port + len(run)))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            for reservation in run:
+                reservation.release()
+            continue
+        with _held_lock:
+            _held.extend(run)
+        return run[0].port
+    raise OSError(errno.EADDRINUSE, f"cannot reserve {count} consecutive TCP ports in {attempts} attempts: the "
+                                    f"ports after each free one were taken; free some ports or ask for fewer")
