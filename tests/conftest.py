@@ -2,6 +2,10 @@
 
 * Ports reserved with :func:`elastic_emb.testing.ports.free_port` during a test are released
   after it.
+* structlog's context variables are cleared around every test: a test that starts a
+  ``Lifecycle`` in this process binds its run id, generation and rank (``bind_topology``) to
+  every later event of the thread, and the next test's events (a drill's ``drill_node_started``)
+  carried them.
 * Under ``CI=true`` a skipped test fails, unless it is marked ``gpu``: CI installs every system
   package the suite needs (.ci/apt-packages), so a skip there means a test silently did not run.
 * Outside CI, the summary at the end names every skip, so a smaller run than CI's is said aloud.
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import structlog
 
 from elastic_emb.testing.ports import release_ports
 
@@ -22,6 +27,13 @@ CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 def _release_reserved_ports():
     yield
     release_ports()
+
+
+@pytest.fixture(autouse=True)
+def _clear_log_context():
+    structlog.contextvars.clear_contextvars()
+    yield
+    structlog.contextvars.clear_contextvars()
 
 
 @pytest.hookimpl(hookwrapper=True)
