@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# every run lists its 30 slowest tests (CI logs show where the time goes)
 PYTEST_ARGS ?=
 
 .PHONY: demo test venv bench clean lint image-check system-deps
@@ -35,7 +36,7 @@ system-deps:
 	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then PYTHON="$(PYTHON)" .ci/system-deps; fi
 
 test: system-deps venv $(VENV)/.torchrec
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
