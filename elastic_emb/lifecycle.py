@@ -19,8 +19,10 @@ Commits (:meth:`Lifecycle.commit`, at step boundaries): every ``commit_every`` s
 snapshot (+ replicas), every ``durable_every`` steps also a DCP checkpoint. Call ``commit(step)``
 after *every* step: the cadence decides what is written, and the lifecycle learns how far
 training got, which tells a resize whether the live rows are newer than the last commit.
-After an in-process re-form the new generation's first commit (a full base) is written in the
-background and the commits due meanwhile are coalesced into one delta (``first_base.py``).
+How a due commit is written (tiers, the background writer, the committed step) is
+``committer.py``. After an in-process re-form the new generation's first commit (a full base) is
+written in the background and the commits due meanwhile are coalesced into one delta
+(``first_base.py``).
 
 Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
 durations (teardown, agreement, construct, restore, and the first step), bytes moved, source
@@ -47,7 +49,7 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.default_group import DefaultGroup
+from elastic_emb.committer import Committer
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb import first_base
@@ -60,32 +62,10 @@ from elastic_emb.lifecycle_records import (  # re-exported: users import them fr
     completed_by_caller,
 )
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
-from elastic_emb.state import (
-    Comm,
-    DurableTier,
-    RestoreReport,
-    SnapshotTier,
-    points,
-    restore,
-)
-from elastic_emb.state.capture import DeviceCapture
-from elastic_emb.state.comm import thread_store
-from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
+from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle")
-
-# A SIGTERM (a graceful leave: the agent forwards it; kubelet's, after preStop) waits this long at
-# most for the commit in flight before the process ends as it would have (torchrun's agent sends
-# SIGKILL 30 s after its SIGTERM by default).
-SIGTERM_COMMIT_WAIT = 20.0
-
-# close(): how long the thread of an abandoned writer may take to leave its aborted store wait.
-ABANDONED_JOIN = 5.0
-
-# Commits in flight at most with GPU captures (each holds a pinned buffer of its delta): enough to
-# cover the copy, the checksum and the write of one commit while the next steps run.
-COMMIT_DEPTH = 3
 
 
 class Lifecycle:
@@ -99,27 +79,15 @@ class Lifecycle:
         self.store = store
         self.watcher = watcher
         self.context: ShardedContext | None = None
-        self.step = -1
         self._seen_step = -1
         self.draining = False
         self.events: list[ResizeEvent] = []
-        self._comm: Comm | None = None
-        self._writer: CommitWriter | None = None
-        self._before_in_flight = -1  # self.step before the oldest commit the writer has in flight
-        self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first one
         self._sigterm = threading.Event()
-        self._sigterm_installed = None  # the SIGTERM handler that finishes the commit in flight
-        self._abandoned: list[CommitWriter] = []  # writers whose commits a dead peer's re-form dropped
-        self._pending_durable = None
-        self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
-        self._default_group = DefaultGroup()  # DCP's process group, for the durable tier
         self._unfinished: tuple[int, float] | None = None  # (index in events, restore done): first step pending
-        self._first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
-        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
-                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
-                                     max_chain=config.max_chain)
-        self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
-                                    dir_mode=config.dir_mode) if config.durable_dir else None)
+        # how commits are written: tiers, writer, communicators, the committed step (committer.py)
+        self._committer = Committer(config, topology, store, self._require_context)
+        self.snapshot = self._committer.snapshot
+        self.durable = self._committer.durable
 
     # -- start -------------------------------------------------------------------------------
 
@@ -156,7 +124,7 @@ class Lifecycle:
         lc.step = report.step
         lc._seen_step = report.step
         if background_base and first_base.wanted(lc.context.tables, topology.world_size):
-            lc._first_base = FirstBase(store, topology)
+            lc._committer.first_base = FirstBase(store, topology)
         event = lc._event("start", None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
         lc.events.append(event)
         return lc
@@ -168,28 +136,27 @@ class Lifecycle:
         return self.step + 1
 
     @property
+    def step(self) -> int:
+        """The last step training finished that the lifecycle took (committed, in flight, or
+        coalesced in a first-base window); -1 before the first."""
+        return self._committer.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._committer.step = value
+
+    @property
     def committed_step(self) -> int:
         """The newest step whose commit is complete (its manifests written on its own node and on
         its replica holders); -1 before the first. Synchronous commits complete inside
         ``commit()``; with ``async_commit`` the commit in flight completes in the background."""
-        if self._writer is not None and self._writer.in_flight is not None:
-            done = max(self._before_in_flight, self._writer.committed_step)
-        else:
-            done = self.step
-        coalesced = self._first_base.coalesced if self._first_base is not None else None
-        return done if coalesced is None else min(done, coalesced - 1)  # coalesced steps are not written yet
+        return self._committer.committed_step
 
     def wait_commit(self) -> int:
         """Block until the commit in flight (``async_commit``) is complete; raise its error if it
         failed (the lifecycle then counts the step before it as the last committed one).
         Returns :attr:`committed_step`."""
-        if self._writer is not None:
-            try:
-                self._writer.wait()
-            except BaseException:
-                self.step = max(self._before_in_flight, self._writer.committed_step)
-                raise
-        return self.step
+        return self._committer.wait()
 
     # -- commits -----------------------------------------------------------------------------
 
@@ -208,97 +175,13 @@ class Lifecycle:
             raise ElasticEmbError(f"rank {self.topology.rank} was evicted from the job: it must not commit step "
                                   f"{step}; exit and let the agent restart it")
         drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
-        report = None
         due = force or drain or step % self.config.commit_every == 0
-        if due and self._first_base is not None:
-            report, due = self._first_base_commit(step, forced=force or drain)
-        if due:
-            report = self._commit(step)
+        report = self._committer.due(step, forced=force or drain) if due else None
         if drain:
             self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
             self.watcher.ack_drain(step)
             self.draining = True
             log.info("lifecycle.draining", step=step)
-        return report
-
-    def _first_base_commit(self, step: int, *, forced: bool) -> tuple[CommitReport | None, bool]:
-        """A due commit inside the first-base window of a generation formed in process
-        (``first_base.py``): the base itself goes to the background writer; later due steps are
-        coalesced until every rank's base is complete. Returns (its report, whether to commit
-        ``step`` as usual now)."""
-        fb = self._first_base
-        if fb.step is None:
-            fb.step = step
-            return self._commit(step, background=True), False
-        if not forced and fb.defer(step, self._writer is None or self._writer.in_flight is None):
-            self.step = step  # taken, its rows not written: committed_step stays below fb.coalesced
-            return None, False
-        self._first_base = None  # the window ends: from here, commits as configured
-        self.wait_commit()  # complete on every rank (or forced: waited for here); raises a failed base's error
-        return None, True
-
-    def _commit(self, step: int, *, background: bool = False) -> CommitReport:
-        t0 = time.perf_counter()
-        ctx = self._require_context()
-        durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
-        changes = None
-        # On CUDA, with the background writer, a delta is gathered on the GPU on a side stream
-        # (elastic_emb.state.capture): no host sync, several commits in flight.
-        asynchronous = self._async_for(ctx)
-        background = background or asynchronous  # (the first base of a generation formed in process, too)
-        on_device = bool(asynchronous and self.config.incremental and ctx.tracks_changes
-                         and not durable_due and getattr(ctx, "device", None) is not None and ctx.device.type == "cuda"
-                         and hasattr(ctx, "take_changed_rows") and hasattr(ctx, "hold_writes"))
-        if self.config.incremental and ctx.tracks_changes:
-            # The changed rows as row numbers where the context offers them (work per commit grows
-            # with the rows written), else the contract's whole-shard masks.
-            take_rows = getattr(ctx, "take_changed_rows", None)
-            changes = take_rows(unique=not on_device) if take_rows is not None else ctx.take_changes()
-        # A delta reads only the changed rows: straight from the context's own tensors when it
-        # offers them (the commit is synchronous, nothing writes them meanwhile), not a full copy.
-        views = ctx.shard_views() if changes is not None and not durable_due else None
-        shards = views if views is not None else ctx.export_shard()
-        comm = self._comm_for(ctx)
-        num_rows = self._table_rows()
-        if background:
-            writer = self._writer_for()
-            if not on_device:
-                self.wait_commit()  # a host capture names a parent that must be complete
-            elif self._device is None:
-                self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
-                self.snapshot.enable_spares(COMMIT_DEPTH + 1)
-                self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
-            if writer.in_flight is None:
-                self._before_in_flight = self.step
-            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,
-                                        device=self._device if on_device else None,
-                                        hold=ctx.hold_writes if on_device else None)
-            try:
-                writer.submit(cap)
-            except BaseException:
-                self.step = max(self._before_in_flight, writer.committed_step)
-                raise
-            written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
-        else:
-            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
-        tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
-        durable_bytes = 0
-        if durable_due:
-            self.wait_durable()
-            group = self._ensure_default_pg()
-            # Asynchronous: the rest of the save runs in a thread, on a communicator of the
-            # durable tier's own (the context's and the writer's stay free for the steps).
-            dcomm = self._durable_comm(group) if self.config.durable_async else comm
-            durable_bytes, self._pending_durable = self.durable.commit(
-                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async)
-            tiers.append("durable")
-        if not background:
-            self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
-        self.step = step
-        report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
-                              bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
-        log.info("lifecycle.commit", **report.model_dump())
-        metrics.commit(report)
         return report
 
     # -- membership changes ------------------------------------------------------------------
@@ -329,13 +212,13 @@ class Lifecycle:
         if set(phases or {}) - set(CALLER_PHASES):
             raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
         self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
-        self._first_base = None  # a window still open ends here: the live rows or the restore cover it
+        self._committer.first_base = None  # a window still open ends here: the live rows or the restore cover it
         t0 = time.perf_counter()
         ctx = self.context
         if abort or ctx is None or ctx.closed or not ctx.healthy:
             # A peer died: the commit in flight may wait for it (its replica, its exchange) up to
             # transfer_timeout and cannot complete; drop it instead of waiting for it.
-            self._abandon_writer()
+            self._committer.abandon()
         if abort and ctx is not None and not ctx.closed:
             ctx.close(abort=True, wait=False)
         aborted = time.perf_counter() - t0
@@ -345,7 +228,7 @@ class Lifecycle:
         else:
             event = self._rebuild(new_topology, store)
         if background_base and first_base.wanted(self._require_context().tables, new_topology.world_size):
-            self._first_base = FirstBase(store, new_topology)
+            self._committer.first_base = FirstBase(store, new_topology)
         event = completed_by_caller(event, aborted, mode, phases)
         self.events.append(event)
         self._unfinished = (len(self.events) - 1, time.perf_counter())
@@ -372,16 +255,15 @@ class Lifecycle:
             raise AssertionError(f"reset across sizes {old.world_size}->{new.world_size} must never happen")
         t0 = time.perf_counter()
         self.wait_durable()
-        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
+        self._committer.close_writer()  # the commit in flight completes first: a graceful resize loses no step
         agree(new, store, timeout=self.config.agree_timeout)
         t1 = time.perf_counter()
         ctx = self._require_context()
         ctx.reset(new.rank, new.world_size, topology=new, store=store)
         t2 = time.perf_counter()
-        self._close_comm()
-        self.topology, self.store = new, store
-        bind_topology(new)
-        self._ensure_default_pg()
+        self._committer.close_comm()
+        self._enter(new, store)
+        self._committer.default_group()
         report = RestoreReport(step=self.step, generation=new.generation, fingerprint=new.fingerprint(),
                                source_tiers=["live"])
         return self._event("reset", old, 0.0, t1 - t0, t2 - t1, 0.0, t2 - t0, report, False)
@@ -392,7 +274,7 @@ class Lifecycle:
         t0 = time.perf_counter()
         ctx = self._require_context()
         self.wait_durable()
-        self._close_writer()  # the commit in flight completes first: a graceful resize loses no step
+        self._committer.close_writer()  # the commit in flight completes first: a graceful resize loses no step
         committed = False
         healthy = ctx.healthy and not ctx.closed
         # A commit is collective over the old world: only when nobody left (leavers commit before
@@ -400,7 +282,7 @@ class Lifecycle:
         # complete across tiers, and the survivors' newer live rows wait for the next commit.
         if healthy and self._seen_step > self.step and new.world_size >= old.world_size:
             try:
-                self._commit(self._seen_step)
+                self._committer.commit(self._seen_step)
                 committed = True
             except Exception as exc:  # a peer is gone: the live rows still count, older commits cover the rest
                 log.warning("lifecycle.resize_commit_failed", step=self._seen_step, error=repr(exc)[:300])
@@ -417,7 +299,7 @@ class Lifecycle:
             except Exception as exc:
                 log.warning("lifecycle.export_failed", error=repr(exc)[:300])
         live_commit = (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
-        self._close_comm()
+        self._committer.close_comm()
         # Ranks left: their ends of the communicator are gone without a destroy, and a destroy
         # waits for peers (NCCL); abort instead, on every survivor alike (docs/FACTS.md, NCCL).
         # wait=False: the communicator may be released in the background while the new one
@@ -426,8 +308,7 @@ class Lifecycle:
         self.context = None
         t1 = time.perf_counter()
         agree(new, store, timeout=self.config.agree_timeout)
-        self.topology, self.store = new, store
-        bind_topology(new)
+        self._enter(new, store)
         t2 = time.perf_counter()
         self.context = check_context(self.factory(new, store))
         t3 = time.perf_counter()
@@ -442,8 +323,8 @@ class Lifecycle:
     def _restore(self, *, live, live_commit) -> RestoreReport:
         points.reached("lifecycle_restoring", self.topology.generation)  # drills: a node lost mid-restore
         ctx = self._require_context()
-        comm = self._comm_for(ctx)
-        group = self._ensure_default_pg()
+        comm = self._committer.comm_for(ctx)
+        group = self._committer.default_group()
         report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
                          live_commit=live_commit, require_state=self.config.require_state,
                          start_fresh=self.config.start_fresh, durable_group=group)
@@ -453,38 +334,16 @@ class Lifecycle:
         log.info("lifecycle.restored", **report.as_dict())
         return report
 
-    # -- the default process group for DCP ---------------------------------------------------
-
-    def _ensure_default_pg(self):
-        """DCP's default process group of this generation (``default_group.py``), or None without
-        a durable tier."""
-        if self.durable is None:
-            return None
-        return self._default_group.ensure(self.topology, self.store, self.config.transfer_timeout)
-
-    def _durable_comm(self, group) -> Comm:
-        """The durable tier's communicator of this generation, on DCP's group (used only by the
-        durable thread, one checkpoint at a time)."""
-        if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
-            self._dcomm = Comm(self.topology, thread_store(self.store), group, timeout=self.config.transfer_timeout,
-                               device="cpu", purpose="durable")
-        return self._dcomm
+    # -- the durable tier --------------------------------------------------------------------
 
     @property
     def durable_in_flight(self) -> bool:
         """Whether an asynchronous durable checkpoint is still being written (its manifest not yet)."""
-        return self._pending_durable is not None and not self._pending_durable.done()
+        return self._committer.durable_in_flight
 
     def wait_durable(self, timeout: float | None = None) -> None:
         """Block until the asynchronous durable checkpoint in flight (if any) is written."""
-        fut, self._pending_durable = self._pending_durable, None
-        if fut is None:
-            return
-        timeout = self.config.transfer_timeout if timeout is None else timeout
-        try:
-            fut.result(timeout=timeout)
-        except Exception as exc:  # reported; the snapshot tier still holds the commit
-            log.error("lifecycle.durable_failed", error=repr(exc)[:500])
+        self._committer.wait_durable(timeout)
 
     # -- draining ----------------------------------------------------------------------------
 
@@ -514,28 +373,11 @@ class Lifecycle:
         commit in flight that failed (after releasing): like a synchronous ``commit()``, the
         caller learns that its last commit is not complete."""
         self._finish_resize(stepped=False)
-        self.wait_durable()
-        failed: BaseException | None = None
-        try:
-            self.wait_commit()  # the commit in flight completes first: a graceful resize loses no step
-        except Exception as exc:
-            failed = exc
-            log.error("lifecycle.commit_failed", committed_step=self.step, error=str(exc)[:500])
-        self._close_writer()
-        self._close_comm()
-        for writer in self._abandoned:  # out of their store waits (aborted) before the process exits
-            if not writer.join(ABANDONED_JOIN):
-                log.warning("lifecycle.abandoned_writer_alive", seconds=ABANDONED_JOIN,
-                            remedy="its replica transfer to the dead peer runs to transfer_timeout")
-        self._abandoned = []
-        uninstall_sigterm(self._sigterm_installed)
-        self._sigterm_installed = None
-        self.snapshot.close_spares()  # files allocated ahead for GPU captures
+        failed = self._committer.close()  # the commits in flight complete first: a graceful end loses no step
         if self.context is not None:
             self.context.close()
             self.context = None
-        self._dcomm = None
-        self._default_group.destroy()
+        self._committer.release_default_group()
         if failed is not None:
             raise failed
 
@@ -546,60 +388,11 @@ class Lifecycle:
             raise ElasticEmbError("the lifecycle has no context (closed, or a resize failed): start a new Lifecycle")
         return self.context
 
-    def _comm_for(self, ctx) -> Comm:
-        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not ctx.process_group:
-            self._close_comm()
-            self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
-        return self._comm
-
-    def _async_for(self, ctx) -> bool:
-        """Whether commits go through the background writer: ``async_commit``, or by default
-        (None) when commits are incremental, i.e. the context tracks its changes."""
-        if self.config.async_commit is not None:
-            return self.config.async_commit
-        return bool(self.config.incremental and ctx.tracks_changes)
-
-    def _writer_for(self) -> CommitWriter:
-        if self._writer is None or self._writer.comm.topology is not self.topology:
-            self._close_writer()
-            comm = Comm(self.topology, thread_store(self.store), None, timeout=self.config.transfer_timeout,
-                        purpose="commit", interruptible=True)
-            self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
-            self._finish_commit_on_sigterm()
-        return self._writer
-
-    def _finish_commit_on_sigterm(self) -> None:
-        """A SIGTERM first waits (bounded) for the commit in flight (``writer.finish_commit_on_sigterm``)."""
-        if not self._sigterm_installed:
-            self._sigterm_installed = finish_commit_on_sigterm(
-                lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
-
-    def _abandon_writer(self) -> None:
-        """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
-        the committed step falls back to the newest complete commit."""
-        if self._writer is not None:
-            if self._writer.abandon() is not None:
-                self.step = max(self._before_in_flight, self._writer.committed_step)
-            self._abandoned.append(self._writer)  # close() gives its thread a moment to exit
-            self._writer = None
-
-    def _close_writer(self) -> None:
-        if self._writer is not None:
-            try:
-                self.wait_commit()
-            except Exception as exc:  # reported; the previous commit stays the newest complete one
-                log.error("lifecycle.commit_failed", step=self._writer.in_flight, error=str(exc)[:500])
-            self._writer.close(wait=False)  # waited for above
-            self._writer = None
-
-    def _close_comm(self) -> None:
-        self._close_writer()
-        if self._comm is not None:
-            self._comm.close()
-            self._comm = None
-
-    def _table_rows(self) -> dict[str, int]:
-        return {name: int(spec.num_rows) for name, spec in self._require_context().tables.items()}
+    def _enter(self, topology: Topology, store) -> None:
+        """This lifecycle's generation is now ``topology`` (on ``store``)."""
+        self.topology, self.store = topology, store
+        self._committer.enter(topology, store)
+        bind_topology(topology)
 
     def _event(self, kind, old: Topology | None, teardown, agreement, construct, restore_s, total,
                report: RestoreReport, committed: bool) -> ResizeEvent:

@@ -311,7 +311,7 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
                 lc.context.apply_gradients(spec.name, *_batch(gen, step, spec, nan=False))
             lc.commit(step)
             assert lc.committed_step <= step
-        assert lc._device is not None, "async_commit on CUDA must take the device path"
+        assert lc._committer._device is not None, "async_commit on CUDA must take the device path"
         assert lc.wait_commit() == 11 and lc.committed_step == 11
         final = _state(lc.context.export_shard())
     finally:

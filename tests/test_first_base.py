@@ -76,7 +76,7 @@ def test_the_base_is_written_in_the_background_and_the_steps_meanwhile_land_in_o
             assert lc.step == step and lc.committed_step == 1
         gate.set()
         deadline = time.monotonic() + 30
-        while lc._writer.in_flight is not None and time.monotonic() < deadline:
+        while lc._committer._writer.in_flight is not None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert lc.committed_step == 2  # the base complete; steps 3 and 4 are not written yet
         _step(lc.context, 5)
@@ -106,7 +106,7 @@ def test_a_forced_commit_inside_the_window_waits_for_the_base(tmp_path, monkeypa
     lc.commit(1)
     _step(lc.context, 2)
     report = lc.commit(2, force=True)  # a drain or a forced commit is never coalesced
-    assert report is not None and lc.wait_commit() == 2 and lc._first_base is None
+    assert report is not None and lc.wait_commit() == 2 and lc._committer.first_base is None
     lc.close()
 
 

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.watch", "elastic_emb.rollcall"),
     ("elastic_emb.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness"),
     ("elastic_emb.lifecycle_records", "elastic_emb.first_base", "elastic_emb.default_group"),
+    ("elastic_emb.committer",),
     ("elastic_emb.lifecycle", "elastic_emb.rdzv"),
     ("elastic_emb.resize",),
     ("elastic_emb.rendezvous",),

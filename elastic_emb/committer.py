@@ -1,0 +1,324 @@
+"""Committer: how a lifecycle's commits are written, and what writing them keeps between commits.
+
+The lifecycle (``lifecycle.py``) decides *when* a commit is due: its cadence, a drain, a resize
+that commits the live rows first. The committer decides *how* it is written and owns what that
+needs across commits of one generation:
+
+- the tiers: the node snapshot with its replicas (``state.snapshot``) and the durable DCP
+  checkpoint (``state.durable``), which runs on DCP's default process group of the generation
+  (``default_group.py``) and, with ``durable_async``, in a thread on a communicator of its own;
+- the state tiers' communicator on the context's process group (restore uses it too:
+  :meth:`Committer.comm_for`);
+- the background writer (``state.writer.CommitWriter``): with ``async_commit`` (by default when
+  commits are incremental and the context tracks its changes) a commit is captured in the
+  training thread and written in the background, several in flight; on CUDA the capture itself
+  runs on a side stream (``state.capture.DeviceCapture``). A SIGTERM first waits, bounded, for the
+  commit in flight (``state.writer.finish_commit_on_sigterm``);
+- :attr:`Committer.step`, the last step taken, and :attr:`Committer.committed_step`, the newest
+  one complete: behind ``step`` while a commit is in flight, or while the first-base window of a
+  generation formed in process coalesces the commits due (``first_base.py``). A commit that fails
+  in the background sets ``step`` back to the newest complete one.
+
+A dead peer takes the commits in flight with it: :meth:`Committer.abandon` drops them without
+waiting for their replica transfers (their thread leaves its aborted store wait by itself;
+:meth:`Committer.close` gives it a moment).
+
+The committer follows the lifecycle's generation (:meth:`Committer.enter`); communicators and the
+writer of an older generation are replaced at their next use. Its events keep the lifecycle's
+names (``lifecycle.commit``, ``lifecycle.commit_failed``, ...): they are what a user reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from elastic_emb import metrics
+from elastic_emb.default_group import DefaultGroup
+from elastic_emb.events import get_logger
+from elastic_emb.first_base import FirstBase
+from elastic_emb.lifecycle_records import CommitReport, LifecycleConfig
+from elastic_emb.protocol import ShardedContext
+from elastic_emb.state import Comm, DurableTier, SnapshotTier
+from elastic_emb.state.capture import DeviceCapture
+from elastic_emb.state.comm import thread_store
+from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
+from elastic_emb.topology import Topology
+
+log = get_logger("elastic_emb.lifecycle")
+
+# A SIGTERM (a graceful leave: the agent forwards it; kubelet's, after preStop) waits this long at
+# most for the commit in flight before the process ends as it would have (torchrun's agent sends
+# SIGKILL 30 s after its SIGTERM by default).
+SIGTERM_COMMIT_WAIT = 20.0
+
+# close(): how long the thread of an abandoned writer may take to leave its aborted store wait.
+ABANDONED_JOIN = 5.0
+
+# Commits in flight at most with GPU captures (each holds a pinned buffer of its delta): enough to
+# cover the copy, the checksum and the write of one commit while the next steps run.
+COMMIT_DEPTH = 3
+
+
+class Committer:
+    """See the module docstring. ``context`` returns the lifecycle's context of the moment (and
+    raises when it has none)."""
+
+    def __init__(self, config: LifecycleConfig, topology: Topology, store,
+                 context: Callable[[], ShardedContext]) -> None:
+        self.config = config
+        self.topology = topology
+        self.store = store
+        self._context = context
+        self.step = -1  # the last step taken: committed, in flight, or coalesced in a first-base window
+        self.first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
+        self._comm: Comm | None = None
+        self._writer: CommitWriter | None = None
+        self._before_in_flight = -1  # self.step before the oldest commit the writer has in flight
+        self._device: DeviceCapture | None = None  # GPU captures (async_commit on CUDA), made at the first one
+        self._sigterm_installed = None  # the SIGTERM handler that finishes the commit in flight
+        self._abandoned: list[CommitWriter] = []  # writers whose commits a dead peer's re-form dropped
+        self._pending_durable = None
+        self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
+        self._default_group = DefaultGroup()  # DCP's process group, for the durable tier
+        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
+                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
+                                     max_chain=config.max_chain)
+        self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
+                                    dir_mode=config.dir_mode) if config.durable_dir else None)
+
+    def enter(self, topology: Topology, store) -> None:
+        """The lifecycle moved to a new generation (or re-formed the same one)."""
+        self.topology, self.store = topology, store
+
+    # -- the committed step ------------------------------------------------------------------
+
+    @property
+    def committed_step(self) -> int:
+        """``Lifecycle.committed_step``."""
+        if self._writer is not None and self._writer.in_flight is not None:
+            done = max(self._before_in_flight, self._writer.committed_step)
+        else:
+            done = self.step
+        coalesced = self.first_base.coalesced if self.first_base is not None else None
+        return done if coalesced is None else min(done, coalesced - 1)  # coalesced steps are not written yet
+
+    def wait(self) -> int:
+        """``Lifecycle.wait_commit``: block until the commits in flight are complete; raise the
+        error of one that failed (after setting ``step`` back to the newest complete one)."""
+        if self._writer is not None:
+            try:
+                self._writer.wait()
+            except BaseException:
+                self.step = max(self._before_in_flight, self._writer.committed_step)
+                raise
+        return self.step
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def due(self, step: int, *, forced: bool) -> CommitReport | None:
+        """A step that the cadence makes due (``forced``: a drain or ``commit(force=True)``).
+        Returns None when nothing was written (coalesced in a first-base window)."""
+        if self.first_base is not None:
+            report, due = self._first_base_commit(step, forced=forced)
+            if not due:
+                return report
+        return self.commit(step)
+
+    def _first_base_commit(self, step: int, *, forced: bool) -> tuple[CommitReport | None, bool]:
+        """A due commit inside the first-base window of a generation formed in process
+        (``first_base.py``): the base itself goes to the background writer; later due steps are
+        coalesced until every rank's base is complete. Returns (its report, whether to commit
+        ``step`` as usual now)."""
+        fb = self.first_base
+        if fb.step is None:
+            fb.step = step
+            return self.commit(step, background=True), False
+        if not forced and fb.defer(step, self._writer is None or self._writer.in_flight is None):
+            self.step = step  # taken, its rows not written: committed_step stays below fb.coalesced
+            return None, False
+        self.first_base = None  # the window ends: from here, commits as configured
+        self.wait()  # complete on every rank (or forced: waited for here); raises a failed base's error
+        return None, True
+
+    def commit(self, step: int, *, background: bool = False) -> CommitReport:
+        """Write ``step`` to the tiers now (collective over the generation); ``background``: through
+        the writer whatever ``async_commit`` says (the first base of a generation formed in process)."""
+        t0 = time.perf_counter()
+        ctx = self._context()
+        durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
+        changes = None
+        # On CUDA, with the background writer, a delta is gathered on the GPU on a side stream
+        # (elastic_emb.state.capture): no host sync, several commits in flight.
+        asynchronous = self._async_for(ctx)
+        background = background or asynchronous  # (the first base of a generation formed in process, too)
+        on_device = bool(asynchronous and self.config.incremental and ctx.tracks_changes
+                         and not durable_due and getattr(ctx, "device", None) is not None and ctx.device.type == "cuda"
+                         and hasattr(ctx, "take_changed_rows") and hasattr(ctx, "hold_writes"))
+        if self.config.incremental and ctx.tracks_changes:
+            # The changed rows as row numbers where the context offers them (work per commit grows
+            # with the rows written), else the contract's whole-shard masks.
+            take_rows = getattr(ctx, "take_changed_rows", None)
+            changes = take_rows(unique=not on_device) if take_rows is not None else ctx.take_changes()
+        # A delta reads only the changed rows: straight from the context's own tensors when it
+        # offers them (the commit is synchronous, nothing writes them meanwhile), not a full copy.
+        views = ctx.shard_views() if changes is not None and not durable_due else None
+        shards = views if views is not None else ctx.export_shard()
+        comm = self.comm_for(ctx)
+        num_rows = {name: int(spec.num_rows) for name, spec in ctx.tables.items()}
+        if background:
+            writer = self._writer_for()
+            if not on_device:
+                self.wait()  # a host capture names a parent that must be complete
+            elif self._device is None:
+                self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
+                self.snapshot.enable_spares(COMMIT_DEPTH + 1)
+                self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
+            if writer.in_flight is None:
+                self._before_in_flight = self.step
+            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,
+                                        device=self._device if on_device else None,
+                                        hold=ctx.hold_writes if on_device else None)
+            try:
+                writer.submit(cap)
+            except BaseException:
+                self.step = max(self._before_in_flight, writer.committed_step)
+                raise
+            written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
+        else:
+            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
+        tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
+        durable_bytes = 0
+        if durable_due:
+            self.wait_durable()
+            group = self.default_group()
+            # Asynchronous: the rest of the save runs in a thread, on a communicator of the
+            # durable tier's own (the context's and the writer's stay free for the steps).
+            dcomm = self._durable_comm(group) if self.config.durable_async else comm
+            durable_bytes, self._pending_durable = self.durable.commit(
+                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async)
+            tiers.append("durable")
+        if not background:
+            self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
+        self.step = step
+        report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
+                              bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
+        log.info("lifecycle.commit", **report.model_dump())
+        metrics.commit(report)
+        return report
+
+    # -- the durable tier --------------------------------------------------------------------
+
+    def default_group(self):
+        """DCP's default process group of this generation (``default_group.py``), or None without
+        a durable tier."""
+        if self.durable is None:
+            return None
+        return self._default_group.ensure(self.topology, self.store, self.config.transfer_timeout)
+
+    def _durable_comm(self, group) -> Comm:
+        """The durable tier's communicator of this generation, on DCP's group (used only by the
+        durable thread, one checkpoint at a time)."""
+        if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
+            self._dcomm = Comm(self.topology, thread_store(self.store), group, timeout=self.config.transfer_timeout,
+                               device="cpu", purpose="durable")
+        return self._dcomm
+
+    @property
+    def durable_in_flight(self) -> bool:
+        return self._pending_durable is not None and not self._pending_durable.done()
+
+    def wait_durable(self, timeout: float | None = None) -> None:
+        """``Lifecycle.wait_durable``: a failed checkpoint is logged, not raised (the snapshot
+        tier still holds the commit)."""
+        fut, self._pending_durable = self._pending_durable, None
+        if fut is None:
+            return
+        timeout = self.config.transfer_timeout if timeout is None else timeout
+        try:
+            fut.result(timeout=timeout)
+        except Exception as exc:  # reported; the snapshot tier still holds the commit
+            log.error("lifecycle.durable_failed", error=repr(exc)[:500])
+
+    # -- communicators and the background writer ---------------------------------------------
+
+    def comm_for(self, ctx: ShardedContext) -> Comm:
+        """The state tiers' communicator of this generation, on ``ctx``'s process group."""
+        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not ctx.process_group:
+            self.close_comm()
+            self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
+        return self._comm
+
+    def _async_for(self, ctx) -> bool:
+        """Whether commits go through the background writer: ``async_commit``, or by default
+        (None) when commits are incremental, i.e. the context tracks its changes."""
+        if self.config.async_commit is not None:
+            return self.config.async_commit
+        return bool(self.config.incremental and ctx.tracks_changes)
+
+    def _writer_for(self) -> CommitWriter:
+        if self._writer is None or self._writer.comm.topology is not self.topology:
+            self.close_writer()
+            comm = Comm(self.topology, thread_store(self.store), None, timeout=self.config.transfer_timeout,
+                        purpose="commit", interruptible=True)
+            self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
+            if not self._sigterm_installed:  # a SIGTERM first waits (bounded) for the commit in flight
+                self._sigterm_installed = finish_commit_on_sigterm(
+                    lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
+        return self._writer
+
+    def abandon(self) -> None:
+        """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
+        the committed step falls back to the newest complete commit."""
+        if self._writer is not None:
+            if self._writer.abandon() is not None:
+                self.step = max(self._before_in_flight, self._writer.committed_step)
+            self._abandoned.append(self._writer)  # close() gives its thread a moment to exit
+            self._writer = None
+
+    def close_writer(self) -> None:
+        """Wait for the commits in flight (a failure is logged: the previous commit stays the
+        newest complete one), then release the writer."""
+        if self._writer is not None:
+            try:
+                self.wait()
+            except Exception as exc:  # reported; the previous commit stays the newest complete one
+                log.error("lifecycle.commit_failed", step=self._writer.in_flight, error=str(exc)[:500])
+            self._writer.close(wait=False)  # waited for above
+            self._writer = None
+
+    def close_comm(self) -> None:
+        """The generation's communicators go (the writer's first: it may be using the store)."""
+        self.close_writer()
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def close(self) -> BaseException | None:
+        """Wait for the checkpoint and the commits in flight, then release the writer, the
+        communicators, the SIGTERM handler and the spare files. Returns the error of a commit in
+        flight that failed (the caller raises it once everything is released)."""
+        self.wait_durable()
+        failed: BaseException | None = None
+        try:
+            self.wait()  # the commit in flight completes first: a graceful resize loses no step
+        except Exception as exc:
+            failed = exc
+            log.error("lifecycle.commit_failed", committed_step=self.step, error=str(exc)[:500])
+        self.close_comm()
+        for writer in self._abandoned:  # out of their store waits (aborted) before the process exits
+            if not writer.join(ABANDONED_JOIN):
+                log.warning("lifecycle.abandoned_writer_alive", seconds=ABANDONED_JOIN,
+                            remedy="its replica transfer to the dead peer runs to transfer_timeout")
+        self._abandoned = []
+        uninstall_sigterm(self._sigterm_installed)
+        self._sigterm_installed = None
+        self.snapshot.close_spares()  # files allocated ahead for GPU captures
+        return failed
+
+    def release_default_group(self) -> None:
+        """After the context is closed: DCP's default process group and its communicator."""
+        self._dcomm = None
+        self._default_group.destroy()
