@@ -12,7 +12,8 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    ``num_nodes_waiting() == 0`` for a node that left or died (it still evicts the dead from
    torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
    workers. A new node's agent joins the running round as one more participant and its workers
-   wait to be included (:meth:`InProcessResize.join`; ``docs/RESIZE.md``). A crashed worker's
+   wait to be included (:meth:`InProcessResize.join`; the running side, registrations and the
+   plan that includes them: ``joiners.py``; ``docs/RESIZE.md``). A crashed worker's
    agent leaves the round (a departure for the survivors), waits for their decision without it
    and rejoins as a joiner (``rdzv/rejoin.py``). A peer in the wait list, a fallback, or a round
    that moved on stay in restart mode.
@@ -41,7 +42,8 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    After a failed collective the old context is aborted first: the failed step may have
    changed rows without a commit, so the restore takes the newest commit, never those rows.
    A survivor blocked in a store wait (a commit's exchange, an agreement) when its peer dies
-   would wait out the full timeout: the world's store is wrapped in :class:`InterruptibleStore`,
+   would wait out the full timeout: the world's store is wrapped in :class:`InterruptibleStore`
+   (``interruptible.py``),
    whose waits end with :class:`MemberGone` as soon as the watcher sees a member gone. Pass
    :func:`interruptible_store` of the first generation's store to ``Lifecycle.start``; the
    generations formed in process get one automatically.
@@ -69,11 +71,14 @@ import threading
 import time
 from collections.abc import Mapping
 
-import torch.distributed as dist
-
 from elastic_emb import config
-from elastic_emb.errors import ElasticEmbError, JobComplete, MemberGone, ResizeFallback
+from elastic_emb.errors import ElasticEmbError, JobComplete, ResizeFallback
 from elastic_emb.events import get_logger
+from elastic_emb.interruptible import (  # InterruptibleStore and interruptible_store: users import them from here
+    InterruptibleStore,
+    WaitGuard,
+    interruptible_store,
+)
 from elastic_emb.rdzv.outage import is_connection_error
 from elastic_emb.rdzv.job_complete import read_mark
 from elastic_emb.rdzv.keys import (
@@ -81,88 +86,19 @@ from elastic_emb.rdzv.keys import (
     KEY_DECIDER,
     KEY_DECISION,
     KEY_FALLBACK,
-    KEY_GENERATIONS,
     KEY_JOINER,
     KEY_JOINERS,
-    KEY_PLAN,
-    count_value,
     inproc_prefix,
     inproc_root,
     round_prefix,
 )
+from elastic_emb.joiners import JoinPlan, raise_generations
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.rollcall import PROBE_AFTER_S, Prober, RollCall, next_node, watch_neighbour
+from elastic_emb.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.state import points
-from elastic_emb.store import ForwardingStore
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
 log = get_logger("elastic_emb.resize")
-
-
-class InterruptibleStore(ForwardingStore):
-    """A store whose waits (and blocking gets) end as soon as ``interrupted()`` says so.
-
-    Wraps any ``torch.distributed.Store``; used by ``PrefixStore`` and by gloo process groups like
-    the store it wraps. A wait polls ``check`` (1 ms, doubling to 10 ms) instead of blocking in
-    the store's client, so a survivor never waits out a timeout for a peer that is gone.
-    ``multi_get``/``multi_set`` are torch's defaults (a loop over ``get``/``set``), not the inner
-    store's, so a ``multi_get`` waits interruptibly too.
-    """
-
-    def __init__(self, inner, interrupted) -> None:
-        super().__init__(inner)
-        self._interrupted = interrupted
-
-    multi_get = dist.Store.multi_get
-    multi_set = dist.Store.multi_set
-
-    def get(self, key):
-        self.wait([key])
-        return self._inner.get(key)
-
-    def wait(self, keys, timeout=None):
-        limit = (timeout or self._inner.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        pause = 0.001
-        while not self._inner.check(keys):
-            if self._interrupted():
-                raise MemberGone(f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
-                                 f"rendezvous (the in-process resize re-forms without it)")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"store wait for {list(keys)[:4]} timed out after {limit:g} s")
-            time.sleep(pause)
-            pause = min(0.01, pause * 2)
-
-
-class _WaitGuard:
-    """The ``interrupted`` callable of the in-process stores: the watcher's view (a member gone, a
-    peer's collective failed) and, once one wait has lasted ``PROBE_AFTER_S``, the members'
-    liveness sockets (``rollcall.Prober``): a SIGKILLed peer that a survivor waits on in the store
-    (a commit's exchange) fails no collective, and its heartbeat takes seconds to expire."""
-
-    def __init__(self, watcher) -> None:
-        self._watcher = watcher
-        self._last = self._since = 0.0
-
-    def __call__(self) -> bool:
-        if self._watcher.interrupted():
-            return True
-        prober = self._watcher.prober
-        if prober is None:
-            return False
-        now = time.monotonic()
-        if now - self._last > 0.05:  # InterruptibleStore asks every <= 10 ms: a gap is a new wait
-            self._since = now
-        self._last = now
-        return now - self._since >= PROBE_AFTER_S and bool(prober.probe_members())
-
-
-def interruptible_store(store, watcher):
-    """``store`` with waits that end when ``watcher`` sees a member of the generation gone (for
-    ``Lifecycle.start(store=...)`` in ``resize=in_process`` mode; ``store`` itself otherwise)."""
-    if watcher is None or config.load(None, "resize").resize != "in_process":
-        return store
-    return InterruptibleStore(store, _WaitGuard(watcher))
 
 
 class InProcessResize:
@@ -183,11 +119,8 @@ class InProcessResize:
         self._store = None
         self._store_timeout = store_timeout
         self.nodes: tuple[str, ...] = tuple(settings.nodes() or ())
-        self._joiners_seen = 0  # joiner registrations counted
-        self._joiner_slots: list[int] = []  # counted registrations not written yet (read again)
-        self._joiners_error = ""  # the last foreign joiners count reported
-        self._joiners: list[str] = []  # registered joiners not yet in the world, in order
-        self._plan: dict | None = None  # the next generation's plan to include joiners, once read
+        # the joiners' registrations and the next generation's join plan, as read (joiners.py)
+        self._join = JoinPlan(watcher._reader, self._signer) if self.enabled else None
         self._seen: tuple[float, float] | None = None  # the change first seen: (when, that check's seconds)
         if self.enabled and watcher.node not in self.nodes:
             raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
@@ -256,7 +189,7 @@ class InProcessResize:
                    MASTER_ADDR=str(record["master_addr"]), MASTER_PORT=str(record["master_port"]),
                    ELASTIC_EMB_GENERATION=str(record["generation"]))
         watcher.adopt(nodes, rank, world)
-        world_store = InterruptibleStore(reader.world_store(store_timeout), _WaitGuard(watcher))
+        world_store = InterruptibleStore(reader.world_store(store_timeout), WaitGuard(watcher))
         lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher,
                              background_base=True)  # as the running workers' re-form (first_base.py)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
@@ -301,7 +234,7 @@ class InProcessResize:
         try:
             plan = self._read_plan()
             if plan is None and publish and self._is_planner() and self._ready_joiners():
-                plan = self._publish_plan(self._ready_joiners())
+                plan = self._join.publish(self.lc.topology.generation + 1, self.lc.next_step, self._ready_joiners())
             return plan
         except Exception as exc:
             if not is_connection_error(exc):
@@ -364,7 +297,7 @@ class InProcessResize:
         if ctx is not None and not ctx.closed:
             ctx.close(abort=True, wait=False)
         reader = self.watcher._reader
-        _raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
+        raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
         roll = self._rollcall(old.generation + 1)
         roll.answer(self.watcher.node, old.local_rank)
         return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober,
@@ -389,62 +322,12 @@ class InProcessResize:
     def _is_planner(self) -> bool:
         return bool(self.nodes) and self.watcher.node == self.nodes[0] and self.lc.topology.local_rank == 0
 
-    def _plan_key(self) -> str:
-        return inproc_prefix(self.watcher._reader.run_id, self.lc.topology.generation + 1) + KEY_PLAN
-
     def _read_plan(self) -> dict | None:
-        if self._plan is not None and self._plan["generation"] == self.lc.topology.generation + 1:
-            return self._plan
-        key = self._plan_key()
-        value = read_signed(self.watcher._reader.store, self._signer, key, log)
-        if value is None:
-            return None
-        plan = json.loads(value)
-        if (plan.get("generation") != self.lc.topology.generation + 1 or not isinstance(plan.get("after_step"), int)
-                or not isinstance(plan.get("joiners"), list)):
-            raise ElasticEmbError(f"join plan under {key} is malformed: {value[:200]!r}")
-        self._plan = plan
-        return plan
-
-    def _publish_plan(self, joiners: list[str]) -> dict:
-        key = self._plan_key()
-        plan = {"generation": self.lc.topology.generation + 1, "after_step": self.lc.next_step,
-                "joiners": list(joiners)}
-        _raise_generations(self.watcher._reader.store, self.watcher._reader.run_id, plan["generation"])
-        self.watcher._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
-        self._plan = plan
-        log.info("resize.join_planned", generation=plan["generation"], after_step=plan["after_step"],
-                 joiners=plan["joiners"])
-        return plan
+        return self._join.read(self.lc.topology.generation + 1)
 
     def _ready_joiners(self) -> list[str]:
-        store = self.watcher._reader.store
-        root = inproc_root(self.watcher._reader.run_id)
-        try:  # untrusted (a foreign count would make this loop run to it)
-            count = count_value(root + KEY_JOINERS, store.add(root + KEY_JOINERS, 0))
-        except ValueError as exc:
-            if str(exc) != self._joiners_error:  # once per foreign value, not at every step
-                self._joiners_error = str(exc)
-                log.warning("resize.joiners_unreadable", error=str(exc))
-            count = self._joiners_seen
-        while self._joiners_seen < count:
-            self._joiners_seen += 1
-            self._joiner_slots.append(self._joiners_seen)
-        unwritten = []
-        for index in self._joiner_slots:
-            key = root + KEY_JOINER + str(index)
-            if not store.check([key]):
-                # counted, not written yet (a joiner adds, then sets): read it at a later boundary,
-                # or the registration is lost and the joiner waits for nothing (seen under load)
-                unwritten.append(index)
-                continue
-            value = read_signed(store, self._signer, key, log)
-            if value is not None and value.decode() not in self.nodes and value.decode() not in self._joiners:
-                self._joiners.append(value.decode())
-        self._joiner_slots = unwritten
         view = self.watcher.last_state
-        present = set(view.nodes) if view is not None else set()
-        return [n for n in self._joiners if n in present]  # its agent is a participant: it runs
+        return self._join.ready(self.nodes, set(view.nodes) if view is not None else set())
 
     def _gone(self) -> tuple[str, ...]:
         # A node in the wait list is restarting (its worker crashed and its agent rejoins): that
@@ -476,7 +359,7 @@ class InProcessResize:
         gone = self._roll_call(self.lc.topology) if failed else self._gone()
         if gone and not failed:  # a survivor whose probe saw the same departure first holds a roll call
             reader = self.watcher._reader
-            _raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
+            raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
             self._rollcall(self.lc.topology.generation + 1).present(self.watcher.node, self.lc.topology.local_rank)
         plan = None if failed else self._read_plan()
         joiners = [str(n) for n in plan["joiners"]] if plan is not None else []
@@ -513,8 +396,7 @@ class InProcessResize:
         t3 = time.perf_counter()
         self.nodes = nodes
         self.neighbour_dead.clear()  # the new generation's neighbour is probed from now on
-        self._joiners = [n for n in self._joiners if n not in nodes]
-        self._plan = None
+        self._join.included(nodes)
         log.info("resize.in_process", mode="in_process", gone=list(gone), joined=list(joiners),
                  old_generation=old.generation,
                  new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,
@@ -532,7 +414,7 @@ class InProcessResize:
         key = prefix + KEY_DECISION
         me = self.watcher.node
         if me == survivors[0] and self.lc.topology.local_rank == 0:
-            _raise_generations(store, self.watcher._reader.run_id, generation)  # before any key of it
+            raise_generations(store, self.watcher._reader.run_id, generation)  # before any key of it
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
             points.reached("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
             old = self.lc.topology
@@ -577,22 +459,11 @@ class InProcessResize:
     def _world_store(self):
         if self._store is None:
             watcher = self.watcher
-            self._store = InterruptibleStore(watcher._reader.world_store(self._store_timeout), _WaitGuard(watcher))
+            self._store = InterruptibleStore(watcher._reader.world_store(self._store_timeout), WaitGuard(watcher))
         return self._store
 
     def _fall_back(self, exc: BaseException) -> None:
         _request_fallback(self.watcher, self._signer, exc, generation=self.lc.topology.generation)
-
-
-def _raise_generations(store, run_id: str, generation: int) -> None:
-    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``
-    before writing any key of it: the agents start a torch round at ``round + mark``, so a round
-    after a fallback never reuses this generation (``rdzv/handler.py``). Two raisers at once may
-    overshoot; a higher mark only makes later generations larger, never equal."""
-    key = inproc_root(run_id) + KEY_GENERATIONS
-    now = count_value(key, store.add(key, 0))
-    if now < generation:
-        store.add(key, generation - now)
 
 
 def _request_fallback(watcher, signer: Signer, exc: BaseException, generation: int | None = None) -> None:

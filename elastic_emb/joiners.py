@@ -1,0 +1,115 @@
+"""The running workers' side of a node joining a world formed in process: the joiners'
+registrations and the plan that includes them.
+
+A new node's worker registers under the run's in-process root (a counter ``KEY_JOINERS`` and one
+signed key ``KEY_JOINER<n>`` per registration, ``resize.InProcessResize.join``) and waits to be
+included. The running workers must all re-form after the same step (a worker that re-formed alone
+would leave its peers blocked in a collective), so only the planner (the first member node's
+local rank 0) acts on a ready joiner: at a step boundary it publishes the next generation's plan,
+"include these joiners after step ``n``", signed, before it takes step ``n``; every other worker
+reads the plan at each boundary (``InProcessResize.pending``). :class:`JoinPlan` keeps what one
+worker has read: the registrations counted (a count read back from the store is untrusted: a
+foreign value is reported once and ignored), the joiners not yet in the world, the plan.
+
+:func:`raise_generations` is the rule every writer of a new generation's keys follows first (the
+plan here, the decision and the roll call in ``resize.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from elastic_emb.errors import ElasticEmbError
+from elastic_emb.events import get_logger
+from elastic_emb.rdzv.keys import KEY_GENERATIONS, KEY_JOINER, KEY_JOINERS, KEY_PLAN, count_value, inproc_prefix, inproc_root
+from elastic_emb.rdzv.signing import Signer, read_signed
+
+log = get_logger("elastic_emb.resize")
+
+
+class JoinPlan:
+    """What one running worker knows of the joiners and of the next generation's plan (module
+    docstring). ``reader`` is the watcher's ``RendezvousReader`` (its store and run id)."""
+
+    def __init__(self, reader, signer: Signer) -> None:
+        self._reader = reader
+        self._signer = signer
+        self._seen = 0  # joiner registrations counted
+        self._slots: list[int] = []  # counted registrations not written yet (read again)
+        self._error = ""  # the last foreign joiners count reported
+        self.joiners: list[str] = []  # registered joiners not yet in the world, in order
+        self._plan: dict | None = None  # the next generation's plan to include joiners, once read
+
+    def key(self, generation: int) -> str:
+        return inproc_prefix(self._reader.run_id, generation) + KEY_PLAN
+
+    def read(self, generation: int) -> dict | None:
+        """The plan of ``generation`` (the next one), or None while there is none."""
+        if self._plan is not None and self._plan["generation"] == generation:
+            return self._plan
+        key = self.key(generation)
+        value = read_signed(self._reader.store, self._signer, key, log)
+        if value is None:
+            return None
+        plan = json.loads(value)
+        if (plan.get("generation") != generation or not isinstance(plan.get("after_step"), int)
+                or not isinstance(plan.get("joiners"), list)):
+            raise ElasticEmbError(f"join plan under {key} is malformed: {value[:200]!r}")
+        self._plan = plan
+        return plan
+
+    def publish(self, generation: int, after_step: int, joiners: list[str]) -> dict:
+        """The planner: include ``joiners`` in ``generation`` after ``after_step``."""
+        key = self.key(generation)
+        plan = {"generation": generation, "after_step": after_step, "joiners": list(joiners)}
+        raise_generations(self._reader.store, self._reader.run_id, plan["generation"])
+        self._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
+        self._plan = plan
+        log.info("resize.join_planned", generation=plan["generation"], after_step=plan["after_step"],
+                 joiners=plan["joiners"])
+        return plan
+
+    def ready(self, members: tuple[str, ...], present: set[str]) -> list[str]:
+        """The registered joiners, not ``members`` already, whose agent is a participant of the
+        rendezvous (in ``present``): they run."""
+        store = self._reader.store
+        root = inproc_root(self._reader.run_id)
+        try:  # untrusted (a foreign count would make this loop run to it)
+            count = count_value(root + KEY_JOINERS, store.add(root + KEY_JOINERS, 0))
+        except ValueError as exc:
+            if str(exc) != self._error:  # once per foreign value, not at every step
+                self._error = str(exc)
+                log.warning("resize.joiners_unreadable", error=str(exc))
+            count = self._seen
+        while self._seen < count:
+            self._seen += 1
+            self._slots.append(self._seen)
+        unwritten = []
+        for index in self._slots:
+            key = root + KEY_JOINER + str(index)
+            if not store.check([key]):
+                # counted, not written yet (a joiner adds, then sets): read it at a later boundary,
+                # or the registration is lost and the joiner waits for nothing (seen under load)
+                unwritten.append(index)
+                continue
+            value = read_signed(store, self._signer, key, log)
+            if value is not None and value.decode() not in members and value.decode() not in self.joiners:
+                self.joiners.append(value.decode())
+        self._slots = unwritten
+        return [n for n in self.joiners if n in present]
+
+    def included(self, nodes: tuple[str, ...]) -> None:
+        """A new generation of ``nodes`` formed: its joiners are in, its plan is spent."""
+        self.joiners = [n for n in self.joiners if n not in nodes]
+        self._plan = None
+
+
+def raise_generations(store, run_id: str, generation: int) -> None:
+    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``
+    before writing any key of it: the agents start a torch round at ``round + mark``, so a round
+    after a fallback never reuses this generation (``rdzv/handler.py``). Two raisers at once may
+    overshoot; a higher mark only makes later generations larger, never equal."""
+    key = inproc_root(run_id) + KEY_GENERATIONS
+    now = count_value(key, store.add(key, 0))
+    if now < generation:
+        store.add(key, generation - now)
