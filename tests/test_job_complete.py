@@ -31,9 +31,10 @@ WAIT = 120.0  # bound of every wait below (a loaded 2-core machine: a torchrun s
 STEPS = 30
 
 
-def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None, max_restarts: int = 2) -> subprocess.Popen:
-    """One torchrun agent (stock ``torch.distributed.run``, ``--rdzv-backend=elastic_emb``, in process)
-    running the packaged example through ``tests/helpers/late_joiner.py``."""
+def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None, max_restarts: int = 2,
+           resize: str = "in_process") -> subprocess.Popen:
+    """One torchrun agent (stock ``torch.distributed.run``, ``--rdzv-backend=elastic_emb``, in process
+    unless ``resize`` says otherwise) running the packaged example through ``tests/helpers/late_joiner.py``."""
     state = out / "state" / f"node{number}"
     state.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_", "MASTER_"))}
@@ -41,7 +42,7 @@ def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None,
                ELASTIC_EMB_STATE_DIR=str(state), ELASTIC_EMB_BACKEND="gloo", ELASTIC_EMB_LOG_FORMAT="json",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **(env_extra or {}))
     conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
-            "keep_alive_max_attempt": 3, "read_timeout": 60, "is_host": "false", "resize": "in_process",
+            "keep_alive_max_attempt": 3, "read_timeout": 60, "is_host": "false", "resize": resize,
             "event_file": str(out / f"events-node{number}.jsonl")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
            "--rdzv-backend=elastic_emb", f"--rdzv-endpoint={endpoint}", "--rdzv-id=late-joiner",
@@ -148,6 +149,27 @@ def test_nodes_joining_a_job_that_finishes_first_exit_zero(cluster):
     assert v["ok"] and v["step"] == STEPS - 1 and v["step_checksums_checked"] >= STEPS, v
     print(f"\nlate joiner: its worker exited {finished[0]['t'] - final_t:.2f} s after the world's final tables; "
           f"a node started after the end exited 0 in {time.time() - t_end:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_after_the_end_of_a_restart_mode_job_exits_zero(cluster):
+    """``resize=restart``: the agents of a finished job mark it complete too (at torch's own exit
+    barrier), so a node whose agent starts after the end finds the rendezvous closed, reads the
+    mark and exits 0 (``job_finished_before_join``), starting no worker: not torch's
+    ``RendezvousClosedError``."""
+    out, endpoint, procs = cluster
+    procs[0] = _agent(out, 0, endpoint, resize="restart")
+    _wait(lambda: procs[0].poll() is not None, "node0's agent to finish the job", procs, out)
+    assert procs[0].returncode == 0, (out / "node0.log").read_text()[-3000:]
+    assert [e for e in _events(out / "events-node0.jsonl") if e["event"] == "job_complete_marked"]
+    procs[1] = _agent(out, 1, endpoint, resize="restart")
+    _wait(lambda: procs[1].poll() is not None, "node1's agent to exit", procs, out)
+    assert procs[1].returncode == 0, (out / "node1.log").read_text()[-3000:]
+    late = [e for e in _events(out / "events-node1.jsonl") if e["event"] == "job_finished_before_join"]
+    assert len(late) == 1 and json.loads(late[0]["mark"])["node"] in {
+        e["node"] for e in _events(out / "events-node0.jsonl") if e["event"] == "rendezvous_round"}, late
+    assert not _progress(out, "node1"), "node1's agent started a worker"
 
 
 @pytest.mark.slow

@@ -74,7 +74,8 @@ from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezv
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
-from elastic_emb.rdzv.job_complete import CompletingExitBarrierStore, closed_and_complete, mark_complete
+from elastic_emb.rdzv.job_complete import (CompletingExitBarrierStore, CompletingStore, closed_and_complete,
+                                          mark_complete)
 from elastic_emb.rdzv.keys import (
     BACKEND_NAME,
     DISABLE_SHARED_STORE,
@@ -220,7 +221,7 @@ class ElasticEmbRendezvousHandler:
                 if info is None:
                     info = self._inner.next_rendezvous()
             except Exception as exc:
-                if self._config.resize == "in_process" and closed_and_complete(
+                if closed_and_complete(
                         exc, lambda: self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard),
                         self._signer, self._run_id, self._log):
                     # torch's own way out (RendezvousGracefulExitError) makes its launcher crash on
@@ -245,6 +246,11 @@ class ElasticEmbRendezvousHandler:
 
             store = CompletingExitBarrierStore(info.store, self._node, self._members_now, self._mark_job_complete)
             info = RendezvousInfo(store, info.rank, info.world_size, info.bootstrap_store_info)
+        else:  # restart mode: torch's barrier, and the mark a late node reads (rdzv/job_complete.py)
+            from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+
+            info = RendezvousInfo(CompletingStore(info.store, self._mark_job_complete), info.rank, info.world_size,
+                                  info.bootstrap_store_info)
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
         joins = [n for n in members if n not in previous]

@@ -1,4 +1,4 @@
-"""The end of a job with nodes still joining it (``resize=in_process``).
+"""The end of a job with nodes still joining it (both resize modes).
 
 A node can come after the running world's last step boundary: its agent joins the running round
 (or starts) while the world finishes, and its worker, still importing, registers as a joiner that
@@ -22,9 +22,12 @@ The protocol, one signed store key (``inproc_root(run_id) + KEY_COMPLETE``):
   rendezvous closed without the mark (the job failed, or was stopped) stays torch's error.
 
 The mark lives as long as torch's closed state under the same run id, which already refuses a
-second job of that id. Not covered: a store hosted by the first agent (inner c10d without
-``is_host=false``) is gone when that agent exits, so a later agent finds no store at all; and
-restart mode writes no mark.
+second job of that id. ``resize=restart`` writes and reads the same mark (:class:`CompletingStore`
+around torch's own barrier): there a node whose agent comes after the end, or waits to be let in
+while the world finishes, finds the closed rendezvous of a finished job and exits 0 too; a node
+that comes in time is let in by torch (the running agents see it waiting and restart their
+workers into a round with it). Not covered: a store hosted by the first agent (inner c10d without
+``is_host=false``) is gone when that agent exits, so a later agent finds no store at all.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from elastic_emb.rdzv.exit_barrier import NUM_MEMBERS, ExitBarrierStore
 from elastic_emb.rdzv.keys import KEY_COMPLETE, inproc_root
 from elastic_emb.rdzv.outage import reraise_signal
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.store import ForwardingStore
 
 
 def complete_key(run_id: str) -> str:
@@ -73,6 +77,20 @@ def closed_and_complete(exc: BaseException, store: Callable[[], Any], signer: Si
     if mark is not None:
         log.info("job_finished_before_join", mark=mark, outcome="exit 0: the job finished before this node could join it")
     return mark is not None
+
+
+class CompletingStore(ForwardingStore):
+    """``resize=restart``: torch's own exit barrier (the round's members are the members of the
+    end), with ``mark()`` called at this agent's arrival, before the count."""
+
+    def __init__(self, inner, mark: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._mark = mark
+
+    def add(self, key, value):
+        if key == NUM_MEMBERS and value == 1:
+            self._mark()
+        return self._inner.add(key, value)
 
 
 class CompletingExitBarrierStore(ExitBarrierStore):
