@@ -12,8 +12,9 @@ The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` 
 2. fire every fault whose trigger has come (the committed step reached ``at_step``, or
    ``at_time`` seconds passed since the first committed step). After a fault the drill creates
    the workers' slow-down file (``--slow-file``: ``slow_delay`` per step instead of
-   ``step_delay``) until rank 0 of a new incarnation commits a step, so a short run cannot
-   finish before the resize lands; the next step-triggered fault waits for that too;
+   ``step_delay``) until rank 0 of a new incarnation commits a step in a world of the size the
+   fault leads to (at most ``AWAIT_S``), so a short run cannot finish before the resize lands; the
+   next step-triggered fault waits for that too;
 3. stop when every agent has exited (training done, or failed), or at the timeout.
 
 Whatever happens, the ``finally`` block SIGKILLs every process tree it started (agents, their
@@ -51,6 +52,11 @@ from elastic_emb.events import configure_logging
 # the CLI can turn the drill's info events down after this module was imported.
 configure_logging()
 log = structlog.get_logger("elastic_emb.drill")
+
+
+# How long a fault's slow-down waits for the world it leads to: a join in restart mode at load 10+
+# took 60 s (the new agent's start, a drain, every worker restarted), ep8 (8 ranks on 2 cores).
+AWAIT_S = 120.0
 
 
 @dataclass
@@ -167,8 +173,10 @@ class Drill:
         self.t_first_step: float | None = None
         self.slow_file = self.out / "run" / "slow"
         self.rank0_pid: int | None = None
-        self.awaiting: tuple[int | None, int, float] | None = None  # (rank 0's pid, generation at the fault, deadline)
+        # (rank 0's pid and generation at the fault, the world size it leads to or None, deadline)
+        self.awaiting: tuple[int | None, int, int | None, float] | None = None
         self.generation = -1  # the newest generation seen stepping
+        self.history = scenario.simulate()  # the live nodes after each fault
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -331,7 +339,12 @@ class Drill:
             # In process, a crashed worker's node leaves the world and rejoins it: two re-forms; slow
             # down until the second (else the survivor, stepping fast once alone, may finish first).
             rejoins = fault.kind == "crash_worker" and self.scenario.mode == "in_process"
-            self.awaiting = (self.rank0_pid, self.generation + int(rejoins), time.monotonic() + 60.0)
+            # A membership fault is in once a world of the size it leads to steps: a new generation
+            # alone may be an earlier fault's re-form landing late (restart mode at load: a join whose
+            # agent took 60 s), which would end the slow-down before this fault's node is in.
+            world = (len(self.history[index + 1]) * self.scenario.nproc_per_node
+                     if fault.kind in ("join", "leave", "kill_node", "kill_agent") else None)
+            self.awaiting = (self.rank0_pid, self.generation + int(rejoins), world, time.monotonic() + AWAIT_S)
         self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
         log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
 
@@ -358,11 +371,11 @@ class Drill:
                 if e.get("rank") == 0:
                     self.rank0_pid = e.get("pid")
         if self.awaiting is not None:
-            pid, generation, deadline = self.awaiting
+            pid, generation, world, deadline = self.awaiting
             # a new incarnation of rank 0 (restart mode), or the same one in a newer generation
-            # (mode in_process: the survivors keep their processes)
-            if ((self.rank0_pid is not None and self.rank0_pid != pid) or self.generation > generation
-                    or time.monotonic() > deadline):
+            # (mode in_process: the survivors keep their processes), at the world size the fault leads to
+            new_world = (self.rank0_pid is not None and self.rank0_pid != pid) or self.generation > generation
+            if (new_world and world in (None, self.world)) or time.monotonic() > deadline:
                 # A new incarnation is stepping (or we gave up waiting): full speed again.
                 self.awaiting = None
                 self.slow_file.unlink(missing_ok=True)
