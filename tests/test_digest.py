@@ -110,3 +110,18 @@ def test_restore_verifies_an_xxh3_record(tmp_path, small_chunks):
     path.write_bytes(bytes(flipped))
     with pytest.raises(ChecksumMismatch, match="XXH3-64"):
         read_snapshot(path, m)
+
+
+def test_checksum_threads_run_below_the_callers_priority():
+    """The checksum threads (elastic_emb.state.crc.pool) run at NICE above the process, so the
+    training thread wins a core they also want; the calling thread keeps its own priority."""
+    import os
+    import threading
+
+    from elastic_emb.state import crc
+
+    tid = lambda: threading.get_native_id()  # noqa: E731
+    mine = os.getpriority(os.PRIO_PROCESS, tid())
+    theirs = crc.pool().submit(lambda: os.getpriority(os.PRIO_PROCESS, tid())).result()
+    assert theirs == min(19, mine + crc.NICE), (mine, theirs)
+    assert os.getpriority(os.PRIO_PROCESS, tid()) == mine

@@ -30,7 +30,8 @@ pieces. Now it spends the cost of laying out the records, taking a log segment a
 event: 0.3 ms on that host (:data:`TRACE` lists each step for the bench), 0.5 ms with the rest of
 ``SnapshotTier.capture``. Measured there and not kept (BENCHMARKS.md, "The device path"): the
 pieces launched through the CUDA driver by ``ctypes`` (fewer Python calls in the launcher), the
-gather launched by the training thread itself, larger pieces; none made the step faster.
+gather launched by the training thread itself, larger pieces, the gather as one Triton kernel per
+tensor; none made the step faster.
 
 No checksum is computed on the GPU or by the training thread. The background writer
 (:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's events in its own thread,
@@ -157,8 +158,9 @@ class DeviceCapture:
                         raise ValueError(f"table {name!r} tensor {tname!r} is on {t.device}, not {self.device}")
                     shape = list(t.shape[1:])
                     dtype, row_b = str(t.dtype).removeprefix("torch."), t.element_size() * math.prod(shape)
-                trs.append((TensorRecord(name=tname, dtype=dtype, row_shape=shape, offset=off, nbytes=k * row_b,
-                                         crc32=PENDING_CRC), t))
+                # (model_construct: values computed here, no validation on the training thread)
+                trs.append((TensorRecord.model_construct(name=tname, dtype=dtype, row_shape=shape, offset=off,
+                                                         nbytes=k * row_b, crc32=PENDING_CRC, algorithm="crc32"), t))
                 off += -(-k * row_b // ALIGN) * ALIGN
             layout.append((name, sd, idx, trs))
         total = off
@@ -167,8 +169,9 @@ class DeviceCapture:
         buf = seg if seg is not None else self._acquire(total)
         host = (seg.host if seg is not None else buf)[:total]
         _trace("land")
-        records = [ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
-                               tensors=[tr for tr, _ in trs]) for name, sd, _, trs in layout]
+        records = [ShardRecord.model_construct(table=name, num_rows=num_rows[name], start=sd.rows.start,
+                                               stop=sd.rows.stop, tensors=[tr for tr, _ in trs])
+                   for name, sd, _, trs in layout]
         _trace("records")
         job = _Job(self.timeout, host, total, layout)
         job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
@@ -238,16 +241,20 @@ class DeviceCapture:
         total = host.numel()
         piece = min(self.piece_bytes or total, total) or 1
         prev = read  # recorded on ``side``
-        marks = []
-        for i, lo in enumerate(range(0, total, piece)):
+        marks, end = [], 0
+        # (one split of each buffer, not two slices a piece, and the launcher's own current stream
+        # set without restoring it: fewer Python-level torch calls holding the GIL the training
+        # thread needs)
+        for i, (dst, src) in enumerate(zip(host.split(piece), staging.split(piece))):
             st = side if i % 2 == 0 else other
             if i:
                 st.wait_event(prev)
-            with torch.cuda.stream(st):
-                host[lo: lo + piece].copy_(staging[lo: lo + piece], non_blocking=True)
+            torch.cuda.set_stream(st)
+            dst.copy_(src, non_blocking=True)
             prev = torch.cuda.Event()
             prev.record(st)
-            marks.append((min(lo + piece, total), prev))
+            end += dst.numel()
+            marks.append((end, prev))
         if total > piece:
             staging.record_stream(other)  # freed only once the other stream's pieces have read it
             side.wait_event(prev)  # the next capture comes after this copy's last piece, as before

@@ -83,6 +83,7 @@ class SegmentRing:
         self._cudart = torch.cuda.cudart() if register else None
         self._cv = threading.Condition()
         self.segments: list[Segment] = []
+        self._next = 0  # acquire looks from here: the segment after the one taken last
         try:
             for i in range(count):
                 name = f"seg-{self.token}-{i}.bin"
@@ -113,15 +114,21 @@ class SegmentRing:
         if nbytes > self.size:
             return None
         with self._cv:  # a free one first: checking whether held ones were pruned costs a stat each
-            for seg in self.segments:
+            # From the one after the last taken: the oldest first, whose commit is the likeliest
+            # pruned (one stat, not one per segment, on the training thread)
+            order = self.segments[self._next:] + self.segments[:self._next]
+            for seg in order:
                 if seg.state == "free":
-                    seg.state = "flight"
-                    return seg
-            for seg in self.segments:
+                    return self._take(seg)
+            for seg in order:
                 if seg.state == "held" and (seg.manifest is None or not seg.manifest.exists()):
-                    seg.state, seg.manifest = "flight", None  # its commit was pruned
-                    return seg
+                    return self._take(seg)  # its commit was pruned
         return None
+
+    def _take(self, seg: Segment) -> Segment:
+        seg.state, seg.manifest = "flight", None
+        self._next = (self.segments.index(seg) + 1) % len(self.segments)
+        return seg
 
     def landed(self, seg: Segment, manifest: Path) -> None:
         """The commit in ``seg`` is written: held until ``manifest`` is gone."""
