@@ -47,20 +47,38 @@ INNERS = pytest.mark.parametrize("inner", ["c10d", "etcd-v2"], indirect=True)
 
 
 def _two_nodes(tmp, agents, **kw) -> dict:
-    """a, then b joins (in process: the running worker includes it). Returns, per agent pid, its
-    worker's pid and the generation it is in now."""
+    """a, then b joins in process, checked: b's agent joins the running round as one more
+    participant (no agent restarts); its worker registers as ready and waits; a's worker includes
+    it at a step boundary: both build generation + 1 together, a's worker pid unchanged, rows
+    bit-exact, nothing lost or repeated. Returns, per agent pid, its worker's pid and the
+    generation it is in now (after a few steps at world size 2)."""
     port = free_port()
     agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
-    t_b = time.time()
+    first = [r for r in worker_records(tmp) if r["ev"] == "ready"][0]
+    t_join = time.time()
     agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF, **kw))
-    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
-    latest: dict = {}
-    for r in worker_records(tmp):
-        if r["ev"] in ("ready", "reformed"):
-            latest[r["pid"]] = r
-    agent_of = {r["pid"]: r["agent_pid"] for r in worker_records(tmp) if r["ev"] == "ready"}
-    return {agent_of[pid]: {"pid": pid, "gen": r["gen"]} for pid, r in latest.items() if r["ws"] == 2}
+    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_join), WAIT, "world size 2", agents)
+    time.sleep(0.5)  # a few steps at world size 2
+    recs = worker_records(tmp)
+    reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_join]
+    assert len(reformed) == 1 and reformed[0]["pid"] == first["pid"] and reformed[0]["ws"] == 2, reformed
+    assert reformed[0]["rows_ok"] and reformed[0]["rank"] == 0, reformed
+    joiner = [r for r in recs if r["ev"] == "ready" and r["t"] > t_join]
+    assert len(joiner) == 1 and joiner[0]["joined"] and joiner[0]["rows_ok"] and joiner[0]["ws"] == 2, joiner
+    assert joiner[0]["gen"] == reformed[0]["gen"] == first["gen"] + 1
+    assert joiner[0]["resume"] == reformed[0]["resume"], (joiner, reformed)  # nothing lost, nothing repeated
+    committed = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2}
+    assert committed == {first["pid"], joiner[0]["pid"]}
+    rounds = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
+    assert len(rounds) == 1, rounds  # no new torch round: nobody was restarted
+    ev = _resize_event(tmp, first["pid"], t_join)  # the running worker's event: every phase, its pid
+    assert ev["new_world_size"] == 2 and ev["kind"] == "rebuild", ev
+    last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 1)
+    print(f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
+          f"running worker's pause {t_first - last_before:.2f} s")
+    return {agents[0].pid: {"pid": first["pid"], "gen": reformed[0]["gen"]},
+            agents[1].pid: {"pid": joiner[0]["pid"], "gen": joiner[0]["gen"]}}
 
 
 def _reformed(tmp, pid, after):
@@ -70,16 +88,16 @@ def _reformed(tmp, pid, after):
 @INNERS
 @pytest.mark.parametrize("fault", ["sigterm", "sigkill_node"])
 def test_two_to_one_survivor_reforms_in_process(inner, cluster, fault):
-    """SIGTERM of a node's agent (it leaves the rendezvous; its worker dies), or SIGKILL of the
-    whole node (agent and worker at once: no goodbye, no orphan report; its heartbeat expires).
-    Over the inner c10d store and over etcd-v2 (a real etcd on loopback)."""
+    """1 -> 2 in process (checked in :func:`_two_nodes`), then SIGTERM of b's agent (it leaves
+    the rendezvous; its worker dies), or SIGKILL of b's whole node (agent and worker at once: no
+    goodbye, no orphan report; its heartbeat expires). Over the inner c10d store and over etcd-v2
+    (a real etcd on loopback)."""
     import os
 
     tmp, agents = cluster
     workers = _two_nodes(tmp, agents, **inner)
     a, b = agents
     survivor = workers[a.pid]
-    time.sleep(0.5)  # a few steps at world size 2
     if fault == "sigterm":
         t_kill = b.signal(signal.SIGTERM)
     else:
@@ -169,7 +187,6 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
     workers = _two_nodes(tmp, agents)
     a, b = agents
     survivor = workers[a.pid]["pid"]
-    time.sleep(0.5)
     t_kill = time.time()
     os.kill(workers[b.pid]["pid"], signal.SIGKILL)
 
@@ -255,41 +272,6 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     assert gens[0] == 0 and gens[1] == {r["gen"] for r in ready}.pop(), (gens, ready)
     print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s at generation {gens[1]} "
           f"(round 1); fallback requested: {bool(fell_back)}")
-
-
-@INNERS
-def test_one_to_two_a_joiner_is_included_in_process(inner, cluster):
-    """A second node's agent joins the running round as one more participant (no agent restarts);
-    its worker registers as ready and waits; the running worker includes it at a step boundary:
-    both build generation + 1 together, the running worker's pid unchanged, rows bit-exact.
-    Over the inner c10d store and over etcd-v2 (a real etcd on loopback)."""
-    tmp, agents = cluster
-    port = free_port()
-    agents.append(start_agent("a", tmp, port, worker="lifecycle", conf=CONF, **inner))
-    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
-    first = [r for r in worker_records(tmp) if r["ev"] == "ready"][0]
-    time.sleep(0.5)
-    t_join = time.time()
-    agents.append(start_agent("b", tmp, port, worker="lifecycle", conf=CONF, **inner))
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_join), WAIT, "world size 2", agents)
-    time.sleep(0.5)
-    recs = worker_records(tmp)
-    reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_join]
-    assert len(reformed) == 1 and reformed[0]["pid"] == first["pid"] and reformed[0]["ws"] == 2, reformed
-    assert reformed[0]["rows_ok"] and reformed[0]["rank"] == 0, reformed
-    joiner = [r for r in recs if r["ev"] == "ready" and r["t"] > t_join]
-    assert len(joiner) == 1 and joiner[0]["joined"] and joiner[0]["rows_ok"] and joiner[0]["ws"] == 2, joiner
-    assert joiner[0]["gen"] == reformed[0]["gen"] == first["gen"] + 1
-    assert joiner[0]["resume"] == reformed[0]["resume"], (joiner, reformed)  # nothing lost, nothing repeated
-    committed = {r["pid"] for r in recs if r["ev"] == "commit" and r["ws"] == 2}
-    assert committed == {first["pid"], joiner[0]["pid"]}
-    rounds = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
-    assert len(rounds) == 1, rounds  # no new torch round: nobody was restarted
-    ev = _resize_event(tmp, first["pid"], t_join)  # the running worker's event: every phase, its pid
-    assert ev["new_world_size"] == 2 and ev["kind"] == "rebuild", ev
-    last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 1)
-    print(f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
-          f"running worker's pause {t_first - last_before:.2f} s")
 
 
 def _steps_lost(recs, reformed) -> int:
