@@ -39,9 +39,9 @@ class LifecycleConfig(BaseModel):
     transfer_timeout: float = Field(default=300.0, gt=0)
     require_state: bool = False
     # commit() returns once the rows are captured and a background thread writes them (True), or
-    # writes them itself (False, the default); None: in the background when commits are incremental
+    # writes them itself (False); None (the default): in the background when commits are incremental
     # (the context tracks its changes), else synchronous full snapshots.
-    async_commit: bool | None = False
+    async_commit: bool | None = None
     incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
     max_chain: int = Field(default=8, ge=0)  # deltas on one base before the next full base
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
