@@ -19,8 +19,9 @@ Commits (:meth:`Lifecycle.commit`, at step boundaries): every ``commit_every`` s
 snapshot (+ replicas), every ``durable_every`` steps also a DCP checkpoint. Call ``commit(step)``
 after *every* step: the cadence decides what is written, and the lifecycle learns how far
 training got, which tells a resize whether the live rows are newer than the last commit.
-How a due commit is written (tiers, the background writer, the committed step) is
-``committer.py``. After an in-process re-form the new generation's first commit (a full base) is
+Incremental commits are asynchronous by default: ``commit()`` returns once the rows are captured
+and a background writer completes them (``committed_step``); how a due commit is written (tiers,
+the writer, the committed step) is ``committer.py``. After an in-process re-form the new generation's first commit (a full base) is
 written in the background and the commits due meanwhile are coalesced into one delta
 (``first_base.py``).
 
@@ -148,8 +149,8 @@ class Lifecycle:
     @property
     def committed_step(self) -> int:
         """The newest step whose commit is complete (its manifests written on its own node and on
-        its replica holders); -1 before the first. Synchronous commits complete inside
-        ``commit()``; with ``async_commit`` the commit in flight completes in the background."""
+        its replica holders); -1 before the first. Synchronous commits (``async_commit=False``) complete
+        inside ``commit()``; by default the commit in flight completes in the background."""
         return self._committer.committed_step
 
     def wait_commit(self) -> int:
