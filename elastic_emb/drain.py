@@ -18,7 +18,10 @@ verifies and names that rank and the round (``rdzv/drain_acks.py``): a forged ``
 even one equal to ``world_size``, cannot end it early. Both counts are read as untrusted input:
 a ``world_size`` without a valid signature, or either one outside ``[0, rdzv.keys.MAX_COUNT]``
 (a wrapped or foreign value), ends the drain with :class:`DrainError` naming the key and the
-value (both are checked before the request is written).
+value (both are checked before the request is written). A missing ``world_size`` is not taken
+as "no watchers" at first sight: a store writer may have deleted it (rank 0's watcher writes it
+back) or the round's watchers may be starting, so the drain looks again for
+``rdzv.drain_acks.NO_WATCHERS_GRACE`` seconds first.
 
 A drain is job-wide by nature: all ranks take part in every collective, so no rank can stop
 alone; "drain this node" means "let the whole world stop after the same committed step". After
@@ -43,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import DrainError
 from elastic_emb.events import get_logger
-from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
+from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE, AckCounter, read_expected
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_STOP_STEP, round_prefix
@@ -142,6 +145,12 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     log = get_logger("elastic_emb.drain", round=state.round)
     counter = AckCounter(store, signer, prefix, state.round, log)
     expected = _checked(target, read_expected, store, signer, prefix)
+    settle = time.monotonic() + min(timeout, NO_WATCHERS_GRACE)
+    while not expected and time.monotonic() < settle:
+        # None (or 0): no worker runs a watcher, or the round's watchers are starting, or a store
+        # writer deleted the key and rank 0's watcher writes it back (rdzv/drain_acks.py)
+        time.sleep(poll)
+        expected = _checked(target, read_expected, store, signer, prefix)
     if not expected:  # a watcher writes its world size (>= 1): none did
         return done("no_watchers", state.round)
     _checked(target, counter.hint)  # checked before asking anything

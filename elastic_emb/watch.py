@@ -70,7 +70,7 @@ from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, class
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
-from elastic_emb.rdzv.drain_acks import write_ack, write_expected
+from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, restore_expected, write_ack, write_expected
 from elastic_emb.rdzv.keys import (
     KEY_EVICTED,
     ENV_RDZV_ENDPOINT,
@@ -142,6 +142,7 @@ class Watcher:
         self._drain_seen = False
         self._stop_step: int | None = None
         self._acked = False
+        self._restore_due = float("inf")  # rank 0 keeps the round's world_size key, once start() wrote it
         self._members: tuple[str, ...] = ()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
         self.last_state: RendezvousView | None = None
@@ -216,6 +217,7 @@ class Watcher:
                 write_expected(self._reader.store, self._signer, self._prefix(), self.world_size)
             except Exception as exc:
                 self._log.warning("watch_store_error", op="world_size", error=repr(exc))
+            self._restore_due = time.monotonic() + RESTORE_EVERY_S
         self._thread = threading.Thread(target=self._run, name="elastic_emb-watch", daemon=True)
         self._thread.start()
         return self
@@ -426,11 +428,24 @@ class Watcher:
             self._members = view.nodes
         if self.round is None:
             return
+        if self.rank == 0 and time.monotonic() >= self._restore_due:
+            self._keep_drain_count()
         for change in classify(view, round_=self.round, members=self._members, node=self.node):
             if change.kind != "evicted":
                 self._emit(change.kind, nodes=change.nodes, state_round=change.state_round)
             elif self._eviction_confirmed():
                 self._evict("evicted", nodes=change.nodes, state_round=change.state_round)
+
+    def _keep_drain_count(self) -> None:
+        """Rank 0: write the round's ``world_size`` back when a store writer deleted it (it would
+        read as "no watchers" and end a drain before any commit: ``rdzv/drain_acks.py``)."""
+        self._restore_due = time.monotonic() + RESTORE_EVERY_S
+        try:
+            if restore_expected(self._reader.store, self._signer, self._prefix(), self.world_size):
+                self._log.warning("drain_count_restored", round=self.round, world_size=self.world_size,
+                                  reason="the round's world_size key was missing: deleted by a store writer")
+        except Exception as exc:  # upkeep only: the state read reports an outage
+            self._log.debug("watch_store_error", op="world_size", error=repr(exc))
 
     def _eviction_confirmed(self) -> bool:
         """Whether to believe a state that leaves this node out. Without a job secret, yes: the
