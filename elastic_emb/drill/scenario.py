@@ -248,8 +248,9 @@ PRESETS: dict[str, Scenario] = {
             name="torchrec",
             description="TorchRec (the torchrec extra): 1 -> 2 nodes, then one dies (2 -> 1); tables equal a "
                         "one-process TorchRec replay bit for bit.",
-            # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they join.
-            workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=0.5,
+            # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they join
+            # (over 20 s at load 16, more than 35 steps x 0.5 s: the joiner came after the end).
+            workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=1.5,
             timeout=420, faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
             mode="in_process",
         ),
