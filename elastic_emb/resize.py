@@ -250,8 +250,9 @@ class InProcessResize:
     def _probe_neighbour(self) -> None:
         """A tick of the neighbour probe (``rollcall.watch_neighbour``, local rank 0 only): a
         worker of the next member node refuses its liveness connection (dead, no collective in
-        flight to fail). Only the next :meth:`pending` acts on it, as on a failed collective (a
-        peer that finished training and exited refuses too: nothing past the last step)."""
+        flight to fail, or one that gloo leaves blocked until its timeout). The context's waits
+        end now (``interrupt``); the next :meth:`pending` re-forms, as after a failed collective
+        (a peer that finished training and exited refuses too: nothing past the last step)."""
         prober, lc = self.watcher.prober, self.lc
         ctx = lc.context
         gen = lc.topology.generation
@@ -261,6 +262,8 @@ class InProcessResize:
         if dead and lc.topology.generation == gen:
             self.neighbour_dead.set()
             log.warning("resize.neighbour_dead", nodes=list(dead), generation=gen, remedy="re-forming without it")
+            if hasattr(ctx, "interrupt"):  # a collective blocked on it ends now, not at gloo's timeout
+                ctx.interrupt(f"node {dead[0]} refused its liveness connection (dead)")
 
     def _abort_context(self) -> None:
         """The watcher's thread, when a peer's collective failed: abort this worker's

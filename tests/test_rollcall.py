@@ -150,3 +150,86 @@ def test_each_node_probes_the_next_one_and_the_probe_lives_as_long_as_its_owner(
     del owner  # the thread holds only a weak reference: it ends with its owner
     thread.join(10)
     assert not thread.is_alive()
+
+
+# A peer of a two-rank gloo group: post an all-to-all that receives ``n`` bytes from rank 0, let its
+# announcement reach rank 0, then stop (SIGSTOP) before reading them: rank 0's send is left queued on
+# the connection, the case gloo never fails when the connection breaks (its waiter sleeps until the
+# group's timeout).
+PEER = """
+import os, signal, sys, time
+from datetime import timedelta
+import structlog, torch, torch.distributed as dist
+from elastic_emb.context.group import Group
+from elastic_emb.rdzv.signing import Signer
+from elastic_emb.rollcall import Prober
+from elastic_emb.topology import Topology
+port, node, n, timeout = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
+prober = Prober(store, "rc", Signer(None), structlog.get_logger())
+prober.listen(node, 0)
+prober.enter(1, (), 1)
+topo = Topology(run_id="rc", generation=1, rank=1, world_size=2, local_rank=0, local_world_size=1, node_rank=1,
+                num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1", master_port=port)
+group = Group.form(topo, store, torch.device("cpu"), timeout, False, structlog.get_logger())
+work = group.alltoall(torch.empty(n + 1, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8), [n, 1], [1, 1])
+time.sleep(0.5)  # its send of one byte and its receive announcement are on the wire
+store.set("posted", "1")
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_the_timeout():
+    """Issue 18: a survivor whose all-to-all send to a peer was in flight when the peer was
+    SIGKILLed waited out gloo's timeout (10 s in the bench): gloo does not fail a send queued on a
+    broken connection, and aborting the group does not wake the waiter. The neighbour probe
+    (``watch_neighbour`` + ``Prober``, as ``InProcessResize._probe_neighbour`` wires them) finds
+    the peer's socket refusing and interrupts the group: the wait ends, and the group is released,
+    well within half the (long) timeout, the margin for a loaded machine. A real gloo group, a
+    real SIGKILL, the peer stopped first so the send is queued on the connection every time."""
+    import structlog
+    import torch
+
+    from elastic_emb.context.group import Group
+    from elastic_emb.errors import CommunicationError
+    from elastic_emb.topology import Topology
+
+    timeout, n = 30.0, 64 << 20  # 64 MiB: far more than the loopback socket buffers hold
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
+    peer_node = "127.0.0.1_2_0"
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), peer_node, str(n), str(timeout)])
+    try:
+        topo = Topology(run_id="rc", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
+                        node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
+                        master_port=master.port)
+        group = Group.form(topo, master, torch.device("cpu"), timeout, False, LOG)
+        master.wait(["posted"], timedelta(seconds=30))
+        time.sleep(0.2)  # the peer is stopped
+        work = group.alltoall(torch.empty(2, dtype=torch.uint8), torch.zeros(n + 1, dtype=torch.uint8), [1, 1], [1, n])
+        prober = Prober(master, "rc", Signer(None), LOG)
+        prober.enter(1, ("127.0.0.1_1_0", peer_node), 1)
+
+        class Neighbour:  # InProcessResize._probe_neighbour's tick, on this group
+            found = False
+
+            def tick(self):
+                if not self.found and prober.dead(next_node(prober.members, "127.0.0.1_1_0"), 1):
+                    self.found = True
+                    group.interrupt(f"node {peer_node} refused its liveness connection (dead)")
+
+        owner = Neighbour()
+        watch_neighbour(owner, Neighbour.tick, LOG, every=0.1)
+        threading.Timer(0.5, peer.kill).start()  # mid-transfer: 64 MiB cannot have left rank 0
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError, match="refused its liveness connection"):
+            group.wait(work, None, "the test's all-to-all")
+        group.release(abort=True, wait=False)  # as the context's close on a resize: gloo's abort
+        ended = time.monotonic() - t0  # blocks until the abandoned send times out, in a thread
+        assert owner.found and not group.healthy
+        assert ended < timeout / 2, f"the survivor left the collective after {ended:.1f} s (timeout {timeout:g} s)"
+        print(f"\nsurvivor out of the collective and the group released {ended:.2f} s after the wait began "
+              f"(the peer killed at 0.5 s; gloo's timeout {timeout:g} s)")
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        peer.wait(10)

@@ -345,6 +345,13 @@ class EmbContext(ContextBase):
         self._arena = new_arena
         return int(src.numel())
 
+    def interrupt(self, reason: str) -> None:
+        """End a wait on the communicator now, and every later one (thread-safe): a peer is known
+        to be gone (the in-process resize's liveness probe). A gloo transfer to a dead peer can
+        otherwise block until the timeout (``group.py``)."""
+        if not self._closed:
+            self._group.interrupt(reason)
+
     def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
         """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
         (False) aborting the communicator; by default it aborts only when unhealthy.

@@ -13,6 +13,14 @@ the k-th on the others, so re-forming never reuses keys (reused keys hang).
 fails or times out raises :class:`~elastic_emb.errors.CommunicationError` and marks the group
 unhealthy (the context then aborts it on close instead of destroying it).
 
+Interrupt: a gloo transfer to a peer that died can stay blocked until the group's timeout (gloo
+does not fail a send already queued on a connection when that connection breaks, and aborting
+the group does not wake its waiter; seen: a SIGKILLed peer cost its survivor 10 s).
+:meth:`Group.interrupt` (called by whoever learns first that a peer is gone: the in-process
+resize's liveness probe, ``resize.py``) and :meth:`Group.release` end every wait on the group at
+once with :class:`~elastic_emb.errors.CommunicationError`; the abandoned transfer runs out on
+gloo's thread, holding its own tensors.
+
 Release: gloo is aborted (closing this rank's connections; a healthy close has drained every
 pending collective first). NCCL is destroyed when healthy and aborted when not, bounded by the
 timeout in a thread (a destroy still running past it means a peer is gone, and is followed by an
@@ -91,6 +99,9 @@ class Group:
         self.timeout = timeout
         self.healthy = True
         self.log = log_
+        self.interrupted: str | None = None  # why every wait ends now (interrupt, release)
+        self._waiting: set[threading.Event] = set()
+        self._waiting_lock = threading.Lock()
 
     @classmethod
     def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
@@ -169,7 +180,7 @@ class Group:
         t = self.timeout if timeout is None else timeout
         try:
             if self.topology.backend != "nccl":
-                ok = work.wait(timedelta(seconds=t))
+                ok = self._wait_interruptible(work, t, what)
             else:
                 ok = poll(work.is_completed, t) if host else True
                 if ok:
@@ -182,6 +193,40 @@ class Group:
             ) from exc
         if ok is False:
             raise self.timed_out(what, t)
+
+    def _wait_interruptible(self, work, timeout: float, what: str) -> bool:
+        """Block until ``work`` completes (True), ``timeout`` passes (False) or :meth:`interrupt`
+        (raises); no polling: the work's future and ``interrupt`` set the same event. Completion
+        is the future's (gloo marks it before the work's own flag)."""
+        if not work.is_completed():
+            done = threading.Event()
+            with self._waiting_lock:
+                self._waiting.add(done)
+            finished = False
+            try:
+                if self.interrupted is None:
+                    future = work.get_future()
+                    future.add_done_callback(lambda _fut: done.set())
+                    done.wait(timeout)
+                    finished = future.done()
+            finally:
+                with self._waiting_lock:
+                    self._waiting.discard(done)
+            if not finished:
+                if self.interrupted is not None:
+                    raise CommunicationError(f"{what} interrupted: {self.interrupted}")
+                return False
+        work.wait()  # complete (or about to be): raises the collective's own error, if any
+        return True
+
+    def interrupt(self, reason: str) -> None:
+        """End every wait on this group now and every later one at once (a peer is known to be
+        gone; thread-safe): they raise :class:`CommunicationError` naming ``reason``."""
+        with self._waiting_lock:
+            self.interrupted = reason
+            waiting = list(self._waiting)
+        for done in waiting:
+            done.set()
 
     def wait_event(self, event, timeout: float, what: str) -> None:
         """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
@@ -221,11 +266,14 @@ class Group:
         pg, self.pg, self._backend = self.pg, None, None
         if pg is None:
             return
-        if self.topology.backend == "gloo":
+        if abort and self.interrupted is None:  # a wait in another thread ends now
+            self.interrupt("the communicator was aborted (a peer died)")
+        if self.topology.backend == "gloo" and (wait or self.interrupted is None):
             # Gloo: abort() only closes this rank's connections. A healthy close has drained every
             # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
             # left a joinable thread behind when a peer had died ("terminate called without an
-            # active exception" at interpreter exit), abort did not.
+            # active exception" at interpreter exit), abort did not. After an interrupted wait it
+            # blocks until the abandoned transfer times out: with wait=False a thread does it.
             try:
                 pg.abort()
             except Exception as exc:  # reported, not swallowed silently
