@@ -70,7 +70,7 @@ from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, class
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
-from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, restore_expected, write_ack, write_expected
+from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, keep_expected, write_ack, write_expected
 from elastic_emb.rdzv.keys import (
     KEY_EVICTED,
     ENV_RDZV_ENDPOINT,
@@ -287,6 +287,8 @@ class Watcher:
             self._reported = {k for k in self._reported if k[0] not in ("departure", "round_advanced")}
             self._events = [e for e in self._events if e.kind not in ("departure", "round_advanced")]
         self.rank, self.world_size = rank, world_size
+        if self._thread is not None:  # the new count, at the next poll (rank 0: _keep_drain_count)
+            self._restore_due = 0.0
 
     def watch_failures(self, key: str | None) -> None:
         """In process (``rollcall.py``): each poll reads ``key``, set when a collective of this
@@ -437,15 +439,22 @@ class Watcher:
                 self._evict("evicted", nodes=change.nodes, state_round=change.state_round)
 
     def _keep_drain_count(self) -> None:
-        """Rank 0: write the round's ``world_size`` back when a store writer deleted it (it would
-        read as "no watchers" and end a drain before any commit: ``rdzv/drain_acks.py``)."""
+        """Rank 0: the round's ``world_size`` says this world's size (``rdzv/drain_acks.py``):
+        written back when a store writer deleted it (it would read as "no watchers" and end a
+        drain before any commit), rewritten after an in-process re-form (the round stays; a stale
+        count would make a drain wait for ranks that are gone, or end before every rank acked)."""
         self._restore_due = time.monotonic() + RESTORE_EVERY_S
         try:
-            if restore_expected(self._reader.store, self._signer, self._prefix(), self.world_size):
-                self._log.warning("drain_count_restored", round=self.round, world_size=self.world_size,
-                                  reason="the round's world_size key was missing: deleted by a store writer")
+            replaced = keep_expected(self._reader.store, self._signer, self._prefix(), self.world_size)
         except Exception as exc:  # upkeep only: the state read reports an outage
             self._log.debug("watch_store_error", op="world_size", error=repr(exc))
+            return
+        if replaced == b"":
+            self._log.warning("drain_count_restored", round=self.round, world_size=self.world_size,
+                              reason="the round's world_size key was missing: deleted by a store writer")
+        elif replaced is not None:
+            self._log.info("drain_count_updated", round=self.round, world_size=self.world_size,
+                           was=replaced[:40].decode("ascii", "replace"))
 
     def _eviction_confirmed(self) -> bool:
         """Whether to believe a state that leaves this node out. Without a job secret, yes: the

@@ -3,7 +3,8 @@ acknowledgements a drain needs), is untrusted store input like every key. Delete
 "no watchers", so the preStop drain returned at once and the pod stopped before any commit.
 Real watchers on a real TCPStore (127.0.0.1), the real preStop client (``drain.request_drain``):
 rank 0's watcher writes a deleted count back and the drain then waits for every rank's
-acknowledgement; with no watcher at all the drain still answers "no watchers", after its grace."""
+acknowledgement; after an in-process re-form (the same round, a new world size) it writes the new
+count; with no watcher at all the drain still answers "no watchers", after its grace."""
 
 from __future__ import annotations
 
@@ -77,6 +78,40 @@ def test_a_deleted_drain_count_is_written_back_and_the_drain_waits_for_every_ran
         assert outcome.outcome == "acknowledged" and (outcome.acks, outcome.expected) == (2, 2), outcome
         assert acked == {0, 1} and outcome.stop_step == watchers[0].stop_step == watchers[1].stop_step
         assert master.get(prefix + KEY_WORLD_SIZE) == b"2" and master.check([prefix + KEY_DRAIN])
+    finally:
+        for w in watchers:
+            w.stop()
+
+
+def test_after_an_in_process_re_form_the_drain_counts_the_new_world(running_round):
+    """The round stays when the world re-forms in process (resize.py), so the count of the first
+    world stayed too: a drain after 2 -> 1 waited for a rank that was gone and timed out."""
+    port, master, target = running_round
+    prefix = round_prefix(RUN, ROUND)
+    watchers = [Watcher(RendezvousReader("c10d", f"127.0.0.1:{port}", RUN), round_=ROUND, rank=rank, world_size=2,
+                        node=f"{n.addr}_{n.pid}_{n.local_id}", agent_pid=os.getppid(), interval=0.02).start()
+                for rank, n in enumerate(NODES)]
+    try:
+        assert master.get(prefix + KEY_WORLD_SIZE) == b"2"
+        watchers[1].stop()  # its node left; the survivor re-forms alone, as rank 0 of one
+        watchers[0].adopt((watchers[0].node,), 0, 1)
+        deadline = time.monotonic() + WAIT
+        while master.get(prefix + KEY_WORLD_SIZE) != b"1" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert master.get(prefix + KEY_WORLD_SIZE) == b"1", "rank 0 did not write the new world's count"
+        result: dict = {}
+        client = threading.Thread(target=lambda: result.update(outcome=request_drain(target, timeout=10, poll=0.02)),
+                                  daemon=True)
+        client.start()
+        step = 0
+        while not watchers[0].drain_requested(step) and step < 10_000:
+            step += 1
+            time.sleep(0.01)
+        watchers[0].ack_drain(step)
+        client.join(WAIT)
+        assert not client.is_alive(), f"the drain did not return within {WAIT} s"
+        outcome = result["outcome"]
+        assert outcome.outcome == "acknowledged" and (outcome.acks, outcome.expected) == (1, 1), outcome
     finally:
         for w in watchers:
             w.stop()

@@ -36,7 +36,8 @@ Without a secret nothing is signed and the record checks are all there is (the t
 README states: whoever can reach the store can steer the job). What no signature prevents: a
 store writer can delete keys, as it can delete torch's own state. A deleted ``world_size`` would
 read as "no watchers" and end a drain at once, before any commit: rank 0's watcher writes a missing
-one back (:func:`restore_expected`, every :data:`RESTORE_EVERY_S` at most), and the preStop client
+one back (:func:`keep_expected`, every :data:`RESTORE_EVERY_S` at most; it also writes the new
+count after an in-process re-form, which keeps the round), and the preStop client
 (``drain.py``) that finds none looks again for :data:`NO_WATCHERS_GRACE` seconds before it answers
 "no watchers" (a fresh round's watchers may not have written it yet either). The agent's drain
 before a scale-up does not wait: a deletion less than :data:`RESTORE_EVERY_S` before it starts
@@ -51,10 +52,10 @@ from typing import Any
 from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_WORLD_SIZE, count_value
 from elastic_emb.rdzv.signing import Signer, read_signed
 
-__all__ = ["NO_WATCHERS_GRACE", "RESTORE_EVERY_S", "AckCounter", "ack_record", "read_expected", "restore_expected",
+__all__ = ["NO_WATCHERS_GRACE", "RESTORE_EVERY_S", "AckCounter", "ack_record", "keep_expected", "read_expected",
            "write_ack", "write_expected"]
 
-RESTORE_EVERY_S = 1.0  # rank 0's watcher looks for a missing world_size this often at most
+RESTORE_EVERY_S = 1.0  # rank 0's watcher checks the round's world_size this often at most
 NO_WATCHERS_GRACE = 5.0  # the preStop client's wait for a missing world_size before it answers "no watchers"
 
 
@@ -64,14 +65,20 @@ def write_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> 
     store.set(key, signer.sign(key, str(int(world_size))))
 
 
-def restore_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> bool:
-    """Rank 0's watcher: write the count back when the key is missing (deleted by a store writer);
-    True when it did. A present value is left as it is: one that is foreign is refused by name
-    where it is read."""
-    if store.check([prefix + KEY_WORLD_SIZE]):
-        return False
+def keep_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> bytes | None:
+    """Rank 0's watcher: write its count when the key is missing (deleted by a store writer) or
+    holds another valid one (the world re-formed in process: the same round, a new world size).
+    Returns what it replaced (``b""`` for a missing key), or None when it left the key as it was.
+    A value that does not verify is left as it is: it is refused by name where it is read."""
+    key = prefix + KEY_WORLD_SIZE
+    replaced = b""
+    if store.check([key]):
+        value, _ = signer.verify(key, store.get(key))
+        if value is None or value == str(int(world_size)).encode():
+            return None
+        replaced = bytes(value)
     write_expected(store, signer, prefix, world_size)
-    return True
+    return replaced
 
 
 def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
