@@ -213,8 +213,12 @@ class Drill:
 
     def _agent_cmd(self, number: int) -> list[str]:
         s = self.scenario
+        # Heartbeat expiry 3 s; 8 s from 8 workers up: the ep8 presets' 4 agents and 8 workers, niced on a
+        # loaded 2-core VM (load 18-20), starved an agent past 3 s between its join and its round's end:
+        # torch dropped it as dead before the first step, and the first worlds re-formed for minutes.
+        attempts = 3 if s.initial_nodes * s.nproc_per_node < 8 else 8
         conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
-                "keep_alive_max_attempt": 3, "read_timeout": 60, **self.store_conf}
+                "keep_alive_max_attempt": attempts, "read_timeout": 60, **self.store_conf}
         if s.store == "agent":
             conf["is_host"] = "true" if number == 0 else "false"
         if s.mode == "in_process":
