@@ -322,7 +322,12 @@ def main_lifecycle() -> int:
                  **{k: v for k, v in ev.items() if k not in ("shard_tiers", "rank", "pid")}})
         if lc.draining:
             log({"ev": "drained", "gen": topo.generation, "rank": topo.rank, "step": step})
-            lc.wait_for_restart(60)
+            if lc.wait_for_restart(60):
+                # The agent's SIGTERM after the drain: every step is committed, so die at once, as
+                # SIG_DFL would (see __main__). An interpreter shutdown took 5-14 s at load 16, and
+                # the agent rejoins only after it: past the next round's last call, which then
+                # formed without this node (and a second drain and round followed).
+                os._exit(0)
             return 3
         if MODE == "idle":
             # idle: no collective until a change; in process, the next generation takes one step
