@@ -172,7 +172,9 @@ class Watcher:
             return None
         run_id = env.get("TORCHELASTIC_RUN_ID", "none")
         backend = settings.rdzv_backend or "c10d"
-        reader = RendezvousReader(backend, endpoint, run_id)
+        # connect bounded by 30 s: under load (16 on 2 cores) the agent's store took over 2 s to
+        # accept and every worker of a bench run died at start; each later call stays bounded by 2 s
+        reader = RendezvousReader(backend, endpoint, run_id, connect_timeout=30.0)
         agent_pid = settings.agent_pid or os.getppid()
         # The round (a backend older than ELASTIC_EMB_RDZV_ROUND: the generation was the round).
         # Unset (no elastic_emb backend): the round is learnt from the first complete state.

@@ -36,7 +36,10 @@ __all__ = ["RendezvousReader", "print_state"]
 class RendezvousReader:
     """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend."""
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0) -> None:
+    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0,
+                 connect_timeout: float | None = None) -> None:
+        """``timeout`` bounds every store call; ``connect_timeout`` (default: ``timeout``) the first
+        connection (c10d), which a worker makes at start, when a loaded host may be slow to accept."""
         self.backend = backend
         self.run_id = run_id
         host, _, port = endpoint.rpartition(":")
@@ -47,8 +50,10 @@ class RendezvousReader:
             import torch.distributed as dist
 
             self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True
+                host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout, connect_timeout or 0.0)),
+                use_libuv=True,
             )
+            self.store.set_timeout(timedelta(seconds=timeout))
             self._state_key = C10D_STATE_KEY.format(run_id=run_id)
             self._client = None
         elif backend == "etcd-v2":
