@@ -270,7 +270,8 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="store-host-loss",
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
-            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05, mode="in_process",
+            # slow_delay=1.0 as in scale-up: at load 17 the joiner's start outlasted 79 x 0.25 s.
+            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05, mode="in_process", slow_delay=1.0,
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
         ),
         Scenario(
