@@ -14,7 +14,8 @@ The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` 
    the workers' slow-down file (``--slow-file``: ``slow_delay`` per step instead of
    ``step_delay``) until rank 0 of a new incarnation commits a step in a world of the size the
    fault leads to (at most ``AWAIT_S``), so a short run cannot finish before the resize lands; the
-   next step-triggered fault waits for that too;
+   next step-triggered fault waits for that too, and the first waits for a world of all the
+   initial nodes;
 3. stop when every agent has exited (training done, or failed), or at the timeout.
 
 Whatever happens, the ``finally`` block SIGKILLs every process tree it started (agents, their
@@ -420,6 +421,10 @@ class Drill:
             self.endpoint = self.etcd.endpoint if self.etcd is not None else f"{host}:{port}"
             for n in range(s.initial_nodes):
                 self._start_node(n)
+            # The start is paced like a join: at load the first round may form before every initial
+            # node is in (last call 1 s), and the stragglers join later; faults wait for the full world.
+            self.slow_file.touch()
+            self.awaiting = (None, -1, s.initial_nodes * s.nproc_per_node, time.monotonic() + AWAIT_S)
             deadline = time.monotonic() + s.timeout
             while True:
                 self._observe(reader.poll())
