@@ -3,7 +3,7 @@
 #
 #   bench/gpu_suite.sh [STEP ...]      STEP in: env tests unit lifecycle lookup reshard teardown nccl drill
 #                                      (default: all but lifecycle, which tests includes), or on ONE GPU:
-#                                      onegpu (tests/test_context_cuda.py, tests/test_commit_cuda.py + the gather test) and lookup1
+#                                      onegpu (tests/test_context_cuda.py, tests/test_commit_cuda.py, tests/test_capture_failure.py + the gather test) and lookup1
 #                                      (bench/lookup.py --device cuda --ranks 1)
 #
 # Run from the repository root on the device machine, with the wheels of the packages its image
@@ -48,7 +48,7 @@ for step in $steps; do
     nccl) run nccl 300 $PY bench/nccl_setup.py --out "$OUT/nccl_setup.json" ;;
     drill) run drill 420 $PY -m elastic_emb.cli drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
     lifecycle) run lifecycle 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_lifecycle.py ;;
-    onegpu) run onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_cuda.py tests/test_commit_cuda.py "tests/test_context.py::test_gather_rows_reads_each_row_from_its_source" ;;
+    onegpu) run onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_cuda.py tests/test_commit_cuda.py tests/test_capture_failure.py "tests/test_context.py::test_gather_rows_reads_each_row_from_its_source" ;;
     lookup1) run lookup1 300 $PY bench/lookup.py --device cuda --ranks 1 --runs 7 --iters 10 --out "$OUT/lookup_1gpu.json" ;;
     *) echo "unknown step $step (use: env tests unit lifecycle lookup reshard teardown nccl drill onegpu lookup1)"; exit 2 ;;
     esac
