@@ -267,6 +267,16 @@ class Committer:
                     lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
         return self._writer
 
+    def interrupt(self) -> None:
+        """A peer is known gone (another thread): the commit in flight cannot complete. Its store
+        waits end now (the writer's communicator is aborted; a wait whose keys are all there still
+        completes), so the training thread waiting for a slot or for the commit raises
+        :class:`~elastic_emb.errors.CommAborted` instead of waiting out ``transfer_timeout``. The
+        re-form that follows abandons the writer (:meth:`abandon`)."""
+        writer = self._writer  # one read: the training thread may replace it meanwhile
+        if writer is not None:
+            writer.comm.abort()
+
     def abandon(self) -> None:
         """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
         the committed step falls back to the newest complete commit."""

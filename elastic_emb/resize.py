@@ -262,16 +262,18 @@ class InProcessResize:
         if dead and lc.topology.generation == gen:
             self.neighbour_dead.set()
             log.warning("resize.neighbour_dead", nodes=list(dead), generation=gen, remedy="re-forming without it")
-            if hasattr(ctx, "interrupt"):  # a collective blocked on it ends now, not at gloo's timeout
-                ctx.interrupt(f"node {dead[0]} refused its liveness connection (dead)")
+            # a collective, or the commit in flight, blocked on it ends now, not at a timeout
+            lc.interrupt(f"node {dead[0]} refused its liveness connection (dead)")
 
     def _abort_context(self) -> None:
         """The watcher's thread, when a peer's collective failed: abort this worker's
         communicator, so a collective it may be blocked in (a dead peer's connection that gloo
-        does not see closed) fails now, not at its timeout (seen: 10 s under load)."""
+        does not see closed) fails now, not at its timeout (seen: 10 s under load); the commit in
+        flight's store waits end too (``Lifecycle.interrupt``)."""
         ctx = self.lc.context
         if ctx is not None and not ctx.closed:
             try:
+                self.lc.interrupt("a peer's collective failed")
                 ctx.close(abort=True, wait=False)
             except Exception as exc:  # the main thread's own abort and its re-form still follow
                 log.warning("resize.abort_failed", error=repr(exc)[:300])
