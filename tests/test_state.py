@@ -684,6 +684,40 @@ def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(t
     assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
 
 
+def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path):
+    """As above, B dies in its writer after the data of step 2, so A's commit of step 2 waits for
+    B's keys in A's writer. A's training thread waits for that commit (``wait_commit``, as it
+    does for a slot of the writer at its next commit) while another thread learns that a peer is
+    gone (the in-process resize's neighbour probe calls ``Lifecycle.interrupt``): the wait raises
+    CommAborted at once, not after transfer_timeout, the committed step stays 1, and the aborted
+    re-form restores step 1 bit for bit and trains on."""
+    from tests.helpers import lifecycle_worker as lw
+    from tests.helpers.procs import run_ranks
+    from tests.test_lifecycle import assert_bit_exact, gather, layout_env, rank_env, ref_after, spec_of
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    timeout = 60.0
+    config = {"async_commit": True, "transfer_timeout": timeout}
+    specs = [spec_of(out, train_until=2, then_until=4, config=config, interrupt_after=1.0,
+                     resize={"env": layout_env(["A"], 0, port, 1), "abort": True}),
+             spec_of(out, train_until=2, config=config, resize={"env": None})]
+    kill = {"ELASTIC_EMB_FAULT": "snapshot_data_written@2"}
+    envs = [rank_env(tmp_path, ["A", "B"], r, port, 0, specs[r], kill if r == 1 else None) for r in range(2)]
+    a, b = run_ranks(lw.CODE, envs, 150)
+    assert b.returncode == -9, (b.returncode, b.stderr[-1500:])
+    assert a.returncode == 0, (a.returncode, a.stderr[-3000:])
+    waited = a.value["interrupted"]
+    assert waited["error"] == "CommAborted" and waited["committed"] == 1, waited
+    # Bound, not a speed figure: the interrupt (1 s in) ended the wait, not transfer_timeout.
+    assert waited["seconds"] < timeout / 2, waited
+    ev = a.value["events"][-1]
+    assert ev["restored_step"] == 1 and a.value["step"] == 4, ev
+    assert_bit_exact(gather(out, "resized", 1), ref_after(1), "restored after the interrupted commit")
+    assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
+
+
 def _parents(node_dir, rank: int) -> dict[int, int | None]:
     """Step -> parent step of this node's own manifests of ``rank`` (None: a base)."""
     out = {}

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -208,7 +209,8 @@ def main() -> None:
     """LCW_SPEC keys: out, tables, context (emb|mini), config (LifecycleConfig fields),
     train_until (last step of phase 1), resize (null | {"env": overrides or null to depart}),
     then_until (last step after the resize), reform (null | env overrides for a same-size
-    re-form after the resize)."""
+    re-form after the resize), interrupt_after (null | seconds: after phase 1, another thread
+    calls ``lc.interrupt`` then while this one waits for the commit in flight)."""
     from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
     from elastic_emb.testing.faults import arm_from_env
 
@@ -237,6 +239,17 @@ def main() -> None:
         train_step(lc.context, step)
         lc.commit(step)
     dump(lc.context, out, "final" if joiner else "phase1")
+    if spec.get("interrupt_after") is not None:  # another thread learns that a peer is gone
+        timer = threading.Timer(float(spec["interrupt_after"]), lc.interrupt, ["the test's peer is gone"])
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            lc.wait_commit()
+            result["interrupted"] = {"error": None, "seconds": time.monotonic() - t0}
+        except Exception as exc:
+            result["interrupted"] = {"error": type(exc).__name__, "message": str(exc)[:300],
+                                     "seconds": time.monotonic() - t0, "committed": lc.committed_step}
+        timer.join()
     resize = spec.get("resize")
     if resize is not None:
         if resize.get("env") is None:  # this process leaves the job
