@@ -653,21 +653,20 @@ def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_f
     assert_bit_exact(gather(out, "start", 3), ref_after(6), "the commit in flight was lost, the one before restored")
 
 
-def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(tmp_path):
-    """Nodes A and B commit in the background; B dies (SIGKILL) in its writer right after the data
-    of step 2, so A's commit of step 2 waits for B in its writer. A re-forms alone with abort
-    (a peer died): it drops that commit instead of waiting out transfer_timeout for it, restores
-    step 1 (B's rows from their replica on A) bit for bit, and trains on to step 4."""
+def _commit_in_flight_to_a_dead_peer(tmp_path, timeout: float, **a_spec):
+    """Nodes A and B commit in the background (``transfer_timeout`` = ``timeout``); B dies
+    (SIGKILL) in its writer right after the data of step 2, so A's commit of step 2 waits for B
+    in A's writer; A then re-forms alone with abort and trains to step 4. Returns A's result
+    (``out`` under ``tmp_path``); ``a_spec``: more of A's lifecycle_worker spec."""
     from tests.helpers import lifecycle_worker as lw
     from tests.helpers.procs import run_ranks
-    from tests.test_lifecycle import assert_bit_exact, gather, layout_env, rank_env, ref_after, spec_of
+    from tests.test_lifecycle import layout_env, rank_env, spec_of
 
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
-    timeout = 60.0
     config = {"async_commit": True, "transfer_timeout": timeout}
-    specs = [spec_of(out, train_until=2, then_until=4, config=config,
+    specs = [spec_of(out, train_until=2, then_until=4, config=config, **a_spec,
                      resize={"env": layout_env(["A"], 0, port, 1), "abort": True}),
              spec_of(out, train_until=2, config=config, resize={"env": None})]
     kill = {"ELASTIC_EMB_FAULT": "snapshot_data_written@2"}
@@ -675,6 +674,19 @@ def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(t
     a, b = run_ranks(lw.CODE, envs, 150)
     assert b.returncode == -9, (b.returncode, b.stderr[-1500:])
     assert a.returncode == 0, (a.returncode, a.stderr[-3000:])
+    return a
+
+
+def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(tmp_path):
+    """Nodes A and B commit in the background; B dies (SIGKILL) in its writer right after the data
+    of step 2, so A's commit of step 2 waits for B in its writer. A re-forms alone with abort
+    (a peer died): it drops that commit instead of waiting out transfer_timeout for it, restores
+    step 1 (B's rows from their replica on A) bit for bit, and trains on to step 4."""
+    from tests.test_lifecycle import assert_bit_exact, gather, ref_after
+
+    out = tmp_path / "out"
+    timeout = 60.0
+    a = _commit_in_flight_to_a_dead_peer(tmp_path, timeout)
     ev = a.value["events"][-1]
     assert ev["restored_step"] == 1 and a.value["step"] == 4, ev
     assert set(ev["source_tiers"]) == {"snapshot", "replica"}, ev  # aborted: no live rows
@@ -691,23 +703,11 @@ def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path)
     gone (the in-process resize's neighbour probe calls ``Lifecycle.interrupt``): the wait raises
     CommAborted at once, not after transfer_timeout, the committed step stays 1, and the aborted
     re-form restores step 1 bit for bit and trains on."""
-    from tests.helpers import lifecycle_worker as lw
-    from tests.helpers.procs import run_ranks
-    from tests.test_lifecycle import assert_bit_exact, gather, layout_env, rank_env, ref_after, spec_of
+    from tests.test_lifecycle import assert_bit_exact, gather, ref_after
 
     out = tmp_path / "out"
-    out.mkdir()
-    port = free_port()
     timeout = 60.0
-    config = {"async_commit": True, "transfer_timeout": timeout}
-    specs = [spec_of(out, train_until=2, then_until=4, config=config, interrupt_after=1.0,
-                     resize={"env": layout_env(["A"], 0, port, 1), "abort": True}),
-             spec_of(out, train_until=2, config=config, resize={"env": None})]
-    kill = {"ELASTIC_EMB_FAULT": "snapshot_data_written@2"}
-    envs = [rank_env(tmp_path, ["A", "B"], r, port, 0, specs[r], kill if r == 1 else None) for r in range(2)]
-    a, b = run_ranks(lw.CODE, envs, 150)
-    assert b.returncode == -9, (b.returncode, b.stderr[-1500:])
-    assert a.returncode == 0, (a.returncode, a.stderr[-3000:])
+    a = _commit_in_flight_to_a_dead_peer(tmp_path, timeout, interrupt_after=1.0)
     waited = a.value["interrupted"]
     assert waited["error"] == "CommAborted" and waited["committed"] == 1, waited
     # Bound, not a speed figure: the interrupt (1 s in) ended the wait, not transfer_timeout.
