@@ -47,12 +47,17 @@ def running_round(monkeypatch):
     yield port, master, DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id=RUN)
 
 
+def _start_watchers(port: int) -> list:
+    """One running watcher per node of the round, ranks in NODES order (world size 2)."""
+    return [Watcher(RendezvousReader("c10d", f"127.0.0.1:{port}", RUN), round_=ROUND, rank=rank, world_size=2,
+                    node=f"{n.addr}_{n.pid}_{n.local_id}", agent_pid=os.getppid(), interval=0.02).start()
+            for rank, n in enumerate(NODES)]
+
+
 def test_a_deleted_drain_count_is_written_back_and_the_drain_waits_for_every_rank(running_round):
     port, master, target = running_round
     prefix = round_prefix(RUN, ROUND)
-    watchers = [Watcher(RendezvousReader("c10d", f"127.0.0.1:{port}", RUN), round_=ROUND, rank=rank, world_size=2,
-                        node=f"{n.addr}_{n.pid}_{n.local_id}", agent_pid=os.getppid(), interval=0.02).start()
-                for rank, n in enumerate(NODES)]
+    watchers = _start_watchers(port)
     try:
         assert master.get(prefix + KEY_WORLD_SIZE) == b"2"
         master.delete_key(prefix + KEY_WORLD_SIZE)  # a store writer deletes the count
@@ -88,9 +93,7 @@ def test_after_an_in_process_re_form_the_drain_counts_the_new_world(running_roun
     world stayed too: a drain after 2 -> 1 waited for a rank that was gone and timed out."""
     port, master, target = running_round
     prefix = round_prefix(RUN, ROUND)
-    watchers = [Watcher(RendezvousReader("c10d", f"127.0.0.1:{port}", RUN), round_=ROUND, rank=rank, world_size=2,
-                        node=f"{n.addr}_{n.pid}_{n.local_id}", agent_pid=os.getppid(), interval=0.02).start()
-                for rank, n in enumerate(NODES)]
+    watchers = _start_watchers(port)
     try:
         assert master.get(prefix + KEY_WORLD_SIZE) == b"2"
         watchers[1].stop()  # its node left; the survivor re-forms alone, as rank 0 of one
