@@ -96,6 +96,12 @@ def test_scenario_file_yaml_and_json(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"initial_nodes": 2, "faults": [{"kind": "leave", "at_step": 5}]}))
     assert load_scenario(str(path)).name == "mine"
+    # No mode named: in process with the elastic_emb rendezvous, restart with stock c10d (its only mode).
+    assert (s.mode, load_scenario(str(path)).mode) == ("in_process", "in_process")
+    for extra, mode in (({"rendezvous": "c10d"}, "restart"), ({"mode": "restart"}, "restart")):
+        path.write_text(json.dumps({"initial_nodes": 2, **extra}))
+        assert load_scenario(str(path)).mode == mode, extra
+    assert PRESETS["gpu-2-1-2"].mode == "restart"  # not yet drilled in process on two GPUs
 
 
 @pytest.mark.parametrize("data, needle", [

@@ -72,7 +72,7 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     scenario = Scenario(
         name="etcd-node0-loss", description="inner=etcd-v2; node 0 (the would-be c10d store host) dies at world 2.",
         initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v2", network="loopback", steps=70,
-        step_delay=0.05, faults=(Fault(kind="kill_node", at_step=10, node=0),),
+        step_delay=0.05, faults=(Fault(kind="kill_node", at_step=10, node=0),), mode="restart",
     )
     report = run_drill(scenario, tmp_path / "drill", progress="lines", summary=False)
     assert report["ok"], (report.get("error"), report.get("verification"))
@@ -101,7 +101,7 @@ def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
     scenario = Scenario(
         name="etcd-v3-node0-loss", description="inner=etcd-v3: orphan report, join, loss of node 0.",
         initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v3", network="loopback", steps=110,
-        step_delay=0.05,
+        step_delay=0.05, mode="restart",  # the join drains the running world, then torch restarts it
         faults=(Fault(kind="kill_agent", at_step=8, node=1), Fault(kind="join", at_step=35),
                 Fault(kind="kill_node", at_step=70, node=0)),
     )

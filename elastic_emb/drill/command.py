@@ -86,8 +86,9 @@ def preset_help() -> str:
 @click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
               help="Override the scenario's torchrun --rdzv-backend.")
 @click.option("--mode", type=click.Choice(["restart", "in_process"]), default=None,
-              help="Override the scenario's resize mode: restart (the agents restart every worker) or in_process "
-                   "(--rdzv-conf resize=in_process: the survivors re-form in their running processes).")
+              help="Override the scenario's resize mode: in_process (--rdzv-conf resize=in_process: the survivors "
+                   "re-form in their running processes; a scenario's default) or restart (the agents restart every "
+                   "worker; the default with --rendezvous c10d, and gpu-2-1-2's).")
 @click.option("--script", default=None,
               help="Training script to drill [default: the packaged example, `elastic-emb example-path`].")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,

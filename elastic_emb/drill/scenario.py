@@ -93,8 +93,9 @@ class Scenario(BaseModel):
         default="elastic_emb", description="torchrun --rdzv-backend (elastic_emb: the project's backend)."
     )
     mode: Literal["restart", "in_process"] = Field(
-        default="restart", description="How the world resizes: restart (the agents restart every worker) or "
-        "in_process (--rdzv-conf resize=in_process: the survivors re-form in their running processes).")
+        default="in_process", description="How the world resizes: in_process (--rdzv-conf resize=in_process: the "
+        "survivors re-form in their running processes; the default with rendezvous='elastic_emb') or restart (the "
+        "agents restart every worker; the default, and the only mode, with rendezvous='c10d').")
     store: Literal["drill", "agent", "etcd"] = Field(
         default="drill",
         description="Who hosts the rendezvous store: the drill process (a TCPStore), the first agent "
@@ -115,6 +116,15 @@ class Scenario(BaseModel):
     expect_failure: bool = Field(default=False, description="True for drills that plant a loss on purpose.")
     timeout: float = Field(default=240.0, gt=0, le=3600, description="Hard limit for the whole drill, seconds.")
     max_restarts: int = Field(default=8, ge=0, le=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data):
+        # A scenario that names no mode resizes in process (every preset passes in both modes,
+        # BENCHMARKS.md), unless its rendezvous is stock c10d, which can only restart the workers.
+        if isinstance(data, dict) and "mode" not in data and data.get("rendezvous") == "c10d":
+            return {**data, "mode": "restart"}
+        return data
 
     @model_validator(mode="after")
     def _feasible(self) -> "Scenario":
@@ -285,7 +295,7 @@ PRESETS: dict[str, Scenario] = {
             name="gpu-2-1-2",
             description="GPU (nccl, one GPU per node): 2 nodes, one leaves, one joins, one dies, one joins.",
             # Restart mode until it has been drilled in process on two GPUs (`--mode in_process` runs it so).
-            initial_nodes=2, max_nodes=2, backend="nccl", network="loopback", steps=150, step_delay=0.05,
+            initial_nodes=2, max_nodes=2, backend="nccl", network="loopback", steps=150, step_delay=0.05, mode="restart",
             faults=(
                 Fault(kind="leave", at_step=10), Fault(kind="join", at_step=40),
                 Fault(kind="kill_node", at_step=75), Fault(kind="join", at_step=105),
