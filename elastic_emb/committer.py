@@ -21,7 +21,9 @@ needs across commits of one generation:
 
 A dead peer takes the commits in flight with it: :meth:`Committer.abandon` drops them without
 waiting for their replica transfers (their thread leaves its aborted store wait by itself;
-:meth:`Committer.close` gives it a moment).
+:meth:`Committer.close` gives it a moment). A peer made known gone from another thread
+(:meth:`Committer.interrupt`) ends the writer's store waits at once; that commit is logged as
+``commit_aborted`` (a warning, with the reason and step), a real failure as ``commit_failed`` (an error).
 
 The committer follows the lifecycle's generation (:meth:`Committer.enter`); communicators and the
 writer of an older generation are replaced at their next use. Its events keep the lifecycle's
@@ -35,6 +37,7 @@ from collections.abc import Callable
 
 from elastic_emb import metrics
 from elastic_emb.default_group import DefaultGroup
+from elastic_emb.errors import CommAborted
 from elastic_emb.events import get_logger
 from elastic_emb.first_base import FirstBase
 from elastic_emb.lifecycle_records import CommitReport, LifecycleConfig
@@ -267,15 +270,16 @@ class Committer:
                     lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
         return self._writer
 
-    def interrupt(self) -> None:
-        """A peer is known gone (another thread): the commit in flight cannot complete. Its store
-        waits end now (the writer's communicator is aborted; a wait whose keys are all there still
-        completes), so the training thread waiting for a slot or for the commit raises
-        :class:`~elastic_emb.errors.CommAborted` instead of waiting out ``transfer_timeout``. The
-        re-form that follows abandons the writer (:meth:`abandon`)."""
+    def interrupt(self, reason: str) -> None:
+        """A peer is known gone (another thread; ``reason`` says how it is known): the commit in
+        flight cannot complete. Its store waits end now (the writer's communicator is aborted; a
+        wait whose keys are all there still completes), so the training thread waiting for a slot
+        or for the commit raises :class:`~elastic_emb.errors.CommAborted` instead of waiting out
+        ``transfer_timeout``; the writer logs that as ``commit_aborted`` (warning), not as the error
+        ``commit_failed``. The re-form that follows abandons the writer (:meth:`abandon`)."""
         writer = self._writer  # one read: the training thread may replace it meanwhile
         if writer is not None:
-            writer.comm.abort()
+            writer.interrupt(reason)
 
     def abandon(self) -> None:
         """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):
@@ -293,7 +297,7 @@ class Committer:
             try:
                 self.wait()
             except Exception as exc:  # reported; the previous commit stays the newest complete one
-                log.error("lifecycle.commit_failed", step=self._writer.in_flight, error=str(exc)[:500])
+                _commit_lost(exc, step=self._writer.in_flight)
             self._writer.close(wait=False)  # waited for above
             self._writer = None
 
@@ -316,7 +320,7 @@ class Committer:
             self.wait()  # the commit in flight completes first: a graceful resize loses no step
         except Exception as exc:
             failed = exc
-            log.error("lifecycle.commit_failed", committed_step=self.step, error=str(exc)[:500])
+            _commit_lost(exc, committed_step=self.step)
         self.close_comm()
         for writer in self._abandoned:  # out of their store waits (aborted) before the process exits
             if not writer.join(ABANDONED_JOIN):
@@ -332,3 +336,14 @@ class Committer:
         """After the context is closed: DCP's default process group and its communicator."""
         self._dcomm = None
         self._default_group.destroy()
+
+
+def _commit_lost(exc: BaseException, **where) -> None:
+    """Log a commit in flight that did not complete: ``lifecycle.commit_aborted`` (warning) when
+    its communicator was aborted because a peer is known gone (:class:`CommAborted`: expected, the
+    re-form restores the newest complete commit), else ``lifecycle.commit_failed`` (error)."""
+    if isinstance(exc, CommAborted):
+        log.warning("lifecycle.commit_aborted", reason="a peer is gone: the communicator was aborted",
+                    error=str(exc)[:300], **where)
+    else:
+        log.error("lifecycle.commit_failed", error=str(exc)[:500], **where)

@@ -167,7 +167,7 @@ class Lifecycle:
         ctx = self.context
         if ctx is not None and hasattr(ctx, "interrupt"):
             ctx.interrupt(reason)
-        self._committer.interrupt()
+        self._committer.interrupt(reason)
 
     # -- commits -----------------------------------------------------------------------------
 

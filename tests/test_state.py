@@ -714,6 +714,13 @@ def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path)
     assert waited["seconds"] < timeout / 2, waited
     ev = a.value["events"][-1]
     assert ev["restored_step"] == 1 and a.value["step"] == 4, ev
+    # The expected abort is logged as what it is, a warning with the reason and step, never as the
+    # error commit_failed (which stays for real failures).
+    logged = [json.loads(line) for line in a.stderr.splitlines() if line.startswith("{")]
+    aborted = [e for e in logged if e.get("event") == "commit_aborted"]
+    assert [(e["level"], e["step"], e["reason"]) for e in aborted] == [("warning", 2, "the test's peer is gone")], \
+        a.stderr[-3000:]
+    assert not [e for e in logged if "commit_failed" in str(e.get("event"))], a.stderr[-3000:]
     assert_bit_exact(gather(out, "resized", 1), ref_after(1), "restored after the interrupted commit")
     assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
 

@@ -68,6 +68,7 @@ class CommitWriter:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._abandoned = False  # abandon(): the thread's write, when it returns, is nobody's
+        self._interrupted: str | None = None  # interrupt(): why the write in flight cannot complete
 
     @property
     def in_flight(self) -> int | None:
@@ -117,7 +118,10 @@ class CommitWriter:
                         self._writing = None
                         self._cv.notify_all()
                     return
-                log.error("commit_failed", step=cap.step, error=str(exc)[:500])
+                if self._interrupted is not None:  # expected: a peer is known gone (interrupt), not a fault here
+                    log.warning("commit_aborted", step=cap.step, reason=self._interrupted, error=str(exc)[:300])
+                else:
+                    log.error("commit_failed", step=cap.step, error=str(exc)[:500])
                 with self._cv:
                     self._error = exc
                     dropped, self._queue = list(self._queue), deque()
@@ -158,6 +162,14 @@ class CommitWriter:
         if self._writing is not None:
             return self._writing.step
         return self._queue[0].step if self._queue else None
+
+    def interrupt(self, reason: str) -> None:
+        """A peer is known gone (called from another thread): the write in flight cannot complete.
+        Its store waits end now (the communicator is aborted) and its failure, raised to the
+        training thread as usual, is logged as ``commit_aborted`` (warning, with ``reason``), not
+        as the error ``commit_failed``."""
+        self._interrupted = reason  # before the abort: the thread reads it once its wait ends
+        self.comm.abort()
 
     def abandon(self) -> int | None:
         """A peer died: drop the commits in flight without waiting for them (module docstring).
