@@ -25,7 +25,11 @@ Measured, medians over ``--steps`` steps:
   nowrite (the writer only waits for the copy), nocopy (the gather only), si (a short
   ``sys.setswitchinterval``), fewthreads / crc8 (4 / 8 checksum threads), plaincrc (the checksum
   threads at the process's priority), bigpiece (64 MiB pieces), before (the copy's pieces
-  launched as before: two slices and a stream context each);
+  launched as before: two slices and a stream context each), piece4 / piece8 (4 / 8 MiB pieces),
+  sm4 / sm8 / sm16 (the copy by 4 / 8 / 16 SMs through the host buffer's device mapping, the copy
+  engine left free), lean (the next log segment taken ahead by the launcher thread), written (the
+  delta copied from the new values the row update computed, no gather): see
+  bench/_capture_variants.py;
   ``MODE@issue``: in the issue's step order (lookup, dense part, row update). Then the
   embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
 * ``dcp``: the step, then ``torch.distributed.checkpoint.async_save`` of the table (blocking part,
@@ -141,6 +145,10 @@ def main() -> None:
             self.acc = torch.zeros(rows, device=dev)
             self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)
             self.written: list[torch.Tensor] = []  # as EmbContext tracks: the rows of each write
+            # the new values each write computed (weight rows, accumulator), as the optimizer
+            # materialises them (elastic_emb.context.optim.apply_rows): the "written" mode's delta
+            self.values: list[tuple[torch.Tensor, ...]] = []
+            self.taken_values: list[tuple[torch.Tensor, ...]] = []
             self.held: list = []  # GPU captures still reading rows (hold_writes)
 
         def shard_views(self):
@@ -153,7 +161,7 @@ def main() -> None:
 
         def take_changes(self):
             out, self.changed = self.changed, torch.zeros(rows, dtype=torch.bool, device=dev)
-            self.written = []
+            self.written, self.values = [], []
             return {"emb": out}
 
         def take_changed_rows(self, unique: bool = True):
@@ -161,7 +169,8 @@ def main() -> None:
             # as EmbContext's tracker takes them: one write's rows as they are, several concatenated
             w = self.written
             out = w[0] if len(w) == 1 else torch.cat(w) if w else torch.empty(0, dtype=torch.int64, device=dev)
-            self.written = []
+            self.taken_values = self.values
+            self.written, self.values = [], []
             return {"emb": out}
 
         def hold_writes(self, event) -> None:
@@ -183,12 +192,21 @@ def main() -> None:
         grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
         uniq, inv = torch.unique(ids, return_inverse=True)
         g = torch.zeros(len(uniq), args.dim, device=dev).index_add_(0, inv, grads)
+        update(uniq, g)
+        return g
+
+    def update(uniq: torch.Tensor, g: torch.Tensor) -> None:
+        """Row-wise Adagrad on the distinct rows ``uniq``, as elastic_emb.context.optim.apply_rows
+        computes it (the new accumulator and rows materialised, then index_copy_), and the marks."""
         ctx.before_write()  # a GPU capture still reading rows finishes first (EmbContext does the same)
-        ctx.acc[uniq] += (g * g).mean(dim=1)
-        ctx.w[uniq] -= 0.01 * g / (ctx.acc[uniq].sqrt()[:, None] + 1e-10)
+        new_acc = ctx.acc.index_select(0, uniq) + (g * g).mean(dim=1)
+        ctx.acc.index_copy_(0, uniq, new_acc)
+        new_rows = ctx.w.index_select(0, uniq) - 0.01 * g / (new_acc.sqrt()[:, None] + 1e-10)
+        ctx.w.index_copy_(0, uniq, new_rows)
         ctx.changed[uniq] = True
         ctx.written.append(uniq)
-        return g
+        if len(ctx.values) < 2:  # (two: more than one write since the take, the "written" mode gathers)
+            ctx.values.append((new_rows, new_acc))
 
     def dense(reps: int) -> torch.Tensor:
         y = x
@@ -355,6 +373,28 @@ def main() -> None:
             return prev, marks
 
         before._copy = old_copy
+        # Hypotheses of 2026-12-02 (bench/_capture_variants.py): smaller pieces of the copy
+        # engine's copy (the training stream's small read waits for at most one piece); the copy
+        # done by a few SMs through the host buffer's device mapping (the copy engine left free);
+        # the next log segment taken ahead by the launcher thread (a shorter commit call).
+        import _capture_variants as cv
+
+        variants["piece4"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=4 << 20)
+        variants["piece8"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=8 << 20)
+        variants["lean"] = cv.LeanCapture(dev, buffers=3, timeout=600)
+        variants["written"] = cv.WrittenCapture(dev, lambda: ctx.taken_values, buffers=3, timeout=600)
+        written_checks: list[bool] = []
+        if cv.triton is not None:
+            try:
+                out["sm_copy_bandwidth"] = bw = cv.sm_copy_bandwidth(dev)
+            except Exception as exc:  # noqa: BLE001 (reported; the SM modes are then not measured)
+                out["sm_copy_bandwidth"] = bw = {"error": f"{type(exc).__name__}: {exc}"}
+            print("SM copy bandwidth:", json.dumps(bw), flush=True)
+            ok = all(k in bw and "error" not in bw[k] and all(v for kk, v in bw[k].items() if kk.endswith("_equal"))
+                     for k in ("pinned", "registered"))
+            if ok:
+                for nprog in (4, 8, 16):
+                    variants[f"sm{nprog}"] = cv.SmCopyCapture(dev, nprog, buffers=3, timeout=600)
         # Where the training thread's time in a capture goes (host time of each part).
         parts: dict[str, list[float]] = {"take_rows": [], "device_capture": [], "land": [], "submit": []}
 
@@ -404,11 +444,7 @@ def main() -> None:
                 y = dense(reps)
                 grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
                 g = torch.zeros(len(uniq), args.dim, device=dev).index_add_(0, inv, grads)
-                ctx.before_write()
-                ctx.acc[uniq] += (g * g).mean(dim=1)
-                ctx.w[uniq] -= 0.01 * g / (ctx.acc[uniq].sqrt()[:, None] + 1e-10)
-                ctx.changed[uniq] = True
-                ctx.written.append(uniq)
+                update(uniq, g)
                 loss = y.float().mean() + looked.mean()
             t2 = time.perf_counter()
             loss.item()
@@ -467,10 +503,13 @@ def main() -> None:
                         step_no += 1
                     else:
                         ctx.written.clear()  # as a commit's take would (outside no measured span)
+                        ctx.values.clear()
                     t4 = time.perf_counter()
                     if i >= 2:
                         got.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
                 dwriter.wait()
+                if mode == "written" and cur.last is not None and len(written_checks) < 3:
+                    written_checks.append(cv.check_written(cur))  # the bytes landed are the values
                 forget_deltas()
                 calls_trace = []
                 for label, ns in getattr(capture_mod, "TRACE", None) or []:
@@ -530,6 +569,7 @@ def main() -> None:
             for m in modes:
                 base = "none" + m[len(m.split("@")[0]):]
                 per_round[m].append(meds[m] / meds[base] - 1 if m != base else meds[m])
+        out["written_bytes_checked"] = written_checks
         names = ("emb_ms", "dense_launch_ms", "loss_read_ms", "commit_call_ms", "step_ms")
         out["dense_windows"] = {"rounds": args.rounds, "window_steps": args.window, "modes": modes,
                                 "switch_short_s": args.switch_short}
@@ -650,6 +690,7 @@ def main() -> None:
         out["writer_prune_ms"] = _median_ms(prunes) if prunes else None
         device.capture, ctx.take_changed_rows, tier._land, dwriter.submit = plain_dcap, plain_take, plain_land, plain_submit
         out["capture_call_parts_ms"] = {k: _median_ms(v[4:]) for k, v in parts.items() if len(v) > 4}
+        variants["lean"].drop_ahead()
         dwriter.close()
         out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0
         tier.close_spares()  # and the log ring (unregistered; its segments go with the state dir)
