@@ -445,3 +445,32 @@ def test_take_changes_marks_exactly_the_rows_written(batches, takes):
         assert ctx.take_changed_rows()["t"].numel() == 0, "take_changed_rows hands over its rows and starts afresh"
     finally:
         ctx.close()
+
+
+def test_raw_rows_carry_the_values_of_a_tables_one_write():
+    """What a GPU commit copies instead of gathering (elastic_emb.state.capture): once the rows
+    were taken raw, a table written once since hands over, with its rows, the values that write
+    left in them (Adagrad computes them whole), equal bit for bit to the table's rows and slots
+    at each entry that is a row (the skipped ones are the dump number 50); none after a second
+    write, none to a deduplicated take, none before the first raw take (nothing kept)."""
+    ctx = _ctx1(free_port(), 0, OptimizerSpec(kind="adagrad", lr=0.5), nonfinite_gradients="skip")
+    ids, grads = torch.tensor([3, 7, 7, 12, 40]), torch.full((5, 3), 0.25)
+    grads[3, 2] = float("nan")  # row 12 skipped
+    try:
+        ctx.apply_gradients("t", ids, grads)
+        assert ctx.take_changed_rows(unique=False).written == {}, "values kept before any raw take"
+        ctx.apply_gradients("t", ids, grads)
+        taken = ctx.take_changed_rows(unique=False)
+        rows, vals = taken["t"], taken.written["t"]
+        assert sorted(set(rows.tolist())) == [3, 7, 40, 50]
+        shard, real = ctx.export_shard()["t"], rows < 50
+        assert set(vals) == {"weight", "accumulator"}
+        assert torch.equal(vals["weight"][real], shard.weight[rows[real]])
+        assert torch.equal(vals["accumulator"][real], shard.slots["accumulator"][rows[real]])
+        ctx.apply_gradients("t", ids, grads)
+        ctx.apply_gradients("t", ids, grads)
+        assert ctx.take_changed_rows(unique=False).written == {}, "two writes: no values (the capture gathers)"
+        ctx.apply_gradients("t", ids, grads)
+        assert ctx.take_changed_rows().written == {}, "a deduplicated take carries no values"
+    finally:
+        ctx.close()

@@ -110,9 +110,9 @@ class GradientRouter:
         self._settle()
         self.tracker.before_write()  # a commit capture still reading rows finishes first
         arena = self.parts.arena
-        optim.apply_rows(self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name], rows, summed,
-                         keep)
-        self.tracker.mark_rows(spec.name, rows, keep)
+        values = optim.apply_rows(self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name],
+                                  rows, summed, keep)
+        self.tracker.mark_rows(spec.name, rows, keep, values)
 
     def _apply_local(self, spec: TableSpec, ids, grads, what: str) -> None:
         """A world of one rank: the whole update on the device, no host synchronisation. Bad ids

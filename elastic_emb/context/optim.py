@@ -38,21 +38,26 @@ def apply_rows(
     index: torch.Tensor,
     grad: torch.Tensor,
     keep: torch.Tensor | None = None,
-) -> None:
+) -> dict[str, torch.Tensor] | None:
     """Update ``weight[index]`` (and its slots) in place with the summed gradients ``grad``.
 
     ``index`` must hold unique local row indices (the caller deduplicates and sums); ``grad`` is
     ``[len(index), dim]``. ``keep`` (bool, ``[len(index)]``, optional): rows where it is False
     are left exactly as they were (their gradient may be NaN); decided on the device, no sync.
+
+    Returns the values now in the rows ``index``, per tensor (``"weight"`` and each slot by
+    name, ``[len(index), ...]``), where the update computed them whole (Adagrad); None where it
+    did not (SGD adds in place). A GPU commit copies them as the delta instead of gathering the
+    rows again (:mod:`elastic_emb.state.capture`).
     """
     if index.numel() == 0:
-        return
+        return None
     if spec.kind == "sgd":
         g = grad.to(weight.dtype)
         if keep is not None:
             g = torch.where(keep.unsqueeze(1), g, 0)  # w + (-lr * 0) == w exactly
         weight.index_add_(0, index, g, alpha=-spec.lr)
-        return
+        return None
     if spec.kind == "adagrad":
         acc = slots["accumulator"]
         g32 = grad.to(torch.float32)
@@ -69,7 +74,7 @@ def apply_rows(
         if keep is not None:
             rows = torch.where(keep.unsqueeze(1), rows, old_rows)
         weight.index_copy_(0, index, rows)
-        return
+        return {"weight": rows, "accumulator": new_acc}
     raise ValueError(f"optimizer kind={spec.kind!r} is not supported; use 'sgd' or 'adagrad'")
 
 

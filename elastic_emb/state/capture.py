@@ -23,6 +23,16 @@ synchronisation:
    alternating between two streams (:meth:`DeviceCapture._copy`), so that the training
    stream's own small reads from the GPU are not queued behind a whole delta.
 
+The values written instead of a gather: where the context hands over, with a table's rows, the
+values its one write since the last commit put there (``rows.written``, see
+:class:`elastic_emb.context.changes.RowsTaken`: the optimizer computed them whole), those tensors
+ARE the delta's bytes: the launcher copies them (and the row numbers) straight to the host, and
+steps 2-3 do not happen for that table: no gather, no staging buffer, and no hold (the next row
+update waits for nothing, the capture does not read the table). Measured on an H200
+(BENCHMARKS.md, "The device path"): a 20 ms dense step's overhead +4.0% instead of +7.3% with the
+gather (about 2 points lower, paired, over two runs). Tables written twice since the last commit,
+or without values (SGD), are gathered as above.
+
 Why a thread launches the gather and the copy: the training thread's time in ``lc.commit`` is
 time the GPU idles (a step ends by reading its loss, which drains the training stream), and on
 an H200 launching them took it 2 ms per commit of a 20 ms step, 4.7 ms once the copy went in
@@ -30,8 +40,9 @@ pieces. Now it spends the cost of laying out the records, taking a log segment a
 event: 0.3 ms on that host (:data:`TRACE` lists each step for the bench), 0.5 ms with the rest of
 ``SnapshotTier.capture``. Measured there and not kept (BENCHMARKS.md, "The device path"): the
 pieces launched through the CUDA driver by ``ctypes`` (fewer Python calls in the launcher), the
-gather launched by the training thread itself, larger pieces, the gather as one Triton kernel per
-tensor; none made the step faster.
+gather launched by the training thread itself, larger or smaller pieces, the gather as one Triton
+kernel per tensor, the copy by a few SMs instead of the copy engine (much slower steps: the SMs are
+taken from the dense part), the log segment taken ahead by the launcher; none made the step faster.
 
 No checksum is computed on the GPU or by the training thread. The background writer
 (:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's events in its own thread,
@@ -142,7 +153,8 @@ class DeviceCapture:
         :data:`PENDING_CRC`, the host bytes the data file will hold, the event after which they are
         there, and the pinned buffer or the segment to release)."""
         _trace("start")
-        layout, off = [], 0
+        written = getattr(rows, "written", None) or {}
+        layout, off, gathers = [], 0, False
         for name in sorted(shards):
             sd, idx = shards[name], rows.get(name)
             if idx is None or idx.dtype != torch.int64 or idx.dim() != 1 or idx.device != self.device:
@@ -162,7 +174,9 @@ class DeviceCapture:
                 trs.append((TensorRecord.model_construct(name=tname, dtype=dtype, row_shape=shape, offset=off,
                                                          nbytes=k * row_b, crc32=PENDING_CRC, algorithm="crc32"), t))
                 off += -(-k * row_b // ALIGN) * ALIGN
-            layout.append((name, sd, idx, trs))
+            vals = _written_values(written.get(name), trs, k, self.device)
+            gathers = gathers or vals is None
+            layout.append((name, sd, idx, trs, vals))
         total = off
         _trace("layout")
         seg = land(total) if land is not None else None
@@ -171,11 +185,12 @@ class DeviceCapture:
         _trace("land")
         records = [ShardRecord.model_construct(table=name, num_rows=num_rows[name], start=sd.rows.start,
                                                stop=sd.rows.stop, tensors=[tr for tr, _ in trs])
-                   for name, sd, _, trs in layout]
+                   for name, sd, _, trs, _ in layout]
         _trace("records")
         job = _Job(self.timeout, host, total, layout)
         job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
-        hold(_PendingRead(job))
+        if gathers:  # (a capture of written values alone never reads the table)
+            hold(_PendingRead(job))
         _trace("ready")
         # The launcher is woken last: from then on it competes with this thread for the GIL.
         with self._cv:
@@ -206,9 +221,12 @@ class DeviceCapture:
     def _launch(self, job: "_Job") -> None:
         side = self.stream
         side.wait_event(job.ready)
+        gathered = [entry for entry in job.layout if entry[4] is None]
+        staging = None
         with torch.cuda.stream(side):
-            staging = torch.empty(job.total, dtype=torch.uint8, device=self.device)
-            for name, sd, idx, trs in job.layout:
+            if gathered:
+                staging = torch.empty(job.total, dtype=torch.uint8, device=self.device)
+            for name, sd, idx, trs, _ in gathered:
                 idx.record_stream(side)  # allocated on the training stream, read here
                 n, k = len(sd.rows), idx.numel()
                 src = idx.clamp(max=max(n - 1, 0))  # skipped entries (== n) read row n - 1; restore skips them
@@ -222,15 +240,29 @@ class DeviceCapture:
                         dst.zero_()  # an empty shard: every entry is a skipped one
             read = torch.cuda.Event()
             read.record(side)
-        job.layout = None  # the row tensors may go (their last use is recorded on ``side``)
+        if staging is not None and len(gathered) == len(job.layout):
+            sources = [(0, staging)]  # the whole delta from one buffer
+        else:  # per tensor, in the order of the delta: written values as they are, the rest gathered
+            sources = []
+            for name, sd, idx, trs, vals in job.layout:
+                for tr, _ in trs:
+                    if vals is None:
+                        src = staging[tr.offset: tr.offset + tr.nbytes]
+                    else:
+                        src = (idx if tr.name == INDEX else vals[tr.name]).reshape(-1).view(torch.uint8)
+                    if tr.nbytes:
+                        sources.append((tr.offset, src))
+        job.layout = None  # the row tensors may go (their last use is recorded on the side streams)
         job.set_read(read)
-        job.set_copied(*self._copy(job.host, staging, read))
+        job.set_copied(*self._copy(job.host, sources, read))
 
-    def _copy(self, host: torch.Tensor, staging: torch.Tensor,
+    def _copy(self, host: torch.Tensor, sources: list[tuple[int, torch.Tensor]],
               read: torch.cuda.Event) -> tuple[torch.cuda.Event, list[tuple[int, torch.cuda.Event]]]:
-        """Copy ``staging`` into ``host`` after ``read``; the event after which all of it is there,
-        and per piece (the byte it ends at, the event after which it and every piece before it are
-        there: each piece waits for the one before), so the writer can checksum what has landed.
+        """Copy each ``(offset, bytes)`` of ``sources`` (uint8 device tensors, in increasing
+        offsets) into ``host`` at its offset, after ``read``; the event after which all of it is
+        there, and per piece (the byte it ends at, the event after which it and every piece before
+        it are there: each piece waits for the one before), so the writer can checksum what has
+        landed.
 
         In pieces of ``piece_bytes``, alternately on the two side streams, each piece waiting for
         the one before: a stream's queue runs dry after each piece, so a small read of the
@@ -238,27 +270,48 @@ class DeviceCapture:
         engine, waits for one piece, not for the whole delta (measured on an H200: a 516 MB copy
         in one piece, or in pieces queued on one stream, kept such a read waiting 8-9 ms)."""
         side, other = self.stream, self.stream2
-        total = host.numel()
-        piece = min(self.piece_bytes or total, total) or 1
         prev = read  # recorded on ``side``
-        marks, end = [], 0
+        marks, i = [], 0
         # (one split of each buffer, not two slices a piece, and the launcher's own current stream
         # set without restoring it: fewer Python-level torch calls holding the GIL the training
         # thread needs)
-        for i, (dst, src) in enumerate(zip(host.split(piece), staging.split(piece))):
-            st = side if i % 2 == 0 else other
-            if i:
-                st.wait_event(prev)
-            torch.cuda.set_stream(st)
-            dst.copy_(src, non_blocking=True)
-            prev = torch.cuda.Event()
-            prev.record(st)
-            end += dst.numel()
-            marks.append((end, prev))
-        if total > piece:
-            staging.record_stream(other)  # freed only once the other stream's pieces have read it
+        for off, source in sources:
+            n = source.numel()
+            piece = min(self.piece_bytes or n, n) or 1
+            end = off
+            for dst, src in zip(host[off: off + n].split(piece), source.split(piece)):
+                st = side if i % 2 == 0 else other
+                if i:
+                    st.wait_event(prev)
+                torch.cuda.set_stream(st)
+                dst.copy_(src, non_blocking=True)
+                prev = torch.cuda.Event()
+                prev.record(st)
+                end += dst.numel()
+                marks.append((end, prev))
+                i += 1
+        if i > 1:  # freed (or, for written values, reused) only once both streams have read them
+            for _, source in sources:
+                source.record_stream(side)
+                source.record_stream(other)
             side.wait_event(prev)  # the next capture comes after this copy's last piece, as before
+        elif sources:
+            sources[0][1].record_stream(side)
         return prev, marks
+
+
+def _written_values(vals: dict | None, trs: list, k: int, device: torch.device) -> dict | None:
+    """``vals`` (a table's written values) when they are exactly the delta's tensors (every
+    tensor of ``trs`` there, ``k`` contiguous rows of its dtype and row shape, on ``device``),
+    else None: the table is gathered."""
+    if vals is None:
+        return None
+    for tr, t in trs[1:]:
+        v = vals.get(tr.name)
+        if (v is None or v.device != device or v.dtype != t.dtype or tuple(v.shape) != (k, *tr.row_shape)
+                or not v.is_contiguous()):
+            return None
+    return vals
 
 
 class _Job:
