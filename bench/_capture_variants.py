@@ -12,6 +12,8 @@ Not part of the library: each is a hypothesis about the dense loop's overhead on
 * :class:`LeanCapture`: the launcher thread takes the next capture's log segment ahead (after
   launching this one's copy), so the training thread's commit call skips the ring's search
   (a stat of each held segment's manifest until a pruned one is found).
+* :class:`GatherCapture`: the library's capture with every table gathered (the written values
+  the context hands over ignored): the library's path before the written values.
 
 :func:`sm_copy_bandwidth` measures the SM copy's bandwidth against the copy engine's for a few
 grid sizes, and checks every byte.
@@ -86,17 +88,19 @@ class SmCopyCapture(DeviceCapture):
             v = self._views[key] = device_view(host, self.device)
         return v
 
-    def _copy(self, host, staging, read):
+    def _copy(self, host, sources, read):
         side = self.stream  # the gather ran here, "read" recorded after it: no wait needed
         torch.cuda.set_stream(side)
-        dst, total = self._view(host), host.numel()
+        dst = self._view(host)
         marks, prev = [], read
-        for lo in range(0, total, SM_PIECE_BYTES):
-            hi = min(lo + SM_PIECE_BYTES, total)
-            sm_copy(dst[lo:hi], staging[lo:hi], self.programs)
-            prev = torch.cuda.Event()
-            prev.record(side)
-            marks.append((hi, prev))
+        for off, source in sources:
+            source.record_stream(side)
+            for lo in range(0, source.numel(), SM_PIECE_BYTES):
+                hi = min(lo + SM_PIECE_BYTES, source.numel())
+                sm_copy(dst[off + lo: off + hi], source[lo:hi], self.programs)
+                prev = torch.cuda.Event()
+                prev.record(side)
+                marks.append((off + hi, prev))
         return prev, marks
 
 
@@ -193,72 +197,12 @@ def sm_copy_bandwidth(device: torch.device, nbytes: int = 512 << 20,
     return out  # (the mapping goes with the last view of it)
 
 
-class WrittenCapture(DeviceCapture):
-    """The delta taken from the values the row update computed, not gathered from the table.
 
-    The optimizer materialises each write's new rows and slot values before it copies them into
-    the table (``optim.apply_rows``: ``rows``, ``new_acc``); they ARE the delta's bytes for those
-    rows. Kept alive until the commit's copy, they are copied straight to the host: no gather
-    (no launch of it in the launcher, no 1 GB of device-memory traffic), and the next step's row
-    update waits for nothing (the table is not read). ``values()`` gives the values of the rows
-    handed to :meth:`capture`, per write, aligned with ``tensor_items`` after the index (weight,
-    then slots by name); with more than one write since the last capture (duplicate rows with
-    different values in one delta) it falls back to the library's gather."""
-
-    def __init__(self, device, values, **kw) -> None:
-        super().__init__(device, **kw)
-        self._values = values  # () -> list of per-write tuples
-        self.last = None  # (host, [(offset, nbytes, tensor)]) of the last capture, for the bench's check
+class GatherCapture(DeviceCapture):
+    """The library's capture without the written values: every table gathered from the table
+    (the library's path before 2026-12-02, and its path for tables written twice per commit)."""
 
     def capture(self, shards, rows, num_rows, hold, land=None):
-        vals = self._values()
-        if len(shards) != 1 or len(vals) != 1:
-            return super().capture(shards, rows, num_rows, hold, land)
-        # No hold: the capture never reads the table. (``hold`` is handed the job before the
-        # launcher can see it: the place to attach the values.)
-        return super().capture(shards, rows, num_rows, lambda pending: setattr(pending.job, "values", vals[0]),
-                               land)
-
-    def _launch(self, job) -> None:
-        vals = getattr(job, "values", None)
-        if vals is None:
-            return super()._launch(job)
-        side, other = self.stream, self.stream2
-        side.wait_event(job.ready)
-        (name, sd, idx, trs), = job.layout
-        srcs = []
-        for (tr, _), src in zip(trs, (idx,) + tuple(vals)):
-            flat = src.reshape(-1).view(torch.uint8)
-            if flat.numel() != tr.nbytes:
-                raise ValueError(f"written value {tr.name!r} has {flat.numel()} bytes, the delta {tr.nbytes}")
-            src.record_stream(side)
-            src.record_stream(other)
-            srcs.append((tr.offset, flat))
-        read = torch.cuda.Event()
-        read.record(side)
-        job.layout = None
-        job.set_read(read)
-        self.last = (job.host, [(off, flat.numel(), flat) for off, flat in srcs])
-        # pieces alternately on the two streams, each after the one before (as DeviceCapture._copy)
-        piece, prev, marks, i = self.piece_bytes or (1 << 62), read, [], 0
-        for off, flat in srcs:
-            for lo in range(0, flat.numel(), piece):
-                hi = min(lo + piece, flat.numel())
-                st = side if i % 2 == 0 else other
-                if i:
-                    st.wait_event(prev)
-                torch.cuda.set_stream(st)
-                job.host[off + lo: off + hi].copy_(flat[lo:hi], non_blocking=True)
-                prev = torch.cuda.Event()
-                prev.record(st)
-                marks.append((off + hi, prev))
-                i += 1
-        if i > 1:
-            side.wait_event(prev)
-        job.set_copied(prev, marks)
+        return super().capture(shards, dict(rows), num_rows, hold, land)
 
 
-def check_written(cap: WrittenCapture) -> bool:
-    """The last delta's bytes on the host equal the values it copied (after the copy)."""
-    host, parts = cap.last
-    return all(torch.equal(host[off: off + n], flat.cpu()) for off, n, flat in parts)

@@ -24,11 +24,10 @@ Measured, medians over ``--steps`` steps:
   launch, loss read, commit call) and the steps of the capture call. Modes: none, commit,
   nowrite (the writer only waits for the copy), nocopy (the gather only), si (a short
   ``sys.setswitchinterval``), fewthreads / crc8 (4 / 8 checksum threads), plaincrc (the checksum
-  threads at the process's priority), bigpiece (64 MiB pieces), before (the copy's pieces
-  launched as before: two slices and a stream context each), piece4 / piece8 (4 / 8 MiB pieces),
+  threads at the process's priority), bigpiece (64 MiB pieces), piece4 / piece8 (4 / 8 MiB pieces),
   sm4 / sm8 / sm16 (the copy by 4 / 8 / 16 SMs through the host buffer's device mapping, the copy
-  engine left free), lean (the next log segment taken ahead by the launcher thread), written (the
-  delta copied from the new values the row update computed, no gather): see
+  engine left free), lean (the next log segment taken ahead by the launcher thread), gather (every
+  table gathered: the written values the context hands over ignored, the path before them): see
   bench/_capture_variants.py;
   ``MODE@issue``: in the issue's step order (lookup, dense part, row update). Then the
   embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
@@ -38,7 +37,7 @@ Measured, medians over ``--steps`` steps:
 
   python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --json commit_gpu.json
   python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --device-only --dcp-steps 0 \
-      --modes none,commit,before,plaincrc,nowrite,nocopy,none@issue,commit@issue --rounds 30 --window 8
+      --modes none,commit,gather,nocopy,none@issue,commit@issue,gather@issue --rounds 30 --window 8
 """
 
 from __future__ import annotations
@@ -115,6 +114,7 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
 
+    from elastic_emb.context.changes import RowsTaken
     from elastic_emb.protocol import ContextBase, ShardData
     from elastic_emb.state import Comm, SnapshotTier
     from elastic_emb.state.capture import DeviceCapture
@@ -145,10 +145,9 @@ def main() -> None:
             self.acc = torch.zeros(rows, device=dev)
             self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)
             self.written: list[torch.Tensor] = []  # as EmbContext tracks: the rows of each write
-            # the new values each write computed (weight rows, accumulator), as the optimizer
-            # materialises them (elastic_emb.context.optim.apply_rows): the "written" mode's delta
-            self.values: list[tuple[torch.Tensor, ...]] = []
-            self.taken_values: list[tuple[torch.Tensor, ...]] = []
+            # the new values each write computed, as the optimizer materialises them
+            # (elastic_emb.context.optim.apply_rows) and EmbContext's tracker hands them over
+            self.values: list[dict[str, torch.Tensor]] = []
             self.held: list = []  # GPU captures still reading rows (hold_writes)
 
         def shard_views(self):
@@ -169,9 +168,9 @@ def main() -> None:
             # as EmbContext's tracker takes them: one write's rows as they are, several concatenated
             w = self.written
             out = w[0] if len(w) == 1 else torch.cat(w) if w else torch.empty(0, dtype=torch.int64, device=dev)
-            self.taken_values = self.values
+            written = {"emb": self.values[0]} if len(w) == 1 and len(self.values) == 1 else {}
             self.written, self.values = [], []
-            return {"emb": out}
+            return RowsTaken({"emb": out}, written)
 
         def hold_writes(self, event) -> None:
             self.held.append(event)
@@ -205,8 +204,8 @@ def main() -> None:
         ctx.w.index_copy_(0, uniq, new_rows)
         ctx.changed[uniq] = True
         ctx.written.append(uniq)
-        if len(ctx.values) < 2:  # (two: more than one write since the take, the "written" mode gathers)
-            ctx.values.append((new_rows, new_acc))
+        if len(ctx.values) < 2:  # (two: more than one write since the take, the capture gathers)
+            ctx.values.append({"weight": new_rows, "acc": new_acc})
 
     def dense(reps: int) -> torch.Tensor:
         y = x
@@ -348,31 +347,6 @@ def main() -> None:
         # The dense windows' other capture settings.
         variants = {"commit": device}
         variants["bigpiece"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=64 << 20)  # 4x fewer pieces
-        # "before": the copy launched as the library did before (two slices and a stream context
-        # per piece instead of one split of each buffer)
-        before = variants["before"] = DeviceCapture(dev, buffers=3, timeout=600)
-
-        def old_copy(host, staging, read):
-            """The copy of the library before: two slices and a stream context per piece."""
-            side, other = before.stream, before.stream2
-            total = host.numel()
-            piece = min(before.piece_bytes or total, total) or 1
-            prev, marks = read, []
-            for i, lo in enumerate(range(0, total, piece)):
-                st = side if i % 2 == 0 else other
-                if i:
-                    st.wait_event(prev)
-                with torch.cuda.stream(st):
-                    host[lo: lo + piece].copy_(staging[lo: lo + piece], non_blocking=True)
-                prev = torch.cuda.Event()
-                prev.record(st)
-                marks.append((min(lo + piece, total), prev))
-            if total > piece:
-                staging.record_stream(other)
-                side.wait_event(prev)
-            return prev, marks
-
-        before._copy = old_copy
         # Hypotheses of 2026-12-02 (bench/_capture_variants.py): smaller pieces of the copy
         # engine's copy (the training stream's small read waits for at most one piece); the copy
         # done by a few SMs through the host buffer's device mapping (the copy engine left free);
@@ -382,9 +356,8 @@ def main() -> None:
         variants["piece4"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=4 << 20)
         variants["piece8"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=8 << 20)
         variants["lean"] = cv.LeanCapture(dev, buffers=3, timeout=600)
-        variants["written"] = cv.WrittenCapture(dev, lambda: ctx.taken_values, buffers=3, timeout=600)
-        written_checks: list[bool] = []
-        if cv.triton is not None:
+        variants["gather"] = cv.GatherCapture(dev, buffers=3, timeout=600)
+        if cv.triton is not None and any(m.startswith("sm") for m in args.modes.split(",")):
             try:
                 out["sm_copy_bandwidth"] = bw = cv.sm_copy_bandwidth(dev)
             except Exception as exc:  # noqa: BLE001 (reported; the SM modes are then not measured)
@@ -508,8 +481,6 @@ def main() -> None:
                     if i >= 2:
                         got.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
                 dwriter.wait()
-                if mode == "written" and cur.last is not None and len(written_checks) < 3:
-                    written_checks.append(cv.check_written(cur))  # the bytes landed are the values
                 forget_deltas()
                 calls_trace = []
                 for label, ns in getattr(capture_mod, "TRACE", None) or []:
@@ -569,7 +540,6 @@ def main() -> None:
             for m in modes:
                 base = "none" + m[len(m.split("@")[0]):]
                 per_round[m].append(meds[m] / meds[base] - 1 if m != base else meds[m])
-        out["written_bytes_checked"] = written_checks
         names = ("emb_ms", "dense_launch_ms", "loss_read_ms", "commit_call_ms", "step_ms")
         out["dense_windows"] = {"rounds": args.rounds, "window_steps": args.window, "modes": modes,
                                 "switch_short_s": args.switch_short}
