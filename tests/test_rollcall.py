@@ -186,10 +186,14 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
     (``watch_neighbour`` + ``Prober``, as ``InProcessResize._probe_neighbour`` wires them) finds
     the peer's socket refusing and interrupts the group: the wait ends, and the group is released,
     well within half the (long) timeout, the margin for a loaded machine. A real gloo group, a
-    real SIGKILL, the peer stopped first so the send is queued on the connection every time."""
+    real SIGKILL, the peer stopped first so the send is queued on the connection every time.
+    The group's destructor blocks until the abandoned send times out, so whoever drops the last
+    reference waits for it: another holder dropping its reference after the release thread has
+    aborted must not (3 of 16 runs took 30 s when the caller's own reference happened to be last)."""
     import structlog
     import torch
 
+    from elastic_emb.context import group as group_module
     from elastic_emb.context.group import Group
     from elastic_emb.errors import CommunicationError
     from elastic_emb.topology import Topology
@@ -223,8 +227,11 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
         t0 = time.monotonic()
         with pytest.raises(CommunicationError, match="refused its liveness connection"):
             group.wait(work, None, "the test's all-to-all")
+        held = group.pg  # another holder of the group, as the committer's state communicator
         group.release(abort=True, wait=False)  # as the context's close on a resize: gloo's abort
-        ended = time.monotonic() - t0  # blocks until the abandoned send times out, in a thread
+        group_module._RELEASES[-1].done.wait(0.5)  # in a thread; it holds the group while the send runs
+        del held  # dropped while the abandoned send runs: the group's destructor must not run here
+        ended = time.monotonic() - t0
         assert owner.found and not group.healthy
         assert ended < timeout / 2, f"the survivor left the collective after {ended:.1f} s (timeout {timeout:g} s)"
         print(f"\nsurvivor out of the collective and the group released {ended:.2f} s after the wait began "

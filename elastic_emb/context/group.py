@@ -19,13 +19,22 @@ the group does not wake its waiter; seen: a SIGKILLed peer cost its survivor 10 
 :meth:`Group.interrupt` (called by whoever learns first that a peer is gone: the in-process
 resize's liveness probe, ``resize.py``) and :meth:`Group.release` end every wait on the group at
 once with :class:`~elastic_emb.errors.CommunicationError`; the abandoned transfer runs out on
-gloo's thread, holding its own tensors.
+gloo's thread, holding its own tensors. The group remembers the work it abandoned.
+
+Who drops the group last: the destructor of a gloo group joins its worker threads, so it blocks
+until an abandoned transfer times out (gloo's abort returns in milliseconds). The thread that
+drops the last reference pays that, so an aborted group's :class:`Release` holds a reference of
+its own until the abandoned work is complete: a caller (or any other holder, the committer's
+state communicator) that drops its reference meanwhile never waits for the transfer. Seen before:
+the background release dropped its reference first, the caller's return from :meth:`release`
+dropped the last one, and a survivor meant to leave at the liveness probe sat out gloo's 30 s.
 
 Release: gloo is aborted (closing this rank's connections; a healthy close has drained every
-pending collective first). NCCL is destroyed when healthy and aborted when not, bounded by the
-timeout in a thread (a destroy still running past it means a peer is gone, and is followed by an
-abort). ``wait=False`` hands that to a background thread (:class:`Release`) while the next
-context forms; :func:`wait_releases` waits for those threads.
+pending collective first), by a background thread after an interrupt. NCCL is destroyed when
+healthy and aborted when not, bounded by the timeout in a thread (a destroy still running past it
+means a peer is gone, and is followed by an abort). ``wait=False`` hands that to a background
+thread (:class:`Release`) while the next context forms; :func:`wait_releases` waits for those
+threads.
 
 NCCL settings: the first NCCL group of a process sets ``NCCL_CUMEM_ENABLE=0`` unless the
 environment sets it (:data:`NCCL_DEFAULTS`). With cuMem buffers (NCCL's default since 2.19) a new
@@ -102,6 +111,7 @@ class Group:
         self.interrupted: str | None = None  # why every wait ends now (interrupt, release)
         self._waiting: set[threading.Event] = set()
         self._waiting_lock = threading.Lock()
+        self._abandoned: list = []  # works whose wait ended before they did (held until release)
 
     @classmethod
     def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
@@ -213,6 +223,8 @@ class Group:
                 with self._waiting_lock:
                     self._waiting.discard(done)
             if not finished:
+                with self._waiting_lock:
+                    self._abandoned.append(work)
                 if self.interrupted is not None:
                     raise CommunicationError(f"{what} interrupted: {self.interrupted}")
                 return False
@@ -268,18 +280,22 @@ class Group:
             return
         if abort and self.interrupted is None:  # a wait in another thread ends now
             self.interrupt("the communicator was aborted (a peer died)")
+        with self._waiting_lock:
+            abandoned, self._abandoned = self._abandoned, []
         if self.topology.backend == "gloo" and (wait or self.interrupted is None):
             # Gloo: abort() only closes this rank's connections. A healthy close has drained every
             # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
             # left a joinable thread behind when a peer had died ("terminate called without an
-            # active exception" at interpreter exit), abort did not. After an interrupted wait it
-            # blocks until the abandoned transfer times out: with wait=False a thread does it.
+            # active exception" at interpreter exit), abort did not. After an interrupted wait the
+            # group's destructor blocks until the abandoned transfer times out: with wait=False
+            # a thread aborts and holds the group until then (module docstring).
             try:
                 pg.abort()
             except Exception as exc:  # reported, not swallowed silently
                 self.log.warning("context.group_release_failed", method="abort", error=str(exc))
             return
-        release = Release(pg, "abort" if abort else "shutdown", self.timeout, self.log, keep)
+        release = Release(pg, "abort" if abort else "shutdown", self.timeout, self.log, keep, abandoned)
+        del pg, keep, abandoned  # the release holds the group now: this frame must not drop it last
         if wait:
             release.run()
         else:
@@ -289,10 +305,13 @@ class Group:
 class Release:
     """Destroy or abort one communicator, bounded: a destroy still running after ``timeout``
     means a peer is gone, and is followed by an abort; an abort still running after another
-    ``timeout`` is reported and left to the process's exit."""
+    ``timeout`` is reported and left to the process's exit. The group is dropped (by this
+    thread) only once the ``abandoned`` works are complete, at most ``timeout`` after the call:
+    before then its destructor would block whoever dropped it last."""
 
-    def __init__(self, pg, method: str, timeout: float, log_, keep=None):
+    def __init__(self, pg, method: str, timeout: float, log_, keep=None, abandoned=()):
         self.pg, self.method, self.timeout, self._log, self._keep = pg, method, timeout, log_, keep
+        self._abandoned = list(abandoned)
         self.thread: threading.Thread | None = None
         self.error: str | None = None
         self.seconds: float | None = None
@@ -323,8 +342,16 @@ class Release:
             self.seconds = time.monotonic() - started
             self._log.info("context.group_released", method=self.method, seconds=round(self.seconds, 4),
                            error=self.error)
+            deadline = time.monotonic() + self.timeout + 1.0  # gloo fails them at its timeout
+            while not all(w.is_completed() for w in self._abandoned):
+                if time.monotonic() > deadline:
+                    self._log.warning("context.abandoned_work_pending", works=len(self._abandoned),
+                                      timeout=self.timeout)
+                    break
+                time.sleep(0.02)
         finally:
-            self.pg = self._keep = None
+            self.pg = self._keep = None  # the last reference, unless a holder still has one
+            self._abandoned = []
             self.done.set()
 
     def start(self) -> None:
