@@ -29,7 +29,9 @@ Measured, medians over ``--steps`` steps:
   engine left free), lean (the next log segment taken ahead by the launcher thread), gather (every
   table gathered: the written values the context hands over ignored, the path before them): see
   bench/_capture_variants.py;
-  ``MODE@issue``: in the issue's step order (lookup, dense part, row update). Then the
+  ``MODE@issue``: in the issue's step order (lookup, dense part, row update); ``MODE@early``
+  (``MODE@issue+early``): the commit called before the loss read, while the GPU still runs the
+  step, instead of after it. Then the
   embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
 * ``dcp``: the step, then ``torch.distributed.checkpoint.async_save`` of the table (blocking part,
   and the time until its future completes);
@@ -398,12 +400,13 @@ def main() -> None:
         def nocopy(host, staging, read):  # the gather only: the "copy" is over once the rows are read
             return read, [(host.numel(), read)]
 
-        def spans_step(order: str) -> tuple[float, float, float, float]:
+        def spans_step(order: str, early=None) -> tuple[float, float, float, float, float]:
             """One dense step: ``update-first`` (the loop above: the row update, then the dense
             part), or ``issue`` (issue 17's shape: lookup, dense part, apply_gradients; the next
             step's row update, which waits for a capture's gather, then comes after its dense part).
-            Spans: to the end of the first part (a host sync inside: torch.unique's count), to
-            the end of the launches, the loss read."""
+            ``early``: called between the launches and the loss read (the commit, while the GPU
+            still runs the step). Times: start, end of the first part (a host sync inside:
+            torch.unique's count), end of the launches, end of ``early``, end of the loss read."""
             t0 = time.perf_counter()
             if order == "update-first":
                 g = emb_step()
@@ -420,8 +423,11 @@ def main() -> None:
                 update(uniq, g)
                 loss = y.float().mean() + looked.mean()
             t2 = time.perf_counter()
+            if early is not None:
+                early()
+            t2e = time.perf_counter()
             loss.item()
-            return t0, t1, t2, time.perf_counter()
+            return t0, t1, t2, t2e, time.perf_counter()
 
         called: dict[int, float] = {}
         trace_ms: dict[str, dict[str, list[float]]] = {}
@@ -444,8 +450,11 @@ def main() -> None:
 
         def window(name: str) -> tuple[list[tuple], list[float]]:
             nonlocal step_no
-            mode, _, order = name.partition("@")  # "MODE@issue": in the issue's step order
-            order = order or "update-first"
+            # "MODE@issue": in the issue's step order; "MODE@early" / "MODE@issue+early": the
+            # commit called before the loss read (the GPU still busy with the step), not after it
+            mode, _, suffix = name.partition("@")
+            order = "issue" if "issue" in suffix.split("+") else "update-first"
+            early = "early" in suffix.split("+")
             commit = mode != "none"
             write_mode["skip"] = mode in ("nowrite", "nocopy")
             cur = variants.get(mode, device)
@@ -465,21 +474,25 @@ def main() -> None:
                 capture_mod.TRACE = []  # the steps of each capture call (elastic_emb.state.capture._trace)
             got, lats, first = [], [], step_no
             try:
+                def do_commit() -> None:
+                    nonlocal step_no
+                    called[step_no] = time.perf_counter()
+                    cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows,
+                                       ctx.take_changed_rows(unique=False), device=cur, hold=ctx.hold_writes)
+                    assert cap.parent is not None, "the device path captures deltas"
+                    dwriter.submit(cap)
+                    step_no += 1
+
                 for i in range(args.window + 2):  # the first two fill the pipeline
-                    t0, t1, t2, t3 = spans_step(order)
-                    if commit:
-                        cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows,
-                                           ctx.take_changed_rows(unique=False), device=cur, hold=ctx.hold_writes)
-                        assert cap.parent is not None, "the device path captures deltas"
-                        dwriter.submit(cap)
-                        called[step_no] = t3
-                        step_no += 1
-                    else:
+                    t0, t1, t2, t2e, t3 = spans_step(order, do_commit if commit and early else None)
+                    if commit and not early:
+                        do_commit()
+                    elif not commit:
                         ctx.written.clear()  # as a commit's take would (outside no measured span)
                         ctx.values.clear()
                     t4 = time.perf_counter()
-                    if i >= 2:
-                        got.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+                    if i >= 2:  # (spans: first part, launches, loss read, commit call, step)
+                        got.append((t1 - t0, t2 - t1, t3 - t2e, (t2e - t2) + (t4 - t3), t4 - t0))
                 dwriter.wait()
                 forget_deltas()
                 calls_trace = []
