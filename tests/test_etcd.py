@@ -71,7 +71,7 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
 
     scenario = Scenario(
         name="etcd-node0-loss", description="inner=etcd-v2; node 0 (the would-be c10d store host) dies at world 2.",
-        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v2", network="loopback", steps=70,
+        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v2", network="loopback", steps=40,
         step_delay=0.05, faults=(Fault(kind="kill_node", at_step=10, node=0),), mode="restart",
     )
     report = run_drill(scenario, tmp_path / "drill", progress="lines", summary=False)
