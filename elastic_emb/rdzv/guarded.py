@@ -12,6 +12,9 @@ torch's own reads and compare-and-set writes go through it:
   :class:`ForeignStateError`, also torch's ``RendezvousStateError``, so no code of the payload
   runs in the agent; torch's agent then fails the rendezvous with that message (it cannot go on
   without a state it can trust), which names the key and the remedy.
+- **Fair writes.** With a :class:`~elastic_emb.rdzv.write_priority.WritePriority`, each
+  compare-and-set first yields to a node that keeps losing its writes (a starved late agent),
+  and counts its own losses: torch's single-key state otherwise starves a slow writer.
 - **Outage credit.** After an outage, heartbeats that were alive when it began are moved forward
   by its length in every state read for one expiry period (until live nodes have written fresh
   ones): no node could write a heartbeat while the store was down, and torch's sync would
@@ -48,8 +51,9 @@ class GuardedBackend:
     """torch's ``RendezvousBackend`` with its calls under an OutageGuard and its states validated."""
 
     def __init__(self, inner: Any, guard: OutageGuard, expiry: timedelta, *, key: str = "the rendezvous state",
-                 log: Any = None) -> None:
+                 log: Any = None, priority: Any = None) -> None:
         self._inner = inner
+        self._priority = priority
         self._guard = guard
         self._expiry = expiry
         self._key = key
@@ -72,10 +76,14 @@ class GuardedBackend:
         return self._checked(bits), token
 
     def set_state(self, state: bytes, token: Any = None):
+        if self._priority is not None:
+            self._guard.call("write_priority", self._priority.before_write)
         result = self._guard.call("set_state", self._inner.set_state, state, token)
         if result is None:
             return None
         bits, token, has_set = result
+        if self._priority is not None:
+            self._guard.call("write_priority", self._priority.after_write, bool(has_set))
         return self._checked(bits), token, has_set
 
     def _checked(self, bits: bytes) -> bytes:

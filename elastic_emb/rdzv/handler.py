@@ -100,12 +100,14 @@ from elastic_emb.rdzv.keys import (
     count_value,
     inproc_root,
     round_prefix,
+    write_priority_key,
 )
 from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 from elastic_emb.rdzv.liveness import Liveness
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.rdzv.write_priority import WritePriority
 
 
 class ElasticEmbRendezvousHandler:
@@ -133,14 +135,18 @@ class ElasticEmbRendezvousHandler:
         self._guard = guard
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
         state_key = INNER_BACKENDS[config.inner].state_key.format(run_id=self._run_id)
-        tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log))
+        # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
+        # secret fails here, at agent start, naming the variable.
+        self._signer = Signer.from_env()
+        # A node that keeps losing the state's compare-and-set gets a turn (rdzv/write_priority.py).
+        self._priority = WritePriority(tc.agent_store(inner), write_priority_key(self._run_id), self._node,
+                                       self._signer, expiry.total_seconds(), self._log)
+        tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log,
+                                                              priority=self._priority))
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
         self._generation = 0  # the generation the running round started at (_round_generation)
         self._round_store: Any = None
-        # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
-        # secret fails here, at agent start, naming the variable.
-        self._signer = Signer.from_env()
         # Who of the running round's members is restarting, departed or dead (rdzv/liveness.py).
         self._liveness = Liveness(self._run_id, self._node, self._signer, expiry.total_seconds(), self._log)
         self._expected_next: frozenset[str] | None = None

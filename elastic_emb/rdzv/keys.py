@@ -100,6 +100,12 @@ KEY_GENERATIONS = "generations"
 KEY_ROUND_GENERATION = "generation"
 
 
+def write_priority_key(run_id: str) -> str:
+    """Store key of the claim of an agent that keeps losing the rendezvous state's
+    compare-and-set (``rdzv/write_priority.py``): its node id and count of lost writes [control]."""
+    return f"elastic_emb/{run_id}/state_write_priority"
+
+
 def round_prefix(run_id: str, round_: int) -> str:
     """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves)."""
     return f"elastic_emb/{run_id}/round{round_}/"
