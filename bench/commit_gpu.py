@@ -26,7 +26,8 @@ Measured, medians over ``--steps`` steps:
   ``sys.setswitchinterval``), fewthreads / crc8 (4 / 8 checksum threads), plaincrc (the checksum
   threads at the process's priority), bigpiece (64 MiB pieces), piece4 / piece8 (4 / 8 MiB pieces),
   sm4 / sm8 / sm16 (the copy by 4 / 8 / 16 SMs through the host buffer's device mapping, the copy
-  engine left free), lean (the next log segment taken ahead by the launcher thread), gather (every
+  engine left free), deferred (the layout, records and log segment taken by the launcher thread,
+  the training thread's call only hands over), gather (every
   table gathered: the written values the context hands over ignored, the path before them): see
   bench/_capture_variants.py;
   ``MODE@issue``: in the issue's step order (lookup, dense part, row update); ``MODE@early``
@@ -314,6 +315,7 @@ def main() -> None:
 
         def timed_write(cap, c):
             t0, at = time.perf_counter(), []
+            cap = cap.resolve() if hasattr(cap, "resolve") else cap  # laid out by the launcher thread
             if write_mode["skip"]:  # only wait for the copy: no checksums, no manifest
                 cap.copied.synchronize()
                 done[cap.step] = time.perf_counter()
@@ -357,7 +359,7 @@ def main() -> None:
 
         variants["piece4"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=4 << 20)
         variants["piece8"] = DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=8 << 20)
-        variants["lean"] = cv.LeanCapture(dev, buffers=3, timeout=600)
+        variants["deferred"] = cv.DeferredCapture(dev, buffers=3, timeout=600)
         variants["gather"] = cv.GatherCapture(dev, buffers=3, timeout=600)
         if cv.triton is not None and any(m.startswith("sm") for m in args.modes.split(",")):
             try:
@@ -476,11 +478,23 @@ def main() -> None:
             try:
                 def do_commit() -> None:
                     nonlocal step_no
-                    called[step_no] = time.perf_counter()
-                    cap = tier.capture(step_no, ctx.shard_views(), topo, num_rows,
-                                       ctx.take_changed_rows(unique=False), device=cur, hold=ctx.hold_writes)
+                    called[step_no] = ta = time.perf_counter()
+                    views = ctx.shard_views()
+                    tb = time.perf_counter()
+                    taken = ctx.take_changed_rows(unique=False)
+                    tc = time.perf_counter()
+                    if isinstance(cur, cv.DeferredCapture):
+                        cap = cv.deferred_capture(tier, step_no, views, topo, num_rows, taken, cur, ctx.hold_writes)
+                    else:
+                        cap = tier.capture(step_no, views, topo, num_rows, taken, device=cur, hold=ctx.hold_writes)
+                    td = time.perf_counter()
                     assert cap.parent is not None, "the device path captures deltas"
                     dwriter.submit(cap)
+                    te = time.perf_counter()
+                    if step_no - first >= 2:  # (the call's parts: views, take, SnapshotTier.capture, submit)
+                        for label, dt in (("call_views", tb - ta), ("call_take", tc - tb), ("call_tier_capture", td - tc),
+                                          ("call_submit", te - td)):
+                            trace_ms.setdefault(name, {}).setdefault(label, []).append(dt * 1e3)
                     step_no += 1
 
                 for i in range(args.window + 2):  # the first two fill the pipeline
@@ -495,15 +509,22 @@ def main() -> None:
                         got.append((t1 - t0, t2 - t1, t3 - t2e, (t2e - t2) + (t4 - t3), t4 - t0))
                 dwriter.wait()
                 forget_deltas()
-                calls_trace = []
+                calls_trace = []  # per capture: the training thread's steps, the launcher's ("launcher_*")
+                launcher_trace, prev, lprev = [], None, None
                 for label, ns in getattr(capture_mod, "TRACE", None) or []:
                     if label == "start":
                         calls_trace.append({})
                         prev = ns
-                    elif calls_trace:
+                    elif label == "launcher_start":
+                        launcher_trace.append({})
+                        lprev = ns
+                    elif label.startswith("launcher_") and launcher_trace:
+                        launcher_trace[-1][label] = (ns - lprev) / 1e6
+                        lprev = ns
+                    elif calls_trace and not label.startswith("launcher_"):
                         calls_trace[-1][label] = (ns - prev) / 1e6
                         prev = ns
-                for c in calls_trace[2:]:
+                for c in calls_trace[2:] + launcher_trace[2:]:
                     for label, ms in c.items():
                         trace_ms.setdefault(name, {}).setdefault(label, []).append(ms)
             finally:
@@ -673,7 +694,6 @@ def main() -> None:
         out["writer_prune_ms"] = _median_ms(prunes) if prunes else None
         device.capture, ctx.take_changed_rows, tier._land, dwriter.submit = plain_dcap, plain_take, plain_land, plain_submit
         out["capture_call_parts_ms"] = {k: _median_ms(v[4:]) for k, v in parts.items() if len(v) > 4}
-        variants["lean"].drop_ahead()
         dwriter.close()
         out["ring_segment_bytes"] = tier.ring.size if tier.ring is not None else 0
         tier.close_spares()  # and the log ring (unregistered; its segments go with the state dir)
