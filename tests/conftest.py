@@ -60,6 +60,15 @@ def pytest_sessionfinish(session, exitstatus):
             pass
 
 
+@pytest.fixture(scope="session")
+def wheel_demo(tmp_path_factory):
+    """The wheel built, installed into a fresh venv and its ``elastic-emb demo`` run, once per session
+    (tests/helpers/wheel_demo.py): test_wheel and test_drill's demo test check the one run."""
+    from tests.helpers.wheel_demo import build_and_run_demo
+
+    return build_and_run_demo(tmp_path_factory.mktemp("wheel"))
+
+
 @pytest.fixture(autouse=True)
 def _release_reserved_ports():
     yield

@@ -556,18 +556,24 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(tmp_path):
+@pytest.mark.timeout(600)  # the session's wheel build and venv come first when this test runs before test_wheel
+def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(wheel_demo):
     """``mode: in_process`` (``make demo``'s preset): 1 -> 2 -> 1 with ``--rdzv-conf resize=in_process``. Node 0's
     worker is one process from the first step to the last (it re-forms twice in place), and the
     final tables equal the single-process replay bit for bit (the drill's verification). Its
     first half is the scale-up preset (an in-process join on loopback, slowed steps until the
-    joiner is in), checked here as test_drill_loses_nothing checks the others."""
+    joiner is in), checked here as test_drill_loses_nothing checks the others. The drill checked
+    is the one ``elastic-emb demo`` ran from the wheel (the ``wheel_demo`` session fixture, which
+    tests/test_wheel.py checks too): one launch of the preset for both."""
     assert PRESETS["demo"].mode == "in_process"
     up, demo = PRESETS["scale-up"], PRESETS["demo"]
     assert (up.mode, up.initial_nodes, up.max_nodes, up.slow_delay, [f.kind for f in up.faults]) == \
            (demo.mode, demo.initial_nodes, demo.max_nodes, demo.slow_delay, [f.kind for f in demo.faults][:1])
-    report, out = _run("demo", tmp_path)
+    out = wheel_demo.out
+    assert wheel_demo.returncode == 0 and (out / "report.json").is_file(), wheel_demo.output[-6000:]
+    assert not _leftovers(out), f"processes left behind: {_leftovers(out)}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["scenario"] == json.loads(PRESETS["demo"].model_dump_json())  # the preset, as it is here
     _check_lossless(report, out, "demo", [1, 2, 1], "loopback")
     events = [json.loads(line) for f in sorted((out / "run" / "events").glob("*.jsonl")) for line in f.open()]
     node0 = {e["pid"] for e in events if e["node"] == "node0" and e["event"] in ("start", "step")}
