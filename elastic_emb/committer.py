@@ -84,6 +84,7 @@ class Committer:
         self._pending_durable = None
         self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
         self._default_group = DefaultGroup()  # DCP's process group, for the durable tier
+        self._interrupted: tuple[Topology, str] | None = None  # (generation, why): interrupt()
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
                                      keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
                                      max_chain=config.max_chain)
@@ -223,8 +224,8 @@ class Committer:
         """The durable tier's communicator of this generation, on DCP's group (used only by the
         durable thread, one checkpoint at a time)."""
         if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
-            self._dcomm = Comm(self.topology, thread_store(self.store), group, timeout=self.config.transfer_timeout,
-                               device="cpu", purpose="durable")
+            self._dcomm = self._made(Comm(self.topology, thread_store(self.store), group,
+                                          timeout=self.config.transfer_timeout, device="cpu", purpose="durable"))
         return self._dcomm
 
     @property
@@ -249,7 +250,8 @@ class Committer:
         """The state tiers' communicator of this generation, on ``ctx``'s process group."""
         if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not ctx.process_group:
             self.close_comm()
-            self._comm = Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
+            self._comm = self._made(Comm(self.topology, self.store, ctx.process_group,
+                                         timeout=self.config.transfer_timeout))
         return self._comm
 
     def _async_for(self, ctx) -> bool:
@@ -262,8 +264,8 @@ class Committer:
     def _writer_for(self) -> CommitWriter:
         if self._writer is None or self._writer.comm.topology is not self.topology:
             self.close_writer()
-            comm = Comm(self.topology, thread_store(self.store), None, timeout=self.config.transfer_timeout,
-                        purpose="commit", interruptible=True)
+            comm = self._made(Comm(self.topology, thread_store(self.store), None,
+                                   timeout=self.config.transfer_timeout, purpose="commit", interruptible=True))
             self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
             if not self._sigterm_installed:  # a SIGTERM first waits (bounded) for the commit in flight
                 self._sigterm_installed = finish_commit_on_sigterm(
@@ -271,15 +273,31 @@ class Committer:
         return self._writer
 
     def interrupt(self, reason: str) -> None:
-        """A peer is known gone (another thread; ``reason`` says how it is known): the commit in
-        flight cannot complete. Its store waits end now (the writer's communicator is aborted; a
-        wait whose keys are all there still completes), so the training thread waiting for a slot
-        or for the commit raises :class:`~elastic_emb.errors.CommAborted` instead of waiting out
-        ``transfer_timeout``; the writer logs that as ``commit_aborted`` (warning), not as the error
-        ``commit_failed``. The re-form that follows abandons the writer (:meth:`abandon`)."""
-        writer = self._writer  # one read: the training thread may replace it meanwhile
+        """A peer is known gone (another thread; ``reason`` says how it is known): nothing of this
+        generation that waits for it can complete. Every communicator of the generation is
+        aborted: the writer's (the commit in flight's store waits and replica transfer; the writer
+        logs its failure as ``commit_aborted``, a warning, not the error ``commit_failed``), the
+        state tiers' on the context's group (restore's row moves, a synchronous commit) and the
+        durable thread's; so are those made for the generation afterwards (:meth:`_made`: a
+        restore that starts after the interrupt). A wait whose keys or rows are all there still
+        completes; the others raise :class:`~elastic_emb.errors.CommAborted`
+        (``TransferInterrupted`` for a transfer) instead of waiting out ``transfer_timeout``, and
+        the re-form follows (it abandons the writer: :meth:`abandon`)."""
+        self._interrupted = (self.topology, reason)  # first: a communicator made meanwhile sees it (_made)
+        writer = self._writer  # one read each: the training thread may replace them meanwhile
         if writer is not None:
             writer.interrupt(reason)
+        for comm in (self._comm, self._dcomm):
+            if comm is not None:
+                comm.abort(reason)
+
+    def _made(self, comm: Comm) -> Comm:
+        """A communicator just made for this generation: aborted at once when the generation was
+        interrupted already."""
+        interrupted = self._interrupted
+        if interrupted is not None and interrupted[0] is self.topology:
+            comm.abort(interrupted[1])
+        return comm
 
     def abandon(self) -> None:
         """Drop the commits in flight without waiting (a peer died; ``CommitWriter.abandon``):

@@ -203,6 +203,13 @@ class CommunicationError(ElasticEmbError, RuntimeError):
     """A collective of the context failed or timed out; the context is now unhealthy."""
 
 
+class TransferInterrupted(CommAborted, CommunicationError):
+    """A wait on a tensor transfer (a context's collective, a state communicator's point-to-point
+    or all-to-all transfer) ended because a peer is known gone (``Group.interrupt``,
+    ``Comm.abort``; ``elastic_emb.work_wait``). Both a :class:`CommunicationError` and a
+    :class:`CommAborted`: whoever catches either handles it."""
+
+
 class CollectiveMismatch(ElasticEmbError, RuntimeError):
     """Ranks made different calls at the same point (say ``lookup('a')`` on one rank and
     ``apply_gradients('a')`` or ``lookup('b')`` on another). Detected in the count exchange, on

@@ -162,8 +162,9 @@ class Lifecycle:
     def interrupt(self, reason: str) -> None:
         """A peer is known gone (called from another thread: the in-process resize's neighbour
         probe, a peer's failed collective): the context's waits end now (``interrupt``) and so do
-        the store waits of the commit in flight (:meth:`Committer.interrupt`), so the training
-        thread raises at once instead of at a timeout, and the re-form follows."""
+        those of the generation's state communicators (:meth:`Committer.interrupt`: the commit in
+        flight, a restore's row moves), so the training thread raises at once instead of at a
+        timeout, and the re-form follows."""
         ctx = self.context
         if ctx is not None and hasattr(ctx, "interrupt"):
             ctx.interrupt(reason)

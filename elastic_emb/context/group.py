@@ -18,8 +18,9 @@ does not fail a send already queued on a connection when that connection breaks,
 the group does not wake its waiter; seen: a SIGKILLed peer cost its survivor 10 s).
 :meth:`Group.interrupt` (called by whoever learns first that a peer is gone: the in-process
 resize's liveness probe, ``resize.py``) and :meth:`Group.release` end every wait on the group at
-once with :class:`~elastic_emb.errors.CommunicationError`; the abandoned transfer runs out on
-gloo's thread, holding its own tensors. The group remembers the work it abandoned.
+once with :class:`~elastic_emb.errors.TransferInterrupted` (a ``CommunicationError``); the
+abandoned transfer runs out on gloo's thread, holding its own tensors (``work_wait.py``, shared
+with the state tiers' communicator, which also remembers the work it abandoned).
 
 Who drops the group last: the destructor of a gloo group joins its worker threads, so it blocks
 until an abandoned transfer times out (gloo's abort returns in milliseconds). The thread that
@@ -54,10 +55,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_emb.errors import CommunicationError
+from elastic_emb.errors import CommunicationError, TransferInterrupted
 from elastic_emb.events import get_logger
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
+from elastic_emb.work_wait import WorkWaits
 
 log = get_logger("elastic_emb.context")
 
@@ -108,10 +110,8 @@ class Group:
         self.timeout = timeout
         self.healthy = True
         self.log = log_
-        self.interrupted: str | None = None  # why every wait ends now (interrupt, release)
-        self._waiting: set[threading.Event] = set()
-        self._waiting_lock = threading.Lock()
-        self._abandoned: list = []  # works whose wait ended before they did (held until release)
+        # every gloo wait, their interrupt (interrupt, release) and the works abandoned (held until release)
+        self._waits = WorkWaits(f"rank {topology.rank} (generation {topology.generation})")
 
     @classmethod
     def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
@@ -190,11 +190,15 @@ class Group:
         t = self.timeout if timeout is None else timeout
         try:
             if self.topology.backend != "nccl":
-                ok = self._wait_interruptible(work, t, what)
+                # the work's future or an interrupt ends the wait, no polling (work_wait.py)
+                ok = self._waits.wait([work], t, what)
             else:
                 ok = poll(work.is_completed, t) if host else True
                 if ok:
                     work.wait()
+        except TransferInterrupted:
+            self.healthy = False
+            raise
         except Exception as exc:
             self.healthy = False
             raise CommunicationError(
@@ -204,41 +208,16 @@ class Group:
         if ok is False:
             raise self.timed_out(what, t)
 
-    def _wait_interruptible(self, work, timeout: float, what: str) -> bool:
-        """Block until ``work`` completes (True), ``timeout`` passes (False) or :meth:`interrupt`
-        (raises); no polling: the work's future and ``interrupt`` set the same event. Completion
-        is the future's (gloo marks it before the work's own flag)."""
-        if not work.is_completed():
-            done = threading.Event()
-            with self._waiting_lock:
-                self._waiting.add(done)
-            finished = False
-            try:
-                if self.interrupted is None:
-                    future = work.get_future()
-                    future.add_done_callback(lambda _fut: done.set())
-                    done.wait(timeout)
-                    finished = future.done()
-            finally:
-                with self._waiting_lock:
-                    self._waiting.discard(done)
-            if not finished:
-                with self._waiting_lock:
-                    self._abandoned.append(work)
-                if self.interrupted is not None:
-                    raise CommunicationError(f"{what} interrupted: {self.interrupted}")
-                return False
-        work.wait()  # complete (or about to be): raises the collective's own error, if any
-        return True
+    @property
+    def interrupted(self) -> str | None:
+        """Why every wait on this group ends now (:meth:`interrupt`, an aborting release), or None."""
+        return self._waits.reason
 
     def interrupt(self, reason: str) -> None:
         """End every wait on this group now and every later one at once (a peer is known to be
-        gone; thread-safe): they raise :class:`CommunicationError` naming ``reason``."""
-        with self._waiting_lock:
-            self.interrupted = reason
-            waiting = list(self._waiting)
-        for done in waiting:
-            done.set()
+        gone; thread-safe): they raise :class:`~elastic_emb.errors.TransferInterrupted` (a
+        :class:`CommunicationError`) naming ``reason``."""
+        self._waits.interrupt(reason)
 
     def wait_event(self, event, timeout: float, what: str) -> None:
         """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
@@ -280,8 +259,7 @@ class Group:
             return
         if abort and self.interrupted is None:  # a wait in another thread ends now
             self.interrupt("the communicator was aborted (a peer died)")
-        with self._waiting_lock:
-            abandoned, self._abandoned = self._abandoned, []
+        abandoned = self._waits.take_abandoned()
         if self.topology.backend == "gloo" and (wait or self.interrupted is None):
             # Gloo: abort() only closes this rank's connections. A healthy close has drained every
             # pending lookup first, so no collective is in flight and no peer loses data; shutdown()

@@ -12,6 +12,12 @@ in short sleeps, so that :meth:`Comm.abort` from another thread ends the wait at
 still blocked inside the store client when the process exits is torn down mid-call (seen: the
 store's server, in rank 0's process, closing under it aborts the process).
 
+Tensor transfers on gloo (restore's row moves over point-to-point sends and receives, the
+replicas' all-to-all) wait through :class:`~elastic_emb.work_wait.WorkWaits`: :meth:`Comm.abort`
+ends them too, at once, with :class:`~elastic_emb.errors.TransferInterrupted`, where gloo alone
+would wait out the timeout for a peer that is stopped, cut off, or whose connection broke under
+a queued send. (NCCL transfers only order the stream; the communicator's timeout bounds them.)
+
 The k-th communicator a rank makes in a generation pairs with the k-th on every other rank (same
 program order) and gets store keys of its own: reused keys would hand one exchange the values of
 an earlier one, and a process group formed twice on one prefix hangs.
@@ -28,9 +34,10 @@ from typing import Any
 import torch
 
 from elastic_emb import config
-from elastic_emb.errors import CommAborted
+from elastic_emb.errors import CommAborted, MemberGone
 from elastic_emb.events import get_logger
 from elastic_emb.topology import Topology
+from elastic_emb.work_wait import WorkWaits
 
 log = get_logger("elastic_emb.state")
 
@@ -91,6 +98,7 @@ class Comm:
         self._op = 0
         self.interruptible = interruptible
         self._aborted = threading.Event()
+        self._waits = WorkWaits(f"rank {self.rank} (generation {topology.generation}, state communicator {purpose})")
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
         """All-gather a JSON-able object through the store; returns one entry per rank."""
@@ -101,11 +109,11 @@ class Comm:
         self.store.set(f"{base}/{self.rank}", json.dumps(obj))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
-            if self.interruptible:
+            if self.interruptible or self._aborted.is_set():  # aborted: keys not all there raise at once
                 self._poll(keys, name)
             else:
                 self.store.wait(keys, timedelta(seconds=self.timeout))
-        except CommAborted:
+        except (CommAborted, MemberGone):  # ended on purpose: a peer is gone (not a timeout)
             raise
         except Exception as exc:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
@@ -145,25 +153,79 @@ class Comm:
             raise ValueError(f"all_to_all_flat: out has {out.numel()} bytes, expected {sum(recv_sizes)}")
         opts = dist.AllToAllOptions()
         opts.timeout = timedelta(seconds=self.timeout)
+        self.check(f"all-to-all of {sum(in_splits)} bytes")
         work = self.pg.alltoall_base(out, inp, list(recv_sizes), list(in_splits), opts)
-        if not work.wait():
-            raise RuntimeError(f"all_to_all of {sum(in_splits)} bytes failed on rank {self.rank}")
+        self.wait_works([work], f"all-to-all of {sum(in_splits)} bytes")
         return list(torch.split(out, list(recv_sizes)))
+
+    def check(self, what: str) -> None:
+        """Raise :class:`~elastic_emb.errors.TransferInterrupted` if :meth:`abort` was called
+        (before posting a transfer that could only be abandoned)."""
+        self._waits.check(what)
+
+    def wait_works(self, works: list, what: str) -> None:
+        """Wait for the transfers ``works`` (posted on :attr:`pg`), bounded by the timeout and,
+        on gloo, ended at once by :meth:`abort` (:class:`~elastic_emb.errors.TransferInterrupted`).
+        Raises ``RuntimeError`` naming ``what`` when one fails or the time runs out."""
+        if self.device.type != "cpu":  # NCCL: wait() orders the current stream, the host does not block
+            ok = all(w.wait() for w in works)
+        else:
+            try:
+                ok = self._waits.wait(works, self.timeout, what)
+            finally:
+                abandoned = self._waits.take_abandoned()
+                if abandoned:  # interrupted or timed out: a thread holds the group until they end
+                    threading.Thread(target=_hold, args=(self.pg, abandoned, self.timeout + 1.0),
+                                     name="elastic_emb-comm-hold", daemon=True).start()
+        if not ok:
+            raise RuntimeError(f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
+                               f"complete within {self.timeout}s; a peer died or is stuck: re-form the world")
 
     def barrier(self, name: str) -> None:
         self.exchange(name, 0)
 
-    def abort(self) -> None:
-        """A peer died: an interruptible wait on the store (in another thread) raises
-        :class:`CommAborted` now instead of at its timeout, and so does every later one. (A gloo
-        transfer blocked on the peer is not ended by aborting its group: it runs to its timeout,
-        or fails when the peer's connection closes.)"""
+    def abort(self, reason: str = "the communicator was aborted (a peer died)") -> None:
+        """A peer died (any thread): an interruptible wait on the store raises :class:`CommAborted`
+        now instead of at its timeout, a wait on a gloo transfer raises
+        :class:`~elastic_emb.errors.TransferInterrupted` (a ``CommAborted``), and so does every
+        later one. The transfer itself is abandoned: it runs out on its own thread, holding its
+        tensors, until it completes, fails or times out (``work_wait.py``)."""
         self._aborted.set()
+        self._waits.interrupt(reason)
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
 
     def close(self) -> None:
-        if self._own_pg:
-            try:
-                if hasattr(self.pg, "shutdown"):
-                    self.pg.shutdown()
-            except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
-                log.warning("state_comm_close_failed", error=repr(exc))
+        """Release the process group this communicator formed (not a context's). After
+        :meth:`abort`, gloo's ``abort`` (its connections close: a transfer abandoned on a live
+        peer fails there too; it returns at once) and the communicator drops the group: a gloo
+        group's destructor joins its worker threads, so it is dropped last by the thread that
+        holds it for an abandoned transfer (``_hold``), never by the re-form."""
+        if not self._own_pg or self.pg is None:
+            return
+        if self._aborted.is_set() and hasattr(self.pg, "abort"):
+            pg, self.pg = self.pg, None
+            _release(pg, "abort")
+        elif hasattr(self.pg, "shutdown"):
+            _release(self.pg, "shutdown")
+
+
+def _release(pg, method: str) -> None:
+    try:
+        getattr(pg, method)()
+    except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
+        log.warning("state_comm_close_failed", method=method, error=repr(exc))
+
+
+def _hold(pg, works: list, bound: float) -> None:
+    """Hold ``pg`` until the abandoned ``works`` are complete (at most ``bound`` seconds: gloo
+    fails them at its timeout), then drop it in this thread: dropped last elsewhere meanwhile,
+    its destructor would block that thread until the transfer times out."""
+    deadline = time.monotonic() + bound
+    while not all(w.is_completed() for w in works):
+        if time.monotonic() > deadline:
+            log.warning("state_abandoned_work_pending", works=len(works), seconds=bound)
+            return
+        time.sleep(0.02)

@@ -11,7 +11,8 @@ nothing to move, because each transport is collective.
   on NCCL; zero copy where a rank sends (or receives) a single block of a single tensor.
 * :class:`P2PTransport` (CPU, gloo): every send and receive posted at once, straight from the
   source rows into the destination rows, no staging copy. The tag is ``key * 64 + tensor index``,
-  so every message pairs with exactly one receive.
+  so every message pairs with exactly one receive. ``Comm.abort`` (a peer known gone) ends the
+  wait at once with ``TransferInterrupted`` (``Comm.wait_works``).
 * :class:`CmaTransport` (CPU): receivers pull their rows out of same-host senders' memory by
   cross-memory attach (:mod:`elastic_emb.state.cma`); the pairs that cannot go that way (another
   host, ptrace rules, a sender that cannot prove it belongs to this job) go over p2p afterwards.
@@ -23,11 +24,9 @@ rows (a same-size re-form with a new rank order) builds moves and calls a transp
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
@@ -146,6 +145,7 @@ class P2PTransport(Transport):
     def move(self, comm: Comm, moves: list[Move], only: set[tuple[int, int]] | None = None) -> Moved:
         """``only``: move just the blocks of these (src, dst) pairs (the cma transport's fallback)."""
         outgoing, incoming = _mine(comm, moves)
+        comm.check("point-to-point row transfer")  # aborted: post nothing that could only be abandoned
         works, sent = [], 0
         post: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, contiguous buffer received into)
         for k, m in sorted(outgoing + incoming):
@@ -161,10 +161,8 @@ class P2PTransport(Transport):
                         post.append((t, torch.empty(t.shape, dtype=t.dtype)))
                         t = post[-1][1]
                     works.append(comm.pg.recv([t], m.src, k * 64 + j))
-        deadline = time.monotonic() + comm.timeout
-        for w in works:
-            if not w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic()))):
-                raise RuntimeError(f"row transfer on rank {comm.rank} failed")
+        # bounded by the timeout; Comm.abort (a peer known gone) ends it at once (work_wait.py)
+        comm.wait_works(works, f"point-to-point row transfer ({len(works)} sends and receives)")
         for dst, buf in post:
             dst.copy_(buf)
         return Moved(sent, self.name)

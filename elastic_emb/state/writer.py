@@ -165,11 +165,11 @@ class CommitWriter:
 
     def interrupt(self, reason: str) -> None:
         """A peer is known gone (called from another thread): the write in flight cannot complete.
-        Its store waits end now (the communicator is aborted) and its failure, raised to the
-        training thread as usual, is logged as ``commit_aborted`` (warning, with ``reason``), not
-        as the error ``commit_failed``."""
+        Its store waits and its replica transfer end now (the communicator is aborted) and its
+        failure, raised to the training thread as usual, is logged as ``commit_aborted`` (warning,
+        with ``reason``), not as the error ``commit_failed``."""
         self._interrupted = reason  # before the abort: the thread reads it once its wait ends
-        self.comm.abort()
+        self.comm.abort(reason)
 
     def abandon(self) -> int | None:
         """A peer died: drop the commits in flight without waiting for them (module docstring).

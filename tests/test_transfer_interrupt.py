@@ -1,0 +1,100 @@
+"""A state transfer blocked on a peer that is gone ends when the peer is made known, not at gloo's
+timeout (``work_wait.py``, ``Comm.abort``, ``Committer.interrupt``)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_emb.testing.ports import free_port
+
+# Rank 1 of a two-rank state communicator (its own gloo group, as ``Committer.comm_for`` forms for
+# a context without a process group): it forms the group, passes a store barrier, then stops
+# (SIGSTOP) without posting any send or receive: alive, its connections open, silent, as a node
+# that hangs or is cut off. Gloo ends no wait on such a peer before its timeout.
+PEER = """
+import os, signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+from elastic_emb.state.comm import Comm
+from elastic_emb.topology import Topology
+port, timeout = int(sys.argv[1]), float(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
+topo = Topology(run_id="tx", generation=1, rank=1, world_size=2, local_rank=0, local_world_size=1, node_rank=1,
+                num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1", master_port=port)
+comm = Comm(topo, store, None, timeout=timeout)
+comm.barrier("formed")
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp_path):
+    """Restore's point-to-point row move (``P2PTransport``) receives a block from rank 1 and sends
+    it 64 MiB (far more than the loopback buffers hold: the send stays queued), but rank 1 is
+    stopped. Another thread learns that the peer is gone and calls ``Committer.interrupt`` (what
+    ``Lifecycle.interrupt`` calls, from the in-process resize's neighbour probe): the transfer's
+    wait ends with ``TransferInterrupted`` (both a ``CommAborted`` and a ``CommunicationError``,
+    what an interrupted collective raises) within half the (long) transfer timeout, the margin for
+    a loaded machine, while the peer is still stopped (nothing else ended it); every later transfer
+    of that generation raises at once; the communicator's release does not block. Without the
+    interrupt the wait lasts the whole timeout (60 s)."""
+    from elastic_emb.committer import Committer
+    from elastic_emb.errors import CommAborted, CommunicationError, TransferInterrupted
+    from elastic_emb.lifecycle import LifecycleConfig
+    from elastic_emb.state.transport import Move, P2PTransport
+    from elastic_emb.topology import Topology
+
+    timeout = 60.0  # also bounds the peer's start (a torch import) at load
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=timeout),
+                           use_libuv=True)
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), str(timeout)])
+    try:
+        topo = Topology(run_id="tx", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
+                        node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
+                        master_port=master.port)
+        config = LifecycleConfig(state_dir=str(tmp_path), node_id="A", transfer_timeout=timeout)
+        ctx = SimpleNamespace(process_group=None)  # the state layer forms a gloo group of its own
+        committer = Committer(config, topo, master, lambda: ctx)
+        comm = committer.comm_for(ctx)
+        comm.barrier("formed")
+        deadline = time.monotonic() + timeout
+        while _state(peer.pid) != "T" and time.monotonic() < deadline:  # stopped
+            time.sleep(0.05)
+        assert _state(peer.pid) == "T", "the peer did not stop"
+        received = torch.zeros(1024, 4, dtype=torch.float64)
+        queued = torch.ones(8 << 20, dtype=torch.float64)  # 64 MiB
+        reason = "node B refused its liveness connection (dead)"
+        threading.Timer(0.5, committer.interrupt, args=(reason,)).start()
+        t0 = time.monotonic()
+        with pytest.raises(TransferInterrupted, match="refused its liveness connection") as raised:
+            P2PTransport().move(comm, [Move(1, 0, [received]), Move(0, 1, [queued])])
+        ended = time.monotonic() - t0
+        assert isinstance(raised.value, CommAborted) and isinstance(raised.value, CommunicationError)
+        assert _state(peer.pid) == "T", "the peer ran again: the interrupt is not what ended the wait"
+        assert ended < timeout / 2, f"the transfer's wait ended after {ended:.1f} s (timeout {timeout:g} s)"
+        t1 = time.monotonic()
+        with pytest.raises(TransferInterrupted):  # the replicas' all-to-all of this generation
+            comm.all_to_all([torch.zeros(1, dtype=torch.uint8)] * 2, [1, 1])
+        committer.close_comm()  # the aborted group is released in the background
+        later = time.monotonic() - t1
+        assert later < timeout / 2, f"a later transfer and the release took {later:.1f} s"
+        print(f"\npoint-to-point transfer out of its wait {ended:.2f} s after it began (interrupted at 0.5 s; "
+              f"timeout {timeout:g} s); a later transfer and the release {later:.3f} s")
+    finally:
+        peer.send_signal(signal.SIGKILL)
+        peer.wait(10)
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
