@@ -30,7 +30,12 @@ Measured, medians over ``--steps`` steps:
   the training thread's call only hands over), gather (every
   table gathered: the written values the context hands over ignored, the path before them): see
   bench/_capture_variants.py;
-  ``MODE@issue``: in the issue's step order (lookup, dense part, row update); ``MODE@early``
+  ``MODE@issue``: in the issue's step order (lookup, dense part, row update); ``MODE@lib``: the
+  same order through the library itself, an ``EmbContext`` of world size 1 (its ``lookup(ids).wait()``,
+  the dense part, ``apply_gradients`` of a random gradient per id: the context's own dedup, device
+  checks, Adagrad and change tracking with its written values) instead of the bench's tensors,
+  ``torch.unique`` and update (both on the same table: the bench's context works on the library
+  context's arena); ``MODE@early``
   (``MODE@issue+early``): the commit called before the loss read, while the GPU still runs the
   step, instead of after it. Then the
   embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
@@ -41,6 +46,8 @@ Measured, medians over ``--steps`` steps:
   python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --json commit_gpu.json
   python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --device-only --dcp-steps 0 \
       --modes none,commit,gather,nocopy,none@issue,commit@issue,gather@issue --rounds 30 --window 8
+  python bench/commit_gpu.py --table-gib 16 --ids 1000000 --min-step-ms 20 --device-only --dcp-steps 0 \
+      --modes none,commit,none@issue,commit@issue,none@lib,commit@lib --rounds 30 --window 8
 """
 
 from __future__ import annotations
@@ -137,6 +144,19 @@ def main() -> None:
                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1",
                           master_port=port)
     comm = Comm(topo, store, None, timeout=600)
+    # The library's own context (world size 1: its lookup and apply_gradients, change tracking
+    # and written values): the "@lib" modes of the dense windows train through it. The bench's
+    # context below holds no table of its own: it works on this context's arena (one table on
+    # the GPU, one base on the host for both loops).
+    from elastic_emb.context import EmbContext
+    from elastic_emb.protocol import OptimizerSpec, TableSpec
+
+    lib_topo = Topology.build(run_id="bench-lib", generation=1, rank=0, world_size=1, local_rank=0,
+                              local_world_size=1, node_rank=0, num_nodes=1, ep_size=1,
+                              backend="nccl" if dev.type == "cuda" else "gloo", master_addr="127.0.0.1",
+                              master_port=port)
+    lctx = EmbContext(lib_topo, store, tables=[TableSpec(name="emb", num_rows=rows, dim=args.dim)],
+                      optimizer=OptimizerSpec(kind="adagrad", lr=0.01), device=dev, timeout=600.0, seed=None)
 
     class Ctx(ContextBase):
         tracks_changes = True
@@ -144,8 +164,11 @@ def main() -> None:
         def __init__(self):
             self.topology = topo
             self.rows = range(rows)
-            self.w = torch.empty(rows, args.dim, device=dev).uniform_(-0.01, 0.01)
-            self.acc = torch.zeros(rows, device=dev)
+            view = lctx.shard_views()["emb"]  # the library context's arena (see lctx above)
+            self.w = view.weight.uniform_(-0.01, 0.01)
+            self.acc = view.slots["accumulator"].zero_()
+            lctx.mark_restored()  # every row written (here): no lazy fill from the seed
+            lctx.take_changed_rows()  # and the baseline of its change tracking
             self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)
             self.written: list[torch.Tensor] = []  # as EmbContext tracks: the rows of each write
             # the new values each write computed, as the optimizer materialises them
@@ -154,7 +177,7 @@ def main() -> None:
             self.held: list = []  # GPU captures still reading rows (hold_writes)
 
         def shard_views(self):
-            return {"emb": ShardData("emb", self.rows, self.w, {"acc": self.acc})}
+            return {"emb": ShardData("emb", self.rows, self.w, {"accumulator": self.acc})}
 
         export_shard = shard_views
 
@@ -208,7 +231,7 @@ def main() -> None:
         ctx.changed[uniq] = True
         ctx.written.append(uniq)
         if len(ctx.values) < 2:  # (two: more than one write since the take, the capture gathers)
-            ctx.values.append({"weight": new_rows, "acc": new_acc})
+            ctx.values.append({"weight": new_rows, "accumulator": new_acc})
 
     def dense(reps: int) -> torch.Tensor:
         y = x
@@ -405,7 +428,10 @@ def main() -> None:
         def spans_step(order: str, early=None) -> tuple[float, float, float, float, float]:
             """One dense step: ``update-first`` (the loop above: the row update, then the dense
             part), or ``issue`` (issue 17's shape: lookup, dense part, apply_gradients; the next
-            step's row update, which waits for a capture's gather, then comes after its dense part).
+            step's row update, which waits for a capture's gather, then comes after its dense part),
+            or ``lib`` (the same shape through the library's EmbContext: ``lookup(...).wait()``,
+            the dense part, ``apply_gradients`` of a random gradient per id; no torch.unique of the
+            bench's, the context's own sort-based dedup and its device-side checks instead).
             ``early``: called between the launches and the loss read (the commit, while the GPU
             still runs the step). Times: start, end of the first part (a host sync inside:
             torch.unique's count), end of the launches, end of ``early``, end of the loss read."""
@@ -414,6 +440,14 @@ def main() -> None:
                 g = emb_step()
                 t1 = time.perf_counter()
                 loss = g.sum() + dense(reps).float().mean()
+            elif order == "lib":
+                ids = torch.randint(0, rows, (args.ids,), device=dev, generator=gen)
+                looked = lctx.lookup("emb", ids).wait()  # (waits for the lookup's device-side check)
+                t1 = time.perf_counter()
+                y = dense(reps)
+                grads = torch.randn(args.ids, args.dim, device=dev, generator=gen)
+                lctx.apply_gradients("emb", ids, grads)
+                loss = y.float().mean() + looked.mean()
             else:
                 ids = torch.randint(0, rows, (args.ids,), device=dev, generator=gen)
                 uniq, inv = torch.unique(ids, return_inverse=True)
@@ -455,7 +489,9 @@ def main() -> None:
             # "MODE@issue": in the issue's step order; "MODE@early" / "MODE@issue+early": the
             # commit called before the loss read (the GPU still busy with the step), not after it
             mode, _, suffix = name.partition("@")
-            order = "issue" if "issue" in suffix.split("+") else "update-first"
+            # "MODE@lib": the library's own loop (spans_step's "lib" order) on its EmbContext
+            order = next((o for o in ("issue", "lib") if o in suffix.split("+")), "update-first")
+            c = lctx if order == "lib" else ctx  # the context the step writes and the commit takes
             early = "early" in suffix.split("+")
             commit = mode != "none"
             write_mode["skip"] = mode in ("nowrite", "nocopy")
@@ -479,14 +515,14 @@ def main() -> None:
                 def do_commit() -> None:
                     nonlocal step_no
                     called[step_no] = ta = time.perf_counter()
-                    views = ctx.shard_views()
+                    views = c.shard_views()
                     tb = time.perf_counter()
-                    taken = ctx.take_changed_rows(unique=False)
+                    taken = c.take_changed_rows(unique=False)
                     tc = time.perf_counter()
                     if isinstance(cur, cv.DeferredCapture):
-                        cap = cv.deferred_capture(tier, step_no, views, topo, num_rows, taken, cur, ctx.hold_writes)
+                        cap = cv.deferred_capture(tier, step_no, views, topo, num_rows, taken, cur, c.hold_writes)
                     else:
-                        cap = tier.capture(step_no, views, topo, num_rows, taken, device=cur, hold=ctx.hold_writes)
+                        cap = tier.capture(step_no, views, topo, num_rows, taken, device=cur, hold=c.hold_writes)
                     td = time.perf_counter()
                     assert cap.parent is not None, "the device path captures deltas"
                     dwriter.submit(cap)
@@ -501,10 +537,12 @@ def main() -> None:
                     t0, t1, t2, t2e, t3 = spans_step(order, do_commit if commit and early else None)
                     if commit and not early:
                         do_commit()
-                    elif not commit:
+                    elif not commit and c is ctx:
                         ctx.written.clear()  # as a commit's take would (outside no measured span)
                         ctx.values.clear()
                     t4 = time.perf_counter()
+                    if not commit and c is lctx:  # as a commit's take would, after the step's span
+                        lctx.take_changed_rows(unique=False)
                     if i >= 2:  # (spans: first part, launches, loss read, commit call, step)
                         got.append((t1 - t0, t2 - t1, t3 - t2e, (t2e - t2) + (t4 - t3), t4 - t0))
                 dwriter.wait()
@@ -555,8 +593,11 @@ def main() -> None:
         spans: dict[str, list[tuple]] = {m: [] for m in modes}
         lat_all: list[float] = []
         lat_issue: list[float] = []
+        lat_lib: list[float] = []
         for _ in range(2):  # warm-up windows (the ring's segments, the allocator, the threads)
             window("commit")
+            if any("lib" in m.partition("@")[2].split("+") for m in modes):
+                window("commit@lib")  # (and the library's lookup kernel, its tracker's written values)
         for r in range(args.rounds):
             # A fresh random order each round (seeded): with a plain rotation the mode listed after
             # "none" followed a window without commits in all rounds but one, and measured 1.5-2
@@ -571,6 +612,8 @@ def main() -> None:
                     lat_all += lats
                 elif m == "commit@issue":
                     lat_issue += lats
+                elif m == "commit@lib":
+                    lat_lib += lats
             for m in modes:
                 base = "none" + m[len(m.split("@")[0]):]
                 per_round[m].append(meds[m] / meds[base] - 1 if m != base else meds[m])
@@ -603,6 +646,16 @@ def main() -> None:
             out["latency_device_dense_issue_order_ms_max"] = max(lat_issue) * 1e3
             out["latency_device_dense_issue_order_steps"] = (out["latency_device_dense_issue_order_ms"]
                                                              / out["step_none_dense_issue_order_ms"])
+        if "commit@lib" in modes:  # the library's own loop (EmbContext lookup and apply_gradients)
+            ov = [100 * v for v in per_round["commit@lib"]]
+            out["overhead_device_dense_lib_pct"] = statistics.median(ov)
+            out["overhead_device_dense_lib_pct_range"] = [min(ov), max(ov)]
+            out["overhead_device_dense_lib_pct_quartiles"] = statistics.quantiles(ov, n=4) if len(ov) > 1 else ov
+            out["overhead_device_dense_lib_rounds_at_most_2pct"] = sum(v <= 2.0 for v in ov)
+            out["step_none_dense_lib_ms"] = _median_ms(per_round["none@lib"])
+            out["latency_device_dense_lib_ms"] = _median_ms(lat_lib)
+            out["latency_device_dense_lib_ms_max"] = max(lat_lib) * 1e3
+            out["latency_device_dense_lib_steps"] = out["latency_device_dense_lib_ms"] / out["step_none_dense_lib_ms"]
         print("dense loop, interleaved windows (median over %d rounds of %d steps; spans ms: emb, dense launch, "
               "loss read, commit call, step):" % (args.rounds, args.window), flush=True)
         for m in modes:
@@ -617,6 +670,12 @@ def main() -> None:
         print(f"  commit latency {out['latency_device_dense_ms']:.1f} ms median "
               f"({out['latency_device_dense_steps']:.2f} steps), max {out['latency_device_dense_ms_max']:.1f} ms",
               flush=True)
+        if lat_lib:
+            print(f"  commit@lib latency {out['latency_device_dense_lib_ms']:.1f} ms median "
+                  f"({out['latency_device_dense_lib_steps']:.2f} steps), max {out['latency_device_dense_lib_ms_max']:.1f} ms; "
+                  f"rounds at most +2%: {out['overhead_device_dense_lib_rounds_at_most_2pct']} of {args.rounds}, "
+                  f"quartiles " + " ".join(f"{q:+.2f}%" for q in out["overhead_device_dense_lib_pct_quartiles"]),
+                  flush=True)
         if lat_issue:
             print(f"  commit@issue latency {out['latency_device_dense_issue_order_ms']:.1f} ms median "
                   f"({out['latency_device_dense_issue_order_steps']:.2f} steps), max "
