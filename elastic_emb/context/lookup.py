@@ -322,11 +322,15 @@ class LookupHandle:
         self._drained = True
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, ``[len(ids), dim]``. Without ``timeout`` on CUDA this only orders the
-        caller's stream after the lookup (CUDA semantics: the rows are ready for any later work
-        on that stream); with ``timeout`` the host waits until they are ready, at most that long,
-        and raises :class:`~elastic_emb.errors.CommunicationError` past it. Raises
-        :class:`~elastic_emb.errors.ContextClosed` once the context was closed or reset."""
+        """The rows, ``[len(ids), dim]``. On CUDA the host first waits (bounded) for this
+        lookup's id check and every older check record (:mod:`elastic_emb.context.checks`: bad
+        ids raise :class:`~elastic_emb.errors.InvalidIds` here), a small device-to-host read that
+        waits for the lookup's kernels but not for later work; then, without ``timeout``, it
+        only orders the caller's stream after the row exchange (CUDA semantics: the rows are
+        ready for any later work on that stream); with ``timeout`` the host waits until they are
+        ready, at most that long, and raises :class:`~elastic_emb.errors.CommunicationError`
+        past it. Raises :class:`~elastic_emb.errors.ContextClosed` once the context was closed
+        or reset."""
         if self._delivered:
             return self._result  # type: ignore[return-value]
         engine = self._engine
