@@ -147,6 +147,10 @@ EXPECTED_WORLDS = {"scale-down": [2, 1], "node-loss": [2, 1], "worker-crash": [2
 # Loopback for two drills, one namespace per node for the other two (when root can make them),
 # so both network modes run in every test pass.
 NETWORK = {"scale-down": "loopback", "node-loss": "auto", "worker-crash": "auto", "agent-loss": "loopback"}
+# The drill's own deadline for the tests marked timeout(240): well under pytest's, so a hang fails
+# with the drill's error naming its logs (and _explain keeps its directory), not a bare pytest
+# timeout that kills the test before the drill can say anything. These drills take 15-35 s loaded.
+DRILL_S = 180
 
 
 def _leftovers(out: Path) -> list[str]:
@@ -219,7 +223,7 @@ def _check_lossless(report: dict, out: Path, name: str, worlds: list[int], netwo
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(EXPECTED_WORLDS))
 def test_drill_loses_nothing(name, tmp_path):
-    report, out = _run(name, tmp_path, network=NETWORK[name])
+    report, out = _run(name, tmp_path, network=NETWORK[name], timeout=DRILL_S)
     _check_lossless(report, out, name, EXPECTED_WORLDS[name], NETWORK[name])
     if name == "worker-crash":
         # In process: the crashed worker's node leaves the world and rejoins it; the survivor lives on.
@@ -244,7 +248,7 @@ def test_planted_silent_corruption_fails_loudly_naming_rows_and_steps(tmp_path, 
     ones that step wrote), not the first rows of the table. In both resize modes (the join after
     the planting re-forms in process, or restarts every worker; under load it may come after the
     end, which changes nothing here: the restore of the planted commit is the planting's restart)."""
-    report, out = _run("corrupt-snapshot", tmp_path, network="loopback", mode=mode)
+    report, out = _run("corrupt-snapshot", tmp_path, network="loopback", mode=mode, timeout=DRILL_S)
     if mode == "restart":  # every change restarted every worker (in process, the planting does too)
         assert report["resizes"] and {r["mode"] for r in report["resizes"]} == {"restart"}, report["resizes"]
     assert report["ok"] is False
@@ -353,6 +357,31 @@ def test_gpu_drill_2_1_2_loses_nothing(tmp_path):
     assert report["ok"], _explain(report, out)
     assert report["world_sizes"] == [2, 1, 2, 1, 2], _explain(report, out)
     assert all(r["steps_lost"] == 0 for r in report["resizes"])
+
+
+def test_a_fault_waits_until_every_rank_of_the_new_world_has_a_commit_of_it(tmp_path):
+    """The wait after a membership fault (slow steps; the next step-triggered fault held back) ends
+    only once every rank of the new world said a commit made in that world is complete: commits
+    are written in the background, so its first steps may carry only the older world's commit, and
+    a kill then (etcd v3 drill: node 0, alone before the join) would leave nothing to restore from."""
+    from elastic_emb.drill.orchestrator import Drill
+
+    drill = Drill(PRESETS["agent-loss"], tmp_path / "d")
+    drill.slow_file.parent.mkdir(parents=True)
+    drill.slow_file.touch()
+    drill.rank0_pid, drill.generation = 100, 0
+    drill.awaiting = (100, 0, 2, time.monotonic() + 60)  # rank 0's pid and generation at the fault; world 2
+
+    def step(rank: int, step: int, committed: int, generation: int = 1, pid: int = 200) -> None:
+        drill._observe([{"event": "step", "t": time.time(), "step": step, "world": 2, "rank": rank,
+                         "generation": generation, "pid": pid + rank, "committed": committed}])
+
+    step(0, 30, 29)  # the new world steps; its newest complete commit is the old world's (restored) step
+    step(1, 30, 29)
+    step(0, 31, 30)  # rank 0 has a commit of generation 1; rank 1 not yet
+    assert drill.awaiting is not None and drill.slow_file.exists()
+    step(1, 31, 30)
+    assert drill.awaiting is None and not drill.slow_file.exists()
 
 
 @pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable here: {NETNS_WHY}")

@@ -12,8 +12,9 @@ The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` 
 2. fire every fault whose trigger has come (the committed step reached ``at_step``, or
    ``at_time`` seconds passed since the first committed step). After a fault the drill creates
    the workers' slow-down file (``--slow-file``: ``slow_delay`` per step instead of
-   ``step_delay``) until rank 0 of a new incarnation commits a step in a world of the size the
-   fault leads to (at most ``AWAIT_S``), so a short run cannot finish before the resize lands; the
+   ``step_delay``) until a new incarnation steps in a world of the size the fault leads to and
+   every rank of it has a commit of that world complete (at most ``AWAIT_S``; giving up is logged
+   as ``drill_await_gave_up``), so a short run cannot finish before the resize lands; the
    next step-triggered fault waits for that too, and the first waits for a world of all the
    initial nodes;
 3. stop when every agent has exited (training done, or failed), or at the timeout.
@@ -177,6 +178,12 @@ class Drill:
         # (rank 0's pid and generation at the fault, the world size it leads to or None, deadline)
         self.awaiting: tuple[int | None, int, int | None, float] | None = None
         self.generation = -1  # the newest generation seen stepping
+        # A commit complete in a generation, per rank: {generation: {rank: its first step there}} and
+        # {generation: ranks whose progress said a commit of that generation is complete}. A new world
+        # counts as in only once every rank has one (commits are written in the background: the first
+        # steps of a world may have none yet, and a fault then would leave nothing to restore from).
+        self.first_step_in: dict[int, dict[int, int]] = {}
+        self.committed_in: dict[int, set[int]] = {}
         self.history = scenario.simulate()  # the live nodes after each fault
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -375,13 +382,26 @@ class Drill:
                 self.generation = max(self.generation, e.get("generation", -1))
                 if e.get("rank") == 0:
                     self.rank0_pid = e.get("pid")
+                gen, rank = e.get("generation", -1), e.get("rank")
+                first = self.first_step_in.setdefault(gen, {}).setdefault(rank, e["step"])
+                # `committed`: the newest step complete on this rank (the example's progress lines);
+                # a script whose lines lack it is taken at its word that a step is committed.
+                if e.get("committed") is None or e["committed"] >= first:
+                    self.committed_in.setdefault(gen, set()).add(rank)
         if self.awaiting is not None:
             pid, generation, world, deadline = self.awaiting
             # a new incarnation of rank 0 (restart mode), or the same one in a newer generation
             # (mode in_process: the survivors keep their processes), at the world size the fault leads to
             new_world = (self.rank0_pid is not None and self.rank0_pid != pid) or self.generation > generation
-            if (new_world and world in (None, self.world)) or time.monotonic() > deadline:
-                # A new incarnation is stepping (or we gave up waiting): full speed again.
+            # ... and every rank of it has a commit of that world complete (with its replicas): the
+            # next fault (a kill of the node that was alone before) then leaves a world to restore from.
+            committed = set(range(self.world)) <= self.committed_in.get(self.generation, set())
+            given_up = time.monotonic() > deadline
+            if (new_world and world in (None, self.world) and committed) or given_up:
+                # A new incarnation is stepping and has committed (or we gave up waiting): full speed again.
+                if given_up:
+                    log.warning("drill_await_gave_up", seconds=AWAIT_S, world=self.world, expected_world=world,
+                                generation=self.generation, committed_ranks=sorted(self.committed_in.get(self.generation, ())))
                 self.awaiting = None
                 self.slow_file.unlink(missing_ok=True)
         for node in self.nodes.values():
