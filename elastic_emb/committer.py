@@ -291,6 +291,19 @@ class Committer:
             if comm is not None:
                 comm.abort(reason)
 
+    def give_up_on(self, ranks, reason: str) -> None:
+        """Ranks of this generation left the rendezvous without a failed collective (``reason``):
+        a commit in flight still waiting for their part ends now instead of at
+        ``transfer_timeout`` (seen: a survivor's commit of the step its evicted orphan was told
+        not to commit), while a commit they finished before leaving (a drain) completes, so a
+        graceful resize still loses no step (:meth:`Comm.give_up_on`)."""
+        writer = self._writer  # one read each: the training thread may replace them meanwhile
+        if writer is not None:
+            writer.give_up_on(ranks, reason)
+        for comm in (self._comm, self._dcomm):
+            if comm is not None:
+                comm.give_up_on(ranks, reason)
+
     def _made(self, comm: Comm) -> Comm:
         """A communicator just made for this generation: aborted at once when the generation was
         interrupted already."""

@@ -362,7 +362,15 @@ class InProcessResize:
         failed = failed or self.watcher.failure_seen or self.neighbour_dead.is_set()
         deadline = time.monotonic() + (self.detect_timeout if failed else 0.0)
         gone = self._roll_call(self.lc.topology) if failed else self._gone()
-        if gone and not failed:  # a survivor whose probe saw the same departure first holds a roll call
+        if gone and not failed:
+            # A commit in flight may wait for these nodes' part; once their heads are out of the
+            # rendezvous they will never send it, and after the decision below (watcher.adopt) no
+            # store guard calls them members: give up on what they have not sent (a drained node
+            # sent all of it before it left, so a graceful resize still loses no step).
+            lws = self.lc.topology.local_world_size
+            self.lc.give_up_on([i * lws + r for i, n in enumerate(self.nodes) if n in gone for r in range(lws)],
+                               f"nodes {list(gone)} left the rendezvous")
+            # a survivor whose probe saw the same departure first holds a roll call
             reader = self.watcher._reader
             raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
             self._rollcall(self.lc.topology.generation + 1).present(self.watcher.node, self.lc.topology.local_rank)

@@ -98,3 +98,72 @@ def _state(pid: int) -> str:
     """The process state letter of ``pid`` (``T``: stopped), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _three_rank_comms(store, port: int, generation: int, timeout: float):
+    """Three ranks' state communicators of one generation over one real TCPStore on loopback,
+    store exchanges only (a process group that is never used: no gloo group to form)."""
+    from elastic_emb.state.comm import Comm
+    from elastic_emb.topology import Topology
+
+    comms = []
+    for rank in range(3):
+        topo = Topology(run_id="gone", generation=generation, rank=rank, world_size=3, local_rank=0,
+                        local_world_size=1, node_rank=rank, num_nodes=3, ep_size=2, backend="gloo",
+                        master_addr="127.0.0.1", master_port=port)
+        comms.append(Comm(topo, store, object(), timeout=timeout, purpose="commit", interruptible=True))
+    return comms
+
+
+def _exchange_in_thread(comm, name: str) -> dict:
+    out: dict = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            out["values"] = comm.exchange(name, comm.rank)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["error"] = exc
+        out["ended_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return {"thread": thread, "out": out}
+
+
+def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_completes():
+    """The in-process resize gives up on the ranks of nodes that left (``Comm.give_up_on``, from
+    ``Resize.run`` through ``Lifecycle.give_up_on``): a commit's exchange still waiting for one of
+    them ends at once (seen: a survivor waited ``transfer_timeout`` for the orphan that was told
+    not to commit the step), while an exchange they had published their part of waits for the
+    live ranks and completes (a drained node: the graceful resize loses no step)."""
+    from elastic_emb.errors import CommAborted
+
+    timeout = 60.0
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=timeout))
+    # 1. rank 1 never publishes (it died, or was evicted before its part); rank 2 does.
+    c0, _c1, c2 = _three_rank_comms(store, port, 1, timeout)
+    _exchange_in_thread(c2, "snap10")
+    waiting = _exchange_in_thread(c0, "snap10")
+    time.sleep(0.3)
+    assert waiting["thread"].is_alive(), "rank 0's exchange ended before rank 1 was given up on"
+    c0.give_up_on([1], "node B left the rendezvous")
+    waiting["thread"].join(timeout / 2)
+    out = waiting["out"]
+    assert isinstance(out.get("error"), CommAborted), out
+    assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
+    assert out["ended_s"] < timeout / 2
+    # 2. rank 1 published its part before it left (a drain); rank 2 publishes after the give-up.
+    c0, c1, c2 = _three_rank_comms(store, port, 2, timeout)
+    _exchange_in_thread(c1, "snap11")  # publishes, then waits for the others (its thread is a daemon)
+    time.sleep(0.2)
+    later = _exchange_in_thread(c0, "snap11")
+    c0.give_up_on([1], "node B left the rendezvous")
+    time.sleep(0.3)
+    assert later["thread"].is_alive(), "rank 0's exchange ended without rank 2's part"
+    last = _exchange_in_thread(c2, "snap11")
+    later["thread"].join(timeout / 2)
+    last["thread"].join(timeout / 2)
+    assert later["out"].get("values") == [0, 1, 2], later["out"]
+    assert last["out"].get("values") == [0, 1, 2], last["out"]

@@ -98,6 +98,7 @@ class Comm:
         self._op = 0
         self.interruptible = interruptible
         self._aborted = threading.Event()
+        self._gone: tuple[frozenset[int], str] = (frozenset(), "")  # give_up_on: ranks known gone, why
         self._waits = WorkWaits(f"rank {self.rank} (generation {topology.generation}, state communicator {purpose})")
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
@@ -109,7 +110,7 @@ class Comm:
         self.store.set(f"{base}/{self.rank}", json.dumps(obj))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
-            if self.interruptible or self._aborted.is_set():  # aborted: keys not all there raise at once
+            if self.interruptible or self._aborted.is_set() or self._gone[0]:  # aborted: keys not all there raise at once
                 self._poll(keys, name)
             else:
                 self.store.wait(keys, timedelta(seconds=self.timeout))
@@ -124,13 +125,19 @@ class Comm:
         return [json.loads(v) for v in self.store.multi_get(keys)]
 
     def _poll(self, keys: list[str], name: str) -> None:
-        """Wait for ``keys`` by polling (bounded by the timeout), ending early on :meth:`abort`."""
+        """Wait for ``keys`` (``keys[r]``: rank r's) by polling (bounded by the timeout), ending
+        early on :meth:`abort`, or when a key of a rank given up on (:meth:`give_up_on`) is missing."""
         deadline = time.monotonic() + self.timeout
         pause = POLL_FIRST
         while not self.store.check(keys):
             if self._aborted.wait(pause):
                 raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
                                   f"the communicator was aborted (a peer died)")
+            gone, why = self._gone
+            missing = [r for r in sorted(gone) if r < len(keys) and not self.store.check([keys[r]])]
+            if missing:
+                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                                  f"ranks {missing} will never publish ({why})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.timeout}s for {len(keys)} keys")
             pause = min(2 * pause, POLL_MAX)
@@ -192,6 +199,16 @@ class Comm:
         tensors, until it completes, fails or times out (``work_wait.py``)."""
         self._aborted.set()
         self._waits.interrupt(reason)
+
+    def give_up_on(self, ranks, reason: str) -> None:
+        """Ranks ``ranks`` of this generation are gone from the rendezvous (any thread): an exchange
+        that still misses one of their keys raises :class:`CommAborted` now, since they will never
+        write it, while one whose gone ranks had all published (a node that drained: it finished
+        its part of the commit before it left) still waits for the live ranks and completes.
+        Unlike :meth:`abort`, a transfer in flight is not ended: it cannot tell which peer it waits
+        for, and a gloo transfer from a process that exited fails on its own."""
+        gone = frozenset(int(r) for r in ranks)
+        self._gone = (self._gone[0] | gone, reason)
 
     @property
     def aborted(self) -> bool:

@@ -171,6 +171,13 @@ class CommitWriter:
         self._interrupted = reason  # before the abort: the thread reads it once its wait ends
         self.comm.abort(reason)
 
+    def give_up_on(self, ranks, reason: str) -> None:
+        """Ranks of this generation left the rendezvous (called from another thread): the write in
+        flight fails now if it still waits for a key of theirs (``Comm.give_up_on``), and is logged
+        as ``commit_aborted`` (warning, with ``reason``); one they had done their part of completes."""
+        self._interrupted = reason  # before the comm reads it: the thread reads it once its wait ends
+        self.comm.give_up_on(ranks, reason)
+
     def abandon(self) -> int | None:
         """A peer died: drop the commits in flight without waiting for them (module docstring).
         Returns the oldest step dropped, or None when none was in flight. The writer is unusable
