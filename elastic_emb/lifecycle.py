@@ -170,14 +170,13 @@ class Lifecycle:
             ctx.interrupt(reason)
         self._committer.interrupt(reason)
 
-    # -- commits -----------------------------------------------------------------------------
-
-
     def give_up_on(self, ranks, reason: str) -> None:
         """Ranks of the current generation left the rendezvous (the in-process resize, before it
         re-forms without them): the commit in flight stops waiting for what they will never send
         (:meth:`Committer.give_up_on`); what they finished before leaving still completes."""
         self._committer.give_up_on(ranks, reason)
+
+    # -- commits -----------------------------------------------------------------------------
 
     def commit(self, step: int, *, force: bool = False) -> CommitReport | None:
         """Record that training finished ``step``; write the tiers the cadence asks for.
