@@ -144,7 +144,7 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=timeout))
     # 1. rank 1 never publishes (it died, or was evicted before its part); rank 2 does.
     c0, _c1, c2 = _three_rank_comms(store, port, 1, timeout)
-    _exchange_in_thread(c2, "snap10")
+    other = _exchange_in_thread(c2, "snap10")
     waiting = _exchange_in_thread(c0, "snap10")
     time.sleep(0.3)
     assert waiting["thread"].is_alive(), "rank 0's exchange ended before rank 1 was given up on"
@@ -154,9 +154,14 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     assert isinstance(out.get("error"), CommAborted), out
     assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
     assert out["ended_s"] < timeout / 2
+    # Rank 2 still waits for rank 1: end it, so that no thread is left polling the store when the
+    # test process exits (a store call returning during interpreter teardown aborts the process).
+    c2.abort("the test is over")
+    other["thread"].join(timeout / 2)
+    assert isinstance(other["out"].get("error"), CommAborted), other["out"]
     # 2. rank 1 published its part before it left (a drain); rank 2 publishes after the give-up.
     c0, c1, c2 = _three_rank_comms(store, port, 2, timeout)
-    _exchange_in_thread(c1, "snap11")  # publishes, then waits for the others (its thread is a daemon)
+    first = _exchange_in_thread(c1, "snap11")  # publishes, then waits for the others
     time.sleep(0.2)
     later = _exchange_in_thread(c0, "snap11")
     c0.give_up_on([1], "node B left the rendezvous")
@@ -165,5 +170,7 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     last = _exchange_in_thread(c2, "snap11")
     later["thread"].join(timeout / 2)
     last["thread"].join(timeout / 2)
+    first["thread"].join(timeout / 2)
+    assert first["out"].get("values") == [0, 1, 2], first["out"]
     assert later["out"].get("values") == [0, 1, 2], later["out"]
     assert last["out"].get("values") == [0, 1, 2], last["out"]
