@@ -54,6 +54,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 
+from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.keys import inproc_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
 
@@ -85,10 +86,11 @@ def watch_neighbour(owner, tick: Callable[[object], None], log, every: float = N
         while True:
             time.sleep(every)
             target = ref()
-            if target is None:
+            if target is None or exiting():
                 return
             try:
-                tick(target)
+                with native_call():  # store reads: the process's exit waits for one in flight
+                    tick(target)
             except Exception as exc:  # the heartbeat and the collectives still find the dead
                 if type(exc).__name__ not in reported:
                     reported.add(type(exc).__name__)

@@ -66,6 +66,7 @@ from typing import Any
 
 from elastic_emb.events import get_logger
 from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
+from elastic_emb.native_calls import exiting, native_call
 # The worker side imports the wire contract (keys), the shared decoder and view (decode), the
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
@@ -385,8 +386,9 @@ class Watcher:
         return event
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._poll()
+        while not self._stop.wait(self.interval) and not exiting():
+            with native_call():  # store reads: the process's exit waits for one in flight
+                self._poll()
             if self._evicted:
                 return
 

@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 
 from elastic_emb.errors import TransferInterrupted
+from elastic_emb.native_calls import native_call
 
 
 class WorkWaits:
@@ -102,13 +103,14 @@ class WorkWaits:
 
         def run() -> None:
             ok = True
-            for w in works:  # every one, so that every one ends complete (take_abandoned)
-                try:
-                    ok = w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic()))) and ok
-                except BaseException as exc:  # the first is raised in the waiting thread at once
-                    if not outcome:
-                        outcome.update(ok=False, error=exc)
-                        done.set()
+            with native_call():  # the process's exit waits for these (briefly: native_calls.py)
+                for w in works:  # every one, so that every one ends complete (take_abandoned)
+                    try:
+                        ok = w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic()))) and ok
+                    except BaseException as exc:  # the first is raised in the waiting thread at once
+                        if not outcome:
+                            outcome.update(ok=False, error=exc)
+                            done.set()
             if not outcome:
                 outcome.update(ok=ok, error=None)
             done.set()

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from elastic_emb.errors import CommunicationError, TransferInterrupted
 from elastic_emb.events import get_logger
+from elastic_emb.native_calls import native_call
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
 from elastic_emb.work_wait import WorkWaits
@@ -298,7 +299,8 @@ class Release:
     def _call(self, method: str) -> bool:
         def target() -> None:
             try:
-                getattr(self.pg, method)()
+                with native_call():  # the process's exit waits for it (briefly: native_calls.py)
+                    getattr(self.pg, method)()
             except Exception as exc:  # reported, not swallowed silently
                 self.error = f"{method}: {exc}"
                 self._log.warning("context.group_release_failed", method=method, error=str(exc))
@@ -328,8 +330,9 @@ class Release:
                     break
                 time.sleep(0.02)
         finally:
-            self.pg = self._keep = None  # the last reference, unless a holder still has one
-            self._abandoned = []
+            with native_call():  # a gloo group's destructor joins its threads, GIL released
+                self.pg = self._keep = None  # the last reference, unless a holder still has one
+                self._abandoned = []
             self.done.set()
 
     def start(self) -> None:

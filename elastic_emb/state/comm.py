@@ -10,7 +10,9 @@ the store as JSON, never pickle, and every wait on it is bounded by the communic
 A communicator used from a background thread (``interruptible``) waits on the store by polling
 in short sleeps, so that :meth:`Comm.abort` from another thread ends the wait at once: a thread
 still blocked inside the store client when the process exits is torn down mid-call (seen: the
-store's server, in rank 0's process, closing under it aborts the process).
+store's server, in rank 0's process, closing under it aborts the process). The poll also ends
+when the process exits, and its store calls, like every blocking call a background thread makes
+here, are made inside :func:`~elastic_emb.native_calls.native_call`, which the exit waits for.
 
 Tensor transfers on gloo (restore's row moves over point-to-point sends and receives, the
 replicas' all-to-all) wait through :class:`~elastic_emb.work_wait.WorkWaits`: :meth:`Comm.abort`
@@ -36,6 +38,7 @@ import torch
 from elastic_emb import config
 from elastic_emb.errors import CommAborted, MemberGone
 from elastic_emb.events import get_logger
+from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.topology import Topology
 from elastic_emb.work_wait import WorkWaits
 
@@ -103,6 +106,10 @@ class Comm:
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
         """All-gather a JSON-able object through the store; returns one entry per rank."""
+        with native_call():  # store calls, maybe on a background thread: the exit waits for them
+            return self._exchange(name, obj)
+
+    def _exchange(self, name: str, obj: Any) -> list[Any]:
         self._op += 1
         if self.size == 1:  # nobody to hear from: no store round trips (the background writer exchanges per commit)
             return [json.loads(json.dumps(obj))]
@@ -133,6 +140,9 @@ class Comm:
             if self._aborted.wait(pause):
                 raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
                                   f"the communicator was aborted (a peer died)")
+            if exiting():
+                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                                  f"the process is exiting")
             gone, why = self._gone
             missing = [r for r in sorted(gone) if r < len(keys) and not self.store.check([keys[r]])]
             if missing:
@@ -182,7 +192,7 @@ class Comm:
             finally:
                 abandoned = self._waits.take_abandoned()
                 if abandoned:  # interrupted or timed out: a thread holds the group until they end
-                    threading.Thread(target=_hold, args=(self.pg, abandoned, self.timeout + 1.0),
+                    threading.Thread(target=_hold, args=([self.pg], abandoned, self.timeout + 1.0),
                                      name="elastic_emb-comm-hold", daemon=True).start()
         if not ok:
             raise RuntimeError(f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
@@ -236,13 +246,22 @@ def _release(pg, method: str) -> None:
         log.warning("state_comm_close_failed", method=method, error=repr(exc))
 
 
-def _hold(pg, works: list, bound: float) -> None:
-    """Hold ``pg`` until the abandoned ``works`` are complete (at most ``bound`` seconds: gloo
-    fails them at its timeout), then drop it in this thread: dropped last elsewhere meanwhile,
-    its destructor would block that thread until the transfer times out."""
-    deadline = time.monotonic() + bound
-    while not all(w.is_completed() for w in works):
-        if time.monotonic() > deadline:
-            log.warning("state_abandoned_work_pending", works=len(works), seconds=bound)
-            return
-        time.sleep(0.02)
+def _hold(holder: list, works: list, bound: float) -> None:
+    """Hold the group in ``holder`` (its only entry) until the abandoned ``works`` are complete
+    (at most ``bound`` seconds: gloo fails them at its timeout), then drop it in this thread:
+    dropped last elsewhere meanwhile, its destructor would block that thread until the transfer
+    times out. The drop is a blocking torch call (the destructor releases the GIL), so it is made
+    inside :func:`native_call`; the holder list lets it be the last reference (the thread's own
+    arguments would otherwise keep the group until after this function returned)."""
+    pg = holder.pop()
+    try:
+        deadline = time.monotonic() + bound
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                log.warning("state_abandoned_work_pending", works=len(works), seconds=bound)
+                return
+            time.sleep(0.02)
+    finally:
+        with native_call():
+            works.clear()
+            del pg

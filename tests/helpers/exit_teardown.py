@@ -1,0 +1,98 @@
+"""A process that exits while its daemon threads are inside blocking torch calls
+(tests/test_native_calls.py). ``argv``: mode, store port.
+
+Modes:
+- ``raw``: a daemon thread in plain ``store.wait`` calls (0.3 s each, in a loop), one of which
+  returns while the interpreter finalises (a module global's ``__del__`` keeps finalisation
+  going for 3 s): the process aborts (the failure the guard exists for: the test can fail);
+- ``guarded``: a wait made by the library (``Comm.exchange`` of a communicator that does not
+  poll: ``store.wait``, 1 s, inside ``native_call``): the exit waits for it (torch logs its
+  timeout), and the process exits 0;
+- ``mixed``: a polling exchange (interruptible, 60 s timeout), which must end when the exit
+  starts, and a wait of 30 s inside ``native_call``, which the exit gives up on after the grace
+  (2 s): the exit reports exactly one call still running.
+"""
+
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+mode, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=60))
+
+
+class SlowTeardown:
+    def __del__(self) -> None:  # runs while the interpreter finalises (module globals cleared)
+        time.sleep(3.0)
+
+
+keep = SlowTeardown()
+
+
+def comm(interruptible: bool, timeout: float):
+    from elastic_emb.state.comm import Comm
+    from elastic_emb.topology import Topology
+
+    topo = Topology(run_id="exit", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
+                    node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    return Comm(topo, store, object(), timeout=timeout, purpose="commit", interruptible=interruptible)
+
+
+started = threading.Event()  # raw: the thread's first wait ended (it runs its loop)
+
+
+def in_thread(fn) -> None:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # the waits end in errors (timeout, exit): the exit status is the test
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def raw_waits() -> None:
+    # Short waits in a loop: the thread is inside one nearly all the time, so teardown (3 s)
+    # cannot miss a return from one.
+    while True:
+        try:
+            store.wait(["never"], timedelta(seconds=0.3))
+        except Exception:
+            started.set()
+
+
+def until(ready, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not happen within 60 s")
+        time.sleep(0.01)
+
+
+if mode == "raw":
+    in_thread(raw_waits)
+    until(started.is_set, "a first wait of the thread")
+elif mode in ("guarded", "mixed"):
+    from elastic_emb import native_calls
+
+    if mode == "guarded":
+        waiting = comm(False, 1.0)
+        in_thread(lambda: waiting.exchange("never", 0))
+        until(lambda: native_calls.in_flight() == 1, "the exchange")  # from here the exit waits for it
+    else:
+        native_calls.EXIT_GRACE_S = 2.0
+
+        def stuck() -> None:
+            with native_calls.native_call():
+                store.wait(["never"], timedelta(seconds=30.0))
+
+        polling = comm(True, 60.0)
+        in_thread(lambda: polling.exchange("never", 0))
+        in_thread(stuck)
+        until(lambda: native_calls.in_flight() == 2, "both calls")
+else:
+    raise SystemExit(f"mode {mode!r}: use raw, guarded or mixed")
+print("exiting", flush=True)

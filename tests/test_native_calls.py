@@ -1,0 +1,41 @@
+"""The exit of a process whose background threads are inside blocking torch calls
+(``elastic_emb/native_calls.py``): a call returning during the interpreter's teardown aborts the
+process ('terminate called without an active exception'), so the exit waits for calls in flight,
+briefly, and polling loops end when it starts. Real processes, a real TCPStore on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from elastic_emb.testing.ports import free_port
+
+SCRIPT = Path(__file__).resolve().parent / "helpers" / "exit_teardown.py"
+ABORT = "terminate called without an active exception"
+
+
+def _run(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), mode, str(free_port())], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_store_wait_returning_during_teardown_aborts_the_process_unless_the_exit_waits_for_it():
+    raw = _run("raw")  # the failure itself: without the guard, the process aborts at exit
+    if sys.version_info < (3, 14):  # 3.14 parks such a thread instead of ending it with pthread_exit
+        assert raw.returncode == -signal.SIGABRT and ABORT in raw.stderr, (raw.returncode, raw.stderr[-2000:])
+    guarded = _run("guarded")  # the library's exchange: the exit waited for its store.wait
+    assert "exiting" in guarded.stdout
+    assert "timed out after 1000ms" in guarded.stderr, guarded.stderr[-2000:]  # it ran to its end, in the process
+    assert guarded.returncode == 0 and ABORT not in guarded.stderr, (guarded.returncode, guarded.stderr[-2000:])
+
+
+def test_a_polling_exchange_ends_at_exit_and_a_stuck_call_is_reported_after_the_grace():
+    out = _run("mixed")
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    # Two calls were in flight at exit; the polling exchange (60 s timeout) ended when the exit
+    # began, so only the 30 s wait was left when the 2 s grace ran out.
+    assert "elastic_emb: 1 background torch call(s) still running after the 2.0s exit grace" in out.stderr, \
+        out.stderr[-2000:]
