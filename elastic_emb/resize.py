@@ -101,6 +101,13 @@ from elastic_emb.topology import Topology, largest_power_of_two_at_most
 log = get_logger("elastic_emb.resize")
 
 
+def rank_of(node_index: int, local_rank: int, local_world_size: int) -> int:
+    """The rank rule of an in-process re-form (module docstring): a node's workers take the ranks
+    of its place in the decided node list; the joiner, the survivors and the give-up on departed
+    nodes all count ranks this one way."""
+    return node_index * local_world_size + local_rank
+
+
 class InProcessResize:
     """Drives :meth:`Lifecycle.on_membership_change` from the watcher's view (module docstring)."""
 
@@ -184,7 +191,7 @@ class InProcessResize:
         nodes = tuple(str(n) for n in record["nodes"])
         lws, local = int(env["LOCAL_WORLD_SIZE"]), int(env["LOCAL_RANK"])
         node_rank = nodes.index(me)
-        rank, world = node_rank * lws + local, len(nodes) * lws
+        rank, world = rank_of(node_rank, local, lws), len(nodes) * lws
         env.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(len(nodes)),
                    MASTER_ADDR=str(record["master_addr"]), MASTER_PORT=str(record["master_port"]),
                    ELASTIC_EMB_GENERATION=str(record["generation"]))
@@ -368,7 +375,7 @@ class InProcessResize:
             # store guard calls them members: give up on what they have not sent (a drained node
             # sent all of it before it left, so a graceful resize still loses no step).
             lws = self.lc.topology.local_world_size
-            self.lc.give_up_on([i * lws + r for i, n in enumerate(self.nodes) if n in gone for r in range(lws)],
+            self.lc.give_up_on([rank_of(i, r, lws) for i, n in enumerate(self.nodes) if n in gone for r in range(lws)],
                                f"nodes {list(gone)} left the rendezvous")
             # a survivor whose probe saw the same departure first holds a roll call
             reader = self.watcher._reader
@@ -466,7 +473,7 @@ class InProcessResize:
         ep = self._fixed_ep if self._fixed_ep is not None and self._fixed_ep <= world else largest_power_of_two_at_most(world)
         node_rank = nodes.index(self.watcher.node)
         return Topology(**{**old.model_dump(), "generation": old.generation + 1, "world_size": world,
-                           "num_nodes": len(nodes), "node_rank": node_rank, "rank": node_rank * lws + old.local_rank,
+                           "num_nodes": len(nodes), "node_rank": node_rank, "rank": rank_of(node_rank, old.local_rank, lws),
                            "ep_size": ep})
 
     def _world_store(self):
