@@ -30,6 +30,7 @@ import torch
 
 from elastic_emb.errors import ChecksumMismatch
 from elastic_emb.events import get_logger
+from elastic_emb.native_calls import native_call
 from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.state import points
@@ -106,7 +107,8 @@ class DurableTier:
 
         def run() -> None:
             try:
-                self._save(step, shards, comm, num_rows, group, copied)
+                with native_call():  # DCP's writes and collectives: the exit waits for them (briefly)
+                    self._save(step, shards, comm, num_rows, group, copied)
             except BaseException as exc:  # reported by finish and by the future's waiter
                 log.error("durable_commit_failed", step=step, error=repr(exc)[:500])
                 fut.set_exception(exc)

@@ -40,6 +40,7 @@ from collections import deque
 
 from elastic_emb import metrics
 from elastic_emb.events import get_logger
+from elastic_emb.native_calls import native_call
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.snapshot import Capture, SnapshotTier
 
@@ -105,10 +106,11 @@ class CommitWriter:
                 cap = self._writing = self._queue.popleft()
             t0 = time.perf_counter()
             try:
-                written, replicated = self.tier.write(cap, self.comm)
-                if self._abandoned:  # a re-form is under way on a new communicator: prune nothing here
-                    raise _Abandoned()
-                self.tier.prune(self.comm)
+                with native_call():  # device syncs, transfers, store calls: the exit waits for them
+                    written, replicated = self.tier.write(cap, self.comm)
+                    if self._abandoned:  # a re-form is under way on a new communicator: prune nothing here
+                        raise _Abandoned()
+                    self.tier.prune(self.comm)
             except BaseException as exc:  # raised to the training thread by the next submit or wait
                 if self._abandoned:
                     log.warning("commit_abandoned", step=cap.step, seconds=round(time.perf_counter() - t0, 6),
