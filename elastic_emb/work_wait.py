@@ -42,7 +42,7 @@ class WorkWaits:
     def __init__(self, where: str) -> None:
         self.where = where  # named in the error: "rank 1 (generation 3)"
         self.reason: str | None = None  # why every wait ends now; the first interrupt's reason
-        self._waiting: set[threading.Event] = set()
+        self._waiting: dict[threading.Event, list] = {}  # each wait in progress: its event, its works
         self._abandoned: list = []  # works whose wait ended before they did (take_abandoned)
         self._lock = threading.Lock()
 
@@ -56,13 +56,18 @@ class WorkWaits:
         for done in waiting:
             done.set()
 
-    def take_abandoned(self) -> list:
+    def take_abandoned(self, waiting: bool = False) -> list:
         """The works whose wait ended (interrupt, timeout) before they did, handed over once: the
         caller holds their process group until they are complete (a gloo group's destructor
-        joins its worker threads, so dropped meanwhile it blocks until the transfer times out)."""
+        joins its worker threads, so dropped meanwhile it blocks until the transfer times out).
+        ``waiting``: with them, the works of the waits still in progress (for a release from
+        another thread right after an interrupt: it has woken the waits, which may not have
+        recorded their works yet)."""
         with self._lock:
             abandoned, self._abandoned = self._abandoned, []
-        return abandoned
+            if waiting:
+                abandoned += [w for works in self._waiting.values() for w in works]
+            return abandoned
 
     def check(self, what: str) -> None:
         """Raise :class:`TransferInterrupted` if interrupted (before posting more work)."""
@@ -133,18 +138,20 @@ class WorkWaits:
         with self._lock:
             armed = self.reason is None  # interrupted already: no wait at all
             if armed:
-                self._waiting.add(done)
+                self._waiting[done] = works
+        ok = False
         try:
             if armed:
                 arm()
                 done.wait(timeout)
         finally:
-            with self._lock:
-                self._waiting.discard(done)
-        if finished():
+            ok = finished()
+            with self._lock:  # one step: take_abandoned sees the works in one list or the other
+                self._waiting.pop(done, None)
+                if not ok:  # interrupted or timed out: the works are abandoned (module docstring)
+                    self._abandoned.extend(works)
+        if ok:
             return True
-        with self._lock:  # interrupted or timed out: the works are abandoned (module docstring)
-            self._abandoned.extend(works)
         if self.reason is not None:
             raise self._error(what)
         return False

@@ -229,7 +229,7 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
             group.wait(work, None, "the test's all-to-all")
         held = group.pg  # another holder of the group, as the committer's state communicator
         group.release(abort=True, wait=False)  # as the context's close on a resize: gloo's abort
-        group_module._RELEASES[-1].done.wait(0.5)  # in a thread; it holds the group while the send runs
+        assert group_module._RELEASES[-1].released.wait(5)  # in a thread; it holds the group while the send runs
         del held  # dropped while the abandoned send runs: the group's destructor must not run here
         ended = time.monotonic() - t0
         assert owner.found and not group.healthy
@@ -240,3 +240,72 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
         if peer.poll() is None:
             peer.kill()
         peer.wait(10)
+
+
+# The survivor of the killed-peer case in a process of its own, as a worker after an in-process
+# re-form: its wait is interrupted, it releases the group as ``EmbContext.reset`` does for an
+# unhealthy one (abort, waited), and exits (the context package's exit hook runs).
+SURVIVOR = """
+import os, signal, sys, threading, time
+from datetime import timedelta
+import structlog, torch, torch.distributed as dist
+import elastic_emb.context  # its exit hook waits for the releases in flight
+from elastic_emb.context import group as group_module
+from elastic_emb.context.group import Group
+from elastic_emb.errors import CommunicationError
+from elastic_emb.topology import Topology
+port, peer_pid, n, timeout = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
+topo = Topology(run_id="rc", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
+                num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1", master_port=port)
+group = Group.form(topo, store, torch.device("cpu"), timeout, False, structlog.get_logger())
+store.wait(["posted"], timedelta(seconds=30))
+time.sleep(0.2)  # the peer is stopped
+work = group.alltoall(torch.empty(2, dtype=torch.uint8), torch.zeros(n + 1, dtype=torch.uint8), [1, 1], [1, n])
+time.sleep(0.5)
+os.kill(peer_pid, signal.SIGKILL)  # mid-transfer: 64 MiB cannot have left rank 0
+threading.Timer(0.3, group.interrupt, ("the peer was killed",)).start()  # as the liveness probe does
+try:
+    group.wait(work, None, "the test's all-to-all")
+    raise SystemExit("the all-to-all completed: the peer took the bytes")
+except CommunicationError:
+    pass
+t0 = time.monotonic()
+group.release(abort=True)  # as EmbContext.reset releases an unhealthy group: waited
+released = time.monotonic() - t0
+holding = group_module._RELEASES[-1].holding() if group_module._RELEASES else False
+print(f"released {released:.3f} holding {holding} exit_at {time.time():.3f}", flush=True)
+"""
+
+
+def test_a_waited_release_and_the_exit_after_an_abandoned_transfer_do_not_wait_for_it():
+    """A gloo group's destructor joins its worker threads, so it waits for a transfer abandoned
+    to a dead peer until the group's timeout. ``release(abort=True)`` waited (as
+    ``EmbContext.reset`` releases an unhealthy group on a same-size re-form) blocked the caller
+    for that long, and so did the exit of a process with such a group in a release thread (the
+    context package's exit hook waited for the group to be dropped): 30 s each. Now a thread
+    holds the group until the transfer ends and the exit hook waits only for the abort. The
+    survivor runs in a process of its own; it must still hold the group (the transfer runs),
+    and both its release and its exit must end within half the timeout (the margin for a
+    loaded machine; without the fix each takes the whole timeout)."""
+    timeout, n = 30.0, 64 << 20
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), "127.0.0.1_2_0", str(n), str(timeout)])
+    survivor = subprocess.Popen([sys.executable, "-c", SURVIVOR, str(master.port), str(peer.pid), str(n), str(timeout)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = survivor.communicate(timeout=120)
+        exited = time.time()
+        assert survivor.returncode == 0, f"the survivor failed (rc {survivor.returncode}): {out!r}"
+        line = [ln for ln in out.splitlines() if ln.startswith("released ")][-1].split()
+        released, holding, exit_at = float(line[1]), line[3] == "True", float(line[5])
+        assert released < timeout / 2, f"release(abort=True) waited {released:.1f} s for the abandoned transfer"
+        assert holding, "the abandoned transfer had ended before the release: the case was not exercised"
+        assert exited - exit_at < timeout / 2, (
+            f"the survivor took {exited - exit_at:.1f} s to exit after its release (timeout {timeout:g} s)")
+        print(f"\nrelease {released:.3f} s, exit {exited - exit_at:.2f} s (gloo's timeout {timeout:g} s)")
+    finally:
+        for p in (survivor, peer):
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)

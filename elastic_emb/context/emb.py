@@ -79,8 +79,10 @@ def _close_open_contexts() -> None:
         except Exception:
             pass
     # Communicators still being released in the background: let them finish before torch's
-    # own teardown (bounded by their timeouts).
-    wait_releases()
+    # own teardown (bounded by their timeouts). Not the abandoned transfers an aborted gloo
+    # group is held for: its daemon thread keeps it, so it is never destroyed (its destructor
+    # would wait for the transfer, up to the timeout: the exit after a re-form took 30 s).
+    wait_releases(dropped=False)
 
 
 class EmbContext(ContextBase):

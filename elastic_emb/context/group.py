@@ -29,6 +29,10 @@ its own until the abandoned work is complete: a caller (or any other holder, the
 state communicator) that drops its reference meanwhile never waits for the transfer. Seen before:
 the background release dropped its reference first, the caller's return from :meth:`release`
 dropped the last one, and a survivor meant to leave at the liveness probe sat out gloo's 30 s.
+A waited release (``wait=True``: ``EmbContext.reset`` of an unhealthy group) aborts before it
+returns and leaves the holding to a thread too (it blocked the re-form for the timeout), and the
+exit waits for the aborts only (:func:`wait_releases` ``dropped=False``): the holding thread is a
+daemon, so such a group is never destroyed and the process does not sit out the transfer.
 
 Release: gloo is aborted (closing this rank's connections; a healthy close has drained every
 pending collective first), by a background thread after an interrupt. NCCL is destroyed when
@@ -260,25 +264,30 @@ class Group:
             return
         if abort and self.interrupted is None:  # a wait in another thread ends now
             self.interrupt("the communicator was aborted (a peer died)")
-        abandoned = self._waits.take_abandoned()
-        if self.topology.backend == "gloo" and (wait or self.interrupted is None):
+        abandoned = self._waits.take_abandoned(waiting=True)  # and those of waits ending now
+        if self.topology.backend == "gloo" and not abandoned and (wait or self.interrupted is None):
             # Gloo: abort() only closes this rank's connections. A healthy close has drained every
             # pending lookup first, so no collective is in flight and no peer loses data; shutdown()
             # left a joinable thread behind when a peer had died ("terminate called without an
-            # active exception" at interpreter exit), abort did not. After an interrupted wait the
-            # group's destructor blocks until the abandoned transfer times out: with wait=False
-            # a thread aborts and holds the group until then (module docstring).
+            # active exception" at interpreter exit), abort did not. After an abandoned wait the
+            # group's destructor blocks until the transfer times out: a Release aborts it and a
+            # thread holds the group until then, whether or not the caller waits (module docstring).
             try:
                 pg.abort()
             except Exception as exc:  # reported, not swallowed silently
                 self.log.warning("context.group_release_failed", method="abort", error=str(exc))
             return
-        release = Release(pg, "abort" if abort else "shutdown", self.timeout, self.log, keep, abandoned)
+        method = "abort" if abort or self.topology.backend == "gloo" else "shutdown"  # gloo: as above
+        release = Release(pg, method, self.timeout, self.log, keep, abandoned)
         del pg, keep, abandoned  # the release holds the group now: this frame must not drop it last
-        if wait:
-            release.run()
-        else:
+        if not wait:
             release.start()
+            return
+        release.release_communicator()  # the communicator is released when this returns...
+        if release.holding():
+            release.start(release.hold)  # ...but an abandoned transfer is waited out by a thread
+        else:
+            release.hold()
 
 
 class Release:
@@ -294,7 +303,8 @@ class Release:
         self.thread: threading.Thread | None = None
         self.error: str | None = None
         self.seconds: float | None = None
-        self.done = threading.Event()
+        self.released = threading.Event()  # the destroy or abort returned (or timed out)
+        self.done = threading.Event()  # and the group was dropped
 
     def _call(self, method: str) -> bool:
         def target() -> None:
@@ -311,6 +321,13 @@ class Release:
         return not t.is_alive()
 
     def run(self) -> None:
+        try:
+            self.release_communicator()
+        finally:
+            self.hold()
+
+    def release_communicator(self) -> None:
+        """The destroy or abort, bounded (it sets :attr:`released`)."""
         started = time.monotonic()
         try:
             finished = self._call(self.method)
@@ -322,8 +339,18 @@ class Release:
             self.seconds = time.monotonic() - started
             self._log.info("context.group_released", method=self.method, seconds=round(self.seconds, 4),
                            error=self.error)
+        finally:
+            self.released.set()
+
+    def holding(self) -> bool:
+        """Whether an abandoned work still runs (dropping the group now would wait for it)."""
+        return not all(w.is_completed() for w in self._abandoned)
+
+    def hold(self) -> None:
+        """Hold the group until the abandoned works are complete (bounded), then drop it."""
+        try:
             deadline = time.monotonic() + self.timeout + 1.0  # gloo fails them at its timeout
-            while not all(w.is_completed() for w in self._abandoned):
+            while self.holding():
                 if time.monotonic() > deadline:
                     self._log.warning("context.abandoned_work_pending", works=len(self._abandoned),
                                       timeout=self.timeout)
@@ -335,10 +362,12 @@ class Release:
                 self._abandoned = []
             self.done.set()
 
-    def start(self) -> None:
+    def start(self, target=None) -> None:
+        """Run the release (or ``target``, one of its parts) in a daemon thread, for
+        :func:`wait_releases`."""
         with _RELEASES_LOCK:
             _RELEASES.append(self)
-        self.thread = threading.Thread(target=self.run, name="elastic_emb-release", daemon=True)
+        self.thread = threading.Thread(target=target or self.run, name="elastic_emb-release", daemon=True)
         self.thread.start()
 
 
@@ -346,18 +375,24 @@ _RELEASES: list[Release] = []
 _RELEASES_LOCK = threading.Lock()
 
 
-def wait_releases(timeout: float | None = None) -> list[dict]:
+def wait_releases(timeout: float | None = None, *, dropped: bool = True) -> list[dict]:
     """Wait for the communicators that ``close(wait=False)`` handed to background threads, at
     most ``timeout`` seconds in all (default: each release's own bound, twice the context's
-    timeout). Returns one record per release: method, seconds, error (None when clean), done."""
+    timeout). ``dropped=False`` waits only until each destroy or abort has returned, not for
+    the abandoned transfers a group is held for (what the exit does: the holding thread is a
+    daemon, so the group is never destroyed, and the process does not sit out gloo's timeout).
+    Returns one record per release: method, seconds, error (None when clean), done (the group
+    dropped), released (its destroy or abort returned)."""
     with _RELEASES_LOCK:
         pending = list(_RELEASES)
     deadline = None if timeout is None else time.monotonic() + timeout
     out = []
     for r in pending:
         left = 2 * r.timeout + 1 if deadline is None else max(0.0, deadline - time.monotonic())
-        finished = r.done.wait(left)
-        out.append({"method": r.method, "seconds": r.seconds, "error": r.error, "done": finished})
+        (r.done if dropped else r.released).wait(left)
+        finished = r.done.is_set()
+        out.append({"method": r.method, "seconds": r.seconds, "error": r.error, "done": finished,
+                    "released": r.released.is_set()})
         if finished:
             with _RELEASES_LOCK:
                 if r in _RELEASES:
