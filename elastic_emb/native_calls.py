@@ -16,9 +16,10 @@ library's other exit hooks (it is registered first: ``atexit`` runs hooks last-i
 
 1. sets :func:`exiting`, so polling loops stop at their next turn instead of at their timeout;
 2. waits until no thread is inside :func:`native_call`, at most :data:`EXIT_GRACE_S` seconds
-   (a store round trip ends in milliseconds; a transfer stuck on a dead peer would take its
-   whole timeout, and the exit does not wait for that: such a call does not return during the
-   short finalisation that follows, so it is left to the process's end);
+   (a store round trip ends in milliseconds; a gloo transfer stuck on a stopped or cut-off peer
+   would take its whole timeout, so the exit gives up on it after the grace and reports it on
+   stderr: such a call is unlikely to return during the short finalisation that follows, and
+   is ended with the process);
 3. closes the gate: a background thread that enters :func:`native_call` afterwards is parked
    for good (it never takes the GIL back, so it cannot be unwound). The main thread is never
    parked: it is the one running the exit.
