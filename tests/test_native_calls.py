@@ -28,13 +28,16 @@ def test_a_store_wait_returning_during_teardown_aborts_the_process_unless_the_ex
         assert raw.returncode == -signal.SIGABRT and ABORT in raw.stderr, (raw.returncode, raw.stderr[-2000:])
     guarded = _run("guarded")  # the library's exchange: the exit waited for its store.wait
     assert "exiting" in guarded.stdout
-    assert "timed out after 1000ms" in guarded.stderr, guarded.stderr[-2000:]  # it ran to its end, in the process
+    assert "in flight after the exit hook: 0" in guarded.stdout, (guarded.stdout, guarded.stderr[-2000:])
+    assert 'exchange ended: "TimeoutError"' in guarded.stdout, guarded.stdout  # its 1 s timeout, in the process
     assert guarded.returncode == 0 and ABORT not in guarded.stderr, (guarded.returncode, guarded.stderr[-2000:])
 
 
 def test_a_polling_exchange_ends_at_exit_and_a_stuck_call_is_reported_after_the_grace():
     out = _run("mixed")
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "in flight after the exit hook: 1" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert 'exchange ended: "CommAborted"' in out.stdout, out.stdout
     # Two calls were in flight at exit; the polling exchange (60 s timeout) ended when the exit
     # began, so only the 30 s wait was left when the 2 s grace ran out.
     assert "elastic_emb: 1 background torch call(s) still running after the 2.0s exit grace" in out.stderr, \

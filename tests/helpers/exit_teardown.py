@@ -6,13 +6,15 @@ Modes:
   returns while the interpreter finalises (a module global's ``__del__`` keeps finalisation
   going for 3 s): the process aborts (the failure the guard exists for: the test can fail);
 - ``guarded``: a wait made by the library (``Comm.exchange`` of a communicator that does not
-  poll: ``store.wait``, 1 s, inside ``native_call``): the exit waits for it (torch logs its
-  timeout), and the process exits 0;
+  poll: ``store.wait``, 1 s, inside ``native_call``): the exit waits for it (the exchange ends
+  in its TimeoutError before the teardown), and the process exits 0;
 - ``mixed``: a polling exchange (interruptible, 60 s timeout), which must end when the exit
   starts, and a wait of 30 s inside ``native_call``, which the exit gives up on after the grace
   (2 s): the exit reports exactly one call still running.
 """
 
+import atexit
+import json
 import sys
 import threading
 import time
@@ -42,16 +44,37 @@ def comm(interruptible: bool, timeout: float):
 
 
 started = threading.Event()  # raw: the thread's first wait ended (it runs its loop)
+exchange: dict = {}  # guarded, mixed: the exchange's thread, and how its call ended
 
 
-def in_thread(fn) -> None:
+def report() -> None:
+    """Registered before elastic_emb is imported, so it runs right after the library's exit hook
+    (last in, first out), while threads still run: prints how many calls that hook left in
+    flight, then how the exchange ended (waiting for its thread only after the count is taken)."""
+    if "thread" in exchange:
+        from elastic_emb import native_calls
+
+        print("in flight after the exit hook:", native_calls.in_flight(), flush=True)
+        exchange["thread"].join(10)
+        print("exchange ended:", json.dumps(exchange.get("ended")), flush=True)
+
+
+atexit.register(report)
+
+
+def in_thread(fn) -> threading.Thread:
     def run() -> None:
         try:
             fn()
-        except Exception:  # the waits end in errors (timeout, exit): the exit status is the test
-            pass
+            ended = "returned"
+        except Exception as exc:  # the waits end in errors (timeout, exit): the tests read which
+            ended = type(exc).__name__
+        if threading.current_thread() is exchange.get("thread"):
+            exchange["ended"] = ended
 
-    threading.Thread(target=run, daemon=True).start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def raw_waits() -> None:
@@ -80,7 +103,7 @@ elif mode in ("guarded", "mixed"):
 
     if mode == "guarded":
         waiting = comm(False, 1.0)
-        in_thread(lambda: waiting.exchange("never", 0))
+        exchange["thread"] = in_thread(lambda: waiting.exchange("never", 0))
         until(lambda: native_calls.in_flight() == 1, "the exchange")  # from here the exit waits for it
     else:
         native_calls.EXIT_GRACE_S = 2.0
@@ -90,7 +113,7 @@ elif mode in ("guarded", "mixed"):
                 store.wait(["never"], timedelta(seconds=30.0))
 
         polling = comm(True, 60.0)
-        in_thread(lambda: polling.exchange("never", 0))
+        exchange["thread"] = in_thread(lambda: polling.exchange("never", 0))
         in_thread(stuck)
         until(lambda: native_calls.in_flight() == 2, "both calls")
 else:
