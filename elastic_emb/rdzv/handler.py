@@ -71,6 +71,7 @@ from typing import Any
 
 from elastic_emb import metrics
 from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
+from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
@@ -548,14 +549,15 @@ class ElasticEmbRendezvousHandler:
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:
-    while not closed.wait(every):
+    while not closed.wait(every) and not exiting():
         handler = ref()
         if handler is None or handler._left:
             return
         if handler._round is None or not handler._rdzv_lock.acquire(blocking=False):
             continue  # before the first round, or while torch's join runs its own keep-alives
         try:
-            handler._heartbeat()
+            with native_call():  # a store round trip: the agent's exit waits for one in flight
+                handler._heartbeat()
         except Exception as exc:  # torch's timer keeps going too; report and retry next tick
             handler._log.warning("heartbeat_failed", error=repr(exc))
         finally:

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
 from elastic_emb.errors import ElasticEmbError, TorchCompatError
+from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.decode import dump_state, load_state, node_id
 
 SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
@@ -296,9 +297,10 @@ class EarlyCompletion:
         return Action.FINISH
 
     def _run(self) -> None:
-        while not self._done.is_set() and time.monotonic() < self._deadline:
+        while not self._done.is_set() and time.monotonic() < self._deadline and not exiting():
             try:
-                self._executor.run(self, self._deadline)
+                with native_call():  # store reads and writes: the agent's exit waits for one in flight
+                    self._executor.run(self, self._deadline)
             except Exception as exc:  # torch's own join still completes the round on its rules
                 self._log.warning("early_completion_failed", error=repr(exc))
                 return
