@@ -222,10 +222,14 @@ class Committer:
 
     def _durable_comm(self, group) -> Comm:
         """The durable tier's communicator of this generation, on DCP's group (used only by the
-        durable thread, one checkpoint at a time)."""
+        durable thread, one checkpoint at a time). It polls the store (``interruptible``), as the
+        writer's does: a blocking store wait already under way would ignore :meth:`interrupt` and
+        :meth:`give_up_on` and hold the checkpoint of a dead or departed rank for
+        ``transfer_timeout``."""
         if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
             self._dcomm = self._made(Comm(self.topology, thread_store(self.store), group,
-                                          timeout=self.config.transfer_timeout, device="cpu", purpose="durable"))
+                                          timeout=self.config.transfer_timeout, device="cpu", purpose="durable",
+                                          interruptible=True))
         return self._dcomm
 
     @property

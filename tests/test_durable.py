@@ -98,3 +98,84 @@ def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_wo
         assert torch.equal(got[k], full[k]), f"{k}: the durable checkpoint of step 3 differs from the rows of step 3"
     manifest = json.loads((tmp_path / ckpt / "elastic_emb_manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["world_size"] == 2, manifest
+
+
+# Rank 1 dies at the start of its durable save of step 3 (a fault point, after both ranks' snapshot
+# commits of step 3 completed): it never publishes its part of the checkpoint. Rank 0 is told it
+# is gone, as the in-process resize tells the survivors, and re-forms alone.
+GONE_WORKER = r"""
+import json, os, threading
+from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+from elastic_emb.state import points
+from elastic_emb.topology import Topology
+from tests.helpers import lifecycle_worker as lw
+
+spec = json.loads(os.environ["LCW_SPEC"])
+rank = int(os.environ["RANK"])
+committed = threading.Event()
+
+def die(point, step):
+    if rank == 1 and point == "durable_saving" and step == 3:
+        if not committed.wait(60):
+            raise TimeoutError("rank 1's snapshot commit of step 3 did not complete within 60 s")
+        os._exit(0)  # like a node lost: its part of the checkpoint never comes
+
+points.set_hook(die)
+lc = Lifecycle.start(lw.make_factory(spec), LifecycleConfig(**spec["config"]))
+lw.integer_start(lc.context)
+for step in range(4):
+    lw.train_step(lc.context, step)
+    lc.commit(step)
+lw.dump(lc.context, spec["out"], "step3")
+done = lc.wait_commit()
+committed.set()
+if rank == 1:
+    threading.Event().wait(60)
+    raise SystemExit("rank 1 should have died in its durable thread")
+lc.give_up_on([1], "node B is gone")
+event = lc.on_membership_change(Topology.from_env(lw.new_env(
+    {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1,
+     "ELASTIC_EMB_GENERATION": 1})))
+lw.dump(lc.context, spec["out"], "resized")
+lc.close()
+print(json.dumps({"committed": done, "event": event.model_dump()}))
+"""
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_durable_save_waiting_for_a_dead_rank_ends_when_it_is_given_up_on(tmp_path):
+    """The survivor's durable save in flight waits for the dead rank's part of the checkpoint; the
+    re-form first waits for that save. Given up on, the rank's missing part ends the save at once
+    (``CommAborted``, logged as ``lifecycle.durable_failed``), and the re-form restores step 3 from
+    the snapshot tier, bit for bit. Before the durable communicator polled the store, its blocking
+    wait ignored the give-up: the re-form waited ``transfer_timeout`` (here 600 s, past the
+    test's 120 s)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    durable = tmp_path / "durable"
+    spec = {"out": str(out), "tables": TABLES,
+            "config": {"durable_dir": str(durable), "durable_every": 3, "transfer_timeout": 600.0}}
+    port = free_port()
+    envs = [torchrun_env(r, 2, port, local_world_size=1, extra={
+        "ELASTIC_EMB_STATE_DIR": str(tmp_path / "nodes"), "ELASTIC_EMB_NODE_ID": "AB"[r], "LCW_SPEC": json.dumps(spec)})
+        for r in range(2)]
+    survivor, lost = run_ranks(GONE_WORKER, envs, 120)
+    assert lost.returncode == 0 and not lost.stdout.strip(), f"rank 1 rc={lost.returncode}\n{lost.stderr[-3000:]}"
+    assert survivor.returncode == 0, f"rank 0 rc={survivor.returncode}\n{survivor.stderr[-4000:]}"
+    failed = [json.loads(line) for line in survivor.stderr.splitlines() if '"lifecycle.durable_failed"' in line]
+    assert len(failed) == 1 and "CommAborted" in failed[0]["error"], survivor.stderr[-3000:]
+    assert "ranks [1] will never publish (node B is gone)" in failed[0]["error"], failed
+    assert survivor.value["committed"] == 3
+    event = survivor.value["event"]
+    assert event["kind"] == "rebuild" and event["restored_step"] == 3, event
+    assert not glob.glob(str(durable / "test" / "step-000000000003-*" / "elastic_emb_manifest.json"))
+    before = [torch.load(out / f"step3-g0-r{r}.pt") for r in range(2)]
+    [after] = [torch.load(out / "resized-g1-r0.pt")]
+    for t in TABLES:
+        name = t["name"]
+        parts = sorted((b[name] for b in before), key=lambda p: p[0])
+        start, stop, weight, slots = after[name]
+        assert (start, stop) == (0, t["num_rows"])
+        assert torch.equal(weight, torch.cat([p[2] for p in parts])), f"{name}: rows differ from step 3's"
+        for k in slots:
+            assert torch.equal(slots[k], torch.cat([p[3][k] for p in parts])), f"{name}.{k} differs from step 3's"

@@ -174,3 +174,33 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     assert first["out"].get("values") == [0, 1, 2], first["out"]
     assert later["out"].get("values") == [0, 1, 2], later["out"]
     assert last["out"].get("values") == [0, 1, 2], last["out"]
+
+
+def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path):
+    """The durable tier's communicator (``Committer._durable_comm``: the durable thread's store
+    exchanges, around DCP's save) polls the store like the writer's, so a checkpoint waiting for a
+    rank that left ends on ``give_up_on`` (or ``interrupt``) instead of at ``transfer_timeout``: a
+    blocking ``store.wait`` already under way ignored both (its thread stayed alive here for the
+    whole 60 s)."""
+    from elastic_emb.committer import Committer
+    from elastic_emb.errors import CommAborted
+    from elastic_emb.lifecycle import LifecycleConfig
+    from elastic_emb.topology import Topology
+
+    timeout = 60.0
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=timeout))
+    topo = Topology(run_id="dur", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
+                    node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
+                    master_port=master.port)
+    config = LifecycleConfig(state_dir=str(tmp_path / "shm"), node_id="A", transfer_timeout=timeout,
+                             durable_dir=str(tmp_path / "durable"))
+    committer = Committer(config, topo, master, lambda: SimpleNamespace(process_group=None))
+    comm = committer._durable_comm(object())  # DCP's group stands in: the exchanges use only the store
+    waiting = _exchange_in_thread(comm, "durable-layout")  # rank 1 never publishes
+    time.sleep(0.3)
+    assert waiting["thread"].is_alive(), "the exchange ended before rank 1 was given up on"
+    committer.give_up_on([1], "node B left the rendezvous")
+    waiting["thread"].join(timeout / 2)
+    out = waiting["out"]
+    assert isinstance(out.get("error"), CommAborted), out
+    assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])

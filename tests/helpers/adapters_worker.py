@@ -9,7 +9,8 @@ environment plus ``ADW_SPEC`` (JSON):
 * ``wait_file``: start only once this file exists (a joiner waits for the world it joins);
 * ``phases``: the first is ``Lifecycle.start`` from this process's environment; each later one is
   an in-process membership change to ``env`` (torchrun variables), or ``{"depart": true}`` (the
-  process leaves like a lost node: no clean-up). Each phase trains up to step ``until``
+  process leaves like a lost node: no clean-up); a change may name the ranks of the old world
+  that are ``gone`` (given up on first, as the in-process resize does for departed nodes). Each phase trains up to step ``until``
   (committing every step) and dumps this rank's shard as ``<dump>-r<rank>.pt`` (and after each
   step listed in ``dump_steps`` as ``<dump><step>-r<rank>.pt``).
 
@@ -99,6 +100,8 @@ def main() -> None:
             if lc.step == -1:
                 integer_start(lc.context)
         else:
+            if phase.get("gone"):  # what the in-process resize tells the lifecycle before it re-forms
+                lc.give_up_on(phase["gone"], "the test's lost node")
             env = dict(os.environ)
             env.update({k: str(v) for k, v in phase["env"].items()})
             lc.on_membership_change(Topology.from_env(env))
