@@ -80,6 +80,7 @@ from collections import deque
 
 import torch
 
+from elastic_emb.native_calls import native_call
 from elastic_emb.protocol import ShardData
 from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.delta import INDEX
@@ -216,7 +217,8 @@ class DeviceCapture:
                     return
                 job = self._jobs.popleft()
             try:
-                self._launch(job)
+                with native_call():  # its tensor ops release the GIL: the exit waits for them (briefly)
+                    self._launch(job)
             except BaseException as exc:  # raised where the capture is waited for (a write, a hold)
                 job.fail(exc)
 
