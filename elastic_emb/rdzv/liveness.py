@@ -85,7 +85,11 @@ class Liveness:
 
         Every change carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
         heartbeat expired) and ``restarting`` (absent members coming back), ``participants`` (the
-        state's) and ``expected``: who should form the next round (None when the round moved on).
+        state's) and ``expected``: who should form the next round (None when the round moved on):
+        the participants, the restarting members and the nodes waiting to join (torch admits its
+        wait list to the next round). Without the waiting nodes, the next round completed early
+        with the members alone whenever one member restarted first (its drain for a joiner
+        finished before the others'), and the joiner came in one restart later.
         """
         if view.round != round_:
             return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
@@ -114,7 +118,7 @@ class Liveness:
             "deaths": dead,
             "restarting": restarting,
             "participants": list(view.nodes),
-            "expected": sorted(set(view.nodes) | set(restarting)),
+            "expected": sorted(set(view.nodes) | set(restarting) | set(view.wait_list)),
         }
 
     def take_reported_dead(self, round_: int, members: tuple[str, ...], store: Any) -> list[str]:
