@@ -17,7 +17,8 @@ gloo's (or that) thread, which holds its tensors, until it completes, fails when
 closes (the group's release aborts it) or reaches its timeout. The waits remember the works they
 abandoned (:meth:`WorkWaits.take_abandoned`): their owner holds the process group until those are
 complete, because a gloo group's destructor joins its worker threads and would otherwise block
-whichever thread dropped it last until the transfer times out.
+whichever thread dropped it last until the transfer times out (:func:`hold_then_drop`, the one
+hold both owners use).
 
 Used by the context's :class:`~elastic_emb.context.group.Group` (its collectives) and the state
 tiers' :class:`~elastic_emb.state.comm.Comm` (restore's row moves, replica transfers).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -167,3 +168,27 @@ def _when_all(futures: list, callback) -> None:
         futures[0].add_done_callback(lambda _fut: callback())
     else:
         torch.futures.collect_all(futures).add_done_callback(lambda _fut: callback())
+
+
+def hold_then_drop(refs: list, works: list, bound: float, on_pending: Callable[[], None]) -> None:
+    """Hold the objects in ``refs`` (a process group, and whatever must outlive it) until the
+    abandoned ``works`` are complete, at most ``bound`` seconds (``on_pending()`` reports it when
+    they are not), then drop them in the calling thread, a background one.
+
+    A gloo group's destructor joins its worker threads: dropped last elsewhere while one of its
+    transfers still runs, it would block that thread until the transfer ends. The drop is a
+    blocking torch call (the destructor releases the GIL), so it is made inside
+    :func:`~elastic_emb.native_calls.native_call`. ``refs`` is a list the caller keeps no other
+    reference to: clearing it drops the last ones (a thread's own arguments would otherwise keep
+    the group until after this function returned)."""
+    try:
+        deadline = time.monotonic() + bound
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                on_pending()
+                break
+            time.sleep(0.02)
+    finally:
+        with native_call():
+            refs.clear()
+            works.clear()

@@ -64,7 +64,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.native_calls import native_call
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
-from elastic_emb.work_wait import WorkWaits
+from elastic_emb.work_wait import WorkWaits, hold_then_drop
 
 log = get_logger("elastic_emb.context")
 
@@ -347,19 +347,15 @@ class Release:
         return not all(w.is_completed() for w in self._abandoned)
 
     def hold(self) -> None:
-        """Hold the group until the abandoned works are complete (bounded), then drop it."""
+        """Hold the group until the abandoned works are complete (bounded), then drop it
+        (:func:`~elastic_emb.work_wait.hold_then_drop`, the state communicator's hold too)."""
+        refs = [self.pg, self._keep]  # the last references, unless a holder elsewhere still has one
+        self.pg = self._keep = None
         try:
-            deadline = time.monotonic() + self.timeout + 1.0  # gloo fails them at its timeout
-            while self.holding():
-                if time.monotonic() > deadline:
-                    self._log.warning("context.abandoned_work_pending", works=len(self._abandoned),
-                                      timeout=self.timeout)
-                    break
-                time.sleep(0.02)
+            hold_then_drop(refs, self._abandoned, self.timeout + 1.0,  # gloo fails them at its timeout
+                           lambda: self._log.warning("context.abandoned_work_pending", works=len(self._abandoned),
+                                                     timeout=self.timeout))
         finally:
-            with native_call():  # a gloo group's destructor joins its threads, GIL released
-                self.pg = self._keep = None  # the last reference, unless a holder still has one
-                self._abandoned = []
             self.done.set()
 
     def start(self, target=None) -> None:

@@ -27,6 +27,7 @@ an earlier one, and a process group formed twice on one prefix hangs.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -40,7 +41,7 @@ from elastic_emb.errors import CommAborted, MemberGone
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.topology import Topology
-from elastic_emb.work_wait import WorkWaits
+from elastic_emb.work_wait import WorkWaits, hold_then_drop
 
 log = get_logger("elastic_emb.state")
 
@@ -192,7 +193,10 @@ class Comm:
             finally:
                 abandoned = self._waits.take_abandoned()
                 if abandoned:  # interrupted or timed out: a thread holds the group until they end
-                    threading.Thread(target=_hold, args=([self.pg], abandoned, self.timeout + 1.0),
+                    bound = self.timeout + 1.0  # gloo fails them at its timeout
+                    pending = functools.partial(log.warning, "state_abandoned_work_pending", works=len(abandoned),
+                                                seconds=bound)
+                    threading.Thread(target=hold_then_drop, args=([self.pg], abandoned, bound, pending),
                                      name="elastic_emb-comm-hold", daemon=True).start()
         if not ok:
             raise RuntimeError(f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
@@ -229,7 +233,7 @@ class Comm:
         :meth:`abort`, gloo's ``abort`` (its connections close: a transfer abandoned on a live
         peer fails there too; it returns at once) and the communicator drops the group: a gloo
         group's destructor joins its worker threads, so it is dropped last by the thread that
-        holds it for an abandoned transfer (``_hold``), never by the re-form."""
+        holds it for an abandoned transfer (``hold_then_drop``), never by the re-form."""
         if not self._own_pg or self.pg is None:
             return
         if self._aborted.is_set() and hasattr(self.pg, "abort"):
@@ -245,23 +249,3 @@ def _release(pg, method: str) -> None:
     except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
         log.warning("state_comm_close_failed", method=method, error=repr(exc))
 
-
-def _hold(holder: list, works: list, bound: float) -> None:
-    """Hold the group in ``holder`` (its only entry) until the abandoned ``works`` are complete
-    (at most ``bound`` seconds: gloo fails them at its timeout), then drop it in this thread:
-    dropped last elsewhere meanwhile, its destructor would block that thread until the transfer
-    times out. The drop is a blocking torch call (the destructor releases the GIL), so it is made
-    inside :func:`native_call`; the holder list lets it be the last reference (the thread's own
-    arguments would otherwise keep the group until after this function returned)."""
-    pg = holder.pop()
-    try:
-        deadline = time.monotonic() + bound
-        while not all(w.is_completed() for w in works):
-            if time.monotonic() > deadline:
-                log.warning("state_abandoned_work_pending", works=len(works), seconds=bound)
-                return
-            time.sleep(0.02)
-    finally:
-        with native_call():
-            works.clear()
-            del pg
