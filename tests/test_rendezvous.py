@@ -183,7 +183,12 @@ def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     assert all(d["outcome"] == "acknowledged" and d["acks"] == d["expected"] for ds in drains.values() for d in ds)
     assert [ds[0]["expected"] for _, ds in sorted(drains.items())] == [1, 2]
     changes = [e for e in ev if e["event"] == "membership_changed"]
-    assert [(e["departures"], e["deaths"]) for e in changes] == [([_node(c)], []), ([], [_node(b)])]
+    # b's drain for c may end before a's: b restarts first, and a sees it restarting (no departure,
+    # no death) before its own drain ends; c is still in the next round (the rounds above).
+    restarts = [e for e in changes if e["reason"] == "peer_restarting"]
+    assert all(e["round"] == gen2 and e["restarting"] == [_node(b)] for e in restarts), restarts
+    gone = [(e["departures"], e["deaths"]) for e in changes if e["reason"] != "peer_restarting"]
+    assert gone == [([_node(c)], []), ([], [_node(b)])], changes
     assert any(e["event"] == "dead_node_evicted" and e["nodes"] == [_node(b)] for e in ev)
     assert any(e["event"] == "node_left" and e["reason"] == "agent_exit" for e in events(tmp, "c"))
 
