@@ -24,7 +24,6 @@ TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_r
 WORKER = r"""
 import glob, json, os, threading
 import torch
-from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
 from elastic_emb.state import points
 from tests.helpers import lifecycle_worker as lw
 
@@ -38,12 +37,7 @@ def hold(point, step):
             raise TimeoutError("the gate of durable_saving@3 was never opened")
 
 points.set_hook(hold)
-lc = Lifecycle.start(lw.make_factory(spec), LifecycleConfig(**spec["config"]))
-lw.integer_start(lc.context)
-for step in range(4):
-    lw.train_step(lc.context, step)
-    lc.commit(step)
-lw.dump(lc.context, spec["out"], "step3")
+lc = lw.start_and_train(spec, 3, "step3")
 if not entered.wait(60):
     raise TimeoutError("the durable thread never reached durable_saving@3")
 seen = []
@@ -105,7 +99,6 @@ def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_wo
 # is gone, as the in-process resize tells the survivors, and re-forms alone.
 GONE_WORKER = r"""
 import json, os, threading
-from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
 from elastic_emb.state import points
 from elastic_emb.topology import Topology
 from tests.helpers import lifecycle_worker as lw
@@ -121,12 +114,7 @@ def die(point, step):
         os._exit(0)  # like a node lost: its part of the checkpoint never comes
 
 points.set_hook(die)
-lc = Lifecycle.start(lw.make_factory(spec), LifecycleConfig(**spec["config"]))
-lw.integer_start(lc.context)
-for step in range(4):
-    lw.train_step(lc.context, step)
-    lc.commit(step)
-lw.dump(lc.context, spec["out"], "step3")
+lc = lw.start_and_train(spec, 3, "step3")
 done = lc.wait_commit()
 committed.set()
 if rank == 1:

@@ -131,6 +131,21 @@ def _exchange_in_thread(comm, name: str) -> dict:
     return {"thread": thread, "out": out}
 
 
+def _ends_when_rank_1_is_given_up_on(waiting: dict, give_up_on, timeout: float) -> dict:
+    """``waiting`` (an exchange missing rank 1's part) still runs; ``give_up_on([1], ...)`` ends
+    it with :class:`CommAborted` naming the rank and the reason. Returns the thread's out."""
+    from elastic_emb.errors import CommAborted
+
+    time.sleep(0.3)
+    assert waiting["thread"].is_alive(), "the exchange ended before rank 1 was given up on"
+    give_up_on([1], "node B left the rendezvous")
+    waiting["thread"].join(timeout / 2)
+    out = waiting["out"]
+    assert isinstance(out.get("error"), CommAborted), out
+    assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
+    return out
+
+
 def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_completes():
     """The in-process resize gives up on the ranks of nodes that left (``Comm.give_up_on``, from
     ``Resize.run`` through ``Lifecycle.give_up_on``): a commit's exchange still waiting for one of
@@ -146,13 +161,7 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     c0, _c1, c2 = _three_rank_comms(store, port, 1, timeout)
     other = _exchange_in_thread(c2, "snap10")
     waiting = _exchange_in_thread(c0, "snap10")
-    time.sleep(0.3)
-    assert waiting["thread"].is_alive(), "rank 0's exchange ended before rank 1 was given up on"
-    c0.give_up_on([1], "node B left the rendezvous")
-    waiting["thread"].join(timeout / 2)
-    out = waiting["out"]
-    assert isinstance(out.get("error"), CommAborted), out
-    assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
+    out = _ends_when_rank_1_is_given_up_on(waiting, c0.give_up_on, timeout)
     assert out["ended_s"] < timeout / 2
     # Rank 2 still waits for rank 1: end it, so that no thread is left polling the store when the
     # test process exits (a store call returning during interpreter teardown aborts the process).
@@ -183,7 +192,6 @@ def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path
     blocking ``store.wait`` already under way ignored both (its thread stayed alive here for the
     whole 60 s)."""
     from elastic_emb.committer import Committer
-    from elastic_emb.errors import CommAborted
     from elastic_emb.lifecycle import LifecycleConfig
     from elastic_emb.topology import Topology
 
@@ -197,10 +205,4 @@ def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path
     committer = Committer(config, topo, master, lambda: SimpleNamespace(process_group=None))
     comm = committer._durable_comm(object())  # DCP's group stands in: the exchanges use only the store
     waiting = _exchange_in_thread(comm, "durable-layout")  # rank 1 never publishes
-    time.sleep(0.3)
-    assert waiting["thread"].is_alive(), "the exchange ended before rank 1 was given up on"
-    committer.give_up_on([1], "node B left the rendezvous")
-    waiting["thread"].join(timeout / 2)
-    out = waiting["out"]
-    assert isinstance(out.get("error"), CommAborted), out
-    assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
+    _ends_when_rank_1_is_given_up_on(waiting, committer.give_up_on, timeout)

@@ -199,6 +199,21 @@ def make_factory(spec: dict):
     return functools.partial(EmbContext, tables=tables, optimizer=opt, timeout=60.0, staging_rows_per_rank=64)
 
 
+def start_and_train(spec: dict, until: int, dump_as: str):
+    """``Lifecycle.start`` from the environment with ``spec["config"]``, integer rows, steps 0 to
+    ``until`` trained and committed, this rank's rows then dumped as ``dump_as``. Returns the
+    lifecycle."""
+    from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+
+    lc = Lifecycle.start(make_factory(spec), LifecycleConfig(**spec["config"]))
+    integer_start(lc.context)
+    for step in range(until + 1):
+        train_step(lc.context, step)
+        lc.commit(step)
+    dump(lc.context, spec["out"], dump_as)
+    return lc
+
+
 def new_env(overrides: dict) -> dict:
     env = dict(os.environ)
     env.update({k: str(v) for k, v in overrides.items()})
