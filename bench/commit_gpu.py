@@ -37,7 +37,8 @@ Measured, medians over ``--steps`` steps:
   ``torch.unique`` and update (both on the same table: the bench's context works on the library
   context's arena); ``MODE@early``
   (``MODE@issue+early``): the commit called before the loss read, while the GPU still runs the
-  step, instead of after it. Then the
+  step, instead of after it; ``MODE@lib+cecheck``: the library's loop with its check records
+  read through the copy engine (how they were read before the kernel stored them). Then the
   embedding-only loop (the writer woken per 64 MiB landed, and per piece of the copy);
 * ``dcp``: the step, then ``torch.distributed.checkpoint.async_save`` of the table (blocking part,
   and the time until its future completes);
@@ -493,6 +494,12 @@ def main() -> None:
             order = next((o for o in ("issue", "lib") if o in suffix.split("+")), "update-first")
             c = lctx if order == "lib" else ctx  # the context the step writes and the commit takes
             early = "early" in suffix.split("+")
+            # "+cecheck": the library's check records read through the copy engine, as before
+            # they were stored by a kernel through their device mapping (elastic_emb.context.checks)
+            checks = getattr(c, "_checks", None)
+            saved_mapped = checks._mapped_slots if checks is not None else None
+            if checks is not None and "cecheck" in suffix.split("+"):
+                checks._mapped_slots = None
             commit = mode != "none"
             write_mode["skip"] = mode in ("nowrite", "nocopy")
             cur = variants.get(mode, device)
@@ -574,6 +581,8 @@ def main() -> None:
                 write_mode["skip"] = False
                 if plain_copy is not None:
                     device._copy = plain_copy
+                if checks is not None:
+                    checks._mapped_slots = saved_mapped
                 sys.setswitchinterval(switch_default)
             if commit:
                 lats = [done[k] - called[k] for k in range(first + 2, step_no)]
