@@ -221,4 +221,3 @@ def _mapped(host: torch.Tensor, device: torch.device) -> list[torch.Tensor] | No
     if not view.is_cuda or view.data_ptr() != host.data_ptr():
         return None
     return list(view.unbind(0))
-

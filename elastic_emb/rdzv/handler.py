@@ -36,8 +36,9 @@ Speed, all through torch's own rendezvous operations: the state cache (1 s) and 
 between rendezvous polls, both hard-coded in torch, become ``sync_interval`` (default 0.1 s) in
 this backend's agent process; after a scale-down the next round is marked complete as soon as
 every expected survivor (and every node waiting to join) has joined it, instead of waiting
-``last_call_timeout`` for nodes that cannot come (``torch_compat.EarlyCompletion``). A departure (the node wrote its ``left`` mark) and a death
-(reported by its orphans, or its heartbeat expired) are told apart in the events. The agent
+``last_call_timeout`` for nodes that cannot come (``torch_compat.EarlyCompletion``). A departure
+(the node wrote its ``left`` mark) and a death (reported by its orphans, or its heartbeat
+expired) are told apart in the events. The agent
 refreshes its own heartbeat every half ``keep_alive_interval``: torch's timer lets it age to
 about two intervals, and with ``keep_alive_max_attempt=2`` a live node is then declared dead
 (measured: stock c10d with those settings formed two worlds side by side on this machine).
