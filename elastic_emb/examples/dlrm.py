@@ -180,8 +180,9 @@ def local_batch(step: int, cfg: Config, rank: int, world_size: int):
     return kjt, labels[lo:hi]
 
 
-def train_step(ctx, step: int, cfg: Config) -> float:
-    """One step: forward, backward (fbgemm's fused SGD updates the rows), then the tower's SGD."""
+def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
+    """One step: forward, backward (fbgemm's fused SGD updates the rows), then the tower's SGD.
+    Returns the loss as a tensor: the loop reads it after the commit (no sync before it)."""
     t = ctx.topology
     kjt, labels = local_batch(step, cfg, t.rank, t.world_size)
     model = ctx.model  # a new DMP after every resize: read it each step
@@ -194,7 +195,7 @@ def train_step(ctx, step: int, cfg: Config) -> float:
         for p in tower:
             p -= cfg.lr * quantise(p.grad)  # DDP averaged the gradient over the ranks
             p.grad = None
-    return float(loss.detach())
+    return loss.detach()
 
 
 # -- the reference: the same steps in one process -------------------------------------------------

@@ -39,9 +39,10 @@ import torch
 
 from elastic_emb import config
 
-StepFn = Callable[[object, int, dict], float]
+StepFn = Callable[[object, int, dict], "float | torch.Tensor"]
 """``step(context, step, fields) -> loss``: one training step; ``fields`` takes extra keys for
-the step's progress line."""
+the step's progress line. The loss may be a one-element tensor: it is read after the step's
+commit, so that on a GPU the commit's host work overlaps the step's (README, commits)."""
 
 
 class Progress:
@@ -242,7 +243,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                 report = lc.commit(step)
             last_step_t[0] = time.time()
             progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                           loss=round(loss, 6), seconds=time.time() - t0, commit=record(report),
+                           loss=round(float(loss), 6), seconds=time.time() - t0, commit=record(report),
                            committed=lc.committed_step,  # complete; the step's own commit may be in flight
                            crc=shard_checksums(lc.context) if args.checksums else None, **fields)
             # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
