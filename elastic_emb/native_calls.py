@@ -4,12 +4,12 @@ The library's background threads (the commit writer, the membership watcher, a c
 release, a wait on an abandoned gloo transfer, the GPU capture's launcher, the agent's
 heartbeat) make calls into torch's C++ code with the GIL released: a store ``wait`` or
 ``check``, a gloo work's ``wait``, a process group's ``shutdown``, and any tensor operation
-(torch's bindings release the GIL around each op). On Python 3.11 to 3.13, a daemon thread that takes the GIL back after the
-interpreter began to finalise is ended with ``pthread_exit``; when it is returning from such a
-call, that unwinding passes a C++ destructor that may not throw, and the whole process aborts
-with ``terminate called without an active exception``, whatever exit status it was about to
-report (seen: a test suite that had passed, killed at exit; a worker exiting 0 would look
-failed to torchrun the same way).
+(torch's bindings release the GIL around each op). On Python 3.11 to 3.13, a daemon thread that
+takes the GIL back after the interpreter began to finalise is ended with ``pthread_exit``; when
+it is returning from such a call, that unwinding passes a C++ destructor that may not throw, and
+the whole process aborts with ``terminate called without an active exception``, whatever exit
+status it was about to report (seen: a test suite that had passed, killed at exit; a worker
+exiting 0 would look failed to torchrun the same way).
 
 The remedy is to have no such call in flight when finalisation starts. A background thread
 makes them inside :func:`native_call`; the exit hook of this module, which runs after the

@@ -473,8 +473,8 @@ class InProcessResize:
         ep = self._fixed_ep if self._fixed_ep is not None and self._fixed_ep <= world else largest_power_of_two_at_most(world)
         node_rank = nodes.index(self.watcher.node)
         return Topology(**{**old.model_dump(), "generation": old.generation + 1, "world_size": world,
-                           "num_nodes": len(nodes), "node_rank": node_rank, "rank": rank_of(node_rank, old.local_rank, lws),
-                           "ep_size": ep})
+                           "num_nodes": len(nodes), "node_rank": node_rank,
+                           "rank": rank_of(node_rank, old.local_rank, lws), "ep_size": ep})
 
     def _world_store(self):
         if self._store is None:
