@@ -116,17 +116,23 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     assert [e["kind"] for e in second["events"]] == ["start", "reset", "rebuild", "reset"]
     assert [e["kind"] for e in third["events"]] == ["start", "reset"] and third["events"][0]["restored_step"] == 7
     assert "replica" in first["events"][1]["source_tiers"]  # the lost node's rows: its neighbour's replica
+    # The commits were incremental (the lookup hook's marks): deltas naming a parent, on every node.
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "torchrec").rglob("step-*/rank*.json")]
+    assert {m["source_node"] for m in manifests if m.get("parent")} == {"A", "B", "C"}, \
+        sorted((m["step"], m["source_node"], m.get("parent")) for m in manifests)
 
 
 # With a replicated layer, so the suite also checks the adapter's ``dense`` table (round trip,
 # views written then mark_restored's all-gather, reset keeping the parameters).
 TORCHREC = lambda: conformance.Target(factory=tm.factory(timeout=5.0, dense=True),  # noqa: E731
-                                      collective=lambda ctx: ctx.barrier())
+                                      collective=lambda ctx: ctx.barrier(), write=tm.write_rows)
 
 
 def test_torchrec_context_passes_the_conformance_suite():
     report = conformance.run(f"{__name__}:TORCHREC", world_size=2, ep_size=2, timeout=280)
     assert report.passed == {c: [0, 1] for c in conformance.CHECKS}
+    # The lookup hook marks exactly the rows a step wrote, and the dense table exactly its changed rows.
+    assert all(report.notes["changes"][r].startswith("exact") for r in (0, 1)), report.notes["changes"]
 
 
 @pytest.mark.parametrize("plan, message", [

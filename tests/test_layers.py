@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.config",),
     ("elastic_emb.events", "elastic_emb.sharding", "elastic_emb.native_calls"),
     ("elastic_emb.metrics", "elastic_emb.topology"),
-    ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait"),
+    ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait", "elastic_emb.context.changes"),
     # the wire contract between the agent and the workers, and what both sides share
     ("elastic_emb.rdzv.keys",),
     ("elastic_emb.rdzv.signing", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage", "elastic_emb.rdzv.conf",

@@ -30,8 +30,20 @@ table, ``dense`` by default: their values flattened in ``named_parameters()`` or
 The dense optimizer's state is not carried: use a stateless one (SGD without momentum) or accept
 that it restarts at a resize. Buffers (e.g. batch-norm statistics) are not carried either.
 
-Not offered: change tracking (``tracks_changes`` False: the lifecycle takes full snapshots):
-fbgemm's fused backward writes the rows, out of the adapter's sight.
+Change tracking (incremental commits): fbgemm's fused backward writes the rows out of the
+adapter's sight, but it writes exactly the rows the step looked up. So the context registers
+TorchRec's post-lookup hook (``register_post_lookup_tracker_fn``, the one TorchRec's own
+``ModelDeltaTracker`` uses) on every sharded module holding its tables: the hook receives the
+batch after the input all-to-all, whose ids are local rows of this rank's block, and marks them
+in a :class:`~elastic_emb.context.changes.ChangeTracker` (appended on the device; TorchRec already
+holds the per-feature lengths it splits by, so no host sync). A commit then holds the rows looked
+up since the previous one: every row the optimizer wrote, plus rows only looked up (an evaluation
+pass), which are written unchanged. The ``dense`` table is compared with its values at the
+previous take, bit for bit (it is small). ``import_shard``, ``mark_restored`` and ``reset`` mark
+every row. The marks are correct when each batch's lookup and backward fall between the same two
+commits (a plain loop, TorchRec's ``TrainPipelineSparseDist``); a pipeline that looks up batch
+``i+1`` before the commit of step ``i`` and updates it after needs ``track_changes=False``. A
+TorchRec without the hook (before 1.8) gets full snapshots (``tracks_changes`` False).
 
 Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
 new DMP) and should run its step inside :meth:`TorchRecContext.guard`, which marks the context
@@ -49,9 +61,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_emb.context.changes import ChangeTracker
 from elastic_emb.errors import ContextClosed, ElasticEmbError, UnsupportedSharding, WorldSizeChanged
 from elastic_emb.protocol import ContextBase, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range
+from elastic_emb.events import get_logger
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
 
@@ -59,6 +73,9 @@ DENSE_DIM = 16
 """Columns of the ``dense`` table (the replicated parameters, flattened)."""
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+
+log = get_logger("elastic_emb.adapters")
 
 BuildFn = Callable[[Topology, object, torch.device], object]
 """``build(topology, sharding_env, device) -> DistributedModelParallel``."""
@@ -85,16 +102,17 @@ class TorchRecContext(ContextBase):
     which it forms too and leaves to the lifecycle's checkpoints), ``device``
     is ``cuda:<local_rank>`` on NCCL, else the CPU. ``dense_table``: the name of the table that
     carries the replicated parameters (None: they are not carried). ``timeout``: seconds for
-    every collective of the process group.
+    every collective of the process group. ``track_changes``: mark the rows each step looks up,
+    so that commits are incremental (see the module docstring); False: full snapshots.
     """
 
-    tracks_changes = False
-
     def __init__(self, topology: Topology, store, *, build: BuildFn, dense_table: str | None = "dense",
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, track_changes: bool = True) -> None:
         require_torchrec()
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        self._track = bool(track_changes)
+        self.tracks_changes = False  # until _build finds TorchRec's lookup hook on every table
         self.topology = topology
         self.timeout = timeout
         self.owner_ranks = topology.world_size
@@ -147,6 +165,43 @@ class TorchRecContext(ContextBase):
             self.tables[self._dense_name] = TableSpec(name=self._dense_name, num_rows=rows, dim=DENSE_DIM,
                                                       dtype=_dtype_name(dtype, self._dense_name))
         self._model = model
+        self._changes, self._dense_seen = None, None
+        if self._track:
+            self._start_tracking(model, views)
+
+    def _start_tracking(self, model, views: dict[str, "_TableViews"]) -> None:
+        """Hook every sharded module holding one of ``views``' tables (see the module docstring);
+        leave ``tracks_changes`` False when TorchRec offers no hook for one of them."""
+        features: dict[str, str] = {}  # feature name -> table
+        hooked: list = []
+        for _, module in model.named_modules():
+            configs = getattr(module, "_table_name_to_config", None)
+            if not configs or not any(t in views for t in configs):
+                continue
+            if not hasattr(module, "register_post_lookup_tracker_fn"):
+                log.info("torchrec.change_tracking_unavailable", module=type(module).__name__,
+                         reason="no register_post_lookup_tracker_fn (TorchRec < 1.8): full snapshots")
+                return
+            for table, cfg in configs.items():
+                if table in views:
+                    features.update(dict.fromkeys(cfg.feature_names, table))
+            hooked.append(module)
+        if set(features.values()) != set(views):
+            log.info("torchrec.change_tracking_unavailable", untracked=sorted(set(views) - set(features.values())),
+                     reason="tables outside every hooked module: full snapshots")
+            return
+        local = {n: len(v.rows) for n, v in views.items()}
+        if self._dense:
+            spec = self.tables[self._dense_name]
+            local[self._dense_name] = len(owned_range(spec.num_rows, self.topology.world_size, self.topology.rank))
+        self._changes = ChangeTracker(local, self.device)
+        if self._dense:  # the baseline the first take compares the replicated parameters with
+            self._flatten_dense()
+            self._dense_seen = self._dense_view().weight.clone()
+        for module in hooked:
+            module.register_post_lookup_tracker_fn(_LookupMarks(self._changes, features,
+                                                                module.post_lookup_tracker_fn))
+        self.tracks_changes = True
 
     # -- the contract: state -----------------------------------------------------------------
 
@@ -213,6 +268,7 @@ class TorchRecContext(ContextBase):
                     t.copy_(s.slots[k])
         if self._dense:
             self._dense_stale = True
+        self._mark_all()
 
     def mark_restored(self) -> None:
         """A restore wrote every row through :meth:`shard_views`: rebuild the replicated
@@ -220,6 +276,43 @@ class TorchRecContext(ContextBase):
         if self._dense:
             self._dense_stale = True
             self.sync_dense()
+        self._mark_all()
+
+    # -- the contract: change tracking ---------------------------------------------------------
+
+    def take_changes(self) -> dict:
+        """Per table a bool mask of the local rows written since the previous take (the
+        contract's form; see the module docstring for what counts as written)."""
+        return self._take().take()
+
+    def take_changed_rows(self, unique: bool = True) -> dict:
+        """The rows :meth:`take_changes` would mark, as per-table int64 tensors of local row
+        numbers (None: every row), at a cost proportional to the rows looked up, not to the shard
+        (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`)."""
+        return self._take().take_rows(unique)
+
+    def _take(self) -> ChangeTracker:
+        self._check_open("take_changes")
+        if self._changes is None:
+            return ContextBase.take_changes(self)  # raises ChangeTrackingUnsupported, naming the remedy
+        if self._dense:
+            self._mark_dense()
+        return self._changes
+
+    def _mark_dense(self) -> None:
+        """Mark the ``dense`` rows whose bits differ from the previous take's."""
+        if not self._dense_stale:
+            self._flatten_dense()
+        now = self._dense_view().weight
+        bits = _BITS[now.dtype]
+        differ = (now.view(bits) != self._dense_seen.view(bits)).any(1)
+        n = now.shape[0]
+        self._changes.mark_rows(self._dense_name, torch.where(differ, torch.arange(n, device=self.device), n))
+        self._dense_seen.copy_(now)
+
+    def _mark_all(self) -> None:
+        if self._changes is not None:
+            self._changes.mark_all()
 
     def sync_dense(self) -> None:
         """Collective: all-gather the ``dense`` rows and write them into the parameters."""
@@ -290,6 +383,9 @@ class TorchRecContext(ContextBase):
                     p.copy_(dense[offset: offset + p.numel()].view_as(p))
                     offset += p.numel()
                 self._dense_stale = False
+        if self._dense_seen is not None:
+            self._dense_seen.copy_(self._dense_view().weight)
+        self._mark_all()  # a new DMP (and perhaps other rows): the next commit holds every row
         self._healthy = True
 
     def _move_rows(self, saved: dict[str, ShardData], old_rank: int) -> None:
@@ -335,6 +431,7 @@ class TorchRecContext(ContextBase):
         self._model = None
         self._views = {}
         self._dense = []
+        self._changes, self._dense_seen = None, None
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -406,6 +503,29 @@ def _forget_collective_validation() -> None:
 
     if hasattr(collective_utils, "_INITIALIZED"):
         collective_utils._INITIALIZED = False
+
+
+class _LookupMarks:
+    """TorchRec's post-lookup hook of one sharded module: marks the looked-up local rows of each
+    table in ``changes``, then calls the hook that was registered before (a user's
+    ``ModelDeltaTracker``), if any."""
+
+    def __init__(self, changes: ChangeTracker, features: dict[str, str], previous=None) -> None:
+        self.changes, self.features, self.previous = changes, features, previous
+
+    def __call__(self, kjt, embeddings, module=None, raw_ids=None, *rest) -> None:
+        # The lengths per feature are host ints TorchRec computed for its input all-to-all: the
+        # split needs no host sync.
+        per_table: dict[str, list[torch.Tensor]] = {}
+        for key, ids in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
+            table = self.features.get(key)
+            if table is not None and ids.numel():
+                per_table.setdefault(table, []).append(ids)
+        for table, parts in per_table.items():
+            # A copy of its own (cat): the tracker keeps it until the next commit takes it.
+            self.changes.mark_rows(table, torch.cat(parts).to(torch.int64))
+        if self.previous is not None:
+            self.previous(kjt, embeddings, module, raw_ids, *rest)
 
 
 class _TableViews:

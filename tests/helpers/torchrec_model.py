@@ -98,3 +98,41 @@ def train_step(ctx, step: int, tables=TABLES) -> None:
     with ctx.guard():
         out = ctx.model(kjt.to(ctx.device))
         (out * coef.to(ctx.device)).sum().backward()  # the fused optimizer updates the rows in backward
+
+
+def write_rows(ctx, table: str, ids) -> None:
+    """The conformance suite's ``write`` (collective: every rank calls it with its own global row
+    ids): a sparse table's rows are written by one training step that looks up exactly ``ids``
+    (one id per sample, the other features empty; the union over the ranks is what the fused
+    optimizer updates); the ``dense`` table's rows by adding 1 to the replicated parameters they
+    hold, on every rank (the ranks' ids are gathered first, so the copies stay equal, as DDP keeps them)."""
+    import torch.distributed as dist
+    from torchrec import KeyedJaggedTensor
+
+    from elastic_emb.adapters.torchrec import DENSE_DIM
+
+    ctx.sync_dense()  # (after the suite's import_shard: collective, writes back the values imported)
+    tables = [t["name"] for t in TABLES]
+    if table not in tables:  # the dense table
+        got = [None] * ctx.topology.world_size
+        dist.all_gather_object(got, [int(i) for i in ids], group=ctx._groups.pg)
+        rows = sorted({r for part in got for r in part})
+        with torch.no_grad():
+            offset = 0
+            for _, p in ctx._dense:  # (the parameters the dense table flattens, in its order)
+                mine = torch.arange(offset, offset + p.numel()) // DENSE_DIM
+                hit = torch.isin(mine, torch.tensor(rows, dtype=torch.int64)).reshape(p.shape)
+                p.add_(hit.to(p.dtype))
+                offset += p.numel()
+        return
+    per = 4  # samples per rank: every rank passes the same batch size; at most 4 ids each
+    assert len(ids) <= per, f"at most {per} ids per rank, got {len(ids)}"
+    lengths, values = [], []
+    for name in tables:
+        n = len(ids) if name == table else 0
+        lengths.append(torch.tensor([1] * n + [0] * (per - n), dtype=torch.int64))
+        values.append(torch.as_tensor(ids, dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t}" for t in tables], values=torch.cat(values),
+                                              lengths=torch.cat(lengths))
+    with ctx.guard():
+        ctx.model(kjt.to(ctx.device)).sum().backward()
