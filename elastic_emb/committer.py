@@ -226,7 +226,7 @@ class Committer:
         writer's does: a blocking store wait already under way would ignore :meth:`interrupt` and
         :meth:`give_up_on` and hold the checkpoint of a dead or departed rank for
         ``transfer_timeout``."""
-        if self._dcomm is None or self._dcomm.topology is not self.topology or self._dcomm.pg is not group:
+        if self._dcomm is None or self._dcomm.topology is not self.topology or not self._dcomm.formed_on(group):
             self._dcomm = self._made(Comm(self.topology, thread_store(self.store), group,
                                           timeout=self.config.transfer_timeout, device="cpu", purpose="durable",
                                           interruptible=True))
@@ -252,7 +252,10 @@ class Committer:
 
     def comm_for(self, ctx: ShardedContext) -> Comm:
         """The state tiers' communicator of this generation, on ``ctx``'s process group."""
-        if self._comm is None or self._comm.topology is not self.topology or self._comm.pg is not ctx.process_group:
+        # A context without a process group gets a communicator with a gloo group of its own, once
+        # per generation (formed_on: that group stands for the context's None). A new one would
+        # close the writer, waiting for the commits in flight, and form a gloo group per commit.
+        if self._comm is None or self._comm.topology is not self.topology or not self._comm.formed_on(ctx.process_group):
             self.close_comm()
             self._comm = self._made(Comm(self.topology, self.store, ctx.process_group,
                                          timeout=self.config.transfer_timeout))

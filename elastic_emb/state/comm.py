@@ -202,6 +202,11 @@ class Comm:
             raise RuntimeError(f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
                                f"complete within {self.timeout}s; a peer died or is stuck: re-form the world")
 
+    def formed_on(self, process_group) -> bool:
+        """Whether this communicator was made for ``process_group``: the same group, or None
+        for one that formed a gloo group of its own (whose :attr:`pg` is that group)."""
+        return process_group is None if self._own_pg else self.pg is process_group
+
     def barrier(self, name: str) -> None:
         self.exchange(name, 0)
 

@@ -1,0 +1,54 @@
+"""The committer's communicator and background writer live for a whole generation, also for a
+context without a process group of its own (the TorchRec adapter, the native example, a context
+of the user's), for which the communicator forms a gloo group of its own. One process, world size
+1, a real EmbContext on gloo whose process group is hidden, the real writer and snapshot files."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_emb.context import EmbContext
+from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+from elastic_emb.protocol import OptimizerSpec, TableSpec
+from elastic_emb.testing.ports import free_port
+from elastic_emb.topology import Topology
+
+TABLE = TableSpec(name="t", num_rows=64, dim=4)
+
+
+class NoGroupContext(EmbContext):
+    """An EmbContext that offers the state tiers no process group (the contract's default)."""
+
+    process_group = None
+
+
+def _topo(gen: int) -> Topology:
+    return Topology.build(run_id="committer", generation=gen, rank=0, world_size=1, local_rank=0,
+                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
+                          master_addr="127.0.0.1", master_port=1)
+
+
+def _factory(topology, store):
+    return NoGroupContext(topology, store, tables=[TABLE], optimizer=OptimizerSpec(kind="sgd", lr=1.0), seed=0)
+
+
+def test_one_communicator_and_one_writer_per_generation_for_a_context_without_a_group(tmp_path):
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+    config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
+    lc = Lifecycle(_factory, config, _topo(0), store)
+    lc.context = _factory(_topo(0), store)
+    assert lc.context.process_group is None and lc.context.tracks_changes
+    made = []
+    for step in range(6):
+        lc.context.apply_gradients("t", torch.tensor([step, 63 - step]), -torch.ones(2, 4))
+        report = lc.commit(step)
+        made.append((lc._committer._comm, lc._committer._writer))
+        if step:  # a delta: the two rows written, not the whole table
+            assert 0 < report.bytes_snapshot < 64 * 4 * 4, report
+    assert all(m == made[0] for m in made), "the communicator or the writer was made again within a generation"
+    assert made[0][0].formed_on(None) and not made[0][0].formed_on(made[0][0].pg)
+    assert lc.wait_commit() == 5
+    lc.close()
