@@ -160,3 +160,36 @@ def test_nonfinite_rows_skipped_on_the_device():
         assert torch.equal(after[2], before[2])
         assert torch.equal(after[[1, 3, 4, 5]], before[[1, 3, 4, 5]] - 1)
         assert ctx.take_changes()["t"].nonzero().squeeze(1).tolist() == [1, 3, 4, 5]
+
+
+def test_an_interrupt_ends_the_hosts_wait_for_an_nccl_collective():
+    """The host polls an NCCL collective (``Group.wait``) and a CUDA event (``Group.wait_event``);
+    a collective whose peer is gone never completes, so :meth:`Group.interrupt` from another
+    thread must end both polls at once. Here the collective and the event queue behind an 8 s
+    sleep kernel (world size 1 has no peer to lose), and the interrupt comes after 0.3 s."""
+    import threading
+    import time
+
+    from elastic_emb.errors import TransferInterrupted
+
+    for what in ("collective", "event"):
+        with solo("float32", OptimizerSpec(kind="sgd", lr=1.0)) as ctx:
+            group = ctx._group
+            torch.cuda._sleep(int(8 * 2e9))  # ~8 s at 2 GHz: nothing behind it completes meanwhile
+            if what == "collective":
+                work = group.pg.allreduce([torch.ones(4, device="cuda")])
+                call = lambda: group.wait(work, 60, "the test's all-reduce")  # noqa: E731
+            else:
+                event = torch.cuda.Event()
+                event.record()
+                call = lambda: group.wait_event(event, 60, "the test's event")  # noqa: E731
+            timer = threading.Timer(0.3, group.interrupt, args=("the test's peer is gone",))
+            timer.start()
+            t0 = time.monotonic()
+            with pytest.raises(TransferInterrupted, match="the test's peer is gone"):
+                call()
+            waited = time.monotonic() - t0
+            timer.join()
+            assert waited < 4, f"the {what} wait ended after {waited:.1f}s, not at the interrupt"
+            assert not group.healthy
+            torch.cuda.synchronize()  # (the sleep and the queued work finish before the context closes)

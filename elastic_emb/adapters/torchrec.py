@@ -63,9 +63,9 @@ import torch.distributed as dist
 
 from elastic_emb.context.changes import ChangeTracker
 from elastic_emb.errors import ContextClosed, ElasticEmbError, UnsupportedSharding, WorldSizeChanged
+from elastic_emb.events import get_logger
 from elastic_emb.protocol import ContextBase, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range
-from elastic_emb.events import get_logger
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
 

@@ -197,8 +197,8 @@ class Group:
             if self.topology.backend != "nccl":
                 # the work's future or an interrupt ends the wait, no polling (work_wait.py)
                 ok = self._waits.wait([work], t, what)
-            else:
-                ok = poll(work.is_completed, t) if host else True
+            else:  # (an interrupt ends the host's poll too: the collective may never complete)
+                ok = poll(lambda: self._waits.check(what) or work.is_completed(), t) if host else True
                 if ok:
                     work.wait()
         except TransferInterrupted:
@@ -225,8 +225,14 @@ class Group:
         self._waits.interrupt(reason)
 
     def wait_event(self, event, timeout: float, what: str) -> None:
-        """Poll a CUDA event until done, at most ``timeout`` seconds (host side)."""
-        if not poll(event.query, timeout):
+        """Poll a CUDA event until done, at most ``timeout`` seconds (host side), or until an
+        :meth:`interrupt` (:class:`~elastic_emb.errors.TransferInterrupted`)."""
+        try:
+            done = poll(lambda: self._waits.check(what) or event.query(), timeout)
+        except TransferInterrupted:
+            self.healthy = False
+            raise
+        if not done:
             raise self.timed_out(what, timeout)
 
     def timed_out(self, what: str, t: float) -> CommunicationError:
