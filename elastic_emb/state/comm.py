@@ -156,7 +156,13 @@ class Comm:
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         """Send ``send[d]`` (uint8) to rank d; return the byte buffers received from each rank."""
         in_splits = [int(t.numel()) for t in send]
-        inp = torch.cat([t.to(self.device) for t in send]) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
+        full = [t for t in send if t.numel()]
+        if len(full) == 1 and full[0].device == self.device and full[0].is_contiguous():
+            inp = full[0].view(-1)  # one peer gets bytes (a replica to the neighbour): sent as they are, no copy
+        elif send:
+            inp = torch.cat([t.to(self.device) for t in send])
+        else:
+            inp = torch.empty(0, dtype=torch.uint8, device=self.device)
         return self.all_to_all_flat(inp, in_splits, recv_sizes)
 
     def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int],
