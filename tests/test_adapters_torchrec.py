@@ -169,3 +169,62 @@ def test_drill_preset_torchrec_loses_nothing(tmp_path):
     v = report["verification"]
     assert v["step"] == PRESETS["torchrec"].steps - 1 and v["rows_checked"] == 1000 + 2000 + 64 + 27
     assert [r["steps_lost"] for r in report["resizes"]] == [0, 0]
+
+
+class _TwoCollections(torch.nn.Module):
+    """Two EmbeddingBagCollections whose tables ("a" and "b") are both fed by a feature named "f"."""
+
+    def __init__(self, first, second) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, kjt_first, kjt_second):
+        return torch.cat([self.first(kjt_first).values(), self.second(kjt_second).values()], dim=1)
+
+
+def _two_collections(topology, env, device):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5})
+    ebcs, plans = [], {}
+    for name, table, rows in (("first", "a", 40), ("second", "b", 50)):
+        ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=table, embedding_dim=4, num_embeddings=rows,
+                                                                feature_names=["f"])], device=torch.device("meta"))
+        ebcs.append(ebc)
+        plans[name] = construct_module_sharding_plan(ebc, {table: row_wise(compute_kernel="fused")},
+                                                     world_size=topology.world_size, device_type=device.type,
+                                                     sharder=sharder)
+    return DistributedModelParallel(_TwoCollections(*ebcs), env=env, device=device, plan=ShardingPlan(plans),
+                                    sharders=[sharder])
+
+
+def test_torchrec_change_marks_follow_each_module_when_feature_names_repeat():
+    """The lookup hook of each sharded module marks the rows of that module's tables: a feature
+    name used by two modules ("f" feeds table "a" in one and "b" in the other) must not mark the
+    other module's table."""
+    import torch.distributed as dist
+    from torchrec import KeyedJaggedTensor
+
+    from elastic_emb.adapters.torchrec import TorchRecContext
+    from elastic_emb.topology import Topology
+
+    topo = Topology.build(run_id="twocoll", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1)
+    ctx = TorchRecContext(topo, dist.HashStore(), build=_two_collections, dense_table=None)
+    try:
+        assert ctx.tracks_changes and set(ctx.tables) == {"a", "b"}
+        ctx.take_changes()
+        first = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3, 7, 7]),
+                                                    lengths=torch.tensor([2, 1]))
+        second = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([45, 0]),
+                                                     lengths=torch.tensor([1, 1]))
+        ctx.model(first, second).sum().backward()
+        got = {n: m.nonzero().flatten().tolist() for n, m in ctx.take_changes().items()}
+        assert got == {"a": [3, 7], "b": [0, 45]}, got
+    finally:
+        ctx.close()

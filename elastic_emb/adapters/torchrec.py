@@ -172,8 +172,7 @@ class TorchRecContext(ContextBase):
     def _start_tracking(self, model, views: dict[str, "_TableViews"]) -> None:
         """Hook every sharded module holding one of ``views``' tables (see the module docstring);
         leave ``tracks_changes`` False when TorchRec offers no hook for one of them."""
-        features: dict[str, str] = {}  # feature name -> table
-        hooked: list = []
+        hooked: list = []  # (module, its feature name -> table): two modules may use one feature name
         for _, module in model.named_modules():
             configs = getattr(module, "_table_name_to_config", None)
             if not configs or not any(t in views for t in configs):
@@ -182,12 +181,11 @@ class TorchRecContext(ContextBase):
                 log.info("torchrec.change_tracking_unavailable", module=type(module).__name__,
                          reason="no register_post_lookup_tracker_fn (TorchRec < 1.8): full snapshots")
                 return
-            for table, cfg in configs.items():
-                if table in views:
-                    features.update(dict.fromkeys(cfg.feature_names, table))
-            hooked.append(module)
-        if set(features.values()) != set(views):
-            log.info("torchrec.change_tracking_unavailable", untracked=sorted(set(views) - set(features.values())),
+            features = {f: t for t, cfg in configs.items() if t in views for f in cfg.feature_names}
+            hooked.append((module, features))
+        tracked = {t for _, features in hooked for t in features.values()}
+        if tracked != set(views):
+            log.info("torchrec.change_tracking_unavailable", untracked=sorted(set(views) - tracked),
                      reason="tables outside every hooked module: full snapshots")
             return
         local = {n: len(v.rows) for n, v in views.items()}
@@ -198,7 +196,7 @@ class TorchRecContext(ContextBase):
         if self._dense:  # the baseline the first take compares the replicated parameters with
             self._flatten_dense()
             self._dense_seen = self._dense_view().weight.clone()
-        for module in hooked:
+        for module, features in hooked:
             module.register_post_lookup_tracker_fn(_LookupMarks(self._changes, features,
                                                                 module.post_lookup_tracker_fn))
         self.tracks_changes = True
