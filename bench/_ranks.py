@@ -1,4 +1,5 @@
-"""Collect the result of bench rank processes: each prints one JSON line last, within one deadline.
+"""Start and collect bench rank processes: the environment of a rank (:func:`rank_env`), and each
+rank's result, one JSON line printed last, within one deadline (:func:`collect`).
 
 Shared by the benches that start one process per rank themselves (bench/commit.py, bench/reshard.py,
 bench/lookup.py); a rank that fails or overruns ends the bench with its stderr tail, and every rank is
@@ -8,6 +9,7 @@ killed (the others would wait for it in a collective until their own timeout).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -29,3 +31,18 @@ def collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[di
             raise SystemExit(f"{what}: rank {rank} failed (rc={p.returncode}):\n{se[-4000:]}")
         out.append(json.loads(so.strip().splitlines()[-1]))
     return out
+
+
+def rank_env(rank: int, world: int, port: int, run_id: str, repo, **extra: str) -> dict:
+    """The environment torchrun would give ``rank`` of ``world``, each rank its own node, on
+    loopback, without the caller's own torchrun or elastic_emb variables; ``repo`` first on
+    PYTHONPATH; ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+               GROUP_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
+               ELASTIC_EMB_BACKEND="gloo", TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1",
+               ELASTIC_EMB_LOG_LEVEL="warning",
+               PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p))
+    env.update(extra)
+    return env

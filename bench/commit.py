@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -51,7 +50,7 @@ from pathlib import Path
 from elastic_emb.testing.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _ranks import collect  # noqa: E402
+from _ranks import collect, rank_env  # noqa: E402
 from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -269,13 +268,7 @@ def launch(args) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="bench", ELASTIC_EMB_BACKEND="gloo",
-                   TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_LEVEL="warning",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        env = rank_env(rank, args.world, port, "bench", REPO)
         cmd = [sys.executable, __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
                "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
                "--state-dir", args.state_dir, "--phases", args.phases, "--scaling-commits", str(args.scaling_commits),

@@ -38,7 +38,7 @@ from pathlib import Path
 from elastic_emb.testing.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _ranks import collect  # noqa: E402
+from _ranks import collect, rank_env  # noqa: E402
 from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,14 +97,8 @@ def launch(args, mode: str, state_dir: str) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"bench-{mode}", ELASTIC_EMB_BACKEND="gloo",
-                   TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_LEVEL="warning",
-                   ELASTIC_EMB_STATE_DIR=os.path.join(state_dir, mode, f"node{rank}"),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        env = rank_env(rank, args.world, port, f"bench-{mode}", REPO,
+                       ELASTIC_EMB_STATE_DIR=os.path.join(state_dir, mode, f"node{rank}"))
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--table-mb", str(args.table_mb),
                "--dim", str(args.dim), "--ids", str(args.ids), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--world", str(args.world), "--max-chain", str(args.max_chain)]
