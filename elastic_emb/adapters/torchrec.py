@@ -35,10 +35,13 @@ adapter's sight, but it writes exactly the rows the step looked up. So the conte
 TorchRec's post-lookup hook (``register_post_lookup_tracker_fn``, the one TorchRec's own
 ``ModelDeltaTracker`` uses) on every sharded module holding its tables: the hook receives the
 batch after the input all-to-all, whose ids are local rows of this rank's block, and marks them
-in a :class:`~elastic_emb.context.changes.ChangeTracker` (appended on the device; TorchRec already
-holds the per-feature lengths it splits by, so no host sync). A commit then holds the rows looked
-up since the previous one: every row the optimizer wrote, plus rows only looked up (an evaluation
-pass), which are written unchanged. The ``dense`` table is compared with its values at the
+in a :class:`~elastic_emb.context.changes.ChangeTracker` (appended on the device; the split by
+feature uses the per-feature lengths TorchRec keeps as host integers after its input all-to-all,
+seen on the CPU with TorchRec 1.8; a batch without them costs one host sync). A commit then holds
+the rows looked up since the previous one: every row the optimizer wrote, plus rows only looked
+up (an evaluation pass), which are written unchanged. On a GPU the adapter offers no
+``hold_writes``, so its commits take the host path (the changed rows copied in ``commit()``), not
+the library context's device-side capture; this path is tested on the CPU only. The ``dense`` table is compared with its values at the
 previous take, bit for bit (it is small). ``import_shard``, ``mark_restored`` and ``reset`` mark
 every row. The marks are correct when each batch's lookup and backward fall between the same two
 commits (a plain loop, TorchRec's ``TrainPipelineSparseDist``); a pipeline that looks up batch
@@ -512,8 +515,8 @@ class _LookupMarks:
         self.changes, self.features, self.previous = changes, features, previous
 
     def __call__(self, kjt, embeddings, module=None, raw_ids=None, *rest) -> None:
-        # The lengths per feature are host ints TorchRec computed for its input all-to-all: the
-        # split needs no host sync.
+        # The lengths per feature: host ints TorchRec computed for its input all-to-all (cached in
+        # the batch), so the split needs no host sync.
         per_table: dict[str, list[torch.Tensor]] = {}
         for key, ids in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
             table = self.features.get(key)
