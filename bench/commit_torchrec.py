@@ -16,10 +16,11 @@ Per mode, ``--steps`` steps after ``--warmup``; the modes run in rotated order `
 so the machine's drift hits all of them. Reported per mode: the median step time (the slower
 rank of each step) over all repetitions, the time the commit adds to a step and the overhead
 against ``none``, each the median over the repetitions of the difference (ratio) to that
-repetition's ``none``, and the median time inside ``commit()``. JSON to ``--json``
+repetition's ``none``, the same for the mean step (which holds the steps whose commit is a new
+base, every ``--max-chain + 1``-th, or waits for one), and the median time inside ``commit()``. JSON to ``--json``
 (``--summarize`` prints the summary of a JSON again).
 
-  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --steps 30 --reps 3
+  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --reps 3
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def main() -> None:
     ap.add_argument("--table-mb", type=int, default=256, help="table MB per rank (weights; Adagrad adds 1/dim)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=4096, help="ids per step per rank")
-    ap.add_argument("--steps", type=int, default=30, help="measured steps per mode and repetition")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=36, help="measured steps per mode and repetition (a multiple of "
+                                                            "--max-chain + 1: the mean holds bases in their share)")
+    ap.add_argument("--warmup", type=int, default=9)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the modes, in rotated order")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--max-chain", type=int, default=8)
@@ -138,9 +140,9 @@ def main() -> None:
             for mode in MODES[rep % 3:] + MODES[: rep % 3]:
                 ranks = launch(args, mode, state_dir)
                 slowest = [max(r["steps"][i] for r in ranks) for i in range(args.steps)]
-                runs[mode].append({"step_ms": statistics.median(slowest) * 1e3,
+                runs[mode].append({"step_ms": statistics.median(slowest) * 1e3, "mean_step_ms": statistics.fmean(slowest) * 1e3,
                                    "commit_ms": statistics.median(c for r in ranks for c in r["commits"]) * 1e3})
-                print(f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms, "
+                print(f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms (mean {runs[mode][-1]['mean_step_ms']:.2f}), "
                       f"commit call {runs[mode][-1]['commit_ms']:.2f} ms", flush=True)
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -159,10 +161,14 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         rows.append({"mode": mode, "step_ms": statistics.median(r["step_ms"] for r in runs[mode]),
                      "commit_call_ms": statistics.median(r["commit_ms"] for r in runs[mode]),
                      "added_ms": statistics.median(r["step_ms"] - b["step_ms"] for r, b in pairs),
+                     "mean_step_ms": statistics.median(r["mean_step_ms"] for r in runs[mode]),
+                     "mean_added_ms": statistics.median(r["mean_step_ms"] - b["mean_step_ms"] for r, b in pairs),
                      "overhead_pct": 100 * statistics.median(r["step_ms"] / b["step_ms"] - 1 for r, b in pairs)})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     full, inc = (next(r for r in rows if r["mode"] == m) for m in ("full", "incremental"))
-    print(f"time a commit adds to a step, incremental / full: 1/{full['added_ms'] / inc['added_ms']:.0f}", flush=True)
+    print(f"time a commit adds to a step, incremental / full: 1/{full['added_ms'] / inc['added_ms']:.0f} at the median "
+          f"step, 1/{full['mean_added_ms'] / inc['mean_added_ms']:.0f} in the mean (a base every --max-chain + 1 "
+          f"commits included)", flush=True)
     return rows
 
 if __name__ == "__main__":
