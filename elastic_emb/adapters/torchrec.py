@@ -44,8 +44,9 @@ up (an evaluation pass), which are written unchanged. On a GPU the adapter offer
 the library context's device-side capture; this path is tested on the CPU only. The ``dense`` table is compared with its values at the
 previous take, bit for bit (it is small). ``import_shard``, ``mark_restored`` and ``reset`` mark
 every row. The marks are correct when each batch's lookup and backward fall between the same two
-commits (a plain loop, TorchRec's ``TrainPipelineSparseDist``); a pipeline that looks up batch
-``i+1`` before the commit of step ``i`` and updates it after needs ``track_changes=False``. A
+commits, as in a plain loop (TorchRec's train pipelines are not tested with it); a pipeline that
+looks up batch ``i+1`` before the commit of step ``i`` and updates it after needs
+``track_changes=False``. A
 TorchRec without the hook (before 1.8) gets full snapshots (``tracks_changes`` False).
 
 Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
