@@ -41,13 +41,13 @@ seen on the CPU with TorchRec 1.8; a batch without them costs one host sync). A 
 the rows looked up since the previous one: every row the optimizer wrote, plus rows only looked
 up (an evaluation pass), which are written unchanged. On a GPU the adapter offers no
 ``hold_writes``, so its commits take the host path (the changed rows copied in ``commit()``), not
-the library context's device-side capture; this path is tested on the CPU only. The ``dense`` table is compared with its values at the
-previous take, bit for bit (it is small). ``import_shard``, ``mark_restored`` and ``reset`` mark
-every row. The marks are correct when each batch's lookup and backward fall between the same two
-commits, as in a plain loop (TorchRec's train pipelines are not tested with it); a pipeline that
-looks up batch ``i+1`` before the commit of step ``i`` and updates it after needs
-``track_changes=False``. A
-TorchRec without the hook (before 1.8) gets full snapshots (``tracks_changes`` False).
+the library context's device-side capture; this path is tested on the CPU only. The ``dense``
+table is compared with its values at the previous take, bit for bit (it is small).
+``import_shard``, ``mark_restored`` and ``reset`` mark every row. The marks are correct when each
+batch's lookup and backward fall between the same two commits, as in a plain loop (TorchRec's
+train pipelines are not tested with it); a pipeline that looks up batch ``i+1`` before the commit
+of step ``i`` and updates it after needs ``track_changes=False``. A TorchRec without the hook
+(before 1.8) gets full snapshots (``tracks_changes`` False).
 
 Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
 new DMP) and should run its step inside :meth:`TorchRecContext.guard`, which marks the context
@@ -385,8 +385,6 @@ class TorchRecContext(ContextBase):
                     p.copy_(dense[offset: offset + p.numel()].view_as(p))
                     offset += p.numel()
                 self._dense_stale = False
-        if self._dense_seen is not None:
-            self._dense_seen.copy_(self._dense_view().weight)
         self._mark_all()  # a new DMP (and perhaps other rows): the next commit holds every row
         self._healthy = True
 

@@ -11,8 +11,9 @@ environment plus ``ADW_SPEC`` (JSON):
   an in-process membership change to ``env`` (torchrun variables), or ``{"depart": true}`` (the
   process leaves like a lost node: no clean-up); a change may name the ranks of the old world
   that are ``gone`` (given up on first, as the in-process resize does for departed nodes). Each
-  phase trains up to step ``until`` (committing every step) and dumps this rank's shard as ``<dump>-r<rank>.pt`` (and after each
-  step listed in ``dump_steps`` as ``<dump><step>-r<rank>.pt``).
+  phase trains up to step ``until`` (committing every step) and dumps this rank's shard as
+  ``<dump>-r<rank>.pt`` (and after each step listed in ``dump_steps`` as
+  ``<dump><step>-r<rank>.pt``).
 
 A first start fills rows with integer values that do not depend on the world size. The last
 stdout line is JSON: the lifecycle events and, for the native context, its process counters.
