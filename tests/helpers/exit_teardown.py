@@ -108,9 +108,14 @@ elif mode in ("guarded", "mixed"):
     else:
         native_calls.EXIT_GRACE_S = 2.0
 
+        # Each thread on a client of its own, as the library's background threads are
+        # (elastic_emb.state.comm.thread_store): a TCPStore client serves one request at a time, so
+        # on a shared one the polling thread's next check would queue behind the 30 s wait.
+        own = store.clone()
+
         def stuck() -> None:
             with native_calls.native_call():
-                store.wait(["never"], timedelta(seconds=30.0))
+                own.wait(["never"], timedelta(seconds=30.0))
 
         polling = comm(True, 60.0)
         exchange["thread"] = in_thread(lambda: polling.exchange("never", 0))
