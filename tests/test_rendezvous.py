@@ -420,6 +420,53 @@ def test_membership_change_classification_against_a_real_store(monkeypatch):
         h._left = True
 
 
+def test_a_signalled_agent_leaves_but_does_not_close_the_rendezvous_even_when_the_signal_is_masked(monkeypatch):
+    """torch's launcher skips ``shutdown()`` on SignalException (closing would end the job for the
+    survivors) but calls it when a later error masks the signal (torch's metrics wrapper raised
+    UnboundLocalError in its ``finally``; seen in CI: the survivors got RendezvousClosedError).
+    The handler then leaves (its ``left`` mark) and keeps the rendezvous open; a plain shutdown
+    closes it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+
+    from elastic_emb.rdzv.handler import create_handler
+    from elastic_emb.rdzv.keys import KEY_LEFT, round_prefix
+
+    port = free_port()
+    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{port}", run_id="sig", min_nodes=1,
+                                  max_nodes=2, is_host="1", keep_alive_interval="1")
+    h = create_handler(params)
+    try:
+        h._round, h._round_store = 3, h._inner._store
+
+        def masked_signal() -> None:
+            start = None
+            try:
+                del start
+                raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+            finally:
+                print(start)  # noqa: F821 - unbound, as in torch's wrapper: masks the signal
+
+        with pytest.raises(UnboundLocalError):
+            try:
+                masked_signal()
+            finally:  # where torch's launch_agent calls it
+                assert h.shutdown() is False
+        assert not h.is_closed()
+        key = round_prefix("sig", 3) + KEY_LEFT + h._node
+        assert h._round_store.check([key])  # it left, as at exit
+        h._left = False
+        assert h.shutdown() is not False  # no signal in flight: torch's plain shutdown closes it
+        assert h.is_closed()
+    finally:
+        h._closed.set()
+        h._left = True
+
+
 def test_liveness_forgets_heartbeats_of_nodes_no_longer_members():
     """The agent's heartbeat map keeps the running round's members and the newest state's nodes
     only (a long job with churn does not accumulate entries); a member absent from the state keeps

@@ -64,6 +64,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -110,6 +111,19 @@ from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signa
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.rdzv.write_priority import WritePriority
+
+
+def _signal_in_flight() -> BaseException | None:
+    """The agent's SignalException if one is being handled or propagated now, also when a later
+    error masks it (found in the chain of ``__context__`` / ``__cause__``); None otherwise."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    exc, seen = sys.exc_info()[1], 0
+    while exc is not None and seen < 16:  # bounded: a chain can be cyclic
+        if isinstance(exc, SignalException):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 class ElasticEmbRendezvousHandler:
@@ -198,6 +212,16 @@ class ElasticEmbRendezvousHandler:
         self._inner.set_closed()
 
     def shutdown(self) -> bool:
+        signalled = _signal_in_flight()
+        if signalled is not None:
+            # torch's launcher keeps the rendezvous open when its agent is signalled (it catches
+            # SignalException and skips this call), but when a later error masks the signal it
+            # calls shutdown(), which would close the rendezvous for every survivor (seen: torch's
+            # metrics wrapper raised UnboundLocalError in its `finally` when SIGTERM landed before
+            # its timer started). A signalled agent leaves instead, as at exit.
+            self._log.warning("shutdown_declined", reason="agent_signalled", signal=str(signalled)[:200])
+            self._leave("agent_exit")
+            return False
         self._left = True
         self._closed.set()  # a closed rendezvous needs no leave
         return self._inner.shutdown()
