@@ -9,20 +9,26 @@ id, the Adagrad update of the distinct rows. In the same processes, ``--steps`` 
 
 * ``none``: the step alone (the baseline);
 * ``full``: the step, then ``SnapshotTier.commit`` of the whole shard (today's snapshot);
-* ``incremental``: the step, then a delta commit of the rows written (a new base every
-  ``--max-chain + 1`` commits: reported apart, as ``commit_base_ms``, and in the mean);
-* ``restore``: restoring from a base plus a chain of ``--max-chain`` deltas, and from a full base
+* ``incremental``: the step, then a delta commit of the rows written; every ``--max-chain``-th
+  delta is folded into a base by each holder in the background (``elastic_emb/state/compact.py``:
+  the commit at the next fold point waits for the fold, if it is still running); the mean over
+  every commit is reported too;
+* ``rebased``: as ``incremental``, with the GPU path's rule instead of folding: a new base
+  captured every ``--max-chain + 1`` commits (reported apart, as ``commit_base_ms``, and in the
+  mean): the baseline folding is measured against;
+* ``restore``: restoring from a base plus a chain of ``2 * --max-chain`` deltas (the longest a
+  holder keeps while its folds keep up), and from a full base
   of the same rows, alternately, ``--restore-reps`` times each, into fresh contexts.
 
 * ``scaling``: the cost of a delta commit against the table size at fixed ids: ``--scaling-commits``
-  delta commits per size (a base every ``--scaling-max-chain + 1``, left out), the sizes
+  delta commits per size (no folding; a base every ``--scaling-max-chain + 1``, left out), the sizes
   interleaved in ABBA order. Per commit the wall time (the slowest rank) and the CPU time of the
   rank processes (all their threads: the work, which the machine's load hardly changes) are
   recorded. Reported per measure: the ratio of the medians over all commits with a bootstrap
   90% interval (pairs resampled), the median and quartiles of the per-pair ratios, and of the
   ratios of medians over blocks of ``--block`` consecutive pairs.
 
-``--phases`` picks which of ``steps`` (none, full, incremental), ``restore`` and ``scaling`` run.
+``--phases`` picks which of ``steps`` (none, full, incremental, rebased), ``restore`` and ``scaling`` run.
 
 This machine's load drifts, so the sizes are interleaved step by step (in ABBA order) and every
 ratio is taken per step, between measurements made moments apart: the incremental commit at each
@@ -126,9 +132,11 @@ def worker(args) -> None:
     phases = set(args.phases.split(","))
     # Steps and commits: the sizes interleaved step by step (ABBA order), so that the load of this
     # shared machine drifts alike for every size; a ratio is taken per step, between sizes.
-    for mode in ("none", "full", "incremental") if "steps" in phases else ():
+    for mode in MODES if "steps" in phases else ():
         ctxs = {mb: Ctx(rows_of[mb]) for mb in sizes}
         tiers = {mb: tier_for(f"{mode}-{mb}") for mb in sizes}
+        for tier in tiers.values():
+            tier.fold = mode == "incremental"
         gens = {mb: torch.Generator().manual_seed(topo.rank) for mb in sizes}
         rec = {mb: {"step_s": [], "commit_s": [], "written": [], "replicated": [], "base": []} for mb in sizes}
         for step in range(args.steps + 1):
@@ -138,10 +146,10 @@ def worker(args) -> None:
                 t0 = time.perf_counter()
                 ctx.step(gens[mb])
                 t1 = time.perf_counter()
-                base = mode == "full" or step % (args.max_chain + 1) == 0
+                base = mode == "full" or (mode == "rebased" and step % (args.max_chain + 1) == 0)
                 if mode == "full":
                     w, r = tier.commit(step, ctx.export_shard(), comm, nr)
-                elif mode == "incremental":
+                elif mode in ("incremental", "rebased"):
                     shards = ctx.export_shard() if step == 0 else ctx.shard_views()
                     w, r = tier.commit(step, shards, comm, nr, changes=ctx.take_changed_rows())
                 else:
@@ -154,11 +162,13 @@ def worker(args) -> None:
                                    ("base", base)):
                         rec[mb][key].append(v)
         results[mode] = rec
+        for tier in tiers.values():
+            tier.cancel_fold()
         for mb in sizes:
             shutil.rmtree(Path(args.state_dir) / f"{mode}-{mb}", ignore_errors=True)
         comm.barrier(f"{mode}-cleaned")
 
-    # Restore: per size, a base + the longest chain (max_chain deltas) in one tier and a full base
+    # Restore: per size, a base + the longest chain (2 * max_chain deltas) in one tier and a full base
     # of the same rows in another; restores from the two alternate, each into a fresh context
     # (made before the clock starts) and checked row for row.
     results["restore"] = {}
@@ -166,12 +176,13 @@ def worker(args) -> None:
         nr = {"emb": rows_of[mb]}
         ctx, gen = Ctx(rows_of[mb]), torch.Generator().manual_seed(topo.rank)
         chain_tier, full_tier = tier_for(f"chain-{mb}"), tier_for(f"full-{mb}")
-        for s in range(args.max_chain + 1):
+        longest = 2 * args.max_chain  # folding: the longest chain a holder keeps (compact.py: a fold per max_chain)
+        for s in range(longest + 1):  # no prune: nothing is folded
             ctx.step(gen)
             chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
                               changes=ctx.take_changed_rows())
         want = ctx.export_shard()["emb"]
-        full_tier.commit(args.max_chain, {"emb": want}, comm, nr)
+        full_tier.commit(longest, {"emb": want}, comm, nr)
         times = {"chain": [], "full": []}
         for rep in range(args.restore_reps):
             for kind in (("chain", "full") if rep % 2 == 0 else ("full", "chain")):
@@ -180,7 +191,7 @@ def worker(args) -> None:
                 t0 = time.perf_counter()
                 rep_ = restore(fresh, comm, snapshot=chain_tier if kind == "chain" else full_tier, durable=None)
                 times[kind].append(time.perf_counter() - t0)
-                if not (rep_.step == args.max_chain and torch.equal(fresh.w, want.weight)
+                if not (rep_.step == longest and torch.equal(fresh.w, want.weight)
                         and torch.equal(fresh.acc, want.slots["acc"])):
                     raise SystemExit(f"rank {topo.rank}: {kind} restore at {mb} MB: the rows differ from the "
                                      f"committed rows (step {rep_.step})")
@@ -205,6 +216,7 @@ def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
     tiers = {mb: tier_for(f"scaling-{mb}") for mb in sizes}
     for tier in tiers.values():
         tier.max_chain = args.scaling_max_chain
+        tier.fold = False  # the delta commits' own cost (folds would run beside them)
     gens = {mb: torch.Generator().manual_seed(1000 + comm.rank) for mb in sizes}
     rec = {mb: {"wall_s": [], "cpu_s": [], "base": []} for mb in sizes}
     for step in range(args.scaling_commits + 1):
@@ -277,6 +289,9 @@ def launch(args) -> list[dict]:
     return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
 
 
+MODES = ("none", "full", "incremental", "rebased")
+
+
 def spread(values: list[float]) -> dict:
     """Median and quartiles (and the count) of a list of values."""
     q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
@@ -302,13 +317,14 @@ def summarize(per_rank: list[dict], args) -> dict:
     for mb in map(str, sizes):
         row = {"size_mb_per_rank": int(mb), "world": args.world, "ids_per_step": args.ids, "max_chain": args.max_chain,
                "shard_bytes": res[0]["shard_bytes"][mb]}
-        for mode in ("none", "full", "incremental"):
+        for mode in [m for m in MODES if m in res[0]]:
             steps, commits = slowest(mode, mb, "step_s"), slowest(mode, mb, "commit_s")
             is_base = res[0][mode][mb]["base"]
-            if mode == "incremental":  # deltas only; the bases (every max_chain + 1) apart
+            if mode in ("incremental", "rebased"):  # the mean over every commit (folds, bases)
+                row[f"commit_{mode}_mean_ms"] = statistics.fmean(commits) * 1e3
+            if mode == "rebased":  # deltas only; the bases (every max_chain + 1) apart
                 row["commit_base_ms"] = statistics.median([c for c, b in zip(commits, is_base) if b]) * 1e3 \
                     if any(is_base) else None
-                row["commit_incremental_mean_with_bases_ms"] = statistics.fmean(commits) * 1e3
                 steps = [s for s, b in zip(steps, is_base) if not b]
                 commits = [c for c, b in zip(commits, is_base) if not b]
             row[f"step_{mode}_ms"] = statistics.median(steps) * 1e3
@@ -320,6 +336,8 @@ def summarize(per_rank: list[dict], args) -> dict:
                 row[f"replicated_{mode}_bytes"] = statistics.median(replicated)
                 row[f"overhead_{mode}_pct"] = 100 * (row[f"step_{mode}_ms"] / row["step_none_ms"] - 1)
         row["incremental_over_full"] = row["commit_incremental_ms"] / row["commit_full_ms"]
+        if "commit_rebased_mean_ms" in row:  # per step: the folded mean against the rebased one
+            row["mean_incremental_over_rebased"] = row["commit_incremental_mean_ms"] / row["commit_rebased_mean_ms"]
         if mb in res[0]["restore"]:
             rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
                   for k in ("chain", "full")}

@@ -10,7 +10,10 @@ row-wise sharded with fbgemm's fused row-wise Adagrad, and a step of ``--ids`` r
 * ``full``: the step and ``lc.commit(step)`` with ``track_changes=False`` (a full snapshot of the
   shard, synchronous: what the adapter did before it tracked changes);
 * ``incremental``: the step and ``lc.commit(step)`` with the adapter's change tracking (the
-  default: the rows looked up, committed asynchronously).
+  default: the rows looked up, committed asynchronously; every ``--max-chain``-th delta folded
+  into a base by its holders in the background);
+* ``rebased``: as ``incremental`` with ``LifecycleConfig(fold=False)``: a full base captured
+  every ``--max-chain + 1``-th commit instead of the folds (what the library did before it folded).
 
 Per mode, ``--steps`` steps after ``--warmup``; the modes run in rotated order ``--reps`` times,
 so the machine's drift hits all of them. Reported per mode: the median step time (the slower
@@ -43,7 +46,7 @@ from _ranks import collect, rank_env  # noqa: E402
 from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("none", "full", "incremental")
+MODES = ("none", "full", "incremental", "rebased")
 
 
 def build(topology, env, device, rows: int, dim: int):
@@ -73,8 +76,8 @@ def worker(args) -> None:
 
     rows = args.table_mb * 2**20 // (args.dim * 4) * args.world
     factory = functools.partial(TorchRecContext, build=functools.partial(build, rows=rows, dim=args.dim),
-                                dense_table=None, track_changes=args.mode == "incremental", timeout=120.0)
-    lc = Lifecycle.start(factory, LifecycleConfig(max_chain=args.max_chain))
+                                dense_table=None, track_changes=args.mode in ("incremental", "rebased"), timeout=120.0)
+    lc = Lifecycle.start(factory, LifecycleConfig(max_chain=args.max_chain, fold=args.mode != "rebased"))
     gen = torch.Generator().manual_seed(lc.topology.rank)
     steps, commits = [], []
     for step in range(args.warmup + args.steps):
@@ -137,7 +140,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
         for rep in range(args.reps):
-            for mode in MODES[rep % 3:] + MODES[: rep % 3]:
+            for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
                 ranks = launch(args, mode, state_dir)
                 slowest = [max(r["steps"][i] for r in ranks) for i in range(args.steps)]
                 runs[mode].append({"step_ms": statistics.median(slowest) * 1e3, "mean_step_ms": statistics.fmean(slowest) * 1e3,
@@ -156,7 +159,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     commit adds to the step (against that repetition's ``none``) and that as a percentage, as
     medians over the repetitions. Prints them, and the two modes' ratio of added time."""
     rows = []
-    for mode in MODES:
+    for mode in [m for m in MODES if runs.get(m)]:
         pairs = list(zip(runs[mode], runs["none"]))
         rows.append({"mode": mode, "step_ms": statistics.median(r["step_ms"] for r in runs[mode]),
                      "commit_call_ms": statistics.median(r["commit_ms"] for r in runs[mode]),
@@ -167,8 +170,13 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     full, inc = (next(r for r in rows if r["mode"] == m) for m in ("full", "incremental"))
     print(f"time a commit adds to a step, incremental / full: 1/{full['added_ms'] / inc['added_ms']:.0f} at the median "
-          f"step, 1/{full['mean_added_ms'] / inc['mean_added_ms']:.0f} in the mean (a base every --max-chain + 1 "
-          f"commits included)", flush=True)
+          f"step, 1/{full['mean_added_ms'] / inc['mean_added_ms']:.0f} in the mean (the folds included)", flush=True)
+    rebased = next((r for r in rows if r["mode"] == "rebased"), None)
+    if rebased is not None:  # (an earlier run's JSON may lack it)
+        per_rep = [(r["mean_step_ms"] - b["mean_step_ms"]) / (q["mean_step_ms"] - b["mean_step_ms"])
+                   for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])]
+        print(f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
+              f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})", flush=True)
     return rows
 
 if __name__ == "__main__":

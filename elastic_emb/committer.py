@@ -87,7 +87,8 @@ class Committer:
         self._interrupted: tuple[Topology, str] | None = None  # (generation, why): interrupt()
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
                                      keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
-                                     max_chain=config.max_chain)
+                                     max_chain=config.max_chain, fold_timeout=config.transfer_timeout)
+        self.snapshot.fold = self.snapshot.fold and config.fold
         self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
                                     dir_mode=config.dir_mode) if config.durable_dir else None)
 
@@ -176,6 +177,7 @@ class Committer:
                 self.wait()  # a host capture names a parent that must be complete
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
+                self.snapshot.fold = False  # GPU deltas land in reused log segments: bases are captured
                 self.snapshot.enable_spares(COMMIT_DEPTH + 1)
                 self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
             if writer.in_flight is None:
@@ -338,6 +340,7 @@ class Committer:
                 _commit_lost(exc, step=self._writer.in_flight)
             self._writer.close(wait=False)  # waited for above
             self._writer = None
+        self.snapshot.cancel_fold()  # what comes next (a restore, the exit) reads the chains as they are
 
     def close_comm(self) -> None:
         """The generation's communicators go (the writer's first: it may be using the store)."""

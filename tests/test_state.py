@@ -9,6 +9,8 @@ gloo group in this process) drives the same code paths on files that the tests t
 from __future__ import annotations
 
 import json
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from elastic_emb.state import (
     replica_holders,
     restore,
 )
+from elastic_emb.state.snapshot import FOLD_CHAIN_BOUND
 from elastic_emb.topology import Topology
 
 SPEC = [["float32", [3]], ["float32", []]]  # weight [rows, 3] + one per-row slot
@@ -521,12 +524,15 @@ def _delta_commit(tier, ctx, comm, step):
     return tier.commit(step, ctx.export_shard(), comm, {"t": 40}, changes=ctx.take_changes())
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "rebased"])
 @settings(max_examples=8, deadline=None)
 @given(writes=st.lists(st.lists(st.integers(0, 39), max_size=12), min_size=1, max_size=7))
-def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, writes):
+def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, fold, writes):
     """Random writes (duplicates, empty steps) committed as a base and deltas (chain bound 3):
     restoring at each commit gives exactly the rows as they were at that commit; delta files hold
-    only the changed rows."""
+    only the changed rows. ``folded``: every third delta is folded into a base by the compactor
+    (the chain goes on from it); ``rebased`` (the GPU path's rule): the commit after three deltas
+    is a captured base."""
     import torch.distributed as dist
 
     tmp = tmp_path_factory.mktemp("chain")
@@ -536,6 +542,7 @@ def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, writes):
                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
     comm = Comm(topo, store, None, timeout=30)
     tier = SnapshotTier(tmp, "unit", "nodeA", replication=0, keep=100, max_chain=3)
+    tier.fold = fold
     ctx = TrackingContext(topo)
     ctx.write(list(range(40)), 0.0)
     _delta_commit(tier, ctx, comm, 0)
@@ -544,11 +551,19 @@ def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, writes):
         if rows:
             ctx.write(rows, float(step))
         written, _ = _delta_commit(tier, ctx, comm, step)
+        tier.prune(comm)  # as every commit is followed: it hands a fold point to the compactor
+        assert tier.compactor.wait(60)
         want[step] = (ctx.w.clone(), ctx.acc.clone())
         [(_, m)] = [(p, m) for p, m in tier.manifests() if m.step == step]
-        assert (m.parent is None) == (step % 4 == 0), (step, m.parent)  # a base after 3 deltas
-        if m.parent is not None:
+        if fold:  # every commit a delta on the one before; every third one folded into a base
             assert written == len(set(rows)) * (8 + 12 + 4)  # index + weight + slot of changed rows only
+            assert (m.parent is None) == (step % 3 == 0), (step, m.parent)
+        else:
+            assert (m.parent is None) == (step % 4 == 0), (step, m.parent)  # a base after 3 deltas
+            if m.parent is not None:
+                assert written == len(set(rows)) * (8 + 12 + 4)
+    if fold:
+        assert tier.compactor.folded == len(writes) // 3
     for step in sorted(want):
         for d in tier.node_dir.glob("step-*"):  # hide the newer commits: restore must give `step`
             if int(d.name.split("-")[1]) > step:
@@ -559,6 +574,46 @@ def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, writes):
         for d in tier.node_dir.glob("hidden-*"):
             d.rename(d.with_name(d.name.removeprefix("hidden-")))
     comm.close()
+
+
+def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothing(tmp_path, world1):
+    """The compactor reads a chain verified before it folds it (a corrupt base would otherwise get
+    a fresh checksum in the new base): the fold fails, is logged, and the delta stays as it was. A
+    fold cancelled (a resize, the exit) leaves the delta as it was too, with no file of its own
+    left. A fold that runs folds the chain into a base that restores the same rows."""
+    from elastic_emb.state.compact import FoldCancelled, fold
+
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=100, max_chain=2)
+    ctx = TrackingContext(topo)
+    for step in range(3):  # a base, two deltas: step 2 is a fold point
+        ctx.write([step, step + 7], float(step + 1))
+        _delta_commit(tier, ctx, comm, step)
+        if step < 2:
+            tier.prune(comm)
+    [cdir] = tier.node_dir.glob("step-000000000002-*")
+    manifest = cdir / "rank0.json"
+    before = manifest.read_bytes()
+    with pytest.raises(FoldCancelled):
+        fold(tier, manifest, lambda: True)
+    assert manifest.read_bytes() == before and not (cdir / "rank0.base.bin").exists()
+    [base] = tier.node_dir.glob("step-000000000000-*/rank0.bin")
+    good = base.read_bytes()
+    base.write_bytes(good[:5] + bytes([good[5] ^ 1]) + good[6:])  # one bit of the base flipped
+    tier.prune(comm)  # the fold point's prune hands step 2 to the compactor
+    assert tier.compactor.wait(60) and tier.compactor.folded == 0
+    assert manifest.read_bytes() == before and (cdir / "rank0.bin").is_file()
+    assert not (cdir / "rank0.base.bin").exists()
+    base.write_bytes(good)
+    assert fold(tier, manifest) is not None  # now it folds: a base, and the delta's file is gone
+    folded = json.loads(manifest.read_text())
+    assert folded["parent"] is None and folded["data_file"] == "rank0.base.bin" and not (cdir / "rank0.bin").exists()
+    for d in tier.node_dir.glob("step-00000000000[01]-*"):  # restore needs nothing else now
+        shutil.rmtree(d)
+    topo2, comm2 = world1()
+    ctx2 = TrackingContext(topo2)
+    assert restore(ctx2, comm2, snapshot=tier, durable=None).step == 2
+    assert torch.equal(ctx2.w, ctx.w) and torch.equal(ctx2.acc, ctx.acc)
 
 
 def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
@@ -586,21 +641,27 @@ def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
         restore(TrackingContext(topo2), comm2, snapshot=tier, durable=None)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["rebased", "folded"])
 @pytest.mark.parametrize("keep,max_chain", [(2, 4), (3, 2)])
-def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, world1, keep, max_chain):
-    """120 commits (a base, then deltas of up to W random rows, re-based every max_chain + 1),
-    each followed by prune as the lifecycle does: after every commit the node directory holds at
-    most the bound of :mod:`elastic_emb.state.delta` (2 bases and max_chain + keep - 2 deltas),
-    computed here from the config: never more commit directories, never more data bytes. The
-    prunes the tier skips (a delta at least ``keep`` from its base) leave nothing behind: a full
-    prune of a fresh tier on the same directory then deletes nothing."""
+def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, world1, keep, max_chain, fold):
+    """120 commits (a base, then deltas of up to W random rows), each followed by prune as the
+    lifecycle does: after every commit the node directory holds at most the bound of
+    :mod:`elastic_emb.state.delta`, computed here from the config: never more commit directories,
+    never more data bytes. ``rebased`` (a captured base every max_chain + 1 commits): 2 bases and
+    max_chain + keep - 2 deltas, and the prunes the tier skips (a delta at least ``keep`` from its
+    base) leave nothing behind: a full prune of a fresh tier on the same directory then deletes
+    nothing. ``folded`` (the compactor folds every max_chain-th delta into a base, and the full
+    prune at the next fold point frees what that made obsolete): 2 bases and 2 * max_chain - 2
+    deltas, and a fresh prune deletes nothing right after a fold point's prune."""
     n, w, steps = 40, 6, 120
     row = 3 * 4 + 4  # weight float32[3] + one float32 slot
     base_bytes, delta_bytes = n * row, w * (row + 8)  # + the int64 index of each changed row
-    max_dirs = 2 + max_chain + keep - 2
-    bound = 2 * base_bytes + (max_chain + keep - 2) * delta_bytes
+    window = 2 * max_chain - 2 if fold else max_chain + keep - 2
+    max_dirs = 2 + window
+    bound = 2 * base_bytes + window * delta_bytes
     topo, comm = world1()
     tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
+    tier.fold = fold
     ctx = TrackingContext(topo)
     gen = torch.Generator().manual_seed(17)
     peak = peak_dirs = 0
@@ -612,15 +673,23 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
         ctx.write(rows, float(step + 1))
         _delta_commit(tier, ctx, comm, step)
         tier.prune(comm)
-        fresh = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
-        assert fresh.prune(comm) == [], f"step {step}: the prune after it left deletable commits"
+        if fold:
+            assert tier.compactor.wait(60)  # (the next fold point would wait for it, bounded)
+        if not fold or (step and step % max_chain == 0):
+            fresh = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
+            assert fresh.prune(comm) == [], f"step {step}: the prune after it left deletable commits"
         dirs = list(tier.node_dir.glob("step-*"))
         used = sum(f.stat().st_size for d in dirs for f in d.glob("*.bin"))
         assert len(dirs) <= max_dirs and used <= bound, (step, len(dirs), used, bound)
         peak, peak_dirs = max(peak, used), max(peak_dirs, len(dirs))
     assert peak > base_bytes and peak_dirs == max_dirs  # the bound is reached: exercised, not trivially met
-    # Full prunes only at the base and the keep - 1 deltas after it (the others were skipped).
-    assert full_prunes == [s for s in range(steps) if s % (max_chain + 1) < keep], full_prunes
+    # Full prunes only at the base and the keep - 1 deltas after it, and at the fold points (the
+    # others were skipped). (Folded, the chain is never re-based within 120 steps.)
+    if fold:
+        assert max_chain * FOLD_CHAIN_BOUND > steps and tier.compactor.folded == (steps - 1) // max_chain
+        assert full_prunes == [s for s in range(steps) if s < keep or s % max_chain == 0], full_prunes
+    else:
+        assert full_prunes == [s for s in range(steps) if s % (max_chain + 1) < keep], full_prunes
     topo2, comm2 = world1()
     ctx2 = TrackingContext(topo2)
     assert restore(ctx2, comm2, snapshot=tier, durable=None).step == steps - 1
@@ -735,49 +804,83 @@ def _parents(node_dir, rank: int) -> dict[int, int | None]:
 
 
 def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(tmp_path):
-    """Incremental commits by default, chain bound 2: the commit after two deltas is the
-    compaction (a new base). Each start SIGKILLs both ranks (two nodes, a replica each) at one
-    point of that compaction: data written, replica in flight, manifest missing, and half done
-    (rank 0 wrote its own manifest of the new base, rank 1 none). The next start restores the
-    chain before it bit for bit. Last, one node loses a delta of its own chain (the middle
-    link): its rows come from the replica of that chain on the other node, bit for bit."""
+    """Incremental commits by default, chain bound 2: every second delta is a fold point, which
+    each holder folds into a base after it is complete (elastic_emb/state/compact.py). Two nodes,
+    a replica each; each start SIGKILLs both ranks at one point, and the next start restores the
+    newest complete commit bit for bit:
+
+    - of the fold point's commit: data written, replica in flight, manifest missing, half done
+      (rank 0 wrote its own manifest, rank 1 none): the commit does not exist, and its chain is
+      as it was;
+    - of the fold itself: the new base's data written (the delta's manifest still names its
+      parent), the manifest swapped (the old delta file still there), and each node at a different
+      one of those.
+
+    Last, one node loses a delta of its own chain (the middle link): its rows come from the
+    replica of that chain on the other node, bit for bit."""
     from tests.test_lifecycle import assert_bit_exact, gather, ok, reference
 
     out = tmp_path / "out"
     out.mkdir()
+    ref = reference(32)  # every start is compared with the tables after the step it restored
     cfg = {"max_chain": 2}
-    kills = [{r: "snapshot_data_written" for r in (0, 1)}, {r: "snapshot_replica_in_flight" for r in (0, 1)},
-             {r: "snapshot_before_manifest" for r in (0, 1)},
-             {0: "snapshot_manifest_partial", 1: "snapshot_before_manifest"}]
+    nodes = {0: tmp_path / "nodes" / "A", 1: tmp_path / "nodes" / "B"}
+    commit_kills = [{r: "snapshot_data_written" for r in (0, 1)}, {r: "snapshot_replica_in_flight" for r in (0, 1)},
+                    {r: "snapshot_before_manifest" for r in (0, 1)},
+                    {0: "snapshot_manifest_partial", 1: "snapshot_before_manifest"}]
+    fold_kills = [{r: "fold_data_written" for r in (0, 1)}, {r: "fold_manifest_swapped" for r in (0, 1)},
+                  {0: "fold_manifest_swapped", 1: "fold_data_written"}]
     restored = -1
-    for gen, kill in enumerate(kills):  # each start restores what the previous kill left, then trains on
-        # A start's first commit is a base (at restored + 1); the compaction comes 2 deltas later.
-        compaction = restored + 4
-        extra = {r: {"ELASTIC_EMB_FAULT": f"{point}@{compaction}"} for r, point in kill.items()}
-        results = _lifecycle_run(tmp_path, ["A", "B"], gen, out, compaction, extra=extra, config=cfg)
-        # Each rank is killed at its point, or fails on the peer that was (a collective in progress).
+    for gen, kill in enumerate(commit_kills + fold_kills):  # each start restores what the kill left, trains on
+        # A start's first commit is a base (at restored + 1); the fold point comes 2 deltas later.
+        point = restored + 3
+        extra = {r: {"ELASTIC_EMB_FAULT": f"{where}@{point}"} for r, where in kill.items()}
+        folding = gen >= len(commit_kills)
+        # A fold runs beside the next commits; the writer waits for it at the next fold point
+        # (point + 2), so training that far makes sure it reached its kill point.
+        results = _lifecycle_run(tmp_path, ["A", "B"], gen, out, point + 2 if folding else point, extra=extra,
+                                 config=cfg)
         codes = [r.returncode for r in results]
-        assert -9 in codes and 0 not in codes, (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
+        if folding:  # folds are local: each rank reaches its own point
+            assert codes == [-9, -9], (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
+        else:  # each rank is killed at its point, or fails on the peer that was (a collective in progress)
+            assert -9 in codes and 0 not in codes, (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
         if gen:
-            assert_bit_exact(gather(out, "start", gen), reference(16)[restored + 1], f"after the kill at {kills[gen - 1]}")
-        parents = _parents(tmp_path / "nodes" / "A", 0)
-        chain = [compaction - 1, compaction - 2, compaction - 3]
-        assert [parents.get(s, "absent") for s in chain] == [chain[1], chain[2], None], (kill, parents)
-        if gen == 3:  # half done: rank 0's own manifest of the new base exists, rank 1's does not
-            assert parents[compaction] is None and compaction not in _parents(tmp_path / "nodes" / "B", 1)
+            assert_bit_exact(gather(out, "start", gen), ref[restored + 1],
+                             f"after the kill at {(commit_kills + fold_kills)[gen - 1]}")
+        for r, where in kill.items():
+            parents = _parents(nodes[r], r)
+            assert [parents.get(s, "absent") for s in (point - 1, point - 2)] == [point - 2, None], (kill, parents)
+            [cdir] = [d for d in (nodes[r] / "test" / ("A", "B")[r]).glob(f"step-{point:012d}-*")] or [None]
+            if where == "fold_data_written":  # the delta as it was, and an orphan the prune removes
+                assert parents[point] == point - 1 and (cdir / f"rank{r}.base.bin").is_file(), (kill, parents)
+            elif where == "fold_manifest_swapped":  # a base now; the delta's file is the orphan
+                assert parents[point] is None and (cdir / f"rank{r}.bin").is_file(), (kill, parents)
+            elif where == "snapshot_manifest_partial":  # rank 0's own manifest only: not a commit
+                assert parents[point] == point - 1 and point not in _parents(nodes[1], 1)
+            else:
+                assert point not in parents, (kill, parents)
+        if folding:  # restored next: the newest commit complete when the fold was killed
+            values = ok(_lifecycle_run(tmp_path, ["A", "B"], 100 + gen, out, -1, config=cfg))
+            assert len({v["start_step"] for v in values}) == 1 and values[0]["start_step"] >= point, values
+            restored = values[0]["start_step"]
+            assert_bit_exact(gather(out, "start", 100 + gen), ref[restored + 1], f"after the kill at {kill}")
         else:
-            assert compaction not in parents
-        restored = compaction - 1
-    # Restore the last one, train a chain (a base, 2 deltas), then drop node B's own middle delta.
+            restored = point - 1
+    # Restore the last one, train a chain (chain bound 3: a base, 2 deltas, no fold point), then drop
+    # node B's own middle delta.
+    cfg = {"max_chain": 3}
+    gen = len(commit_kills + fold_kills)
     last = restored + 3
-    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 4, out, last, config=cfg))
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], gen, out, last, config=cfg))
     assert [v["start_step"] for v in values] == [restored] * 2
-    assert_bit_exact(gather(out, "start", 4), reference(16)[restored + 1], f"after the kill at {kills[-1]}")
+    assert_bit_exact(gather(out, "start", gen), ref[restored + 1], f"after the kill at {fold_kills[-1]}")
+    assert [_parents(nodes[1], 1).get(s) for s in (last, last - 1, last - 2)] == [last - 1, last - 2, None]
     [middle] = (tmp_path / "nodes" / "B").glob(f"test/B/step-{last - 1:012d}-*/rank1.json")
     middle.unlink()
-    values = ok(_lifecycle_run(tmp_path, ["A", "B"], 5, out, -1, config=cfg))
+    values = ok(_lifecycle_run(tmp_path, ["A", "B"], gen + 1, out, -1, config=cfg))
     assert [v["start_step"] for v in values] == [last, last]
-    assert_bit_exact(gather(out, "start", 5), reference(16)[last + 1], "node B's delta from its replica on A")
+    assert_bit_exact(gather(out, "start", gen + 1), ref[last + 1], "node B's delta from its replica on A")
 
 
 def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):

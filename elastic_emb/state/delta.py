@@ -20,13 +20,19 @@ commit) is not a commit: the chain simply ends one step earlier (a torn tail is 
 missing in the *middle* of a chain, where later deltas exist, is reported by
 :func:`resolve_chains` as a gap, and restore refuses to skip over it silently.
 
-Bound: the chain is at most ``max_chain`` deltas long; the commit after that is a new base
-(compaction by re-basing: it is a complete commit of its own, so a crash at any point leaves the
-previous base and chain restorable until the new base is complete). With ``keep`` complete commits
-kept and their chains (``keep <= max_chain + 1``), after each commit's prune a node directory holds
-at most two bases and ``max_chain + keep - 2`` deltas per shard it stores (own or replica), plus
-the one commit in flight: with the defaults (keep 2) 2x the shard plus the chain window
-(tests/test_state.py checks this bound over a long run).
+Bound, two ways of ending a chain. Folding (the default for chains captured on the host,
+:mod:`.compact`): every ``max_chain``-th delta is folded into a base by each holder, from its own
+files, in the background; the chain goes on from it, and the full prune at the next fold point
+frees the older base and its deltas: a node directory then holds at most two bases and
+``2 * max_chain - 2`` deltas per shard it stores (own or replica), plus the commits in flight.
+Re-basing (the GPU capture path, or ``LifecycleConfig(fold=False)``): the chain is at most
+``max_chain`` deltas long and the commit after that is a new base captured from the context (a
+complete commit of its own, so a crash at any point leaves the previous base and chain
+restorable until the new base is complete); with ``keep`` complete commits kept and their chains
+(``keep <= max_chain + 1``), after each commit's prune a node directory holds at most two bases
+and ``max_chain + keep - 2`` deltas per shard it stores, plus the one commit in flight. With the
+defaults either way about 2x the shard plus the chain window (tests/test_state.py checks both
+bounds over a long run).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
+from elastic_emb.state.compact import Compactor, fold_targets
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
@@ -50,6 +52,11 @@ log = get_logger("elastic_emb.state")
 
 
 RUN_MARKER = "run.json"
+
+# Folding (compact.py), a chain of host-captured deltas still ends in a captured base after this
+# many times max_chain deltas (1,024 commits by default): a bound the same on every rank, so that
+# a node whose folds keep failing does not keep a chain forever.
+FOLD_CHAIN_BOUND = 128
 
 
 class RunMarker(BaseModel):
@@ -94,6 +101,7 @@ class Capture:
     device: object = None
     buffer: object = None
     speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
+    fold: bool = False  # a fold point: once written, its holders fold it into a base (compact.py)
 
     def release(self) -> None:
         """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
@@ -107,7 +115,8 @@ class SnapshotTier:
     """Node-local snapshots with replicas on other nodes."""
 
     def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
-                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8) -> None:
+                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8,
+                 fold_timeout: float = 300.0) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
@@ -133,6 +142,13 @@ class SnapshotTier:
         # the newest complete one with nothing else deletable (None: the next prune is a full one).
         self._written: tuple[CommitId, CommitId | None, int] | None = None
         self._pruned_at: CommitId | None = None
+        # Compaction (compact.py): host-captured chains are folded into bases by their holders
+        # instead of capturing a full base every max_chain + 1 commits. Off once commits are
+        # captured on the GPU (their deltas live in log segments that are reused).
+        self.fold = max_chain > 0
+        self.compactor = Compactor(self, fold_timeout)
+        self.fold_lock = threading.Lock()  # a fold's manifest swap and prune's deletions, one at a time
+        self._fold_due: tuple[int, list[Path]] | None = None  # the fold point just written: (step, its manifests)
 
     def enable_spares(self, count: int) -> None:
         """Keep ``count`` data files allocated ahead for GPU-captured commits (see
@@ -229,13 +245,18 @@ class SnapshotTier:
             self._chain = (fp, CommitId(step, topology.generation, fp), length)
             return cap
         parent = None
-        if changes is not None and chain is not None and chain[2] < self.max_chain:
+        # Folding, the chain goes on (its holders fold it every max_chain deltas); a hard bound,
+        # the same on every rank, still ends one whose folds keep failing.
+        limit = self.max_chain * (FOLD_CHAIN_BOUND if self.fold else 1)
+        if changes is not None and chain is not None and chain[2] < limit:
             parent = chain[1]
             records, blob, _ = pack_delta(shards, changes, num_rows)
         else:
             records, blob = pack_shard(shards, num_rows)
         self._chain = None  # until this commit completes: a failed commit makes the next one a base
-        return Capture(step, topology, records, blob, parent, 0 if parent is None else chain[2] + 1)
+        length = 0 if parent is None else chain[2] + 1
+        return Capture(step, topology, records, blob, parent, length,
+                       fold=bool(self.fold and length and length % self.max_chain == 0))
 
     def break_chain(self) -> None:
         """A commit failed: the next one is a base (it must not name a parent that was never
@@ -313,6 +334,8 @@ class SnapshotTier:
         if not cap.speculative:
             self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
         self._written = (CommitId(step, topo.generation, topo.fingerprint()), parent, cap.chain_length)
+        if cap.fold:  # prune (next, on every rank alike) hands it to the compactor
+            self._fold_due = (step, fold_targets(cdir, topo.rank, senders))
         return int(blob.numel()), replicated
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
@@ -451,7 +474,13 @@ class SnapshotTier:
         right after a prune that left only kept commits. Every rank decides alike (the same
         commits, the same parents), so the collective exchange is skipped on all or none."""
         written = self._written
-        if not at_start and self._prune_frees_nothing(written):
+        fold_due, self._fold_due = self._fold_due, None
+        if fold_due is not None:
+            # A fold point (the same commit on every rank): the previous fold has ended (bounded
+            # wait), so this full prune frees the base and the deltas it made obsolete; then the
+            # compactor folds the commit just written.
+            self.compactor.wait()
+        elif not at_start and self._prune_frees_nothing(written):
             self._pruned_at = written[0]
             return []
         self._pruned_at = None  # until this prune has completed
@@ -460,7 +489,15 @@ class SnapshotTier:
         # keep - 1 commits before it and their chains (and what may still complete).
         if written is not None and newest == written[0]:
             self._pruned_at = newest
+        if fold_due is not None:
+            self.compactor.request(*fold_due)
         return deleted
+
+    def cancel_fold(self, timeout: float = 10.0) -> bool:
+        """Cancel the fold under way, if any (a resize restores next; the exit): its commit stays
+        the delta it was (compact.py). Whether none runs now."""
+        self._fold_due = None  # a fold point an abandoned writer wrote but never pruned: not folded
+        return self.compactor.cancel(timeout)
 
     def _prune_frees_nothing(self, written: tuple[CommitId, CommitId | None, int] | None) -> bool:
         """Whether a full prune now would delete nothing: the newest commit written is a delta on
@@ -504,7 +541,8 @@ class SnapshotTier:
             if newer and not (at_start and not name.endswith(f"-{current}")):
                 continue
             try:
-                shutil.rmtree(self.node_dir / name)
+                with self.fold_lock:  # not under a fold's manifest swap
+                    shutil.rmtree(self.node_dir / name)
                 deleted.append(name)
             except FileNotFoundError:
                 pass

@@ -1,0 +1,211 @@
+"""Compaction in the background: a holder folds a delta chain into a base from its own files.
+
+Without it, a chain of host-captured deltas ends every ``max_chain + 1`` commits in a new full
+base: the training thread copies the whole shard, and the writer writes it, sends it to the
+replica holders and writes it there, while the next commit waits for all of that (measured: the
+bases were most of the mean commit cost, see BENCHMARKS.md). Every holder already has what a new
+base needs: the previous base and the deltas since, in its own node directory. So, after the
+writer completed a delta commit at a *fold point* (every ``max_chain`` deltas), each rank hands
+the manifests it wrote for that commit (its own shard's, and the replicas it holds) to its
+:class:`Compactor`, whose thread, for each:
+
+1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
+   base and of every delta is checked, so a corrupt file is never folded into a fresh checksum);
+2. writes the materialized shard as a new data file next to the delta's (``*.base.bin``),
+   checksummed as it is written, and fsyncs it;
+3. replaces the delta's manifest, by atomic rename, with one that names the new file and no
+   parent: from then on the commit is a base, and prune frees the old base and the deltas
+   before it (:meth:`SnapshotTier.prune`);
+4. removes the delta's own data file (a base needs nothing else).
+
+Nothing crosses the network, nothing is collective and the training thread does not take part:
+the next commits are deltas on the same parent as before, whatever their holders' compactors
+are doing. A kill at any point leaves a restorable commit: before step 3 the delta and its chain
+are intact (the partial ``*.base.bin`` is an orphan the commit directory's prune removes), after
+it the base is complete (a leftover delta file is an orphan too). Holders fold at their own pace,
+so one node may hold a commit as a base while another holds it as a delta: both are complete,
+and prune keeps a chain while any node still lists it.
+
+Bound: a fold starts only once the previous one ended (the writer waits for it, bounded), so a
+holder's chain since its newest base is at most ``2 * max_chain`` deltas, and it holds at most two
+bases of a shard (the older one until the prune after the fold). A fold that fails (storage full,
+a corrupt link) is logged and changes nothing: the chain stays as it was, and the next fold point
+folds the longer chain. Deltas captured on the GPU into log segments are not folded (a segment is
+reused once ``max_chain`` later commits landed): on that path a base is still captured every
+``max_chain + 1`` commits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from elastic_emb.events import get_logger
+from elastic_emb.native_calls import exiting, native_call
+from elastic_emb.state import points
+from elastic_emb.state.capture import finished_records, record_ranges
+from elastic_emb.state.crc import write_and_checksum
+from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
+from elastic_emb.state.manifest import ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, write_atomic
+from elastic_emb.state.paths import open_new
+from elastic_emb.state.shardfile import read_snapshot
+
+log = get_logger("elastic_emb.state")
+
+BASE_SUFFIX = ".base.bin"  # the data file a fold writes: rank<r>[.replica].base.bin
+
+
+class FoldCancelled(Exception):
+    """The compactor was stopped (a resize, the exit) before the fold swapped its manifest."""
+
+
+def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
+    """Fold the delta commit whose manifest is ``manifest_path`` (in ``tier``'s node directory)
+    into a base, in place (module docstring). Returns the bytes of the new data file, or None
+    when there is nothing to fold (already a base, or gone: pruned meanwhile). Raises on a chain
+    that cannot be read (a gap, a checksum mismatch) and on storage errors, leaving the delta as it
+    was; :class:`FoldCancelled` when ``cancelled()`` turned true before the manifest swap."""
+    try:
+        raw = manifest_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    m = SnapshotManifest.model_validate_json(raw)
+    if m.parent is None or m.segment is not None:
+        return None  # a base already, or a GPU delta in a log segment (not folded: module docstring)
+    key = (m.source_rank, m.replica, m.commit)
+    chain = next((c for c in resolve_chains(tier.manifests())[0].values()
+                  if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key), None)
+    if chain is None:
+        raise FileNotFoundError(f"{manifest_path}: the chain of {m.commit} is not complete in {tier.node_dir} "
+                                f"(a link is missing or was pruned); nothing folded")
+    tables = read_chain(chain, read_snapshot)  # verified, link by link
+    if cancelled():
+        raise FoldCancelled(str(manifest_path))
+    records, parts, off = [], [], 0
+    for rec in m.shards:  # the delta's table order: every table of the shard, as in a base
+        got = tables[rec.table]
+        trs = []
+        for tname in ["weight"] + sorted(k for k in got if k not in ("weight", INDEX)):
+            t = got[tname]
+            b = as_bytes(t.contiguous())
+            spec = row_spec(t)
+            trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
+                                    crc32=-1))
+            parts.append(b)
+            off += int(b.numel())
+        records.append(ShardRecord(table=rec.table, num_rows=rec.num_rows, start=rec.start, stop=rec.stop, tensors=trs))
+    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    data_name = manifest_path.name[: -len(".json")] + BASE_SUFFIX
+    path = manifest_path.with_name(data_name)
+    path.unlink(missing_ok=True)  # an orphan of a fold killed before its manifest swap
+    data = blob.numpy()
+    crcs = write_and_checksum(path, data, record_ranges(records), lambda p: open_new(p, tier.file_mode, readable=True))
+    records = finished_records(records, data, crcs)
+    points.reached("fold_data_written", m.step)
+    folded = m.model_copy(update=dict(parent=None, data_file=data_name, data_bytes=int(blob.numel()), shards=records,
+                                      segment=None, segment_offset=0, written_at=time.time()))
+    old_data = manifest_path.with_name(m.data_file)
+    with tier.fold_lock:  # prune deletes no directory meanwhile
+        if cancelled():
+            path.unlink(missing_ok=True)
+            raise FoldCancelled(str(manifest_path))
+        try:
+            if manifest_path.read_bytes() != raw:  # replaced or pruned meanwhile: leave it be
+                path.unlink(missing_ok=True)
+                return None
+        except FileNotFoundError:
+            path.unlink(missing_ok=True)
+            return None
+        write_atomic(manifest_path, SnapshotManifest.model_validate(folded.model_dump()).model_dump_json(),
+                     tier.file_mode)
+        points.reached("fold_manifest_swapped", m.step)
+        if old_data != path:
+            old_data.unlink(missing_ok=True)
+    return int(blob.numel())
+
+
+class Compactor:
+    """Folds the delta commits it is given in a thread of its own, one at a time (module docstring)."""
+
+    def __init__(self, tier, timeout: float) -> None:
+        self.tier = tier
+        self.timeout = timeout
+        self.folded = 0  # commits folded (all of one request's manifests)
+        self._cv = threading.Condition()
+        self._busy = False
+        self._epoch = 0  # cancel() moves it on: a fold started in an older epoch is cancelled for good
+        self._thread: threading.Thread | None = None
+
+    def request(self, step: int, manifests: list[Path]) -> bool:
+        """Fold these manifests of the commit of ``step`` (written by this rank: its own and the
+        replicas it holds) once the fold under way ended (waiting at most ``timeout``: then this
+        fold point is skipped, and the next one folds the longer chain). Whether it was queued."""
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            if self._busy:
+                log.warning("fold_skipped", step=step, waited_s=self.timeout,
+                            reason="the previous fold is still running")
+                return False
+            self._busy = True
+            self._thread = threading.Thread(target=self._run, args=(step, list(manifests), self._epoch),
+                                            name="elastic_emb-compactor", daemon=True)
+            self._thread.start()
+        return True
+
+    def _run(self, step: int, manifests: list[Path], epoch: int) -> None:
+        t0, written, done = time.perf_counter(), 0, 0
+
+        def cancelled() -> bool:
+            return self._epoch != epoch or exiting()
+
+        try:
+            with native_call():  # tensor ops and file writes: the exit waits for them (or cancels)
+                for mpath in manifests:
+                    if cancelled():
+                        raise FoldCancelled(str(mpath))
+                    got = fold(self.tier, mpath, cancelled)
+                    if got is not None:
+                        written, done = written + got, done + 1
+            if done:
+                self.folded += 1
+                log.info("fold_complete", step=step, manifests=done, bytes=written,
+                         seconds=round(time.perf_counter() - t0, 6))
+        except FoldCancelled:
+            log.info("fold_cancelled", step=step, reason="stopped (a resize or the exit)")
+        except Exception as exc:  # the chain stays as it was: restorable, only longer
+            log.warning("fold_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:400],
+                        remedy="nothing lost: the next fold point folds the longer chain")
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``, default the compactor's) for the fold under way; whether none is."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._cv:
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return not self._busy
+
+    def cancel(self, timeout: float) -> bool:
+        """Cancel the fold under way (it stops before its manifest swap, leaving the delta as it
+        was) and wait for its thread, at most ``timeout``; whether none runs now. Later requests
+        fold again (a resize cancels the fold of the old generation before it restores)."""
+        with self._cv:
+            self._epoch += 1
+        ended = self.wait(timeout)
+        if not ended:
+            log.warning("fold_still_running", seconds=timeout, remedy="it ends at its next check; nothing is lost")
+        return ended
+
+
+def fold_targets(cdir: Path, rank: int, replicas_of: list[int]) -> list[Path]:
+    """The manifests one rank wrote for a commit: its own shard's, then the replicas it holds."""
+    return [cdir / f"rank{rank}.json"] + [cdir / f"rank{r}.replica.json" for r in replicas_of]
+
