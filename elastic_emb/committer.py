@@ -87,7 +87,8 @@ class Committer:
         self._interrupted: tuple[Topology, str] | None = None  # (generation, why): interrupt()
         self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
                                      keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
-                                     max_chain=config.max_chain, fold_timeout=config.transfer_timeout)
+                                     max_chain=config.max_chain, fold_ratio=config.fold_ratio,
+                                     fold_max_deltas=config.fold_max_deltas, fold_timeout=config.transfer_timeout)
         self.snapshot.fold = self.snapshot.fold and config.fold
         self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
                                     dir_mode=config.dir_mode) if config.durable_dir else None)

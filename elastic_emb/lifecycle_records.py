@@ -43,11 +43,14 @@ class LifecycleConfig(BaseModel):
     # (the context tracks its changes), else synchronous full snapshots.
     async_commit: bool | None = None
     incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
-    max_chain: int = Field(default=8, ge=0)  # deltas before a fold into a base (or, not folding, a new full base)
-    # Each holder folds every max_chain-th delta of a host-captured chain into a base, in the
-    # background (elastic_emb/state/compact.py); False: a full base is captured every max_chain + 1
-    # commits instead (what the GPU capture path always does).
+    # Compaction (elastic_emb/state/compact.py). Each holder folds a chain of host-captured deltas
+    # into a base in the background, at the commit where some rank's deltas since the last base or
+    # fold point hold fold_ratio of its shard's bytes, or after fold_max_deltas deltas. fold=False,
+    # and always on the GPU capture path: a full base is captured every max_chain + 1 commits.
     fold: bool = True
+    fold_ratio: float = Field(default=0.25, gt=0)
+    fold_max_deltas: int = Field(default=128, ge=1)
+    max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (not folding)
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
     dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create

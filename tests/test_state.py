@@ -31,7 +31,7 @@ from elastic_emb.state import (
     replica_holders,
     restore,
 )
-from elastic_emb.state.snapshot import FOLD_CHAIN_BOUND
+from elastic_emb.state.snapshot import FOLD_CHAIN_LIMIT
 from elastic_emb.topology import Topology
 
 SPEC = [["float32", [3]], ["float32", []]]  # weight [rows, 3] + one per-row slot
@@ -413,7 +413,8 @@ def test_one_corrupt_file_on_a_four_rank_node_restores_the_older_commit(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     ok(_lifecycle_run(tmp_path, ["A"] * 4, 0, out, 3))
-    [data] = (tmp_path / "nodes" / "A" / "test" / "A").glob("step-000000000003-*/rank0.bin")
+    [manifest] = (tmp_path / "nodes" / "A" / "test" / "A").glob("step-000000000003-*/rank0.json")
+    data = manifest.with_name(json.loads(manifest.read_text())["data_file"])  # (a delta's, or its fold's)
     raw = bytearray(data.read_bytes())
     raw[7] ^= 0x40
     data.write_bytes(bytes(raw))
@@ -541,7 +542,7 @@ def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, fold, wr
     topo = Topology.build(run_id="unit", generation=1, rank=0, world_size=1, local_rank=0, local_world_size=1,
                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
     comm = Comm(topo, store, None, timeout=30)
-    tier = SnapshotTier(tmp, "unit", "nodeA", replication=0, keep=100, max_chain=3)
+    tier = SnapshotTier(tmp, "unit", "nodeA", replication=0, keep=100, max_chain=3, fold_ratio=1e9, fold_max_deltas=3)
     tier.fold = fold
     ctx = TrackingContext(topo)
     ctx.write(list(range(40)), 0.0)
@@ -584,7 +585,7 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     from elastic_emb.state.compact import FoldCancelled, fold
 
     topo, comm = world1()
-    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=100, max_chain=2)
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=100, fold_ratio=1e9, fold_max_deltas=2)
     ctx = TrackingContext(topo)
     for step in range(3):  # a base, two deltas: step 2 is a fold point
         ctx.write([step, step + 7], float(step + 1))
@@ -607,13 +608,37 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     base.write_bytes(good)
     assert fold(tier, manifest) is not None  # now it folds: a base, and the delta's file is gone
     folded = json.loads(manifest.read_text())
-    assert folded["parent"] is None and folded["data_file"] == "rank0.base.bin" and not (cdir / "rank0.bin").exists()
+    assert folded["parent"] is None and folded["folded_from"][0] == 1 and folded["data_file"] == "rank0.base.bin"
+    assert not (cdir / "rank0.bin").exists()
     for d in tier.node_dir.glob("step-00000000000[01]-*"):  # restore needs nothing else now
         shutil.rmtree(d)
     topo2, comm2 = world1()
     ctx2 = TrackingContext(topo2)
     assert restore(ctx2, comm2, snapshot=tier, durable=None).step == 2
     assert torch.equal(ctx2.w, ctx.w) and torch.equal(ctx2.acc, ctx.acc)
+
+
+def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1):
+    """A fold costs a pass over the shard, so fold points are spaced by what the deltas hold: with
+    ``fold_ratio`` 0.5 of a 640-byte base and deltas of 96 bytes (4 rows of 24: index, weight,
+    slot), every fourth delta is a fold point (384 >= 320 > 288); the count bound
+    (``fold_max_deltas`` 3) comes first when it is lower."""
+    for ratio, max_deltas, every in ((0.5, 1000, 4), (0.5, 3, 3)):
+        topo, comm = world1()
+        tier = SnapshotTier(tmp_path / f"{ratio}-{max_deltas}", "unit", "nodeA", replication=0, keep=100,
+                            fold_ratio=ratio, fold_max_deltas=max_deltas)
+        ctx = TrackingContext(topo)
+        ctx.write(list(range(40)), 0.0)
+        folded = []
+        for step in range(13):
+            if step:
+                ctx.write([(4 * step + k) % 40 for k in range(4)], float(step))
+            written, _ = _delta_commit(tier, ctx, comm, step)
+            assert written == (40 * 16 if step == 0 else 4 * 24), (step, written)
+            tier.prune(comm)
+            assert tier.compactor.wait(60)
+            folded += [m.step for _, m in tier.manifests() if m.step == step and m.parent is None and step]
+        assert folded == list(range(every, 13, every)), (ratio, max_deltas, folded)
 
 
 def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
@@ -660,7 +685,8 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
     max_dirs = 2 + window
     bound = 2 * base_bytes + window * delta_bytes
     topo, comm = world1()
-    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain)
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain, fold_ratio=1e9,
+                        fold_max_deltas=max_chain)
     tier.fold = fold
     ctx = TrackingContext(topo)
     gen = torch.Generator().manual_seed(17)
@@ -686,7 +712,7 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
     # Full prunes only at the base and the keep - 1 deltas after it, and at the fold points (the
     # others were skipped). (Folded, the chain is never re-based within 120 steps.)
     if fold:
-        assert max_chain * FOLD_CHAIN_BOUND > steps and tier.compactor.folded == (steps - 1) // max_chain
+        assert FOLD_CHAIN_LIMIT > steps and tier.compactor.folded == (steps - 1) // max_chain
         assert full_prunes == [s for s in range(steps) if s < keep or s % max_chain == 0], full_prunes
     else:
         assert full_prunes == [s for s in range(steps) if s % (max_chain + 1) < keep], full_prunes
@@ -804,7 +830,7 @@ def _parents(node_dir, rank: int) -> dict[int, int | None]:
 
 
 def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(tmp_path):
-    """Incremental commits by default, chain bound 2: every second delta is a fold point, which
+    """Incremental commits by default, a fold point every second delta (``fold_max_deltas`` 2), which
     each holder folds into a base after it is complete (elastic_emb/state/compact.py). Two nodes,
     a replica each; each start SIGKILLs both ranks at one point, and the next start restores the
     newest complete commit bit for bit:
@@ -823,7 +849,7 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
     out = tmp_path / "out"
     out.mkdir()
     ref = reference(32)  # every start is compared with the tables after the step it restored
-    cfg = {"max_chain": 2}
+    cfg = {"fold_max_deltas": 2, "fold_ratio": 1e6}
     nodes = {0: tmp_path / "nodes" / "A", 1: tmp_path / "nodes" / "B"}
     commit_kills = [{r: "snapshot_data_written" for r in (0, 1)}, {r: "snapshot_replica_in_flight" for r in (0, 1)},
                     {r: "snapshot_before_manifest" for r in (0, 1)},
@@ -867,9 +893,9 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
             assert_bit_exact(gather(out, "start", 100 + gen), ref[restored + 1], f"after the kill at {kill}")
         else:
             restored = point - 1
-    # Restore the last one, train a chain (chain bound 3: a base, 2 deltas, no fold point), then drop
+    # Restore the last one, train a chain (fold_max_deltas 3: a base, 2 deltas, no fold point), then drop
     # node B's own middle delta.
-    cfg = {"max_chain": 3}
+    cfg = {"fold_max_deltas": 3, "fold_ratio": 1e6}
     gen = len(commit_kills + fold_kills)
     last = restored + 3
     values = ok(_lifecycle_run(tmp_path, ["A", "B"], gen, out, last, config=cfg))
@@ -892,8 +918,8 @@ def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):
 
 
 def test_incremental_commits_of_emb_context_restore_bit_for_bit(tmp_path):
-    """EmbContext tracks its writes: with incremental commits (max_chain 2: bases and deltas
-    alternate) two nodes train, restart and restore the last step bit for bit, then a node is
+    """EmbContext tracks its writes: with incremental commits (max_chain 2, not folding: bases and
+    deltas alternate) two nodes train, restart and restore the last step bit for bit, then a node is
     lost and its rows come from the replicas of the chain."""
     import shutil
 
@@ -901,7 +927,7 @@ def test_incremental_commits_of_emb_context_restore_bit_for_bit(tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    cfg = {"incremental": True, "max_chain": 2}
+    cfg = {"incremental": True, "max_chain": 2, "fold": False}
     ok(_lifecycle_run(tmp_path, ["A", "B"], 0, out, 4, config=cfg))
     deltas = [m for m in (tmp_path / "nodes").glob("*/test/*/step-*/rank*.json") if '"parent":[' in m.read_text()]
     assert deltas, "no delta commit was written"

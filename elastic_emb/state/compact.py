@@ -1,12 +1,11 @@
 """Compaction in the background: a holder folds a delta chain into a base from its own files.
 
-Without it, a chain of host-captured deltas ends every ``max_chain + 1`` commits in a new full
-base: the training thread copies the whole shard, and the writer writes it, sends it to the
-replica holders and writes it there, while the next commit waits for all of that (measured: the
-bases were most of the mean commit cost, see BENCHMARKS.md). Every holder already has what a new
-base needs: the previous base and the deltas since, in its own node directory. So, after the
-writer completed a delta commit at a *fold point* (every ``max_chain`` deltas), each rank hands
-the manifests it wrote for that commit (its own shard's, and the replicas it holds) to its
+Without it, a chain of host-captured deltas would end in a new full base captured from the
+context: the training thread copies the whole shard, and the writer writes it, sends it to the
+replica holders and writes it there, while the next commit waits for all of that. Every holder
+already has what a new base needs: the previous base and the deltas since, in its own node
+directory. So, after the writer completed a delta commit at a *fold point*, each rank hands the
+manifests it wrote for that commit (its own shard's, and the replicas it holds) to its
 :class:`Compactor`, whose thread, for each:
 
 1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
@@ -18,6 +17,13 @@ the manifests it wrote for that commit (its own shard's, and the replicas it hol
    before it (:meth:`SnapshotTier.prune`);
 4. removes the delta's own data file (a base needs nothing else).
 
+When: a fold costs a pass over the whole shard, so fold points are spaced by what the deltas
+hold, not by their count (:class:`FoldWindow`): a commit is a fold point once some rank's
+deltas since the last one hold ``fold_ratio`` (0.25) of its shard's bytes, or after
+``fold_max_deltas`` (128) deltas. The fold's share of every step then grows with the rows a
+step writes, not with the table, and a restore reads at most about ``2 * fold_ratio`` of a shard
+in deltas on top of its base (the chain since the older base while a fold runs).
+
 Nothing crosses the network, nothing is collective and the training thread does not take part:
 the next commits are deltas on the same parent as before, whatever their holders' compactors
 are doing. A kill at any point leaves a restorable commit: before step 3 the delta and its chain
@@ -26,19 +32,19 @@ it the base is complete (a leftover delta file is an orphan too). Holders fold a
 so one node may hold a commit as a base while another holds it as a delta: both are complete,
 and prune keeps a chain while any node still lists it.
 
-Bound: a fold starts only once the previous one ended (the writer waits for it, bounded), so a
-holder's chain since its newest base is at most ``2 * max_chain`` deltas, and it holds at most two
-bases of a shard (the older one until the prune after the fold). A fold that fails (storage full,
-a corrupt link) is logged and changes nothing: the chain stays as it was, and the next fold point
-folds the longer chain. Deltas captured on the GPU into log segments are not folded (a segment is
-reused once ``max_chain`` later commits landed): on that path a base is still captured every
-``max_chain + 1`` commits.
+Bound: a fold starts only once the previous one ended (the writer waits for it at the next fold
+point, bounded), so a holder keeps at most two bases of a shard (the older one until the prune at
+the next fold point) and the deltas of two windows. A fold that fails (storage full, a corrupt
+link) is logged and changes nothing: the chain stays as it was, and the next fold point folds the
+longer chain. Deltas captured on the GPU into log segments are not folded: on that path a base
+is still captured every ``max_chain + 1`` commits.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +62,33 @@ from elastic_emb.state.shardfile import read_snapshot
 log = get_logger("elastic_emb.state")
 
 BASE_SUFFIX = ".base.bin"  # the data file a fold writes: rank<r>[.replica].base.bin
+
+
+@dataclass
+class FoldWindow:
+    """The deltas since the last base or fold point, per source rank, from the sizes every rank
+    exchanged at each commit: the same on every rank, so every rank picks the same fold points
+    (the prune at a fold point is collective)."""
+
+    base_bytes: list[int]  # each rank's base (its whole shard)
+    delta_bytes: list[int]  # each rank's deltas since
+    deltas: int = 0
+
+    @classmethod
+    def after_base(cls, sizes: list[int]) -> "FoldWindow":
+        return cls(list(sizes), [0] * len(sizes))
+
+    def add(self, sizes: list[int]) -> None:
+        self.delta_bytes = [a + b for a, b in zip(self.delta_bytes, sizes)]
+        self.deltas += 1
+
+    def due(self, ratio: float, max_deltas: int) -> bool:
+        """A fold point: ``max_deltas`` deltas, or some rank's deltas hold ``ratio`` of its base."""
+        return self.deltas >= max_deltas or any(
+            b > 0 and d >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes))
+
+    def restart(self) -> None:
+        self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0
 
 
 class FoldCancelled(Exception):
@@ -105,8 +138,9 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     crcs = write_and_checksum(path, data, record_ranges(records), lambda p: open_new(p, tier.file_mode, readable=True))
     records = finished_records(records, data, crcs)
     points.reached("fold_data_written", m.step)
-    folded = m.model_copy(update=dict(parent=None, data_file=data_name, data_bytes=int(blob.numel()), shards=records,
-                                      segment=None, segment_offset=0, written_at=time.time()))
+    folded = m.model_copy(update=dict(parent=None, folded_from=m.parent, data_file=data_name,
+                                      data_bytes=int(blob.numel()), shards=records, segment=None, segment_offset=0,
+                                      written_at=time.time()))
     old_data = manifest_path.with_name(m.data_file)
     with tier.fold_lock:  # prune deletes no directory meanwhile
         if cancelled():

@@ -21,18 +21,18 @@ missing in the *middle* of a chain, where later deltas exist, is reported by
 :func:`resolve_chains` as a gap, and restore refuses to skip over it silently.
 
 Bound, two ways of ending a chain. Folding (the default for chains captured on the host,
-:mod:`.compact`): every ``max_chain``-th delta is folded into a base by each holder, from its own
-files, in the background; the chain goes on from it, and the full prune at the next fold point
-frees the older base and its deltas: a node directory then holds at most two bases and
-``2 * max_chain - 2`` deltas per shard it stores (own or replica), plus the commits in flight.
-Re-basing (the GPU capture path, or ``LifecycleConfig(fold=False)``): the chain is at most
-``max_chain`` deltas long and the commit after that is a new base captured from the context (a
-complete commit of its own, so a crash at any point leaves the previous base and chain
-restorable until the new base is complete); with ``keep`` complete commits kept and their chains
-(``keep <= max_chain + 1``), after each commit's prune a node directory holds at most two bases
-and ``max_chain + keep - 2`` deltas per shard it stores, plus the one commit in flight. With the
-defaults either way about 2x the shard plus the chain window (tests/test_state.py checks both
-bounds over a long run).
+:mod:`.compact`): at a fold point (the deltas since the last one hold ``fold_ratio`` of a shard,
+or ``fold_max_deltas`` of them) each holder folds the chain into a base, from its own files, in
+the background; the chain goes on from it, and the full prune at the next fold point frees the
+older base and its deltas: a node directory then holds at most two bases per shard it stores
+(own or replica) and the deltas of two fold windows, plus the commits in flight (with a fold point
+every ``f`` deltas, ``2 * f - 2`` deltas after each prune). Re-basing (the GPU capture path, or
+``LifecycleConfig(fold=False)``): the chain is at most ``max_chain`` deltas long and the commit
+after that is a new base captured from the context (a complete commit of its own, so a crash at
+any point leaves the previous base and chain restorable until the new base is complete); with
+``keep`` complete commits kept and their chains (``keep <= max_chain + 1``), after each commit's
+prune a node directory holds at most two bases and ``max_chain + keep - 2`` deltas per shard it
+stores, plus the one commit in flight (tests/test_state.py checks both bounds over a long run).
 """
 
 from __future__ import annotations

@@ -160,6 +160,7 @@ class SnapshotManifest(CommitRecord):
     data_bytes: int
     shards: list[ShardRecord]
     parent: CommitId | None = None  # a delta commit: the commit it changes (None: a full base image)
+    folded_from: CommitId | None = None  # a base folded from a delta on this commit (state/compact.py)
     # A delta landed in a log segment (elastic_emb.state.ring): its bytes are
     # ``<node dir>/log/<segment>[segment_offset: segment_offset + data_bytes]``, not ``data_file``.
     segment: str | None = None

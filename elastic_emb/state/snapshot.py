@@ -36,7 +36,7 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
-from elastic_emb.state.compact import Compactor, fold_targets
+from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
@@ -54,9 +54,9 @@ log = get_logger("elastic_emb.state")
 RUN_MARKER = "run.json"
 
 # Folding (compact.py), a chain of host-captured deltas still ends in a captured base after this
-# many times max_chain deltas (1,024 commits by default): a bound the same on every rank, so that
-# a node whose folds keep failing does not keep a chain forever.
-FOLD_CHAIN_BOUND = 128
+# many deltas: a bound the same on every rank, so that a node whose folds keep failing does not
+# keep a chain forever.
+FOLD_CHAIN_LIMIT = 1024
 
 
 class RunMarker(BaseModel):
@@ -101,7 +101,7 @@ class Capture:
     device: object = None
     buffer: object = None
     speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
-    fold: bool = False  # a fold point: once written, its holders fold it into a base (compact.py)
+    fold: bool = False  # folding was on when it was captured (compact.py): it may be a fold point
 
     def release(self) -> None:
         """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
@@ -116,7 +116,7 @@ class SnapshotTier:
 
     def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
                  file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8,
-                 fold_timeout: float = 300.0) -> None:
+                 fold_ratio: float = 0.25, fold_max_deltas: int = 128, fold_timeout: float = 300.0) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
@@ -145,7 +145,11 @@ class SnapshotTier:
         # Compaction (compact.py): host-captured chains are folded into bases by their holders
         # instead of capturing a full base every max_chain + 1 commits. Off once commits are
         # captured on the GPU (their deltas live in log segments that are reused).
+        if not fold_ratio > 0 or fold_max_deltas < 1:
+            raise ValueError(f"fold_ratio={fold_ratio} must be > 0 and fold_max_deltas={fold_max_deltas} >= 1")
         self.fold = max_chain > 0
+        self.fold_ratio, self.fold_max_deltas = fold_ratio, fold_max_deltas
+        self._window: FoldWindow | None = None  # the deltas since the last base or fold point, per rank
         self.compactor = Compactor(self, fold_timeout)
         self.fold_lock = threading.Lock()  # a fold's manifest swap and prune's deletions, one at a time
         self._fold_due: tuple[int, list[Path]] | None = None  # the fold point just written: (step, its manifests)
@@ -245,9 +249,9 @@ class SnapshotTier:
             self._chain = (fp, CommitId(step, topology.generation, fp), length)
             return cap
         parent = None
-        # Folding, the chain goes on (its holders fold it every max_chain deltas); a hard bound,
-        # the same on every rank, still ends one whose folds keep failing.
-        limit = self.max_chain * (FOLD_CHAIN_BOUND if self.fold else 1)
+        # Folding, the chain goes on (its holders fold it at the fold points); a hard bound, the
+        # same on every rank, still ends one whose folds keep failing.
+        limit = FOLD_CHAIN_LIMIT if self.fold else self.max_chain
         if changes is not None and chain is not None and chain[2] < limit:
             parent = chain[1]
             records, blob, _ = pack_delta(shards, changes, num_rows)
@@ -255,8 +259,7 @@ class SnapshotTier:
             records, blob = pack_shard(shards, num_rows)
         self._chain = None  # until this commit completes: a failed commit makes the next one a base
         length = 0 if parent is None else chain[2] + 1
-        return Capture(step, topology, records, blob, parent, length,
-                       fold=bool(self.fold and length and length % self.max_chain == 0))
+        return Capture(step, topology, records, blob, parent, length, fold=self.fold)
 
     def break_chain(self) -> None:
         """A commit failed: the next one is a base (it must not name a parent that was never
@@ -334,8 +337,14 @@ class SnapshotTier:
         if not cap.speculative:
             self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
         self._written = (CommitId(step, topo.generation, topo.fingerprint()), parent, cap.chain_length)
-        if cap.fold:  # prune (next, on every rank alike) hands it to the compactor
-            self._fold_due = (step, fold_targets(cdir, topo.rank, senders))
+        sizes = [int(e["bytes"]) for e in everyone]  # (every rank's, exchanged: the same window everywhere)
+        if parent is None:
+            self._window = FoldWindow.after_base(sizes)
+        elif self._window is not None and len(self._window.base_bytes) == len(sizes):
+            self._window.add(sizes)
+            if cap.fold and self._window.due(self.fold_ratio, self.fold_max_deltas):
+                self._window.restart()
+                self._fold_due = (step, fold_targets(cdir, topo.rank, senders))  # prune hands it on
         return int(blob.numel()), replicated
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
