@@ -16,8 +16,9 @@ id, the Adagrad update of the distinct rows. In the same processes, ``--steps`` 
 * ``rebased``: as ``incremental``, with the GPU path's rule instead of folding: a new base
   captured every ``--max-chain + 1`` commits (reported apart, as ``commit_base_ms``, and in the
   mean): the baseline folding is measured against;
-* ``restore``: restoring from a base plus a chain of ``2 * --max-chain`` deltas (the longest a
-  holder keeps while its folds keep up), and from a full base
+* ``restore``: restoring from a base plus the longest chain a holder keeps while its folds keep
+  up (two fold windows: deltas holding ``2 * --fold-ratio`` of the shard, or ``2 *
+  --fold-max-deltas`` of them), and from a full base
   of the same rows, alternately, ``--restore-reps`` times each, into fresh contexts.
 
 * ``scaling``: the cost of a delta commit against the table size at fixed ids: ``--scaling-commits``
@@ -127,7 +128,7 @@ def worker(args) -> None:
 
     def tier_for(name: str) -> SnapshotTier:
         return SnapshotTier(Path(args.state_dir) / name, "bench", f"node{topo.rank}", replication=1, keep=2,
-                            max_chain=args.max_chain)
+                            max_chain=args.max_chain, fold_ratio=args.fold_ratio, fold_max_deltas=args.fold_max_deltas)
 
     phases = set(args.phases.split(","))
     # Steps and commits: the sizes interleaved step by step (ABBA order), so that the load of this
@@ -139,7 +140,7 @@ def worker(args) -> None:
             tier.fold = mode == "incremental"
         gens = {mb: torch.Generator().manual_seed(topo.rank) for mb in sizes}
         rec = {mb: {"step_s": [], "commit_s": [], "written": [], "replicated": [], "base": []} for mb in sizes}
-        for step in range(args.steps + 1):
+        for step in range((args.full_steps if mode == "full" else args.steps) + 1):
             for mb in (sizes if step % 2 == 0 else sizes[::-1]):
                 ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
                 comm.barrier(f"{mode}-{step}-{mb}")
@@ -168,7 +169,7 @@ def worker(args) -> None:
             shutil.rmtree(Path(args.state_dir) / f"{mode}-{mb}", ignore_errors=True)
         comm.barrier(f"{mode}-cleaned")
 
-    # Restore: per size, a base + the longest chain (2 * max_chain deltas) in one tier and a full base
+    # Restore: per size, a base + the longest chain (two fold windows) in one tier and a full base
     # of the same rows in another; restores from the two alternate, each into a fresh context
     # (made before the clock starts) and checked row for row.
     results["restore"] = {}
@@ -176,11 +177,20 @@ def worker(args) -> None:
         nr = {"emb": rows_of[mb]}
         ctx, gen = Ctx(rows_of[mb]), torch.Generator().manual_seed(topo.rank)
         chain_tier, full_tier = tier_for(f"chain-{mb}"), tier_for(f"full-{mb}")
-        longest = 2 * args.max_chain  # folding: the longest chain a holder keeps (compact.py: a fold per max_chain)
-        for s in range(longest + 1):  # no prune: nothing is folded
+        # The longest chain a holder keeps when folding: two fold windows (the deltas since the
+        # older base while a fold runs), by the tier's rule: until the deltas hold 2 * fold_ratio
+        # of the shard on some rank, or 2 * fold_max_deltas of them. No prune: nothing is folded.
+        s, base_bytes, delta_bytes = 0, 0, 0
+        while True:
             ctx.step(gen)
-            chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
-                              changes=ctx.take_changed_rows())
+            w, _ = chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
+                                     changes=ctx.take_changed_rows())
+            base_bytes, delta_bytes = (w, 0) if s == 0 else (base_bytes, delta_bytes + w)
+            done = s >= 2 * args.fold_max_deltas or (s > 0 and delta_bytes >= 2 * args.fold_ratio * base_bytes)
+            if any(comm.exchange(f"chain-{mb}-{s}", done)):
+                break
+            s += 1
+        longest = s
         want = ctx.export_shard()["emb"]
         full_tier.commit(longest, {"emb": want}, comm, nr)
         times = {"chain": [], "full": []}
@@ -283,6 +293,8 @@ def launch(args) -> list[dict]:
         env = rank_env(rank, args.world, port, "bench", REPO)
         cmd = [sys.executable, __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
                "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
+               "--fold-ratio", str(args.fold_ratio), "--fold-max-deltas", str(args.fold_max_deltas),
+               "--full-steps", str(args.full_steps if args.full_steps is not None else args.steps),
                "--state-dir", args.state_dir, "--phases", args.phases, "--scaling-commits", str(args.scaling_commits),
                "--scaling-max-chain", str(args.scaling_max_chain)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -362,7 +374,10 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ids", type=int, default=2000, help="ids per step per rank")
     ap.add_argument("--steps", type=int, default=40, help="steps per mode and size")
-    ap.add_argument("--max-chain", type=int, default=8)
+    ap.add_argument("--max-chain", type=int, default=8, help="deltas per captured base (mode rebased)")
+    ap.add_argument("--fold-ratio", type=float, default=0.25, help="LifecycleConfig.fold_ratio")
+    ap.add_argument("--fold-max-deltas", type=int, default=32, help="LifecycleConfig.fold_max_deltas")
+    ap.add_argument("--full-steps", type=int, default=None, help="steps of mode full (default --steps)")
     ap.add_argument("--restore-reps", type=int, default=7, help="restores of each kind per size")
     ap.add_argument("--phases", default="steps,restore,scaling", help="which of steps, restore, scaling to run")
     ap.add_argument("--scaling-commits", type=int, default=240, help="delta commits per size in the scaling phase")

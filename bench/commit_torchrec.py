@@ -15,7 +15,7 @@ row-wise sharded with fbgemm's fused row-wise Adagrad, and a step of ``--ids`` r
 * ``rebased``: as ``incremental`` with ``LifecycleConfig(fold=False)``: a full base captured
   every ``--max-chain + 1``-th commit instead of the folds (what the library did before it folded).
 
-Per mode, ``--steps`` steps after ``--warmup``; the modes run in rotated order ``--reps`` times,
+Per mode, ``--steps`` steps (``--full-steps`` for ``full``) after ``--warmup``; the modes run in rotated order ``--reps`` times,
 so the machine's drift hits all of them. Reported per mode: the median step time (the slower
 rank of each step) over all repetitions, the time the commit adds to a step and the overhead
 against ``none``, each the median over the repetitions of the difference (ratio) to that
@@ -23,7 +23,7 @@ repetition's ``none``, the same for the mean step (which holds the steps whose c
 base, every ``--max-chain + 1``-th, or waits for one), and the median time inside ``commit()``. JSON to ``--json``
 (``--summarize`` prints the summary of a JSON again).
 
-  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --reps 3
+  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --reps 3 --steps 180 --full-steps 36
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("none", "full", "incremental", "rebased")
+
+
+def measured(args, mode: str) -> int:
+    """Steps measured in ``mode``: the full snapshot's cost is the same every step, so it needs
+    fewer than the incremental modes, whose mean must hold several fold points or bases."""
+    return min(args.steps, args.full_steps) if mode == "full" else args.steps
 
 
 def build(topology, env, device, rows: int, dim: int):
@@ -80,7 +86,7 @@ def worker(args) -> None:
     lc = Lifecycle.start(factory, LifecycleConfig(max_chain=args.max_chain, fold=args.mode != "rebased"))
     gen = torch.Generator().manual_seed(lc.topology.rank)
     steps, commits = [], []
-    for step in range(args.warmup + args.steps):
+    for step in range(args.warmup + measured(args, args.mode)):
         ids = torch.randint(0, rows, (args.ids,), generator=gen)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids,
                                                   lengths=torch.ones(args.ids, dtype=torch.int64))
@@ -105,7 +111,8 @@ def launch(args, mode: str, state_dir: str) -> list[dict]:
                        ELASTIC_EMB_STATE_DIR=os.path.join(state_dir, mode, f"node{rank}"))
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--table-mb", str(args.table_mb),
                "--dim", str(args.dim), "--ids", str(args.ids), "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--world", str(args.world), "--max-chain", str(args.max_chain)]
+               str(args.warmup), "--world", str(args.world), "--max-chain", str(args.max_chain),
+               "--full-steps", str(args.full_steps)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         return collect(procs, args.timeout, f"mode {mode}")
@@ -118,8 +125,11 @@ def main() -> None:
     ap.add_argument("--table-mb", type=int, default=256, help="table MB per rank (weights; Adagrad adds 1/dim)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=4096, help="ids per step per rank")
-    ap.add_argument("--steps", type=int, default=36, help="measured steps per mode and repetition (a multiple of "
-                                                            "--max-chain + 1: the mean holds bases in their share)")
+    ap.add_argument("--steps", type=int, default=180, help="measured steps per mode and repetition (a multiple of "
+                                                             "--max-chain + 1: the mean holds bases in their share; "
+                                                             "long enough for several fold points)")
+    ap.add_argument("--full-steps", type=int, default=36, help="measured steps of the full mode (each costs a "
+                                                                 "full snapshot: fewer suffice)")
     ap.add_argument("--warmup", type=int, default=9)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the modes, in rotated order")
     ap.add_argument("--world", type=int, default=2)
@@ -142,7 +152,7 @@ def main() -> None:
         for rep in range(args.reps):
             for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
                 ranks = launch(args, mode, state_dir)
-                slowest = [max(r["steps"][i] for r in ranks) for i in range(args.steps)]
+                slowest = [max(r["steps"][i] for r in ranks) for i in range(measured(args, mode))]
                 runs[mode].append({"step_ms": statistics.median(slowest) * 1e3, "mean_step_ms": statistics.fmean(slowest) * 1e3,
                                    "commit_ms": statistics.median(c for r in ranks for c in r["commits"]) * 1e3})
                 print(f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms (mean {runs[mode][-1]['mean_step_ms']:.2f}), "

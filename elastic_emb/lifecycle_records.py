@@ -49,7 +49,7 @@ class LifecycleConfig(BaseModel):
     # and always on the GPU capture path: a full base is captured every max_chain + 1 commits.
     fold: bool = True
     fold_ratio: float = Field(default=0.25, gt=0)
-    fold_max_deltas: int = Field(default=128, ge=1)
+    fold_max_deltas: int = Field(default=32, ge=1)
     max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (not folding)
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write

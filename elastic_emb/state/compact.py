@@ -20,7 +20,7 @@ manifests it wrote for that commit (its own shard's, and the replicas it holds) 
 When: a fold costs a pass over the whole shard, so fold points are spaced by what the deltas
 hold, not by their count (:class:`FoldWindow`): a commit is a fold point once some rank's
 deltas since the last one hold ``fold_ratio`` (0.25) of its shard's bytes, or after
-``fold_max_deltas`` (128) deltas. The fold's share of every step then grows with the rows a
+``fold_max_deltas`` (32) deltas (each a file a restore reads). The fold's share of every step then grows with the rows a
 step writes, not with the table, and a restore reads at most about ``2 * fold_ratio`` of a shard
 in deltas on top of its base (the chain since the older base while a fold runs).
 

@@ -101,23 +101,33 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
     (path, manifest) from the base to it, for every manifest whose chain is complete; ``gaps``
     lists (manifest, the parent commit that is missing) for those whose chain is broken."""
     by_key = {(m.source_rank, m.replica, m.commit): (p, m) for p, m in manifests}
+    # A manifest's chain is its parent's plus itself, so each is resolved once, oldest commit first
+    # (its parent, always older, is resolved by then): walking every chain from its tip instead
+    # cost O(length) per manifest, quadratic in a long chain.
+    done: dict[tuple, list[tuple[Path, SnapshotManifest]] | None] = {}
+    missing: dict[tuple, CommitId] = {}  # for a broken chain: the first parent commit it lacks
+
+    def extend(path: Path, m: SnapshotManifest):
+        if m.parent is None:
+            return [(path, m)], None
+        pkey = (m.source_rank, m.replica, m.parent)
+        if pkey not in by_key or m.parent >= m.commit:  # a gap (a parent not older is one too: no cycles)
+            return None, m.parent
+        up = done[pkey]
+        return (None, missing[pkey]) if up is None else (up + [(path, m)], None)
+
+    for key in sorted(by_key, key=lambda k: k[2]):
+        done[key], gap = extend(*by_key[key])
+        if gap is not None:
+            missing[key] = gap
     chains: dict[Path, list[tuple[Path, SnapshotManifest]]] = {}
     gaps: list[tuple[SnapshotManifest, CommitId]] = []
     for path, m in manifests:
-        chain = [(path, m)]
-        cur = m
-        seen = {m.commit}
-        while cur.parent is not None:
-            nxt = by_key.get((cur.source_rank, cur.replica, cur.parent))
-            if nxt is None or nxt[1].commit in seen or nxt[1].commit >= cur.commit:
-                gaps.append((m, cur.parent))
-                chain = None
-                break
-            seen.add(nxt[1].commit)
-            chain.append(nxt)
-            cur = nxt[1]
-        if chain is not None:
-            chains[path] = list(reversed(chain))
+        chain, gap = extend(path, m)
+        if chain is None:
+            gaps.append((m, gap))
+        else:
+            chains[path] = chain
     return chains, gaps
 
 

@@ -116,7 +116,7 @@ class SnapshotTier:
 
     def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
                  file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8,
-                 fold_ratio: float = 0.25, fold_max_deltas: int = 128, fold_timeout: float = 300.0) -> None:
+                 fold_ratio: float = 0.25, fold_max_deltas: int = 32, fold_timeout: float = 300.0) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
@@ -481,14 +481,14 @@ class SnapshotTier:
         Skipped, without listing or exchanging anything, when it could delete nothing (see
         :meth:`_prune_frees_nothing`): a delta that extends a chain already ``keep`` commits long,
         right after a prune that left only kept commits. Every rank decides alike (the same
-        commits, the same parents), so the collective exchange is skipped on all or none."""
+        commits, the same parents), so the collective exchange is skipped on all or none. At a fold
+        point (compact.py; the same commit on every rank) it is never skipped: it waits for the
+        previous fold first, frees what that fold made obsolete, then hands the commit just
+        written to the compactor."""
         written = self._written
         fold_due, self._fold_due = self._fold_due, None
         if fold_due is not None:
-            # A fold point (the same commit on every rank): the previous fold has ended (bounded
-            # wait), so this full prune frees the base and the deltas it made obsolete; then the
-            # compactor folds the commit just written.
-            self.compactor.wait()
+            self.compactor.wait()  # bounded (fold_timeout); a fold still running then is skipped
         elif not at_start and self._prune_frees_nothing(written):
             self._pruned_at = written[0]
             return []
