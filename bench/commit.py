@@ -205,7 +205,7 @@ def worker(args) -> None:
                         and torch.equal(fresh.acc, want.slots["acc"])):
                     raise SystemExit(f"rank {topo.rank}: {kind} restore at {mb} MB: the rows differ from the "
                                      f"committed rows (step {rep_.step})")
-        results["restore"][str(mb)] = times
+        results["restore"][str(mb)] = {**times, "deltas": longest}
         for name in (f"chain-{mb}", f"full-{mb}"):
             shutil.rmtree(Path(args.state_dir) / name, ignore_errors=True)
         comm.barrier(f"restore-{mb}-cleaned")
@@ -310,6 +310,15 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "n": len(values)}
 
 
+def restore_row(res: list[dict], mb: str) -> dict:
+    """The restore columns of one size: medians (the slowest rank) and the per-repetition ratio."""
+    rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
+          for k in ("chain", "full")}
+    return {"restore_chain_deltas": res[0]["restore"][mb].get("deltas"),
+            "restore_chain_s": statistics.median(rt["chain"]), "restore_full_s": statistics.median(rt["full"]),
+            "restore_chain_over_full": spread([c / f for c, f in zip(rt["chain"], rt["full"])])}
+
+
 def summarize(per_rank: list[dict], args) -> dict:
     """Per size, the medians of the table's columns; between sizes and between restores, the
     ratio taken per step (or per repetition), with its quartiles."""
@@ -318,8 +327,9 @@ def summarize(per_rank: list[dict], args) -> dict:
     out: dict = {"rows": []}
     if "scaling" in res[0]:
         out["scaling"] = summarize_scaling(res, sizes, args.block)
-    if "none" not in res[0]:
-        return out
+    if "none" not in res[0]:  # restores only (or nothing)
+        return {**out, "rows": [{"size_mb_per_rank": int(mb), **restore_row(res, mb)} for mb in map(str, sizes)
+                                if mb in res[0].get("restore", {})]}
 
     def slowest(mode, mb, key):  # the slowest rank of each step
         n = len(res[0][mode][mb][key])
@@ -351,11 +361,7 @@ def summarize(per_rank: list[dict], args) -> dict:
         if "commit_rebased_mean_ms" in row:  # per step: the folded mean against the rebased one
             row["mean_incremental_over_rebased"] = row["commit_incremental_mean_ms"] / row["commit_rebased_mean_ms"]
         if mb in res[0]["restore"]:
-            rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
-                  for k in ("chain", "full")}
-            row["restore_chain_s"] = statistics.median(rt["chain"])
-            row["restore_full_s"] = statistics.median(rt["full"])
-            row["restore_chain_over_full"] = spread([c / f for c, f in zip(rt["chain"], rt["full"])])
+            row.update(restore_row(res, mb))
         rows.append(row)
     # Doubling (or any change of) the table at fixed ids: per delta step, the slowest rank's commit
     # at each size over the first size's commit at the same step.

@@ -10,19 +10,21 @@ manifests it wrote for that commit (its own shard's, and the replicas it holds) 
 
 1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
    base and of every delta is checked, so a corrupt file is never folded into a fresh checksum);
-2. writes the materialized shard as a new data file next to the delta's (``*.base.bin``),
-   checksummed as it is written, and fsyncs it;
+2. writes the materialized shard as a new data file next to the delta's (``*.base.bin``) and
+   fsyncs it; its checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and
+   the next fold verifies this base again);
 3. replaces the delta's manifest, by atomic rename, with one that names the new file and no
    parent: from then on the commit is a base, and prune frees the old base and the deltas
    before it (:meth:`SnapshotTier.prune`);
 4. removes the delta's own data file (a base needs nothing else).
 
 When: a fold costs a pass over the whole shard, so fold points are spaced by what the deltas
-hold, not by their count (:class:`FoldWindow`): a commit is a fold point once some rank's
+hold, not only by their count (:class:`FoldWindow`): a commit is a fold point once some rank's
 deltas since the last one hold ``fold_ratio`` (0.25) of its shard's bytes, or after
-``fold_max_deltas`` (32) deltas (each a file a restore reads). The fold's share of every step then grows with the rows a
-step writes, not with the table, and a restore reads at most about ``2 * fold_ratio`` of a shard
-in deltas on top of its base (the chain since the older base while a fold runs).
+``fold_max_deltas`` (32) deltas (each a file a restore reads). The fold's share of every step
+then grows with the rows a step writes, not with the table, and a restore reads at most about
+``2 * fold_ratio`` of a shard in deltas on top of its base (the chain since the older base while
+a fold runs).
 
 Nothing crosses the network, nothing is collective and the training thread does not take part:
 the next commits are deltas on the same parent as before, whatever their holders' compactors
@@ -52,16 +54,15 @@ import torch
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.state import points
-from elastic_emb.state.capture import finished_records, record_ranges
-from elastic_emb.state.crc import write_and_checksum
+from elastic_emb.state.capture import finished_records
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.manifest import ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, write_atomic
-from elastic_emb.state.paths import open_new
-from elastic_emb.state.shardfile import read_snapshot
+from elastic_emb.state.shardfile import read_snapshot, write_blob
 
 log = get_logger("elastic_emb.state")
 
 BASE_SUFFIX = ".base.bin"  # the data file a fold writes: rank<r>[.replica].base.bin
+FOLD_CHECKSUM = "xxh3_64"  # the algorithm of a folded base's checksums (digest.py)
 
 
 @dataclass
@@ -135,8 +136,10 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     path = manifest_path.with_name(data_name)
     path.unlink(missing_ok=True)  # an orphan of a fold killed before its manifest swap
     data = blob.numpy()
-    crcs = write_and_checksum(path, data, record_ranges(records), lambda p: open_new(p, tier.file_mode, readable=True))
-    records = finished_records(records, data, crcs)
+    write_blob(path, blob, tier.file_mode)
+    # XXH3-64 (digest.py), not CRC32: several times faster on the same threads, and every later
+    # fold verifies this base before it folds it again; a restore checks whichever a record names.
+    records = finished_records(records, data, algorithm=FOLD_CHECKSUM)
     points.reached("fold_data_written", m.step)
     folded = m.model_copy(update=dict(parent=None, folded_from=m.parent, data_file=data_name,
                                       data_bytes=int(blob.numel()), shards=records, segment=None, segment_offset=0,
