@@ -70,6 +70,7 @@ def worker(args) -> None:
     from elastic_emb.protocol import ContextBase, ShardData
     from elastic_emb.sharding import owned_range
     from elastic_emb.state import Comm, SnapshotTier, restore
+    from elastic_emb.state.compact import FoldWindow
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology
 
@@ -178,17 +179,20 @@ def worker(args) -> None:
         ctx, gen = Ctx(rows_of[mb]), torch.Generator().manual_seed(topo.rank)
         chain_tier, full_tier = tier_for(f"chain-{mb}"), tier_for(f"full-{mb}")
         # The longest chain a holder keeps when folding: two fold windows (the deltas since the
-        # older base while a fold runs), by the tier's rule: until the deltas hold 2 * fold_ratio
-        # of the shard on some rank, or 2 * fold_max_deltas of them. No prune: nothing is folded.
-        s, base_bytes, delta_bytes = 0, 0, 0
+        # older base while a fold runs), by the tier's own rule (compact.FoldWindow) at twice its
+        # bounds. No prune: nothing is folded.
+        s, window = 0, None
         while True:
             ctx.step(gen)
             w, _ = chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
                                      changes=ctx.take_changed_rows())
-            base_bytes, delta_bytes = (w, 0) if s == 0 else (base_bytes, delta_bytes + w)
-            done = s >= 2 * args.fold_max_deltas or (s > 0 and delta_bytes >= 2 * args.fold_ratio * base_bytes)
-            if any(comm.exchange(f"chain-{mb}-{s}", done)):
-                break
+            sizes = comm.exchange(f"chain-{mb}-{s}", w)
+            if s == 0:
+                window = FoldWindow.after_base(sizes)
+            else:
+                window.add(sizes)
+                if window.due(2 * args.fold_ratio, 2 * args.fold_max_deltas):
+                    break
             s += 1
         longest = s
         want = ctx.export_shard()["emb"]

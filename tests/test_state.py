@@ -618,14 +618,18 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     assert torch.equal(ctx2.w, ctx.w) and torch.equal(ctx2.acc, ctx.acc)
 
 
-def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1):
-    """A fold costs a pass over the shard, so fold points are spaced by what the deltas hold: with
-    ``fold_ratio`` 0.5 of a 640-byte base and deltas of 96 bytes (4 rows of 24: index, weight,
-    slot), every fourth delta is a fold point (384 >= 320 > 288); the count bound
-    (``fold_max_deltas`` 3) comes first when it is lower."""
-    for ratio, max_deltas, every in ((0.5, 1000, 4), (0.5, 3, 3)):
+def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1, monkeypatch):
+    """A fold costs a pass over the shard, so fold points are spaced by what a restore would read
+    of the deltas: their bytes plus a cost per file (``DELTA_FILE_COST``). With ``fold_ratio`` 0.5
+    of a 640-byte base and deltas of 96 bytes (4 rows of 24: index, weight, slot): every fourth
+    delta without a file cost (384 >= 320 > 288), every third with 32 bytes a file (384 >= 320 >
+    256), every second when the count bound (``fold_max_deltas`` 2) comes first."""
+    from elastic_emb.state import compact
+
+    for cost, ratio, max_deltas, every in ((0, 0.5, 1000, 4), (32, 0.5, 1000, 3), (0, 0.5, 2, 2)):
+        monkeypatch.setattr(compact, "DELTA_FILE_COST", cost)
         topo, comm = world1()
-        tier = SnapshotTier(tmp_path / f"{ratio}-{max_deltas}", "unit", "nodeA", replication=0, keep=100,
+        tier = SnapshotTier(tmp_path / f"{cost}-{max_deltas}", "unit", "nodeA", replication=0, keep=100,
                             fold_ratio=ratio, fold_max_deltas=max_deltas)
         ctx = TrackingContext(topo)
         ctx.write(list(range(40)), 0.0)
@@ -638,7 +642,7 @@ def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1):
             tier.prune(comm)
             assert tier.compactor.wait(60)
             folded += [m.step for _, m in tier.manifests() if m.step == step and m.parent is None and step]
-        assert folded == list(range(every, 13, every)), (ratio, max_deltas, folded)
+        assert folded == list(range(every, 13, every)), (cost, max_deltas, folded)
 
 
 def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
