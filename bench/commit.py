@@ -186,11 +186,11 @@ def worker(args) -> None:
             ctx.step(gen)
             w, _ = chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
                                      changes=ctx.take_changed_rows())
-            sizes = comm.exchange(f"chain-{mb}-{s}", w)
+            each = comm.exchange(f"chain-{mb}-{s}", w)  # every rank's bytes: the same window on all
             if s == 0:
-                window = FoldWindow.after_base(sizes)
+                window = FoldWindow.after_base(each)
             else:
-                window.add(sizes)
+                window.add(each)
                 if window.due(2 * args.fold_ratio, 2 * args.fold_max_deltas):
                     break
             s += 1

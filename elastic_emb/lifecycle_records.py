@@ -45,7 +45,7 @@ class LifecycleConfig(BaseModel):
     incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
     # Compaction (elastic_emb/state/compact.py). Each holder folds a chain of host-captured deltas
     # into a base in the background, at the commit where what a restore would read of some rank's
-    # deltas since the last base or fold point (bytes, plus 1 MiB a file) reaches fold_ratio of its
+    # deltas since the last base or fold point (bytes, plus 2 MiB a file) reaches fold_ratio of its
     # shard's bytes, or after fold_max_deltas deltas. fold=False,
     # and always on the GPU capture path: a full base is captured every max_chain + 1 commits.
     fold: bool = True

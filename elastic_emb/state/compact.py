@@ -65,10 +65,10 @@ log = get_logger("elastic_emb.state")
 BASE_SUFFIX = ".base.bin"  # the data file a fold writes: rank<r>[.replica].base.bin
 FOLD_CHECKSUM = "xxh3_64"  # the algorithm of a folded base's checksums (digest.py)
 # What reading one delta file costs a restore beyond its bytes, as bytes of a base (mapping,
-# manifest, checksum set-up, applying the rows): measured on the 2-core CPU machine, a chain of
-# 63 deltas of 0.53 MB restored in 0.12 s more than their 64 MB base alone, about 1.9 ms each,
-# 0.5 ms of which are the bytes (bench/commit.py --phases restore).
-DELTA_FILE_COST = 1 << 20
+# manifest, checksum set-up, applying the rows): measured on the 2-core CPU machine with two ranks,
+# chains of 0.53 MB deltas restored in about 2 ms more per delta than their base alone, where the
+# base read about 1 GB/s (bench/commit.py --phases restore).
+DELTA_FILE_COST = 2 << 20
 
 
 @dataclass
