@@ -46,12 +46,13 @@ class LifecycleConfig(BaseModel):
     # Compaction (elastic_emb/state/compact.py). Each holder folds a chain of host-captured deltas
     # into a base in the background, at the commit where what a restore would read of some rank's
     # deltas since the last base or fold point (bytes, plus 2 MiB a file) reaches fold_ratio of its
-    # shard's bytes, or after fold_max_deltas deltas. fold=False,
+    # shard's bytes, or after fold_max_deltas deltas, never sooner than max_chain deltas after the
+    # last. fold=False,
     # and always on the GPU capture path: a full base is captured every max_chain + 1 commits.
     fold: bool = True
     fold_ratio: float = Field(default=0.25, gt=0)
     fold_max_deltas: int = Field(default=32, ge=1)
-    max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (not folding)
+    max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (folding: the least between folds)
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
     dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create

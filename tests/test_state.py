@@ -623,14 +623,17 @@ def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1, monkeypa
     of the deltas: their bytes plus a cost per file (``DELTA_FILE_COST``). With ``fold_ratio`` 0.5
     of a 640-byte base and deltas of 96 bytes (4 rows of 24: index, weight, slot): every fourth
     delta without a file cost (384 >= 320 > 288), every third with 32 bytes a file (384 >= 320 >
-    256), every second when the count bound (``fold_max_deltas`` 2) comes first."""
+    256), every second when the count bound (``fold_max_deltas`` 2) comes first, and never sooner
+    than ``max_chain`` deltas after the last (here 6: a fold is no more frequent than the captured
+    bases it replaces)."""
     from elastic_emb.state import compact
 
-    for cost, ratio, max_deltas, every in ((0, 0.5, 1000, 4), (32, 0.5, 1000, 3), (0, 0.5, 2, 2)):
+    for cost, ratio, max_deltas, max_chain, every in ((0, 0.5, 1000, 1, 4), (32, 0.5, 1000, 1, 3), (0, 0.5, 2, 1, 2),
+                                                      (0, 0.5, 1000, 6, 6)):
         monkeypatch.setattr(compact, "DELTA_FILE_COST", cost)
         topo, comm = world1()
-        tier = SnapshotTier(tmp_path / f"{cost}-{max_deltas}", "unit", "nodeA", replication=0, keep=100,
-                            fold_ratio=ratio, fold_max_deltas=max_deltas)
+        tier = SnapshotTier(tmp_path / f"{cost}-{max_deltas}-{max_chain}", "unit", "nodeA", replication=0, keep=100,
+                            max_chain=max_chain, fold_ratio=ratio, fold_max_deltas=max_deltas)
         ctx = TrackingContext(topo)
         ctx.write(list(range(40)), 0.0)
         folded = []
@@ -642,7 +645,7 @@ def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1, monkeypa
             tier.prune(comm)
             assert tier.compactor.wait(60)
             folded += [m.step for _, m in tier.manifests() if m.step == step and m.parent is None and step]
-        assert folded == list(range(every, 13, every)), (cost, max_deltas, folded)
+        assert folded == list(range(every, 13, every)), (cost, max_deltas, max_chain, folded)
 
 
 def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):

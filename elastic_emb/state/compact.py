@@ -21,11 +21,13 @@ manifests it wrote for that commit (its own shard's, and the replicas it holds) 
 When: a fold costs a pass over the whole shard, so fold points are spaced by what a restore
 would read of the deltas, not by their count alone (:class:`FoldWindow`): a commit is a fold point
 once some rank's deltas since the last one, their bytes plus :data:`DELTA_FILE_COST` per file,
-reach ``fold_ratio`` (0.25) of its shard's bytes, or after ``fold_max_deltas`` (32) deltas. The
-fold's share of every step then grows with the rows a step writes, not with the table, and a
-restore reads at most about ``2 * fold_ratio`` of a shard's worth in deltas on top of its base
-(the chain since the older base while a fold runs): at most about 1.5 times a restore of the
-base alone.
+reach ``fold_ratio`` (0.25) of its shard's bytes, or after ``fold_max_deltas`` (32) deltas, and
+never sooner than ``max_chain`` (8) deltas after the last (a fold is a pass over the shard like a
+captured base: never more often than the bases it replaces). The fold's share of every step then
+grows with the rows a step writes, not with the table, and a restore reads at most about
+``2 * fold_ratio`` of a shard's worth in deltas on top of its base (the chain since the older base
+while a fold runs): at most about 1.5 times a restore of the base alone, unless the ``max_chain``
+spacing holds the fold back (small shards with large deltas).
 
 Nothing crosses the network, nothing is collective and the training thread does not take part:
 the next commits are deltas on the same parent as before, whatever their holders' compactors
@@ -89,12 +91,13 @@ class FoldWindow:
         self.delta_bytes = [a + b for a, b in zip(self.delta_bytes, sizes)]
         self.deltas += 1
 
-    def due(self, ratio: float, max_deltas: int) -> bool:
+    def due(self, ratio: float, max_deltas: int, min_deltas: int = 1) -> bool:
         """A fold point: ``max_deltas`` deltas, or, for some rank, what a restore reads of its
-        deltas (their bytes, and :data:`DELTA_FILE_COST` for each file) reaches ``ratio`` of its base."""
+        deltas (their bytes, and :data:`DELTA_FILE_COST` for each file) reaches ``ratio`` of its
+        base, but never before ``min_deltas`` deltas."""
         opened = self.deltas * DELTA_FILE_COST
-        return self.deltas >= max_deltas or any(
-            b > 0 and d + opened >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes))
+        return self.deltas >= max_deltas or (self.deltas >= min_deltas and any(
+            b > 0 and d + opened >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes)))
 
     def restart(self) -> None:
         self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0

@@ -342,7 +342,8 @@ class SnapshotTier:
             self._window = FoldWindow.after_base(sizes)
         elif self._window is not None and len(self._window.base_bytes) == len(sizes):
             self._window.add(sizes)
-            if cap.fold and self._window.due(self.fold_ratio, self.fold_max_deltas):
+            spacing = min(self.max_chain, self.fold_max_deltas)  # folds no more often than the bases they replace
+            if cap.fold and self._window.due(self.fold_ratio, self.fold_max_deltas, spacing):
                 self._window.restart()
                 self._fold_due = (step, fold_targets(cdir, topo.rank, senders))  # prune hands it on
         return int(blob.numel()), replicated
