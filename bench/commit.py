@@ -191,7 +191,8 @@ def worker(args) -> None:
                 window = FoldWindow.after_base(each)
             else:
                 window.add(each)
-                if window.due(2 * args.fold_ratio, 2 * args.fold_max_deltas):
+                if window.due(2 * args.fold_ratio, 2 * args.fold_max_deltas,
+                              2 * min(args.max_chain, args.fold_max_deltas)):
                     break
             s += 1
         longest = s

@@ -52,7 +52,7 @@ class LifecycleConfig(BaseModel):
     fold: bool = True
     fold_ratio: float = Field(default=0.25, gt=0)
     fold_max_deltas: int = Field(default=32, ge=1)
-    max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (folding: the least between folds)
+    max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (folding: least between folds)
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
     dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create
