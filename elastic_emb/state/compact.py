@@ -10,8 +10,8 @@ manifests it wrote for that commit (its own shard's, and the replicas it holds) 
 
 1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
    base and of every delta is checked, so a corrupt file is never folded into a fresh checksum);
-2. writes the materialized shard as a new data file next to the delta's (``*.base.bin``) and
-   fsyncs it; its checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and
+2. writes the materialized shard (the base's copy-on-write mapping with the deltas applied),
+   tensor by tensor, as a new data file next to the delta's (``*.base.bin``), and fsyncs it; its checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and
    the next fold verifies this base again);
 3. replaces the delta's manifest, by atomic rename, with one that names the new file and no
    parent: from then on the commit is a base, and prune frees the old base and the deltas
@@ -47,20 +47,21 @@ is still captured every ``max_chain + 1`` commits.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.state import points
 from elastic_emb.state.capture import finished_records
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
+from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.manifest import ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, write_atomic
-from elastic_emb.state.shardfile import read_snapshot, write_blob
+from elastic_emb.state.paths import check_name, open_new
+from elastic_emb.state.shardfile import read_snapshot
 
 log = get_logger("elastic_emb.state")
 
@@ -120,6 +121,7 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     m = SnapshotManifest.model_validate_json(raw)
     if m.parent is None or m.segment is not None:
         return None  # a base already, or a GPU delta in a log segment (not folded: module docstring)
+    check_name(m.data_file, "data file")  # (read back from the directory: it names the file removed last)
     key = (m.source_rank, m.replica, m.commit)
     chain = next((c for c in resolve_chains(tier.manifests())[0].values()
                   if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key), None)
@@ -142,19 +144,22 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
             parts.append(b)
             off += int(b.numel())
         records.append(ShardRecord(table=rec.table, num_rows=rec.num_rows, start=rec.start, stop=rec.stop, tensors=trs))
-    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     data_name = manifest_path.name[: -len(".json")] + BASE_SUFFIX
     path = manifest_path.with_name(data_name)
     path.unlink(missing_ok=True)  # an orphan of a fold killed before its manifest swap
-    data = blob.numpy()
-    write_blob(path, blob, tier.file_mode)
+    # Tensor by tensor, from the chain's mapping into the file: no copy of the whole shard in memory.
+    with open_new(path, tier.file_mode) as f:
+        for b in parts:
+            f.write(memoryview(b.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
     # XXH3-64 (digest.py), not CRC32: several times faster on the same threads, and every later
     # fold verifies this base before it folds it again; a restore checks whichever a record names.
-    records = finished_records(records, data, algorithm=FOLD_CHECKSUM)
+    digests = [digest_ranges(b.numpy(), [(0, int(b.numel()))], FOLD_CHECKSUM)[0] for b in parts]
+    records = finished_records(records, None, digests, algorithm=FOLD_CHECKSUM)
     points.reached("fold_data_written", m.step)
-    folded = m.model_copy(update=dict(parent=None, folded_from=m.parent, data_file=data_name,
-                                      data_bytes=int(blob.numel()), shards=records, segment=None, segment_offset=0,
-                                      written_at=time.time()))
+    folded = m.model_copy(update=dict(parent=None, folded_from=m.parent, data_file=data_name, data_bytes=off,
+                                      shards=records, segment=None, segment_offset=0, written_at=time.time()))
     old_data = manifest_path.with_name(m.data_file)
     with tier.fold_lock:  # prune deletes no directory meanwhile
         if cancelled():
@@ -172,7 +177,7 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
         points.reached("fold_manifest_swapped", m.step)
         if old_data != path:
             old_data.unlink(missing_ok=True)
-    return int(blob.numel())
+    return off
 
 
 class Compactor:
