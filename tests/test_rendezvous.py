@@ -379,24 +379,28 @@ def test_whole_node_death_restarts_without_spending_budget(cluster):
     print(f"survivor waited on a failed collective: {bool(waited)}")
 
 
-def test_membership_change_classification_against_a_real_store(monkeypatch):
-    """Departure (left mark), death (no mark) and a peer restarting (already in the wait list)
-    are told apart; the restarting peer stays expected in the next round."""
+def _handler_on_loopback(monkeypatch, run_id: str, max_nodes: int):
+    """The backend's handler in this process, hosting its c10d store on loopback (no agent)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    # create_handler changes the agent process (env, torch's poll pause): undo it after the test.
+    from elastic_emb.rdzv.handler import create_handler
+
+    # create_handler changes the agent process (env, torch's poll pause): undone after the test.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setattr(dr, "_delay", dr._delay)
+    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{free_port()}", run_id=run_id,
+                                  min_nodes=1, max_nodes=max_nodes, is_host="1", keep_alive_interval="1")
+    return create_handler(params)
 
+
+def test_membership_change_classification_against_a_real_store(monkeypatch):
+    """Departure (left mark), death (no mark) and a peer restarting (already in the wait list)
+    are told apart; the restarting peer stays expected in the next round."""
     from elastic_emb.rdzv.decode import RendezvousView
-    from elastic_emb.rdzv.handler import create_handler
     from elastic_emb.rdzv.keys import KEY_LEFT, round_prefix
 
-    port = free_port()
-    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{port}", run_id="cls", min_nodes=1,
-                                  max_nodes=4, is_host="1", keep_alive_interval="1")
-    h = create_handler(params)
+    h = _handler_on_loopback(monkeypatch, "cls", max_nodes=4)
     try:
         h._members, h._round, h._round_store = ("A", "B", "C", "D"), 7, h._inner._store
         h._round_store.set(round_prefix("cls", 7) + KEY_LEFT + "B", "agent_exit")
@@ -427,19 +431,10 @@ def test_a_signalled_agent_leaves_but_does_not_close_the_rendezvous_even_when_th
     The handler then leaves (its ``left`` mark) and keeps the rendezvous open; a plain shutdown
     closes it."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    monkeypatch.setattr(dr, "_delay", dr._delay)
-
-    from elastic_emb.rdzv.handler import create_handler
     from elastic_emb.rdzv.keys import KEY_LEFT, round_prefix
 
-    port = free_port()
-    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{port}", run_id="sig", min_nodes=1,
-                                  max_nodes=2, is_host="1", keep_alive_interval="1")
-    h = create_handler(params)
+    h = _handler_on_loopback(monkeypatch, "sig", max_nodes=2)
     try:
         h._round, h._round_store = 3, h._inner._store
 
