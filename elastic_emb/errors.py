@@ -224,3 +224,8 @@ class NonFiniteGradients(ElasticEmbError, ValueError):
         super().__init__(message)
         self.table = table
         self.rows = rows
+
+
+class FoldCancelled(ElasticEmbError, RuntimeError):
+    """A fold of a delta chain into a base was cancelled (a resize, the exit) before its manifest
+    swap: the delta stays as it was (``elastic_emb/state/compact.py``)."""

@@ -582,7 +582,8 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     a fresh checksum in the new base): the fold fails, is logged, and the delta stays as it was. A
     fold cancelled (a resize, the exit) leaves the delta as it was too, with no file of its own
     left. A fold that runs folds the chain into a base that restores the same rows."""
-    from elastic_emb.state.compact import FoldCancelled, fold
+    from elastic_emb.errors import FoldCancelled
+    from elastic_emb.state.compact import fold
 
     topo, comm = world1()
     tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=100, fold_ratio=1e9, fold_max_deltas=2)

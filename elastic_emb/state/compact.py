@@ -11,8 +11,9 @@ manifests it wrote for that commit (its own shard's, and the replicas it holds) 
 1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
    base and of every delta is checked, so a corrupt file is never folded into a fresh checksum);
 2. writes the materialized shard (the base's copy-on-write mapping with the deltas applied),
-   tensor by tensor, as a new data file next to the delta's (``*.base.bin``), and fsyncs it; its checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and
-   the next fold verifies this base again);
+   tensor by tensor, as a new data file next to the delta's (``*.base.bin``), and fsyncs it; its
+   checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and the next fold
+   verifies this base again);
 3. replaces the delta's manifest, by atomic rename, with one that names the new file and no
    parent: from then on the commit is a base, and prune frees the old base and the deltas
    before it (:meth:`SnapshotTier.prune`);
@@ -53,6 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_emb.errors import FoldCancelled
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.state import points
@@ -104,10 +106,6 @@ class FoldWindow:
         self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0
 
 
-class FoldCancelled(Exception):
-    """The compactor was stopped (a resize, the exit) before the fold swapped its manifest."""
-
-
 def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     """Fold the delta commit whose manifest is ``manifest_path`` (in ``tier``'s node directory)
     into a base, in place (module docstring). Returns the bytes of the new data file, or None
@@ -130,7 +128,7 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
                                 f"(a link is missing or was pruned); nothing folded")
     tables = read_chain(chain, read_snapshot)  # verified, link by link
     if cancelled():
-        raise FoldCancelled(str(manifest_path))
+        raise FoldCancelled(f"fold of {manifest_path} cancelled (a resize or the exit): the delta stays as it was")
     records, parts, off = [], [], 0
     for rec in m.shards:  # the delta's table order: every table of the shard, as in a base
         got = tables[rec.table]
@@ -164,7 +162,7 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     with tier.fold_lock:  # prune deletes no directory meanwhile
         if cancelled():
             path.unlink(missing_ok=True)
-            raise FoldCancelled(str(manifest_path))
+            raise FoldCancelled(f"fold of {manifest_path} cancelled (a resize or the exit): the delta stays as it was")
         try:
             if manifest_path.read_bytes() != raw:  # replaced or pruned meanwhile: leave it be
                 path.unlink(missing_ok=True)
@@ -220,7 +218,8 @@ class Compactor:
             with native_call():  # tensor ops and file writes: the exit waits for them (or cancels)
                 for mpath in manifests:
                     if cancelled():
-                        raise FoldCancelled(str(mpath))
+                        raise FoldCancelled(f"fold of {mpath} cancelled (a resize or the exit): the delta stays "
+                                            f"as it was")
                     got = fold(self.tier, mpath, cancelled)
                     if got is not None:
                         written, done = written + got, done + 1
