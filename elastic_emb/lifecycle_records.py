@@ -47,8 +47,8 @@ class LifecycleConfig(BaseModel):
     # into a base in the background, at the commit where what a restore would read of some rank's
     # deltas since the last base or fold point (bytes, plus 2 MiB a file) reaches fold_ratio of its
     # shard's bytes, or after fold_max_deltas deltas, never sooner than max_chain deltas after the
-    # last. fold=False,
-    # and always on the GPU capture path: a full base is captured every max_chain + 1 commits.
+    # last. With fold=False, and always on the GPU capture path, a full base is captured every
+    # max_chain + 1 commits instead.
     fold: bool = True
     fold_ratio: float = Field(default=0.25, gt=0)
     fold_max_deltas: int = Field(default=32, ge=1)

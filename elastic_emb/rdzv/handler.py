@@ -9,7 +9,8 @@ a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c
    named by ``event_file``): ``rendezvous_round`` (round, world size, participants in group-rank
    order, joins, departures, deaths, duration), ``membership_changed``, ``scale_up_pending``,
    ``drain_requested`` / ``drain_finished`` (outcome ``acknowledged`` or ``timeout``),
-   ``node_left``, ``dead_node_evicted``, ``rendezvous_failed`` (with torch's error).
+   ``node_left``, ``dead_node_evicted``, ``rendezvous_failed`` (with torch's error),
+   ``shutdown_declined`` (a signalled agent left instead of closing the rendezvous).
 2. **Generation and membership for the workers.** After each round the backend puts the
    round, the membership, its node id, its pid and the watcher's settings into the agent's
    environment (torchrun copies it into every worker it then starts); the names are in
