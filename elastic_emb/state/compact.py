@@ -57,11 +57,14 @@ from pathlib import Path
 from elastic_emb.errors import FoldCancelled
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
+from elastic_emb.protocol import ShardData
+from elastic_emb.sharding import RowRange
 from elastic_emb.state import points
 from elastic_emb.state.capture import finished_records
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.digest import digest_ranges
-from elastic_emb.state.manifest import ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, write_atomic
+from elastic_emb.state.manifest import (ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, tensor_items,
+                                        write_atomic)
 from elastic_emb.state.paths import check_name, open_new
 from elastic_emb.state.shardfile import read_snapshot
 
@@ -106,12 +109,18 @@ class FoldWindow:
         self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0
 
 
-def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
+def _cancelled(path: Path) -> FoldCancelled:
+    return FoldCancelled(f"fold of {path} cancelled (a resize or the exit): the delta stays as it was")
+
+
+def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int | None:
     """Fold the delta commit whose manifest is ``manifest_path`` (in ``tier``'s node directory)
     into a base, in place (module docstring). Returns the bytes of the new data file, or None
     when there is nothing to fold (already a base, or gone: pruned meanwhile). Raises on a chain
     that cannot be read (a gap, a checksum mismatch) and on storage errors, leaving the delta as it
-    was; :class:`FoldCancelled` when ``cancelled()`` turned true before the manifest swap."""
+    was; :class:`FoldCancelled` when ``cancelled()`` turned true before the manifest swap.
+    ``chains``: the node directory's resolved chains (``resolve_chains(...)[0]``), when the caller
+    folds several manifests of one commit (listed once)."""
     try:
         raw = manifest_path.read_bytes()
     except FileNotFoundError:
@@ -121,20 +130,23 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
         return None  # a base already, or a GPU delta in a log segment (not folded: module docstring)
     check_name(m.data_file, "data file")  # (read back from the directory: it names the file removed last)
     key = (m.source_rank, m.replica, m.commit)
-    chain = next((c for c in resolve_chains(tier.manifests())[0].values()
-                  if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key), None)
+    if chains is None:
+        chains = resolve_chains(tier.manifests())[0]
+    chain = next((c for c in chains.values() if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key),
+                 None)
     if chain is None:
         raise FileNotFoundError(f"{manifest_path}: the chain of {m.commit} is not complete in {tier.node_dir} "
                                 f"(a link is missing or was pruned); nothing folded")
     tables = read_chain(chain, read_snapshot)  # verified, link by link
     if cancelled():
-        raise FoldCancelled(f"fold of {manifest_path} cancelled (a resize or the exit): the delta stays as it was")
+        raise _cancelled(manifest_path)
     records, parts, off = [], [], 0
     for rec in m.shards:  # the delta's table order: every table of the shard, as in a base
         got = tables[rec.table]
+        shard = ShardData(rec.table, RowRange(rec.start, rec.stop), got["weight"],
+                          {k: v for k, v in got.items() if k not in ("weight", INDEX)})
         trs = []
-        for tname in ["weight"] + sorted(k for k in got if k not in ("weight", INDEX)):
-            t = got[tname]
+        for tname, t in tensor_items(shard):  # a base's order: weight, then the slots by name
             b = as_bytes(t.contiguous())
             spec = row_spec(t)
             trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
@@ -162,12 +174,12 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False) -> int | None:
     with tier.fold_lock:  # prune deletes no directory meanwhile
         if cancelled():
             path.unlink(missing_ok=True)
-            raise FoldCancelled(f"fold of {manifest_path} cancelled (a resize or the exit): the delta stays as it was")
+            raise _cancelled(manifest_path)
         try:
-            if manifest_path.read_bytes() != raw:  # replaced or pruned meanwhile: leave it be
-                path.unlink(missing_ok=True)
-                return None
+            unchanged = manifest_path.read_bytes() == raw  # else replaced or pruned meanwhile: leave it be
         except FileNotFoundError:
+            unchanged = False
+        if not unchanged:
             path.unlink(missing_ok=True)
             return None
         write_atomic(manifest_path, SnapshotManifest.model_validate(folded.model_dump()).model_dump_json(),
@@ -216,11 +228,11 @@ class Compactor:
 
         try:
             with native_call():  # tensor ops and file writes: the exit waits for them (or cancels)
+                chains = resolve_chains(self.tier.manifests())[0]  # once for the commit's manifests
                 for mpath in manifests:
                     if cancelled():
-                        raise FoldCancelled(f"fold of {mpath} cancelled (a resize or the exit): the delta stays "
-                                            f"as it was")
-                    got = fold(self.tier, mpath, cancelled)
+                        raise _cancelled(mpath)
+                    got = fold(self.tier, mpath, cancelled, chains)
                     if got is not None:
                         written, done = written + got, done + 1
             if done:

@@ -20,10 +20,10 @@ commit) is not a commit: the chain simply ends one step earlier (a torn tail is 
 missing in the *middle* of a chain, where later deltas exist, is reported by
 :func:`resolve_chains` as a gap, and restore refuses to skip over it silently.
 
-Bound, two ways of ending a chain. Folding (the default for chains captured on the host,
-:mod:`.compact`): at a fold point (the deltas since the last one hold ``fold_ratio`` of a shard,
-or ``fold_max_deltas`` of them) each holder folds the chain into a base, from its own files, in
-the background; the chain goes on from it, and the full prune at the next fold point frees the
+Bound, two ways of ending a chain. Folding (the default for chains captured on the host;
+:mod:`.compact` says when a commit is a fold point): each holder folds the chain into a base,
+from its own files, in the background; the chain goes on from it, and the full prune at the next
+fold point frees the
 older base and its deltas: a node directory then holds at most two bases per shard it stores
 (own or replica) and the deltas of two fold windows, plus the commits in flight (with a fold point
 every ``f`` deltas, ``2 * f - 2`` deltas after each prune). Re-basing (the GPU capture path, or
