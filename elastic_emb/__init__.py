@@ -10,7 +10,7 @@ Names are imported on first use, so ``import elastic_emb`` stays cheap (no torch
 needs it). The errors are all in :mod:`elastic_emb.errors`, rooted at :class:`ElasticEmbError`.
 
 Read ``docs/ARCHITECTURE.md`` for the module map; to follow one resize, read
-``elastic_emb/lifecycle.py`` (what happens on a change), then ``elastic_emb/state/restore.py``
+``elastic_emb/lifecycle/manager.py`` (what happens on a change), then ``elastic_emb/state/restore.py``
 (how rows survive it) and ``elastic_emb/rdzv/handler.py`` (who is in the job now).
 """
 
@@ -28,10 +28,10 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
-    "Lifecycle": "elastic_emb.lifecycle",
-    "LifecycleConfig": "elastic_emb.lifecycle",
-    "ResizeEvent": "elastic_emb.lifecycle",
-    "CommitReport": "elastic_emb.lifecycle",
+    "Lifecycle": "elastic_emb.lifecycle.manager",
+    "LifecycleConfig": "elastic_emb.lifecycle.manager",
+    "ResizeEvent": "elastic_emb.lifecycle.manager",
+    "CommitReport": "elastic_emb.lifecycle.manager",
     "EmbContext": "elastic_emb.context",
     "TableSpec": "elastic_emb.protocol",
     "OptimizerSpec": "elastic_emb.protocol",
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from elastic_emb.config import Settings
     from elastic_emb.context import EmbContext
     from elastic_emb.events import bind_topology, configure_logging, get_logger
-    from elastic_emb.lifecycle import CommitReport, Lifecycle, LifecycleConfig, ResizeEvent
+    from elastic_emb.lifecycle.manager import CommitReport, Lifecycle, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec
     from elastic_emb.topology import Topology, agree
     from elastic_emb.watch import Watcher

@@ -44,7 +44,7 @@ class WorldSizeChanged(ElasticEmbError, ValueError):
         super().__init__(
             f"world size changed from {old} to {new}: a context is sized for the world it was "
             f"constructed with; close it and construct a new context for world size {new} "
-            f"(elastic_emb.lifecycle.Lifecycle does this for you)"
+            f"(elastic_emb.lifecycle.manager.Lifecycle does this for you)"
         )
         self.old = old
         self.new = new

@@ -177,7 +177,7 @@ def _of(role: str) -> dict[str, Any] | None:
 
 
 def resize(event: Any, snapshot: Any = None) -> None:
-    """The lifecycle entered a world (``event``: a :class:`~elastic_emb.lifecycle.ResizeEvent`).
+    """The lifecycle entered a world (``event``: a :class:`~elastic_emb.lifecycle.manager.ResizeEvent`).
 
     Steps lost: the newest commit in this node's snapshot directory (``snapshot``, the
     lifecycle's :class:`~elastic_emb.state.SnapshotTier`) minus the step the world restored."""
@@ -203,7 +203,7 @@ def resize(event: Any, snapshot: Any = None) -> None:
 
 
 def commit(report: Any) -> None:
-    """A commit was written (``report``: a :class:`~elastic_emb.lifecycle.CommitReport`)."""
+    """A commit was written (``report``: a :class:`~elastic_emb.lifecycle.manager.CommitReport`)."""
     m = _of("worker")
     if m is None:
         return

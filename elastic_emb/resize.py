@@ -151,7 +151,7 @@ class InProcessResize:
         Not included within ``timeout``: asks the agents for a restart-mode round and raises
         :class:`ResizeFallback`. The job finished first (an agent marked it complete): raises
         :class:`~elastic_emb.errors.JobComplete` (the worker has nothing to do; exit 0)."""
-        from elastic_emb.lifecycle import Lifecycle
+        from elastic_emb.lifecycle.manager import Lifecycle
 
         env = dict(os.environ if env is None else env)
         signer = Signer.from_env(env)

@@ -17,7 +17,7 @@ def test_every_public_name_resolves_from_the_top_level():
     for name in ("Lifecycle", "LifecycleConfig", "EmbContext", "TableSpec", "OptimizerSpec", "Topology", "agree",
                  "Watcher", "ElasticEmbError", "WorldSizeChanged"):
         assert name in elastic_emb.__all__, name
-    assert elastic_emb.Lifecycle.__module__ == "elastic_emb.lifecycle"
+    assert elastic_emb.Lifecycle.__module__ == "elastic_emb.lifecycle.manager"
 
 
 def test_importing_the_package_imports_no_torch():

@@ -1,5 +1,5 @@
 """The first base of a generation formed in process, written in the background
-(elastic_emb/first_base.py): one process, world size 1, a real EmbContext on gloo, the real
+(elastic_emb/lifecycle/first_base.py): one process, world size 1, a real EmbContext on gloo, the real
 background writer and snapshot files. The base's write is held at a commit point (the tests'
 hook of ``state.points``) so the window is open for as long as the test says. The tables are
 small, so the size rule (``first_base.wanted``) is lowered to take them."""
@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_emb import first_base
+from elastic_emb.lifecycle import first_base
 from elastic_emb.context import EmbContext
-from elastic_emb.lifecycle import Lifecycle, LifecycleConfig
+from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
 from elastic_emb.protocol import OptimizerSpec, TableSpec
 from elastic_emb.state import points
 from elastic_emb.testing.ports import free_port

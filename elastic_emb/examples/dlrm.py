@@ -11,7 +11,7 @@ row-wise by ``DistributedModelParallel`` with fbgemm's fused SGD; a dense tower 
 pooled rows, replicated by DDP) predicts a click; binary cross-entropy, the local batch's mean.
 :func:`build` makes the DMP for whatever world size the job has; the loop (:func:`main` runs
 :func:`~elastic_emb.examples.loop.run_elastic`, the recsys example's loop too) is the elastic part: :class:`~elastic_emb.adapters.torchrec.TorchRecContext` plus a
-:class:`~elastic_emb.lifecycle.Lifecycle` that commits every step and, on a resize, builds a new
+:class:`~elastic_emb.lifecycle.manager.Lifecycle` that commits every step and, on a resize, builds a new
 DMP at the new size and moves every row (and the dense tower) across.
 
 This script is also the workload of the drill preset ``torchrec``, whose final tables must equal

@@ -12,7 +12,7 @@ lists its options.
 
 The model: hashed user and item ids look up rows of two sharded embedding tables (``user``,
 ``item``); a dense tower (an MLP over the two concatenated rows) predicts a click; binary cross
-entropy; SGD. Nodes may join, leave or die at any time: the :class:`~elastic_emb.lifecycle.Lifecycle`
+entropy; SGD. Nodes may join, leave or die at any time: the :class:`~elastic_emb.lifecycle.manager.Lifecycle`
 commits the tables after every step, rebuilds the context for each new world size and restores
 the newest commit, resharded. The loop (:func:`~elastic_emb.examples.loop.run_elastic`, shared
 with the TorchRec example) is all a user writes: start, step, commit, and stop stepping when the

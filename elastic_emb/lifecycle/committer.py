@@ -36,11 +36,11 @@ import time
 from collections.abc import Callable
 
 from elastic_emb import metrics
-from elastic_emb.default_group import DefaultGroup
+from elastic_emb.lifecycle.default_group import DefaultGroup
 from elastic_emb.errors import CommAborted
 from elastic_emb.events import get_logger
-from elastic_emb.first_base import FirstBase
-from elastic_emb.lifecycle_records import CommitReport, LifecycleConfig
+from elastic_emb.lifecycle.first_base import FirstBase
+from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig
 from elastic_emb.protocol import ShardedContext
 from elastic_emb.state import Comm, DurableTier, SnapshotTier
 from elastic_emb.state.capture import DeviceCapture
@@ -48,7 +48,7 @@ from elastic_emb.state.comm import thread_store
 from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
 from elastic_emb.topology import Topology
 
-log = get_logger("elastic_emb.lifecycle")
+log = get_logger("elastic_emb.lifecycle.manager")
 
 # A SIGTERM (a graceful leave: the agent forwards it; kubelet's, after preStop) waits this long at
 # most for the commit in flight before the process ends as it would have (torchrun's agent sends

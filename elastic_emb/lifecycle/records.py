@@ -1,6 +1,6 @@
 """The lifecycle's records: its configuration and the reports of what a commit and a resize did.
 
-Immutable pydantic records, kept apart from :mod:`elastic_emb.lifecycle` (which acts on them) so
+Immutable pydantic records, kept apart from :mod:`elastic_emb.lifecycle.manager` (which acts on them) so
 that callers, the CLI and the docs can read the shapes without the machinery. ``ResizeEvent`` is
 what each ``lifecycle.resize`` log event carries, phase by phase (docs/RESIZE.md, "Events").
 """

@@ -50,12 +50,12 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.committer import Committer
+from elastic_emb.lifecycle.committer import Committer
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
-from elastic_emb import first_base
-from elastic_emb.first_base import FirstBase
-from elastic_emb.lifecycle_records import (  # re-exported: users import them from here
+from elastic_emb.lifecycle import first_base
+from elastic_emb.lifecycle.first_base import FirstBase
+from elastic_emb.lifecycle.records import (  # re-exported: users import them from here
     CALLER_PHASES,
     CommitReport,
     LifecycleConfig,
@@ -66,7 +66,7 @@ from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, chec
 from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
 
-log = get_logger("elastic_emb.lifecycle")
+log = get_logger("elastic_emb.lifecycle.manager")
 
 
 class Lifecycle:
