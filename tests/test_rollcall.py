@@ -1,4 +1,4 @@
-"""The roll call after a failed collective (elastic_emb/rollcall.py) on a real TCPStore: who
+"""The roll call after a failed collective (elastic_emb/inprocess/rollcall.py) on a real TCPStore: who
 answers, who is silent, and the liveness sockets: a SIGKILLed process's socket refuses at once,
 a live (even stopped) process's is accepted by the kernel, so a probe never calls it dead."""
 
@@ -17,7 +17,7 @@ import structlog
 import torch.distributed as dist
 
 from elastic_emb.rdzv.signing import Signer
-from elastic_emb.rollcall import Prober, RollCall, next_node, watch_neighbour
+from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.testing.ports import free_port
 
 LOG = structlog.get_logger("test")
@@ -27,7 +27,7 @@ import sys, time
 from datetime import timedelta
 import structlog, torch.distributed as dist
 from elastic_emb.rdzv.signing import Signer
-from elastic_emb.rollcall import Prober
+from elastic_emb.inprocess.rollcall import Prober
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
 prober = Prober(store, "rc", Signer(None), structlog.get_logger())
 prober.listen(sys.argv[2], 0)
@@ -162,7 +162,7 @@ from datetime import timedelta
 import structlog, torch, torch.distributed as dist
 from elastic_emb.context.group import Group
 from elastic_emb.rdzv.signing import Signer
-from elastic_emb.rollcall import Prober
+from elastic_emb.inprocess.rollcall import Prober
 from elastic_emb.topology import Topology
 port, node, n, timeout = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), use_libuv=True)

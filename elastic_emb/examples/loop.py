@@ -13,7 +13,7 @@ they differ only in the context factory and the step. It is the loop a user writ
 3. When the lifecycle says the job is draining for a restart (a node waits to join), the worker
    stops stepping and waits, bounded, for the agent's SIGTERM: everything up to the last step is
    committed.
-4. With ``--rdzv-conf resize=in_process`` (:mod:`elastic_emb.resize`) the worker re-forms in its
+4. With ``--rdzv-conf resize=in_process`` (:mod:`elastic_emb.inprocess.resize`) the worker re-forms in its
    own process instead: at each step boundary ``resize.pending()`` says a member left or a
    joiner is ready, and a step that failed because a peer died re-forms at once; a worker of a
    joining node waits to be included (``InProcessResize.join``). After a re-form the world's
@@ -160,7 +160,7 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
     the agent did not restart the worker within ``args.drain_timeout``."""
     from elastic_emb import Lifecycle, LifecycleConfig, Watcher, bind_topology, get_logger
     from elastic_emb.errors import JobComplete, ResizeFallback
-    from elastic_emb.resize import InProcessResize, interruptible_store
+    from elastic_emb.inprocess.resize import InProcessResize, interruptible_store
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology
 

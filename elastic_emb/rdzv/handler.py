@@ -412,7 +412,7 @@ class ElasticEmbRendezvousHandler:
 
     def _workers_reform(self, changed: dict) -> bool:
         """In ``resize=in_process`` mode, whether the running workers handle this change themselves
-        (the survivors re-form in their processes, ``elastic_emb/resize.py``): yes for nodes gone
+        (the survivors re-form in their processes, ``elastic_emb/inprocess/resize.py``): yes for nodes gone
         (left or dead). A restarting peer or a round that moved on is torch's: restart mode. The
         survivors become the members this agent compares the next states with."""
         if changed["reason"] != "participant_gone" or changed["restarting"]:

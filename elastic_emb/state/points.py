@@ -12,7 +12,7 @@ file written), ``snapshot_replica_in_flight`` (before the replicas are exchanged
 the same points serve a base, a delta and a compaction (the base that ends a chain);
 ``durable_saving`` (a durable commit's save begins, in its thread when asynchronous) and
 ``durable_before_manifest`` (DCP done, manifest not yet written); and, outside the state tiers,
-``resize_decider_claimed`` (:mod:`elastic_emb.resize`: the in-process resize's decider claimed
+``resize_decider_claimed`` (:mod:`elastic_emb.inprocess.resize`: the in-process resize's decider claimed
 the decision and has not written it), ``resize_joiner_registering`` (a joiner's worker, before
 it registers as ready; the number is its ``TORCHELASTIC_RESTART_COUNT``, so ``@0`` kills only
 the first attempt) and ``lifecycle_restoring`` (a generation's restore begins; the number is the

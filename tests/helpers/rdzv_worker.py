@@ -238,14 +238,14 @@ def main_lifecycle() -> int:
         watcher.start()
     # transfer_timeout bounds a commit's store exchange with a peer that died (in-process resize
     # re-forms when it expires); the table is 1 KiB, so 10 s is ample for every real transfer.
-    from elastic_emb.resize import interruptible_store
+    from elastic_emb.inprocess.resize import interruptible_store
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology
 
     # resize=in_process: the first generation's store waits end when a member leaves (the
     # survivors re-form instead of waiting out a commit's timeout for a dead peer).
     from elastic_emb import config as settings
-    from elastic_emb.resize import InProcessResize, ResizeFallback
+    from elastic_emb.inprocess.resize import InProcessResize, ResizeFallback
 
     lc_config = LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0)
     joined = settings.load(None, "joiner").joiner

@@ -74,7 +74,7 @@ from collections.abc import Mapping
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError, JobComplete, ResizeFallback
 from elastic_emb.events import get_logger
-from elastic_emb.interruptible import (  # InterruptibleStore and interruptible_store: users import them from here
+from elastic_emb.inprocess.interruptible import (  # InterruptibleStore and interruptible_store: users import them from here
     InterruptibleStore,
     WaitGuard,
     interruptible_store,
@@ -92,13 +92,13 @@ from elastic_emb.rdzv.keys import (
     inproc_root,
     round_prefix,
 )
-from elastic_emb.joiners import JoinPlan, raise_generations
+from elastic_emb.inprocess.joiners import JoinPlan, raise_generations
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.rollcall import Prober, RollCall, next_node, watch_neighbour
+from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
-log = get_logger("elastic_emb.resize")
+log = get_logger("elastic_emb.inprocess.resize")
 
 
 def rank_of(node_index: int, local_rank: int, local_world_size: int) -> int:

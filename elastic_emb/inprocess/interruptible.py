@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elastic_emb import config
 from elastic_emb.errors import MemberGone
-from elastic_emb.rollcall import PROBE_AFTER_S
+from elastic_emb.inprocess.rollcall import PROBE_AFTER_S
 from elastic_emb.store import ForwardingStore
 
 
