@@ -95,7 +95,7 @@ def import_floor() -> float:
     """Seconds a fresh interpreter takes to import torch and elastic_emb: the floor under every
     restart's worker side (torchrun starts each worker as a new process)."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, torch.distributed, elastic_emb.lifecycle.manager, elastic_emb.watch"],
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed, elastic_emb.lifecycle.manager, elastic_emb.watch.watcher"],
                    check=True, timeout=120)
     return time.perf_counter() - t
 

@@ -3,7 +3,7 @@
 Issue 18's H200 figure. One process, one GPU, an ``EmbContext`` of world size 1 (NCCL) holding a
 ``--rows`` x ``--dim`` fp32 table (default 8M x 128: 4 GiB) with a row-wise Adagrad slot, driven by
 the real in-process resize code: a :class:`~elastic_emb.inprocess.resize.InProcessResize` over a real
-:class:`~elastic_emb.watch.Watcher`, whose reader polls a real torch rendezvous state (torch's own
+:class:`~elastic_emb.watch.watcher.Watcher`, whose reader polls a real torch rendezvous state (torch's own
 ``C10dRendezvousBackend`` on a loopback ``TCPStore``, the same store the decision, the agreement and
 the new communicator use). The world's membership names this node and a second one that the
 state no longer holds: the node that "left". Each run:
@@ -146,7 +146,7 @@ def measure(args, state_dir: str) -> dict:
     from elastic_emb.protocol import OptimizerSpec, TableSpec
     from elastic_emb.inprocess.resize import InProcessResize, InterruptibleStore
     from elastic_emb.testing.ports import free_port
-    from elastic_emb.watch import RendezvousReader, Watcher
+    from elastic_emb.watch.watcher import RendezvousReader, Watcher
 
     cuda = args.device == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")

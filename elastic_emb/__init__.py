@@ -40,7 +40,7 @@ _LAZY: dict[str, str] = {
     "ContextBase": "elastic_emb.protocol",
     "Topology": "elastic_emb.topology",
     "agree": "elastic_emb.topology",
-    "Watcher": "elastic_emb.watch",
+    "Watcher": "elastic_emb.watch.watcher",
     "Settings": "elastic_emb.config",
     "configure_logging": "elastic_emb.events",
     "get_logger": "elastic_emb.events",
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from elastic_emb.lifecycle.manager import CommitReport, Lifecycle, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec
     from elastic_emb.topology import Topology, agree
-    from elastic_emb.watch import Watcher
+    from elastic_emb.watch.watcher import Watcher
 
 
 def __getattr__(name: str):

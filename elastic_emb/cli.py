@@ -137,7 +137,7 @@ def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: flo
     probe_endpoint(endpoint, "--endpoint", connect_timeout)
     if inner == "etcd-v2":
         _need_etcd_client("--inner etcd-v2")
-    from elastic_emb.watch import print_state
+    from elastic_emb.watch.watcher import print_state
 
     try:
         raise SystemExit(print_state(endpoint, run_id, inner, interval, count))

@@ -594,7 +594,7 @@ import json, os, sys, time
 from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
-from elastic_emb.watch import Watcher
+from elastic_emb.watch.watcher import Watcher
 
 out = Path(sys.argv[1]); rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))

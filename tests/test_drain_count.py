@@ -24,7 +24,7 @@ from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_WORLD_SIZE, round_prefix
 from elastic_emb.rdzv.reader import RendezvousReader
 from elastic_emb.testing.ports import free_port
-from elastic_emb.watch import Watcher
+from elastic_emb.watch.watcher import Watcher
 
 RUN, ROUND = "dctest", 3
 WAIT = 30.0  # bound of every wait here: generous, for a loaded 2-core machine

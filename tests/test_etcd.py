@@ -326,7 +326,7 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
     ends (store_outage_s None) with the membership unchanged."""
     import time
 
-    from elastic_emb.watch import RendezvousReader, Watcher
+    from elastic_emb.watch.watcher import RendezvousReader, Watcher
 
     handler, _ = _agent_handler(etcd_server, tmp_path, monkeypatch, inner, store_outage_timeout="20")
     evicted: list = []

@@ -385,7 +385,7 @@ def test_the_in_process_world_store_takes_a_multi_member_endpoint(etcd_server):
     'a:1,b:2' and every in-process join of the store-member-loss drill fell back to restart).
     The first member listed is down here: the client goes on to the next one."""
     from elastic_emb.testing.ports import free_port
-    from elastic_emb.watch import RendezvousReader
+    from elastic_emb.watch.watcher import RendezvousReader
 
     reader = RendezvousReader("etcd-v3", f"127.0.0.1:{free_port()},{etcd_server.endpoint}", "multi")
     store = reader.world_store(5.0)

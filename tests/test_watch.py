@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic_emb.rdzv.keys import round_prefix
-from elastic_emb.watch import (
+from elastic_emb.watch.watcher import (
     MembershipEvent,
     RendezvousReader,
     UnsafeStateError,

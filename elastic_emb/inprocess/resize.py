@@ -17,7 +17,7 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    agent leaves the round (a departure for the survivors), waits for their decision without it
    and rejoins as a joiner (``rdzv/rejoin.py``). A peer in the wait list, a fallback, or a round
    that moved on stay in restart mode.
-2. **Detect.** Each worker's :class:`~elastic_emb.watch.Watcher` polls torch's state; a member node
+2. **Detect.** Each worker's :class:`~elastic_emb.watch.watcher.Watcher` polls torch's state; a member node
    of the worker's generation missing from it (and not in the wait list: that one is restarting
    after a worker crash, which stays restart mode) is a departure (:meth:`InProcessResize.pending`).
    The worker checks at every step boundary, or at once when a collective failed (a peer died

@@ -1,6 +1,6 @@
 """The worker side's one way into a running rendezvous: :class:`RendezvousReader`.
 
-A worker (its :class:`~elastic_emb.watch.Watcher`), the preStop hook (``drain.py``) and
+A worker (its :class:`~elastic_emb.watch.watcher.Watcher`), the preStop hook (``drain.py``) and
 ``elastic-emb rdzv-state`` all need the same two things of the job's rendezvous, whatever inner
 backend it runs on: torch's state (to decode with the restricted decoder of ``rdzv/decode.py``)
 and a ``torch.distributed.Store`` holding elastic_emb's round keys (``rdzv/keys.py``). This

@@ -47,7 +47,7 @@ SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test
 def _fail(what: str) -> TorchCompatError:
     return TorchCompatError(
         f"torch {torch.__version__}: {what}; the elastic_emb rendezvous backend supports torch {SUPPORTED_TORCH}: "
-        f"install a supported torch, or use --rdzv-backend=c10d (the workers' elastic_emb.watch works without it)"
+        f"install a supported torch, or use --rdzv-backend=c10d (the workers' elastic_emb.watch.watcher works without it)"
     )
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from elastic_emb.rdzv.keys import ENV_AGENT_PID
 from elastic_emb.store import generation_store, worker_store
 from elastic_emb.topology import Topology, agree
-from elastic_emb.watch import Watcher
+from elastic_emb.watch.watcher import Watcher
 
 LOG_DIR = os.environ.get("RDZV_TEST_LOG_DIR", "")  # required by main() and main_lifecycle()
 MODE = os.environ.get("RDZV_TEST_MODE", "busy")

@@ -1,6 +1,6 @@
 """What a rendezvous state means for one worker: the membership events and their classification.
 
-The worker's :class:`~elastic_emb.watch.Watcher` reads torch's rendezvous state over and over
+The worker's :class:`~elastic_emb.watch.watcher.Watcher` reads torch's rendezvous state over and over
 (a thread, a store, outages, signed marks); what it concludes from one state is decided here,
 as a pure function of plain data, so the rules can be read and tested without a store or a
 thread. :func:`classify` compares a :class:`~elastic_emb.rdzv.decode.RendezvousView` with

@@ -3,9 +3,9 @@
 torchrun tells a worker nothing about membership. :class:`Watcher` polls the
 rendezvous state every ``interval`` seconds (bounded: every store read has a timeout and the
 loop sleeps on an Event, so ``stop()`` returns within one interval plus one read) and turns
-differences into :class:`~elastic_emb.membership.MembershipEvent` records: ``join_pending``,
+differences into :class:`~elastic_emb.watch.membership.MembershipEvent` records: ``join_pending``,
 ``departure``, ``round_advanced``, ``evicted`` (decided from each state by
-:func:`elastic_emb.membership.classify`, a pure function, where the kinds are explained),
+:func:`elastic_emb.watch.membership.classify`, a pure function, where the kinds are explained),
 ``agent_lost`` (the worker's own agent process vanished: its parent changed) and
 ``drain_requested``.
 
@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_emb.events import get_logger
-from elastic_emb.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
+from elastic_emb.watch.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
 from elastic_emb.native_calls import exiting, native_call
 # The worker side imports the wire contract (keys), the shared decoder and view (decode), the
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
@@ -84,7 +84,7 @@ from elastic_emb.rdzv.keys import (
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
 from elastic_emb.rdzv.reader import RendezvousReader, print_state
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.selfstop import agent_gone, stop_self
+from elastic_emb.watch.selfstop import agent_gone, stop_self
 
 StateView = RendezvousView  # the name this module used before the two views were merged
 # Names this module exported before the reader (rdzv/reader.py) and the event classification
@@ -151,7 +151,7 @@ class Watcher:
         self.prober = None  # resize.py: the members' liveness sockets (rollcall.Prober)
         self.on_failure: Callable[[], None] | None = None  # resize.py: abort the communicator
         self.failure_seen = False
-        self._log = get_logger("elastic_emb.watch", rank=rank)
+        self._log = get_logger("elastic_emb.watch.watcher", rank=rank)
         # ValueError for a negative bound, before anything starts.
         self._outage = OutageTracker(store_outage_timeout, self._log, round=round_)
 
@@ -165,7 +165,7 @@ class Watcher:
                         "watch_interval", "drain", "store_outage_timeout", "rdzv_node")
         endpoint = settings.rdzv_endpoint
         if not endpoint:
-            get_logger("elastic_emb.watch").info(
+            get_logger("elastic_emb.watch.watcher").info(
                 "watcher_disabled",
                 reason=f"{ENV_RDZV_ENDPOINT} is not set: launch with --rdzv-backend=elastic_emb, or set it "
                 f"to the --rdzv-endpoint",

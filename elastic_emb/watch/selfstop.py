@@ -1,7 +1,7 @@
 """How a worker notices that its agent is gone, and how it stops itself so that it cannot hang.
 
 A worker whose agent was SIGKILLed keeps running (torch starts workers in a new session), and a
-worker the rendezvous left out must stop too. The :class:`~elastic_emb.watch.Watcher` decides
+worker the rendezvous left out must stop too. The :class:`~elastic_emb.watch.watcher.Watcher` decides
 *that* it must stop (from the store, with signed confirmations); this module holds the two
 process-level mechanics it needs, which touch no store and no rendezvous:
 
