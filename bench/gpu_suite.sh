@@ -46,7 +46,7 @@ for step in $steps; do
     reshard) run reshard 400 $PY bench/reshard.py --device cuda --world 2 --sizes-mb 8192 --runs 3 --out "$OUT/reshard.json" ;;
     teardown) run teardown 400 $PY bench/teardown.py --runs 2 --out "$OUT/teardown.json" ;;
     nccl) run nccl 300 $PY bench/nccl_setup.py --out "$OUT/nccl_setup.json" ;;
-    drill) run drill 420 $PY -m elastic_emb.cli drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
+    drill) run drill 420 $PY -m elastic_emb.cli.main drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
     lifecycle) run lifecycle 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_lifecycle.py ;;
     onegpu) run onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_cuda.py tests/test_commit_cuda.py tests/test_capture_failure.py "tests/test_context.py::test_gather_rows_reads_each_row_from_its_source" ;;
     lookup1) run lookup1 300 $PY bench/lookup.py --device cuda --ranks 1 --runs 7 --iters 10 --out "$OUT/lookup_1gpu.json" ;;

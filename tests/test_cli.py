@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_emb.console import EXIT_USAGE
+from elastic_emb.cli.console import EXIT_USAGE
 from elastic_emb.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTIC_EMB_", "TORCHELASTIC_"))}
     base.update(env or {})
-    return subprocess.run([sys.executable, "-c", "from elastic_emb.cli import entry_point; entry_point()", *args],
+    return subprocess.run([sys.executable, "-c", "from elastic_emb.cli.main import entry_point; entry_point()", *args],
                           capture_output=True, text=True, timeout=120, cwd=cwd, env=base)
 
 
@@ -133,7 +133,7 @@ def test_internal_errors_are_one_line_unless_debug(tmp_path):
     """A bug (here: an unexpected exception inside a command) is one line naming --debug; with
     --debug the stack is shown."""
     code = ("import click, sys\n"
-            "from elastic_emb.console import run_command\n"
+            "from elastic_emb.cli.console import run_command\n"
             "@click.command()\n"
             "def boom():\n"
             "    raise KeyError('surprise')\n"

@@ -671,7 +671,7 @@ def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path, request, i
         # As the preStop hook runs it: only the pod's PET_* variables, no flags but the timeout.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTIC_EMB_RDZV", "TORCHELASTIC_"))}
         env.update(PET_RDZV_ENDPOINT=endpoint, PET_RDZV_ID="drainjob", PET_RDZV_CONF=f"inner={inner},join_timeout=30")
-        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--timeout", "20"],
+        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--timeout", "20"],
                                env=env, capture_output=True, text=True, timeout=60)
         assert drain.returncode == 0, drain.stderr[-3000:]
         outcome = json.loads(drain.stdout.strip().splitlines()[-1])
@@ -693,7 +693,7 @@ def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
     try:
         _wait_for([tmp_path / "ready0"], proc, 60)
         start = time.monotonic()
-        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--timeout", "1.5",
+        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--timeout", "1.5",
                                 "--endpoint", f"127.0.0.1:{port}", "--run-id", "drainjob", "--inner", "c10d"],
                                capture_output=True, text=True, timeout=60)
         elapsed = time.monotonic() - start
@@ -708,7 +708,7 @@ def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
 
 def test_drain_cli_reports_an_unreachable_rendezvous():
     port = free_port()  # nothing listens there
-    drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli", "drain", "--endpoint", f"127.0.0.1:{port}",
+    drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--endpoint", f"127.0.0.1:{port}",
                             "--connect-timeout", "0.5"], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("PET_")})
     assert drain.returncode == 2
@@ -716,7 +716,7 @@ def test_drain_cli_reports_an_unreachable_rendezvous():
 
 
 def test_drain_target_reads_the_pod_environment():
-    from elastic_emb.drain import DrainError, DrainTarget
+    from elastic_emb.cli.drain import DrainError, DrainTarget
 
     t = DrainTarget.from_env({"PET_RDZV_ENDPOINT": "etcd:2379", "PET_RDZV_ID": "job", "PET_RDZV_CONF": "a=1,inner=etcd-v2"})
     assert (t.endpoint, t.run_id, t.inner) == ("etcd:2379", "job", "etcd-v2")
@@ -762,7 +762,7 @@ def test_drain_with_no_rendezvous_round_returns_at_once():
 
     import torch.distributed as dist
 
-    from elastic_emb.drain import DrainTarget, request_drain
+    from elastic_emb.cli.drain import DrainTarget, request_drain
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), use_libuv=True)

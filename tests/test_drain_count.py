@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from elastic_emb.drain import DrainTarget, request_drain
+from elastic_emb.cli.drain import DrainTarget, request_drain
 from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_WORLD_SIZE, round_prefix
 from elastic_emb.rdzv.reader import RendezvousReader

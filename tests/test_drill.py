@@ -406,7 +406,7 @@ def test_namespaces_left_by_a_killed_drill_are_removed():
 def test_cli_lists_presets_and_refuses_a_bad_scenario(tmp_path):
     from click.testing import CliRunner
 
-    from elastic_emb.cli import main
+    from elastic_emb.cli.main import main
 
     runner = CliRunner()
     listed = runner.invoke(main, ["drill", "--list"])
@@ -426,7 +426,7 @@ def test_cli_mode_runs_any_preset_in_either_mode(tmp_path, monkeypatch):
     scenario); in process with stock c10d is refused before anything starts."""
     from click.testing import CliRunner
 
-    from elastic_emb.cli import main
+    from elastic_emb.cli.main import main
     from elastic_emb.drill import command
 
     ran = []

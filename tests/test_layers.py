@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.context", "elastic_emb.state", "elastic_emb.adapters", "elastic_emb.watch.membership",
      "elastic_emb.watch.selfstop"),
     ("elastic_emb.watch.watcher", "elastic_emb.inprocess.rollcall"),
-    ("elastic_emb.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness", "elastic_emb.inprocess.interruptible",
+    ("elastic_emb.cli.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness", "elastic_emb.inprocess.interruptible",
      "elastic_emb.inprocess.joiners"),
     ("elastic_emb.lifecycle.records", "elastic_emb.lifecycle.first_base", "elastic_emb.lifecycle.default_group"),
     ("elastic_emb.lifecycle.committer",),
@@ -34,9 +34,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.rendezvous",),
     ("elastic_emb.testing",),
     ("elastic_emb.etcd_server", "elastic_emb.examples"),
-    ("elastic_emb.console",),
+    ("elastic_emb.cli.console",),
     ("elastic_emb.drill",),
-    ("elastic_emb.cli", "elastic_emb.__main__"),
+    ("elastic_emb.cli.main", "elastic_emb.__main__"),
 ]
 FACADE = "elastic_emb"  # the package's __init__: re-exports (lazily) from any layer
 

@@ -213,7 +213,7 @@ def test_missing_rows_raise_restore_error_never_fresh_rows(tmp_path, world1):
     assert torch.equal(ctx.w, torch.full((40, 3), -1.0))  # untouched: no zeros, no fresh rows
     # The operator's view (`elastic-emb state`) says the same.
     from click.testing import CliRunner
-    from elastic_emb.cli import main
+    from elastic_emb.cli.main import main
 
     res = CliRunner().invoke(main, ["state", "--state-dir", str(tmp_path), "--run-id", "unit"])
     assert res.exit_code == 0, res.output

@@ -97,7 +97,7 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
 
     # Foreign counts (an unsigned world_size, negative or not; an acks counter wrapped past int64)
     # are refused by name before the preStop client asks anything.
-    from elastic_emb.drain import DrainError, DrainTarget, request_drain
+    from elastic_emb.cli.drain import DrainError, DrainTarget, request_drain
 
     monkeypatch.setenv("ELASTIC_EMB_JOB_SECRET", SECRET)
     store.delete_key(prefix + KEY_DRAIN)

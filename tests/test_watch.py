@@ -283,7 +283,7 @@ def test_rdzv_state_cli_prints_the_decoded_state(rdzv_store):
     a, w = _NodeDesc("127.0.0.1", 101, 0), _NodeDesc("127.0.0.1", 102, 0)
     _write(backend, _state(4, {a: 0}, wait=[w]))
     out = subprocess.run(
-        [sys.executable, "-m", "elastic_emb.cli", "rdzv-state", "--endpoint", f"127.0.0.1:{port}", "--run-id", "wtest"],
+        [sys.executable, "-m", "elastic_emb.cli.main", "rdzv-state", "--endpoint", f"127.0.0.1:{port}", "--run-id", "wtest"],
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]

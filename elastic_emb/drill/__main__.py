@@ -1,6 +1,6 @@
 """``python -m elastic_emb.drill --scenario NAME|FILE [--out DIR]``: the same as ``elastic-emb drill``."""
 
-from elastic_emb.console import run_command
+from elastic_emb.cli.console import run_command
 from elastic_emb.drill.command import drill_cmd
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The drill's command line: ``elastic-emb drill``, ``elastic-emb demo``, ``python -m elastic_emb.drill``.
 
-Here, not in :mod:`elastic_emb.cli`, so the drill package does not import the CLI above it
+Here, not in :mod:`elastic_emb.cli.main`, so the drill package does not import the CLI above it
 (``cli`` adds these commands to its group). Every failure a user can cause (a scenario that is not
 a preset or not valid YAML, an ``--out`` that cannot be written, a ``--script`` that does not
-exist) becomes one :class:`~elastic_emb.console.UserError` line.
+exist) becomes one :class:`~elastic_emb.cli.console.UserError` line.
 
 ``--out`` defaults to ``./drill-<scenario>`` when the current directory is writable, else to a
 new temporary directory (a container with a read-only root filesystem, an installed package run
@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from elastic_emb.console import EXIT_FAILED, EXIT_OK, UserError
+from elastic_emb.cli.console import EXIT_FAILED, EXIT_OK, UserError
 
 
 def default_out(name: str) -> Path:

@@ -54,7 +54,7 @@ ETCD_STATE_KEY = "/torch/elastic/rendezvous/{run_id}"
 ETCD_STORE_PREFIX = "/torch/elastic/store"
 C10D_NULL_STATE = b"Y2FuaW1hZGFt"  # torch's "no state yet" sentinel in the c10d backend
 
-# Key names under round_prefix() (the drain protocol and death/leave reports). elastic_emb.drain
+# Key names under round_prefix() (the drain protocol and death/leave reports). elastic_emb.cli.drain
 # (the preStop client) speaks the same protocol.
 KEY_DRAIN = "drain"  # agent (or preStop hook) -> workers: stop after an agreed step [control]
 KEY_WORLD_SIZE = "world_size"  # watchers -> agent: acknowledgements to expect [control]

@@ -709,7 +709,7 @@ def image_has_command(argv: list[str], facts: dict) -> str | None:
     if exe in _console_scripts():
         if not facts["installs_project"]:
             return f"{exe!r} is this project's console script, but the Dockerfile does not install the project"
-        from elastic_emb.cli import main
+        from elastic_emb.cli.main import main
 
         sub = argv[1] if len(argv) > 1 else None
         if sub not in main.commands:
@@ -769,7 +769,7 @@ def rule_commands(resources: list[dict], w: Workload, facts: dict | None = None)
 
 
 def drain_timeout(pre: list[str]) -> float:
-    from elastic_emb.cli import main
+    from elastic_emb.cli.main import main
 
     ctx = main.commands["drain"].make_context("drain", list(pre[2:]))
     return float(ctx.params["timeout"])

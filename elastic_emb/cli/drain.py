@@ -142,7 +142,7 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
     store = reader.store
     prefix = round_prefix(target.run_id, state.round)
     signer = Signer.from_env()
-    log = get_logger("elastic_emb.drain", round=state.round)
+    log = get_logger("elastic_emb.cli.drain", round=state.round)
     counter = AckCounter(store, signer, prefix, state.round, log)
     expected = _checked(target, read_expected, store, signer, prefix)
     settle = time.monotonic() + min(timeout, NO_WATCHERS_GRACE)

@@ -2,7 +2,7 @@
 
 Built on click: subcommands, typed options with their defaults in ``--help``, and errors that
 name the bad option, which argparse would make us write by hand. Every command runs through
-:func:`elastic_emb.console.run_command`: a failure the user can cause ends in one line naming the
+:func:`elastic_emb.cli.console.run_command`: a failure the user can cause ends in one line naming the
 input and the remedy, with the exit codes listed there (0 ok, 1 negative verdict, 2 bad input or
 unreachable endpoint, 3 timeout, 70 internal error); ``--debug`` (or ``ELASTIC_EMB_DEBUG=1``)
 shows the stack instead.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from elastic_emb.console import EXIT_USAGE, UserError, quiet_torch, run_command
+from elastic_emb.cli.console import EXIT_USAGE, UserError, quiet_torch, run_command
 from elastic_emb.drill.command import demo_cmd, drill_cmd
 from elastic_emb.errors import ElasticEmbError
 
@@ -105,7 +105,7 @@ def agree_demo(nproc: int) -> None:
     """Run the topology agreement across NPROC local processes under torchrun (loopback)."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_LOG_FORMAT="json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "elastic_emb.cli", "agree", "--timeout", "30"]
+           "-m", "elastic_emb.cli.main", "agree", "--timeout", "30"]
     click.echo("$ " + " ".join(cmd[2:]), err=True)
     raise SystemExit(subprocess.run(cmd, env=env, timeout=120).returncode)
 
@@ -170,10 +170,10 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
     rendezvous cannot be reached (one JSON log line, drain_failed, says why).
     """
     quiet_torch()
-    from elastic_emb.drain import DrainError, DrainTarget, request_drain
+    from elastic_emb.cli.drain import DrainError, DrainTarget, request_drain
     from elastic_emb.events import get_logger
 
-    log = get_logger("elastic_emb.drain")
+    log = get_logger("elastic_emb.cli.drain")
     try:
         target = DrainTarget.from_env(endpoint=endpoint, run_id=run_id, inner=inner)
         try:
