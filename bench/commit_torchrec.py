@@ -78,7 +78,7 @@ def worker(args) -> None:
     from torchrec import KeyedJaggedTensor
 
     from elastic_emb.adapters.torchrec import TorchRecContext
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
 
     rows = args.table_mb * 2**20 // (args.dim * 4) * args.world
     factory = functools.partial(TorchRecContext, build=functools.partial(build, rows=rows, dim=args.dim),

@@ -88,7 +88,7 @@ def rank_main(me: str, args, port: int, flags: str) -> dict:
     import torch.distributed as dist
 
     from elastic_emb.context import EmbContext
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
     from elastic_emb.protocol import OptimizerSpec, TableSpec
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology, agree

@@ -142,7 +142,7 @@ def measure(args, state_dir: str) -> dict:
     import torch
 
     from elastic_emb.context import EmbContext
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
     from elastic_emb.protocol import OptimizerSpec, TableSpec
     from elastic_emb.inprocess.resize import InProcessResize, InterruptibleStore
     from elastic_emb.testing.ports import free_port

@@ -29,9 +29,9 @@ __version__ = "0.1.0"
 # public name -> the module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
     "Lifecycle": "elastic_emb.lifecycle.manager",
-    "LifecycleConfig": "elastic_emb.lifecycle.manager",
-    "ResizeEvent": "elastic_emb.lifecycle.manager",
-    "CommitReport": "elastic_emb.lifecycle.manager",
+    "LifecycleConfig": "elastic_emb.lifecycle.records",
+    "ResizeEvent": "elastic_emb.lifecycle.records",
+    "CommitReport": "elastic_emb.lifecycle.records",
     "EmbContext": "elastic_emb.context",
     "TableSpec": "elastic_emb.protocol",
     "OptimizerSpec": "elastic_emb.protocol",
@@ -53,7 +53,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from elastic_emb.config import Settings
     from elastic_emb.context import EmbContext
     from elastic_emb.events import bind_topology, configure_logging, get_logger
-    from elastic_emb.lifecycle.manager import CommitReport, Lifecycle, LifecycleConfig, ResizeEvent
+    from elastic_emb.lifecycle.manager import Lifecycle
+    from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec
     from elastic_emb.topology import Topology, agree
     from elastic_emb.watch.watcher import Watcher

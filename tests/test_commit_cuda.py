@@ -85,7 +85,7 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
     from elastic_emb.state import Comm, SnapshotTier
     from elastic_emb.state.capture import DeviceCapture
     from elastic_emb.state.delta import read_chain, resolve_chains
-    from elastic_emb.state.snapshot import read_snapshot
+    from elastic_emb.state.shardfile import read_snapshot
     from elastic_emb.state.writer import CommitWriter
 
     port = free_port()
@@ -153,7 +153,7 @@ def _materialise_all(tier, expect):
     """Every commit the directory lists, read through its base and chain (CRC32s checked), equals
     the shard right after its step. Returns the steps checked."""
     from elastic_emb.state.delta import read_chain, resolve_chains
-    from elastic_emb.state.snapshot import read_snapshot
+    from elastic_emb.state.shardfile import read_snapshot
 
     chains, gaps = resolve_chains(tier.manifests())
     assert not gaps, gaps
@@ -179,7 +179,7 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
     from elastic_emb.state import Comm, SnapshotTier
     from elastic_emb.state.capture import DeviceCapture
     from elastic_emb.state.ring import Segment
-    from elastic_emb.state.snapshot import read_snapshot
+    from elastic_emb.state.shardfile import read_snapshot
     from elastic_emb.state.writer import CommitWriter
 
     steps, max_chain, keep, depth = 40, 4, 2, 3
@@ -292,7 +292,7 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
     ``committed_step`` trails by at most the commits in flight and reaches the last step after
     ``wait_commit``; a new lifecycle restores that step bit for bit."""
     from elastic_emb.context import EmbContext
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
 
     def factory(topology, store):
         return EmbContext(topology, store, tables=TABLES, optimizer=OPT, seed=3)

@@ -169,12 +169,13 @@ def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from elastic_emb import rendezvous as rz
+    from elastic_emb.rdzv import keys
+    from elastic_emb.rdzv.handler import create_handler
 
     monkeypatch.setattr(dr, "_delay", dr._delay)
-    for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", rz.ENV_GENERATION, rz.ENV_RDZV_BACKEND, rz.ENV_RDZV_ENDPOINT,
-                rz.ENV_NODE_ID, rz.ENV_MEMBERSHIP, rz.ENV_AGENT_PID, rz.ENV_DRAIN, rz.ENV_WATCH_INTERVAL,
-                rz.ENV_STORE_OUTAGE_TIMEOUT, "ELASTIC_EMB_ETCD_OPTIONS"):
+    for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", keys.ENV_GENERATION, keys.ENV_RDZV_BACKEND,
+                keys.ENV_RDZV_ENDPOINT, keys.ENV_NODE_ID, keys.ENV_MEMBERSHIP, keys.ENV_AGENT_PID, keys.ENV_DRAIN,
+                keys.ENV_WATCH_INTERVAL, keys.ENV_STORE_OUTAGE_TIMEOUT, "ELASTIC_EMB_ETCD_OPTIONS"):
         monkeypatch.setenv(key, "")  # recorded with its value before (or none): the undo restores it
         monkeypatch.delenv(key)
     events = tmp_path / "rdzv.jsonl"
@@ -183,7 +184,7 @@ def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
         inner=inner, event_file=str(events), keep_alive_interval="1", keep_alive_max_attempt="1",
         read_timeout="5", **conf,
     )
-    handler = rz.create_handler(params)
+    handler = create_handler(params)
     handler.next_rendezvous()
     return handler, events
 

@@ -450,7 +450,7 @@ def test_the_resize_event_waits_for_the_first_step(tmp_path):
     import structlog
     import torch.distributed as dist
 
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
     from elastic_emb.protocol import TableSpec
     from elastic_emb.topology import Topology
     from tests.helpers.lifecycle_worker import MiniContext

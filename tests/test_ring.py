@@ -22,7 +22,7 @@ from elastic_emb.protocol import ShardData
 from elastic_emb.state import SnapshotTier
 from elastic_emb.state.manifest import SnapshotManifest, commit_dirname, write_atomic
 from elastic_emb.state.ring import LOG_DIR, SegmentRing, sweep_segments
-from elastic_emb.state.snapshot import pack_shard, read_snapshot
+from elastic_emb.state.shardfile import pack_shard, read_snapshot
 
 
 def _landed_commit(tier: SnapshotTier, ring: SegmentRing, step: int, value: float):

@@ -49,7 +49,7 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
     interrupt the wait lasts the whole timeout (60 s)."""
     from elastic_emb.lifecycle.committer import Committer
     from elastic_emb.errors import CommAborted, CommunicationError, TransferInterrupted
-    from elastic_emb.lifecycle.manager import LifecycleConfig
+    from elastic_emb import LifecycleConfig
     from elastic_emb.state.transport import Move, P2PTransport
     from elastic_emb.topology import Topology
 
@@ -192,7 +192,7 @@ def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path
     blocking ``store.wait`` already under way ignored both (its thread stayed alive here for the
     whole 60 s)."""
     from elastic_emb.lifecycle.committer import Committer
-    from elastic_emb.lifecycle.manager import LifecycleConfig
+    from elastic_emb import LifecycleConfig
     from elastic_emb.topology import Topology
 
     timeout = 60.0

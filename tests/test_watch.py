@@ -323,18 +323,18 @@ def test_agent_death_behind_a_wrapper_is_reported(rdzv_store):
 
 
 def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker():
-    """watch.py and drain.py import nothing from the agent-side handler (nor torch_compat, which
+    """watch/watcher.py and cli/drain.py import nothing from the agent-side handler (nor torch_compat, which
     imports torch's private rendezvous layer): only rdzv.keys, rdzv.decode, rdzv.outage,
     rdzv.signing (which imports keys alone) and the etcd store clients."""
     import ast
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1] / "elastic_emb"
-    for name in ("watch.py", "drain.py"):
+    for name in ("watch/watcher.py", "cli/drain.py"):
         tree = ast.parse((root / name).read_text())
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        rdzv = {m for m in mods if m.startswith(("elastic_emb.rdzv", "elastic_emb.rendezvous"))}
+        rdzv = {m for m in mods if m.startswith("elastic_emb.rdzv")}
         allowed = {"elastic_emb.rdzv.keys", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage",
                    "elastic_emb.rdzv.signing", "elastic_emb.rdzv.reader",  # the store reader (imports the two below)
                    "elastic_emb.rdzv.drain_acks",  # the drain's signed acknowledgements (keys and signing only)

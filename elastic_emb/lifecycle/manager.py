@@ -55,7 +55,7 @@ from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.lifecycle import first_base
 from elastic_emb.lifecycle.first_base import FirstBase
-from elastic_emb.lifecycle.records import (  # re-exported: users import them from here
+from elastic_emb.lifecycle.records import (
     CALLER_PHASES,
     CommitReport,
     LifecycleConfig,

@@ -50,19 +50,14 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic_emb.errors import EtcdV3Error
-# The transport and its options; re-exported: these names were importable from this module.
-from elastic_emb.rdzv.etcd_v3_client import (  # noqa: F401
-    CONF_KEYS,
-    DEFAULT_PORT,
+# The transport and its options.
+from elastic_emb.rdzv.etcd_v3_client import (
     ENV_OPTIONS,
-    MAX_IDLE,
     ClientOptions,
     EtcdV3Client,
     EtcdV3ConnectionError,
     KeyValue,
     _b64,
-    _MemberDown,
-    parse_endpoints,
 )
 
 NAME = "etcd-v3"

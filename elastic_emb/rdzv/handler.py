@@ -73,9 +73,9 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_emb import metrics
-from elastic_emb.events import event_logger  # noqa: F401 - re-exported (rendezvous.event_logger)
+from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
-from elastic_emb.rdzv.conf import INNER_BACKENDS, InnerBackend, ListenerConfig, register_inner  # noqa: F401 - re-exported
+from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
 from elastic_emb.rdzv.job_complete import (CompletingExitBarrierStore, CompletingStore, closed_and_complete,

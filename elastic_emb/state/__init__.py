@@ -46,7 +46,8 @@ from elastic_emb.state.crc import crc32_combine
 from elastic_emb.state.paths import node_id_from_env
 from elastic_emb.state.plan import Assignment, Piece, plan_assignments, replica_holders
 from elastic_emb.state.restore import Inventory, RestoreReport, inspect_state, restore
-from elastic_emb.state.snapshot import SnapshotTier, read_snapshot
+from elastic_emb.state.shardfile import read_snapshot
+from elastic_emb.state.snapshot import SnapshotTier
 from elastic_emb.state.transport import (
     AllToAllTransport,
     CmaTransport,

@@ -134,10 +134,10 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
 def read_chain(chain: list[tuple[Path, SnapshotManifest]], read, fill: dict | None = None,
                materialize: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """Materialize a shard from its base and deltas, in order; ``read(path, manifest, fill=)``
-    reads and verifies one file (:func:`elastic_emb.state.snapshot.read_snapshot`). The base is
+    reads and verifies one file (:func:`elastic_emb.state.shardfile.read_snapshot`). The base is
     mapped copy-on-write, so applying the deltas never changes a committed file.
 
-    ``fill`` (as :func:`~elastic_emb.state.snapshot.read_snapshot`'s): rows that stay on the
+    ``fill`` (as :func:`~elastic_emb.state.shardfile.read_snapshot`'s): rows that stay on the
     reading rank are copied out of the base in its checksum pass, and every delta is applied to
     them too. ``materialize=False``: only ``fill`` is wanted (every row of this shard stays on
     this rank), so the deltas are not also applied to the base's mapping (whose pages would be

@@ -39,7 +39,8 @@ from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.durable import DurableTier
 from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, row_spec, specs_of, tensor_items
 from elastic_emb.state.plan import Assignment, Piece, missing_rows, plan_assignments
-from elastic_emb.state.snapshot import NodeListing, SnapshotTier, read_snapshot
+from elastic_emb.state.shardfile import read_snapshot
+from elastic_emb.state.snapshot import NodeListing, SnapshotTier
 from elastic_emb.state.transport import LivePiece, execute_plan, move_rows
 
 log = get_logger("elastic_emb.state")

@@ -27,7 +27,7 @@ lock file while its process lives, so a reused pid is never mistaken for the own
 
 Everything a manifest says about a segment is checked on read: the name must be a plain name
 (it resolves inside ``<node dir>/log``), ``offset + length`` must lie within the file, and every
-tensor's CRC32 is verified (:func:`~elastic_emb.state.snapshot.read_snapshot`).
+tensor's CRC32 is verified (:func:`~elastic_emb.state.shardfile.read_snapshot`).
 """
 
 from __future__ import annotations

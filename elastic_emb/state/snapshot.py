@@ -43,7 +43,7 @@ from elastic_emb.state.delta import pack_delta
 from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, commit_dirname, step_of_dirname, write_atomic
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
-from elastic_emb.state.shardfile import pack_shard, read_snapshot, write_blob  # noqa: F401 (re-exported)
+from elastic_emb.state.shardfile import pack_shard, write_blob
 from elastic_emb.state.ring import (LOG_DIR, Segment, SegmentRing, newest_per_segment, on_memory_fs, segment_path,
                                     sweep_segments)
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from elastic_emb import config
-from elastic_emb.errors import EtcdUnavailable  # noqa: F401 - also importable from here
+from elastic_emb.errors import EtcdUnavailable
 from elastic_emb.testing.ports import free_port
 
 ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH

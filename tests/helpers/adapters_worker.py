@@ -70,7 +70,7 @@ def dump(ctx, out: str, name: str) -> None:
 
 
 def main() -> None:
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
     from elastic_emb.topology import Topology
 
     spec = json.loads(os.environ["ADW_SPEC"])

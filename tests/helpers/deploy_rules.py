@@ -998,7 +998,7 @@ def accepted_conf_keys(inner: str) -> frozenset[str]:
     from elastic_emb.rdzv.conf import ListenerConfig
 
     if inner == "etcd-v3":
-        from elastic_emb.rdzv.etcd_v3 import CONF_KEYS as backend
+        from elastic_emb.rdzv.etcd_v3_client import CONF_KEYS as backend
     else:
         backend = BACKEND_KEYS.get(inner, frozenset())
     return frozenset(ListenerConfig.model_fields) | TORCH_DYNAMIC_KEYS | backend
@@ -1019,7 +1019,7 @@ def rule_rdzv_conf(resources: list[dict], w: Workload) -> list[str]:
     except ValueError as exc:
         errors.append(f"{w.kind}/{w.name}: {exc}")
     if w.inner == "etcd-v3":
-        from elastic_emb.rdzv.etcd_v3 import ClientOptions
+        from elastic_emb.rdzv.etcd_v3_client import ClientOptions
 
         try:
             ClientOptions.from_conf(w.rdzv_conf)

@@ -45,7 +45,7 @@ import traceback
 import torch
 
 from tests.helpers import lifecycle_worker as lw
-from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+from elastic_emb import Lifecycle, LifecycleConfig
 from elastic_emb.topology import Topology
 
 DEADLINE_S = 120.0  # the whole scenario, hub side

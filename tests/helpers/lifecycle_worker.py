@@ -203,7 +203,7 @@ def start_and_train(spec: dict, until: int, dump_as: str):
     """``Lifecycle.start`` from the environment with ``spec["config"]``, integer rows, steps 0 to
     ``until`` trained and committed, this rank's rows then dumped as ``dump_as``. Returns the
     lifecycle."""
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
 
     lc = Lifecycle.start(make_factory(spec), LifecycleConfig(**spec["config"]))
     integer_start(lc.context)
@@ -226,7 +226,7 @@ def main() -> None:
     then_until (last step after the resize), reform (null | env overrides for a same-size
     re-form after the resize), interrupt_after (null | seconds: after phase 1, another thread
     calls ``lc.interrupt`` then while this one waits for the commit in flight)."""
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
     from elastic_emb.testing.faults import arm_from_env
 
     arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it

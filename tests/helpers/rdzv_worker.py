@@ -229,7 +229,7 @@ def main_lifecycle() -> int:
     import functools
 
     from elastic_emb.context import EmbContext
-    from elastic_emb.lifecycle.manager import Lifecycle, LifecycleConfig
+    from elastic_emb import Lifecycle, LifecycleConfig
 
     t_start = time.time()
     factory = functools.partial(EmbContext, tables=[table_spec()], optimizer=optimizer_spec(), seed=SEED)
