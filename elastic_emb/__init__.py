@@ -1,17 +1,10 @@
 """elastic_emb: a TorchElastic-aware lifecycle manager for sharded embedding contexts.
 
-A sharded embedding context (a communicator plus a memory arena) is sized for one world size.
-When an elastic job resizes, elastic_emb destroys the context and constructs a new one for the
-new size (never ``reset`` across sizes), after every rank has agreed on the new topology, and
-carries every embedding row and optimizer slot across, resharded.
-
-The public API is importable from here: ``from elastic_emb import Lifecycle, EmbContext, TableSpec``.
-Names are imported on first use, so ``import elastic_emb`` stays cheap (no torch until a name
-needs it). The errors are all in :mod:`elastic_emb.errors`, rooted at :class:`ElasticEmbError`.
-
-Read ``docs/ARCHITECTURE.md`` for the module map; to follow one resize, read
-``elastic_emb/lifecycle/manager.py`` (what happens on a change), then ``elastic_emb/state/restore.py``
-(how rows survive it) and ``elastic_emb/rdzv/handler.py`` (who is in the job now).
+After an elastic resize it destroys the embedding context and builds one for the new world size
+(never ``reset`` across sizes), once every rank agrees on the topology, and carries every row and
+optimizer slot across, resharded. ``__all__`` is the public API: what a training script imports
+and the errors it handles. Names are imported on first use, so ``import elastic_emb`` imports no
+torch. The module map is ``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
@@ -19,43 +12,118 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from elastic_emb import errors as _errors_module
-from elastic_emb.errors import *  # noqa: F403 - every error is public API
-
-_errors = [n for n, v in vars(_errors_module).items() if isinstance(v, type) and issubclass(v, Exception)]
+from elastic_emb.errors import (
+    AgreementTimeout,
+    ChangeTrackingUnsupported,
+    ChecksumMismatch,
+    CollectiveMismatch,
+    CommunicationError,
+    ConfigError,
+    ContextClosed,
+    ContractViolation,
+    DrainError,
+    ElasticEmbError,
+    EtcdUnreachable,
+    EtcdV3Error,
+    ForeignStateError,
+    InvalidIds,
+    JobComplete,
+    NonFiniteGradients,
+    PeerLookupError,
+    ResizeFallback,
+    RestoreError,
+    SecretError,
+    StorageError,
+    StoreOutageError,
+    TopologyDisagreement,
+    TopologyError,
+    TorchCompatError,
+    TransferInterrupted,
+    UnsafeStateError,
+    UnsupportedSharding,
+    WorldSizeChanged,
+)
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it (imported on first access)
+# public name -> the module that defines it, or "module:attribute" (imported on first access)
 _LAZY: dict[str, str] = {
+    # the lifecycle a training loop drives
     "Lifecycle": "elastic_emb.lifecycle.manager",
     "LifecycleConfig": "elastic_emb.lifecycle.records",
     "ResizeEvent": "elastic_emb.lifecycle.records",
     "CommitReport": "elastic_emb.lifecycle.records",
+    # the context and its contract
     "EmbContext": "elastic_emb.context",
     "TableSpec": "elastic_emb.protocol",
     "OptimizerSpec": "elastic_emb.protocol",
     "ShardData": "elastic_emb.protocol",
     "ShardedContext": "elastic_emb.protocol",
     "ContextBase": "elastic_emb.protocol",
+    "RowRange": "elastic_emb.sharding",
+    # topology and agreement
     "Topology": "elastic_emb.topology",
     "agree": "elastic_emb.topology",
+    # membership and in-process resizes
     "Watcher": "elastic_emb.watch.watcher",
+    "InProcessResize": "elastic_emb.inprocess.resize",
+    "interruptible_store": "elastic_emb.inprocess.interruptible",
+    "worker_store": "elastic_emb.store",
+    "generation_store": "elastic_emb.store",
+    # settings and logs
     "Settings": "elastic_emb.config",
+    "load_settings": "elastic_emb.config:load",
     "configure_logging": "elastic_emb.events",
     "get_logger": "elastic_emb.events",
     "bind_topology": "elastic_emb.events",
 }
 
-__all__ = sorted([*_LAZY, *_errors, "__version__"])
+_ERRORS = [
+    "AgreementTimeout",
+    "ChangeTrackingUnsupported",
+    "ChecksumMismatch",
+    "CollectiveMismatch",
+    "CommunicationError",
+    "ConfigError",
+    "ContextClosed",
+    "ContractViolation",
+    "DrainError",
+    "ElasticEmbError",
+    "EtcdUnreachable",
+    "EtcdV3Error",
+    "ForeignStateError",
+    "InvalidIds",
+    "JobComplete",
+    "NonFiniteGradients",
+    "PeerLookupError",
+    "ResizeFallback",
+    "RestoreError",
+    "SecretError",
+    "StorageError",
+    "StoreOutageError",
+    "TopologyDisagreement",
+    "TopologyError",
+    "TorchCompatError",
+    "TransferInterrupted",
+    "UnsafeStateError",
+    "UnsupportedSharding",
+    "WorldSizeChanged",
+]
+
+__all__ = [*_LAZY, *_ERRORS, "__version__"]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from elastic_emb.config import Settings
+    from elastic_emb.config import load as load_settings
     from elastic_emb.context import EmbContext
     from elastic_emb.events import bind_topology, configure_logging, get_logger
+    from elastic_emb.inprocess.interruptible import interruptible_store
+    from elastic_emb.inprocess.resize import InProcessResize
     from elastic_emb.lifecycle.manager import Lifecycle
     from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec
+    from elastic_emb.sharding import RowRange
+    from elastic_emb.store import generation_store, worker_store
     from elastic_emb.topology import Topology, agree
     from elastic_emb.watch.watcher import Watcher
 
@@ -64,7 +132,8 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, _, attribute = module.partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value  # the next access is a plain lookup
     return value
 

@@ -1,4 +1,5 @@
-"""Every error elastic_emb raises, in one place.
+"""Every error elastic_emb raises to a caller, in one place (test and drill tooling define theirs
+in :mod:`elastic_emb.testing` and :mod:`elastic_emb.drill`).
 
 Each message names the value at fault and what the caller should do about it. The classes
 derive from the builtin that a caller would naturally catch (``ValueError`` for bad values,
@@ -140,18 +141,18 @@ class JobComplete(ElasticEmbError, RuntimeError):
     no world left to join, and nothing to do but exit 0."""
 
 
-class MemberGone(ElasticEmbError, TimeoutError):
+class _MemberGone(ElasticEmbError, TimeoutError):
     """A store wait ended because a member of the generation left the rendezvous."""
 
 
 # -- state transport -----------------------------------------------------------------------------
 
 
-class CommAborted(ElasticEmbError, RuntimeError):
+class _CommAborted(ElasticEmbError, RuntimeError):
     """A wait of a state communicator that was aborted (a peer died; ``state.comm.Comm.abort``)."""
 
 
-class PullError(ElasticEmbError, OSError):
+class _PullError(ElasticEmbError, OSError):
     """A cross-memory pull from a peer failed; the caller sends that peer's rows another way."""
 
 
@@ -160,32 +161,6 @@ class StorageError(ElasticEmbError, OSError):
     bytes needed and the bytes free; the partial commit was removed and older commits are kept."""
 
 
-# -- drills and test tooling ----------------------------------------------------------------------
-
-
-class ConformanceFailure(ElasticEmbError, AssertionError):
-    """A context failed checks of the conformance suite (:mod:`elastic_emb.testing.conformance`).
-    ``failures`` maps ``(check, rank)`` to the reason."""
-
-    def __init__(self, message: str, failures: dict[tuple[str, int], str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-
-
-class EtcdUnavailable(ElasticEmbError, RuntimeError):
-    """The etcd binary is not installed."""
-
-
-class DrillError(ElasticEmbError, RuntimeError):
-    """The drill could not run to the end (timeout, agents failed); the message says which and why."""
-
-
-class LossDetected(ElasticEmbError, AssertionError):
-    """The distributed tables differ from the reference replay. ``findings`` names rows and steps."""
-
-    def __init__(self, message: str, findings: list[dict]) -> None:
-        super().__init__(message)
-        self.findings = findings
 class InvalidIds(ElasticEmbError, IndexError):
     """ids passed to lookup/apply_gradients are not a 1-D integer tensor of rows in range."""
 
@@ -203,11 +178,11 @@ class CommunicationError(ElasticEmbError, RuntimeError):
     """A collective of the context failed or timed out; the context is now unhealthy."""
 
 
-class TransferInterrupted(CommAborted, CommunicationError):
+class TransferInterrupted(_CommAborted, CommunicationError):
     """A wait on a tensor transfer (a context's collective, a state communicator's point-to-point
     or all-to-all transfer) ended because a peer is known gone (``Group.interrupt``,
     ``Comm.abort``; ``elastic_emb.work_wait``). Both a :class:`CommunicationError` and a
-    :class:`CommAborted`: whoever catches either handles it."""
+    :class:`_CommAborted`: whoever catches either handles it."""
 
 
 class CollectiveMismatch(ElasticEmbError, RuntimeError):
@@ -226,6 +201,9 @@ class NonFiniteGradients(ElasticEmbError, ValueError):
         self.rows = rows
 
 
-class FoldCancelled(ElasticEmbError, RuntimeError):
+# -- internal signals: raised and caught inside the library, never reaching a caller ------------
+
+
+class _FoldCancelled(ElasticEmbError, RuntimeError):
     """A fold of a delta chain into a base was cancelled (a resize, the exit) before its manifest
     swap: the delta stays as it was (``elastic_emb/state/compact.py``)."""

@@ -107,7 +107,7 @@ def test_read_remote_copies_and_probe_accepts_only_the_same_process(monkeypatch)
     assert "token mismatch" in cma._probe(me, {**me, "token": [me["token"][0], "ff" * 16]})
     unmapped = {**me, "token": [4096, me["token"][1]]}
     assert "probe read failed" in cma._probe(me, unmapped)
-    with pytest.raises(cma.PullError):
+    with pytest.raises(cma._PullError):
         cma.read_remote(os.getpid(), [(dst.data_ptr(), 4096, 16)])
 
 

@@ -134,7 +134,7 @@ print(json.dumps({"committed": done, "event": event.model_dump()}))
 def test_a_durable_save_waiting_for_a_dead_rank_ends_when_it_is_given_up_on(tmp_path):
     """The survivor's durable save in flight waits for the dead rank's part of the checkpoint; the
     re-form first waits for that save. Given up on, the rank's missing part ends the save at once
-    (``CommAborted``, logged as ``lifecycle.durable_failed``), and the re-form restores step 3 from
+    (``_CommAborted``, logged as ``lifecycle.durable_failed``), and the re-form restores step 3 from
     the snapshot tier, bit for bit. Before the durable communicator polled the store, its blocking
     wait ignored the give-up: the re-form waited ``transfer_timeout`` (here 600 s, past the
     test's 120 s)."""
@@ -151,7 +151,7 @@ def test_a_durable_save_waiting_for_a_dead_rank_ends_when_it_is_given_up_on(tmp_
     assert lost.returncode == 0 and not lost.stdout.strip(), f"rank 1 rc={lost.returncode}\n{lost.stderr[-3000:]}"
     assert survivor.returncode == 0, f"rank 0 rc={survivor.returncode}\n{survivor.stderr[-4000:]}"
     failed = [json.loads(line) for line in survivor.stderr.splitlines() if '"lifecycle.durable_failed"' in line]
-    assert len(failed) == 1 and "CommAborted" in failed[0]["error"], survivor.stderr[-3000:]
+    assert len(failed) == 1 and "_CommAborted" in failed[0]["error"], survivor.stderr[-3000:]
     assert "ranks [1] will never publish (node B is gone)" in failed[0]["error"], failed
     assert survivor.value["committed"] == 3
     event = survivor.value["event"]

@@ -37,7 +37,7 @@ def test_a_polling_exchange_ends_at_exit_and_a_stuck_call_is_reported_after_the_
     out = _run("mixed")
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "in flight after the exit hook: 1" in out.stdout, (out.stdout, out.stderr[-2000:])
-    assert 'exchange ended: "CommAborted"' in out.stdout, out.stdout
+    assert 'exchange ended: "_CommAborted"' in out.stdout, out.stdout
     # Two calls were in flight at exit; the polling exchange (60 s timeout) ended when the exit
     # began, so only the 30 s wait was left when the 2 s grace ran out.
     assert "elastic_emb: 1 background torch call(s) still running after the 2.0s exit grace" in out.stderr, \

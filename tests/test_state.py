@@ -582,7 +582,7 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     a fresh checksum in the new base): the fold fails, is logged, and the delta stays as it was. A
     fold cancelled (a resize, the exit) leaves the delta as it was too, with no file of its own
     left. A fold that runs folds the chain into a base that restores the same rows."""
-    from elastic_emb.errors import FoldCancelled
+    from elastic_emb.errors import _FoldCancelled
     from elastic_emb.state.compact import fold
 
     topo, comm = world1()
@@ -596,7 +596,7 @@ def test_a_fold_never_launders_a_corrupt_link_and_a_cancelled_fold_changes_nothi
     [cdir] = tier.node_dir.glob("step-000000000002-*")
     manifest = cdir / "rank0.json"
     before = manifest.read_bytes()
-    with pytest.raises(FoldCancelled):
+    with pytest.raises(_FoldCancelled):
         fold(tier, manifest, lambda: True)
     assert manifest.read_bytes() == before and not (cdir / "rank0.base.bin").exists()
     [base] = tier.node_dir.glob("step-000000000000-*/rank0.bin")
@@ -804,7 +804,7 @@ def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path)
     B's keys in A's writer. A's training thread waits for that commit (``wait_commit``, as it
     does for a slot of the writer at its next commit) while another thread learns that a peer is
     gone (the in-process resize's neighbour probe calls ``Lifecycle.interrupt``): the wait raises
-    CommAborted at once, not after transfer_timeout, the committed step stays 1, and the aborted
+    _CommAborted at once, not after transfer_timeout, the committed step stays 1, and the aborted
     re-form restores step 1 bit for bit and trains on."""
     from tests.test_lifecycle import assert_bit_exact, gather, ref_after
 
@@ -812,7 +812,7 @@ def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path)
     timeout = 60.0
     a = _commit_in_flight_to_a_dead_peer(tmp_path, timeout, interrupt_after=1.0)
     waited = a.value["interrupted"]
-    assert waited["error"] == "CommAborted" and waited["committed"] == 1, waited
+    assert waited["error"] == "_CommAborted" and waited["committed"] == 1, waited
     # Bound, not a speed figure: the interrupt (1 s in) ended the wait, not transfer_timeout.
     assert waited["seconds"] < timeout / 2, waited
     ev = a.value["events"][-1]

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_emb.errors import MemberGone
+from elastic_emb.errors import _MemberGone
 from elastic_emb.inprocess.resize import InterruptibleStore
 from elastic_emb.store import ForwardingStore
 from elastic_emb.testing.ports import free_port
@@ -64,7 +64,7 @@ def test_forwarding_store_passes_every_operation_through(tcp, prefixed):
 @pytest.mark.parametrize("prefixed", [False, True], ids=["python", "through-prefixstore"])
 def test_interruptible_multi_get_waits_through_its_own_get(tcp, prefixed):
     """``InterruptibleStore`` keeps torch's ``multi_get``/``multi_set`` (loops over its ``get``/
-    ``set``): a ``multi_get`` of a missing key ends with MemberGone once interrupted, where the
+    ``set``): a ``multi_get`` of a missing key ends with _MemberGone once interrupted, where the
     inner store's own ``multi_get`` would block until its 30 s timeout."""
     inner = dist.PrefixStore(f"intr-{prefixed}/", tcp)
     gone = threading.Event()
@@ -78,12 +78,12 @@ def test_interruptible_multi_get_waits_through_its_own_get(tcp, prefixed):
     timer.start()
     t0 = time.monotonic()
     try:
-        with pytest.raises(MemberGone, match="a member of this generation left"):
+        with pytest.raises(_MemberGone, match="a member of this generation left"):
             s.multi_get(["a", "never-written"])
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 15.0  # ended by the interruption, not by the 30 s timeout
-    with pytest.raises(MemberGone):
+    with pytest.raises(_MemberGone):
         s.get("never-written")
     with pytest.raises(TimeoutError, match=r"timed out after 0.2 s"):
         InterruptibleStore(inner, lambda: False).wait(["never-written"], timedelta(seconds=0.2))

@@ -42,13 +42,13 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
     it 64 MiB (far more than the loopback buffers hold: the send stays queued), but rank 1 is
     stopped. Another thread learns that the peer is gone and calls ``Committer.interrupt`` (what
     ``Lifecycle.interrupt`` calls, from the in-process resize's neighbour probe): the transfer's
-    wait ends with ``TransferInterrupted`` (both a ``CommAborted`` and a ``CommunicationError``,
+    wait ends with ``TransferInterrupted`` (both a ``_CommAborted`` and a ``CommunicationError``,
     what an interrupted collective raises) within half the (long) transfer timeout, the margin for
     a loaded machine, while the peer is still stopped (nothing else ended it); every later transfer
     of that generation raises at once; the communicator's release does not block. Without the
     interrupt the wait lasts the whole timeout (60 s)."""
     from elastic_emb.lifecycle.committer import Committer
-    from elastic_emb.errors import CommAborted, CommunicationError, TransferInterrupted
+    from elastic_emb.errors import _CommAborted, CommunicationError, TransferInterrupted
     from elastic_emb import LifecycleConfig
     from elastic_emb.state.transport import Move, P2PTransport
     from elastic_emb.topology import Topology
@@ -78,7 +78,7 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
         with pytest.raises(TransferInterrupted, match="refused its liveness connection") as raised:
             P2PTransport().move(comm, [Move(1, 0, [received]), Move(0, 1, [queued])])
         ended = time.monotonic() - t0
-        assert isinstance(raised.value, CommAborted) and isinstance(raised.value, CommunicationError)
+        assert isinstance(raised.value, _CommAborted) and isinstance(raised.value, CommunicationError)
         assert _state(peer.pid) == "T", "the peer ran again: the interrupt is not what ended the wait"
         assert ended < timeout / 2, f"the transfer's wait ended after {ended:.1f} s (timeout {timeout:g} s)"
         t1 = time.monotonic()
@@ -133,15 +133,15 @@ def _exchange_in_thread(comm, name: str) -> dict:
 
 def _ends_when_rank_1_is_given_up_on(waiting: dict, give_up_on, timeout: float) -> dict:
     """``waiting`` (an exchange missing rank 1's part) still runs; ``give_up_on([1], ...)`` ends
-    it with :class:`CommAborted` naming the rank and the reason. Returns the thread's out."""
-    from elastic_emb.errors import CommAborted
+    it with :class:`_CommAborted` naming the rank and the reason. Returns the thread's out."""
+    from elastic_emb.errors import _CommAborted
 
     time.sleep(0.3)
     assert waiting["thread"].is_alive(), "the exchange ended before rank 1 was given up on"
     give_up_on([1], "node B left the rendezvous")
     waiting["thread"].join(timeout / 2)
     out = waiting["out"]
-    assert isinstance(out.get("error"), CommAborted), out
+    assert isinstance(out.get("error"), _CommAborted), out
     assert "ranks [1] will never publish (node B left the rendezvous)" in str(out["error"])
     return out
 
@@ -152,7 +152,7 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     them ends at once (seen: a survivor waited ``transfer_timeout`` for the orphan that was told
     not to commit the step), while an exchange they had published their part of waits for the
     live ranks and completes (a drained node: the graceful resize loses no step)."""
-    from elastic_emb.errors import CommAborted
+    from elastic_emb.errors import _CommAborted
 
     timeout = 60.0
     port = free_port()
@@ -167,7 +167,7 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     # test process exits (a store call returning during interpreter teardown aborts the process).
     c2.abort("the test is over")
     other["thread"].join(timeout / 2)
-    assert isinstance(other["out"].get("error"), CommAborted), other["out"]
+    assert isinstance(other["out"].get("error"), _CommAborted), other["out"]
     # 2. rank 1 published its part before it left (a drain); rank 2 publishes after the give-up.
     c0, c1, c2 = _three_rank_comms(store, port, 2, timeout)
     first = _exchange_in_thread(c1, "snap11")  # publishes, then waits for the others

@@ -47,7 +47,7 @@ from elastic_emb.drill.scenario import Fault, Scenario
 from elastic_emb.testing.ports import free_port
 import structlog
 
-from elastic_emb.errors import DrillError
+from elastic_emb.drill.errors import DrillError
 from elastic_emb.events import configure_logging
 
 # A lazy proxy (not get_logger(), which binds now): it follows a later configure_logging(), so

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from elastic_emb.errors import LossDetected
+from elastic_emb.drill.errors import LossDetected
 from elastic_emb.examples import RECSYS as EXAMPLE  # inside the package: a wheel has it too
 
 

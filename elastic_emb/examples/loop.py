@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_emb import config
+from elastic_emb import load_settings
 
 StepFn = Callable[[object, int, dict], "float | torch.Tensor"]
 """``step(context, step, fields) -> loss``: one training step; ``fields`` takes extra keys for
@@ -50,7 +50,7 @@ class Progress:
 
     def __init__(self, out: Path) -> None:
         # The drill names its simulated nodes; otherwise the node id the rendezvous backend gives.
-        node = config.load(None, "node_id").node_id or "node"
+        node = load_settings(None, "node_id").node_id or "node"
         (out / "events").mkdir(parents=True, exist_ok=True)
         self.file = open(out / "events" / f"{node}-{os.getpid()}.jsonl", "a", buffering=1)
         self.node = node
@@ -158,11 +158,19 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
 
     Returns the process exit code: 0 when done, or drained / restarted for a new world; 3 when
     the agent did not restart the worker within ``args.drain_timeout``."""
-    from elastic_emb import Lifecycle, LifecycleConfig, Watcher, bind_topology, get_logger
-    from elastic_emb.errors import JobComplete, ResizeFallback
-    from elastic_emb.inprocess.resize import InProcessResize, interruptible_store
-    from elastic_emb.store import worker_store
-    from elastic_emb.topology import Topology
+    from elastic_emb import (
+        InProcessResize,
+        JobComplete,
+        Lifecycle,
+        LifecycleConfig,
+        ResizeFallback,
+        Topology,
+        Watcher,
+        bind_topology,
+        get_logger,
+        interruptible_store,
+        worker_store,
+    )
 
     log = get_logger()
     progress = Progress(args.out)
@@ -171,8 +179,8 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
         watcher.start()
     started = time.time()
     lc_config = LifecycleConfig()
-    in_process = watcher is not None and config.load(None, "resize").resize == "in_process"
-    if in_process and config.load(None, "joiner").joiner:
+    in_process = watcher is not None and load_settings(None, "resize").resize == "in_process"
+    if in_process and load_settings(None, "joiner").joiner:
         try:  # this node joined a running world: wait (bounded) to be included, then start with it
             lc, resize = InProcessResize.join(factory, lc_config, watcher, timeout=args.drain_timeout)
         except JobComplete as exc:  # the world finished first: nothing to join, nothing lost

@@ -7,7 +7,7 @@ timeout before the in-process resize (``resize.py``) could re-form without that 
 client; its ``interrupted`` callable, :class:`WaitGuard`, says "a member is gone" from the
 watcher's view (``watch.py``: a departure in the rendezvous state, a peer's failed collective)
 and, for a wait that lasts, from the members' liveness sockets (``rollcall.py``). A wait that
-ends this way raises :class:`~elastic_emb.errors.MemberGone`, which the lifecycle's caller turns
+ends this way raises :class:`~elastic_emb.errors._MemberGone`, which the lifecycle's caller turns
 into a re-form.
 """
 
@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from elastic_emb import config
-from elastic_emb.errors import MemberGone
+from elastic_emb.errors import _MemberGone
 from elastic_emb.inprocess.rollcall import PROBE_AFTER_S
 from elastic_emb.store import ForwardingStore
 
@@ -50,7 +50,7 @@ class InterruptibleStore(ForwardingStore):
         pause = 0.001
         while not self._inner.check(keys):
             if self._interrupted():
-                raise MemberGone(f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
+                raise _MemberGone(f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
                                  f"rendezvous (the in-process resize re-forms without it)")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"store wait for {list(keys)[:4]} timed out after {limit:g} s")

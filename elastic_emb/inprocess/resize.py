@@ -44,7 +44,7 @@ Design (what holds today, what is planned: ``docs/RESIZE.md``):
    A survivor blocked in a store wait (a commit's exchange, an agreement) when its peer dies
    would wait out the full timeout: the world's store is wrapped in :class:`InterruptibleStore`
    (``interruptible.py``),
-   whose waits end with :class:`MemberGone` as soon as the watcher sees a member gone. Pass
+   whose waits end with :class:`_MemberGone` as soon as the watcher sees a member gone. Pass
    :func:`interruptible_store` of the first generation's store to ``Lifecycle.start``; the
    generations formed in process get one automatically.
 5. **Fallback.** Any failure of the re-form (no decision in time, the worker not in it, an error

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from elastic_emb import metrics
 from elastic_emb.lifecycle.default_group import DefaultGroup
-from elastic_emb.errors import CommAborted
+from elastic_emb.errors import _CommAborted
 from elastic_emb.events import get_logger
 from elastic_emb.lifecycle.first_base import FirstBase
 from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig
@@ -290,7 +290,7 @@ class Committer:
         state tiers' on the context's group (restore's row moves, a synchronous commit) and the
         durable thread's; so are those made for the generation afterwards (:meth:`_made`: a
         restore that starts after the interrupt). A wait whose keys or rows are all there still
-        completes; the others raise :class:`~elastic_emb.errors.CommAborted`
+        completes; the others raise :class:`~elastic_emb.errors._CommAborted`
         (``TransferInterrupted`` for a transfer) instead of waiting out ``transfer_timeout``, and
         the re-form follows (it abandons the writer: :meth:`abandon`)."""
         self._interrupted = (self.topology, reason)  # first: a communicator made meanwhile sees it (_made)
@@ -382,9 +382,9 @@ class Committer:
 
 def _commit_lost(exc: BaseException, **where) -> None:
     """Log a commit in flight that did not complete: ``lifecycle.commit_aborted`` (warning) when
-    its communicator was aborted because a peer is known gone (:class:`CommAborted`: expected, the
+    its communicator was aborted because a peer is known gone (:class:`_CommAborted`: expected, the
     re-form restores the newest complete commit), else ``lifecycle.commit_failed`` (error)."""
-    if isinstance(exc, CommAborted):
+    if isinstance(exc, _CommAborted):
         log.warning("lifecycle.commit_aborted", reason="a peer is gone: the communicator was aborted",
                     error=str(exc)[:300], **where)
     else:

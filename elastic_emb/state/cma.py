@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_emb.errors import PullError
+from elastic_emb.errors import _PullError
 from elastic_emb.events import get_logger
 
 log = get_logger("elastic_emb.state.cma")
@@ -112,9 +112,9 @@ def identity() -> dict:
 
 def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
     """Copy ``(local_addr, remote_addr, nbytes)`` blocks out of process ``pid``; raises
-    :class:`PullError` on any error or short read."""
+    :class:`_PullError` on any error or short read."""
     if _readv is None:
-        raise PullError(38, "process_vm_readv is not available on this platform")  # ENOSYS
+        raise _PullError(38, "process_vm_readv is not available on this platform")  # ENOSYS
     for local, remote, n in blocks:
         done = 0
         while done < n:
@@ -125,9 +125,9 @@ def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
                 err = ctypes.get_errno()
                 if err == 4:  # EINTR: nothing was copied, try again
                     continue
-                raise PullError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+                raise _PullError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
             if got == 0:
-                raise PullError(14, f"process_vm_readv from pid {pid}: read 0 of {n - done} bytes")  # EFAULT
+                raise _PullError(14, f"process_vm_readv from pid {pid}: read 0 of {n - done} bytes")  # EFAULT
             done += got
 
 
@@ -194,7 +194,7 @@ def _probe(me: dict, peer: dict) -> str | None:
     got = ctypes.create_string_buffer(16)
     try:
         read_remote(int(peer["pid"]), [(ctypes.addressof(got), int(addr), 16)])
-    except PullError as exc:
+    except _PullError as exc:
         return f"probe read failed: {exc.strerror or exc} (errno {exc.errno})"
     if got.raw.hex() != want:
         return "probe token mismatch (the pid names another process)"
@@ -286,7 +286,7 @@ def transfer(comm, outgoing: dict[int, tuple[int, list[torch.Tensor]]],
             if reason is None:
                 try:
                     _pull_from(everyone[src], by_src[src], src)
-                except PullError as exc:
+                except _PullError as exc:
                     reason = f"pull failed: {exc.strerror or exc} (errno {exc.errno})"
             if reason is not None:
                 failed[src] = reason

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from elastic_emb import config
-from elastic_emb.errors import CommAborted, MemberGone
+from elastic_emb.errors import _CommAborted, _MemberGone
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.topology import Topology
@@ -122,7 +122,7 @@ class Comm:
                 self._poll(keys, name)
             else:
                 self.store.wait(keys, timedelta(seconds=self.timeout))
-        except (CommAborted, MemberGone):  # ended on purpose: a peer is gone (not a timeout)
+        except (_CommAborted, _MemberGone):  # ended on purpose: a peer is gone (not a timeout)
             raise
         except Exception as exc:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
@@ -139,15 +139,15 @@ class Comm:
         pause = POLL_FIRST
         while not self.store.check(keys):
             if self._aborted.wait(pause):
-                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
                                   f"the communicator was aborted (a peer died)")
             if exiting():
-                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
                                   f"the process is exiting")
             gone, why = self._gone
             missing = [r for r in sorted(gone) if r < len(keys) and not self.store.check([keys[r]])]
             if missing:
-                raise CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
                                   f"ranks {missing} will never publish ({why})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.timeout}s for {len(keys)} keys")
@@ -217,9 +217,9 @@ class Comm:
         self.exchange(name, 0)
 
     def abort(self, reason: str = "the communicator was aborted (a peer died)") -> None:
-        """A peer died (any thread): an interruptible wait on the store raises :class:`CommAborted`
+        """A peer died (any thread): an interruptible wait on the store raises :class:`_CommAborted`
         now instead of at its timeout, a wait on a gloo transfer raises
-        :class:`~elastic_emb.errors.TransferInterrupted` (a ``CommAborted``), and so does every
+        :class:`~elastic_emb.errors.TransferInterrupted` (a ``_CommAborted``), and so does every
         later one. The transfer itself is abandoned: it runs out on its own thread, holding its
         tensors, until it completes, fails or times out (``work_wait.py``)."""
         self._aborted.set()
@@ -227,7 +227,7 @@ class Comm:
 
     def give_up_on(self, ranks, reason: str) -> None:
         """Ranks ``ranks`` of this generation are gone from the rendezvous (any thread): an exchange
-        that still misses one of their keys raises :class:`CommAborted` now, since they will never
+        that still misses one of their keys raises :class:`_CommAborted` now, since they will never
         write it, while one whose gone ranks had all published (a node that drained: it finished
         its part of the commit before it left) still waits for the live ranks and completes.
         Unlike :meth:`abort`, a transfer in flight is not ended: it cannot tell which peer it waits

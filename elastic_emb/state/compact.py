@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_emb.errors import FoldCancelled
+from elastic_emb.errors import _FoldCancelled
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.protocol import ShardData
@@ -109,8 +109,8 @@ class FoldWindow:
         self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0
 
 
-def _cancelled(path: Path) -> FoldCancelled:
-    return FoldCancelled(f"fold of {path} cancelled (a resize or the exit): the delta stays as it was")
+def _cancelled(path: Path) -> _FoldCancelled:
+    return _FoldCancelled(f"fold of {path} cancelled (a resize or the exit): the delta stays as it was")
 
 
 def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int | None:
@@ -118,7 +118,7 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int
     into a base, in place (module docstring). Returns the bytes of the new data file, or None
     when there is nothing to fold (already a base, or gone: pruned meanwhile). Raises on a chain
     that cannot be read (a gap, a checksum mismatch) and on storage errors, leaving the delta as it
-    was; :class:`FoldCancelled` when ``cancelled()`` turned true before the manifest swap.
+    was; :class:`_FoldCancelled` when ``cancelled()`` turned true before the manifest swap.
     ``chains``: the node directory's resolved chains (``resolve_chains(...)[0]``), when the caller
     folds several manifests of one commit (listed once)."""
     try:
@@ -239,7 +239,7 @@ class Compactor:
                 self.folded += 1
                 log.info("fold_complete", step=step, manifests=done, bytes=written,
                          seconds=round(time.perf_counter() - t0, 6))
-        except FoldCancelled:
+        except _FoldCancelled:
             log.info("fold_cancelled", step=step, reason="stopped (a resize or the exit)")
         except Exception as exc:  # the chain stays as it was: restorable, only longer
             log.warning("fold_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:400],

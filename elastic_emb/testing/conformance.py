@@ -59,7 +59,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from elastic_emb.errors import ConformanceFailure, ContextClosed, WorldSizeChanged
+from elastic_emb.errors import ContextClosed, ElasticEmbError, WorldSizeChanged
 from elastic_emb.protocol import ShardData, ShardedContext, TableSpec, missing_abilities, row_owners
 from elastic_emb.sharding import RowRange, owned_range
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
@@ -69,6 +69,19 @@ CHECKS = ("members", "state", "export", "round_trip", "shard_views", "changes", 
 
 
 @dataclass(frozen=True)
+
+class ConformanceFailure(ElasticEmbError, AssertionError):
+    """A context failed checks of the conformance suite.
+
+    Args:
+        message: the failed checks, in one line.
+        failures: ``(check, rank)`` -> the reason.
+    """
+
+    def __init__(self, message: str, failures: dict[tuple[str, int], str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
 class Target:
     """A context implementation under test.
 

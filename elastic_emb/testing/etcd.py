@@ -38,11 +38,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from elastic_emb import config
-from elastic_emb.errors import EtcdUnavailable
+from elastic_emb.errors import ElasticEmbError
 from elastic_emb.testing.ports import free_port
 
 ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH
 
+
+
+class EtcdUnavailable(ElasticEmbError, RuntimeError):
+    """The etcd binary is not installed."""
 
 def etcd_binary() -> str | None:
     return config.load(None, "etcd").etcd or shutil.which("etcd")

@@ -409,7 +409,7 @@ class Watcher:
             with self._lock:
                 # watch_failures may have moved to the next generation's key meanwhile: the previous
                 # generation's failure is not this one's (seen: the new generation's agreement ended
-                # with MemberGone and fell back)
+                # with _MemberGone and fell back)
                 if key == self._failure_key and not self.failure_seen:
                     self.failure_seen = True
                     if self.on_failure is not None:

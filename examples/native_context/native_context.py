@@ -32,11 +32,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_emb.errors import ContextClosed, WorldSizeChanged
-from elastic_emb.protocol import ContextBase, ShardData, TableSpec
-from elastic_emb.sharding import RowRange
-from elastic_emb.store import generation_store
-from elastic_emb.topology import Topology
+from elastic_emb import (
+    ContextBase,
+    ContextClosed,
+    RowRange,
+    ShardData,
+    TableSpec,
+    Topology,
+    WorldSizeChanged,
+    generation_store,
+)
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "async_emb.cpp"
@@ -49,9 +54,9 @@ def cache_dir() -> Path:
     """Where the compiled extension lives: ``$ELASTIC_EMB_NATIVE_CACHE``, else
     ``~/.cache/elastic_emb/native_context``; one sub-directory per torch version, device kind and
     source hash, so an edit or another torch rebuilds and nothing stale is loaded."""
-    from elastic_emb import config
+    from elastic_emb import load_settings
 
-    root = config.load(None, "native_cache").native_cache or os.path.join(os.path.expanduser("~"), ".cache",
+    root = load_settings(None, "native_cache").native_cache or os.path.join(os.path.expanduser("~"), ".cache",
                                                                           "elastic_emb", "native_context")
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     kind = "cuda" if torch.cuda.is_available() else "cpu"
