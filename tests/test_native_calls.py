@@ -6,7 +6,6 @@ briefly, and polling loops end when it starts. Real processes, a real TCPStore o
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +21,10 @@ def _run(mode: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_a_store_wait_returning_during_teardown_aborts_the_process_unless_the_exit_waits_for_it():
-    raw = _run("raw")  # the failure itself: without the guard, the process aborts at exit
-    if sys.version_info < (3, 14):  # 3.14 parks such a thread instead of ending it with pthread_exit
-        assert raw.returncode == -signal.SIGABRT and ABORT in raw.stderr, (raw.returncode, raw.stderr[-2000:])
+def test_the_exit_waits_for_a_store_wait_in_flight_and_the_process_exits_cleanly():
+    # Only what the library guarantees: its exit hook waits for the call in flight, so the call
+    # ends before the teardown and the process exits 0. (Whether an unguarded call returning
+    # during the teardown aborts depends on a race: no test asserts that it does.)
     guarded = _run("guarded")  # the library's exchange: the exit waited for its store.wait
     assert "exiting" in guarded.stdout
     assert "in flight after the exit hook: 0" in guarded.stdout, (guarded.stdout, guarded.stderr[-2000:])

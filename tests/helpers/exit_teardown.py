@@ -1,10 +1,8 @@
 """A process that exits while its daemon threads are inside blocking torch calls
 (tests/test_native_calls.py). ``argv``: mode, store port.
 
-Modes:
-- ``raw``: a daemon thread in plain ``store.wait`` calls (0.3 s each, in a loop), one of which
-  returns while the interpreter finalises (a module global's ``__del__`` keeps finalisation
-  going for 3 s): the process aborts (the failure the guard exists for: the test can fail);
+Modes (a module global's ``__del__`` keeps the interpreter's finalisation going for 3 s, the window
+in which a blocking call that returns aborts the process):
 - ``guarded``: a wait made by the library (``Comm.exchange`` of a communicator that does not
   poll: ``store.wait``, 1 s, inside ``native_call``): the exit waits for it (the exchange ends
   in its TimeoutError before the teardown), and the process exits 0;
@@ -43,7 +41,6 @@ def comm(interruptible: bool, timeout: float):
     return Comm(topo, store, object(), timeout=timeout, purpose="commit", interruptible=interruptible)
 
 
-started = threading.Event()  # raw: the thread's first wait ended (it runs its loop)
 exchange: dict = {}  # guarded, mixed: the exchange's thread, and how its call ended
 
 
@@ -77,16 +74,6 @@ def in_thread(fn) -> threading.Thread:
     return thread
 
 
-def raw_waits() -> None:
-    # Short waits in a loop: the thread is inside one nearly all the time, so teardown (3 s)
-    # cannot miss a return from one.
-    while True:
-        try:
-            store.wait(["never"], timedelta(seconds=0.3))
-        except Exception:
-            started.set()
-
-
 def until(ready, what: str) -> None:
     deadline = time.monotonic() + 60
     while not ready():
@@ -95,10 +82,7 @@ def until(ready, what: str) -> None:
         time.sleep(0.01)
 
 
-if mode == "raw":
-    in_thread(raw_waits)
-    until(started.is_set, "a first wait of the thread")
-elif mode in ("guarded", "mixed"):
+if mode in ("guarded", "mixed"):
     from elastic_emb import native_calls
 
     if mode == "guarded":
@@ -122,5 +106,5 @@ elif mode in ("guarded", "mixed"):
         in_thread(stuck)
         until(lambda: native_calls.in_flight() == 2, "both calls")
 else:
-    raise SystemExit(f"mode {mode!r}: use raw, guarded or mixed")
+    raise SystemExit(f"mode {mode!r}: use guarded or mixed")
 print("exiting", flush=True)
