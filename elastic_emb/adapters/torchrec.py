@@ -1,58 +1,13 @@
 """Elastic TorchRec: a :class:`~elastic_emb.protocol.ShardedContext` over a user's
 ``DistributedModelParallel``.
 
-TorchRec reshards only within one world size. This context lets the lifecycle treat a TorchRec
-model like any other context: for each agreed topology it forms torch.distributed's default
-process group (a private store prefix per generation), calls the user's ``build(topology, env,
-device)``, which returns the ``DistributedModelParallel`` for that world, and reads the model's
-row-wise sharded tables. On a resize the lifecycle closes it (the DMP and its process group go)
-and constructs a new one at the new size; rows and optimizer state move through the state tiers.
+:class:`TorchRecContext` forms the process groups of each generation, builds the user's DMP for
+that world, and moves its row-wise, fused-kernel tables (and their row-wise optimizer state)
+through fbgemm's own tensors; the replicated parameters travel as one more table (``dense``).
+Changed rows are tracked through TorchRec's post-lookup hook. Training code reads
+:attr:`TorchRecContext.model` at every step and runs it inside :meth:`TorchRecContext.guard`.
 
-Rows and optimizer state cross the contract through the DMP's state dict: the local shard of each
-table's weight (``dmp.state_dict()[<fqn>].local_shards()``) and of each of its fused optimizer's
-row-wise states (``dmp.fused_optimizer.state_dict()["state"][<fqn>]["<table>.<slot>"]``, e.g.
-``momentum1`` of row-wise Adagrad). Both are views of fbgemm's own storage, so
-:meth:`TorchRecContext.shard_views` hands them out as they are and a restore writes rows straight
-into the live model; :meth:`export_shard` copies them.
-
-Layout: TorchRec's row-wise sharding gives rank ``r`` of ``W`` the block
-``[r * ceil(n/W), (r+1) * ceil(n/W))``, which is :func:`elastic_emb.sharding.owned_range` over
-``W`` owners, so the context declares ``owner_ranks = world_size`` (every rank owns rows, whatever
-the topology's ``ep_size``). Only row-wise tables with a fused compute kernel are accepted:
-table-wise, column-wise, data-parallel or grid sharding, a dense kernel (optimizer state outside
-fbgemm), or an optimizer state that is not row-wise raise :class:`UnsupportedSharding` naming the
-table and the remedy, at construction.
-
-Replicated parameters (the dense tower, kept identical on every rank by DDP) travel as one more
-table, ``dense`` by default: their values flattened in ``named_parameters()`` order into rows of
-:data:`DENSE_DIM`, each rank carrying its ``owned_range`` of them. After a restore,
-:meth:`mark_restored` all-gathers the rows and writes them back into the parameters on every rank.
-The dense optimizer's state is not carried: use a stateless one (SGD without momentum) or accept
-that it restarts at a resize. Buffers (e.g. batch-norm statistics) are not carried either.
-
-Change tracking (incremental commits): fbgemm's fused backward writes the rows out of the
-adapter's sight, but it writes exactly the rows the step looked up. So the context registers
-TorchRec's post-lookup hook (``register_post_lookup_tracker_fn``, the one TorchRec's own
-``ModelDeltaTracker`` uses) on every sharded module holding its tables: the hook receives the
-batch after the input all-to-all, whose ids are local rows of this rank's block, and marks them
-in a :class:`~elastic_emb.context.changes.ChangeTracker` (appended on the device; the split by
-feature uses the per-feature lengths TorchRec keeps as host integers after its input all-to-all,
-seen on the CPU with TorchRec 1.8; a batch without them costs one host sync). A commit then holds
-the rows looked up since the previous one: every row the optimizer wrote, plus rows only looked
-up (an evaluation pass), which are written unchanged. On a GPU the adapter offers no
-``hold_writes``, so its commits take the host path (the changed rows copied in ``commit()``), not
-the library context's device-side capture; this path is tested on the CPU only. The ``dense``
-table is compared with its values at the previous take, bit for bit (it is small).
-``import_shard``, ``mark_restored`` and ``reset`` mark every row. The marks are correct when each
-batch's lookup and backward fall between the same two commits, as in a plain loop (TorchRec's
-train pipelines are not tested with it); a pipeline that looks up batch ``i+1`` before the commit
-of step ``i`` and updates it after needs ``track_changes=False``. A TorchRec without the hook
-(before 1.8) gets full snapshots (``tracks_changes`` False).
-
-Training code must read :attr:`TorchRecContext.model` at every step (a resize or a reset builds a
-new DMP) and should run its step inside :meth:`TorchRecContext.guard`, which marks the context
-unhealthy when a collective fails, so a resize restores from committed state instead of rows that
-may hold part of a step.
+Design: ``docs/CONTEXT.md`` (section "The TorchRec adapter").
 """
 
 from __future__ import annotations
@@ -86,7 +41,14 @@ BuildFn = Callable[[Topology, object, torch.device], object]
 
 
 def require_torchrec():
-    """Import torchrec, or fail with the install command."""
+    """Import torchrec, or fail with the install command.
+
+    Returns:
+        The ``torchrec`` module.
+
+    Raises:
+        ImportError: when TorchRec (or its ``DistributedModelParallel``) cannot be imported.
+    """
     try:
         import torchrec
         from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: F401
@@ -99,15 +61,29 @@ def require_torchrec():
 
 
 class TorchRecContext(ContextBase):
-    """A user's TorchRec model as an elastic_emb context (see the module docstring).
+    """A user's TorchRec model as an elastic_emb context.
 
-    ``build(topology, env, device)`` returns the ``DistributedModelParallel`` for ``topology``;
-    ``env`` is a ``ShardingEnv`` over a process group this context formed (not the default group,
-    which it forms too and leaves to the lifecycle's checkpoints), ``device``
-    is ``cuda:<local_rank>`` on NCCL, else the CPU. ``dense_table``: the name of the table that
-    carries the replicated parameters (None: they are not carried). ``timeout``: seconds for
-    every collective of the process group. ``track_changes``: mark the rows each step looks up,
-    so that commits are incremental (see the module docstring); False: full snapshots.
+    Args:
+        topology: the agreed topology.
+        store: the job's store (each generation's groups use a private prefix of it).
+        build: ``build(topology, env, device)`` returns the ``DistributedModelParallel`` for
+            ``topology``; ``env`` is a ``ShardingEnv`` over a process group this context formed
+            (not the default group, which it forms too and leaves to the lifecycle's
+            checkpoints); ``device`` is ``cuda:<local_rank>`` on NCCL, else the CPU.
+        dense_table: the name of the table that carries the replicated parameters (None: they
+            are not carried).
+        timeout: seconds for every collective of the process groups.
+        track_changes: mark the rows each step looks up, so that commits are incremental;
+            False: full snapshots.
+
+    Raises:
+        ImportError: without TorchRec.
+        ValueError: for a bad timeout, a ``dense_table`` name that a TorchRec table has, or
+            replicated parameters of mixed dtypes.
+        TypeError: when ``build`` returns something else than a ``DistributedModelParallel``.
+        UnsupportedSharding: for a table that is not row-wise with a fused kernel, or an
+            optimizer state that is not row-wise.
+        ElasticEmbError: when torch.distributed's default group is already initialised.
     """
 
     def __init__(self, topology: Topology, store, *, build: BuildFn, dense_table: str | None = "dense",
@@ -174,8 +150,9 @@ class TorchRecContext(ContextBase):
             self._start_tracking(model, views)
 
     def _start_tracking(self, model, views: dict[str, "_TableViews"]) -> None:
-        """Hook every sharded module holding one of ``views``' tables (see the module docstring);
-        leave ``tracks_changes`` False when TorchRec offers no hook for one of them."""
+        """Hook every sharded module holding one of ``views``' tables (``docs/CONTEXT.md``,
+        section "Change tracking"); leave ``tracks_changes`` False when TorchRec offers no hook
+        for one of them."""
         hooked: list = []  # (module, its feature name -> table): two modules may use one feature name
         for _, module in model.named_modules():
             configs = getattr(module, "_table_name_to_config", None)
@@ -234,7 +211,14 @@ class TorchRecContext(ContextBase):
 
     def shard_views(self) -> dict[str, ShardData]:
         """Each table's local shard as fbgemm's own tensors (weight and optimizer slots), and the
-        ``dense`` rows as a view of a flat copy of the replicated parameters (refreshed now)."""
+        ``dense`` rows as a view of a flat copy of the replicated parameters (refreshed now).
+
+        Returns:
+            Per table, a :class:`~elastic_emb.protocol.ShardData` of writable views.
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("shard_views")
         out = {n: ShardData(n, v.rows, v.weight, dict(v.slots)) for n, v in self._views.items()}
         if self._dense:
@@ -244,12 +228,29 @@ class TorchRecContext(ContextBase):
         return out
 
     def export_shard(self) -> dict[str, ShardData]:
+        """Copies of this rank's rows and optimizer slots of every table, ``dense`` included.
+
+        Returns:
+            Per table, a :class:`~elastic_emb.protocol.ShardData` of cloned tensors.
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("export_shard")
         return {n: ShardData(n, s.rows, s.weight.detach().clone(), {k: v.detach().clone() for k, v in s.slots.items()})
                 for n, s in self.shard_views().items()}
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
-        """Local: write this rank's rows. The replicated parameters need :meth:`sync_dense` after."""
+        """Local: write this rank's rows; every row then counts as changed. The replicated
+        parameters need :meth:`sync_dense` after (until then :attr:`model` refuses).
+
+        Args:
+            shards: exactly this rank's rows of every table, with every optimizer slot.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ValueError: when the tables, a range, a shape or the slots do not fit.
+        """
         self._check_open("import_shard")
         views = self.shard_views()
         if set(shards) != set(views):
@@ -274,7 +275,11 @@ class TorchRecContext(ContextBase):
 
     def mark_restored(self) -> None:
         """A restore wrote every row through :meth:`shard_views`: rebuild the replicated
-        parameters from every rank's ``dense`` rows (collective)."""
+        parameters from every rank's ``dense`` rows (collective); every row counts as changed.
+
+        Raises:
+            ContextClosed: after ``close()``, when there are replicated parameters.
+        """
         if self._dense:
             self._dense_stale = True
             self.sync_dense()
@@ -283,14 +288,33 @@ class TorchRecContext(ContextBase):
     # -- the contract: change tracking ---------------------------------------------------------
 
     def take_changes(self) -> dict:
-        """Per table a bool mask of the local rows written since the previous take (the
-        contract's form; see the module docstring for what counts as written)."""
+        """The rows written since the previous take, as masks (the contract's form): rows looked
+        up since then, ``dense`` rows whose bits changed, every row after an import, restore or
+        reset.
+
+        Returns:
+            Per table, a bool mask of the local rows.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ChangeTrackingUnsupported: when the context does not track changes.
+        """
         return self._take().take()
 
     def take_changed_rows(self, unique: bool = True) -> dict:
-        """The rows :meth:`take_changes` would mark, as per-table int64 tensors of local row
-        numbers (None: every row), at a cost proportional to the rows looked up, not to the shard
-        (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`)."""
+        """The rows :meth:`take_changes` would mark, at a cost proportional to the rows looked
+        up, not to the shard.
+
+        Args:
+            unique: as :meth:`elastic_emb.context.changes.ChangeTracker.take_rows` takes it.
+
+        Returns:
+            Per table, an int64 tensor of local row numbers (None: every row).
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ChangeTrackingUnsupported: when the context does not track changes.
+        """
         return self._take().take_rows(unique)
 
     def _take(self) -> ChangeTracker:
@@ -317,7 +341,12 @@ class TorchRecContext(ContextBase):
             self._changes.mark_all()
 
     def sync_dense(self) -> None:
-        """Collective: all-gather the ``dense`` rows and write them into the parameters."""
+        """Collective: all-gather the ``dense`` rows and write them into the parameters (nothing
+        to do unless an import or restore left them stale).
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("sync_dense")
         if not self._dense or not self._dense_stale:
             return
@@ -357,7 +386,20 @@ class TorchRecContext(ContextBase):
         """Collective, same world size: a new process group on ``store`` and a new DMP from
         ``build``, holding the rows, optimizer state and replicated parameters as they were. When
         the ranks were renumbered, each process's rows move to the process that now has its old
-        rank (point to point over the new group)."""
+        rank (point to point over the new group). Every row then counts as changed.
+
+        Args:
+            rank: this process's new rank.
+            world_size: must equal the current world size.
+            topology: the new topology (rank and world size as given).
+            store: the store the new groups form on.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            WorldSizeChanged: for a different world size.
+            ValueError: for a changed EP size or backend, or a topology that disagrees with
+                ``rank`` and ``world_size``.
+        """
         self._check_open("reset")
         if world_size != self.topology.world_size:
             raise WorldSizeChanged(self.topology.world_size, world_size)
@@ -420,7 +462,12 @@ class TorchRecContext(ContextBase):
                 mine.copy_(buf)
 
     def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
-        """Drop the DMP and destroy the default process group (synchronously). Idempotent."""
+        """Drop the DMP and destroy the default process group (synchronously). Idempotent.
+
+        Args:
+            abort: accepted for the contract; the release is the same either way.
+            wait: accepted for the contract; the release is always synchronous.
+        """
         if self._closed:
             return
         self._closed = True
@@ -438,7 +485,11 @@ class TorchRecContext(ContextBase):
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Run a training step (or any collective) inside: an exception marks the context
-        unhealthy, so the lifecycle does not take this rank's rows as a committed state."""
+        unhealthy, so the lifecycle does not take this rank's rows as a committed state.
+
+        Yields:
+            None; the exception, if any, is raised again.
+        """
         try:
             yield
         except BaseException:
@@ -446,7 +497,12 @@ class TorchRecContext(ContextBase):
             raise
 
     def barrier(self) -> None:
-        """One all-reduce over the process group, bounded by the timeout."""
+        """One all-reduce over the process group, bounded by the timeout.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ElasticEmbError: when fewer ranks than the world took part.
+        """
         self._check_open("barrier")
         t = torch.ones(1, device=self.device)
         with self.guard():
@@ -497,8 +553,7 @@ def _forget_collective_validation() -> None:
     first DMP of a process broadcast its collective-validation setting from rank 0, and skips the
     broadcast for every later DMP. In an elastic world a survivor builds its second DMP next to a
     joiner building its first: the joiner waits in that broadcast and the survivor never enters
-    it (found by tests/test_adapters_torchrec.py: a 60 s gloo timeout). Clearing the latch before
-    each build makes the broadcast collective again on every rank."""
+    it. Clearing the latch before each build makes the broadcast collective again on every rank."""
     from torchrec.distributed import collective_utils
 
     if hasattr(collective_utils, "_INITIALIZED"):

@@ -1,22 +1,12 @@
 """The sharded embedding context: a private communicator plus a memory arena, for one world.
 
-:class:`EmbContext` (in :mod:`elastic_emb.context.emb`) is the facade; the parts it composes live
-in one module each:
+:class:`EmbContext` (:mod:`elastic_emb.context.emb`) is the facade over one module per part:
+``group`` (private process group), ``arena`` (rows, slots, staging), ``exchange`` (the header
+protocol), ``dedup``, ``lookup`` (:class:`LookupHandle`), ``gradients``, ``parts`` (what lookups
+and gradients share), ``gather``, ``optim``, ``checks`` (errors the GPU finds), ``changes`` (rows
+written since the last take) and ``dtensor`` (the rows as DTensors for DCP).
 
-=====================  ==========================================================================
-``group``              the private process group: form, bounded waits, health, (background) release
-``arena``              one allocation for every table's rows and optimizer slots, staging, lazy fill
-``exchange``           the count/tag/range header protocol that opens every collective call
-``dedup``              sort-based dedup without a host sync, and its CUDA graphs
-``lookup``             the pipelined lookup engine and :class:`LookupHandle`
-``gradients``          sparse gradients routed to their owners and applied there
-``parts``              the group, dedup, arena and checks the lookups and gradients share
-``dtensor``            the rows as DTensors for ``torch.distributed.checkpoint``
-``changes``            which rows were written since the last ``take_changes()`` (incremental commits)
-``checks``             errors the GPU finds (bad ids, NaN gradients), raised without a host sync
-``optim``              the row-wise optimizers (sgd, adagrad) the owner applies
-``gather``             the two-source row gather (a Triton kernel on CUDA)
-=====================  ==========================================================================
+Design: ``docs/CONTEXT.md``.
 """
 
 from elastic_emb.context.arena import INIT_BLOCK_ROWS, init_rows

@@ -1,18 +1,12 @@
 """The arena: one device allocation holding a rank's rows and optimizer slots, plus staging.
 
-A context is sized for one world: every table's local rows (its owned range under
-:mod:`elastic_emb.sharding`) and each optimizer slot are carved out of one byte buffer,
-256-byte aligned, so the context's resident memory is one allocation that goes back to the
-allocator in one piece when the context closes (for the next world's context to reuse).
+- :class:`Arena`: every table's local rows and slots in one 256-byte aligned buffer, each with a
+  dump row, and the staging buffer lookups lease;
+- :class:`Staging` and :func:`staging_need`: typed views carved out of a leased buffer;
+- :class:`Rows`: the lazy initial fill; :func:`init_rows`: seeded initial values, identical
+  whatever the world size.
 
-Beside it sits the *staging* buffer that lookups carve their send and receive buffers from:
-sized from the world size (``staging_rows_per_rank * world_size`` rows of the widest table plus
-their ids, each direction), grown when a batch needs more (logged), and leased to one lookup at
-a time; a second lookup in flight while it is leased gets a fresh allocation.
-
-Rows are filled lazily (:class:`Rows`): a context built for a resize has every row overwritten
-by the restore at once, so seeding them first would be wasted work. :func:`init_rows` gives the
-seeded initial values, identical whatever the world size.
+Design: ``docs/CONTEXT.md`` (section "The arena").
 """
 
 from __future__ import annotations
@@ -37,7 +31,14 @@ ALIGN = 256
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to the arena's alignment."""
+    """``n`` rounded up to the arena's alignment.
+
+    Args:
+        n: a byte count.
+
+    Returns:
+        The smallest multiple of :data:`ALIGN` that is at least ``n``.
+    """
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -49,7 +50,17 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def carve(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A typed view of ``shape`` at byte ``offset`` of the byte tensor ``buf``."""
+    """A typed view of ``shape`` at byte ``offset`` of the byte tensor ``buf``.
+
+    Args:
+        buf: a 1-D ``uint8`` tensor.
+        offset: the view's first byte in ``buf``.
+        shape: the view's shape.
+        dtype: the view's element type.
+
+    Returns:
+        A view sharing ``buf``'s memory (no copy).
+    """
     return buf[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
 
 
@@ -59,6 +70,17 @@ def init_rows(spec: TableSpec, seed: int, rows: RowRange) -> torch.Tensor:
     Identical whatever the world size: every block of :data:`INIT_BLOCK_ROWS` global rows is
     drawn from a CPU generator seeded with ``(seed, crc32(table name), block)``, and a range is
     cut out of the blocks it touches.
+
+    Args:
+        spec: the table.
+        seed: the context's seed.
+        rows: the global rows wanted.
+
+    Returns:
+        A CPU tensor ``[len(rows), dim]`` of the table's dtype.
+
+    Raises:
+        ValueError: if ``rows`` reaches past the table's last row.
     """
     out = torch.empty(len(rows), spec.dim, dtype=spec.torch_dtype)
     if not len(rows):
@@ -82,7 +104,14 @@ def init_rows(spec: TableSpec, seed: int, rows: RowRange) -> torch.Tensor:
 class Arena:
     """One device allocation: resident rows + slots per table; staging kept beside it.
 
-    ``weights[table]`` is ``[local rows, dim]``; ``slots[table][name]`` is ``[local rows, ...]``.
+    ``weights[table]`` is ``[local rows, dim]``; ``slots[table][name]`` is ``[local rows, ...]``;
+    ``padded_weights`` and ``padded_slots`` are the same tensors with the dump row at the end.
+
+    Args:
+        device: where the buffers live.
+        layout: per table, ``(local rows, spec, slot shapes)`` (shapes as
+            :func:`~elastic_emb.context.optim.slot_shapes` gives them).
+        staging_bytes: the staging buffer's initial size.
     """
 
     def __init__(self, device: torch.device, layout: dict[str, tuple[int, TableSpec, dict]], staging_bytes: int):
@@ -120,7 +149,20 @@ class Arena:
     def for_rank(cls, tables: Mapping[str, TableSpec], optimizer: OptimizerSpec, ep_size: int, rank: int,
                  world_size: int, staging_rows_per_rank: int, device: torch.device) -> "Arena":
         """The arena of ``rank``: its owned rows of every table, slots for ``optimizer``
-        (initialised), and staging for ``staging_rows_per_rank`` rows per peer each way."""
+        (initialised), and staging for ``staging_rows_per_rank`` rows per peer each way.
+
+        Args:
+            tables: every table, by name.
+            optimizer: decides the slots.
+            ep_size: the number of owner ranks.
+            rank: the rank the arena is for.
+            world_size: the number of ranks (sizes the staging).
+            staging_rows_per_rank: staging rows per peer, each direction.
+            device: where the arena lives.
+
+        Returns:
+            The new arena (rows not filled: see :class:`Rows`).
+        """
         layout = {}
         for name, spec in tables.items():
             nrows = len(owned_range(spec.num_rows, ep_size, rank))
@@ -138,7 +180,14 @@ class Arena:
 
     def lease(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A byte buffer of at least ``nbytes``: the staging if free (grown if too small), else
-        a fresh allocation. Returns (buffer, leased); a leased buffer goes back with :meth:`release`."""
+        a fresh allocation.
+
+        Args:
+            nbytes: bytes needed.
+
+        Returns:
+            ``(buffer, leased)``; a leased buffer (the staging) goes back with :meth:`release`.
+        """
         with self._lock:
             if self._leased:
                 return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device), False
@@ -150,11 +199,20 @@ class Arena:
             return self.staging, True
 
     def release(self) -> None:
+        """Give the staging back after a :meth:`lease` that returned it."""
         with self._lock:
             self._leased = False
 
     def report(self, owned: Mapping[str, RowRange]) -> dict:
-        """Sizes of the parts, and each table's local rows and global range ``owned``."""
+        """Sizes of the parts, and each table's local rows and global range.
+
+        Args:
+            owned: each table's global row range on this rank.
+
+        Returns:
+            A JSON-ready dict: ``resident_bytes``, ``staging_bytes``, ``total_bytes`` and
+            ``tables`` (per table ``local_rows`` and ``rows``).
+        """
         return {
             "resident_bytes": self.resident_bytes,
             "staging_bytes": self.staging.numel(),
@@ -165,7 +223,17 @@ class Arena:
 
     def check_import(self, shards: Mapping[str, ShardData], owned: Mapping[str, RowRange], rank: int,
                      optimizer: OptimizerSpec) -> None:
-        """Raise ``ValueError`` unless ``shards`` is exactly this arena's tables, ranges and shapes."""
+        """Check that ``shards`` is exactly this arena's tables, ranges and shapes.
+
+        Args:
+            shards: the shards to import, by table.
+            owned: each table's global row range on this rank.
+            rank: this rank (for the message).
+            optimizer: the context's optimizer (for the message).
+
+        Raises:
+            ValueError: naming the table, range, slot or shape that does not fit.
+        """
         missing = sorted(set(self.weights) - set(shards))
         extra = sorted(set(shards) - set(self.weights))
         if missing or extra:
@@ -191,7 +259,11 @@ class Arena:
                                      f"{tuple(self.slots[name][slot].shape)}")
 
     def write(self, shards: Mapping[str, ShardData]) -> None:
-        """Copy checked ``shards`` (:meth:`check_import`) into the arena."""
+        """Copy checked ``shards`` (:meth:`check_import`) into the arena.
+
+        Args:
+            shards: the shards, by table.
+        """
         for name, shard in shards.items():
             self.weights[name].copy_(shard.weight)
             for slot, t in shard.slots.items():
@@ -199,27 +271,52 @@ class Arena:
 
 
 class Staging:
-    """Carves consecutive typed views out of a leased byte buffer."""
+    """Carves consecutive typed views out of a leased byte buffer.
+
+    Args:
+        buf: the leased ``uint8`` buffer.
+    """
 
     def __init__(self, buf: torch.Tensor):
         self.buf = buf
         self.offset = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next aligned view of the buffer.
+
+        Args:
+            shape: the view's shape.
+            dtype: the view's element type.
+
+        Returns:
+            A view of ``shape`` right after the previous one.
+        """
         view = carve(self.buf, self.offset, shape, dtype)
         self.offset += aligned(view.numel() * view.element_size())
         return view
 
 
 def staging_need(parts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes a :class:`Staging` needs to :meth:`~Staging.take` each ``(shape, dtype)`` of ``parts``."""
+    """Bytes a :class:`Staging` needs to :meth:`~Staging.take` each ``(shape, dtype)`` of ``parts``.
+
+    Args:
+        parts: the views to be taken, in order.
+
+    Returns:
+        Their sizes in bytes, each aligned, summed.
+    """
     return sum(aligned(_nbytes(shape, dtype)) for shape, dtype in parts)
 
 
 class Rows:
     """Lazy initial fill of the arena's rows: a table's rows are seeded (:func:`init_rows`), or
     zeroed when ``seed`` is None, at the first use that reads them; a write of every row
-    (an import or a restore) makes the fill unnecessary."""
+    (an import or a restore) makes the fill unnecessary.
+
+    Args:
+        tables: every table, by name.
+        seed: the initial rows' seed; None: zeros.
+    """
 
     def __init__(self, tables: Mapping[str, TableSpec], seed: int | None):
         self.tables = tables
@@ -227,7 +324,12 @@ class Rows:
         self.uninitialised: set[str] = set(tables)
 
     def materialise(self, arena: Arena, owned: Mapping[str, RowRange]) -> None:
-        """Fill the rows of every table not yet initialised."""
+        """Fill the rows of every table not yet initialised.
+
+        Args:
+            arena: the arena to fill.
+            owned: each table's global row range on this rank.
+        """
         for name in sorted(self.uninitialised):
             if self.seed is None:
                 arena.weights[name].zero_()

@@ -1,38 +1,11 @@
 """Which rows a context wrote: the change tracking that incremental commits build on.
 
-Per table, the tracker keeps the local row numbers each write path touched, as the list of
-int64 tensors those writes used (on the context's device: appending one needs no host
-synchronisation), plus a flag for "every row". A write that skipped some of the rows it was
-given marks the skipped ones with the table's *dump* number (its local row count), so it can
-record "row or dump" with one ``torch.where`` and no host sync; readers drop the dump. Every
-write path marks what it wrote, rows and their optimizer slots alike: ``apply_gradients`` the
-rows it updated, ``import_shard``, ``load_state_dict`` and ``mark_restored`` every row, a
-``reset`` that moves this rank's rows every row. The lazy initial fill from the seed does not
-count: a row never written equals its seeded value, which a restore reproduces.
+:class:`ChangeTracker` keeps, per table, the local rows each write path touched (as the device
+tensors those writes used, no host sync), folds them into a mask when they outgrow the table,
+makes writes wait for device-side captures in flight, and keeps the values a table's one write
+computed; :class:`RowsTaken` is what :meth:`ChangeTracker.take_rows` hands over.
 
-The work of a commit is therefore proportional to the rows written, not to the shard:
-:meth:`ChangeTracker.take_rows` hands over the lists (deduplicated at capture, or raw for a
-device-side capture that tolerates duplicates), and only :meth:`ChangeTracker.take`, the bool
-mask of the context contract, builds a whole-shard mask. Memory stays bounded without a commit
-taking the changes: once the listed entries of a table exceed its row count they are folded
-into a mask of that table (one ``index_fill_`` per tensor, still no host sync).
-
-A device-side capture (:mod:`elastic_emb.state.capture`) reads the changed rows on a side
-stream while the next step runs; :meth:`ChangeTracker.hold` records its "rows read" event, and
-every write path calls :meth:`ChangeTracker.before_write` first, which makes the writing stream
-wait for that event (a device-side wait, no host sync): a row is never changed while it is
-being captured.
-
-The values written: a row update that computes the new rows whole (Adagrad, see
-:func:`~elastic_emb.context.optim.apply_rows`) hands them to :meth:`ChangeTracker.mark_rows`.
-Once a device-side capture has taken the rows raw (``take_rows(unique=False)``), the tracker
-keeps the values of the first write to each table since the last take, and
-:meth:`~ChangeTracker.take_rows` returns them with the rows (:class:`RowsTaken`): they are the
-delta's bytes, so the capture copies them to the host instead of gathering the rows from the
-table (on an H200 that gather, its launch and its wait in the next row update cost 1.3-2.5% of a
-20 ms step). A second write to a table drops its values (one delta must not hold two values of a
-row), and so does a fold into a mask: the capture gathers those tables. Memory: at most one
-write's values per table, which the update allocated anyway, held until the next take.
+Design: ``docs/CONTEXT.md`` (section "Change tracking").
 """
 
 from __future__ import annotations
@@ -45,7 +18,12 @@ import torch
 class RowsTaken(dict):
     """What :meth:`ChangeTracker.take_rows` returns: per table the rows (a plain dict of them),
     and ``written``: per table whose one write since the last take left its values, those values
-    (``{"weight": [k, ...], slot name: [k, ...]}``, row ``i`` the value written to ``rows[i]``)."""
+    (``{"weight": [k, ...], slot name: [k, ...]}``, row ``i`` the value written to ``rows[i]``).
+
+    Args:
+        rows: the per-table rows (anything ``dict`` accepts).
+        written: the per-table values; None: none.
+    """
 
     def __init__(self, rows=(), written: dict | None = None) -> None:
         super().__init__(rows)
@@ -53,7 +31,12 @@ class RowsTaken(dict):
 
 
 class ChangeTracker:
-    """The rows written since the last :meth:`take` / :meth:`take_rows`, per table."""
+    """The rows written since the last :meth:`take` / :meth:`take_rows`, per table.
+
+    Args:
+        local_rows: each table's local row count.
+        device: where the row tensors and masks live.
+    """
 
     def __init__(self, local_rows: Mapping[str, int], device: torch.device):
         self.device = device
@@ -71,10 +54,19 @@ class ChangeTracker:
 
     def mark_rows(self, table: str, rows: torch.Tensor, keep: torch.Tensor | None = None,
                   values: dict[str, torch.Tensor] | None = None) -> None:
-        """Mark local ``rows`` (int64, on the device) of ``table``; where ``keep`` is False the
-        row was not written and is not marked. ``values``: the values now in those rows, per
-        tensor (see the module docstring). The tracker keeps ``rows`` and ``values`` (the caller
-        must not change them afterwards)."""
+        """Mark local ``rows`` of ``table`` as written. No host sync.
+
+        The tracker keeps ``rows`` and ``values``: the caller must not change them afterwards.
+
+        Args:
+            table: the table written.
+            rows: local row numbers, int64 on the device; entries equal to the table's local
+                row count stand for no row.
+            keep: where False, the row was not written and is not marked; None: all were.
+            values: the values now in those rows, per tensor (``"weight"`` and each slot), kept
+                for a device-side capture when this is the table's one write since the last take
+                (``docs/CONTEXT.md``, section "Values written").
+        """
         if table in self._all:
             return
         n = self._rows[table]
@@ -102,12 +94,20 @@ class ChangeTracker:
         self._all = set(self._rows)
 
     def resize(self, local_rows: Mapping[str, int]) -> None:
-        """This rank now holds other rows (a reset moved them): all of them count as written."""
+        """This rank now holds other rows (a reset moved them): all of them count as written.
+
+        Args:
+            local_rows: each table's new local row count.
+        """
         self._reset(local_rows)
         self._all = set(self._rows)
 
     def take(self) -> dict[str, torch.Tensor]:
-        """Per table, ``(local rows,)`` bool, True for rows written since the previous take."""
+        """Hand over the rows written since the previous take, as masks, and start afresh.
+
+        Returns:
+            Per table, a ``(local rows,)`` bool tensor on the device, True for rows written.
+        """
         out = {}
         for name, n in self._rows.items():
             mask = self._folded.get(name)
@@ -122,13 +122,20 @@ class ChangeTracker:
         return out
 
     def take_rows(self, unique: bool = True) -> RowsTaken:
-        """Per table, the local rows written since the previous take, as an int64 tensor on the
-        device; None for a table whose every row was written. ``unique``: sorted, without
-        duplicates (on CUDA a host synchronisation: the number of distinct rows). Otherwise the
-        rows as written, duplicates included, in no particular order, where entries equal to
-        the table's local row count stand for no row (see the module docstring); no host sync;
-        and ``written``: the values of the tables written once since the last take (from the
-        second raw take on: the first one tells the tracker to keep them)."""
+        """Hand over the local rows written since the previous take, and start afresh.
+
+        Args:
+            unique: True: sorted, without duplicates (on CUDA a host synchronisation: the number
+                of distinct rows). False: the rows as written, duplicates included, in no
+                particular order, where entries equal to the table's local row count stand for
+                no row; no host sync; this also tells the tracker to keep written values from
+                now on.
+
+        Returns:
+            Per table, an int64 tensor of local rows on the device, or None for a table whose
+            every row was written; with ``unique=False``, ``written`` holds the values of the
+            tables written once since the last take (from the second raw take on).
+        """
         out = RowsTaken(written={} if unique else self._values)
         if not unique:
             self._keep_values = True
@@ -156,7 +163,11 @@ class ChangeTracker:
     # -- device-side captures -----------------------------------------------------------------
 
     def hold(self, event: torch.cuda.Event) -> None:
-        """A capture reads rows until ``event``: writes wait for it (:meth:`before_write`)."""
+        """A capture reads rows until ``event``: writes wait for it (:meth:`before_write`).
+
+        Args:
+            event: a CUDA event (or a capture's pending one) recorded after the rows are read.
+        """
         self._held.append(event)
 
     def before_write(self) -> None:

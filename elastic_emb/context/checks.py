@@ -1,32 +1,12 @@
 """Errors the device finds, raised on the host without the host waiting for the device.
 
-On CUDA a lookup or gradient update checks its input where the data is: ids against the
-table's range (inside the gather kernel), gradients for NaN and infinity. Reading the verdict
-on the host at once would stall the host until the GPU reached that point (a synchronisation),
-so instead each call writes a small record on the device (:data:`RECORD` int64 words) and an
-event marks the call done; a record is copied to pinned host memory (on a stream of its own, so
-the copy never queues behind later work) when a blocking read asks for it. The copy is a
-one-block kernel storing through the pinned records' device mapping (pinned memory is mapped
-into the GPU's address space), not a copy-engine transfer: a commit's delta occupies the
-device-to-host copy engine in pieces of 16 MiB, and a read queued behind one waited for it
-(about 0.3 ms on an H200, a step's lookup each time). The invalid rows are
-never applied: ids out of range read row 0 instead (a lookup with bad ids returns garbage rows
-*and* raises), gradients of a refused call are not applied at all.
+Each lookup or gradient update on CUDA writes a small record (:data:`RECORD` int64 words: bad
+ids, first bad position, non-finite rows, refused) on the device; :class:`DeviceChecks` copies
+records to pinned host memory only when a blocking read asks for them, and raises
+:class:`~elastic_emb.errors.InvalidIds` or :class:`~elastic_emb.errors.NonFiniteGradients` in
+call order. On the CPU a record is read at the end of its call.
 
-When a record is read (:class:`DeviceChecks`), in call order:
-
-- ``LookupHandle.wait()`` waits (bounded by the context's timeout) for its own lookup's record
-  and every older one, and raises the first error among them: bad ids always surface at that
-  lookup's ``wait()``, and an error of an earlier ``apply_gradients`` at the latest at the
-  ``wait()`` of the next lookup. In a prefetching loop those records are long done;
-- ``export_shard()``, ``state_dict()``, ``take_changes()`` and ``check_errors()`` wait for every
-  record, so no commit is taken over an unreported error;
-- ``lookup()`` and ``apply_gradients()`` raise an error already read, and never wait.
-
-At most :data:`_RING` records are outstanding: the call after that waits for the oldest.
-
-On the CPU the record is host memory already: it is read at the end of the call that wrote
-it, and the error raised there.
+Design: ``docs/CONTEXT.md`` (section "Device checks").
 """
 
 from __future__ import annotations
@@ -48,7 +28,15 @@ _RING = 64
 
 class Check:
     """One call's pending record: ``ids`` are kept to name the first bad one (read only on the
-    error path); ``error`` is what reading the record raised (raised again on a second wait)."""
+    error path); ``error`` is what reading the record raised (raised again on a second wait).
+
+    Args:
+        what: the call, for messages (``lookup('t')``).
+        spec: the table the call used.
+        slot: the record's slot in the ring.
+        ids: the call's ids.
+        done: the CUDA event recorded after the call (None on the CPU).
+    """
 
     __slots__ = ("what", "spec", "slot", "ids", "done", "copied", "values", "error")
 
@@ -60,7 +48,13 @@ class Check:
 
 
 class DeviceChecks:
-    """The records of one context's calls, in call order (see the module docstring)."""
+    """The records of one context's calls, in call order.
+
+    Args:
+        device: the context's device.
+        timeout: seconds a blocking read waits for the device at most.
+        log_: the context's logger.
+    """
 
     def __init__(self, device: torch.device, timeout: float, log_):
         self.device = device
@@ -80,8 +74,9 @@ class DeviceChecks:
         # copy never waits behind later work (a call queues none: reading is for wait() & co.);
         # high priority: the copy kernel is scheduled before queued blocks of other streams.
         self._copy_stream = torch.cuda.Stream(device=device, priority=-1) if cuda else None
-        # The pinned records as the device sees them (module docstring), or None where the
-        # mapping is not available: the copy engine copies them then.
+        # The pinned records as the device sees them (a kernel's stores reach the host without
+        # the copy engine, which a commit's delta may be busy with), or None where the mapping
+        # is not available: the copy engine copies them then.
         self._mapped_slots = _mapped(self._host, device) if cuda else None
 
     @property
@@ -91,7 +86,12 @@ class DeviceChecks:
         return self._mapped_slots is not None
 
     def record(self) -> tuple[int, torch.Tensor]:
-        """A zeroed device record for the next call: (slot, tensor of :data:`RECORD` words)."""
+        """A zeroed device record for the next call; waits for the oldest when the ring is full.
+
+        Returns:
+            ``(slot, record)``: the slot to :meth:`post` and a device tensor of :data:`RECORD`
+            words.
+        """
         if len(self._pending) >= _RING:
             self._settle(self._pending[0], block=True)  # the oldest slot is reused next
         slot = self._next
@@ -101,8 +101,22 @@ class DeviceChecks:
         return slot, rec
 
     def post(self, what: str, spec: TableSpec, slot: int, ids: torch.Tensor, stream=None) -> Check:
-        """The call that filled record ``slot`` is queued (on ``stream``, default the current one):
-        read it on the CPU now (and raise), on CUDA once the device is done with it."""
+        """The call that filled record ``slot`` is queued: read it on the CPU now, on CUDA later.
+
+        Args:
+            what: the call, for messages.
+            spec: the table the call used.
+            slot: the slot :meth:`record` gave.
+            ids: the call's ids (to name the first bad one).
+            stream: the stream the call ran on (default: the current one).
+
+        Returns:
+            The pending :class:`Check`.
+
+        Raises:
+            InvalidIds: on the CPU, when the record counts ids out of range.
+            NonFiniteGradients: on the CPU, when the call was refused for non-finite gradients.
+        """
         if not self._events:  # CPU: the record is host memory
             check = Check(what, spec, slot, ids, None)
             check.values = self._dev_slots[slot].tolist()
@@ -128,19 +142,40 @@ class DeviceChecks:
 
     def raise_ready(self) -> None:
         """Raise the first bad record among those already on the host; never waits (and asks for
-        no copy: the records of finished calls are fetched by the next blocking read)."""
+        no copy: the records of finished calls are fetched by the next blocking read).
+
+        Raises:
+            InvalidIds: a record counted ids out of range.
+            NonFiniteGradients: a call was refused for non-finite gradients.
+        """
         while self._pending and self._settle(self._pending[0], block=False):
             pass
 
     def raise_through(self, check: Check, timeout: float | None = None) -> None:
-        """Wait for ``check`` and every older record (bounded), raising the first bad one."""
+        """Wait for ``check`` and every older record (bounded), raising the first bad one.
+
+        Args:
+            check: the record waited for.
+            timeout: seconds to wait for each record; None: the context's timeout.
+
+        Raises:
+            InvalidIds: a record counted ids out of range.
+            NonFiniteGradients: a call was refused for non-finite gradients.
+            CommunicationError: the device did not finish a check within the timeout.
+        """
         while self._pending and check.values is None:
             self._settle(self._pending[0], block=True, timeout=timeout)
         if check.error is not None:
             raise check.error
 
     def raise_all(self) -> None:
-        """Wait for every record (bounded by the timeout), raising the first bad one."""
+        """Wait for every record (bounded by the timeout), raising the first bad one.
+
+        Raises:
+            InvalidIds: a record counted ids out of range.
+            NonFiniteGradients: a call was refused for non-finite gradients.
+            CommunicationError: the device did not finish a check within the timeout.
+        """
         while self._pending:
             self._settle(self._pending[0], block=True)
 

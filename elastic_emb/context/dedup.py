@@ -1,28 +1,12 @@
 """Sort-based deduplication of a call's ids, without a host synchronisation.
 
-The batch is cut into ``chunks`` consecutive pieces (the lookup's pipeline pieces); piece k's ids
-become the keys ``k * num_rows + id`` (32-bit when they fit: the radix sort makes half the passes
-and ids travel in half the bytes), so one sort deduplicates every piece and leaves the unique keys
-grouped by piece, then by owner (row-wise sharding is monotone). Nothing here needs a size on the
-host (``torch.unique`` would sync for its output size): the unique keys are scattered to their
-slots in a buffer of the batch's length, and the per-(owner, piece) counts are differences of a
-running count of first occurrences at the owners' boundaries. Those counts, with the batch's
-smallest and largest id, go into the count-exchange headers (:mod:`elastic_emb.context.exchange`).
+- :class:`Deduper`: one sort deduplicates every pipeline piece, counts the keys per (owner,
+  piece), fills the count-exchange headers (and, for a large lookup, lays its keys behind them),
+  and runs the exchange; :class:`Dedup` is one call's result;
+- :class:`DedupGraph`: the kernels of one (call, batch size, block) captured in a CUDA graph;
+- :func:`check_ids`: the host-side checks of an ids tensor.
 
-For a lookup on CUDA the same kernels compute, per position of the batch, where its row will
-come from (``pos``: >= 0 a row of the receive buffer, < 0 a row of this rank's shard counted from
-its end; see :func:`elastic_emb.context.gather.gather_rows`).
-
-Keys in the exchange: when the count exchange carries a block per peer (``block_bytes``), a large
-lookup of a table wide enough that the fixed-capacity padding is cheap (:meth:`Deduper.fusable`)
-lays its unique keys out behind each peer's header, as the owner's row numbers, in a capacity
-any peer could fill; when every rank's batch fitted (the lengths travel in the headers) they are
-used as they came, and no id exchange follows. A large lookup asks for a block that would hold
-its batch (:meth:`Deduper.want_bytes`), so the first one grows the block for the next.
-
-CUDA graphs: these ~30 small kernels cost more to launch from Python than to run, so for
-batches of :data:`CAPTURE_MIN_IDS` ids or more they are captured once per (call, batch size,
-block) in a CUDA graph (:class:`DedupGraph`) and replayed; at most :data:`MAX_GRAPHS` are kept.
+Design: ``docs/CONTEXT.md`` (section "Deduplication").
 """
 
 from __future__ import annotations
@@ -50,8 +34,15 @@ FUSED_MAX_BYTES = 64 << 20
 
 
 def check_ids(ids, device: torch.device) -> tuple[torch.Tensor | None, str | None]:
-    """Host-side checks (type, shape, dtype): (ids as int64 on ``device``, None) or (None, reason).
-    The range check is done on the device."""
+    """Host-side checks of ``ids`` (type, shape, dtype); the range check is done on the device.
+
+    Args:
+        ids: what the caller passed as ids.
+        device: the context's device.
+
+    Returns:
+        ``(ids as int64 on device, None)``, or ``(None, reason)`` when a check fails.
+    """
     if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.device == device and ids.dim() == 1:
         return ids, None  # the common case, without .to()'s argument parsing
     if not isinstance(ids, torch.Tensor):
@@ -85,7 +76,15 @@ class Dedup:
 
 
 class Deduper:
-    """Deduplicates a context's calls and runs their count exchange (see the module docstring)."""
+    """Deduplicates a context's calls and runs their count exchange.
+
+    Args:
+        exchange: the context's count exchange.
+        topology: the context's topology.
+        device: the context's device.
+        capture: whether large batches may replay their kernels from CUDA graphs.
+        log_: the context's logger.
+    """
 
     def __init__(self, exchange: HeaderExchange, topology: Topology, device: torch.device, capture: bool, log_):
         self.exchange = exchange
@@ -101,10 +100,28 @@ class Deduper:
 
     def dedup(self, spec: TableSpec, ids, what: str, tag: int, chunks: int, flag=None) -> Dedup:
         """Validate (host checks here, the range in the exchange), deduplicate per piece and
-        exchange counts, with ONE host synchronisation. Raises :class:`InvalidIds` after
-        cancelling the call on the peers when ``ids`` fail the host checks. ``flag(inverse, n)``
-        (optional) gives a device int64 scalar sent as the header's ``flagged`` word; the total
-        over all ranks comes back as :attr:`Dedup.flagged`."""
+        exchange counts, with ONE host synchronisation.
+
+        Args:
+            spec: the table.
+            ids: the caller's ids.
+            what: the call, for messages.
+            tag: the call's tag (:func:`~elastic_emb.context.exchange.call_tag`).
+            chunks: pipeline pieces.
+            flag: optional ``flag(inverse, n_ids)`` giving a device int64 scalar sent as the
+                header's ``flagged`` word; the total over all ranks comes back as
+                :attr:`Dedup.flagged`.
+
+        Returns:
+            The call's :class:`Dedup`.
+
+        Raises:
+            InvalidIds: when ``ids`` fail the host checks (after cancelling the call on the
+                peers), or, from the exchange, when this rank's ids are out of range.
+            PeerLookupError: when a peer's ids are bad or a peer cancelled the call.
+            CollectiveMismatch: when a rank is in a different call.
+            CommunicationError: when the exchange fails or times out.
+        """
         checked, reason = check_ids(ids, self.device)
         if checked is None:
             self.exchange.cancel(what, tag)  # tell the peers before raising, so nobody waits for this rank
@@ -128,11 +145,29 @@ class Deduper:
     # -- layout -----------------------------------------------------------------------------
 
     def key_dtype(self, spec: TableSpec, chunks: int) -> torch.dtype:
+        """The dtype of a call's keys ``piece * num_rows + id``.
+
+        Args:
+            spec: the table.
+            chunks: pipeline pieces.
+
+        Returns:
+            ``torch.int32`` when every key fits, else ``torch.int64``.
+        """
         return torch.int32 if chunks * spec.num_rows <= _INT32_MAX else torch.int64
 
     def key_bounds(self, spec: TableSpec, chunks: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[chunks, world + 1]`` keys where each owner's rows start, per piece. Cached: world
-        and EP size are fixed for the context's life."""
+        """The keys where each owner's rows start, per piece. Cached: world and EP size are fixed
+        for the context's life.
+
+        Args:
+            spec: the table.
+            chunks: pipeline pieces.
+            dtype: the key dtype.
+
+        Returns:
+            A ``[chunks, world + 1]`` tensor on the device.
+        """
         key = (spec.name, chunks, dtype)
         bounds = self._bounds.get(key)
         if bounds is None:
@@ -144,8 +179,18 @@ class Deduper:
         return bounds
 
     def piece_offsets(self, n: int, chunks: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """``k * rows`` for each position of piece k of a batch of ``n`` (cached for the last
-        batch size: training batches repeat it)."""
+        """``k * rows`` for each position of piece k of a batch (cached for the last batch size:
+        training batches repeat it).
+
+        Args:
+            n: the batch length.
+            chunks: pipeline pieces.
+            rows: the table's row count.
+            dtype: the key dtype.
+
+        Returns:
+            A ``[n]`` tensor on the device.
+        """
         key = (n, chunks, rows, dtype)
         if self._offsets is None or self._offsets[0] != key:
             bounds = [n * k // chunks for k in range(chunks + 1)]
@@ -157,22 +202,50 @@ class Deduper:
     def fusable(self, spec: TableSpec, chunks: int, tag: int) -> bool:
         """Whether a call's ids may ride in the count exchange: lookups only, of tables wide
         enough that the fixed-capacity padding (world x batch keys each way, against about a
-        batch of rows for the row exchange) costs at most 1/8 of the row bytes."""
+        batch of rows for the row exchange) costs at most 1/8 of the row bytes.
+
+        Args:
+            spec: the table.
+            chunks: pipeline pieces.
+            tag: the call's tag.
+
+        Returns:
+            True when the call's keys may be laid behind the headers.
+        """
         key_bytes = torch.empty((), dtype=self.key_dtype(spec, chunks)).element_size()
         return tag_op(tag) == OP_LOOKUP and 8 * self.topology.world_size * key_bytes <= spec.bytes_per_row()
 
     def key_capacity(self, spec: TableSpec, chunks: int, tag: int, block_bytes: int) -> int:
-        """Keys per peer a block of ``block_bytes`` holds for this call (0: none), less one dump word."""
+        """Keys per peer a block of ``block_bytes`` holds for this call, less one dump word.
+
+        Args:
+            spec: the table.
+            chunks: pipeline pieces.
+            tag: the call's tag.
+            block_bytes: the exchange block per peer.
+
+        Returns:
+            The capacity in keys; 0 when the call's keys do not ride in the exchange.
+        """
         if not block_bytes or not self.fusable(spec, chunks, tag):
             return 0
         dtype = self.key_dtype(spec, chunks)
         return block_bytes // torch.empty((), dtype=dtype).element_size() - header_words(dtype) - 1
 
     def want_bytes(self, spec: TableSpec, n: int, chunks: int, tag: int) -> int:
-        """The block a call of ``n`` ids asks for in its header: 0 unless a large fusable lookup;
-        rounded up to 1/16 of a power of two, so batch lengths that wander a little do not grow
-        it call after call; 0 too when the buffer (both directions) would pass
-        :data:`FUSED_MAX_BYTES`."""
+        """The block a call asks for in its header, rounded up to 1/16 of a power of two, so
+        batch lengths that wander a little do not grow it call after call.
+
+        Args:
+            spec: the table.
+            n: the batch length.
+            chunks: pipeline pieces.
+            tag: the call's tag.
+
+        Returns:
+            Bytes per peer; 0 unless a large fusable lookup, and 0 when the buffer (both
+            directions) would pass :data:`FUSED_MAX_BYTES`.
+        """
         if n < CAPTURE_MIN_IDS or not self.fusable(spec, chunks, tag):
             return 0
         key_bytes = torch.empty((), dtype=self.key_dtype(spec, chunks)).element_size()
@@ -182,10 +255,22 @@ class Deduper:
         return need if 2 * self.topology.world_size * need <= FUSED_MAX_BYTES else 0
 
     def inputs(self, spec: TableSpec, n: int, chunks: int, tag: int, block_bytes: int) -> tuple:
-        """The constant inputs of :meth:`compute`: piece offsets, owner boundaries, header
-        template, slot numbers (when the keys are laid out per peer or positions computed), the
-        exchange block's layout (None while the headers travel alone: (elements, key capacity or
-        0, peer block starts)), the block this call asks for, and ``mine`` (positions, CUDA)."""
+        """The constant inputs of :meth:`compute` for one call shape.
+
+        Args:
+            spec: the table.
+            n: the batch length.
+            chunks: pipeline pieces.
+            tag: the call's tag.
+            block_bytes: the exchange block per peer (0: headers alone).
+
+        Returns:
+            ``(offsets, bounds, template, slots, layout, want, mine)``: piece offsets, owner
+            boundaries, header template, slot numbers (when the keys are laid out per peer or
+            positions computed), the block layout (None while the headers travel alone, else
+            ``(elements, key capacity or 0, peer block starts)``), the block this call asks for,
+            and ``mine`` (``(rank, shard rows)`` for a CUDA lookup's positions, else None).
+        """
         dtype = self.key_dtype(spec, chunks)
         offsets = self.piece_offsets(n, chunks, spec.num_rows, dtype) if chunks > 1 and n else None
         layout = None
@@ -211,17 +296,31 @@ class Deduper:
     def compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
                 slots=None, layout=None, want: int = 0, mine=None):
         """The device half of :meth:`dedup`: no host synchronisation, no allocation sized from
-        data (so it can be captured in a CUDA graph). Returns (uniq, inverse, header, xbuf, pos).
+        data (so it can be captured in a CUDA graph).
 
-        With a block ``layout`` the headers and the keys share one buffer ``xbuf`` ``[2 (send,
-        receive), world, elements]`` of the key dtype: per peer the header (as int64 words),
-        then, when the layout has a key capacity, the keys meant for that peer, piece-major, as
-        the owner's own row numbers. ``header`` is then an int64 view of the header words.
+        Args:
+            spec: the table.
+            checked: the ids, int64 on the device.
+            chunks: pipeline pieces.
+            offsets: piece offsets (None for one piece or no ids); this and the next arguments
+                are what :meth:`inputs` returns.
+            bounds: the owners' first keys per piece.
+            template: the header template of the call's tag.
+            slots: ``arange(n)`` when keys are laid out per peer or positions computed, else None.
+            layout: the block layout, or None while the headers travel alone.
+            want: the block this call asks for, in bytes.
+            mine: ``(this rank, its shard's rows)`` for a CUDA lookup, else None.
 
-        With ``mine`` = (this rank, its shard's rows), for a lookup: ``pos``, per position of
-        the batch, where its row will be: for a key this rank owns, its shard row counted from
-        the end (< 0); otherwise its row in the receive buffer, which holds the received rows
-        piece by piece, peers in rank order (the unique keys less this rank's own, in order)."""
+        Returns:
+            ``(uniq, inverse, header, xbuf, pos)``. With a block ``layout`` the headers and the
+            keys share ``xbuf`` ``[2 (send, receive), world, elements]`` of the key dtype: per
+            peer the header (as int64 words), then, when the layout has a key capacity, the keys
+            meant for that peer, piece-major, as the owner's own row numbers; ``header`` is then
+            an int64 view of the header words (else ``xbuf`` is None). With ``mine``, ``pos`` is
+            per position of the batch where its row will be: for a key this rank owns, its shard
+            row counted from the end (< 0); otherwise its row in the receive buffer, which holds
+            the received rows piece by piece, peers in rank order. Else ``pos`` is None.
+        """
         n, dev = checked.numel(), checked.device
         keys = checked.to(self.key_dtype(spec, chunks))
         if offsets is not None:
@@ -300,7 +399,16 @@ class DedupGraph:
     """The dedup kernels of one (call, batch size) captured in a CUDA graph, with static input
     and outputs. A replay overwrites the outputs, so it first orders the stream after the last
     lookup that read them (``last_done``: recorded once that lookup has computed its positions,
-    the last use of the outputs)."""
+    the last use of the outputs).
+
+    Args:
+        deduper: the deduper whose :meth:`Deduper.compute` is captured.
+        spec: the table.
+        n: the batch length.
+        chunks: pipeline pieces.
+        tag: the call's tag.
+        block: the exchange block per peer.
+    """
 
     def __init__(self, deduper: Deduper, spec: TableSpec, n: int, chunks: int, tag: int, block: int):
         dev = deduper.device
@@ -318,6 +426,14 @@ class DedupGraph:
         self.last_done: torch.cuda.Event | None = None
 
     def replay(self, ids: torch.Tensor) -> tuple:
+        """Run the captured kernels on ``ids``.
+
+        Args:
+            ids: int64 ids on the device, of the captured batch length.
+
+        Returns:
+            The graph's static outputs, as :meth:`Deduper.compute` returns them.
+        """
         current = torch.cuda.current_stream(ids.device)
         if self.last_done is not None:
             current.wait_event(self.last_done)

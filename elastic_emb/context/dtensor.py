@@ -1,13 +1,11 @@
 """The context's rows as DTensors, for ``torch.distributed.checkpoint``.
 
-DTensor and DCP work only with process groups registered in ``torch.distributed``'s global
-state, which the context's private group is not; so the state dict uses the *default* group,
-which must be initialized with the same rank and world size as the context (torchrun's
-``init_process_group()`` gives exactly that). The mesh covers the owner ranks
-``0..ep_size-1`` only, because DTensor ``Shard(0)`` over that mesh is exactly the row layout of
-:mod:`elastic_emb.sharding`; ranks >= ep_size are outside it and hold empty local tensors. The
-local tensors are views of the arena, so a ``state_dict()`` costs no copy and DCP ``load`` into
-it writes the arena; a checkpoint saved at one world size loads at another.
+:func:`state_dict` gives each table's weight and slots as ``Shard(0)`` DTensors over the owner
+ranks of the *default* process group (views of the arena, no copy); :func:`load_state_dict`
+copies such a state back; :class:`MeshCache` keeps the DeviceMesh. A checkpoint saved at one
+world size loads at another.
+
+Design: ``docs/CONTEXT.md`` (section "DTensor view").
 """
 
 from __future__ import annotations
@@ -29,8 +27,19 @@ class MeshCache:
         self._cached: tuple | None = None
 
     def mesh(self, topology: Topology, device: torch.device):
-        """A DeviceMesh over the owner ranks of the default process group; raises
-        ``RuntimeError`` when that group is missing or does not match ``topology``."""
+        """A DeviceMesh over the owner ranks ``0..ep_size-1`` of the default process group.
+
+        Args:
+            topology: the context's topology, which the default group must match.
+            device: the context's device (its type names the mesh's device type).
+
+        Returns:
+            The mesh (cached while the default group stays the same).
+
+        Raises:
+            RuntimeError: when the default group is not initialised, or its rank or world size
+                differs from ``topology``'s.
+        """
         if not dist.is_initialized():
             raise RuntimeError(
                 "state_dict needs torch.distributed's default process group (DTensor and DCP only use "
@@ -52,8 +61,17 @@ class MeshCache:
 
 
 def state_dict(arena: Arena, tables: Mapping[str, TableSpec], mesh) -> dict:
-    """``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over ``mesh``,
-    local tensors the arena's own."""
+    """The arena's rows and slots as DTensors.
+
+    Args:
+        arena: the context's arena.
+        tables: every table, by name.
+        mesh: the owner ranks' mesh (:meth:`MeshCache.mesh`).
+
+    Returns:
+        ``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over ``mesh``,
+        whose local tensors are the arena's own.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     out = {}
@@ -69,8 +87,18 @@ def state_dict(arena: Arena, tables: Mapping[str, TableSpec], mesh) -> dict:
 
 
 def load_state_dict(arena: Arena, tables: Mapping[str, TableSpec], state: Mapping[str, object]) -> None:
-    """Copy the local shards of ``state`` (as :func:`state_dict` gives, possibly loaded by DCP)
-    into the arena. Raises ``KeyError`` for a missing key, ``ValueError`` for a wrong shape."""
+    """Copy the local shards of ``state`` into the arena.
+
+    Args:
+        arena: the context's arena.
+        tables: every table, by name.
+        state: as :func:`state_dict` gives it, possibly loaded by DCP; values are DTensors or
+            plain local tensors.
+
+    Raises:
+        KeyError: when a table's weight or slot is missing from ``state``.
+        ValueError: when a local tensor's shape differs from the arena's.
+    """
     from torch.distributed.tensor import DTensor
 
     for name in tables:

@@ -1,41 +1,13 @@
 """EmbContext: one generation's sharded embedding context, a communicator plus a memory arena.
 
-This is the PyTorch counterpart of a C++ ``AsyncEmbContext``: it is built for exactly one
-topology (world size and expert-parallel size), and everything in it is sized for that world.
-The class is a facade over small parts, each in its own module:
+:class:`EmbContext` is built for exactly one topology (world size and expert-parallel size) and
+is a facade over the parts of :mod:`elastic_emb.context`: collective ``lookup`` and
+``apply_gradients``; ``reset`` to the same world size (rows kept) and ``close`` (the
+communicator released, in the background if asked); ``export_shard`` / ``import_shard`` /
+``shard_views`` and a DTensor ``state_dict`` for resharding; ``take_changes`` for incremental
+commits; ``check_errors`` for the errors the GPU found.
 
-- :class:`~elastic_emb.context.group.Group`: the private process group (form, bounded waits,
-  health, release in the background);
-- :class:`~elastic_emb.context.arena.Arena`: one allocation for every table's rows and slots,
-  plus staging; :class:`~elastic_emb.context.arena.Rows` fills rows lazily;
-- :class:`~elastic_emb.context.exchange.HeaderExchange`: the count/tag/range header protocol that
-  opens every collective call;
-- :class:`~elastic_emb.context.dedup.Deduper`: sort-based dedup and its CUDA graphs;
-- :class:`~elastic_emb.context.lookup.LookupEngine`: the pipelined lookup and its handles;
-- :class:`~elastic_emb.context.gradients.GradientRouter`: sparse gradients to their owners;
-- :class:`~elastic_emb.context.parts.OpParts`: the group, dedup, arena and checks those two share;
-- :mod:`~elastic_emb.context.dtensor`: the rows as DTensors for DCP;
-- :class:`~elastic_emb.context.changes.ChangeTracker`: which rows were written since the last
-  :meth:`EmbContext.take_changes` (incremental commits);
-- :class:`~elastic_emb.context.checks.DeviceChecks`: errors the GPU finds (bad ids, non-finite
-  gradients), raised without the host waiting for the GPU.
-
-The group-bound parts (exchange, dedup, lookups, gradients) are rebuilt whenever the group or
-the arena changes (a ``reset``), so none of them ever sees a half-changed context.
-
-Lifecycle: ``reset(rank, world_size)`` re-forms the communicator for the same world size on a
-fresh store prefix; if the rank mapping changed, local shards move to their new owner over the
-new communicator so the table is kept. A different world size raises
-:class:`~elastic_emb.errors.WorldSizeChanged`. ``close()`` is idempotent: gloo shuts down; NCCL
-destroys when healthy and aborts when not (bounded by the timeout, in a thread);
-``close(wait=False)``, what the lifecycle does on a resize, leaves that release to a background
-thread while the next context forms (:func:`~elastic_emb.context.group.wait_releases`).
-Anything after ``close`` raises :class:`~elastic_emb.errors.ContextClosed`.
-
-Resharding: ``export_shard`` / ``import_shard`` hand the local rows and slots with their global
-row range to the lifecycle layer; ``shard_views`` gives the arena's own tensors for an in-place
-restore; ``state_dict`` exposes them as DTensors that DCP saves at one world size and loads at
-another.
+Design: ``docs/CONTEXT.md`` (sections "Parts" and "Life of a context").
 """
 
 from __future__ import annotations
@@ -81,21 +53,32 @@ def _close_open_contexts() -> None:
     # Communicators still being released in the background: let them finish before torch's
     # own teardown (bounded by their timeouts). Not the abandoned transfers an aborted gloo
     # group is held for: its daemon thread keeps it, so it is never destroyed (its destructor
-    # would wait for the transfer, up to the timeout: the exit after a re-form took 30 s).
+    # would wait for the transfer, up to the timeout).
     wait_releases(dropped=False)
 
 
 class EmbContext(ContextBase):
-    """A sharded embedding context for one topology. See the module docstring.
+    """A sharded embedding context for one topology: a private communicator plus a memory arena.
 
-    Args: ``topology`` (agreed record), ``store`` (the job's store), ``tables``, ``optimizer``,
-    ``device`` (default: ``cuda:local_rank`` on NCCL, else CPU), ``timeout`` (seconds, bounds
-    every wait), ``require_power_of_two`` (EP size rule), ``seed`` (initial rows; None: zeros),
-    ``staging_rows_per_rank`` (staging rows per peer, grown on demand), ``pipeline_chunks``
-    (lookup pieces; default 3 on NCCL, 1 on gloo; equal on every rank), ``high_priority_stream``
-    (NCCL; default on), ``capture_dedup`` (CUDA graphs for the dedup kernels),
-    ``nonfinite_gradients`` ("raise": refuse a gradient call with NaN/inf rows; "skip": update
-    the other rows; default from ``ELASTIC_EMB_NONFINITE_GRADIENTS``, else "raise").
+    Args:
+        topology: the agreed topology record.
+        store: the job's store (the context uses a private prefix of it).
+        tables: the tables; names must be unique.
+        optimizer: the row-wise optimizer the owners apply.
+        device: default ``cuda:<local_rank>`` on NCCL, else the CPU.
+        timeout: seconds; bounds every wait.
+        require_power_of_two: whether the EP size must be a power of two.
+        seed: the initial rows' seed; None: zeros.
+        staging_rows_per_rank: staging rows per peer, each direction (grown on demand).
+        pipeline_chunks: lookup pieces, equal on every rank; default 3 on NCCL, 1 on gloo.
+        high_priority_stream: NCCL's stream priority; default on for NCCL.
+        capture_dedup: whether the dedup kernels of large batches replay from CUDA graphs.
+        nonfinite_gradients: "raise" refuses a gradient call with NaN or infinite rows; "skip"
+            updates the other rows; default from ``ELASTIC_EMB_NONFINITE_GRADIENTS``, else "raise".
+
+    Raises:
+        ValueError: for a bad argument (timeout, tables, EP size, device, pipeline_chunks, ...).
+        CommunicationError: when the peers do not all form the group within ``timeout``.
     """
 
     tracks_changes = True
@@ -210,12 +193,29 @@ class EmbContext(ContextBase):
         return 0 if self._closed else self._arena.nbytes
 
     def arena_report(self) -> dict:
-        """Sizes of the arena's parts, for logs and benchmarks."""
+        """Sizes of the arena's parts, for logs and benchmarks.
+
+        Returns:
+            The device plus :meth:`~elastic_emb.context.arena.Arena.report`'s sizes and tables.
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("arena_report")
         return {"device": str(self.device), **self._arena.report(self._owned_all())}
 
     def owned(self, table: str) -> RowRange:
-        """The global rows of ``table`` this rank owns (empty on ranks >= ep_size)."""
+        """The global rows of ``table`` this rank owns (empty on ranks >= ep_size).
+
+        Args:
+            table: the table's name.
+
+        Returns:
+            The half-open range of global row indices.
+
+        Raises:
+            KeyError: for an unknown table.
+        """
         spec = self._spec(table)
         return owned_range(spec.num_rows, self.topology.ep_size, self.topology.rank)
 
@@ -228,7 +228,11 @@ class EmbContext(ContextBase):
 
     def mark_restored(self) -> None:
         """Declare that every row of every table was written through :meth:`shard_views` (a
-        restore did it), so the lazy initial fill is skipped."""
+        restore did it), so the lazy initial fill is skipped; every row counts as changed.
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("mark_restored")
         self._rows.written()
         self._changes.mark_all()
@@ -258,9 +262,25 @@ class EmbContext(ContextBase):
 
     def lookup(self, table: str, ids: torch.Tensor) -> LookupHandle:
         """Start a lookup of ``ids`` (collective: every rank calls it, possibly with no ids).
-        Returns before the row exchange completes; ``handle.wait()`` gives ``[len(ids), dim]``.
-        Raises :class:`~elastic_emb.errors.InvalidIds` on the rank whose ids are bad and
-        :class:`~elastic_emb.errors.PeerLookupError` on the others."""
+
+        Args:
+            table: the table's name.
+            ids: 1-D integer tensor of global row ids.
+
+        Returns:
+            A :class:`LookupHandle`, before the row exchange completes; ``handle.wait()`` gives
+            ``[len(ids), dim]``.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            KeyError: for an unknown table (after cancelling the call on the peers).
+            InvalidIds: on the rank whose ids are bad (on one rank with CUDA: at ``wait()``), or
+                for an error of an earlier call already read from the device.
+            NonFiniteGradients: for an earlier ``apply_gradients`` refused on the device.
+            PeerLookupError: on the other ranks when a rank's ids are bad.
+            CollectiveMismatch: when the ranks are in different calls.
+            CommunicationError: when the exchange fails or times out.
+        """
         self._check_open(f"lookup({table!r})")
         self._checks.raise_ready()
         self._materialise()
@@ -270,8 +290,25 @@ class EmbContext(ContextBase):
         return self._lookups.lookup(spec, ids, what)
 
     def apply_gradients(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
-        there; gradients of duplicate ids are summed (collective: every rank calls it)."""
+        """Route ``grads`` to the owners of ``ids`` and apply the optimizer there; gradients of
+        duplicate ids are summed (collective: every rank calls it).
+
+        Args:
+            table: the table's name.
+            ids: 1-D integer tensor of global row ids.
+            grads: ``[len(ids), dim]`` gradients.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            KeyError: for an unknown table (after cancelling the call on the peers).
+            InvalidIds: for bad ids or a ``grads`` shape that does not fit (on one rank with CUDA,
+                bad ids surface later: ``docs/CONTEXT.md``, section "Device checks").
+            NonFiniteGradients: with ``nonfinite_gradients="raise"``, when any rank's gradient
+                rows are NaN or infinite (no row of the call changes).
+            PeerLookupError: on the other ranks when a rank's input is bad.
+            CollectiveMismatch: when the ranks are in different calls.
+            CommunicationError: when an exchange fails or times out.
+        """
         self._check_open(f"apply_gradients({table!r})")
         self._checks.raise_ready()
         self._materialise()
@@ -280,7 +317,12 @@ class EmbContext(ContextBase):
         self._gradients.apply(spec, ids, grads, what)
 
     def barrier(self) -> None:
-        """Wait until every rank reaches this point (a small all-reduce, bounded by the timeout)."""
+        """Wait until every rank reaches this point (a small all-reduce, bounded by the timeout).
+
+        Raises:
+            ContextClosed: after ``close()``.
+            CommunicationError: when the all-reduce fails or times out.
+        """
         self._check_open("barrier")
         self._group.allreduce(torch.zeros(1, device=self.device), "barrier")
 
@@ -289,11 +331,23 @@ class EmbContext(ContextBase):
     def reset(self, rank: int, world_size: int, *, topology: Topology | None = None, store=None) -> None:
         """Re-form the communicator for the same world size (the rank mapping may change).
 
-        Raises ``ValueError`` for an invalid rank or world size, :class:`WorldSizeChanged` for a
-        different world size, ``ValueError`` for a non-power-of-two EP size (unless the rule is
-        off) or a changed EP size or backend. Rows are kept: if this process's rank changed, its
-        shard moves to the process that now holds its old rank. ``topology`` (with the new
-        generation) and ``store`` replace the context's when given.
+        Rows are kept: if this process's rank changed, its shard moves to the process that now
+        holds its old rank, and every row counts as changed.
+
+        Args:
+            rank: this process's new rank.
+            world_size: must equal the current world size.
+            topology: the new topology (with the new generation); default: the current one with
+                ``rank``.
+            store: replaces the context's store when given.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ValueError: for an invalid rank or world size, a topology that disagrees with them,
+                a non-power-of-two EP size (unless the rule is off), or a changed EP size or
+                backend.
+            WorldSizeChanged: for a different world size.
+            CommunicationError: when the new group does not form, or the row move fails.
         """
         self._check_open("reset")
         self._materialise()
@@ -325,7 +379,8 @@ class EmbContext(ContextBase):
 
     def _remap_rows(self, old_rank: int) -> int:
         """After a reset: move each process's resident arena to the process that now has its
-        old rank. One all-to-all of bytes; every rank takes part even when nothing moves."""
+        old rank. One all-to-all of bytes; every rank takes part even when nothing moves.
+        Returns the bytes moved (0: nothing moved)."""
         world, rank = self.topology.world_size, self.topology.rank
         olds = torch.zeros(world, dtype=torch.int64, device=self.device)
         olds[rank] = old_rank
@@ -350,20 +405,27 @@ class EmbContext(ContextBase):
     def interrupt(self, reason: str) -> None:
         """End a wait on the communicator now, and every later one (thread-safe): a peer is known
         to be gone (the in-process resize's liveness probe). A gloo transfer to a dead peer can
-        otherwise block until the timeout (``group.py``)."""
+        otherwise block until the timeout (``docs/CONTEXT.md``, section "Interrupt").
+
+        Args:
+            reason: why, named in the :class:`~elastic_emb.errors.TransferInterrupted` raised.
+        """
         if not self._closed:
             self._group.interrupt(reason)
 
     def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
-        """Release the communicator and the arena. Idempotent. ``abort`` forces (True) or forbids
-        (False) aborting the communicator; by default it aborts only when unhealthy.
+        """Release the communicator and the arena. Idempotent.
 
-        ``wait=False`` (what the lifecycle does on a resize) returns as soon as the context is
-        unusable and its arena is back in the allocator, for the next context to reuse: the NCCL
-        communicator is destroyed (or aborted) by a background thread, bounded by the timeout,
-        while the next context forms. :func:`~elastic_emb.context.group.wait_releases` waits for
-        those threads; each reports a ``context.group_released`` event, or
-        ``context.group_release_failed``."""
+        Args:
+            abort: True forces, False forbids aborting the communicator; None (default) aborts
+                only when unhealthy.
+            wait: False (what the lifecycle does on a resize) returns as soon as the context is
+                unusable and its arena is back in the allocator, for the next context to reuse:
+                the NCCL communicator is destroyed (or aborted) by a background thread, bounded by
+                the timeout, while the next context forms.
+                :func:`~elastic_emb.context.group.wait_releases` waits for those threads; each
+                reports a ``context.group_released`` event, or ``context.group_release_failed``.
+        """
         if self._closed:
             return
         started = time.monotonic()
@@ -401,7 +463,17 @@ class EmbContext(ContextBase):
     # -- shards --------------------------------------------------------------------------------
 
     def export_shard(self) -> dict[str, ShardData]:
-        """Copies of this rank's rows and slots of every table, with their global row range."""
+        """Copies of this rank's rows and slots of every table, with their global row range.
+
+        Returns:
+            Per table, a :class:`~elastic_emb.protocol.ShardData` of cloned tensors.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            InvalidIds: an unreported device error of an earlier call (also
+                :class:`~elastic_emb.errors.NonFiniteGradients`).
+            CommunicationError: the device did not finish its checks within the timeout.
+        """
         self._check_open("export_shard")
         self._checks.raise_all()
         self._materialise()
@@ -417,16 +489,30 @@ class EmbContext(ContextBase):
         the rows are not initialised by this call: a caller that wrote every row says so with
         :meth:`mark_restored`, anything else that reads rows initialises them first.
         The views are valid until ``close()`` or a ``reset`` that changes this rank's rank
-        (which re-lays the arena); take them again after either."""
+        (which re-lays the arena); take them again after either.
+
+        Returns:
+            Per table, a :class:`~elastic_emb.protocol.ShardData` of the arena's tensors.
+
+        Raises:
+            ContextClosed: after ``close()``.
+        """
         self._check_open("shard_views")
         a = self._arena
         return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name], slots=dict(a.slots[name]))
                 for name in self.tables}
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
-        """Overwrite this rank's rows with ``shards``: exactly this rank's owned range of every
-        table, with every optimizer slot. Local (no communication); raises ``ValueError`` naming
-        the table, range or shape that does not fit."""
+        """Overwrite this rank's rows with ``shards``. Local (no communication); every row then
+        counts as changed.
+
+        Args:
+            shards: exactly this rank's owned range of every table, with every optimizer slot.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            ValueError: naming the table, range or shape that does not fit.
+        """
         self._check_open("import_shard")
         self._lookups.settle()
         self._arena.check_import(shards, self._owned_all(), self.topology.rank, self.optimizer)
@@ -438,22 +524,49 @@ class EmbContext(ContextBase):
     # -- DTensor state dict -------------------------------------------------------------------
 
     def device_mesh(self):
-        """A DeviceMesh over the owner ranks ``0..ep_size-1`` of the default process group,
-        which must match this context's rank and world size (see :mod:`elastic_emb.context.dtensor`)."""
+        """A DeviceMesh over the owner ranks ``0..ep_size-1`` of the default process group.
+
+        Returns:
+            The mesh (cached while the default group stays the same).
+
+        Raises:
+            ContextClosed: after ``close()``.
+            RuntimeError: when the default group is missing or does not match this context's
+                rank and world size.
+        """
         self._check_open("device_mesh")
         return self._mesh.mesh(self.topology, self.device)
 
     def state_dict(self) -> dict:
-        """``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over the owner
-        ranks; local tensors are views of the arena (DCP ``load`` into them writes the arena)."""
+        """The rows and slots as DTensors for DCP.
+
+        Returns:
+            ``{"<table>.weight": DTensor, "<table>.<slot>": DTensor}``, ``Shard(0)`` over the
+            owner ranks; local tensors are views of the arena (DCP ``load`` into them writes it).
+
+        Raises:
+            ContextClosed: after ``close()``.
+            RuntimeError: when the default group is missing or does not match this context.
+            InvalidIds: an unreported device error of an earlier call (also
+                :class:`~elastic_emb.errors.NonFiniteGradients`).
+            CommunicationError: the device did not finish its checks within the timeout.
+        """
         mesh = self.device_mesh()
         self._checks.raise_all()
         self._materialise()
         return state_dict(self._arena, self.tables, mesh)
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        """Copy the local shards of ``state`` (as returned by :meth:`state_dict`, possibly
-        loaded by DCP) into the arena."""
+        """Copy the local shards of ``state`` into the arena; every row then counts as changed.
+
+        Args:
+            state: as returned by :meth:`state_dict`, possibly loaded by DCP.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            KeyError: when a table's weight or slot is missing.
+            ValueError: when a local shape differs from the arena's.
+        """
         self._check_open("load_state_dict")
         self._lookups.settle()
         self._materialise()  # a state dict may cover only some slots; the rest keep their values
@@ -470,16 +583,36 @@ class EmbContext(ContextBase):
         or a ``reset`` that moved this rank's rows. The lazy fill from the seed does not count. The
         caller owns the returned masks (fresh ones are swapped in; no host sync). A caller whose
         baseline is the state just restored takes (and drops) the masks right after the restore.
-        Raises a pending device error first (see :meth:`check_errors`)."""
+
+        Returns:
+            Per table, the bool mask.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            InvalidIds: a pending device error, raised first (see :meth:`check_errors`; also
+                :class:`~elastic_emb.errors.NonFiniteGradients`).
+            CommunicationError: the device did not finish its checks within the timeout.
+        """
         self._check_open("take_changes")
         self._checks.raise_all()
         return self._changes.take()
 
     def take_changed_rows(self, unique: bool = True) -> dict[str, torch.Tensor | None]:
-        """The rows :meth:`take_changes` would mark, as per-table int64 tensors of local row
-        numbers (None: every row), at a cost proportional to the rows written, not to the shard.
-        ``unique=False``: duplicates and entries equal to the local row count (no row) included,
-        no host sync (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`)."""
+        """The rows :meth:`take_changes` would mark, at a cost proportional to the rows written,
+        not to the shard.
+
+        Args:
+            unique: False: duplicates and entries equal to the local row count (no row) included,
+                and no host sync (see :meth:`elastic_emb.context.changes.ChangeTracker.take_rows`).
+
+        Returns:
+            Per table, an int64 tensor of local row numbers (None: every row).
+
+        Raises:
+            ContextClosed: after ``close()``.
+            InvalidIds: a device error (with ``unique``: any pending one, waited for; else only
+                one already read; also :class:`~elastic_emb.errors.NonFiniteGradients`).
+        """
         self._check_open("take_changed_rows")
         if unique:
             self._checks.raise_all()
@@ -488,14 +621,24 @@ class EmbContext(ContextBase):
         return self._changes.take_rows(unique)
 
     def hold_writes(self, event) -> None:
-        """A device-side commit capture reads rows until the CUDA ``event``: every later write
-        waits for it on the device (no host sync), so no row changes while it is captured."""
+        """A device-side commit capture reads rows until ``event``: every later write waits for
+        it on the device (no host sync), so no row changes while it is captured.
+
+        Args:
+            event: the CUDA event recorded once the capture has read its rows.
+        """
         self._changes.hold(event)
 
     def check_errors(self) -> None:
         """Wait (bounded by the timeout) until the device has checked every call made so far, and
-        raise the first error it found: :class:`~elastic_emb.errors.InvalidIds` or
-        :class:`~elastic_emb.errors.NonFiniteGradients` (see :mod:`elastic_emb.context.checks`)."""
+        raise the first error it found.
+
+        Raises:
+            ContextClosed: after ``close()``.
+            InvalidIds: a call's ids were out of range.
+            NonFiniteGradients: a gradient call was refused for NaN or infinite rows.
+            CommunicationError: the device did not finish its checks within the timeout.
+        """
         self._check_open("check_errors")
         self._checks.raise_all()
 

@@ -1,31 +1,11 @@
 """The count exchange: the header protocol every collective call of a context starts with.
 
-Before any id or row moves, every rank sends every peer a fixed-size header (int64 words):
+Before any id or row moves, every rank sends every peer a fixed-size int64 header (per-piece
+counts, the call's tag, the batch's smallest and largest id and length, the block it wants, the
+rows it flags), so every rank learns alike whether ids are out of range, a peer cancelled, or
+ranks are in different calls. :class:`HeaderExchange` runs it; :func:`call_tag` names a call.
 
-    counts[0.._MAX_CHUNKS)   ids meant for that peer, per pipeline piece (-1: poison, the
-                             sender failed before counting and cancels the call)
-    tag                      which call this is: operation, table, pieces (:func:`call_tag`)
-    lo, hi                   the smallest and largest id of the sender's batch
-    len                      the sender's batch length
-    want                     the exchange block the sender would like (bytes; see below)
-    flagged                  rows the sender flags: for gradients, rows whose gradient is NaN or
-                             infinite (every rank then refuses or skips them alike)
-
-So every rank learns in that one exchange, and all alike, whether anyone's ids are out of range
-(that rank raises :class:`~elastic_emb.errors.InvalidIds` naming the id, the others
-:class:`~elastic_emb.errors.PeerLookupError`: nobody hangs) or whether ranks are in different
-calls (:class:`~elastic_emb.errors.CollectiveMismatch`, instead of trading wrong rows). The
-header always carries :data:`MAX_CHUNKS` counts, so two ranks in different calls still exchange
-equal byte counts (gloo aborts on a size mismatch).
-
-The block: while :attr:`HeaderExchange.block_bytes` is 0 the headers travel alone. A large
-lookup asks for a block in its header; every rank reads the same headers and grows the block
-alike, before any error is raised, so all keep the same size. From then on every exchange sends
-a block of that many bytes per peer, the header first; a lookup may lay its unique keys behind
-the header (see :mod:`elastic_emb.context.dedup`), so ids need no exchange of their own.
-
-On CUDA the headers' copy to pinned host memory is queued behind the exchange and the host polls
-one event: this is the call's one host synchronisation.
+Design: ``docs/CONTEXT.md`` (section "The count exchange").
 """
 
 from __future__ import annotations
@@ -50,22 +30,56 @@ _OPS = {OP_LOOKUP: "lookup", OP_GRADIENTS: "apply_gradients"}
 
 
 def header_words(key_dtype: torch.dtype) -> int:
-    """How many elements of ``key_dtype`` one header takes in the fused count + id buffer."""
+    """How many elements of ``key_dtype`` one header takes in the fused count + id buffer.
+
+    Args:
+        key_dtype: the keys' dtype (int32 or int64).
+
+    Returns:
+        :data:`HEADER_WIDTH` int64 words, counted in elements of ``key_dtype``.
+    """
     return HEADER_WIDTH * (8 // torch.empty((), dtype=key_dtype).element_size())
 
 
 def call_tag(names: Sequence[str], op: int, table: str, chunks: int = 1) -> int:
     """Identifies a call (operation, table, pipeline pieces) so the count exchange can prove
-    that every rank is in the same call. ``names``: the context's table names, sorted."""
+    that every rank is in the same call.
+
+    Args:
+        names: the context's table names, sorted.
+        op: :data:`OP_LOOKUP` or :data:`OP_GRADIENTS`.
+        table: the table's name (an unknown one gets a reserved index).
+        chunks: pipeline pieces.
+
+    Returns:
+        The tag, an int.
+    """
     idx = names.index(table) if table in names else (1 << 20) - 1
     return (chunks << 40) | (op << 20) | idx
 
 
 def tag_op(tag: int) -> int:
+    """The operation of a call.
+
+    Args:
+        tag: a :func:`call_tag`.
+
+    Returns:
+        :data:`OP_LOOKUP` or :data:`OP_GRADIENTS`.
+    """
     return (tag >> 20) & 0xFFFFF
 
 
 def describe_tag(names: Sequence[str], tag: int) -> str:
+    """A call, for messages.
+
+    Args:
+        names: the context's table names, sorted.
+        tag: a :func:`call_tag`.
+
+    Returns:
+        E.g. ``"lookup('t') in 3 chunk(s)"``.
+    """
     chunks, rest = divmod(tag, 1 << 40)
     op, idx = divmod(rest, 1 << 20)
     table = names[idx] if idx < len(names) else "<unknown table>"
@@ -73,7 +87,16 @@ def describe_tag(names: Sequence[str], tag: int) -> str:
 
 
 def range_error(spec: TableSpec, lo: int, hi: int) -> str | None:
-    """Why ids spanning ``[lo, hi]`` are invalid for ``spec`` (None when they are valid)."""
+    """Why ids spanning ``[lo, hi]`` are invalid for ``spec``.
+
+    Args:
+        spec: the table.
+        lo: the smallest id.
+        hi: the largest id.
+
+    Returns:
+        A message naming the first bad id, or None when every id is valid.
+    """
     if lo >= 0 and hi < spec.num_rows:
         return None
     bad = lo if lo < 0 else hi
@@ -82,7 +105,15 @@ def range_error(spec: TableSpec, lo: int, hi: int) -> str | None:
 
 
 class HeaderExchange:
-    """Runs the count exchange of one context's group (see the module docstring)."""
+    """Runs the count exchange of one context's group.
+
+    Args:
+        group: the context's private group.
+        topology: the context's topology.
+        device: the context's device.
+        names: the context's table names.
+        log_: the context's logger.
+    """
 
     def __init__(self, group: Group, topology: Topology, device: torch.device, names: Sequence[str], log_):
         self.group = group
@@ -96,8 +127,16 @@ class HeaderExchange:
         self._host: dict = {}  # CUDA: pinned host copies of the headers, per shape
 
     def template(self, tag: int) -> torch.Tensor:
-        """``[2, world, width]`` int64: row 0 the headers to send (tag filled in), row 1 where the
-        peers' land; one buffer, so one copy to the host reads both."""
+        """The header buffer of a call (cached per tag); one buffer, so one copy to the host
+        reads both halves.
+
+        Args:
+            tag: the call's tag.
+
+        Returns:
+            ``[2, world, width]`` int64 on the device: row 0 the headers to send (tag filled
+            in), row 1 where the peers' land. Callers clone it before writing.
+        """
         template = self._templates.get(tag)
         if template is None:
             template = torch.zeros(2, self.topology.world_size, HEADER_WIDTH, dtype=torch.int64)
@@ -125,15 +164,29 @@ class HeaderExchange:
 
     def exchange(self, hdr: torch.Tensor, chunks: int, what: str, tag: int, spec: TableSpec | None = None,
                  xbuf: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]], int, int]:
-        """All-to-all of a header per peer (``hdr[0]``, see :meth:`template`); returns (sent,
-        received) counts as ``[peer][chunk]`` lists, the longest batch of any rank and the rows
-        flagged by all ranks together.
+        """All-to-all of a header per peer (``hdr[0]``, see :meth:`template`); grows the block
+        when a peer asks for more. Every error is raised before any id or row travels.
 
-        With a block (``block_bytes`` > 0) ``xbuf`` is the ``[2, world, words]`` buffer whose
-        words start with the headers (``hdr`` views them). ``spec`` range-checks the batches.
-        Raises :class:`InvalidIds` on the rank whose ids are out of range, :class:`PeerLookupError`
-        on the others and on every rank when a peer sent poison, :class:`CollectiveMismatch` when
-        a rank is in a different call; all before any id or row travels."""
+        Args:
+            hdr: the headers, ``[2, world, width]`` int64.
+            chunks: pipeline pieces.
+            what: the call, for messages.
+            tag: the call's tag.
+            spec: the table, to range-check the batches; None: no range check.
+            xbuf: with a block (``block_bytes`` > 0), the ``[2, world, words]`` buffer whose
+                words start with the headers (``hdr`` views them).
+
+        Returns:
+            ``(sent, received, longest, flagged)``: the counts as ``[peer][chunk]`` lists, the
+            longest batch of any rank and the rows flagged by all ranks together.
+
+        Raises:
+            InvalidIds: on the rank whose ids are out of range.
+            PeerLookupError: on the others, and on every rank when a peer sent poison.
+            CollectiveMismatch: when a rank is in a different call.
+            CommunicationError: when the exchange fails or times out.
+            RuntimeError: when ``xbuf`` does not match the block size (an internal error).
+        """
         world, me = self.topology.world_size, self.topology.rank
         width = HEADER_WIDTH
         if not self.block_bytes:
@@ -188,7 +241,15 @@ class HeaderExchange:
         return sent, got, longest, sum(r[H_FLAGGED] for r in rows)
 
     def cancel(self, what: str, tag: int) -> None:
-        """Send poison in place of counts, so the peers raise instead of waiting for this rank."""
+        """Send poison in place of counts, so the peers raise instead of waiting for this rank.
+
+        Args:
+            what: the call, for messages.
+            tag: the call's tag.
+
+        Raises:
+            CommunicationError: when the exchange fails or times out.
+        """
         chunks = max(1, tag >> 40)
         xbuf = None
         if self.block_bytes:

@@ -1,23 +1,13 @@
 """Row gather from two sources in one pass: the last step of a sharded lookup.
 
-A lookup's result row i is either a row this rank owns (in its table shard) or a row a peer
-sent (in the receive buffer). Gathering the owned rows into the receive buffer first and then
-reordering that buffer into the caller's order moves every owned row twice, and gathers
-compete with the row exchange for memory bandwidth. :func:`gather_rows` reads each result row
-straight from where it lives:
+- :func:`gather_rows`: each result row read straight from the receive buffer (``pos >= 0``) or
+  from this rank's shard (``pos < 0``, counted from its end);
+- :func:`gather_ids`: the one-source form for a world of one rank, with the range check counted
+  in a device record instead of a host sync;
+- :func:`kernel_status`: which path runs. On CUDA both are Triton kernels; elsewhere, or where
+  Triton fails, torch ops give the same result (the first failure is logged once).
 
-    pos[i] >= 0:  out[i] = received[pos[i]]
-    pos[i] <  0:  out[i] = table[len(table) + pos[i]]    (from the end, as Python indexes)
-
-On CUDA this is one Triton kernel (a block of rows per program, one masked load from each
-source, one store). Elsewhere, or where Triton is missing or fails to compile, the same result
-comes from torch ops (two gathers and a masked copy): slower, identical. The first failure is
-logged once and the torch path is used from then on.
-
-:func:`gather_ids` is the one-source form for a world of one rank, with the range check folded
-in: ``out[i] = table[ids[i]]``, and ids outside the table are counted (and the first one's
-position kept) in a device record instead of being read, so the check needs no host sync
-(:mod:`elastic_emb.context.checks`).
+Design: ``docs/CONTEXT.md`` (section "Row gather").
 """
 
 from __future__ import annotations
@@ -90,10 +80,19 @@ def _usable(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor) -> b
 
 
 def gather_rows(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Fill ``out`` ``[len(pos), dim]`` from ``received`` (``pos >= 0``) and ``table``
-    (``pos < 0``: row ``len(table) + pos``); returns ``out``. ``pos`` is int64 on ``out``'s device.
-    Indices are trusted (the lookup computed them); the torch path checks them, the kernel
-    does not."""
+    """Fill ``out`` from ``received`` (``pos >= 0``) and ``table`` (``pos < 0``: row
+    ``len(table) + pos``). Indices are trusted (the lookup computed them); the torch path checks
+    them, the kernel does not.
+
+    Args:
+        out: ``[len(pos), dim]``, written.
+        table: this rank's shard.
+        received: the receive buffer.
+        pos: int64 on ``out``'s device, one source per result row.
+
+    Returns:
+        ``out``.
+    """
     global _kernel_failed
     n = pos.numel()
     if n == 0:
@@ -168,10 +167,19 @@ def _launch_direct(args: tuple, stream=None) -> bool:
 def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record: torch.Tensor,
                stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """``out[i] = table[ids[i]]`` for ``ids`` in ``[0, len(table))``; an id outside reads row 0
-    instead and is counted in ``record`` (int64 on the device): ``record[0] +=`` the count,
-    ``record[1] = max(record[1], len(ids) - position of the first bad id)``. ``ids`` is int64
-    on ``out``'s device; ``table`` has at least one row. Runs on ``stream`` (default: the
-    current one). No host synchronisation. Returns ``out``."""
+    instead and is counted in ``record``. No host synchronisation.
+
+    Args:
+        out: ``[len(ids), dim]``, written.
+        table: the shard, at least one row.
+        ids: int64 on ``out``'s device.
+        record: int64 on the device: ``record[0] +=`` the count of bad ids,
+            ``record[1] = max(record[1], len(ids) - position of the first bad id)``.
+        stream: the stream to run on (default: the current one).
+
+    Returns:
+        ``out``.
+    """
     global _kernel_failed
     n = ids.numel()
     if n == 0:
@@ -202,7 +210,12 @@ def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record
 
 
 def kernel_status() -> str:
-    """'triton', 'torch (no triton)' or 'torch (kernel failed: ...)', for logs and benchmarks."""
+    """Which gather path runs, for logs and benchmarks.
+
+    Returns:
+        ``'triton'`` (with how kernels are launched), ``'torch (no triton)'`` or
+        ``'torch (kernel failed: ...)'``.
+    """
     if triton is None:
         return "torch (no triton)"
     if _kernel_failed is not None:

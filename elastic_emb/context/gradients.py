@@ -1,26 +1,12 @@
 """Sparse gradients: routed to the owners of their rows and applied there.
 
-``apply_gradients(table, ids, grads)`` is collective. Duplicates are summed locally (the same
-sort-based dedup as a lookup, :mod:`elastic_emb.context.dedup`, with its count exchange and its
-checks), the unique rows and their summed gradients travel to their owners (two all-to-alls:
-ids, then gradients), and the owner sums again across senders and applies the optimizer
-(:mod:`elastic_emb.context.optim`) to unique rows. Lookups in flight are settled first, so they
-return the rows as they were when they started. Every row written is marked in the context's
-:class:`~elastic_emb.context.changes.ChangeTracker`.
+:class:`GradientRouter` serves ``apply_gradients``: duplicates summed locally (the lookup's
+dedup and count exchange), unique rows and their sums sent to their owners (ids, then
+gradients), summed again there and handed to :mod:`elastic_emb.context.optim`; rows with NaN or
+infinite gradients refuse the call or are skipped alike on every rank. A world of one rank runs
+the whole update on the device, without a host sync.
 
-Non-finite gradients: each rank counts the unique rows of its batch whose gradient is NaN or
-infinite and sends the count in the count-exchange header, so every rank learns the world's
-total before any gradient moves. With ``nonfinite="raise"`` (the default) every rank then raises
-:class:`~elastic_emb.errors.NonFiniteGradients` (table, rows) and no row of the call changes;
-with ``"skip"`` the other rows are updated, those rows are left as they were, and a
-``context.nonfinite_gradients_skipped`` event counts them. An owner also leaves alone any row
-whose summed gradient overflowed to infinity.
-
-The owner sums by sorting (:func:`_sum_by_row`), so it needs no output size on the host: with
-more ranks the count exchange is the call's one host synchronisation. A world of one rank has
-nobody to exchange with: there the whole update runs on the device without any (dedup, sum,
-checks, optimizer, change marks), the verdict goes into a device record, and errors surface as
-:mod:`elastic_emb.context.checks` describes.
+Design: ``docs/CONTEXT.md`` (section "Gradients").
 """
 
 from __future__ import annotations
@@ -39,7 +25,16 @@ from elastic_emb.sharding import owned_range
 
 
 class GradientRouter:
-    """Applies one context's sparse gradients over one group and arena."""
+    """Applies one context's sparse gradients over one group and arena.
+
+    Args:
+        parts: what the lookups and the gradients share.
+        optimizer: the row-wise optimizer.
+        settle: called before rows are written (the lookup engine's
+            :meth:`~elastic_emb.context.lookup.LookupEngine.settle`).
+        tracker: where written rows are marked.
+        nonfinite: "raise" or "skip" (see :class:`~elastic_emb.context.emb.EmbContext`).
+    """
 
     def __init__(self, parts: OpParts, optimizer: OptimizerSpec, settle, tracker: ChangeTracker,
                  nonfinite: str = "raise"):
@@ -50,9 +45,23 @@ class GradientRouter:
         self.nonfinite = nonfinite
 
     def apply(self, spec: TableSpec, ids, grads, what: str) -> None:
-        """Route ``grads`` (``[len(ids), dim]``) to the owners of ``ids`` and apply the optimizer
-        there. Raises :class:`InvalidIds` (after cancelling the call on the peers) for a shape
-        mismatch or bad ids."""
+        """Route ``grads`` to the owners of ``ids`` and apply the optimizer there.
+
+        Args:
+            spec: the table.
+            ids: the caller's ids.
+            grads: ``[len(ids), dim]`` gradients.
+            what: the call, for messages.
+
+        Raises:
+            InvalidIds: for a shape mismatch (after cancelling the call on the peers) or bad ids
+                (in a world of one rank on CUDA, bad ids surface from the device record later).
+            NonFiniteGradients: with ``nonfinite="raise"``, when any rank's rows have NaN or
+                infinite gradients (no row changes).
+            PeerLookupError: when another rank's input is bad.
+            CollectiveMismatch: when the ranks are in different calls.
+            CommunicationError: when an exchange fails or times out.
+        """
         parts = self.parts
         tag = call_tag(parts.names, OP_GRADIENTS, spec.name)
         shape_ok = (

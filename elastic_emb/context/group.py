@@ -1,52 +1,13 @@
-"""The context's private process group: form, wait on, release.
+"""The context's private process group: form, wait on, interrupt, release.
 
-A context talks over a process group of its own, built directly from a backend
-(``ProcessGroupGloo`` or ``ProcessGroupNCCL``) on a store prefix private to the generation
-(:func:`elastic_emb.store.generation_store`) and to this construction or reset, with an
-explicit timeout. It is *not* the default process group and is not registered with
-``torch.distributed``'s global state, so two contexts (the old and the new one during a live
-reshard) can live in one process, and the user's own default group is never touched. Each rank
-counts its own constructions/resets within the generation; the k-th one on every rank pairs with
-the k-th on the others, so re-forming never reuses keys (reused keys hang).
+- :class:`Group`: a gloo or NCCL group built from its backend on a store prefix private to the
+  generation and construction (not registered with ``torch.distributed``), its bounded waits and
+  its health; :meth:`Group.interrupt` ends every wait at once when a peer is known to be gone;
+- :class:`Release` and :func:`wait_releases`: the bounded destroy or abort, in the background if
+  asked, holding an aborted group until its abandoned transfers end;
+- :func:`apply_nccl_defaults`: :data:`NCCL_DEFAULTS` (``NCCL_CUMEM_ENABLE=0`` unless set).
 
-:class:`Group` is that communicator plus its health: every wait is bounded, and a collective that
-fails or times out raises :class:`~elastic_emb.errors.CommunicationError` and marks the group
-unhealthy (the context then aborts it on close instead of destroying it).
-
-Interrupt: a gloo transfer to a peer that died can stay blocked until the group's timeout (gloo
-does not fail a send already queued on a connection when that connection breaks, and aborting
-the group does not wake its waiter; seen: a SIGKILLed peer cost its survivor 10 s).
-:meth:`Group.interrupt` (called by whoever learns first that a peer is gone: the in-process
-resize's liveness probe, ``resize.py``) and :meth:`Group.release` end every wait on the group at
-once with :class:`~elastic_emb.errors.TransferInterrupted` (a ``CommunicationError``); the
-abandoned transfer runs out on gloo's thread, holding its own tensors (``work_wait.py``, shared
-with the state tiers' communicator, which also remembers the work it abandoned).
-
-Who drops the group last: the destructor of a gloo group joins its worker threads, so it blocks
-until an abandoned transfer times out (gloo's abort returns in milliseconds). The thread that
-drops the last reference pays that, so an aborted group's :class:`Release` holds a reference of
-its own until the abandoned work is complete: a caller (or any other holder, the committer's
-state communicator) that drops its reference meanwhile never waits for the transfer. Seen before:
-the background release dropped its reference first, the caller's return from :meth:`release`
-dropped the last one, and a survivor meant to leave at the liveness probe sat out gloo's 30 s.
-A waited release (``wait=True``: ``EmbContext.reset`` of an unhealthy group) aborts before it
-returns and leaves the holding to a thread too (it blocked the re-form for the timeout), and the
-exit waits for the aborts only (:func:`wait_releases` ``dropped=False``): the holding thread is a
-daemon, so such a group is never destroyed and the process does not sit out the transfer.
-
-Release: gloo is aborted (closing this rank's connections; a healthy close has drained every
-pending collective first), by a background thread after an interrupt. NCCL is destroyed when
-healthy and aborted when not, bounded by the timeout in a thread (a destroy still running past it
-means a peer is gone, and is followed by an abort). ``wait=False`` hands that to a background
-thread (:class:`Release`) while the next context forms; :func:`wait_releases` waits for those
-threads.
-
-NCCL settings: the first NCCL group of a process sets ``NCCL_CUMEM_ENABLE=0`` unless the
-environment sets it (:data:`NCCL_DEFAULTS`). With cuMem buffers (NCCL's default since 2.19) a new
-communicator connects and destroys several times slower on the same hardware at equal bandwidth
-(``bench/nccl_setup.py`` measures both; BENCHMARKS.md holds the figures); a resize destroys and
-builds a communicator, so this is most of its cost. Set ``NCCL_CUMEM_ENABLE=1`` yourself where
-cuMem is required (multi-node NVLink, NVLS multicast).
+Design: ``docs/CONTEXT.md`` (section "The private process group").
 """
 
 from __future__ import annotations
@@ -73,10 +34,13 @@ _nccl_defaults_applied = False
 
 
 def apply_nccl_defaults() -> dict[str, str]:
-    """Set :data:`NCCL_DEFAULTS` where the environment does not; returns what was set. Called by
-    the first NCCL context of the process (it must precede the process's first NCCL
-    communicator to take effect); callers that create NCCL communicators of their own earlier
-    can call it first."""
+    """Set :data:`NCCL_DEFAULTS` where the environment does not. Called by the first NCCL
+    context of the process (it must precede the process's first NCCL communicator to take
+    effect); callers that create NCCL communicators of their own earlier can call it first.
+
+    Returns:
+        The variables set by this call, with their values.
+    """
     global _nccl_defaults_applied
     applied = {}
     for key, value in NCCL_DEFAULTS.items():
@@ -91,9 +55,17 @@ def apply_nccl_defaults() -> dict[str, str]:
 
 
 def poll(ready, timeout: float) -> bool:
-    """Call ``ready()`` until it is true (True) or ``timeout`` seconds pass (False): yield the
-    core between calls for the first ~2000, then sleep 0.2 ms, so a wait of a few ms is noticed
-    at once and a long one does not burn a core."""
+    """Call ``ready()`` until it is true or ``timeout`` seconds pass: yield the core between
+    calls for the first ~2000, then sleep 0.2 ms, so a short wait is noticed at once and a long
+    one does not burn a core.
+
+    Args:
+        ready: a callable without arguments.
+        timeout: seconds.
+
+    Returns:
+        True once ``ready()`` returned true, False when the time ran out.
+    """
     deadline = time.monotonic() + timeout
     spins = 0
     while not ready():
@@ -105,7 +77,16 @@ def poll(ready, timeout: float) -> bool:
 
 
 class Group:
-    """A formed private process group, its timeout and its health."""
+    """A formed private process group, its timeout and its health (use :meth:`form`).
+
+    Args:
+        pg: the ``ProcessGroup``.
+        backend: its backend object (held until release).
+        topology: the context's topology.
+        device: the context's device.
+        timeout: seconds; bounds every wait.
+        log_: the context's logger.
+    """
 
     def __init__(self, pg, backend, topology: Topology, device: torch.device, timeout: float, log_):
         self.pg = pg
@@ -121,8 +102,24 @@ class Group:
     @classmethod
     def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
              high_priority_stream: bool, log_) -> "Group":
-        """A process group private to this construction or reset, connected and probed; raises
-        :class:`CommunicationError` when the peers do not all form it within ``timeout``."""
+        """A process group private to this construction or reset, connected and probed.
+
+        Args:
+            topology: the context's topology (backend, rank, world size, generation).
+            store: the job's store; the group uses a prefix private to the generation and to
+                this rank's construction count.
+            device: the context's device.
+            timeout: seconds; bounds forming and every later wait.
+            high_priority_stream: NCCL: run the communicator's stream at high priority.
+            log_: the context's logger.
+
+        Returns:
+            The formed :class:`Group`.
+
+        Raises:
+            CommunicationError: when the peers do not all form it within ``timeout``, or the
+                construction probe fails.
+        """
         started = time.monotonic()
         gen_store = generation_store(store, topology, "ctx")
         instance = int(gen_store.add(f"instances/rank{topology.rank}", 1))
@@ -163,7 +160,8 @@ class Group:
         return group
 
     def _probe(self) -> None:
-        """The first collective connects: do it now, so construction fails here, not in a lookup."""
+        """The first collective connects: do it now, so construction fails here, not in a lookup.
+        Raises CommunicationError when a probe returns the wrong values."""
         size, rank = self.topology.world_size, self.topology.rank
         probe = torch.ones(1, device=self.device)
         self.wait(self.pg.allreduce([probe]), None, "construction probe")
@@ -190,7 +188,16 @@ class Group:
         for a lookup of a few ms, so the host polls ``is_completed()`` itself with short sleeps
         when it needs the result (``host=True``), and otherwise only orders the current stream
         after the collective (``host=False``; the communicator's own timeout still bounds it).
-        Raises :class:`CommunicationError` (and marks the group unhealthy) on failure or timeout.
+
+        Args:
+            work: the collective's work object.
+            timeout: seconds; None: the group's.
+            what: the operation, for messages.
+            host: NCCL: whether the host waits for completion (else only the stream is ordered).
+
+        Raises:
+            TransferInterrupted: after :meth:`interrupt` (the group is then unhealthy).
+            CommunicationError: on failure or timeout (the group is then unhealthy).
         """
         t = self.timeout if timeout is None else timeout
         try:
@@ -221,12 +228,26 @@ class Group:
     def interrupt(self, reason: str) -> None:
         """End every wait on this group now and every later one at once (a peer is known to be
         gone; thread-safe): they raise :class:`~elastic_emb.errors.TransferInterrupted` (a
-        :class:`CommunicationError`) naming ``reason``."""
+        :class:`CommunicationError`) naming ``reason``.
+
+        Args:
+            reason: why, for the error.
+        """
         self._waits.interrupt(reason)
 
     def wait_event(self, event, timeout: float, what: str) -> None:
         """Poll a CUDA event until done, at most ``timeout`` seconds (host side), or until an
-        :meth:`interrupt` (:class:`~elastic_emb.errors.TransferInterrupted`)."""
+        :meth:`interrupt`.
+
+        Args:
+            event: the CUDA event.
+            timeout: seconds.
+            what: the operation, for messages.
+
+        Raises:
+            TransferInterrupted: after :meth:`interrupt` (the group is then unhealthy).
+            CommunicationError: when ``timeout`` passes (the group is then unhealthy).
+        """
         try:
             done = poll(lambda: self._waits.check(what) or event.query(), timeout)
         except TransferInterrupted:
@@ -236,7 +257,15 @@ class Group:
             raise self.timed_out(what, timeout)
 
     def timed_out(self, what: str, t: float) -> CommunicationError:
-        """The error for a wait that ran out (the group is then unhealthy)."""
+        """The error for a wait that ran out; marks the group unhealthy.
+
+        Args:
+            what: the operation, for the message.
+            t: the seconds waited.
+
+        Returns:
+            The :class:`CommunicationError` to raise.
+        """
         self.healthy = False
         return CommunicationError(
             f"{what} timed out after {t}s on rank {self.topology.rank} (generation "
@@ -247,7 +276,20 @@ class Group:
     # -- collectives ------------------------------------------------------------------------
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
-        """Start an all-to-all of ``inp`` into ``out`` (split sizes along dimension 0); returns the work."""
+        """Start an all-to-all of ``inp`` into ``out``.
+
+        Args:
+            out: the receive tensor.
+            inp: the send tensor.
+            out_splits: rows received from each rank (along dimension 0).
+            in_splits: rows sent to each rank.
+
+        Returns:
+            The work, to pass to :meth:`wait`.
+
+        Raises:
+            CommunicationError: when the collective cannot be started (the group is then unhealthy).
+        """
         try:
             return self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
         except Exception as exc:
@@ -255,16 +297,30 @@ class Group:
             raise CommunicationError(f"all-to-all failed on rank {self.topology.rank}: {exc}") from exc
 
     def allreduce(self, t: torch.Tensor, what: str) -> None:
-        """Sum ``t`` over the group, waited (bounded by the timeout)."""
+        """Sum ``t`` over the group in place, waited (bounded by the timeout).
+
+        Args:
+            t: the tensor, on the group's device.
+            what: the operation, for messages.
+
+        Raises:
+            CommunicationError: on failure or timeout.
+        """
         self.wait(self.pg.allreduce([t]), None, what)
 
     # -- release ----------------------------------------------------------------------------
 
     def release(self, abort: bool, wait: bool = True, keep=None) -> None:
-        """Release the communicator: destroy (``shutdown``) or ``abort``, bounded by the timeout.
-        ``wait=False`` (NCCL) hands the release to a background thread and returns at once;
-        ``keep`` (the arena, after a failure) stays alive until the release is done, in case a
-        stuck kernel still touches it. Idempotent."""
+        """Release the communicator: destroy (``shutdown``) or abort, bounded by the timeout.
+        Idempotent. Gloo is always aborted; an aborted group with abandoned transfers is held by
+        a daemon thread until they end.
+
+        Args:
+            abort: abort instead of destroying (ends every wait on the group first).
+            wait: False (NCCL) hands the release to a background thread and returns at once.
+            keep: an object (the arena, after a failure) kept alive until the release is done,
+                in case a stuck kernel still touches it.
+        """
         pg, self.pg, self._backend = self.pg, None, None
         if pg is None:
             return
@@ -277,7 +333,8 @@ class Group:
             # left a joinable thread behind when a peer had died ("terminate called without an
             # active exception" at interpreter exit), abort did not. After an abandoned wait the
             # group's destructor blocks until the transfer times out: a Release aborts it and a
-            # thread holds the group until then, whether or not the caller waits (module docstring).
+            # thread holds the group until then, whether or not the caller waits
+            # (docs/CONTEXT.md, section "Who drops the group last").
             try:
                 pg.abort()
             except Exception as exc:  # reported, not swallowed silently
@@ -301,7 +358,16 @@ class Release:
     means a peer is gone, and is followed by an abort; an abort still running after another
     ``timeout`` is reported and left to the process's exit. The group is dropped (by this
     thread) only once the ``abandoned`` works are complete, at most ``timeout`` after the call:
-    before then its destructor would block whoever dropped it last."""
+    before then its destructor would block whoever dropped it last.
+
+    Args:
+        pg: the process group.
+        method: ``"shutdown"`` or ``"abort"``.
+        timeout: seconds each step is bounded by.
+        log_: the context's logger.
+        keep: an object kept alive until the group is dropped (the arena after a failure).
+        abandoned: works abandoned by interrupted waits.
+    """
 
     def __init__(self, pg, method: str, timeout: float, log_, keep=None, abandoned=()):
         self.pg, self.method, self.timeout, self._log, self._keep = pg, method, timeout, log_, keep
@@ -327,6 +393,7 @@ class Release:
         return not t.is_alive()
 
     def run(self) -> None:
+        """The whole release: :meth:`release_communicator`, then :meth:`hold`."""
         try:
             self.release_communicator()
         finally:
@@ -349,7 +416,11 @@ class Release:
             self.released.set()
 
     def holding(self) -> bool:
-        """Whether an abandoned work still runs (dropping the group now would wait for it)."""
+        """Whether an abandoned work still runs.
+
+        Returns:
+            True when dropping the group now would wait for a transfer.
+        """
         return not all(w.is_completed() for w in self._abandoned)
 
     def hold(self) -> None:
@@ -365,8 +436,11 @@ class Release:
             self.done.set()
 
     def start(self, target=None) -> None:
-        """Run the release (or ``target``, one of its parts) in a daemon thread, for
-        :func:`wait_releases`."""
+        """Run the release in a daemon thread, registered for :func:`wait_releases`.
+
+        Args:
+            target: one of its parts to run instead (default: :meth:`run`).
+        """
         with _RELEASES_LOCK:
             _RELEASES.append(self)
         self.thread = threading.Thread(target=target or self.run, name="elastic_emb-release", daemon=True)
@@ -378,13 +452,20 @@ _RELEASES_LOCK = threading.Lock()
 
 
 def wait_releases(timeout: float | None = None, *, dropped: bool = True) -> list[dict]:
-    """Wait for the communicators that ``close(wait=False)`` handed to background threads, at
-    most ``timeout`` seconds in all (default: each release's own bound, twice the context's
-    timeout). ``dropped=False`` waits only until each destroy or abort has returned, not for
-    the abandoned transfers a group is held for (what the exit does: the holding thread is a
-    daemon, so the group is never destroyed, and the process does not sit out gloo's timeout).
-    Returns one record per release: method, seconds, error (None when clean), done (the group
-    dropped), released (its destroy or abort returned)."""
+    """Wait for the communicators that ``close(wait=False)`` handed to background threads.
+    Finished releases are forgotten.
+
+    Args:
+        timeout: seconds in all; None: each release's own bound (twice the context's timeout).
+        dropped: False waits only until each destroy or abort has returned, not for the
+            abandoned transfers a group is held for (what the exit does: the holding thread is a
+            daemon, so the group is never destroyed and the process does not sit out gloo's
+            timeout).
+
+    Returns:
+        One record per release: method, seconds, error (None when clean), done (the group
+        dropped), released (its destroy or abort returned).
+    """
     with _RELEASES_LOCK:
         pending = list(_RELEASES)
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,32 +1,12 @@
 """The pipelined lookup: ids in, rows out, with the exchange overlapped by the gathers.
 
-A :class:`LookupEngine` serves one context's lookups for one communicator and arena (the
-context builds a new one when either changes). ``lookup(spec, ids)``:
+:class:`LookupEngine` serves one context's lookups for one communicator and arena: dedup and
+count exchange (the one host sync), one id exchange unless the ids rode with the counts, then
+the rows piece by piece, each piece's gather overlapping the previous piece's all-to-all, and
+the result assembled on a side stream (CUDA) or in ``wait()`` (CPU). A world of one rank is one
+gather from the shard. :class:`LookupHandle` is a lookup in flight.
 
-1. Deduplicate per pipeline piece and exchange counts (:mod:`elastic_emb.context.dedup` and
-   :mod:`elastic_emb.context.exchange`): the lookup's only host synchronisation, which also
-   range-checks every rank's ids and proves every rank is in the same call.
-2. The ids: when they came in the count exchange (large lookups of wide tables) they are used as
-   they came; otherwise one id all-to-all serves every piece.
-3. Per piece, the owner gathers the rows asked of it and starts that piece's row all-to-all
-   (``async_op``; on NCCL the communicator's stream at high priority), so gathering piece k+1
-   overlaps sending piece k. Rows a rank owns itself never enter an exchange.
-4. The result is assembled per piece in one pass. On CUDA each row, duplicates expanded, is read
-   from the receive buffer or straight from the shard (:func:`elastic_emb.context.gather.gather_rows`,
-   a Triton kernel), queued at once on a stream of the engine's own: piece k is assembled as soon
-   as it lands, and the caller's stream is not held up meanwhile. On the CPU, where that would
-   take two passes, own rows are first gathered once behind the received rows and the result is
-   one index_select, done in ``wait()``.
-
-A lookup returns the rows as they were at ``lookup()``: before the context writes rows it calls
-:meth:`LookupEngine.settle`. Every collective is issued inside ``lookup`` in program order, so
-handles may be waited in any order on any rank without mismatching collectives.
-
-A world of one rank skips all of it: a lookup is one gather straight from the shard. On CUDA it
-never waits for the GPU: the range check runs inside the gather kernel
-(:func:`elastic_emb.context.gather.gather_ids`), on the engine's side stream, and ``wait()`` reads
-the device's verdict (:mod:`elastic_emb.context.checks`), raising
-:class:`~elastic_emb.errors.InvalidIds` with the first bad id and the count.
+Design: ``docs/CONTEXT.md`` (section "Lookups").
 """
 
 from __future__ import annotations
@@ -47,7 +27,13 @@ from elastic_emb.sharding import owned_range
 
 
 class LookupEngine:
-    """Runs the lookups of one context over one group and arena; tracks the ones in flight."""
+    """Runs the lookups of one context over one group and arena; tracks the ones in flight.
+
+    Args:
+        parts: what the lookups and the gradients share.
+        pipeline_chunks: pieces per lookup.
+        log_: the context's logger.
+    """
 
     def __init__(self, parts: OpParts, pipeline_chunks: int, log_):
         self.parts = parts  # shared with the gradient router (context/parts.py)
@@ -58,7 +44,11 @@ class LookupEngine:
         self._side: torch.cuda.Stream | None = None
 
     def side_stream(self) -> "torch.cuda.Stream":
-        """CUDA: the stream lookups assemble their results on."""
+        """The stream lookups assemble their results on (CUDA), made at first use.
+
+        Returns:
+            The engine's side stream.
+        """
         if self._side is None:
             self._side = torch.cuda.Stream(device=self.parts.device)
         return self._side
@@ -76,12 +66,32 @@ class LookupEngine:
         self.pending.clear()
 
     def retire(self, why: str) -> None:
-        """``why`` is "closed" (handles of this engine refuse ``wait()``) or "reset" (the context
-        moved to another group: handles whose rows were not assembled refuse ``wait()``)."""
+        """Stop serving: the engine's handles refuse ``wait()`` from now on, as ``why`` says.
+
+        Args:
+            why: "closed" (every handle refuses) or "reset" (the context moved to another
+                group: handles whose rows were not assembled refuse).
+        """
         self.retired = why
 
     def lookup(self, spec: TableSpec, ids, what: str) -> "LookupHandle":
-        """Start a lookup (see the module docstring)."""
+        """Start a lookup: every collective it needs is issued here, in program order.
+
+        Args:
+            spec: the table.
+            ids: the caller's ids.
+            what: the call, for messages.
+
+        Returns:
+            The :class:`LookupHandle`.
+
+        Raises:
+            InvalidIds: for ids that fail the host checks, or (more than one rank, or the CPU)
+                ids out of range on this rank.
+            PeerLookupError: when another rank's ids are bad.
+            CollectiveMismatch: when the ranks are in different calls.
+            CommunicationError: when an exchange fails or times out.
+        """
         if self.parts.topology.world_size == 1:
             return self._local(spec, ids, what)
         return self._pipelined(spec, ids, what)
@@ -245,13 +255,21 @@ class LookupHandle:
     """An in-flight lookup. ``wait()`` completes the row exchanges and returns the rows in the
     order of the ids passed to ``lookup``. Waiting twice returns the same tensor.
 
-    Holds one work object per pipeline piece, the receive buffer of the received rows and, per
-    position of the batch, where its row is (``pos``: >= 0 in the receive buffer, < 0 in the
-    shard, from its end) (or a finished result, for a world of one rank); ``bounds`` are the
-    pieces' positions in the ids.
-
     On CUDA the assembly is queued at once on the engine's side stream, and ``wait()`` orders
-    the caller's stream after it. On the CPU (gloo) ``wait()`` assembles."""
+    the caller's stream after it. On the CPU (gloo) ``wait()`` assembles.
+
+    Args:
+        engine: the engine that started it.
+        table: the table's name.
+        works: one work object per pipeline piece (none for a world of one rank).
+        recv_rows: the receive buffer (or the finished result, for a world of one rank).
+        pos: per position of the batch, where its row is: >= 0 in the receive buffer, < 0 in
+            the shard, from its end.
+        leased: whether the buffers are the arena's leased staging.
+        keep: send buffers that must outlive the exchange.
+        bounds: the pieces' positions in the ids.
+        own_in_recv: CPU: this rank's own rows were copied behind the received ones.
+    """
 
     def __init__(self, engine: LookupEngine, table: str, works, recv_rows, pos, leased: bool,
                  keep: tuple = (), bounds: list[int] | None = None, own_in_recv: bool = False):
@@ -322,15 +340,23 @@ class LookupHandle:
         self._drained = True
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, ``[len(ids), dim]``. On CUDA the host first waits (bounded) for this
-        lookup's id check and every older check record (:mod:`elastic_emb.context.checks`: bad
-        ids raise :class:`~elastic_emb.errors.InvalidIds` here), a small device-to-host read that
-        waits for the lookup's kernels but not for later work; then, without ``timeout``, it
-        only orders the caller's stream after the row exchange (CUDA semantics: the rows are
-        ready for any later work on that stream); with ``timeout`` the host waits until they are
-        ready, at most that long, and raises :class:`~elastic_emb.errors.CommunicationError`
-        past it. Raises :class:`~elastic_emb.errors.ContextClosed` once the context was closed
-        or reset."""
+        """The rows. On CUDA the host first waits (bounded) for this lookup's id check and every
+        older check record, a small device-to-host read that waits for the lookup's kernels but
+        not for later work; then, without ``timeout``, it only orders the caller's stream after
+        the row exchange (CUDA semantics: the rows are ready for any later work on that stream).
+
+        Args:
+            timeout: seconds; given, the host waits until the rows are ready, at most that long.
+
+        Returns:
+            ``[len(ids), dim]`` rows, in the order of the ids.
+
+        Raises:
+            ContextClosed: once the context was closed, or reset before the rows were assembled.
+            InvalidIds: bad ids of this lookup, found on the device (or an older call's error;
+                also :class:`~elastic_emb.errors.NonFiniteGradients`).
+            CommunicationError: when the exchange fails, or ``timeout`` passes.
+        """
         if self._delivered:
             return self._result  # type: ignore[return-value]
         engine = self._engine

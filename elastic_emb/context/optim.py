@@ -1,14 +1,12 @@
 """Sparse row-wise optimizers applied by the owner of the rows.
 
-The context routes every gradient to the rank that owns its row; that rank calls one of these
-functions with *unique* local row indices and the summed gradient of each row. Keeping the
-update in one place, as plain tensor arithmetic with no communication, means the single-process
-reference in the tests and the sharded context apply the very same formula.
+The owner calls :func:`apply_rows` with *unique* local rows and each row's summed gradient:
+``sgd`` (``w[i] -= lr * g[i]``) or row-wise ``adagrad`` (one float32 accumulator per row:
+``acc[i] += mean(g[i] ** 2)``; ``w[i] -= lr * g[i] / (sqrt(acc[i]) + eps)``).
+:func:`slot_shapes` and :func:`init_slots` describe and fill the slots;
+:func:`dense_reference_step` is the single-process reference the tests compare with.
 
-``sgd``: ``w[i] -= lr * g[i]``.
-
-``adagrad`` (row-wise, one float32 accumulator per row, as in DLRM / TorchRec's row-wise
-Adagrad): ``acc[i] += mean(g[i] ** 2)``; ``w[i] -= lr * g[i] / (sqrt(acc[i]) + eps)``.
+Design: ``docs/CONTEXT.md`` (section "Optimizers").
 """
 
 from __future__ import annotations
@@ -19,14 +17,27 @@ from elastic_emb.protocol import OptimizerSpec
 
 
 def slot_shapes(spec: OptimizerSpec, dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Per-row shape (after the row dimension) and dtype of each optimizer slot."""
+    """Per-row shape (after the row dimension) and dtype of each optimizer slot.
+
+    Args:
+        spec: the optimizer.
+        dim: the table's width.
+
+    Returns:
+        ``{slot name: (shape, dtype)}``; empty for SGD.
+    """
     if spec.kind == "adagrad":
         return {"accumulator": ((), torch.float32)}
     return {}
 
 
 def init_slots(spec: OptimizerSpec, slots: dict[str, torch.Tensor]) -> None:
-    """Fill freshly allocated slots with their initial values."""
+    """Fill freshly allocated slots with their initial values.
+
+    Args:
+        spec: the optimizer.
+        slots: the slots by name, written in place.
+    """
     if spec.kind == "adagrad":
         slots["accumulator"].fill_(spec.initial_accumulator)
 
@@ -41,14 +52,23 @@ def apply_rows(
 ) -> dict[str, torch.Tensor] | None:
     """Update ``weight[index]`` (and its slots) in place with the summed gradients ``grad``.
 
-    ``index`` must hold unique local row indices (the caller deduplicates and sums); ``grad`` is
-    ``[len(index), dim]``. ``keep`` (bool, ``[len(index)]``, optional): rows where it is False
-    are left exactly as they were (their gradient may be NaN); decided on the device, no sync.
+    Args:
+        spec: the optimizer.
+        weight: the table's local rows.
+        slots: the table's slots by name.
+        index: unique local row indices (the caller deduplicates and sums).
+        grad: ``[len(index), dim]`` summed gradients.
+        keep: optional bool ``[len(index)]``: rows where it is False are left exactly as they
+            were (their gradient may be NaN); decided on the device, no sync.
 
-    Returns the values now in the rows ``index``, per tensor (``"weight"`` and each slot by
-    name, ``[len(index), ...]``), where the update computed them whole (Adagrad); None where it
-    did not (SGD adds in place). A GPU commit copies them as the delta instead of gathering the
-    rows again (:mod:`elastic_emb.state.capture`).
+    Returns:
+        The values now in the rows ``index``, per tensor (``"weight"`` and each slot by name,
+        ``[len(index), ...]``), where the update computed them whole (Adagrad); None where it
+        did not (SGD adds in place) or ``index`` is empty. A GPU commit copies them as the delta
+        instead of gathering the rows again (:mod:`elastic_emb.state.capture`).
+
+    Raises:
+        ValueError: for an optimizer kind other than ``sgd`` or ``adagrad``.
     """
     if index.numel() == 0:
         return None
@@ -89,6 +109,13 @@ def dense_reference_step(
 
     Used as the single-process reference; sums duplicate gradients first, like
     ``torch.nn.Embedding(sparse=True)`` followed by ``coalesce()``.
+
+    Args:
+        spec: the optimizer.
+        weight: the whole table, updated in place.
+        slots: its slots by name.
+        ids: global row ids, duplicates allowed.
+        grads: ``[len(ids), dim]`` gradients.
     """
     if ids.numel() == 0:
         return
