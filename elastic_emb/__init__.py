@@ -4,7 +4,8 @@ After an elastic resize it destroys the embedding context and builds one for the
 (never ``reset`` across sizes), once every rank agrees on the topology, and carries every row and
 optimizer slot across, resharded. ``__all__`` is the public API: what a training script imports
 and the errors it handles. Names are imported on first use, so ``import elastic_emb`` imports no
-torch. The module map is ``docs/ARCHITECTURE.md``.
+torch. The module map is ``docs/ARCHITECTURE.md``; the core modules are described in
+``docs/CORE.md``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 
 def __getattr__(name: str):
+    """Import a public name of ``_LAZY`` on first access (PEP 562).
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The object, also stored in the module so the next access is a plain lookup.
+
+    Raises:
+        AttributeError: if ``name`` is not one of the lazily imported names (``_LAZY``).
+    """
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastic_emb' has no attribute {name!r}")
@@ -139,4 +151,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The module's names, the ones not imported yet included.
+
+    Returns:
+        The sorted names.
+    """
     return sorted({*globals(), *_LAZY})

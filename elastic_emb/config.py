@@ -1,18 +1,12 @@
 """Every ``ELASTIC_EMB_*`` environment variable, declared once: its type, default and meaning.
 
-The environment is untrusted input: :func:`load` validates what it reads and turns a bad value
-into one :class:`~elastic_emb.errors.ConfigError` line that names the variable, the value and
-what it should be. A variable with the prefix that is not declared here is refused too (a typo
-such as ``ELASTIC_EMB_STATEDIR`` would otherwise be ignored in silence).
+Modules read settings through :func:`load` (``load(env).state_dir``, or ``load(env, "generation")``
+for some variables only), never ``os.environ`` directly. :func:`load` validates the environment
+and turns a bad value, or an undeclared ``ELASTIC_EMB_*`` name (a typo such as
+``ELASTIC_EMB_STATEDIR``), into one :class:`~elastic_emb.errors.ConfigError` line.
+``python -m elastic_emb.config`` prints the README's table of variables (:func:`markdown_table`).
 
-Modules read settings through :func:`load` (``load(env).state_dir``), never ``os.environ``
-directly; a reader that only needs some variables names them (``load(env, "generation")``), so
-it is not failed by a bad value it does not use. The README's table of variables is generated
-from :class:`Settings` (``python -m elastic_emb.config``) and a test keeps the two equal.
-
-Two kinds of variables: the ones a user sets (``user``), and the ones the ``elastic_emb``
-rendezvous backend sets in every worker's environment (``agent``; set them yourself only
-without that backend).
+Design: ``docs/CORE.md`` (section "Settings").
 """
 
 from __future__ import annotations
@@ -36,7 +30,12 @@ def _setting(default, meaning: str, set_by: Literal["user", "agent", "tests"] = 
 
 
 class Settings(BaseSettings):
-    """The ``ELASTIC_EMB_*`` variables (field ``state_dir`` is ``ELASTIC_EMB_STATE_DIR``)."""
+    """The ``ELASTIC_EMB_*`` variables (field ``state_dir`` is ``ELASTIC_EMB_STATE_DIR``).
+
+    Frozen. Each field's description is its meaning; ``json_schema_extra["set_by"]`` says who
+    sets it (``user``, ``agent`` for the elastic_emb rendezvous backend, or ``tests``). Build it
+    with :func:`load`.
+    """
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, case_sensitive=True, frozen=True, extra="forbid",
                                       env_ignore_empty=True)
@@ -122,12 +121,23 @@ class Settings(BaseSettings):
         return v
 
     def nodes(self) -> list[str] | None:
-        """``membership`` parsed (validated on load)."""
+        """The round's node ids, parsed from ``membership`` (validated on load).
+
+        Returns:
+            The node ids, index = group rank; None when ``ELASTIC_EMB_MEMBERSHIP`` is unset.
+        """
         return None if self.membership is None else json.loads(self.membership)
 
 
 def variable(field: str) -> str:
-    """The environment variable of a :class:`Settings` field."""
+    """The environment variable of a :class:`Settings` field.
+
+    Args:
+        field: a field name, such as ``state_dir`` (not checked against :class:`Settings`).
+
+    Returns:
+        The variable's name, such as ``ELASTIC_EMB_STATE_DIR``.
+    """
     return PREFIX + field.upper()
 
 
@@ -135,11 +145,22 @@ VARIABLES: dict[str, str] = {variable(f): f for f in Settings.model_fields}
 
 
 def load(env: Mapping[str, str] | None = None, *fields: str) -> Settings:
-    """Validated settings from ``env`` (default ``os.environ``). Empty values count as unset.
-    With ``fields``, only those variables are read (the rest keep their defaults).
+    """Validated settings from the environment. Empty values count as unset.
 
-    Raises :class:`~elastic_emb.errors.ConfigError` (one line) for a bad value or an unknown
-    ``ELASTIC_EMB_*`` variable."""
+    Args:
+        env: the environment to read; ``os.environ`` when None.
+        fields: field names to read; the others keep their defaults, and undeclared
+            ``ELASTIC_EMB_*`` names are ignored. With none, every variable is read.
+
+    Returns:
+        The frozen settings.
+
+    Raises:
+        ValueError: if ``fields`` names something that is not a :class:`Settings` field.
+        ConfigError: one line naming each variable at fault, its value (never a secret's) and
+            its meaning: a bad value of a variable read, or, when no ``fields`` are given, an
+            ``ELASTIC_EMB_*`` variable that is not declared.
+    """
     env = os.environ if env is None else env
     unknown = [f for f in fields if f not in Settings.model_fields]
     if unknown:
@@ -183,7 +204,12 @@ def _describe(error: dict, raw: Mapping[str, str]) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of variables."""
+    """The README's table of variables.
+
+    Returns:
+        A Markdown table, one row per :class:`Settings` field: variable, who sets it, default and
+        meaning.
+    """
     lines = ["| variable | set by | default | meaning |", "| --- | --- | --- | --- |"]
     for field, info in Settings.model_fields.items():
         default = "unset" if info.default is None else f"`{_shown(info.default)}`"

@@ -5,6 +5,8 @@ Each message names the value at fault and what the caller should do about it. Th
 derive from the builtin that a caller would naturally catch (``ValueError`` for bad values,
 ``TimeoutError`` for bounded waits that ran out, ``RuntimeError`` for state misuse), so code
 that knows nothing of elastic_emb still handles them sensibly.
+
+Design: ``docs/CORE.md`` (section "The error hierarchy").
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ class TopologyError(ElasticEmbError, ValueError):
 class TopologyDisagreement(ElasticEmbError, RuntimeError):
     """The ranks of one generation do not hold the same topology.
 
-    ``details`` maps a rank (or ``"slot<N>"`` for a record that could not be tied to a rank)
-    to a list of ``(field, value, expected)`` triples.
+    Args:
+        message: what differs and what to do.
+        details: kept as ``details``: maps a rank (or ``"slot<N>"`` for a record that could not
+            be tied to a rank) to a list of ``(field, value, expected)`` triples.
     """
 
     def __init__(self, message: str, details: dict | None = None) -> None:
@@ -31,7 +35,13 @@ class TopologyDisagreement(ElasticEmbError, RuntimeError):
 
 
 class AgreementTimeout(ElasticEmbError, TimeoutError):
-    """Not every rank published its topology record within the timeout."""
+    """Topology agreement did not complete within the timeout: a rank never arrived, the deciding
+    rank wrote no verdict, or a rank did not confirm reading it.
+
+    Args:
+        message: who is missing and what to do.
+        missing_ranks: kept as ``missing_ranks``: the ranks that never arrived (may be empty).
+    """
 
     def __init__(self, message: str, missing_ranks: list[int] | None = None) -> None:
         super().__init__(message)
@@ -39,7 +49,12 @@ class AgreementTimeout(ElasticEmbError, TimeoutError):
 
 
 class WorldSizeChanged(ElasticEmbError, ValueError):
-    """``reset`` was asked for a world size the context was not built for."""
+    """``reset`` was asked for a world size the context was not built for.
+
+    Args:
+        old: the world size the context was built for (kept as ``old``).
+        new: the world size asked for (kept as ``new``).
+    """
 
     def __init__(self, old: int, new: int) -> None:
         super().__init__(
@@ -58,7 +73,10 @@ class ContextClosed(ElasticEmbError, RuntimeError):
 class RestoreError(ElasticEmbError, RuntimeError):
     """Committed state could not be restored completely.
 
-    ``missing`` lists ``(table, start_row, end_row)`` ranges that no tier could supply.
+    Args:
+        message: what is missing and what to do.
+        missing: kept as ``missing``: the ``(table, start_row, end_row)`` ranges that no tier
+            could supply.
     """
 
     def __init__(self, message: str, missing: list[tuple[str, int, int]] | None = None) -> None:
@@ -125,7 +143,13 @@ class EtcdUnreachable(ElasticEmbError, ConnectionError):
 
 
 class EtcdV3Error(ElasticEmbError, RuntimeError):
-    """etcd answered the call with an error (bad request, permission denied, ...)."""
+    """etcd answered the call with an error (bad request, permission denied, ...), or the client
+    could not authenticate (an unreadable password file, no token returned).
+
+    Args:
+        message: the call and etcd's answer.
+        code: kept as ``code``: the error code etcd returned, if any.
+    """
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
@@ -167,7 +191,12 @@ class InvalidIds(ElasticEmbError, IndexError):
 
 class PeerLookupError(ElasticEmbError, RuntimeError):
     """Another rank passed invalid ids to the same collective call; this call was cancelled on
-    every rank (the communicator stays usable). ``ranks`` names the ranks at fault."""
+    every rank (the communicator stays usable).
+
+    Args:
+        message: the call and the fault.
+        ranks: kept as ``ranks``: the ranks at fault.
+    """
 
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
@@ -193,7 +222,12 @@ class CollectiveMismatch(ElasticEmbError, RuntimeError):
 
 class NonFiniteGradients(ElasticEmbError, ValueError):
     """``apply_gradients`` was given NaN or infinite gradients; no row of that call was changed.
-    ``table`` names the table, ``rows`` counts the rows whose gradient was not finite."""
+
+    Args:
+        message: the table, the count and what to do.
+        table: kept as ``table``: the table's name.
+        rows: kept as ``rows``: how many rows had a gradient that was not finite.
+    """
 
     def __init__(self, message: str, table: str, rows: int) -> None:
         super().__init__(message)

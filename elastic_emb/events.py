@@ -1,14 +1,11 @@
 """Structured logging: one structlog set-up for every elastic_emb process.
 
-JSON lines when the output is not a terminal (what log collectors on Kubernetes want), a readable
-console rendering on a terminal. ``bind_topology`` binds ``run_id``, ``generation`` and ``rank``
-to every later event of the process, so each line of a multi-rank log says who wrote it.
-``ELASTIC_EMB_LOG_FORMAT=json|console`` overrides the choice; ``ELASTIC_EMB_LOG_LEVEL`` sets the
-level (default ``info``); both are declared in :mod:`elastic_emb.config`.
+JSON lines off a terminal, a console rendering on one (``ELASTIC_EMB_LOG_FORMAT`` and
+``ELASTIC_EMB_LOG_LEVEL`` override). Main names: :func:`configure_logging`, :func:`get_logger`,
+:func:`bind_topology` (``run_id``, ``generation`` and ``rank`` on every later event), and
+:func:`event_logger` (always JSON lines: the rendezvous backend's event log).
 
-:func:`event_logger` is the same processor chain, always as JSON lines, written to stderr and
-(optionally) a file of its own: the rendezvous backend's event log, which drills and operators
-parse, whatever the terminal.
+Design: ``docs/CORE.md`` (section "Events and logs").
 """
 
 from __future__ import annotations
@@ -28,8 +25,21 @@ _configured = False
 
 def configure_logging(stream=None, fmt: str | None = None, level: str | None = None, force: bool = False,
                       default_level: str = "info") -> None:
-    """Configure structlog once per process (again with ``force=True``). The level is ``level``,
-    else ``ELASTIC_EMB_LOG_LEVEL``, else ``default_level``."""
+    """Configure structlog once per process; later calls do nothing unless ``force`` is True.
+
+    Args:
+        stream: where events are written; stderr when None.
+        fmt: ``json`` or ``console``; None: ``ELASTIC_EMB_LOG_FORMAT``, else console when
+            ``stream`` is a terminal and JSON lines otherwise.
+        level: the lowest level logged (``debug``, ``info``, ...); None: ``ELASTIC_EMB_LOG_LEVEL``,
+            else ``default_level``.
+        force: configure again even if this process already did.
+        default_level: the level used when neither ``level`` nor the variable is set.
+
+    Raises:
+        ValueError: if ``fmt`` or the resulting level is not a known one.
+        ConfigError: if ``ELASTIC_EMB_LOG_FORMAT`` or ``ELASTIC_EMB_LOG_LEVEL`` has a bad value.
+    """
     global _configured
     if _configured and not force:
         return
@@ -93,8 +103,22 @@ class _Tee:
 
 
 def event_logger(path: str | None, **bound: Any):
-    """A JSON-lines logger (stderr, and ``path`` when given) with ``bound`` on every event; the
-    same processors as :func:`configure_logging`, independent of its format and level."""
+    """A JSON-lines logger writing to stderr and, when given, a file.
+
+    It uses the same processors as :func:`configure_logging` but is independent of its format
+    and level: every event is written, as JSON.
+
+    Args:
+        path: a file to append every line to as well (its directory is created); None: stderr
+            only.
+        bound: fields bound to every event.
+
+    Returns:
+        A bound structlog logger.
+
+    Raises:
+        OSError: if the directory of ``path`` cannot be created or the file cannot be opened.
+    """
     return structlog.wrap_logger(_Tee(path), processors=_processors(structlog.processors.JSONRenderer())).bind(**bound)
 
 
@@ -106,13 +130,32 @@ def _isatty(stream) -> bool:
 
 
 def get_logger(name: str = "elastic_emb", **bound: Any):
-    """A structlog logger; configures logging on first use."""
+    """A structlog logger; configures logging (:func:`configure_logging`) on first use.
+
+    Args:
+        name: the logger's name.
+        bound: fields bound to every event of this logger.
+
+    Returns:
+        A bound structlog logger.
+
+    Raises:
+        ConfigError: if logging is not configured yet and a log setting has a bad value.
+    """
     configure_logging()
     return structlog.get_logger(name).bind(**bound)
 
 
 def bind_topology(topology) -> None:
-    """Bind run_id, generation and rank to every later event of this process (and thread context)."""
+    """Bind ``run_id``, ``generation`` and ``rank`` to every later event of this context.
+
+    Bound through structlog's context variables: every later event of the calling thread (and of
+    contexts copied from it) carries them.
+
+    Args:
+        topology: the rank's :class:`~elastic_emb.topology.Topology` (any object with
+            ``run_id``, ``generation`` and ``rank``).
+    """
     structlog.contextvars.bind_contextvars(
         run_id=topology.run_id, generation=topology.generation, rank=topology.rank
     )

@@ -1,45 +1,12 @@
 """Prometheus metrics: an opt-in ``/metrics`` endpoint on each worker and on each agent.
 
-Off by default. ``ELASTIC_EMB_METRICS_PORT=P`` turns it on (with the ``[metrics]`` extra,
-``prometheus-client``, installed): the torchrun agent (its elastic_emb rendezvous backend)
-serves ``http://ADDR:P/metrics``, and the worker of local rank ``r`` serves port ``P + 1 + r``;
-``ELASTIC_EMB_METRICS_ADDR`` is the address (default ``0.0.0.0``, every interface of the pod).
-Operators scrape them like any Kubernetes training job; the templates under ``deploy/`` carry
-the scrape annotations.
+Off unless ``ELASTIC_EMB_METRICS_PORT=P`` is set (and ``prometheus-client`` installed): the agent
+serves port ``P``, the worker of local rank ``r`` port ``P + 1 + r``. The lifecycle, the context
+and the rendezvous backend call one function per event (:func:`resize`, :func:`commit`,
+:func:`replicated`, :func:`lookups`, :func:`rendezvous_round`, :func:`store_outage`); with metrics
+off each costs one global read, and a failure to serve never stops training.
 
-The lifecycle and the rendezvous backend call one function per event (:func:`resize`,
-:func:`commit`, :func:`rendezvous_round`, :func:`store_outage`, and :func:`lookups` from
-``EmbContext.lookup``; another context may call it too). Each first asks :func:`_registry` for the process's registry, which is None
-when metrics are off, so a disabled call costs one global read. The endpoint starts with the
-first event of the process; a port that cannot be bound is logged once and the process trains on
-without metrics (metrics must never stop training).
-
-Worker metrics (``role="worker"`` label via the target, one process each):
-
-``elastic_emb_resizes_total{mode,source}``       the worker's lifecycle entering a world: ``start``
-                                                  (a fresh process, which is how torchrun applies
-                                                  every resize), ``rebuild`` (new size in the same
-                                                  process) or ``reset`` (same size); ``source``: the
-                                                  restore's tiers (``none`` when nothing was restored)
-``elastic_emb_resize_phase_seconds{phase}``       histogram: teardown, agreement, construct, restore,
-                                                  transfer, total
-``elastic_emb_steps_lost_total``                  committed steps the new world has to redo
-``elastic_emb_commits_total``, ``elastic_emb_commit_seconds`` (histogram),
-``elastic_emb_commit_bytes_total{tier}``          snapshot, replica, durable
-``elastic_emb_lookups_total{table}``              ids looked up (``rate()`` gives lookups per second)
-``elastic_emb_world_size``, ``elastic_emb_generation``, ``elastic_emb_rank``, ``elastic_emb_step``
-
-Agent metrics (one per torchrun agent):
-
-``elastic_emb_rendezvous_rounds_total{cause,mode}``  ``cause``: start, join, leave, death, restart
-                                                  (same members: a worker failed); ``mode``: start,
-                                                  rebuild (world size changed) or reset (same size)
-``elastic_emb_rendezvous_seconds``                 histogram: time in ``next_rendezvous``
-``elastic_emb_world_size``, ``elastic_emb_generation``   the agent's view: members and round
-
-Both: ``elastic_emb_store_outages_total``, ``elastic_emb_store_outage_seconds`` (histogram): store
-outages the agent's backend or the worker's watcher survived. The role is the process's: a
-process torchrun started (``LOCAL_RANK`` set) is a worker.
+Design and the list of metrics: ``docs/CORE.md`` (section "Metrics").
 """
 
 from __future__ import annotations
@@ -61,7 +28,18 @@ _state: dict[str, Any] = {"checked": False, "registry": None, "metrics": None, "
 
 
 def port_for(role: str, env: Mapping[str, str] | None = None) -> int | None:
-    """The port this process serves on, or None when metrics are off (or the setting is invalid)."""
+    """The port this process serves metrics on.
+
+    An invalid ``ELASTIC_EMB_METRICS_PORT`` or ``LOCAL_RANK``, or a port outside 1..65535, is
+    logged as ``metrics_disabled`` and gives None.
+
+    Args:
+        role: ``agent`` (the base port) or ``worker`` (the base port + 1 + ``LOCAL_RANK``).
+        env: the environment to read; ``os.environ`` when None.
+
+    Returns:
+        The port, or None when metrics are off or the settings are invalid.
+    """
     from elastic_emb.config import load
     from elastic_emb.errors import ConfigError
 
@@ -177,10 +155,16 @@ def _of(role: str) -> dict[str, Any] | None:
 
 
 def resize(event: Any, snapshot: Any = None) -> None:
-    """The lifecycle entered a world (``event``: a :class:`~elastic_emb.lifecycle.manager.ResizeEvent`).
+    """Record that the worker's lifecycle entered a world (a no-op unless a worker serves metrics).
 
-    Steps lost: the newest commit in this node's snapshot directory (``snapshot``, the
-    lifecycle's :class:`~elastic_emb.state.SnapshotTier`) minus the step the world restored."""
+    Steps lost are the newest commit in this node's snapshot directory minus the step the world
+    restored; if they cannot be read, a warning is logged and none are counted.
+
+    Args:
+        event: the :class:`~elastic_emb.lifecycle.records.ResizeEvent`.
+        snapshot: the lifecycle's :class:`~elastic_emb.state.SnapshotTier`, or None (no steps
+            lost are counted).
+    """
     m = _of("worker")
     if m is None:
         return
@@ -203,7 +187,11 @@ def resize(event: Any, snapshot: Any = None) -> None:
 
 
 def commit(report: Any) -> None:
-    """A commit was written (``report``: a :class:`~elastic_emb.lifecycle.manager.CommitReport`)."""
+    """Record a written commit (a no-op unless this is a worker serving metrics).
+
+    Args:
+        report: the commit's :class:`~elastic_emb.lifecycle.records.CommitReport`.
+    """
     m = _of("worker")
     if m is None:
         return
@@ -217,14 +205,25 @@ def commit(report: Any) -> None:
 
 
 def replicated(nbytes: int) -> None:
-    """A background commit received ``nbytes`` as replicas (its report, made before they moved, says 0)."""
+    """Record replica bytes of a background commit, counted when they arrive.
+
+    The commit's report is made before the replicas move, so it says 0 for them.
+
+    Args:
+        nbytes: bytes received as replicas.
+    """
     m = _of("worker")
     if m is not None and nbytes:
         m["commit_bytes"].labels(tier="replica").inc(nbytes)
 
 
 def lookups(table: str, count: int) -> None:
-    """``count`` ids of ``table`` were looked up."""
+    """Record looked-up ids (a no-op unless this is a worker serving metrics).
+
+    Args:
+        table: the table's name.
+        count: how many ids were looked up.
+    """
     m = _of("worker")
     if m is not None:
         m["lookups"].labels(table=table).inc(count)
@@ -235,7 +234,20 @@ def lookups(table: str, count: int) -> None:
 
 def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int | None, joins: list, departures: list,
                      deaths: list, seconds: float) -> None:
-    """The agent's rendezvous completed round ``round_``; the cause is read from who came and went."""
+    """Record a completed rendezvous round (a no-op unless this is an agent serving metrics).
+
+    The cause is read from who came and went: ``start`` (no previous round), else ``death``,
+    ``leave``, ``join``, or ``restart`` (same members) in that order of precedence.
+
+    Args:
+        round_: the round number.
+        world_size: member nodes of the round.
+        previous_world_size: member nodes of the previous round; None for the first round.
+        joins: nodes that joined.
+        departures: nodes that left.
+        deaths: nodes that died.
+        seconds: time spent in the rendezvous.
+    """
     m = _of("agent")
     if m is None:
         return
@@ -257,7 +269,11 @@ def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int |
 
 
 def store_outage(seconds: float) -> None:
-    """The rendezvous store came back after ``seconds`` unreachable."""
+    """Record a survived store outage (agent or worker; a no-op when metrics are off).
+
+    Args:
+        seconds: how long the rendezvous store was unreachable.
+    """
     m = _registry()
     if m is not None:
         m["outages"].inc()
@@ -265,7 +281,11 @@ def store_outage(seconds: float) -> None:
 
 
 def serving() -> tuple[str, int] | None:
-    """(role, port) of this process's endpoint, or None."""
+    """The endpoint this process serves, if any.
+
+    Returns:
+        ``(role, port)``, or None when this process serves no metrics.
+    """
     return (_state["role"], _state["port"]) if _state["metrics"] is not None else None
 
 

@@ -1,17 +1,12 @@
 """The small interface between the lifecycle manager and any sharded embedding context.
 
-The lifecycle manager never looks inside a context: it constructs one for an agreed topology,
-resets it for a same-size re-form, exports its local shard before a resize, imports a shard after
-one, asks whether it is healthy, and closes it. :class:`ShardedContext` declares every member the
-lifecycle and the state tiers touch (they probe for nothing else); :class:`ContextBase` supplies
-the optional ones. The built-in :class:`elastic_emb.context.EmbContext` implements it; so can a
-C++/CUDA extension with its own ``reset`` (wrap it in a class that inherits :class:`ContextBase`),
-and :mod:`elastic_emb.testing.conformance` checks any implementation with real processes.
+:class:`ShardedContext` declares every member the lifecycle and the state tiers touch (they probe
+for nothing else); :class:`ContextBase` supplies the optional ones; :func:`check_context` names
+what a class lacks. A shard crosses the boundary as :class:`ShardData` (one table's rows, weights
+and optimizer slots, row-wise). Tables and the optimizer are described by :class:`TableSpec` and
+:class:`OptimizerSpec`.
 
-A shard crosses the boundary as :class:`ShardData`: for one table, a global row range, the rows'
-weights and each optimizer slot (tensors whose first dimension is the number of rows), all on the
-CPU or the context's device. Row-wise tensors only: that is what makes resharding a matter of
-moving row ranges (see :mod:`elastic_emb.sharding`).
+Design: ``docs/CORE.md`` (section "The context contract"); member table: ``docs/CONTRACTS.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +25,14 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 class TableSpec(BaseModel):
-    """One embedding table: its name, shape and element type."""
+    """One embedding table: its name, shape and element type (frozen, validated).
+
+    Args:
+        name: a Python identifier.
+        num_rows: rows in the table (at least 1).
+        dim: the embedding dimension (at least 1).
+        dtype: ``float32`` (default), ``float16``, ``bfloat16`` or ``float64``.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -46,6 +48,11 @@ class TableSpec(BaseModel):
         return getattr(torch, self.dtype)
 
     def bytes_per_row(self) -> int:
+        """The size of one row's weights.
+
+        Returns:
+            ``dim`` times the size of ``dtype``, in bytes.
+        """
         return self.dim * {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
 
 
@@ -55,6 +62,12 @@ class OptimizerSpec(BaseModel):
     ``sgd``: ``w -= lr * g``. ``adagrad`` (row-wise): one accumulator per row,
     ``acc += mean(g * g)``; ``w -= lr * g / (sqrt(acc) + eps)``. Gradients of duplicate ids are
     summed before the update.
+
+    Args:
+        kind: ``sgd`` (default) or ``adagrad``.
+        lr: the learning rate (positive, finite).
+        eps: adagrad's epsilon (positive).
+        initial_accumulator: adagrad's starting accumulator value (non-negative).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -72,13 +85,27 @@ class OptimizerSpec(BaseModel):
         return v
 
     def slot_names(self) -> tuple[str, ...]:
-        """Names of the row-wise optimizer tensors a shard carries besides the weights."""
+        """The row-wise optimizer tensors a shard carries besides the weights.
+
+        Returns:
+            ``("accumulator",)`` for adagrad, ``()`` for sgd.
+        """
         return ("accumulator",) if self.kind == "adagrad" else ()
 
 
 @dataclass
 class ShardData:
-    """One table's local shard: rows ``rows`` of the global table, with optimizer slots."""
+    """One table's local shard: rows ``rows`` of the global table, with optimizer slots.
+
+    Args:
+        table: the table's name.
+        rows: the global rows held.
+        weight: a tensor of shape ``(len(rows), dim)``.
+        slots: optimizer slot name to a tensor whose first dimension is ``len(rows)``.
+
+    Raises:
+        ValueError: if ``weight`` or a slot does not have ``len(rows)`` rows.
+    """
 
     table: str
     rows: RowRange
@@ -97,6 +124,11 @@ class ShardData:
                 raise ValueError(f"table {self.table!r}: slot {name!r} has {t.shape[0]} rows, expected {n}")
 
     def nbytes(self) -> int:
+        """The size of the shard's tensors.
+
+        Returns:
+            Bytes of ``weight`` and every slot together.
+        """
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.slots.values()))
 
 
@@ -142,44 +174,81 @@ class ShardedContext(Protocol):
         """True after :meth:`close`."""
 
     def reset(self, rank: int, world_size: int, *, topology: Topology, store) -> None:
-        """Collective: re-form the communicator for the same world size (the rank mapping may
-        change) on ``store``, adopt ``topology`` and keep every row.
+        """Collective: re-form the communicator for the same world size, keeping every row.
 
-        Raises :class:`~elastic_emb.errors.WorldSizeChanged` (before any communication) when
-        ``world_size`` differs from the one the context was built for, and ``ValueError`` when
-        ``topology`` changes ``ep_size`` or ``backend``: those need a new context."""
+        The rank mapping may change; the context adopts ``topology``.
+
+        Args:
+            rank: this process's rank in the re-formed world.
+            world_size: the world size; must be the one the context was built for.
+            topology: the agreed topology of the new generation.
+            store: the store the new communicator forms on.
+
+        Raises:
+            WorldSizeChanged: before any communication, if ``world_size`` differs from the one
+                the context was built for (that needs a new context).
+            ValueError: if ``topology`` changes ``ep_size`` or ``backend`` (that needs a new
+                context).
+        """
 
     def close(self, *, abort: bool | None = None, wait: bool = True) -> None:
-        """Release communicator and memory. Idempotent; every later use raises
-        :class:`~elastic_emb.errors.ContextClosed`. ``abort``: True forces an abort of the
-        communicator (peers are gone), False forbids it, None aborts only when unhealthy.
-        ``wait=False`` permits releasing the communicator in the background (the next context
-        forms meanwhile); a context may always release synchronously."""
+        """Release the communicator and memory. Idempotent; every later use raises
+        :class:`~elastic_emb.errors.ContextClosed`.
+
+        Args:
+            abort: True forces an abort of the communicator (peers are gone), False forbids it,
+                None aborts only when the context is unhealthy.
+            wait: False permits releasing the communicator in the background while the next
+                context forms; a context may always release synchronously.
+        """
 
     def export_shard(self) -> dict[str, ShardData]:
-        """Copies of this rank's rows of every table: exactly its owned range
-        (``owned_range(num_rows, row_owners(context), rank)``; empty on ranks that own none), weights of shape
-        ``(rows, dim)`` in the table's dtype, and every optimizer slot."""
+        """Copies of this rank's rows of every table.
+
+        Returns:
+            Table name to :class:`ShardData` holding exactly the owned range
+            (``owned_range(num_rows, row_owners(context), rank)``; empty on ranks that own none),
+            weights of shape ``(rows, dim)`` in the table's dtype, and every optimizer slot.
+        """
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
-        """Overwrite this rank's rows with ``shards`` (every table, exactly the owned ranges,
-        the shapes :meth:`export_shard` gives). Local. Raises ``ValueError`` for anything else."""
+        """Overwrite this rank's rows (local, no communication).
+
+        Args:
+            shards: table name to :class:`ShardData`, for every table, holding exactly the owned
+                ranges in the shapes :meth:`export_shard` gives.
+
+        Raises:
+            ValueError: if ``shards`` is anything else (a table missing or extra, another range,
+                another shape).
+        """
 
     def shard_views(self) -> dict[str, ShardData] | None:
-        """Optional: the context's own writable tensors in :meth:`export_shard`'s shape, so a
-        restore writes rows in place; None when the context has no such views."""
+        """Optional: the context's own writable tensors, so that a restore writes rows in place.
+
+        Returns:
+            Table name to :class:`ShardData` in :meth:`export_shard`'s shape, or None when the
+            context has no such views.
+        """
 
     def mark_restored(self) -> None:
         """Optional: a restore wrote every row through :meth:`shard_views` (a context that
         initialises rows lazily skips that now)."""
 
     def take_changes(self) -> dict:
-        """Optional (when :attr:`tracks_changes`): per table a bool mask of shape (local rows,)
-        on the context's device, True for rows written since the previous call: by training,
-        by ``import_shard`` (every row), by a restore through ``shard_views`` (``mark_restored``:
-        every row), rows and their optimizer slots alike. The lazy initial fill from the seed is
-        not a write. The context swaps in a fresh zero mask: the caller owns the returned one,
-        and nothing waits for the device."""
+        """Optional (when :attr:`tracks_changes`): the rows written since the previous call.
+
+        A write is one by training, by ``import_shard`` (every row) or by a restore through
+        ``shard_views`` (``mark_restored``: every row), to rows and their optimizer slots alike;
+        the lazy initial fill from the seed is not a write. The context swaps in a fresh zero
+        mask, so the caller owns the returned one, and nothing waits for the device.
+
+        Returns:
+            Table name to a bool mask of shape ``(local rows,)`` on the context's device.
+
+        Raises:
+            ChangeTrackingUnsupported: if the context does not track changes.
+        """
 
 
 class ContextBase:
@@ -191,12 +260,23 @@ class ContextBase:
     owner_ranks: int | None = None
 
     def shard_views(self) -> dict[str, ShardData] | None:
+        """No views by default: a restore imports rows through ``import_shard``.
+
+        Returns:
+            None.
+        """
         return None
 
     def mark_restored(self) -> None:
+        """Nothing to do by default."""
         return None
 
     def take_changes(self) -> dict:
+        """No change tracking by default: commits take full snapshots.
+
+        Raises:
+            ChangeTrackingUnsupported: always.
+        """
         raise ChangeTrackingUnsupported(
             f"{type(self).__name__} does not track changed rows (tracks_changes is False): "
             f"take full snapshots, or implement take_changes and set tracks_changes = True"
@@ -208,8 +288,17 @@ OPTIONAL = ("process_group", "shard_views", "mark_restored", "tracks_changes", "
 
 
 def row_owners(context: ShardedContext) -> int:
-    """The number of ranks over which ``context`` lays out its rows (``owner_ranks``, else the
-    topology's ``ep_size``)."""
+    """The number of ranks over which ``context`` lays out its rows.
+
+    Args:
+        context: a context.
+
+    Returns:
+        ``context.owner_ranks``, or the topology's ``ep_size`` when that is None.
+
+    Raises:
+        ContractViolation: if ``owner_ranks`` is not between 1 and the world size.
+    """
     owners = context.owner_ranks
     if owners is None:
         return context.topology.ep_size
@@ -220,13 +309,29 @@ def row_owners(context: ShardedContext) -> int:
 
 
 def missing_abilities(context: object) -> list[str]:
-    """The members of :class:`ShardedContext` that ``context`` lacks (empty: it has them all)."""
+    """The members of :class:`ShardedContext` that ``context`` lacks.
+
+    Args:
+        context: any object.
+
+    Returns:
+        The names of the missing members, required ones first; empty when it has them all.
+    """
     return [name for name in (*REQUIRED, *OPTIONAL) if not hasattr(context, name)]
 
 
 def check_context(context: object) -> ShardedContext:
-    """Return ``context`` if it has every member of :class:`ShardedContext`; otherwise raise
-    :class:`~elastic_emb.errors.ContractViolation` naming what it lacks."""
+    """Check that ``context`` has every member of :class:`ShardedContext`.
+
+    Args:
+        context: the object a context factory returned.
+
+    Returns:
+        ``context`` itself.
+
+    Raises:
+        ContractViolation: naming every member it lacks.
+    """
     missing = missing_abilities(context)
     if missing:
         optional = [m for m in missing if m in OPTIONAL]

@@ -1,34 +1,11 @@
 """The topology record one rank believes, and the protocol by which all ranks agree on it.
 
-Nothing is built before every rank of a generation holds the same topology. A rank reads its
-view from torchrun's environment (:meth:`Topology.from_env`), then :func:`agree` proves over a
-store that all ``world_size`` ranks hold identical shared fields, that ranks ``0..world_size-1``
-each appear exactly once, and that node and local ranks are consistent.
+:class:`Topology` is read from torchrun's environment (:meth:`Topology.from_env`); :func:`agree`
+proves over a store that every rank of a generation holds the same one, with one decider and one
+verdict. Main names: :class:`Topology`, :func:`agree`, :func:`evaluate` (the decision, pure),
+:func:`scope` (a generation's store prefix).
 
-Agreement protocol (one decider, one verdict, so no two ranks can leave with different answers):
-
-1. Each rank takes an arrival slot with ``store.add(<scope>/arrivals, 1)`` and writes its record
-   (JSON) to ``<scope>/slot/<n>``. ``<scope>`` is ``elastic_emb/<run_id>/gen<generation>/agree``,
-   so two generations never share a key.
-2. The holder of slot 0 is the decider. It reads the slots as they arrive (``multi_get`` of the
-   new ones, so its cost is linear in the world size) and decides as soon as the outcome is fixed:
-   a record that disagrees with the decider's fails the generation at once, without waiting for
-   stragglers; exactly ``world_size`` consistent records (and no more) succeed it; the deadline
-   fails it with the missing ranks named.
-3. The decider writes the verdict (JSON) to ``<scope>/verdict``. Every other rank waits for that
-   one key, so each rank does O(1) store operations and every rank raises or returns the same
-   thing. A process that arrives after the verdict was written (a slot >= world_size) is told that
-   the generation closed without it.
-4. Stale generations: ``elastic_emb/<run_id>/generation`` holds the highest generation any rank
-   has announced (raised with ``compare_set``). A rank from an older generation raises at once
-   and posts an abort into the newer generation's scope, so the ranks there fail fast too; a
-   decider that sees the mark move past its generation fails its own generation the same way.
-
-Fallbacks (documented in the README): the generation is ``ELASTIC_EMB_GENERATION`` (the
-rendezvous round, set by the ``elastic_emb`` rendezvous backend); without it, 0. The run id is
-``TORCHELASTIC_RUN_ID``; without it, ``"none"`` (torchrun's own default). ``ep_size`` is
-``ELASTIC_EMB_EP_SIZE``; without it, the largest power of two <= world_size. The backend is
-``ELASTIC_EMB_BACKEND``; without it, ``nccl`` when CUDA is available, else ``gloo``.
+Design: ``docs/CORE.md`` (section "Topology and agreement").
 """
 
 from __future__ import annotations
@@ -77,13 +54,31 @@ SHARED_FIELDS: tuple[str, ...] = (
 
 
 def largest_power_of_two_at_most(n: int) -> int:
-    """The largest power of two <= n (n >= 1)."""
+    """The largest power of two that is at most ``n``.
+
+    Args:
+        n: a positive integer.
+
+    Returns:
+        The largest ``2**k <= n``.
+
+    Raises:
+        ValueError: if ``n`` is smaller than 1.
+    """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     return 1 << (n.bit_length() - 1)
 
 
 def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is a power of two.
+
+    Args:
+        n: any integer.
+
+    Returns:
+        True for 1, 2, 4, ...; False for anything else, zero and negative numbers included.
+    """
     return n >= 1 and (n & (n - 1)) == 0
 
 
@@ -93,7 +88,11 @@ SAFE_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$"
 
 
 class Topology(BaseModel):
-    """What one rank believes about the job it is in. Immutable, strictly typed, validated."""
+    """What one rank believes about the job it is in. Immutable, strictly typed, validated.
+
+    Build it with :meth:`from_env` or :meth:`build`, which turn validation errors into
+    :class:`~elastic_emb.errors.TopologyError` naming the field, its value and its variable.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -136,8 +135,22 @@ class Topology(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Topology":
-        """Read torchrun's worker environment. Every bad value raises :class:`TopologyError`
-        naming the variable and its value."""
+        """Read the topology from torchrun's worker environment.
+
+        ``GROUP_RANK``/``GROUP_WORLD_SIZE`` may be left out only on one node (``LOCAL_WORLD_SIZE``
+        equal to ``WORLD_SIZE``). The generation, EP size and backend come from the
+        ``ELASTIC_EMB_*`` settings, with the fallbacks in ``docs/CORE.md``.
+
+        Args:
+            env: the environment to read; ``os.environ`` when None.
+
+        Returns:
+            The validated topology.
+
+        Raises:
+            TopologyError: if a variable is missing, not an integer, out of range, or makes the
+                record inconsistent; the message names the variable and its value.
+        """
         env = os.environ if env is None else env
 
         def integer(var: str, default: int | None = None, minimum: int = 0) -> int:
@@ -192,8 +205,18 @@ class Topology(BaseModel):
 
     @classmethod
     def build(cls, **values: object) -> "Topology":
-        """Construct and validate; turns pydantic's errors into a :class:`TopologyError` that
-        names the field, its value and the environment variable it comes from."""
+        """Construct and validate a topology from field values.
+
+        Args:
+            values: every field of :class:`Topology`, by name.
+
+        Returns:
+            The validated topology.
+
+        Raises:
+            TopologyError: if a value is invalid, a field is unknown or missing, or the fields
+                are inconsistent; the message names the field, its value and its variable.
+        """
         try:
             return cls(**values)  # type: ignore[arg-type]
         except ValidationError as exc:
@@ -202,12 +225,20 @@ class Topology(BaseModel):
     # -- views ----------------------------------------------------------------------------
 
     def shared(self) -> dict[str, object]:
-        """The fields every rank of the generation must hold identically."""
+        """The fields every rank of the generation must hold identically.
+
+        Returns:
+            Field name to value, for each name of ``SHARED_FIELDS``.
+        """
         return {f: getattr(self, f) for f in SHARED_FIELDS}
 
     def fingerprint(self) -> str:
-        """A stable hash of :meth:`shared`: equal on every rank of an agreed generation, and
-        independent of process, Python hash seed and field order."""
+        """A stable hash of :meth:`shared`.
+
+        Returns:
+            16 hex digits of a SHA-256 over the shared fields: equal on every rank of an agreed
+            generation, and independent of process, Python hash seed and field order.
+        """
         canonical = json.dumps(self.shared(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -217,14 +248,40 @@ class Topology(BaseModel):
         return self.rank < self.ep_size
 
     def with_changes(self, **changes: object) -> "Topology":
-        """A validated copy with some fields replaced."""
+        """A validated copy with some fields replaced.
+
+        Args:
+            changes: the fields to replace, by name.
+
+        Returns:
+            The new topology (this one is unchanged).
+
+        Raises:
+            TopologyError: if the result is invalid (see :meth:`build`).
+        """
         return Topology.build(**{**self.model_dump(), **changes})
 
     def to_json(self) -> str:
+        """This record as JSON.
+
+        Returns:
+            A JSON object with every field; :meth:`from_json` reads it back.
+        """
         return self.model_dump_json()
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "Topology":
+        """Read a record written by :meth:`to_json`.
+
+        Args:
+            raw: the JSON text.
+
+        Returns:
+            The validated topology.
+
+        Raises:
+            TopologyError: if ``raw`` is not a valid topology record.
+        """
         try:
             return cls.model_validate_json(raw)
         except ValidationError as exc:
@@ -261,16 +318,33 @@ def _describe_validation_error(exc: ValidationError, values: Mapping[str, object
 
 
 def scope(run_id: str, generation: int) -> str:
-    """Store key prefix private to one generation of one run."""
+    """The store key prefix private to one generation of one run.
+
+    Args:
+        run_id: the run's id.
+        generation: the generation.
+
+    Returns:
+        ``elastic_emb/<run_id>/gen<generation>`` (no trailing slash).
+    """
     return f"elastic_emb/{run_id}/gen{generation}"
 
 
 def evaluate(records: list[dict], expected: dict) -> dict:
     """Decide a generation from the records that arrived (pure; the decider runs it).
 
-    ``expected`` is the decider's own record. Returns a verdict dict: ``{"ok": True, ...}`` or
-    ``{"ok": False, "kind": ..., "message": ..., "details": ...}``. Shared fields are compared
-    with the decider's record; ranks and node layout are checked once all have arrived.
+    Shared fields are compared with the decider's record as records arrive; ranks and the node
+    layout are checked once ``world_size`` records are in.
+
+    Args:
+        records: the topology records (dicts) in arrival order, the decider's own first.
+        expected: the decider's own record.
+
+    Returns:
+        A verdict dict: ``{"ok": None}`` while undecided; ``{"ok": True, "fingerprint": ...,
+        "world_size": ...}``; or ``{"ok": False, "kind": "disagreement", "message": ...,
+        "details": ...}``, where ``details`` maps a rank (or ``slot<N>``) to
+        ``[field, value, expected]`` triples.
     """
     world_size = expected["world_size"]
     details: dict[str, list] = {}
@@ -345,9 +419,25 @@ def _fail(kind: str, expected: dict, what: str, details: dict) -> dict:
 def agree(topology: Topology, store, timeout: float = 60.0) -> Topology:
     """Prove that every rank of ``topology.generation`` holds the same topology.
 
-    Returns ``topology`` when all ``world_size`` ranks agree. Raises
-    :class:`TopologyDisagreement` (on every rank) when they do not, :class:`AgreementTimeout`
-    naming the missing ranks when some never arrive within ``timeout`` seconds.
+    Collective over ``store``: every rank of the generation calls it, and all return or raise the
+    same thing. Protocol: ``docs/CORE.md`` (section "Topology and agreement").
+
+    Args:
+        topology: this rank's topology.
+        store: the world's ``torch.distributed.Store``.
+        timeout: seconds to wait for every rank and for the verdict.
+
+    Returns:
+        ``topology``, once all ``world_size`` ranks agree.
+
+    Raises:
+        ValueError: if ``timeout`` is not positive.
+        TopologyDisagreement: on every rank, if the records differ, ranks or the node layout are
+            inconsistent, too many processes arrived (this one after the generation closed), or
+            a rank belongs to a stale generation.
+        AgreementTimeout: if some ranks never arrive within ``timeout`` (``missing_ranks`` names
+            them), the deciding rank writes no verdict, or the closing barrier is not confirmed.
+        TopologyError: if the run's generation mark cannot be raised.
     """
     if timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")

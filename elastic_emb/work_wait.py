@@ -1,27 +1,13 @@
 """Waiting on gloo work that another thread can end: a peer is known gone.
 
-A gloo wait on a peer that died, stopped or lost its network can last until the group's timeout:
-gloo does not fail a send already queued on a connection that breaks, a peer that is stopped or
-cut off closes nothing at all, and aborting the group does not wake a waiter. Whoever learns
-first that a peer is gone (the in-process resize's neighbour probe, a peer's failed collective:
-``resize.py``) calls :meth:`WorkWaits.interrupt`; every wait on the works of that communicator,
-now and later, then raises :class:`~elastic_emb.errors.TransferInterrupted` at once.
+A gloo wait on a peer that died, stopped or lost its network can last until the group's timeout.
+:class:`WorkWaits` bounds the waits on one communicator's works; whoever learns first that a peer
+is gone calls :meth:`WorkWaits.interrupt`, and every wait, now and later, raises
+:class:`~elastic_emb.errors.TransferInterrupted` at once. Transfers whose wait ended early are
+abandoned, and :func:`hold_then_drop` keeps their process group until they complete. Used by the
+context's :class:`~elastic_emb.context.group.Group` and the state tiers' :class:`~elastic_emb.state.comm.Comm`.
 
-How a wait is woken depends on the work: a collective's work has a future (gloo completes it on
-its own thread), so the wait sleeps on an event that the future's callback and ``interrupt``
-both set, no polling. A point-to-point send or receive has no future (``Work::getFuture not
-implemented``), and it completes only inside its own ``wait()``, which must be called exactly
-once and cannot be woken from Python (``Work.abort`` is not bound): a daemon thread makes that
-call and sets the event. An interrupted transfer is abandoned, not cancelled: it runs out on
-gloo's (or that) thread, which holds its tensors, until it completes, fails when the connection
-closes (the group's release aborts it) or reaches its timeout. The waits remember the works they
-abandoned (:meth:`WorkWaits.take_abandoned`): their owner holds the process group until those are
-complete, because a gloo group's destructor joins its worker threads and would otherwise block
-whichever thread dropped it last until the transfer times out (:func:`hold_then_drop`, the one
-hold both owners use).
-
-Used by the context's :class:`~elastic_emb.context.group.Group` (its collectives) and the state
-tiers' :class:`~elastic_emb.state.comm.Comm` (restore's row moves, replica transfers).
+Design: ``docs/CORE.md`` (section "Bounded waits on gloo work").
 """
 
 from __future__ import annotations
@@ -38,7 +24,11 @@ from elastic_emb.native_calls import native_call
 
 
 class WorkWaits:
-    """The waits on one communicator's works, and their interrupt (thread-safe)."""
+    """The waits on one communicator's works, and their interrupt (thread-safe).
+
+    Args:
+        where: who waits, named in the error (e.g. ``"rank 1 (generation 3)"``).
+    """
 
     def __init__(self, where: str) -> None:
         self.where = where  # named in the error: "rank 1 (generation 3)"
@@ -48,8 +38,13 @@ class WorkWaits:
         self._lock = threading.Lock()
 
     def interrupt(self, reason: str) -> None:
-        """End every wait now, and every later one at once, with :class:`TransferInterrupted`
-        naming ``reason`` (the first reason given stays)."""
+        """End every wait now, and every later one at once, with :class:`TransferInterrupted`.
+
+        A wait whose works completed before it woke still returns normally.
+
+        Args:
+            reason: why, named in the error; only the first reason given is kept.
+        """
         with self._lock:
             if self.reason is None:
                 self.reason = reason
@@ -58,12 +53,20 @@ class WorkWaits:
             done.set()
 
     def take_abandoned(self, waiting: bool = False) -> list:
-        """The works whose wait ended (interrupt, timeout) before they did, handed over once: the
-        caller holds their process group until they are complete (a gloo group's destructor
-        joins its worker threads, so dropped meanwhile it blocks until the transfer times out).
-        ``waiting``: with them, the works of the waits still in progress (for a release from
-        another thread right after an interrupt: it has woken the waits, which may not have
-        recorded their works yet)."""
+        """Hand over, once, the works whose wait ended (interrupt, timeout) before they did.
+
+        The caller holds their process group until they are complete (:func:`hold_then_drop`):
+        a gloo group's destructor joins its worker threads, so dropped meanwhile it would block
+        until the transfer times out.
+
+        Args:
+            waiting: also include the works of the waits still in progress (for a release from
+                another thread right after an interrupt: the woken waits may not have recorded
+                their works as abandoned yet).
+
+        Returns:
+            The works; later calls do not return them again.
+        """
         with self._lock:
             abandoned, self._abandoned = self._abandoned, []
             if waiting:
@@ -71,14 +74,37 @@ class WorkWaits:
             return abandoned
 
     def check(self, what: str) -> None:
-        """Raise :class:`TransferInterrupted` if interrupted (before posting more work)."""
+        """Refuse to go on once interrupted; call it before posting more work.
+
+        Args:
+            what: the operation about to be posted, named in the error.
+
+        Raises:
+            TransferInterrupted: if :meth:`interrupt` was called.
+        """
         if self.reason is not None:
             raise self._error(what)
 
     def wait(self, works: Sequence, timeout: float, what: str) -> bool:
-        """Complete every work of ``works`` within ``timeout`` seconds: True when they did (a
-        work's own failure is raised, as ``Work.wait`` raises it), False when the time ran out
-        first; raises :class:`TransferInterrupted` on :meth:`interrupt`."""
+        """Wait until every work of ``works`` is complete, at most ``timeout`` seconds.
+
+        Collective works are woken through their futures; point-to-point works (which have no
+        future) are waited for on a daemon thread. Works whose wait ends early are recorded as
+        abandoned (:meth:`take_abandoned`).
+
+        Args:
+            works: the ``torch.distributed.Work`` objects to complete.
+            timeout: seconds to wait.
+            what: the operation, named in the error.
+
+        Returns:
+            True when every work completed; False when the time ran out first.
+
+        Raises:
+            TransferInterrupted: if :meth:`interrupt` is called before or during the wait (and
+                the works did not complete first).
+            RuntimeError: a work's own failure, as ``Work.wait`` raises it.
+        """
         futures, blocking = [], []
         for work in works:
             if work.is_completed():
@@ -149,7 +175,7 @@ class WorkWaits:
             ok = finished()
             with self._lock:  # one step: take_abandoned sees the works in one list or the other
                 self._waiting.pop(done, None)
-                if not ok:  # interrupted or timed out: the works are abandoned (module docstring)
+                if not ok:  # interrupted or timed out: the works are abandoned (docs/CORE.md)
                     self._abandoned.extend(works)
         if ok:
             return True
@@ -171,16 +197,21 @@ def _when_all(futures: list, callback) -> None:
 
 
 def hold_then_drop(refs: list, works: list, bound: float, on_pending: Callable[[], None]) -> None:
-    """Hold the objects in ``refs`` (a process group, and whatever must outlive it) until the
-    abandoned ``works`` are complete, at most ``bound`` seconds (``on_pending()`` reports it when
-    they are not), then drop them in the calling thread, a background one.
+    """Hold a process group until its abandoned works are complete, then drop it.
 
-    A gloo group's destructor joins its worker threads: dropped last elsewhere while one of its
-    transfers still runs, it would block that thread until the transfer ends. The drop is a
-    blocking torch call (the destructor releases the GIL), so it is made inside
-    :func:`~elastic_emb.native_calls.native_call`. ``refs`` is a list the caller keeps no other
-    reference to: clearing it drops the last ones (a thread's own arguments would otherwise keep
-    the group until after this function returned)."""
+    Meant for a background thread: a gloo group's destructor joins its worker threads, so the
+    thread that drops it last waits for its running transfers. The drop is made inside
+    :func:`~elastic_emb.native_calls.native_call` (the destructor is a blocking torch call).
+
+    Args:
+        refs: a list holding the group and whatever must outlive it, to which the caller keeps no
+            other reference: clearing it drops the last references (a thread's own arguments
+            would otherwise keep the group until after this function returned).
+        works: the abandoned works; cleared with ``refs``.
+        bound: the longest wait, in seconds.
+        on_pending: called when the works are still not complete after ``bound`` seconds (the
+            group is dropped anyway).
+    """
     try:
         deadline = time.monotonic() + bound
         while not all(w.is_completed() for w in works):
