@@ -1,10 +1,10 @@
 """The backend's configuration: its own ``--rdzv-conf`` keys and the registry of inner backends.
 
-:class:`ListenerConfig` holds elastic_emb's ``--rdzv-conf`` keys (torch's own pass through to
-the inner backend); see the handler's docstring for their meaning. :data:`INNER_BACKENDS` maps
-``inner=NAME`` to the function that creates torch's ``RendezvousBackend`` and store for it;
-adding a backend is one :func:`register_inner` call (a module of this package may register
-itself on import; the handler imports the factory only when an agent selects it).
+- :class:`ListenerConfig`: elastic_emb's ``--rdzv-conf`` keys (torch's pass through to the inner backend);
+- :func:`check_conf_keys`: refuses a key neither elastic_emb nor torch reads;
+- :data:`INNER_BACKENDS`, :func:`register_inner`: ``inner=NAME`` to the factory of torch's backend and store.
+
+Design: ``docs/RDZV.md`` (section "Configuration"); the keys' table is in the README.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from elastic_emb.rdzv.keys import C10D_STATE_KEY, ETCD_STATE_KEY
 
 class InnerBackend(NamedTuple):
     """An inner rendezvous backend: where torch's ``create_backend(params) -> (backend, store)``
-    for it lives, the store key of the state (for messages), and what to install when missing."""
+    for it lives, the store key of the state (for messages), what to install when missing, and
+    the ``--rdzv-conf`` keys of its own."""
 
     factory: str  # "module:function"
     state_key: str
@@ -32,7 +33,15 @@ INNER_BACKENDS: dict[str, InnerBackend] = {}
 
 def register_inner(name: str, factory: str, state_key: str, requires: str = "",
                    conf_keys: frozenset[str] = frozenset()) -> None:
-    """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory`` (``module:function``)."""
+    """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory``.
+
+    Args:
+        name: the value of ``inner=`` that selects the backend.
+        factory: ``module:function`` of torch's ``create_backend(params) -> (backend, store)``.
+        state_key: the store key of torch's state, with ``{run_id}`` (used in messages).
+        requires: the package to install when ``factory``'s module cannot be imported.
+        conf_keys: the backend's own ``--rdzv-conf`` keys (beyond torch's).
+    """
     INNER_BACKENDS[name] = InnerBackend(factory, state_key, requires, frozenset(conf_keys))
 
 
@@ -56,8 +65,14 @@ TORCH_CONF_KEYS = frozenset({
 
 
 def check_conf_keys(config: Mapping[str, Any]) -> None:
-    """Refuse a ``--rdzv-conf`` key neither elastic_emb nor torch reads (a typo would otherwise be
-    ignored in silence), naming it and listing the valid keys."""
+    """Refuse a ``--rdzv-conf`` key neither elastic_emb nor torch reads (torch would ignore a typo).
+
+    Args:
+        config: torchrun's ``--rdzv-conf`` as a mapping (``RendezvousParameters.config``).
+
+    Raises:
+        ValueError: naming every unknown key and listing the valid ones.
+    """
     ours = set(ListenerConfig.model_fields)
     inner = INNER_BACKENDS.get(str(config.get("inner") or "c10d"))
     ours |= inner.conf_keys if inner is not None else set()
@@ -70,7 +85,7 @@ def check_conf_keys(config: Mapping[str, Any]) -> None:
 
 
 class ListenerConfig(BaseModel):
-    """elastic_emb's own --rdzv-conf keys (torch's keys pass through to the inner backend)."""
+    """elastic_emb's own ``--rdzv-conf`` keys (torch's keys pass through to the inner backend)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -92,6 +107,19 @@ class ListenerConfig(BaseModel):
 
     @classmethod
     def from_params(cls, config: Mapping[str, Any]) -> "ListenerConfig":
+        """The validated configuration from torchrun's ``--rdzv-conf``.
+
+        Args:
+            config: torchrun's ``--rdzv-conf`` as a mapping; ``drain`` may be a string such as
+                ``1``, ``0``, ``true`` or ``off``.
+
+        Returns:
+            The configuration, with defaults for the keys not given.
+
+        Raises:
+            ValueError: for an unknown key, a ``drain`` value that is not a boolean word, or a
+                value out of range, naming the key and the value.
+        """
         check_conf_keys(config)
         values: dict[str, Any] = {}
         for key in cls.model_fields:

@@ -1,22 +1,11 @@
-"""The restricted decoder of torch's rendezvous state, and the one view of it that the agent and
-the workers share.
+"""The restricted decoder of torch's rendezvous state, and the one view of it both sides share.
 
-torch keeps its ``_RendezvousState`` in the store as ``base64(pickle(state))``. Unpickling that
-with ``pickle.loads`` runs whatever code a writer to the store chose, so nothing in elastic_emb
-does: :func:`load_state` uses an unpickler whose ``find_class`` admits only the classes the
-state is made of (torch's ``_RendezvousState`` and ``_NodeDesc``, ``datetime``'s
-``datetime``/``timezone``/``timedelta``, ``set``/``frozenset``) and raises
-:class:`UnsafeStateError` for anything else before any object of that class is made. The
-agent-side backend runs every state it reads through it before torch's own ``pickle.loads``
-sees the bytes (``handler.py``), and the workers decode with it.
+- :func:`load_state`: unpickles torch's ``_RendezvousState``, admitting only the classes it is made of;
+- :func:`decode_state`: the store's ``base64(pickle(state))`` to a :class:`RendezvousView`;
+- :class:`RendezvousView`: the state as plain data (round, participants in group-rank order, wait list).
 
-:class:`RendezvousView` is plain data (no torch classes): round, complete, closed, the
-participants in group-rank order, the wait list and the redundancy list. Built from bytes
-(:func:`decode_state`, the workers) or from a live torch state object (:meth:`RendezvousView.of`,
-the agent). A node id is ``addr_pid_localid`` (torch's ``_NodeDesc`` repr).
-
-Importing this module does not import torch: the allowed class names are strings, resolved by
-the unpickler only when a state is decoded.
+Importing this module does not import torch.
+Design: ``docs/RDZV.md`` (section "Decoding torch's state").
 """
 
 from __future__ import annotations
@@ -59,8 +48,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def load_state(data: bytes) -> Any:
     """Unpickle torch's ``_RendezvousState`` from its pickle bytes, admitting only its classes.
 
-    Raises :class:`UnsafeStateError` for a foreign class, bytes that do not unpickle, or an
-    object that is not a ``_RendezvousState``.
+    Args:
+        data: the pickle bytes (not base64).
+
+    Returns:
+        torch's ``_RendezvousState`` object.
+
+    Raises:
+        UnsafeStateError: for a class outside :data:`ALLOWED_CLASSES` (before any object of it is
+            made), bytes that do not unpickle, or an object that is not a ``_RendezvousState``.
     """
     try:
         state = _RestrictedUnpickler(io.BytesIO(data)).load()
@@ -76,16 +72,32 @@ def load_state(data: bytes) -> Any:
 
 
 def dump_state(state: Any) -> bytes:
-    """Pickle a state object as torch's state holder does (the agent re-writes a credited state)."""
+    """Pickle a state object as torch's state holder does (the agent re-writes a credited state).
+
+    Args:
+        state: torch's ``_RendezvousState`` object.
+
+    Returns:
+        The pickle bytes.
+    """
     return pickle.dumps(state)
 
 
 def node_id(node: Any) -> str:
-    """The id of a torch ``_NodeDesc``: ``addr_pid_localid`` (its repr)."""
+    """The id of a torch ``_NodeDesc``: ``addr_pid_localid`` (its repr).
+
+    Args:
+        node: torch's ``_NodeDesc`` (anything with ``addr``, ``pid`` and ``local_id``).
+
+    Returns:
+        The node id.
+    """
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
 class Participant(BaseModel):
+    """One participant of a round: its node id, address, pid and group rank."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     node: str  # addr_pid_localid
@@ -113,7 +125,17 @@ class RendezvousView(BaseModel):
 
     @classmethod
     def of(cls, state: Any) -> "RendezvousView":
-        """The view of a torch ``_RendezvousState`` object (live, or from :func:`load_state`)."""
+        """The view of a torch ``_RendezvousState`` object.
+
+        Args:
+            state: a live state object, or one from :func:`load_state`.
+
+        Returns:
+            The view; participants sorted by group rank, the lists by node id.
+
+        Raises:
+            UnsafeStateError: when the object lacks a field or a field has an unexpected type.
+        """
         try:
             parts = sorted(state.participants.items(), key=lambda kv: (int(kv[1]), node_id(kv[0])))
             return cls(
@@ -133,7 +155,18 @@ class RendezvousView(BaseModel):
     def of_nodes(cls, round_: int, nodes: tuple[str, ...], wait_list: tuple[str, ...] = (), *,
                  complete: bool = True, closed: bool = False) -> "RendezvousView":
         """A view from node ids alone (rank = position; addr and pid from ``addr_pid_localid``
-        when the id has that form)."""
+        when the id has that form, else the id and 0).
+
+        Args:
+            round_: the rendezvous round.
+            nodes: participant node ids in group-rank order.
+            wait_list: node ids waiting for the next round.
+            complete: whether the round is complete.
+            closed: whether the rendezvous is closed.
+
+        Returns:
+            The view.
+        """
         def part(i: int, n: str) -> Participant:
             bits = n.rsplit("_", 2)
             if len(bits) == 3 and bits[1].isdigit():
@@ -145,7 +178,18 @@ class RendezvousView(BaseModel):
 
 
 def decode_state(raw: bytes) -> RendezvousView:
-    """Decode ``base64(pickle(_RendezvousState))`` (what the store holds) with the restricted unpickler."""
+    """Decode ``base64(pickle(_RendezvousState))`` (what the store holds) with the restricted unpickler.
+
+    Args:
+        raw: the value read from the store.
+
+    Returns:
+        The view of the state.
+
+    Raises:
+        UnsafeStateError: when ``raw`` is not base64, or as :func:`load_state` and
+            :meth:`RendezvousView.of` raise it.
+    """
     try:
         data = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as exc:

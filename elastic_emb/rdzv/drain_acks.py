@@ -1,47 +1,10 @@
 """The drain's acknowledgements: one signed key per rank, counted only when it verifies.
 
-A drain (``drain.py``, the preStop hook; ``rdzv/handler.py``, the agent before a scale-up) ends
-when every worker of the running round has committed the agreed last step and stopped. Each
-worker's watcher says how many acknowledgements to expect (``world_size``) and, once stopped,
-acknowledges. The drain must not end before that: the preStop hook's return lets kubelet send
-SIGTERM, and a worker still in its step would lose the rows it was committing.
+- :func:`write_expected`, :func:`keep_expected`, :func:`read_expected`: the signed count to expect;
+- :func:`write_ack`: a stopped worker's signed ``{round, rank, step}`` record, then the ``acks`` hint;
+- :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to look).
 
-**Why not a counter.** A counter (``acks``, an atomic ``add``) cannot be signed, and a store
-writer who sets it to the expected number, a value every range check accepts, ends the drain at
-once, before any worker has stopped. So the count comes from keys that can be signed:
-
-- each worker writes ``ack/<rank>`` under the round's prefix: the record
-  ``{"round": r, "rank": k, "step": s}``, signed with the job's secret (``rdzv/signing.py``; the
-  MAC covers the key, so an acknowledgement can be neither made without the secret nor moved to
-  another rank or round), and then adds 1 to ``acks``;
-- ``world_size``, the count to expect, is signed too (a forged 0 or 1 would end a drain as
-  surely as a forged ``acks``);
-- a reader (:class:`AckCounter`) counts rank ``k`` of ``0 .. expected-1`` only when ``ack/<k>``
-  verifies and its record names rank ``k`` and the reader's round. Anything else is ignored and
-  reported once per key: ``control_key_rejected`` (no valid signature) or
-  ``drain_ack_rejected`` (a record naming another rank or round, or no record at all).
-
-``acks`` stays, as a hint of *when* to look, never of what to conclude (as every counter in
-``rdzv/signing.py``): the reader verifies the per-rank keys only once ``acks`` claims the count
-is reached (one store read per missing rank, not one per rank on every poll), and once more when
-it gives up, so a counter held low by a store writer delays a drain to its timeout, no more.
-A counter that claims more than the keys show is reported once (``drain_acks_unverified``).
-
-Mixed versions (a rolling change): a worker from before this format writes a bare step under
-``ack/<rank>`` and an unsigned ``world_size``, which a reader here does not count (and, with a
-secret, reports as unreadable); an older reader cannot parse a signed ``world_size``. Either way
-that drain ends by its timeout, never early.
-
-Without a secret nothing is signed and the record checks are all there is (the trust model the
-README states: whoever can reach the store can steer the job). What no signature prevents: a
-store writer can delete keys, as it can delete torch's own state. A deleted ``world_size`` would
-read as "no watchers" and end a drain at once, before any commit: rank 0's watcher writes a missing
-one back (:func:`keep_expected`, every :data:`RESTORE_EVERY_S` at most; it also writes the new
-count after an in-process re-form, which keeps the round), and the preStop client
-(``drain.py``) that finds none looks again for :data:`NO_WATCHERS_GRACE` seconds before it answers
-"no watchers" (a fresh round's watchers may not have written it yet either). The agent's drain
-before a scale-up does not wait: a deletion less than :data:`RESTORE_EVERY_S` before it starts
-still reads as "no watchers" there.
+Design: ``docs/RDZV.md`` (section "The drain").
 """
 
 from __future__ import annotations
@@ -60,7 +23,14 @@ NO_WATCHERS_GRACE = 5.0  # the preStop client's wait for a missing world_size be
 
 
 def write_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> None:
-    """A watcher says how many acknowledgements its round's drain needs (signed)."""
+    """A watcher says how many acknowledgements its round's drain needs (signed).
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix (``keys.round_prefix``).
+        world_size: the number of ranks that will acknowledge.
+    """
     key = prefix + KEY_WORLD_SIZE
     store.set(key, signer.sign(key, str(int(world_size))))
 
@@ -68,8 +38,18 @@ def write_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> 
 def keep_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> bytes | None:
     """Rank 0's watcher: write its count when the key is missing (deleted by a store writer) or
     holds another valid one (the world re-formed in process: the same round, a new world size).
-    Returns what it replaced (``b""`` for a missing key), or None when it left the key as it was.
-    A value that does not verify is left as it is: it is refused by name where it is read."""
+
+    A value that does not verify is left as it is: it is refused by name where it is read.
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix.
+        world_size: the count this watcher's world expects.
+
+    Returns:
+        What it replaced (``b""`` for a missing key), or None when it left the key as it was.
+    """
     key = prefix + KEY_WORLD_SIZE
     replaced = b""
     if store.check([key]):
@@ -82,9 +62,20 @@ def keep_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> b
 
 
 def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
-    """The acknowledgements to expect, or None when no watcher wrote the count. Raises
-    ValueError naming the key and the value when it is not validly signed (with a secret) or
-    not a count in range."""
+    """The acknowledgements to expect.
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix.
+
+    Returns:
+        The count, or None when no watcher wrote it.
+
+    Raises:
+        ValueError: naming the key and the value when it is not validly signed (with a secret)
+            or not a count in ``[0, MAX_COUNT]``.
+    """
     key = prefix + KEY_WORLD_SIZE
     if not store.check([key]):
         return None
@@ -97,12 +88,30 @@ def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
 
 
 def ack_record(round_: int, rank: int, step: int) -> str:
-    """The value of one rank's acknowledgement (before signing)."""
+    """The value of one rank's acknowledgement (before signing).
+
+    Args:
+        round_: the rendezvous round being drained.
+        rank: the acknowledging rank.
+        step: the last step the rank committed before it stopped.
+
+    Returns:
+        The compact JSON record ``{"round", "rank", "step"}``.
+    """
     return json.dumps({"round": int(round_), "rank": int(rank), "step": int(step)}, separators=(",", ":"))
 
 
 def write_ack(store: Any, signer: Signer, prefix: str, round_: int, rank: int, step: int) -> None:
-    """A worker acknowledges: it committed ``step`` and stopped (its key first, then the hint)."""
+    """A worker acknowledges: it committed ``step`` and stopped (its key first, then the hint).
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix.
+        round_: the rendezvous round being drained.
+        rank: the acknowledging rank.
+        step: the last step the rank committed.
+    """
     key = prefix + KEY_ACK + str(int(rank))
     store.set(key, signer.sign(key, ack_record(round_, rank, step)))
     store.add(prefix + KEY_ACKS, 1)
@@ -125,7 +134,18 @@ def _parse(value: bytes, round_: int, rank: int) -> tuple[int | None, str]:
 
 
 class AckCounter:
-    """Counts the verified acknowledgements of one round's drain (see the module docstring)."""
+    """Counts the verified acknowledgements of one round's drain.
+
+    Rejected keys are reported once each (``control_key_rejected``, ``drain_ack_rejected``), and a
+    counter that claims more than the keys show once (``drain_acks_unverified``).
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix.
+        round_: the round being drained (a record naming another round does not count).
+        log: a structlog logger for the rejection events, or None.
+    """
 
     def __init__(self, store: Any, signer: Signer, prefix: str, round_: int, log: Any = None) -> None:
         self.store, self.signer, self.prefix, self.round, self.log = store, signer, prefix, round_, log
@@ -134,13 +154,32 @@ class AckCounter:
         self._unverified_reported = False
 
     def hint(self) -> int:
-        """The ``acks`` counter (untrusted: ValueError for anything outside ``[0, MAX_COUNT]``)."""
+        """The ``acks`` counter, untrusted: a hint of when to look.
+
+        Returns:
+            The counter's value.
+
+        Raises:
+            ValueError: when the counter holds anything outside ``[0, MAX_COUNT]``.
+        """
         return count_value(self.prefix + KEY_ACKS, self.store.add(self.prefix + KEY_ACKS, 0))
 
     def count(self, expected: int, *, final: bool = False) -> int:
-        """The ranks of ``0 .. expected-1`` whose acknowledgement verifies. Reads their keys only
-        when the ``acks`` hint claims ``expected`` or ``final`` is set (the last look before a
-        timeout); otherwise answers what was verified before."""
+        """The ranks of ``0 .. expected-1`` whose acknowledgement verifies.
+
+        Reads their keys only when the ``acks`` hint claims ``expected`` or ``final`` is set;
+        otherwise answers what was verified before.
+
+        Args:
+            expected: the acknowledgements the drain needs.
+            final: the last look before a timeout: read the missing ranks' keys whatever the hint.
+
+        Returns:
+            The number of verified acknowledgements.
+
+        Raises:
+            ValueError: when the ``acks`` counter is not a count in ``[0, MAX_COUNT]``.
+        """
         if len(self.steps) >= expected:
             return len(self.steps)
         claimed = self.hint()

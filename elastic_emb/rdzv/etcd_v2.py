@@ -1,12 +1,11 @@
 """torch's etcd-v2 ``EtcdStore`` with the one operation it lacks: ``compare_set``.
 
-With ``--rdzv-conf inner=etcd-v2,resize=in_process`` the generations the survivors form in
-process keep their store keys in etcd (the rendezvous store outlives every node; see
-``resize.py``). Every generation's agreement raises the run's generation mark with
-``compare_set`` (``topology.py``), which torch's ``EtcdStore`` does not implement (its base
-class raises "Not implemented" from C++). etcd v2 has the atomic primitive: a write guarded by
-``prevExist=false`` (create) or ``prevValue`` (swap). Keys and values are encoded the way
-``EtcdStore`` encodes them, so ``get``/``wait`` on the same store see what ``compare_set`` wrote.
+:class:`CasEtcdStore` is the store of the generations the survivors form in process with
+``--rdzv-conf inner=etcd-v2,resize=in_process``, whose agreements need ``compare_set``
+(torch's ``EtcdStore`` raises "Not implemented" for it). It uses etcd v2's guarded writes
+(``prevExist=false``, ``prevValue``) and ``EtcdStore``'s encoding of keys and values.
+
+Design: ``docs/RDZV.md`` (section "``compare_set`` on etcd-v2").
 """
 
 from __future__ import annotations
@@ -21,6 +20,18 @@ class CasEtcdStore(EtcdStore):
     ``expected`` is returned."""
 
     def compare_set(self, key, expected_value, desired_value) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (empty: if it is missing).
+
+        Args:
+            key: the store key (encoded as ``EtcdStore`` encodes keys).
+            expected_value: the value the key must hold; ``b""`` or ``""`` for a missing key.
+            desired_value: the value to write.
+
+        Returns:
+            The value the key holds afterwards: ``desired_value`` when written, the current value
+            when another writer got there first, ``expected_value`` when the key is missing and
+            ``expected_value`` is not empty.
+        """
         import etcd  # python-etcd, present wherever EtcdStore can be built
 
         path = self.prefix + self._encode(key)

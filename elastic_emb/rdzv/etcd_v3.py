@@ -1,37 +1,11 @@
 """``inner=etcd-v3``: torch's dynamic rendezvous kept in etcd through etcd's v3 API.
 
-torch ships rendezvous backends for c10d (the store lives in one agent) and for etcd's v2 API
-(``etcd-v2``, through ``python-etcd`` 0.4.5 of 2017). etcd removed the v2 API in 3.6; 3.5 is the
-last line that still has it. This module keeps the rendezvous in etcd through the v3 API:
+- :class:`EtcdV3RendezvousBackend`: torch's ``RendezvousBackend``, compare-and-swap on ``mod_revision``;
+- :class:`EtcdV3Store`: the ``torch.distributed.Store`` of the agents and of elastic_emb's round keys;
+- :func:`create_backend` (torchrun's entry, ``inner=etcd-v3``) and :func:`open_reader` (the worker side).
 
-- :class:`EtcdV3RendezvousBackend` implements torch's public ``RendezvousBackend``
-  (``get_state`` / ``set_state``) with compare-and-swap on the key's ``mod_revision``;
-- :class:`EtcdV3Store` is the ``torch.distributed.Store`` the dynamic rendezvous hands the agent
-  (per-round ``MASTER_ADDR``/``MASTER_PORT``, the agents' barriers) and elastic_emb's round keys
-  live in (drain requests, acknowledgements, death reports);
-- :func:`create_backend` builds both from torchrun's ``RendezvousParameters``, :func:`open_reader`
-  for the worker side.
-
-Both talk to etcd through :class:`~elastic_emb.rdzv.etcd_v3_client.EtcdV3Client`
-(``rdzv/etcd_v3_client.py``: the JSON gateway over ``http.client``, kept connections, member
-failover, authentication, TLS, the ``--rdzv-conf`` options); this module holds what the
-rendezvous means by those calls. The client's names stay importable from here.
-
-**Semantics** (those torch's own backends are held to): ``get_state`` is ``None`` when no state
-exists and raises ``RendezvousStateError`` when the stored value is not base64 (the state is
-stored as base64 text, as torch's etcd-v2 backend does, so a worker reads the same bytes from
-either); ``set_state`` with the current token sets the state and returns the new token (the
-write's revision); with a stale, ``None`` (and a state exists) or invalid token it returns the
-current state and token and ``has_set=False`` without writing. The compare and the read of the
-current state are one transaction, so a failed compare returns the state that beat it. The state
-key is attached to a lease of ``ttl`` seconds (default two hours, like etcd-v2's TTL), granted
-afresh every ``ttl/3``, so a finished job's state disappears and its run id can be reused.
-
-**Failures.** When no member can serve a call the client raises
-:class:`~elastic_emb.rdzv.etcd_v3_client.EtcdV3ConnectionError`, which elastic_emb's outage guard
-retries up to ``store_outage_timeout``. An ``add`` whose reply is lost may have been applied (as
-with torch's etcd-v2 store); the rendezvous state itself is only ever written under
-compare-and-swap, so a retried ``set_state`` cannot apply twice.
+Both talk to etcd through :class:`~elastic_emb.rdzv.etcd_v3_client.EtcdV3Client`, whose names stay
+importable from here. Design: ``docs/RDZV.md`` (section "The etcd backends").
 """
 
 from __future__ import annotations
@@ -69,6 +43,14 @@ STORE_PREFIX = "/torch/elastic/store/"
 
 
 def state_key(run_id: str) -> str:
+    """The etcd key of a run's rendezvous state.
+
+    Args:
+        run_id: the rendezvous run id (``--rdzv-id``).
+
+    Returns:
+        The key, the same path as torch's etcd-v2 backend uses.
+    """
     return STATE_PREFIX + run_id
 
 
@@ -85,7 +67,19 @@ def _token(token: Any) -> int | None:
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
-    """torch's ``RendezvousBackend`` on etcd v3 (module docstring)."""
+    """torch's ``RendezvousBackend`` on etcd v3.
+
+    The state is stored as base64 text under :func:`state_key`, attached to a lease of ``ttl``
+    seconds granted afresh every ``ttl/3``; tokens are the state key's ``mod_revision``.
+
+    Args:
+        client: the etcd client.
+        run_id: the rendezvous run id.
+        ttl: the state lease in seconds (default: the client's ``ttl`` option).
+
+    Raises:
+        ValueError: when ``run_id`` is empty.
+    """
 
     def __init__(self, client: EtcdV3Client, run_id: str, ttl: int | None = None) -> None:
         if not run_id:
@@ -100,15 +94,49 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return NAME
 
     def raw_state(self) -> bytes | None:
-        """The stored value (base64 text of the pickled state), unchecked; None when absent."""
+        """The stored value, unchecked (what the worker side decodes itself).
+
+        Returns:
+            The base64 text of the pickled state, or None when no state exists.
+
+        Raises:
+            EtcdV3ConnectionError: when no etcd member can serve the read.
+            RendezvousConnectionError: when etcd refuses the read.
+        """
         kv = self._call(self._client.get, self._key)
         return None if kv is None else kv.value
 
     def get_state(self) -> tuple[bytes, Any] | None:
+        """The state and its token.
+
+        Returns:
+            ``(pickled state, token)``, or None when no state exists.
+
+        Raises:
+            RendezvousStateError: when the stored value is not base64.
+            EtcdV3ConnectionError: when no etcd member can serve the read.
+            RendezvousConnectionError: when etcd refuses the read.
+        """
         kv = self._call(self._client.get, self._key)
         return None if kv is None else self._decode(kv)
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        """Write ``state`` if ``token`` is current (compare-and-swap; one transaction).
+
+        Args:
+            state: the pickled state.
+            token: the token of the state the caller read; None when it read no state.
+
+        Returns:
+            ``(state, new token, True)`` when written; otherwise ``(current state, its token,
+            False)``, or None when no state exists. A token this backend did not issue writes
+            nothing.
+
+        Raises:
+            RendezvousStateError: when the current value is not base64.
+            EtcdV3ConnectionError: when no etcd member can serve the call.
+            RendezvousConnectionError: when etcd refuses the call.
+        """
         revision = 0 if token is None else _token(token)
         if revision is None:  # not a token this backend issued: nothing is written
             current = self.get_state()
@@ -150,9 +178,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 class EtcdV3Store(Store):
     """A ``torch.distributed.Store`` on etcd v3 (keys under ``prefix``).
 
-    Blocking reads poll with a short backoff (10 ms doubling to 100 ms) until the store's timeout:
-    the agents read a handful of keys per round and the workers' watchers use the non-blocking
-    ``check``, so polling costs etcd little and needs no streaming watch connection.
+    Blocking reads poll with a short backoff until the store's timeout (no streaming watch).
+    Every call may raise :class:`EtcdV3ConnectionError` (no member can serve it) or
+    :class:`~elastic_emb.errors.EtcdV3Error` (etcd refused it).
+
+    Args:
+        client: the etcd client.
+        prefix: the key prefix of the store (a ``/`` is appended when missing).
+        timeout: the store's timeout (default: torch's store default).
     """
 
     def __init__(self, client: EtcdV3Client, prefix: str = STORE_PREFIX, timeout: timedelta | None = None) -> None:
@@ -176,15 +209,47 @@ class EtcdV3Store(Store):
         raise ValueError(f"store value must be str or bytes, got {type(value).__name__}")
 
     def set(self, key: str, value: Any) -> None:
+        """Write ``value`` under ``key``.
+
+        Args:
+            key: the store key.
+            value: str or bytes (or a list of byte values, as C++ passes them).
+
+        Raises:
+            ValueError: when ``value`` is of another type.
+        """
         self.client.put(self._key(key), self._value(value))
 
     def get(self, key: str) -> bytes:
+        """The value under ``key``, waiting for it up to the store's timeout.
+
+        Args:
+            key: the store key.
+
+        Returns:
+            The value.
+
+        Raises:
+            LookupError: when the key is not set within the timeout.
+        """
         found = self._wait_get([key], self.timeout)
         if found is None:
             raise LookupError(f"key {key!r} not found in the etcd-v3 store within {self.timeout}")
         return found[0]
 
     def add(self, key: str, num: int) -> int:
+        """Add ``num`` to the counter under ``key`` (compare-and-swap, retried on a collision).
+
+        Args:
+            key: the store key (a missing key counts as 0).
+            num: the amount to add.
+
+        Returns:
+            The counter's new value.
+
+        Raises:
+            TimeoutError: when every compare-and-swap lost for the store's timeout (at least 1 s).
+        """
         k = self._key(key)
         deadline = time.monotonic() + max(self.timeout.total_seconds(), 1.0)
         current = self.client.get(k)
@@ -201,6 +266,20 @@ class EtcdV3Store(Store):
             time.sleep(random.uniform(0, 0.01))  # spread colliding writers
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (``TCPStore``'s semantics).
+
+        Args:
+            key: the store key.
+            expected_value: the value the key must hold; empty for a missing key.
+            desired_value: the value to write.
+
+        Returns:
+            The value the key holds afterwards (``expected_value`` when the key is missing and
+            ``expected_value`` is not empty).
+
+        Raises:
+            ValueError: when a value is not str or bytes.
+        """
         k, expected, desired = self._key(key), self._value(expected_value), self._value(desired_value)
         if expected:
             written, _, now = self.client.put_if(k, desired, prev_value=expected)
@@ -211,17 +290,47 @@ class EtcdV3Store(Store):
         return expected if now is None else now.value
 
     def delete_key(self, key: str) -> bool:
+        """Delete ``key``.
+
+        Args:
+            key: the store key.
+
+        Returns:
+            Whether the key existed.
+        """
         return self.client.delete(self._key(key)) > 0
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every key is set, without waiting (one transaction).
+
+        Args:
+            keys: the store keys.
+
+        Returns:
+            True when all of them exist.
+        """
         wanted = [self._key(k) for k in keys]
         return len(self.client.get_many(wanted)) == len(set(wanted))
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        """Wait until every key is set.
+
+        Args:
+            keys: the store keys.
+            override_timeout: the bound of this wait (default: the store's timeout).
+
+        Raises:
+            LookupError: when not all keys are set within the bound.
+        """
         if self._wait_get(keys, override_timeout or self.timeout) is None:
             raise LookupError(f"keys {list(keys)!r} not all set in the etcd-v3 store within {override_timeout or self.timeout}")
 
     def num_keys(self) -> int:
+        """The number of keys under the store's prefix.
+
+        Returns:
+            The count etcd reports.
+        """
         reply = self.client.call("kv/range", {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix)),
                                               "count_only": True})
         return int(reply.get("count", 0))
@@ -251,10 +360,21 @@ def _prefix_end(prefix: str) -> bytes:
 
 
 def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
-    """``(backend, store)`` from torchrun's ``RendezvousParameters`` (``inner=etcd-v3``).
+    """The backend and store of ``inner=etcd-v3`` (the factory in ``conf.INNER_BACKENDS``).
 
     Connects once (a range of the state key), so a wrong endpoint or credentials fail here, and
     puts the non-secret client options into :data:`ENV_OPTIONS` for the workers' watchers.
+
+    Args:
+        params: torchrun's ``RendezvousParameters`` (endpoint, run id, ``--rdzv-conf``).
+
+    Returns:
+        ``(backend, store)``.
+
+    Raises:
+        ValueError: for invalid client options or an invalid endpoint.
+        EtcdV3ConnectionError: when no etcd member answers.
+        RendezvousConnectionError: when etcd refuses the first read (e.g. bad credentials).
     """
     options = ClientOptions.from_conf(dict(params.config))
     client = EtcdV3Client.from_endpoint(params.endpoint, options)
@@ -266,8 +386,24 @@ def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
 
 def open_reader(endpoint: str, run_id: str, timeout: float, env: Mapping[str, str] | None = None
                 ) -> tuple[EtcdV3Store, EtcdV3RendezvousBackend]:
-    """For the worker side (watcher, drain hook, ``rdzv-state``): the store of elastic_emb's
-    round keys and the backend whose :meth:`~EtcdV3RendezvousBackend.raw_state` reads the state."""
+    """For the worker side (watcher, drain hook, ``rdzv-state``): the round-key store and the state.
+
+    The client options come from :data:`ENV_OPTIONS` (else ``PET_RDZV_CONF``, else the defaults),
+    with ``timeout`` as the read timeout. Nothing is read yet.
+
+    Args:
+        endpoint: ``HOST[:PORT][,HOST[:PORT]...]``.
+        run_id: the rendezvous run id.
+        timeout: seconds bounding every request and the store's blocking reads.
+        env: the environment to read the options from (default: ``os.environ``).
+
+    Returns:
+        ``(store of elastic_emb's round keys, backend)``; the backend's
+        :meth:`~EtcdV3RendezvousBackend.raw_state` reads the state.
+
+    Raises:
+        ValueError: for invalid options or an invalid endpoint.
+    """
     options = ClientOptions.from_env(env).model_copy(update={"read_timeout": float(timeout)})
     client = EtcdV3Client.from_endpoint(endpoint, options)
     return EtcdV3Store(client, STORE_PREFIX, timeout=timedelta(seconds=timeout)), EtcdV3RendezvousBackend(client, run_id)

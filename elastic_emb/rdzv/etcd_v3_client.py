@@ -1,40 +1,12 @@
 """The etcd v3 client of ``inner=etcd-v3``: etcd's JSON gateway over ``http.client``, with member failover.
 
-``rdzv/etcd_v3.py`` builds torch's rendezvous backend and a ``torch.distributed.Store`` on etcd;
-both speak to etcd only through :class:`EtcdV3Client`, this module. The split follows the
-layers: here the transport (connections, members, authentication, TLS, the JSON encoding of the
-v3 calls) and the validated client options; there what the rendezvous means by them (the state
-key under compare-and-swap, its lease, the store's blocking reads and counters).
+- :class:`EtcdV3Client`: the v3 calls the rendezvous needs (range, txn, put, delete, lease grant),
+  kept connections, failover over the members of the endpoint, token authentication, TLS;
+- :class:`ClientOptions`: the validated ``--rdzv-conf`` keys :data:`CONF_KEYS`, passed to the
+  workers in :data:`ENV_OPTIONS`;
+- :class:`EtcdV3ConnectionError`: no member could serve a call (the outage guard retries it).
 
-**Why the JSON gateway over ``http.client``, not a client library.** Every etcd since 3.4 serves the
-v3 API as JSON over HTTP at ``/v3/...`` (Debian's etcd-server 3.4 and the 3.5/3.6 images alike):
-keys and values are base64 strings, int64 fields are decimal strings. The rendezvous needs five
-calls (range, txn, put, delete, lease grant) and token authentication; with the standard
-library they are a page of code and add no dependency to every training image. The gRPC clients
-on PyPI are either unmaintained (``etcd3``, last release 2020, pinned to old protobuf) or pull
-grpcio and protobuf (tens of MB, version conflicts with other users of protobuf in a training
-image). A plain-HTTP client is also easy to reason about across a member failover.
-
-**Connections.** A client keeps its HTTP/1.1 connections open between calls (up to :data:`MAX_IDLE`
-idle ones per member, for the agent's threads): a call costs one round trip, not a TCP (and TLS)
-handshake too. A connection that failed is closed, never reused; an idle one the member closed is
-seen before use (its socket reads as ready) and replaced, and one that fails before any reply is
-retried once on a fresh connection to the same member. Every socket operation is bounded by
-``read_timeout``. No ``http_proxy`` (etcd is cluster-internal); a forked child opens its own.
-
-**Several members.** An endpoint may list members, ``HOST:PORT,HOST:PORT,...`` (or name one
-Service that balances over them). A call that finds a member unreachable, without a leader or
-timing out moves on to the next one; only when every member failed does it raise
-:class:`EtcdV3ConnectionError` (a ``RendezvousConnectionError`` and a ``ConnectionError``), which
-elastic_emb's outage guard retries up to ``store_outage_timeout``. Any other refusal by etcd is an
-:class:`~elastic_emb.errors.EtcdV3Error` naming the call, the member and etcd's message.
-
-**Options** (:class:`ClientOptions`, the ``--rdzv-conf`` keys :data:`CONF_KEYS`): ``read_timeout``
-(seconds per request, default 10), ``protocol`` (``http``/``https``), ``ca_cert``, ``ssl_cert``,
-``ssl_cert_key`` (as etcd-v2's), ``user`` and ``password_file`` (etcd's token authentication; the
-password is read from a file, e.g. a mounted Kubernetes Secret, never from the command line),
-``ttl`` (the state lease, s). The agent puts the non-secret options into :data:`ENV_OPTIONS` for
-its workers' watchers.
+Design: ``docs/RDZV.md`` (section "The client").
 """
 
 from __future__ import annotations
@@ -89,6 +61,18 @@ class ClientOptions(BaseModel):
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> "ClientOptions":
+        """The options from ``--rdzv-conf`` (other keys and empty values are ignored).
+
+        Args:
+            conf: the ``--rdzv-conf`` mapping.
+
+        Returns:
+            The validated options.
+
+        Raises:
+            ValueError: for a value out of range, ``user`` without ``password_file`` (or the
+                reverse), or ``ssl_cert_key`` without ``ssl_cert``, naming the keys.
+        """
         values = {k: v for k, v in conf.items() if k in CONF_KEYS and v not in (None, "")}
         if isinstance(values.get("protocol"), str):
             values["protocol"] = values["protocol"].strip().lower()
@@ -106,7 +90,18 @@ class ClientOptions(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "ClientOptions":
-        """The agent's options (:data:`ENV_OPTIONS`), else ``PET_RDZV_CONF``'s, else the defaults."""
+        """The agent's options (:data:`ENV_OPTIONS`), else ``PET_RDZV_CONF``'s, else the defaults.
+
+        Args:
+            env: the environment to read (default: ``os.environ``).
+
+        Returns:
+            The validated options.
+
+        Raises:
+            ValueError: when :data:`ENV_OPTIONS` is not valid JSON of valid options, or
+                ``PET_RDZV_CONF`` holds invalid options.
+        """
         env = os.environ if env is None else env
         if env.get(ENV_OPTIONS):
             try:
@@ -121,11 +116,27 @@ class ClientOptions(BaseModel):
         return cls.from_conf(conf)
 
     def to_env(self) -> str:
+        """The options as the value of :data:`ENV_OPTIONS`.
+
+        Returns:
+            JSON of the options that are set (``password_file`` names a file, not the secret).
+        """
         return self.model_dump_json(exclude_none=True)
 
 
 def parse_endpoints(endpoint: str, protocol: str = "http") -> list[str]:
-    """``HOST[:PORT][,HOST[:PORT]...]`` -> base URLs; raises naming the bad part."""
+    """The base URLs of the members an endpoint lists.
+
+    Args:
+        endpoint: ``HOST[:PORT][,HOST[:PORT]...]`` (``[IPv6]:PORT`` too); the port defaults to 2379.
+        protocol: ``http`` or ``https``.
+
+    Returns:
+        One ``protocol://host:port`` per member, in order.
+
+    Raises:
+        ValueError: naming the bad part, or when the endpoint names no member.
+    """
     urls = []
     for part in (p.strip() for p in (endpoint or "").split(",")):
         if not part:
@@ -153,6 +164,8 @@ def _unb64(text: str | None) -> bytes:
 
 
 class KeyValue(BaseModel):
+    """One key as etcd returns it: key, value and its create and modification revisions."""
+
     model_config = ConfigDict(frozen=True)
 
     key: bytes
@@ -162,12 +175,31 @@ class KeyValue(BaseModel):
 
     @classmethod
     def of(cls, kv: Mapping[str, Any]) -> "KeyValue":
+        """The key from the gateway's JSON.
+
+        Args:
+            kv: one entry of a reply's ``kvs`` (base64 key and value, revisions as strings).
+
+        Returns:
+            The decoded key.
+        """
         return cls(key=_unb64(kv.get("key")), value=_unb64(kv.get("value")),
                    create_revision=int(kv.get("create_revision", 0)), mod_revision=int(kv.get("mod_revision", 0)))
 
 
 class EtcdV3Client:
-    """The few v3 calls the rendezvous needs, over etcd's JSON gateway, with member failover."""
+    """The few v3 calls the rendezvous needs, over etcd's JSON gateway, with member failover.
+
+    Thread-safe. Every call may raise :class:`EtcdV3ConnectionError` (no member could serve it)
+    or :class:`~elastic_emb.errors.EtcdV3Error` (etcd refused it).
+
+    Args:
+        endpoints: the members' base URLs (:func:`parse_endpoints`).
+        options: the client options (default: the defaults).
+
+    Raises:
+        ValueError: when ``endpoints`` is empty or the TLS files cannot be loaded.
+    """
 
     def __init__(self, endpoints: Sequence[str], options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
@@ -183,6 +215,18 @@ class EtcdV3Client:
 
     @classmethod
     def from_endpoint(cls, endpoint: str, options: ClientOptions | None = None) -> "EtcdV3Client":
+        """A client of the members an endpoint lists.
+
+        Args:
+            endpoint: ``HOST[:PORT][,HOST[:PORT]...]``.
+            options: the client options (default: the defaults).
+
+        Returns:
+            The client (nothing is connected yet).
+
+        Raises:
+            ValueError: for an invalid endpoint or TLS files that cannot be loaded.
+        """
         options = options or ClientOptions()
         return cls(parse_endpoints(endpoint, options.protocol), options)
 
@@ -200,7 +244,21 @@ class EtcdV3Client:
     # -- transport ------------------------------------------------------------------------------
 
     def call(self, path: str, body: Mapping[str, Any]) -> dict:
-        """POST ``body`` to ``/v3/<path>`` on the first member that can serve it."""
+        """POST ``body`` to ``/v3/<path>`` on the first member that can serve it.
+
+        Starts with the member that served the last call; an expired auth token is renewed once.
+
+        Args:
+            path: the gateway path after ``/v3/``, e.g. ``kv/range``.
+            body: the request as JSON-able data.
+
+        Returns:
+            etcd's reply.
+
+        Raises:
+            EtcdV3ConnectionError: when no member could serve it (unreachable, no leader, timed out).
+            EtcdV3Error: when etcd refused the call, or the password file cannot be read.
+        """
         errors = []
         with self._lock:
             start = self._current
@@ -245,8 +303,9 @@ class EtcdV3Client:
         return reply
 
     def _post(self, url: str, target: str, data: bytes, headers: Mapping[str, str]) -> bytes:
-        """One POST on a kept connection to ``url`` (module docstring, Connections); the body of
-        any status (etcd's gateway answers errors as JSON with a 4xx/5xx status)."""
+        """One POST on a kept connection to ``url``; the body of any status (etcd's gateway
+        answers errors as JSON with a 4xx/5xx status). A reused connection that the member had
+        closed is retried once on a fresh one."""
         for attempt in range(2):
             conn, reused = self._checkout(url)
             try:
@@ -308,11 +367,26 @@ class EtcdV3Client:
     # -- key-value calls ------------------------------------------------------------------------
 
     def get(self, key: bytes | str) -> KeyValue | None:
+        """One key.
+
+        Args:
+            key: the etcd key.
+
+        Returns:
+            The key, or None when it does not exist.
+        """
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs") or []
         return KeyValue.of(kvs[0]) if kvs else None
 
     def get_many(self, keys: Sequence[bytes | str]) -> dict[bytes, KeyValue]:
-        """The keys that exist, read in one transaction (one round trip, one revision)."""
+        """The keys that exist, read in one transaction (one round trip, one revision).
+
+        Args:
+            keys: the etcd keys.
+
+        Returns:
+            The existing keys by key bytes.
+        """
         reply = self.call("kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
         out = {}
         for resp in reply.get("responses") or []:
@@ -322,18 +396,48 @@ class EtcdV3Client:
         return out
 
     def put(self, key: bytes | str, value: bytes | str, lease: int = 0) -> int:
+        """Write ``value`` under ``key``.
+
+        Args:
+            key: the etcd key.
+            value: the value.
+            lease: a lease id to attach the key to (0: none).
+
+        Returns:
+            The revision of the write.
+        """
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             body["lease"] = str(lease)
         return int(self.call("kv/put", body)["header"]["revision"])
 
     def delete(self, key: bytes | str) -> int:
+        """Delete ``key``.
+
+        Args:
+            key: the etcd key.
+
+        Returns:
+            The number of keys deleted (0 or 1).
+        """
         return int(self.call("kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
     def put_if(self, key: bytes | str, value: bytes | str, *, mod_revision: int | None = None,
                prev_value: bytes | None = None, lease: int = 0) -> tuple[bool, int, KeyValue | None]:
         """Write ``value`` if the key's ``mod_revision`` is the given one (0: the key is absent) or
-        its value is ``prev_value``. Returns (written, revision, the key's current value if not)."""
+        its value is ``prev_value``, in one transaction with the read of the current value.
+
+        Args:
+            key: the etcd key.
+            value: the value to write.
+            mod_revision: the key's expected modification revision (None or 0: absent).
+            prev_value: the key's expected value; takes precedence over ``mod_revision``.
+            lease: a lease id to attach the key to (0: none).
+
+        Returns:
+            ``(written, revision, current)``: whether it wrote, the store's revision after the
+            call, and the key's current value when it did not write (None when absent).
+        """
         if prev_value is not None:
             compare = {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(prev_value)}
         else:
@@ -350,6 +454,14 @@ class EtcdV3Client:
         return False, revision, KeyValue.of(kvs[0]) if kvs else None
 
     def grant_lease(self, ttl: int) -> int:
+        """A new lease.
+
+        Args:
+            ttl: its time to live in seconds.
+
+        Returns:
+            The lease id.
+        """
         return int(self.call("lease/grant", {"TTL": str(ttl)})["ID"])
 
 

@@ -1,25 +1,11 @@
 """torchrun's exit barrier, counted over the members of now (``resize=in_process``).
 
-When an agent's workers succeed, torch's agent waits in an exit barrier until every agent of its
-round has arrived: ``store_util.barrier(store, world_size=<the round's node count>,
-key_prefix="torchelastic/agent/terminal_state")``, where arriving is ``add(".../num_members", 1)``
-and the agent whose count equals *its* ``world_size`` sets ``.../last_member``, which the others
-wait for (300 s by default, then it logs an error and exits).
+torch's barrier counts up to the node count of the round each agent joined, which an in-process
+change does not update. :class:`ExitBarrierStore` wraps the agent's store: an arrival also writes
+``.../arrived/<node>``, and the wait for ``.../last_member`` ends once every member of now has
+arrived. Everything else passes through.
 
-In ``resize=in_process`` mode the membership changes inside a round: nodes leave or die without a
-new round, and joiners enter the running round as extra participants. Every agent still counts
-with the node count of the round it joined, so the barrier never completes (a scale-down: the
-count waits for a node that is gone; a scale-up: the joiner counts 2, the first node 1, and if the
-joiner arrives first nobody's count is ever equal to its own number), and the agents outlive their
-job by the barrier's timeout. Found by the drills (``scale-down``, ``scale-up``, ``agent-loss`` in
-process, their agents left running at the end).
-
-:class:`ExitBarrierStore` wraps the store an agent gets from the rendezvous. It passes everything
-through, with two additions for the barrier's keys only: an arrival also writes this node's own
-key (``.../arrived/<node>``), and the wait for ``last_member`` ends as soon as every node that is a
-member *now* (torch's participants, read fresh; the dead drop out when their heartbeat expires or
-their orphan reports them) has arrived; that agent then sets ``last_member`` for the others. The
-bound stays torch's barrier timeout.
+Design: ``docs/RDZV.md`` (section "The exit barrier").
 """
 
 from __future__ import annotations
@@ -38,9 +24,14 @@ ARRIVED = TERMINAL_STATE_PREFIX + "/arrived/"
 
 
 class ExitBarrierStore(ForwardingStore):
-    """``inner`` with torch's exit barrier completed by the current members (module docstring).
+    """``inner`` with torch's exit barrier completed by the current members.
 
-    ``node``: this agent's node id; ``members()``: the node ids that are members now."""
+    Args:
+        inner: the store the agent got from the rendezvous.
+        node: this agent's node id.
+        members: returns the node ids that are members now (empty when unknown: the wait goes on).
+        poll: seconds between looks while waiting for ``last_member``.
+    """
 
     def __init__(self, inner, node: str, members: Callable[[], tuple[str, ...]], poll: float = 0.1) -> None:
         super().__init__(inner)
@@ -51,11 +42,35 @@ class ExitBarrierStore(ForwardingStore):
     # the barrier's two operations (everything else passes through) -----------------------------
 
     def add(self, key, value):
+        """``inner.add``; an arrival at the barrier first writes this node's ``arrived`` key.
+
+        Args:
+            key: the store key.
+            value: the amount to add.
+
+        Returns:
+            The counter's new value.
+        """
         if key == NUM_MEMBERS and value == 1:
             self._inner.set(ARRIVED + self._node, "1")  # before the count: whoever sees the count sees us
         return self._inner.add(key, value)
 
     def wait(self, keys, timeout=None):
+        """``inner.wait``; the wait for ``last_member`` alone ends once every member of now arrived.
+
+        The agent that sees them all sets ``last_member`` for the others.
+
+        Args:
+            keys: the store keys to wait for.
+            timeout: the bound (default: the inner store's timeout).
+
+        Returns:
+            None (for other keys, what the inner store's ``wait`` returns).
+
+        Raises:
+            TimeoutError: when the members of now did not all arrive within the bound, naming
+                who arrived.
+        """
         if list(keys) != [LAST_MEMBER]:
             return super().wait(keys, timeout)
         limit = (timeout or self._inner.timeout).total_seconds()

@@ -1,26 +1,11 @@
-"""The agent's view of the store: torch's state backend and elastic_emb's round keys, every call
-under the :class:`~elastic_emb.rdzv.outage.OutageGuard`, every state validated before torch sees it.
+"""The agent's view of the store: every call under the :class:`~elastic_emb.rdzv.outage.OutageGuard`.
 
-:class:`GuardedBackend` wraps torch's ``RendezvousBackend`` (``get_state``/``set_state``), which
-the handler installs as the state holder's backend (``torch_compat.wrap_state_backend``), so
-torch's own reads and compare-and-set writes go through it:
+- :class:`GuardedBackend`: torch's state backend with every state validated by the restricted
+  decoder before torch unpickles it, fair writes (:class:`~elastic_emb.rdzv.write_priority.WritePriority`)
+  and the heartbeats credited for a store outage;
+- :class:`GuardedStore`: the round-key store (``set``/``get``/``add``/``check``).
 
-- **Validation.** Every state it returns has been decoded with the restricted decoder
-  (``decode.load_state``) before torch's state holder runs ``pickle.loads`` on the same bytes. A
-  value naming any class outside the state's own (a pickle payload written to
-  ``torch.rendezvous.<run_id>`` by whoever can reach the store) raises
-  :class:`ForeignStateError`, also torch's ``RendezvousStateError``, so no code of the payload
-  runs in the agent; torch's agent then fails the rendezvous with that message (it cannot go on
-  without a state it can trust), which names the key and the remedy.
-- **Fair writes.** With a :class:`~elastic_emb.rdzv.write_priority.WritePriority`, each
-  compare-and-set first yields to a node that keeps losing its writes (a starved late agent),
-  and counts its own losses: torch's single-key state otherwise starves a slow writer.
-- **Outage credit.** After an outage, heartbeats that were alive when it began are moved forward
-  by its length in every state read for one expiry period (until live nodes have written fresh
-  ones): no node could write a heartbeat while the store was down, and torch's sync would
-  otherwise remove every node as dead at its first read.
-
-:class:`GuardedStore` is the round-key store (``set``/``get``/``add``/``check``) under the guard.
+Design: ``docs/RDZV.md`` (section "The agent's store").
 """
 
 from __future__ import annotations
@@ -38,7 +23,12 @@ _FOREIGN_STATE_ERROR: list[type] = []
 
 def foreign_state_error() -> type[ForeignStateError]:
     """ForeignStateError that is also torch's ``RendezvousStateError`` (what torch's agent expects
-    from a corrupt state); built on first use (see ``torch_compat``'s import note)."""
+    from a corrupt state); built on first use, since this module may be imported while torch's
+    rendezvous package is importing.
+
+    Returns:
+        The combined error class (the same one on every call).
+    """
     if not _FOREIGN_STATE_ERROR:
         from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
@@ -48,7 +38,19 @@ def foreign_state_error() -> type[ForeignStateError]:
 
 
 class GuardedBackend:
-    """torch's ``RendezvousBackend`` with its calls under an OutageGuard and its states validated."""
+    """torch's ``RendezvousBackend`` with its calls under an OutageGuard and its states validated.
+
+    Attributes it does not define are the inner backend's.
+
+    Args:
+        inner: torch's backend.
+        guard: the agent's outage guard.
+        expiry: the heartbeat expiry (``keep_alive_interval x keep_alive_max_attempt``): how long
+            an outage's credit lasts.
+        key: the state's store key, for messages.
+        log: a structlog logger (``foreign_rendezvous_state``), or None.
+        priority: a :class:`~elastic_emb.rdzv.write_priority.WritePriority`, or None.
+    """
 
     def __init__(self, inner: Any, guard: OutageGuard, expiry: timedelta, *, key: str = "the rendezvous state",
                  log: Any = None, priority: Any = None) -> None:
@@ -69,6 +71,16 @@ class GuardedBackend:
         return getattr(self.__dict__["_inner"], name)
 
     def get_state(self):
+        """The inner backend's ``get_state``, validated and credited for the last outage.
+
+        Returns:
+            ``(pickled state, token)``, or None when no state exists.
+
+        Raises:
+            ForeignStateError: (also torch's ``RendezvousStateError``) when the state names a
+                class outside the state's own, or does not decode.
+            StoreOutageError: when the store stays unreachable past the guard's bound.
+        """
         result = self._guard.call("get_state", self._inner.get_state)
         if result is None:
             return None
@@ -76,6 +88,19 @@ class GuardedBackend:
         return self._checked(bits), token
 
     def set_state(self, state: bytes, token: Any = None):
+        """The inner backend's ``set_state``, bracketed by the write priority and validated.
+
+        Args:
+            state: the pickled state to write.
+            token: the token of the state the caller read.
+
+        Returns:
+            ``(pickled state, token, has_set)`` as torch's backend returns it, or None.
+
+        Raises:
+            ForeignStateError: when the state returned names a class outside the state's own.
+            StoreOutageError: when the store stays unreachable past the guard's bound.
+        """
         if self._priority is not None:
             self._guard.call("write_priority", self._priority.before_write)
         result = self._guard.call("set_state", self._inner.set_state, state, token)
@@ -115,20 +140,61 @@ class GuardedBackend:
 
 
 class GuardedStore:
-    """The round-key store (``set``/``get``/``add``/``check``) under an OutageGuard."""
+    """The round-key store (``set``/``get``/``add``/``check``) under an OutageGuard.
+
+    Every call raises ``StoreOutageError`` once the store stays unreachable past the guard's bound.
+
+    Args:
+        inner: the store.
+        guard: the agent's outage guard.
+    """
 
     def __init__(self, inner: Any, guard: OutageGuard) -> None:
         self._inner = inner
         self._guard = guard
 
     def set(self, key: str, value: Any) -> None:
+        """``inner.set`` under the guard.
+
+        Args:
+            key: the store key.
+            value: the value.
+
+        Returns:
+            What the inner store's ``set`` returns (None).
+        """
         return self._guard.call("store.set", self._inner.set, key, value)
 
     def get(self, key: str) -> Any:
+        """``inner.get`` under the guard.
+
+        Args:
+            key: the store key.
+
+        Returns:
+            The value.
+        """
         return self._guard.call("store.get", self._inner.get, key)
 
     def add(self, key: str, amount: int) -> int:
+        """``inner.add`` under the guard.
+
+        Args:
+            key: the store key.
+            amount: the amount to add.
+
+        Returns:
+            The counter's new value.
+        """
         return self._guard.call("store.add", self._inner.add, key, amount)
 
     def check(self, keys: list[str]) -> bool:
+        """``inner.check`` under the guard.
+
+        Args:
+            keys: the store keys.
+
+        Returns:
+            Whether every key is set.
+        """
         return self._guard.call("store.check", self._inner.check, keys)

@@ -1,64 +1,13 @@
 """Agent side: a torchrun rendezvous backend that sees every membership change.
 
-``torchrun --rdzv-backend=elastic_emb --rdzv-endpoint=HOST:PORT --rdzv-conf=inner=c10d,...``
-selects this module through the ``torchrun.handlers`` entry point (``handler_factory``). It is not
-a rendezvous protocol of its own: it wraps torch's dynamic rendezvous (``inner=c10d``,
-``inner=etcd-v3`` (``etcd_v3.py``) or ``inner=etcd-v2``) and adds four things the stock agent lacks:
+``torchrun --rdzv-backend=elastic_emb --rdzv-conf=inner=c10d,...`` selects it through the
+``torchrun.handlers`` entry point (:func:`handler_factory`). :class:`ElasticEmbRendezvousHandler`
+wraps torch's dynamic rendezvous (``inner=c10d``, ``etcd-v3`` or ``etcd-v2``) and adds events, the
+round and membership in the workers' environment, scale-down detection and a drain before a
+scale-up. Importing this module has no side effect: torch imports it in every process that
+imports its rendezvous package.
 
-1. **Events.** Every round and every change is one structlog JSON event (stderr, and the file
-   named by ``event_file``): ``rendezvous_round`` (round, world size, participants in group-rank
-   order, joins, departures, deaths, duration), ``membership_changed``, ``scale_up_pending``,
-   ``drain_requested`` / ``drain_finished`` (outcome ``acknowledged`` or ``timeout``),
-   ``node_left``, ``dead_node_evicted``, ``rendezvous_failed`` (with torch's error),
-   ``shutdown_declined`` (a signalled agent left instead of closing the rendezvous).
-2. **Generation and membership for the workers.** After each round the backend puts the
-   round, the membership, its node id, its pid and the watcher's settings into the agent's
-   environment (torchrun copies it into every worker it then starts); the names are in
-   ``rdzv/keys.py``, the wire contract with the worker side.
-
-   torch's shared agent store is always disabled (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
-   it a scale-up deadlocks; without it worker rank 0 hosts a fresh store per round.
-3. **Scale-down.** The stock agent only asks ``num_nodes_waiting()`` while its workers are
-   healthy and restarts them (without spending restart budget) when it is > 0.
-   This backend answers > 0 also when the membership of the running round changed: a
-   participant's heartbeat expired, an agent left, a node was reported dead, or the round moved
-   on. A SIGTERMed agent leaves the rendezvous on exit (torch's own exit operation), so the
-   survivors restart at once instead of waiting for its heartbeat to expire. A SIGKILLed agent
-   cannot say goodbye; its orphaned workers notice (their parent changed, see ``watch.py``) and
-   report the node dead under a round-scoped store key; the survivors then remove it from the
-   rendezvous state (what torch's heartbeat expiry would do seconds later) and restart. Who of
-   the members is restarting, departed or dead is judged in ``rdzv/liveness.py``.
-4. **Drain before scale-up.** When a node waits to join, every agent posts a drain request for
-   the running round; the workers' watchers agree on a last step, finish and commit it, and
-   acknowledge; the agent lets torch restart its workers only when every worker acknowledged, or
-   after ``drain_timeout`` seconds, whichever comes first (the event says which).
-
-Speed, all through torch's own rendezvous operations: the state cache (1 s) and the 1 s pause
-between rendezvous polls, both hard-coded in torch, become ``sync_interval`` (default 0.1 s) in
-this backend's agent process; after a scale-down the next round is marked complete as soon as
-every expected survivor (and every node waiting to join) has joined it, instead of waiting
-``last_call_timeout`` for nodes that cannot come (``torch_compat.EarlyCompletion``). A departure
-(the node wrote its ``left`` mark) and a death (reported by its orphans, or its heartbeat
-expired) are told apart in the events. The agent
-refreshes its own heartbeat every half ``keep_alive_interval``: torch's timer lets it age to
-about two intervals, and with ``keep_alive_max_attempt=2`` a live node is then declared dead
-(measured: stock c10d with those settings formed two worlds side by side on this machine).
-
---rdzv-conf keys: :class:`~elastic_emb.rdzv.conf.ListenerConfig` (torch's own keys pass through to the inner
-backend); the README has the table. ``resize=in_process``: ``docs/RESIZE.md``.
-
-**Store outages and trust.** Every call the agent makes on the store goes through one
-:class:`~elastic_emb.rdzv.outage.OutageGuard` (retries up to ``store_outage_timeout``, then a
-clear error), and every rendezvous state it reads is validated with the restricted decoder
-before torch unpickles it (``rdzv/guarded.py``).
-
-**Inner backends** are a registry (:data:`INNER_BACKENDS`): a name, the module and function that
-create torch's ``RendezvousBackend`` and store, and the package to install. Adding one is one
-:func:`register_inner` call.
-
-Caveat: torch imports this module (the ``torchrun.handlers`` entry point) in every process
-that imports ``torch.distributed.elastic.rendezvous``, so importing it has no side effect; the patches and
-the environment changes happen only when torchrun creates a handler.
+Design: ``docs/RDZV.md`` (section "The handler"); the ``--rdzv-conf`` keys: the README.
 """
 from __future__ import annotations
 
@@ -129,7 +78,20 @@ def _signal_in_flight() -> BaseException | None:
 
 class ElasticEmbRendezvousHandler:
     """A ``RendezvousHandler`` that delegates to torch's dynamic rendezvous and adds events,
-    worker environment, scale-down detection and drain gating (see the module docstring)."""
+    worker environment, scale-down detection and drain gating.
+
+    Attributes it does not define are torch's handler's.
+
+    Args:
+        inner: torch's ``DynamicRendezvousHandler`` (``torch_compat.create_inner_handler``).
+        config: the backend's ``--rdzv-conf`` keys.
+        endpoint: the rendezvous endpoint (passed to the workers).
+        guard: the outage guard the inner backend was created under (default: a new one).
+
+    Raises:
+        TorchCompatError: when torch's handler lacks a private attribute the backend uses.
+        SecretError: when ``ELASTIC_EMB_JOB_SECRET`` is set but too short.
+    """
 
     def __init__(self, inner: Any, config: ListenerConfig, endpoint: str, guard: OutageGuard | None = None) -> None:
         self._inner = inner
@@ -190,13 +152,18 @@ class ElasticEmbRendezvousHandler:
             name="elastic_emb-heartbeat", daemon=True,
         ).start()
         # atexit: a SIGTERMed agent (torchrun raises SignalException and exits) leaves the
-        # rendezvous instead of lingering until its heartbeat expires .
+        # rendezvous instead of lingering until its heartbeat expires.
         ref = weakref.ref(self)
         atexit.register(lambda: (h := ref()) is not None and h._leave("agent_exit"))
 
     # -- RendezvousHandler interface ------------------------------------------------------
 
     def get_backend(self) -> str:
+        """The backend's name.
+
+        Returns:
+            ``elastic_emb``.
+        """
         return BACKEND_NAME
 
     @property
@@ -204,22 +171,38 @@ class ElasticEmbRendezvousHandler:
         return False  # with the shared agent store, a scale-up deadlocks
 
     def get_run_id(self) -> str:
+        """The rendezvous run id (torch's handler's).
+
+        Returns:
+            The run id.
+        """
         return self._inner.get_run_id()
 
     def is_closed(self) -> bool:
+        """Whether the rendezvous is closed (torch's handler's).
+
+        Returns:
+            True when closed.
+        """
         return self._inner.is_closed()
 
     def set_closed(self) -> None:
+        """Close the rendezvous (torch's handler's)."""
         self._inner.set_closed()
 
     def shutdown(self) -> bool:
+        """Close the rendezvous, unless the agent is being signalled: then leave it instead.
+
+        Returns:
+            torch's handler's answer; False when a signal was in flight and the agent left.
+        """
         signalled = _signal_in_flight()
         if signalled is not None:
             # torch's launcher keeps the rendezvous open when its agent is signalled (it catches
             # SignalException and skips this call), but when a later error masks the signal it
-            # calls shutdown(), which would close the rendezvous for every survivor (seen: torch's
-            # metrics wrapper raised UnboundLocalError in its `finally` when SIGTERM landed before
-            # its timer started). A signalled agent leaves instead, as at exit.
+            # calls shutdown(), which would close the rendezvous for every survivor (torch's
+            # metrics wrapper, for one, can raise UnboundLocalError in its `finally` when SIGTERM
+            # lands before its timer starts). A signalled agent leaves instead, as at exit.
             self._log.warning("shutdown_declined", reason="agent_signalled", signal=str(signalled)[:200])
             self._leave("agent_exit")
             return False
@@ -239,6 +222,20 @@ class ElasticEmbRendezvousHandler:
         return getattr(inner, name)
 
     def next_rendezvous(self):
+        """Join the next round (or, in ``resize=in_process`` mode, the running one) and export it.
+
+        Logs ``rendezvous_round`` and puts the round, the generation and the membership into
+        ``os.environ`` for the workers torchrun starts next.
+
+        Returns:
+            torch's ``RendezvousInfo``, its store wrapped so that torch's exit barrier writes the
+            job-complete mark (and, in-process, completes over the members of now).
+
+        Raises:
+            SystemExit: with code 0 when the rendezvous is closed because the job finished.
+            RendezvousError: torch's error (closed, timed out, ...) when the rendezvous fails
+                otherwise, after a ``rendezvous_failed`` event.
+        """
         start = time.monotonic()
         previous = self._members
         previous_round = self._round
@@ -369,6 +366,17 @@ class ElasticEmbRendezvousHandler:
             return ()
 
     def num_nodes_waiting(self) -> int:
+        """torch's count of waiting nodes, made above 0 by a membership change of the running round.
+
+        Also evicts nodes reported dead, gates a scale-up on the drain, and in ``resize=in_process``
+        mode answers 0 for nodes gone (the workers re-form) unless a worker asked for a restart.
+
+        Returns:
+            The number torch's agent compares with 0: above 0 restarts the workers.
+
+        Raises:
+            StoreOutageError: when the store stays unreachable past ``store_outage_timeout``.
+        """
         waiting = self._num_nodes_waiting()
         if waiting > 0:
             self._restart_requested = True
@@ -595,15 +603,31 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: madvise(MADV_HUGEPAGE
 
 
 def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
-    """Build the handler from torchrun's ``RendezvousParameters``."""
+    """Build the handler from torchrun's ``RendezvousParameters``.
+
+    Sets the process-wide variables the backend needs, shortens torch's rendezvous polls, and
+    creates the inner backend under an outage guard (etcd's backends connect at creation).
+
+    Args:
+        params: torchrun's ``RendezvousParameters`` (endpoint, run id, ``--rdzv-conf``).
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: for an invalid ``--rdzv-conf``.
+        RuntimeError: when the inner backend's module cannot be imported, naming what to install.
+        StoreOutageError: when the store stays unreachable past ``store_outage_timeout``.
+        TorchCompatError: when the installed torch lacks what the backend uses.
+    """
     config = ListenerConfig.from_params(params.config)
     # Before torch builds anything: the inner handler reads it in next_rendezvous, the agent in
-    # _start_workers .
+    # _start_workers.
     os.environ[DISABLE_SHARED_STORE] = "1"
     # Workers inherit the agent's environment: large CPU allocations (a new context's table, the
-    # buffers of a commit, a restore's received rows) on transparent huge pages. Page faults of 4
-    # KiB pages were most of a 256 MB re-form's restore and base commit on the 2-core VM (a fresh
-    # 128 MB tensor: 0.17 s, 0.03 s with it; docs/RESIZE.md). The user's own setting wins.
+    # buffers of a commit, a restore's received rows) on transparent huge pages. Faulting them in
+    # as 4 KiB pages is otherwise a large part of a re-form's restore and base commit
+    # (docs/RESIZE.md). The user's own setting wins.
     os.environ.setdefault(THP_ENV, "1")
     if config.resize == "in_process":
         # Ranks from group rank x local world size without the agents' store exchange (which a
@@ -634,7 +658,11 @@ def _inner_factory(name: str) -> Callable[[Any], Any]:
 
 
 def handler_factory() -> Callable[[Any], ElasticEmbRendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: returns the creator torch registers."""
+    """The ``torchrun.handlers`` entry point.
+
+    Returns:
+        :func:`create_handler`, the creator torch registers for ``--rdzv-backend=elastic_emb``.
+    """
     return create_handler
 
 

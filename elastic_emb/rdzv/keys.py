@@ -1,32 +1,13 @@
-"""The wire contract between the agent-side backend and the workers: environment variable
-names and store key names.
+"""The wire contract between the agent-side backend and the workers: environment and store key names.
 
-This module is the only thing the worker side (``watch.py``, ``drain.py``) needs to agree with
-the agent side (``rdzv/handler.py``) on; it imports nothing (not torch, not the handler), so a
-worker, a preStop hook or a test can import it for free. Rename nothing here without every
-reader: the keys are read by processes started from other versions during a rolling change.
+- ``ENV_*``: what the backend puts into the agent's environment (torchrun copies it to the workers);
+- ``KEY_*``: elastic_emb's store keys, under :func:`round_prefix`, :func:`inproc_root` or
+  :func:`inproc_prefix`; the control keys among them are signed when the job has a secret;
+- :func:`count_value`: a count read from the store, as untrusted input.
 
-Environment the backend puts into the agent's ``os.environ`` after each round (torchrun copies
-it into every worker it then starts):
-
-====================================  =====================================================
-``ELASTIC_EMB_GENERATION``            the topology's generation (read by ``Topology.from_env``)
-``ELASTIC_EMB_RDZV_ROUND``            the rendezvous round (the watcher's round keys)
-``ELASTIC_EMB_RDZV_BACKEND``          the inner backend (``c10d``, ``etcd-v2``, ...)
-``ELASTIC_EMB_RDZV_ENDPOINT``         the rendezvous endpoint (what the watcher reads)
-``ELASTIC_EMB_RDZV_NODE``             this agent's node id in the rendezvous
-``ELASTIC_EMB_MEMBERSHIP``            JSON list of node ids, index = group rank
-``ELASTIC_EMB_AGENT_PID``             the agent's pid (a worker that outlives it is orphaned)
-``ELASTIC_EMB_DRAIN``                 ``1`` when the agent drains before a scale-up
-``ELASTIC_EMB_WATCH_INTERVAL``        the watcher's polling interval in seconds
-``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``  how long the watcher treats an unreachable store as unknown
-====================================  =====================================================
-
-Store keys: torch keeps its pickled ``_RendezvousState`` under :data:`C10D_STATE_KEY` /
-:data:`ETCD_STATE_KEY`; elastic_emb's own keys live under :func:`round_prefix` (one prefix per
-rendezvous round, so a key of an earlier round can never be mistaken for a current one). The
-control keys among them (drain request, death reports, left marks) are signed when the job has
-a secret (see ``rdzv/signing.py``).
+Imports nothing, so a worker, a preStop hook or a test imports it for free. Rename nothing here
+without every reader: processes of other versions read these keys during a rolling change.
+Design: ``docs/RDZV.md`` (section "The wire contract").
 """
 
 from __future__ import annotations
@@ -44,7 +25,7 @@ ENV_WATCH_INTERVAL = "ELASTIC_EMB_WATCH_INTERVAL"
 ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
 ENV_RESIZE = "ELASTIC_EMB_RESIZE"  # restart | in_process (--rdzv-conf resize=)
 ENV_ROUND = "ELASTIC_EMB_RDZV_ROUND"  # the torch round (the generation may be higher: in-process mode)
-ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in process (resize.py)
+ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in process (inprocess/resize.py)
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -69,7 +50,15 @@ KEY_FALLBACK = "inproc_fallback"  # workers -> agents: an in-process re-form fai
 
 
 def inproc_prefix(run_id: str, generation: int) -> str:
-    """Store key prefix of one in-process re-form (the decision of ``generation``), see ``resize.py``."""
+    """Store key prefix of one in-process re-form (``elastic_emb/inprocess/resize.py``).
+
+    Args:
+        run_id: the rendezvous run id.
+        generation: the generation the re-form decides.
+
+    Returns:
+        The prefix, ending in ``/``.
+    """
     return f"elastic_emb/{run_id}/inproc/gen{generation}/"
 
 
@@ -80,7 +69,15 @@ KEY_PLAN = "plan"  # the decider -> every worker: include these joiners after th
 
 def inproc_root(run_id: str) -> str:
     """Store key prefix of the in-process world of a run: the current generation's record
-    (``current``) and the joiners' registry (``joiners`` counter, ``joiner/<i>`` node ids)."""
+    (``current``), the joiners' registry (``joiners`` counter, ``joiner/<i>`` node ids), the
+    job-complete mark and the generations' high-water mark.
+
+    Args:
+        run_id: the rendezvous run id.
+
+    Returns:
+        The prefix, ending in ``/``.
+    """
     return f"elastic_emb/{run_id}/inproc/"
 
 
@@ -102,12 +99,27 @@ KEY_ROUND_GENERATION = "generation"
 
 def write_priority_key(run_id: str) -> str:
     """Store key of the claim of an agent that keeps losing the rendezvous state's
-    compare-and-set (``rdzv/write_priority.py``): its node id and count of lost writes [control]."""
+    compare-and-set (``rdzv/write_priority.py``): its node id and count of lost writes [control].
+
+    Args:
+        run_id: the rendezvous run id.
+
+    Returns:
+        The key.
+    """
     return f"elastic_emb/{run_id}/state_write_priority"
 
 
 def round_prefix(run_id: str, round_: int) -> str:
-    """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves)."""
+    """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves).
+
+    Args:
+        run_id: the rendezvous run id.
+        round_: the rendezvous round.
+
+    Returns:
+        The prefix, ending in ``/``.
+    """
     return f"elastic_emb/{run_id}/round{round_}/"
 
 # The job's secret: when set, control values under round_prefix() are HMAC-signed (rdzv/signing.py).
@@ -119,9 +131,19 @@ MAX_COUNT = 1 << 20  # the bound of every count key (acks, world_size, joiners):
 
 def count_value(key: str, raw: object) -> int:
     """A count read from the store, as untrusted input (anyone who reaches the store can write
-    anything under any key; a counter cannot be signed): an integer in [0, :data:`MAX_COUNT`]
-    (``add``'s int, or ``get``'s decimal ASCII bytes). Anything else raises ValueError naming the
-    key and the value, so a foreign write can neither fake a count nor make a reader loop on it."""
+    anything under any key; a counter cannot be signed).
+
+    Args:
+        key: the key it was read from (for the message).
+        raw: ``add``'s int, or ``get``'s decimal ASCII bytes (or str).
+
+    Returns:
+        The count, an integer in ``[0, MAX_COUNT]``.
+
+    Raises:
+        ValueError: for anything else, naming the key and the value, so a foreign write can
+            neither fake a count nor make a reader loop on it.
+    """
     if isinstance(raw, int) and not isinstance(raw, bool):
         value = raw
     elif isinstance(raw, (bytes, bytearray, str)) and 0 < len(raw) <= 8:

@@ -1,30 +1,12 @@
 """Agent side: who of the running round's members is still alive, and why the others are gone.
 
-The handler (``rdzv/handler.py``) compares every fresh rendezvous state with the members of the
-running round. A member absent from the state is one of three things, and the events and the
-next round depend on which:
+:class:`Liveness` sorts each member absent from a fresh rendezvous state into **restarting** (in
+the wait list, or between torch's exit and join with a live heartbeat), **departed** (a signed
+``left`` mark) or **dead** (reported by its orphaned workers, or its heartbeat expired), and keeps
+what that needs between polls: the known dead, the eviction marks written, the newest heartbeat
+seen per member. The store outage bound propagates; other store errors are logged and retried.
 
-- **restarting**: it is in the wait list (its agent restarted its workers first and is coming
-  back), or it is between torch's exit and join operations (two state writes: for a moment it is
-  in neither the participants nor the wait list) and its newest heartbeat we saw had not expired;
-  torch removes a node for expiry only, so such a node was not removed as dead. It is expected in
-  the next round.
-- **departed**: it said so: its agent wrote a signed ``left`` mark for the round (SIGTERM, exit).
-- **dead**: its orphaned workers reported it (a signed ``dead`` key, see ``watch.py``), or it is
-  absent for any other reason (hung, partitioned, lost host: its heartbeat expired). With a job
-  secret each death is confirmed with a signed ``evicted`` mark, on which a still-running worker
-  of that node stops itself.
-
-:class:`Liveness` holds what this judgement needs between polls: the nodes known dead in the
-running round, the eviction marks already written, and the newest heartbeat seen per member
-(torch's state drops a node's heartbeat with the node, so the last one must be remembered). The
-heartbeat map holds the running round's members and the nodes of the newest state only: an
-entry of a node that is neither is pruned at every observation, so a long job with churn does
-not accumulate them.
-
-Store errors: the store outage bound (:class:`~elastic_emb.errors.StoreOutageError`) propagates
-(the agent fails, naming the store); any other failed read or write is reported as an event and
-retried at the next poll, never swallowed silently.
+Design: ``docs/RDZV.md`` (section "Members: restarting, departed, dead").
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ from elastic_emb.rdzv.signing import Signer, read_signed
 
 
 class Liveness:
-    """The agent's judgement of the running round's members (see the module docstring).
+    """The agent's judgement of the running round's members.
 
     Args:
         run_id: the rendezvous run id (store keys are scoped by it and the round).
@@ -66,30 +48,50 @@ class Liveness:
         return dict(self._beats)
 
     def new_round(self, members: Iterable[str]) -> None:
-        """A round completed: the dead are no members now, and a rejoining node starts clean."""
+        """A round completed: the dead are no members now, and a rejoining node starts clean.
+
+        Args:
+            members: the new round's members.
+        """
         self.dead.clear()
         self._marked_evicted.clear()
         self.observe({}, members)
 
     def observe(self, beats: Mapping[str, float], members: Iterable[str]) -> None:
-        """Remember the heartbeats of a fresh state (``torch_compat.heartbeats``: every node in
-        it, participants and wait list) and forget those of nodes that are neither ``members``
-        (the running round's, as the handler now counts them) nor in that state."""
+        """Remember the heartbeats of a fresh state and forget those of nodes that are neither
+        members nor in that state.
+
+        Args:
+            beats: epoch seconds by node id of every node in the state, participants and wait
+                list (``torch_compat.heartbeats``).
+            members: the running round's members, as the handler now counts them.
+        """
         keep = set(members) | set(beats)
         merged = {**self._beats, **beats}
         self._beats = {n: t for n, t in merged.items() if n in keep}
 
     def change(self, round_: int, members: tuple[str, ...], store: Any, view: RendezvousView) -> dict | None:
-        """What differs between the running round (``round_``, ``members``, its ``store``) and the
-        state ``view``, or None.
+        """What differs between the running round and the state ``view``.
 
-        Every change carries ``departures`` (left on purpose), ``deaths`` (reported dead, or the
-        heartbeat expired) and ``restarting`` (absent members coming back), ``participants`` (the
-        state's) and ``expected``: who should form the next round (None when the round moved on):
-        the participants, the restarting members and the nodes waiting to join (torch admits its
-        wait list to the next round). Without the waiting nodes, the next round completed early
-        with the members alone whenever one member restarted first (its drain for a joiner
-        finished before the others'), and the joiner came in one restart later.
+        Newly dead members are added to :attr:`dead` and, with a job secret, confirmed with a
+        signed ``evicted`` mark.
+
+        Args:
+            round_: the running round.
+            members: its members, as the handler counts them.
+            store: the round-key store (``left`` marks are read, ``evicted`` marks written there).
+            view: the fresh rendezvous state.
+
+        Returns:
+            None when nothing changed; else a dict with ``reason`` (``round_advanced``,
+            ``participant_gone`` or ``peer_restarting``), ``departures`` (left on purpose),
+            ``deaths`` (reported dead, or the heartbeat expired), ``restarting`` (absent members
+            coming back), ``participants`` (the state's) and ``expected``: who should form the
+            next round (the participants, the restarting members and the nodes waiting to join;
+            None when the round moved on).
+
+        Raises:
+            StoreOutageError: when the store stays unreachable past the outage bound.
         """
         if view.round != round_:
             return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
@@ -123,8 +125,21 @@ class Liveness:
 
     def take_reported_dead(self, round_: int, members: tuple[str, ...], store: Any) -> list[str]:
         """Members that their orphaned workers newly reported dead in this round (signed ``dead``
-        keys); they count as known dead from now on. Torch would drop them when their heartbeat
-        expires; the report is faster and certain: the reporter saw its own agent vanish."""
+        keys); they count as known dead from now on. The report is faster than torch's heartbeat
+        expiry, and certain: the reporter saw its own agent vanish.
+
+        Args:
+            round_: the running round.
+            members: its members.
+            store: the round-key store.
+
+        Returns:
+            The newly reported node ids (empty when the reports cannot be read: logged as
+            ``dead_report_unreadable``).
+
+        Raises:
+            StoreOutageError: when the store stays unreachable past the outage bound.
+        """
         prefix = round_prefix(self._run_id, round_)
         try:
             if int(store.add(prefix + KEY_DEAD, 0)) == 0:

@@ -1,24 +1,12 @@
 """Store outages: one tracker for the agent and the workers.
 
-The point of ``inner=etcd-v2`` is a store that outlives every node, so a short outage of the
-store itself (etcd restarted, a network blip) must not end the job: the workers' collectives do
-not touch it. Both sides count an outage the same way (:class:`OutageTracker`): it begins at the
-first call that failed to reach the store, ends at the first call that reached it, and is
-*exceeded* once it lasts ``timeout`` seconds. Events, once per outage: ``store_unreachable``,
-``store_reachable`` (with ``outage_s``), ``store_outage_exceeded``.
+- :class:`OutageTracker`: when the current outage began, whether it passed the bound, the last one;
+  events ``store_unreachable``, ``store_reachable``, ``store_outage_exceeded``, once per outage;
+- :class:`OutageGuard`: the agent's store calls, retried with backoff until the bound, then
+  :class:`~elastic_emb.errors.StoreOutageError`;
+- :func:`is_connection_error` (only these count), :func:`reraise_signal`.
 
-What each side does with it differs:
-
-- the agent (:class:`OutageGuard`) retries every store call with exponential backoff
-  (0.05 s doubling to 1 s, jitter 50-100 %) until the store answers or the outage reaches the
-  bound, then raises :class:`StoreOutageError` naming the endpoint, the outage length and the
-  remedy (its subclass from :func:`torch_store_outage_error` is also torch's
-  ``RendezvousConnectionError``, which torch's keep-alive timer logs instead of dying on);
-- the watcher treats the membership as *unknown* while the store is down (nothing is inferred
-  from a failed read) and reports the bound, at which the agent fails and stops it.
-
-Only connection errors count (:func:`is_connection_error`); an answer the store gave (a missing
-key, a corrupt state, a compare-and-set conflict) is not an outage.
+Design: ``docs/RDZV.md`` (section "Store outages").
 """
 
 from __future__ import annotations
@@ -38,8 +26,13 @@ _TORCH_OUTAGE_ERROR: list[type] = []
 
 
 def torch_store_outage_error() -> type[StoreOutageError]:
-    """StoreOutageError that is also torch's (public) ``RendezvousConnectionError``; built on first
-    use, since this module may be imported while torch's rendezvous package is importing."""
+    """StoreOutageError that is also torch's (public) ``RendezvousConnectionError``, which torch's
+    keep-alive timer logs instead of dying on; built on first use, since this module may be
+    imported while torch's rendezvous package is importing.
+
+    Returns:
+        The combined error class (the same one on every call).
+    """
     if not _TORCH_OUTAGE_ERROR:
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
@@ -50,7 +43,16 @@ def torch_store_outage_error() -> type[StoreOutageError]:
 
 def is_connection_error(exc: BaseException) -> bool:
     """Whether ``exc`` says the store could not be reached (worth a retry), as opposed to an
-    answer the store gave."""
+    answer the store gave (a missing key, a corrupt state, a compare-and-set conflict).
+
+    Args:
+        exc: the error a store call raised.
+
+    Returns:
+        True for ``ConnectionError``, ``TimeoutError``, torch's ``RendezvousConnectionError``,
+        c10d's ``DistNetworkError`` and python-etcd's ``EtcdConnectionFailed``; False for a
+        ``StoreOutageError`` (the bound already passed) and anything else.
+    """
     if isinstance(exc, StoreOutageError):
         return False  # the bound already passed: never retried again
     if isinstance(exc, (ConnectionError, TimeoutError)):
@@ -63,9 +65,17 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 def reraise_signal(exc: BaseException) -> None:
-    """torchrun turns SIGTERM into torch's ``SignalException`` (an ``Exception``) in the agent's
-    main thread, wherever it is: inside a store call of the agent too. Best-effort handlers that
-    catch ``Exception`` call this first: that one must pass, or the agent would live on."""
+    """Re-raise torch's ``SignalException``; best-effort handlers that catch ``Exception`` call this first.
+
+    torchrun turns SIGTERM into ``SignalException`` (an ``Exception``) in the agent's main thread,
+    wherever it is, also inside a store call; it must pass, or the agent would live on.
+
+    Args:
+        exc: the error caught.
+
+    Raises:
+        SignalException: ``exc`` itself, when it is torch's ``SignalException``.
+    """
     if type(exc).__name__ == "SignalException":
         raise exc
 
@@ -74,7 +84,16 @@ class OutageTracker:
     """When the current outage began, whether it passed the bound, and what the last one was.
 
     Thread-safe; one per process side (the agent shares one across its threads, so the bound is on
-    the outage, not on each call). ``fields`` are added to every event (e.g. the endpoint).
+    the outage, not on each call).
+
+    Args:
+        timeout: the bound in seconds (``store_outage_timeout``).
+        log: a structlog logger for the outage events.
+        clock: the monotonic clock.
+        fields: added to every event (e.g. the endpoint).
+
+    Raises:
+        ValueError: when ``timeout`` is negative.
     """
 
     def __init__(self, timeout: float, log: Any, *, clock: Callable[[], float] = time.monotonic,
@@ -103,7 +122,18 @@ class OutageTracker:
         return self._exceeded
 
     def failed(self, op: str, exc: BaseException) -> float:
-        """Record a call that did not reach the store; returns the outage length so far."""
+        """Record a call that did not reach the store.
+
+        Logs ``store_unreachable`` at the outage's first failure and ``store_outage_exceeded``
+        once it reaches the bound.
+
+        Args:
+            op: the operation, for the events.
+            exc: the error it raised.
+
+        Returns:
+            The outage's length so far in seconds.
+        """
         now = self._clock()
         with self._lock:
             first = self._down_since is None
@@ -126,7 +156,14 @@ class OutageTracker:
         return down
 
     def succeeded(self, op: str) -> float | None:
-        """Record a call that reached the store; returns the length of the outage it ended, if any."""
+        """Record a call that reached the store (logs ``store_reachable`` when it ends an outage).
+
+        Args:
+            op: the operation, for the event.
+
+        Returns:
+            The length in seconds of the outage it ended, or None when there was none.
+        """
         if self._down_since is None:  # the common case: no lock
             return None
         now = self._clock()
@@ -144,7 +181,20 @@ class OutageTracker:
 
 
 class OutageGuard:
-    """The agent's store calls, retried across an outage of at most ``timeout`` seconds."""
+    """The agent's store calls, retried across an outage of at most ``timeout`` seconds.
+
+    Args:
+        endpoint: the store's endpoint, for the events and the error.
+        timeout: the bound in seconds (``store_outage_timeout``).
+        log: a structlog logger for the outage events.
+        base: the first backoff in seconds (doubling per retry).
+        cap: the longest backoff in seconds.
+        clock: the monotonic clock.
+        error: the class raised at the bound (:func:`torch_store_outage_error` in the agent).
+
+    Raises:
+        ValueError: when ``timeout`` is negative.
+    """
 
     def __init__(self, endpoint: str, timeout: float, log: Any, *, base: float = 0.05, cap: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, error: type[StoreOutageError] = StoreOutageError) -> None:
@@ -172,10 +222,32 @@ class OutageGuard:
         return self.tracker.outages
 
     def bind_log(self, log: Any) -> None:
-        """From here on the events go to ``log`` (e.g. one that names this node)."""
+        """From here on the events go to ``log``.
+
+        Args:
+            log: a structlog logger (e.g. one that names this node).
+        """
         self.tracker.log = log
 
     def call(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, retried while it fails to reach the store, up to the bound.
+
+        Retries with exponential backoff and jitter; at exit (``closing`` set) it fails at once.
+
+        Args:
+            op: the operation's name, for the events and the error.
+            fn: the store call.
+            args: its positional arguments.
+            kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            StoreOutageError: (the guard's ``error`` class) when the outage reaches the bound,
+                naming the endpoint, the outage's length and the remedy.
+            Exception: any error of ``fn`` that :func:`is_connection_error` does not count, at once.
+        """
         attempt = 0
         while True:
             try:

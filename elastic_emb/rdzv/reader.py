@@ -1,18 +1,11 @@
 """The worker side's one way into a running rendezvous: :class:`RendezvousReader`.
 
-A worker (its :class:`~elastic_emb.watch.watcher.Watcher`), the preStop hook (``drain.py``) and
-``elastic-emb rdzv-state`` all need the same two things of the job's rendezvous, whatever inner
-backend it runs on: torch's state (to decode with the restricted decoder of ``rdzv/decode.py``)
-and a ``torch.distributed.Store`` holding elastic_emb's round keys (``rdzv/keys.py``). This
-module opens both from an endpoint and a run id, for each inner backend:
+A worker's watcher, the preStop hook and ``elastic-emb rdzv-state`` open torch's state (decoded
+with the restricted decoder) and the store of elastic_emb's round keys through it, for the inner
+backend ``c10d``, ``etcd-v2`` or ``etcd-v3``. It imports no agent-side module and each backend's
+client only when that backend is used. :func:`print_state` is ``elastic-emb rdzv-state``.
 
-- ``c10d``: a ``TCPStore`` client of the agent's store; the state under ``keys.C10D_STATE_KEY``;
-- ``etcd-v2``: torch's ``EtcdStore`` (python-etcd); the state under ``keys.ETCD_STATE_KEY``;
-- ``etcd-v3``: :class:`~elastic_emb.rdzv.etcd_v3.EtcdV3Store`, and the backend's ``raw_state()``.
-
-It reads and writes nothing else, imports no agent-side module (never ``handler.py``), and
-imports each backend's client only when that backend is used. Every store operation is bounded
-by ``timeout``.
+Design: ``docs/RDZV.md`` (section "The worker side's reader").
 """
 
 from __future__ import annotations
@@ -34,12 +27,22 @@ __all__ = ["RendezvousReader", "print_state"]
 
 
 class RendezvousReader:
-    """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend."""
+    """Reads torch's state and reads/writes elastic_emb's round keys, for one inner backend.
+
+    Args:
+        backend: the inner backend: ``c10d``, ``etcd-v2`` or ``etcd-v3``.
+        endpoint: the rendezvous endpoint, ``HOST:PORT`` (etcd-v3: members separated by ``,``).
+        run_id: the rendezvous run id.
+        timeout: seconds bounding every store call.
+        connect_timeout: seconds bounding the first connection (c10d), which a worker makes at
+            start, when a loaded host may be slow to accept (default: ``timeout``).
+
+    Raises:
+        ValueError: when the endpoint is not ``HOST:PORT`` or the backend is unknown.
+    """
 
     def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0,
                  connect_timeout: float | None = None) -> None:
-        """``timeout`` bounds every store call; ``connect_timeout`` (default: ``timeout``) the first
-        connection (c10d), which a worker makes at start, when a loaded host may be slow to accept."""
         self.backend = backend
         self.run_id = run_id
         host, _, port = endpoint.rpartition(":")
@@ -73,7 +76,16 @@ class RendezvousReader:
 
     def world_store(self, timeout: float):
         """A separate client of the rendezvous store with a longer timeout: the store of the
-        generations the survivors form in process (``resize.py``), whose process groups wait on it."""
+        generations the survivors form in process, whose process groups wait on it.
+
+        Args:
+            timeout: seconds bounding the new client's store calls.
+
+        Returns:
+            A ``TCPStore`` client (c10d), an :class:`~elastic_emb.rdzv.etcd_v3.EtcdV3Store`
+            (etcd-v3) or a :class:`~elastic_emb.rdzv.etcd_v2.CasEtcdStore` (etcd-v2: the
+            agreements need ``compare_set``).
+        """
         host, _, port = self.endpoint.rpartition(":")
         if self._client is None:
             import torch.distributed as dist
@@ -91,6 +103,11 @@ class RendezvousReader:
         return CasEtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
 
     def raw_state(self) -> bytes | None:
+        """torch's state as stored, not decoded.
+
+        Returns:
+            ``base64(pickle(state))``, or None when there is no state yet.
+        """
         if self._client is None:
             if not self.store.check([self._state_key]):
                 return None
@@ -106,6 +123,14 @@ class RendezvousReader:
             return None
 
     def state(self) -> RendezvousView | None:
+        """torch's state, decoded with the restricted decoder.
+
+        Returns:
+            The view, or None when there is no state yet.
+
+        Raises:
+            UnsafeStateError: when the stored value is not a state the decoder admits.
+        """
         raw = self.raw_state()
         return None if raw is None else decode_state(raw)
 
@@ -114,7 +139,22 @@ class RendezvousReader:
 
 
 def print_state(endpoint: str, run_id: str, inner: str = "c10d", follow: float = 0.0, count: int = 1) -> int:
-    """Print the decoded rendezvous state as JSON lines (``count`` reads, ``follow`` s apart)."""
+    """Print the decoded rendezvous state as JSON lines (``elastic-emb rdzv-state``).
+
+    Args:
+        endpoint: the rendezvous endpoint.
+        run_id: the rendezvous run id.
+        inner: the inner backend.
+        follow: seconds between reads.
+        count: the number of reads (at least one).
+
+    Returns:
+        0, the command's exit code.
+
+    Raises:
+        ValueError: for an invalid endpoint or backend.
+        UnsafeStateError: when the stored value is not a state the decoder admits.
+    """
     reader = RendezvousReader(inner, endpoint, run_id)
     for i in range(max(1, count)):
         view = reader.state()

@@ -1,25 +1,11 @@
 """Agent side of the in-process rejoin after a worker crash (``--rdzv-conf resize=in_process``).
 
-torch's agent restarts a crashed worker through ``next_rendezvous``: torch's exit and join
-operations put the node into the wait list of the running round, which every other agent reads
-as "a peer is restarting" and answers by restarting all its workers (restart mode). In
-``resize=in_process`` mode the handler calls :func:`leave_for_rejoin` first:
+:func:`leave_for_rejoin` makes the node leave the running round (a signed ``left`` mark and
+torch's exit operation, so the survivors re-form in process instead of restarting) and waits,
+bounded, until the survivors' decision leaves it out; the handler then joins the running round as
+a joiner. Anything else answers False and the change takes torch's own join: restart mode.
 
-1. write the node's signed ``left`` mark of the round and leave the rendezvous with torch's exit
-   operation, as a SIGTERMed agent does: the survivors' workers see a departure (their next
-   collective fails at once, the crashed worker's sockets being closed) and re-form without this
-   node inside their processes; their agents see a departure, not a restart, and stay out;
-2. wait, bounded by ``timeout``, until the survivors' decision (the ``current`` record of the
-   in-process world, ``rdzv/keys.py``) is newer than the one of the crash and leaves this node
-   out: only then can the node come back without being taken for the member that died;
-3. the handler then joins the running round as one more participant, as a new node's agent does,
-   and starts the worker with ``ELASTIC_EMB_JOINER=1``: it registers as ready and the running
-   workers include it at a step boundary (``resize.py``).
-
-No survivor restarts. The crashed worker's restart spends this node's restart budget, as with
-plain torchrun. Anything else (the node alone in the round, the round moved on, a fallback
-requested, no decision within ``timeout``) returns False and the handler takes torch's own join:
-restart mode for this change, as before, and the ``rejoin_in_process_failed`` event says why.
+Design: ``docs/RDZV.md`` (section "In-process rejoin after a worker crash").
 """
 
 from __future__ import annotations
@@ -56,10 +42,31 @@ def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id:
                      was_joiner: bool, log: Any, timeout: float = REJOIN_TIMEOUT_S,
                      generation: int | None = None) -> bool:
     """Leave the running round after this node's worker crashed and wait until the survivors
-    re-formed without it (module docstring). True: join the running round as a joiner now.
-    ``was_joiner``: the crashed worker was started as a joiner; with no decision of this round
-    naming its node it was never included, and nobody re-forms for it. ``generation``: the one
-    the round started at (default: the round's number)."""
+    re-formed without it.
+
+    Logs ``worker_failed_rejoining`` when it leaves, then ``survivors_reformed`` or
+    ``rejoin_not_included`` on success, ``rejoin_in_process_failed`` (with the reason) otherwise.
+
+    Args:
+        tc: the ``torch_compat`` module.
+        inner: torch's handler.
+        store: the round-key store.
+        signer: the job's control-key signer.
+        run_id: the rendezvous run id.
+        round_: the running round.
+        node: this node's id.
+        was_joiner: the crashed worker was started as a joiner; with no decision of this round
+            naming its node it was never included, and nobody re-forms for it.
+        log: a structlog logger.
+        timeout: seconds to wait for the survivors' decision.
+        generation: the generation the round started at (default: the round's number); older
+            decisions are stale.
+
+    Returns:
+        True: join the running round as a joiner now. False: take torch's own join (the node is
+        alone, the round moved on, a fallback was requested, or no decision came in time); the
+        node has left the round unless it was alone or the round had moved on.
+    """
     floor = round_ if generation is None else generation
     inner.num_nodes_waiting()  # syncs torch's state
     view = RendezvousView.of(tc.current_state(inner))
@@ -74,7 +81,7 @@ def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id:
     log.info("worker_failed_rejoining", round=round_, mode="in_process", timeout_s=timeout)
     if (before is None and was_joiner) or (before is not None and node not in before[1]):
         # its worker had not been included yet, or the survivors already re-formed without it
-        # (after a failed collective they do so in a fraction of a second: rollcall.py)
+        # (after a failed collective they do so quickly: inprocess/rollcall.py)
         log.info("rejoin_not_included", round=round_, reason="the newest decision leaves this node out")
         return True
     newest = before[0] if before is not None else -1

@@ -1,23 +1,11 @@
 """HMAC signatures on the control keys, so a store writer without the job's secret cannot steer it.
 
-Whoever can write to the rendezvous store can write elastic_emb's round keys. Some of them make
-processes act: a drain request stops every worker after a step, a death report makes the agents
-evict a node, a left mark tells a departure from a death, an eviction mark makes a worker stop
-itself, the agreed stop step says when. With a job secret (``ELASTIC_EMB_JOB_SECRET``, e.g. from
-a Kubernetes Secret; at least 16 bytes), every such value is written as
-``eesig1:<hex HMAC-SHA256 over key NUL value>:<value>`` and every reader verifies it: a value
-without a valid signature is ignored and reported (``control_key_rejected`` with the key and
-the reason), as if it were not there. The key is inside the MAC, so a signed value cannot be
-moved to another key (another round, another node).
+With a job secret (``ELASTIC_EMB_JOB_SECRET``, at least 16 bytes) every control value is written
+as ``eesig1:<hex HMAC-SHA256 over key NUL value>:<value>`` (:meth:`Signer.sign`), and a value
+without a valid signature reads as absent and is reported once per key (:func:`read_signed`,
+``control_key_rejected``). Without a secret, values pass as they are. Counters are not signed.
 
-Without a secret, values are written and read as they are: whoever can reach the store can stop,
-evict or stall the job (the README states this trust model). Counters (``acks``, ``dead``,
-``stop_claim``) are not signed: they only say where to look, never what to do.
-
-torch's own rendezvous state cannot carry a signature (torch writes it); what it can make
-elastic_emb do is bounded instead: the agent validates it with the restricted decoder before
-torch unpickles it (no code runs), and with a secret a worker does not stop itself because the
-state leaves its node out unless an agent confirmed the eviction with a signed mark.
+Design: ``docs/RDZV.md`` (section "Signing control keys").
 """
 
 from __future__ import annotations
@@ -35,7 +23,14 @@ MIN_SECRET_BYTES = 16
 
 
 class Signer:
-    """Signs and verifies control values with the job's secret (or passes them through without one)."""
+    """Signs and verifies control values with the job's secret (or passes them through without one).
+
+    Args:
+        secret: the job's secret, or None for a job without one.
+
+    Raises:
+        SecretError: when ``secret`` is shorter than :data:`MIN_SECRET_BYTES`.
+    """
 
     def __init__(self, secret: bytes | None) -> None:
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
@@ -48,6 +43,18 @@ class Signer:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Signer":
+        """The signer of the job's secret, ``ELASTIC_EMB_JOB_SECRET``.
+
+        Args:
+            env: the environment to read (default: ``os.environ``).
+
+        Returns:
+            The signer (passing values through when the variable is unset).
+
+        Raises:
+            SecretError: when the secret is shorter than :data:`MIN_SECRET_BYTES`.
+            ConfigError: when the variable's value is invalid.
+        """
         from elastic_emb.config import load
 
         secret = load(env, "job_secret").job_secret
@@ -61,14 +68,32 @@ class Signer:
         return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).hexdigest().encode()
 
     def sign(self, key: str, value: str | bytes) -> bytes:
-        """The bytes to store under ``key`` for ``value``."""
+        """The bytes to store under ``key`` for ``value``.
+
+        Args:
+            key: the store key (inside the MAC, so the value cannot be moved to another key).
+            value: the value.
+
+        Returns:
+            ``eesig1:<hex MAC>:<value>`` with a secret, the value's bytes without one.
+        """
         data = value.encode() if isinstance(value, str) else bytes(value)
         if self._secret is None:
             return data
         return _TAG + self._mac(key, data) + b":" + data
 
     def verify(self, key: str, raw: Any) -> tuple[bytes | None, str]:
-        """``(value, "")`` when ``raw`` (read under ``key``) is acceptable, else ``(None, reason)``."""
+        """Check a value read from the store.
+
+        Args:
+            key: the store key it was read under.
+            raw: the value read (bytes or str).
+
+        Returns:
+            ``(value, "")`` when ``raw`` is acceptable (without a secret: always, a signed value
+            yielding its value), else ``(None, reason)`` with reason ``unsigned`` or
+            ``bad_signature``.
+        """
         data = raw.encode() if isinstance(raw, str) else bytes(raw)
         if self._secret is None:
             if data.startswith(_TAG):  # a signed value in a job without a secret: take the value
@@ -83,8 +108,18 @@ class Signer:
 
 
 def read_signed(store: Any, signer: Signer, key: str, log: Any = None) -> bytes | None:
-    """The verified value under ``key``, or None when it is absent or not validly signed (then a
-    ``control_key_rejected`` event names the key and the reason)."""
+    """The verified value under ``key``.
+
+    Args:
+        store: the store to read.
+        signer: the job's control-key signer.
+        key: the store key.
+        log: a structlog logger; a value that does not verify is reported once per key
+            (``control_key_rejected``, naming the key and the reason). None: not reported.
+
+    Returns:
+        The value, or None when the key is absent or its value is not validly signed.
+    """
     if not store.check([key]):
         return None
     value, reason = signer.verify(key, store.get(key))

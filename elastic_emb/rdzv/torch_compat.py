@@ -1,29 +1,13 @@
 """Every use of a private name of torch's dynamic rendezvous, in one place.
 
-The backend (``handler.py``) wraps torch's ``DynamicRendezvousHandler`` instead of
-re-implementing the rendezvous, and for that it reaches into torch's private layer: the
-handler's ``_state_holder``, ``_op_executor``, ``_heartbeat_lock``, ``_store`` and
-``_stop_heartbeats``; the state holder's ``_backend`` (wrapped, see ``handler._GuardedBackend``)
-and ``_cache_duration``; ``_BackendRendezvousStateHolder`` and
-``_DistributedRendezvousOpExecutor`` (a second writer for early completion);
-``_RendezvousExitOp``, ``_Action`` and ``_remove_participant_epilogue``; the module-level
-``_delay`` (the 1 s pause between polls, shortened for the agent process); and the pickled
-``_RendezvousState`` itself (its fields ``participants``, ``wait_list``, ``redundancy_list``,
-``last_heartbeats``, and ``_NodeDesc.addr/pid/local_id``).
+The backend wraps torch's ``DynamicRendezvousHandler`` and reaches into its private layer (the
+handler's state holder, op executor, heartbeat lock and store; the state holder's backend and
+cache; the exit operation and epilogue; the pickled ``_RendezvousState``). Importing this module
+checks those names and their meaning against an in-memory backend and raises
+:class:`~elastic_emb.errors.TorchCompatError` naming what changed and :data:`SUPPORTED_TORCH`.
+It imports torch's dynamic rendezvous, so ``handler.py`` imports it only when torchrun creates a handler.
 
-torch's history renamed some of these (``fqdn`` -> ``addr``, ``last_keep_alives`` ->
-``last_heartbeats``) and changed ``set_state``'s return arity, so importing this module checks
-what the backend relies on, names and meaning, against an in-memory backend (no network, a few
-milliseconds): the state pickles with the allowed classes only, the state holder unpacks
-``set_state``'s ``(bytes, token, has_set)`` and ``get_state``'s ``(bytes, token)``, a keep-alive
-operation writes ``last_heartbeats``, the exit operation removes the node, the epilogue advances
-an emptied round, the op executor's poll pause goes through ``_delay``, and a handler built by
-torch has the attributes used here. Any failure raises :class:`TorchCompatError`, one line naming
-what changed and the supported range :data:`SUPPORTED_TORCH`.
-
-Importing this module imports ``torch.distributed.elastic.rendezvous.dynamic_rendezvous``; torch
-imports the entry point module (``handler.py``) while importing its rendezvous package, so
-``handler.py`` imports this module only when torchrun creates a handler.
+Design: ``docs/RDZV.md`` (section "torch's private names").
 """
 
 from __future__ import annotations
@@ -58,7 +42,14 @@ _HANDLER_ATTRS = ("_state_holder", "_this_node", "_settings", "_heartbeat_lock",
 
 
 def check_handler(inner: Any) -> None:
-    """Raise :class:`TorchCompatError` unless ``inner`` (torch's handler) has what this module uses."""
+    """Check that torch's handler has every private attribute this module uses.
+
+    Args:
+        inner: torch's ``DynamicRendezvousHandler``.
+
+    Raises:
+        TorchCompatError: naming the first attribute missing from the handler or its state holder.
+    """
     for attr in _HANDLER_ATTRS:
         if not hasattr(inner, attr):
             raise _fail(f"DynamicRendezvousHandler has no attribute {attr!r}")
@@ -69,36 +60,94 @@ def check_handler(inner: Any) -> None:
 
 
 def create_inner_handler(store: Any, backend: Any, params: Any) -> Any:
-    """torch's ``DynamicRendezvousHandler`` for ``backend`` (checked by :func:`check_handler`)."""
+    """torch's ``DynamicRendezvousHandler`` for ``backend`` (checked by :func:`check_handler`).
+
+    Args:
+        store: the store torch's backend factory returned.
+        backend: torch's ``RendezvousBackend``.
+        params: torchrun's ``RendezvousParameters``.
+
+    Returns:
+        torch's handler.
+
+    Raises:
+        TorchCompatError: when the handler lacks an attribute this module uses.
+    """
     inner = dr.create_handler(store, backend, params)
     check_handler(inner)
     return inner
 
 
 def this_node(inner: Any) -> Any:
+    """This agent's node descriptor.
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        torch's ``_NodeDesc`` of this node.
+    """
     return inner._this_node
 
 
 def settings(inner: Any) -> Any:
+    """The rendezvous settings.
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        torch's ``RendezvousSettings`` (run id, node counts, keep-alive, timeouts).
+    """
     return inner._settings
 
 
 def agent_store(inner: Any) -> Any:
-    """The store the rendezvous runs on (elastic_emb's round keys live there too)."""
+    """The store the rendezvous runs on (elastic_emb's round keys live there too).
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        The store.
+    """
     return inner._store
 
 
 def heartbeat_lock(inner: Any) -> Any:
+    """The lock torch holds around each rendezvous operation of the handler.
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        The lock.
+    """
     return inner._heartbeat_lock
 
 
 def current_state(inner: Any) -> Any:
-    """The state object torch's holder last synced (live: do not keep it)."""
+    """The state object torch's holder last synced (live: do not keep it).
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        torch's ``_RendezvousState``.
+    """
     return inner._state_holder.state
 
 
 def heartbeats(state: Any) -> dict[str, float]:
-    """Each node's heartbeat in a state object (``current_state``), as epoch seconds by node id."""
+    """Each node's heartbeat in a state object, as epoch seconds by node id.
+
+    Args:
+        state: torch's ``_RendezvousState`` (:func:`current_state`); entries that are not a node
+            and a time are skipped.
+
+    Returns:
+        Epoch seconds by node id.
+    """
     from elastic_emb.rdzv.decode import node_id
 
     out: dict[str, float] = {}
@@ -111,35 +160,73 @@ def heartbeats(state: Any) -> dict[str, float]:
 
 
 def set_cache_duration(inner: Any, seconds: float) -> None:
-    """torch caches the state 1 s; num_nodes_waiting() is polled every --monitor-interval."""
+    """Set how long torch's state holder caches the state (1 s in torch).
+
+    ``num_nodes_waiting()`` is polled every ``--monitor-interval``, and a shorter cache makes its
+    answer fresher.
+
+    Args:
+        inner: torch's handler.
+        seconds: the new cache duration.
+    """
     inner._state_holder._cache_duration = seconds
 
 
 def wrap_state_backend(inner: Any, wrap: Callable[[Any], Any]) -> None:
     """Replace the state holder's backend with ``wrap(backend)`` (every get/set of the state then
-    goes through the wrapper, torch's own included)."""
+    goes through the wrapper, torch's own included).
+
+    Args:
+        inner: torch's handler.
+        wrap: takes torch's backend and returns its replacement.
+    """
     holder = inner._state_holder
     holder._backend = wrap(holder._backend)
 
 
 def stop_heartbeats(inner: Any) -> None:
+    """Stop torch's keep-alive timer.
+
+    Args:
+        inner: torch's handler.
+    """
     inner._stop_heartbeats()
 
 
 def start_heartbeats(inner: Any) -> None:
+    """Start torch's keep-alive timer.
+
+    Args:
+        inner: torch's handler.
+    """
     inner._start_heartbeats()
 
 
 def round_store(inner: Any) -> Any:
-    """The store prefix of the current round (what torch's next_rendezvous hands the agent)."""
+    """The store of the current round (what torch's ``next_rendezvous`` hands the agent).
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        torch's prefixed store of the round.
+    """
     return inner._get_store()
 
 
 def join_complete_round(inner: Any, attempts: int = 10) -> tuple[int, int] | None:
     """Add this node to the participants of a complete, running round (compare-and-set) instead of
-    waiting in the wait list for the next round: the in-process join (``resize.py``). Returns
-    ``(group_rank, group_world_size)``, or None when there is no running round with room (then
-    torch's own join is the way in). The rank is the count of participants before this node."""
+    waiting in the wait list for the next round: the in-process join.
+
+    Args:
+        inner: torch's handler.
+        attempts: compare-and-set attempts before giving up.
+
+    Returns:
+        ``(group_rank, group_world_size)``, the rank being the count of participants before this
+        node; None when there is no running round with room, or every attempt lost (then torch's
+        own join is the way in).
+    """
     holder = inner._state_holder
     node = inner._this_node
     with inner._heartbeat_lock:
@@ -161,28 +248,53 @@ def join_complete_round(inner: Any, attempts: int = 10) -> tuple[int, int] | Non
 
 
 def run_op(inner: Any, op: Callable[[Any, float], Any], timeout: float) -> None:
-    """Run a rendezvous operation (``(ctx, deadline) -> Action``) with torch's executor, under the
-    handler's heartbeat lock."""
+    """Run a rendezvous operation with torch's executor, under the handler's heartbeat lock.
+
+    Args:
+        inner: torch's handler.
+        op: the operation, ``(ctx, deadline) -> Action``.
+        timeout: seconds until the operation's deadline.
+    """
     with inner._heartbeat_lock:
         inner._op_executor.run(op, time.monotonic() + timeout)
 
 
 def exit_rendezvous(inner: Any, timeout: float) -> None:
-    """Leave the rendezvous with torch's own exit operation."""
+    """Leave the rendezvous with torch's own exit operation.
+
+    Args:
+        inner: torch's handler.
+        timeout: seconds until the operation's deadline.
+    """
     run_op(inner, dr._RendezvousExitOp(), timeout)
 
 
 def second_writer(inner: Any) -> tuple[Any, Any]:
     """A separate state holder (no cache) and op executor on the same backend and node: one more
-    compare-and-set writer, like another node, that leaves the handler's cache alone."""
+    compare-and-set writer, like another node, that leaves the handler's cache alone.
+
+    Args:
+        inner: torch's handler.
+
+    Returns:
+        ``(state holder, op executor)``.
+    """
     holder = dr._BackendRendezvousStateHolder(inner._state_holder._backend, inner._settings, cache_duration=0)
     return holder, dr._DistributedRendezvousOpExecutor(inner._this_node, holder, inner._settings)
 
 
 def remove_nodes(inner: Any, nodes: set[str], attempts: int = 10) -> list[str]:
     """Remove the nodes with these ids from torch's state (participants, wait and redundancy lists,
-    heartbeats), as torch's heartbeat expiry would; compare-and-set, ``attempts`` bounded.
-    Returns the ids removed (empty when none was there, or every attempt lost the race)."""
+    heartbeats), as torch's heartbeat expiry would, by compare-and-set.
+
+    Args:
+        inner: torch's handler.
+        nodes: the node ids to remove.
+        attempts: compare-and-set attempts before giving up.
+
+    Returns:
+        The ids removed (empty when none was there, or every attempt lost the race).
+    """
     holder = inner._state_holder
     with inner._heartbeat_lock:
         for _ in range(attempts):
@@ -209,7 +321,20 @@ def remove_nodes(inner: Any, nodes: set[str], attempts: int = 10) -> list[str]:
 
 def credit_heartbeats(bits: bytes, began: datetime, length: float, expiry: timedelta) -> bytes:
     """The pickled state with every heartbeat that was alive when an outage began (and not
-    refreshed since) moved forward by the outage's length. Decoded with the restricted decoder."""
+    refreshed since) moved forward by the outage's length.
+
+    Args:
+        bits: the pickled state (decoded with the restricted decoder).
+        began: when the outage began (UTC).
+        length: the outage's length in seconds.
+        expiry: the heartbeat expiry: a heartbeat older than this at ``began`` was not alive.
+
+    Returns:
+        The re-pickled state, or ``bits`` itself when no heartbeat moved.
+
+    Raises:
+        UnsafeStateError: when ``bits`` is not a state the decoder admits.
+    """
     state = load_state(bits)
     credit = timedelta(seconds=length)
     changed = False
@@ -229,6 +354,9 @@ def shorten_rendezvous_polls(interval: float) -> None:
     ``_DistributedRendezvousOpExecutor.run`` sleeps ``_delay(seconds=1)`` between polls of the
     shared state; with ``last_call_timeout=1`` that pause alone can double a round's duration.
     Only the 1 s poll is shortened; the random start-up skew ``(0, 0.3)`` is kept.
+
+    Args:
+        interval: seconds between polls (``sync_interval``); a later call replaces it.
     """
     original = _PATCHED_DELAY.setdefault("original", dr._delay)
     _PATCHED_DELAY["interval"] = interval
@@ -247,7 +375,11 @@ def shorten_rendezvous_polls(interval: float) -> None:
 
 class FreshHeartbeat:
     """Writes this node's heartbeat when it is older than ``max_age`` s; never adds a node that is
-    not in the state (a node that left must stay out)."""
+    not in the state (a node that left must stay out). A rendezvous operation for :func:`run_op`.
+
+    Args:
+        max_age: the age in seconds past which the heartbeat is written.
+    """
 
     def __init__(self, max_age: float) -> None:
         self._max_age = timedelta(seconds=max_age)
@@ -270,6 +402,13 @@ class EarlyCompletion:
     ``min_nodes``), takes torch's own ``MARK_RENDEZVOUS_COMPLETE`` action (ranks assigned as torch
     does). Any other membership (a newcomer, a missing survivor) leaves the round to torch's
     last-call rule. Bounded by the rendezvous join timeout; :meth:`stop` ends it.
+
+    Args:
+        inner: torch's handler.
+        expected: the node ids that should form the next round.
+        after_round: the round before it (-1: none).
+        interval: seconds between polls.
+        log: a structlog logger (``early_completion_failed``).
     """
 
     def __init__(self, inner: Any, expected: frozenset[str], after_round: int, interval: float, log: Any) -> None:
@@ -308,6 +447,7 @@ class EarlyCompletion:
                 return
 
     def stop(self) -> None:
+        """End the polling thread (waits for it up to 2 s)."""
         self._done.set()
         self._thread.join(2.0)
 

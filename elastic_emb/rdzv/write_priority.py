@@ -1,28 +1,11 @@
 """Agent side: a node that keeps losing the compare-and-set of torch's rendezvous state gets a turn.
 
-torch's dynamic rendezvous keeps its whole state under one store key and writes it by
-compare-and-set; every agent rewrites it for each heartbeat (``keep_alive_interval``, and this
-backend's fresher heartbeat, ``handler.py``). A write succeeds only if nobody wrote between the
-writer's read and its write. A node whose read-to-write window is longer than the gap between the
-others' writes (a starved process on a loaded host) loses every time, for as long as the others
-beat. Seen in the 4-agent drills at load 15-22: an agent that came 1 s before round 0 closed
-never got into the participants nor the wait list (``RendezvousTimeoutError`` after the 90 s
-join timeout), and then could not even close the rendezvous in 5 s; measured on loopback, a
-window of 0.6 s against three agents beating every 0.5 s lost 48 writes in 48 over 30 s.
+torch writes its whole state under one key by compare-and-set, and every agent rewrites it for
+each heartbeat, so a slow writer can lose every time. :class:`WritePriority` lets such a node
+claim a turn after a few losses in a row; the other agents hold their writes while a live claim
+stands, for a bounded time per write, so no live node's heartbeat expires because of a claim.
 
-:class:`WritePriority` gives it a turn. After ``starve_after`` lost writes in a row a node claims
-the priority key (``rdzv.keys.write_priority_key``: its node id and its count of losses ever, so
-no two claims read the same; signed with the job's secret when it has one). Before each write of
-the state, every other agent waits while a live claim of another node stands, at most
-``yield_max`` seconds per write (then it writes anyway: a heartbeat is never held past that); the
-claimer's next write finds the state quiet and wins, and it clears the claim. A claim whose value
-has not changed for ``stale_after`` seconds (its node died, or stopped writing) is ignored. The
-bounds follow the heartbeat expiry (``yield_max`` a quarter of it, ``stale_after`` half), so no
-live node's heartbeat ages past its expiry because of a claim.
-
-The claim is untrusted input like every store value: it is only compared with this node's id;
-a forged or foreign value can delay this agent's writes by ``yield_max`` each for at most
-``stale_after`` seconds, never stop them.
+Design: ``docs/RDZV.md`` (section "Write priority").
 """
 
 from __future__ import annotations
@@ -37,8 +20,22 @@ MAX_CLAIM_BYTES = 300  # a node id and a count; anything longer is not a claim
 
 
 class WritePriority:
-    """The priority claim of one agent (see the module docstring). ``before_write`` and
-    ``after_write`` bracket every compare-and-set of the rendezvous state (``guarded.py``)."""
+    """The priority claim of one agent. :meth:`before_write` and :meth:`after_write` bracket every
+    compare-and-set of the rendezvous state (``guarded.py``).
+
+    Args:
+        store: the store the rendezvous runs on.
+        key: the claim's key (``keys.write_priority_key``).
+        node: this agent's node id.
+        signer: the job's control-key signer.
+        expiry_s: torch's heartbeat expiry in seconds; a write yields at most a quarter of it
+            (``yield_max``) and a claim unchanged for half of it is stale (``stale_after``).
+        log: a structlog logger (``rendezvous_write_priority_claimed``), or None.
+        starve_after: lost writes in a row before this agent claims the priority.
+        poll: seconds between looks at the claim while yielding.
+        clock: the monotonic clock.
+        sleep: the sleep function.
+    """
 
     def __init__(self, store: Any, key: str, node: str, signer: Signer, expiry_s: float, log: Any = None, *,
                  starve_after: int = 3, poll: float = 0.05, clock: Callable[[], float] = time.monotonic,
@@ -61,7 +58,12 @@ class WritePriority:
         self.yielded_s = 0.0  # total time this agent's writes waited for another node's claim
 
     def claimant(self) -> str | None:
-        """The node whose live claim stands (this node's own included), or None."""
+        """The node whose live claim stands (this node's own included).
+
+        Returns:
+            Its node id, or None when there is no claim, or it is empty, too long, malformed,
+            not validly signed or unchanged for ``stale_after`` seconds.
+        """
         value = read_signed(self._store, self._signer, self._key, self._log)
         now = self._clock()
         if value != self._seen[0]:
@@ -88,7 +90,11 @@ class WritePriority:
         self.yielded_s += self._clock() - start
 
     def after_write(self, won: bool) -> None:
-        """Count a lost write; claim the priority after ``starve_after`` in a row, clear it on a win."""
+        """Count a lost write; claim the priority after ``starve_after`` in a row, clear it on a win.
+
+        Args:
+            won: whether the compare-and-set wrote.
+        """
         if won:
             self._lost = 0
             if self._claimed:
