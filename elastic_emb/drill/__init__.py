@@ -88,11 +88,29 @@ class _Progress:
 
 def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE, console=None,
               progress: str = "auto", summary: bool = True, metrics_port: int | None = None) -> dict:
-    """Run ``scenario``, write the report into ``out``, print the summary; return the report dict.
+    """Run ``scenario``, write the report into ``out`` and print its summary.
 
-    ``metrics_port``: serve Prometheus metrics from every agent and worker (see
-    :class:`~elastic_emb.drill.orchestrator.Drill`). ``report["ok"]`` is the verdict (for a scenario with ``expect_failure``, the drill *should*
-    end with ``ok`` False and a loss named in ``report["verification"]``).
+    Args:
+        scenario: the drill to run.
+        out: directory for logs, node state, final tables and the report (a drill's own directory
+            from an earlier run is replaced; any other non-empty directory is refused).
+        script: the training script the agents run; default the packaged recsys example.
+        console: the rich console for the progress and the summary; default a new one.
+        progress: ``"bar"``, ``"lines"``, or ``"auto"`` (a bar on a terminal, lines otherwise).
+        summary: print the summary table at the end.
+        metrics_port: serve Prometheus metrics from every agent and worker, from this port up
+            (see :class:`~elastic_emb.drill.orchestrator.Drill`); None serves none.
+
+    Returns:
+        The report (:func:`~elastic_emb.drill.report.build_report`). ``report["ok"]`` is the verdict;
+        for a scenario with ``expect_failure`` the drill should end with ``ok`` False and the loss
+        named in ``report["verification"]``.
+
+    Raises:
+        DrillError: if ``out`` exists and is not a drill directory, or the scenario combines
+            ``store: etcd`` with namespaces.
+        RuntimeError: if the scenario asks for ``network: netns`` and namespaces do not work here.
+        OSError: if ``out`` cannot be written.
     """
     from rich.console import Console
 

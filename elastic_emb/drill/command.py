@@ -1,13 +1,10 @@
 """The drill's command line: ``elastic-emb drill``, ``elastic-emb demo``, ``python -m elastic_emb.drill``.
 
-Here, not in :mod:`elastic_emb.cli.main`, so the drill package does not import the CLI above it
-(``cli`` adds these commands to its group). Every failure a user can cause (a scenario that is not
-a preset or not valid YAML, an ``--out`` that cannot be written, a ``--script`` that does not
-exist) becomes one :class:`~elastic_emb.cli.console.UserError` line.
+- :func:`drill_cmd`, :func:`demo_cmd`: the click commands (``elastic_emb.cli`` adds them to its group);
+- :func:`default_out`: where a drill writes when ``--out`` is not given.
 
-``--out`` defaults to ``./drill-<scenario>`` when the current directory is writable, else to a
-new temporary directory (a container with a read-only root filesystem, an installed package run
-from ``/``); the command says which on stderr before it starts.
+Every failure a user can cause becomes one :class:`~elastic_emb.cli.console.UserError` line.
+Design: ``docs/DRILLS.md`` (section "Command line").
 """
 
 from __future__ import annotations
@@ -23,7 +20,15 @@ from elastic_emb.cli.console import EXIT_FAILED, EXIT_OK, UserError
 
 
 def default_out(name: str) -> Path:
-    """``./drill-<name>`` if the current directory is writable, else a fresh temporary directory."""
+    """The output directory of a drill run without ``--out``.
+
+    Args:
+        name: the scenario's name.
+
+    Returns:
+        ``./drill-<name>`` if the current directory is writable, else a new temporary directory
+        (a read-only root filesystem, a package run from ``/``).
+    """
     cwd = Path.cwd()
     if os.access(cwd, os.W_OK | os.X_OK):
         return cwd / f"drill-{name}"
@@ -70,6 +75,11 @@ def _run(scenario, out: Path, script: Path | None, progress: str) -> int:
 
 
 def preset_help() -> str:
+    """The preset names, comma-separated, for the help of ``--scenario``.
+
+    Returns:
+        The names of :data:`~elastic_emb.drill.scenario.PRESETS`, in their order.
+    """
     from elastic_emb.drill.scenario import PRESETS
 
     return ", ".join(PRESETS)
@@ -98,7 +108,27 @@ def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, l
     """Run a resize drill: real torchrun agents, real faults, tables checked bit for bit.
 
     Exit 0 on PASS (for a scenario that plants a loss: when the loss was caught), 1 on FAIL,
-    2 on bad input."""
+    2 on bad input.
+    \f
+    Args:
+        scenario_spec: a preset name, ``chaos:SEED``, or a scenario file (``--scenario``).
+        out: the output directory, or None for :func:`default_out`.
+        network: overrides the scenario's ``network`` when given.
+        rendezvous: overrides the scenario's ``rendezvous`` when given.
+        mode: overrides the scenario's ``mode`` when given.
+        script: the training script to drill, or None for the packaged example.
+        progress: ``auto``, ``bar`` or ``lines``.
+        list_presets: print the presets and return.
+
+    Returns:
+        The exit code: ``EXIT_OK`` when the verdict is the expected one, else ``EXIT_FAILED``.
+
+    Raises:
+        click.UsageError: if neither ``--scenario`` nor ``--list`` is given.
+        click.BadParameter: if the scenario cannot be loaded, or the overrides make it invalid
+            (``--mode in_process`` with ``--rendezvous c10d`` among them).
+        UserError: if ``--script`` is not a file, ``--out`` cannot be used, or the drill could not start.
+    """
     from elastic_emb.drill.scenario import PRESETS, load_scenario
 
     if list_presets:
@@ -143,7 +173,18 @@ def demo_cmd(out, progress) -> int:
     process (``--rdzv-conf resize=in_process``: node 0's worker is never restarted).
 
     Trains the packaged example model; exit 0 when its tables equal the single-process replay
-    bit for bit."""
+    bit for bit.
+    \f
+    Args:
+        out: the output directory, or None for :func:`default_out`.
+        progress: ``auto``, ``bar`` or ``lines``.
+
+    Returns:
+        The exit code: ``EXIT_OK`` on PASS, else ``EXIT_FAILED``.
+
+    Raises:
+        UserError: if ``--out`` cannot be used or the drill could not start.
+    """
     from elastic_emb.drill.scenario import PRESETS
 
     return _run(PRESETS["demo"], _resolve_out(out, "demo"), None, progress)

@@ -1,12 +1,9 @@
 """Plant a silent loss in a node's newest snapshot, to prove the drill's verification catches it.
 
-A snapshot damaged at random is caught by its CRC32 (:func:`elastic_emb.state.read_snapshot`)
-and the restore falls back or fails: that is the state layer's own defence, tested there. The
-drill has to catch what gets past every checksum: a state layer that writes *wrong rows with a
-matching checksum* (a bug, not a disk error). So this module changes rows of the newest own
-snapshot in a node directory and rewrites the manifest's CRC32 to match, with the state layer's
-own manifest records. The restore then trusts the rows, training goes on, and only the
-comparison with the reference replay can tell; the drill must fail naming the rows and the step.
+:func:`corrupt_newest_snapshot` changes rows of a node's newest own snapshot and rewrites the
+manifest's CRC32s to match, so the restore trusts them and only the replay can tell.
+
+Design: ``docs/DRILLS.md`` (section "Planting a loss").
 """
 
 from __future__ import annotations
@@ -20,8 +17,25 @@ from elastic_emb.state import SnapshotManifest, write_atomic
 
 
 def corrupt_newest_snapshot(state_dir: Path, *, table: str = "user", rows: int = 3, delta: float = 0.5) -> dict:
-    """Add ``delta`` to the first ``rows`` rows of ``table`` in every own shard of the newest commit
-    under ``state_dir``; fix the CRC32s. Returns what was changed (for the drill's report)."""
+    """Add ``delta`` to the first rows of ``table`` in every own shard of the newest commit, fixing the CRC32s.
+
+    Replica shards (``*.replica.json``) are left alone. In a delta commit the rows changed are the
+    first ``rows`` rows the commit holds.
+
+    Args:
+        state_dir: a node's state directory (``ELASTIC_EMB_STATE_DIR``).
+        table: the table whose rows are changed.
+        rows: how many rows of each shard to change (fewer if the shard holds fewer).
+        delta: what is added to each value of those rows.
+
+    Returns:
+        ``{"corrupted": [...]}``: per shard changed, the table, the global rows, the step, the
+        data file and the delta (for the drill's report).
+
+    Raises:
+        FileNotFoundError: if ``state_dir`` holds no snapshot manifest.
+        ValueError: if the newest commit holds no rows of ``table``.
+    """
     manifests = sorted(state_dir.glob("*/*/step-*/rank*.json"))
     own = []
     for path in manifests:

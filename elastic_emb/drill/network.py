@@ -1,18 +1,12 @@
 """Where the simulated nodes live on the network: loopback, or one network namespace per node.
 
-``loopback``: every agent on 127.0.0.1, told apart by ports only. Works everywhere, unprivileged.
+- :class:`Network`: every node on 127.0.0.1, told apart by ports (works everywhere, unprivileged);
+- :class:`Netns`: each node in a network namespace of its own, with its own address on a bridge
+  in a hub namespace that also hosts the drill's rendezvous store (needs root and ``ip netns``);
+- :func:`pick_network`: the one a scenario's ``network`` asks for (``auto``: netns when
+  :func:`netns_works` proves it can, else loopback).
 
-``netns`` (root and a working ``ip netns``): each node gets a network namespace of its own with
-one veth interface and an address ``10.X.0.(10+n)/24`` on a bridge that lives in a "hub"
-namespace the drill also made; the drill's rendezvous store runs in the hub at ``10.X.0.1``.
-So a node is a separate host in the sense that matters here: its own address, its own
-loopback, and when it is killed every process in its namespace is found by ``ip netns pids``.
-All traffic stays between namespaces the drill created (nothing is routed out of the hub), and
-:meth:`Netns.teardown` deletes them all. ``GLOO_SOCKET_IFNAME`` points gloo at the node's veth
-(gloo would otherwise resolve the shared hostname to an address the namespace does not have).
-
-``auto`` picks netns when :func:`netns_works` proves, by making and deleting a namespace with a
-veth pair, that it can; otherwise loopback.
+Design: ``docs/DRILLS.md`` (section "Network").
 """
 
 from __future__ import annotations
@@ -40,23 +34,68 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Network:
+    """Loopback: every node on 127.0.0.1. The base class of :class:`Netns`."""
+
     kind = "loopback"
     store_addr = "127.0.0.1"
 
     def setup(self, max_nodes: int) -> None:
+        """Prepare room for the nodes (nothing to do on loopback).
+
+        Args:
+            max_nodes: how many nodes the drill may start in all.
+        """
         pass
 
     def node_addr(self, number: int) -> str:
+        """The address node ``number``'s agent uses (``torchrun --local-addr``).
+
+        Args:
+            number: the node's number.
+
+        Returns:
+            ``127.0.0.1``.
+        """
         return "127.0.0.1"
 
     def node_env(self, number: int) -> dict:
+        """Environment variables node ``number``'s agent needs on this network.
+
+        Args:
+            number: the node's number.
+
+        Returns:
+            No variables on loopback.
+        """
         return {}
 
     def wrap(self, cmd: list[str], number: int) -> list[str]:
+        """The command line that runs ``cmd`` as node ``number``.
+
+        Args:
+            cmd: the agent's command line.
+            number: the node's number.
+
+        Returns:
+            ``cmd`` unchanged on loopback.
+        """
         return cmd
 
     def spawn_store(self, python: str, port: int, log_path: Path) -> subprocess.Popen:
-        """A TCPStore server process (the rendezvous store the drill hosts)."""
+        """Start the rendezvous TCPStore the drill hosts, in a process of its own, and wait until it listens.
+
+        Args:
+            python: the interpreter to run :mod:`elastic_emb.drill.store_server` with.
+            port: the port to serve on (at :attr:`store_addr`).
+            log_path: file that receives the server's output (appended).
+
+        Returns:
+            The server process, in a session of its own.
+
+        Raises:
+            RuntimeError: if the server exits before it listens.
+            TimeoutError: if it does not listen within 30 seconds.
+        """
         return self._popen([python, "-m", "elastic_emb.drill.store_server", "--host", self.store_addr,
                             "--port", str(port)], log_path)
 
@@ -71,16 +110,36 @@ class Network:
         return p
 
     def hub_ns(self) -> str | None:
+        """The namespace that hosts the store; None on loopback."""
         return None
 
     def kill_node(self, number: int, agent_pid: int) -> list[int]:
+        """SIGKILL a whole node: its agent and every descendant (collected before the signal).
+
+        Args:
+            number: the node's number.
+            agent_pid: the pid of the node's torchrun agent.
+
+        Returns:
+            The pids signalled.
+        """
         return procs.kill_tree(agent_pid, signal.SIGKILL)
 
     def teardown(self) -> None:
+        """Remove what :meth:`setup` made (nothing on loopback)."""
         pass
 
 
 class Netns(Network):
+    """One network namespace per node, joined by veth pairs to a bridge in a hub namespace.
+
+    Every name holds the creating process's pid, so :func:`remove_stale_namespaces` can remove
+    what a killed drill left behind.
+
+    Args:
+        tag: a string that, with the pid, seeds the names and the ``10.X.0.0/24`` subnet.
+    """
+
     kind = "netns"
 
     def __init__(self, tag: str) -> None:
@@ -94,12 +153,35 @@ class Netns(Network):
         self.made: list[str] = []
 
     def ns(self, number: int) -> str:
+        """The namespace name of node ``number``.
+
+        Args:
+            number: the node's number.
+
+        Returns:
+            ``ee<id>n<number>``.
+        """
         return f"ee{self.id}n{number}"
 
     def hub_ns(self) -> str:
+        """The hub namespace, which holds the bridge and the drill's store.
+
+        Returns:
+            Its name.
+        """
         return self.hub
 
     def setup(self, max_nodes: int) -> None:
+        """Make the hub (bridge at :attr:`store_addr`) and one namespace per node, each with its veth.
+
+        Stale namespaces of drills that were killed are removed first.
+
+        Args:
+            max_nodes: how many node namespaces to make.
+
+        Raises:
+            subprocess.CalledProcessError: if an ``ip`` command fails.
+        """
         remove_stale_namespaces()
         _ip("netns", "add", self.hub)
         self.made.append(self.hub)
@@ -120,15 +202,54 @@ class Netns(Network):
         log.info("drill_netns_ready", hub=self.hub, nodes=max_nodes, subnet=f"10.{self.subnet}.0.0/24")
 
     def node_addr(self, number: int) -> str:
+        """The address of node ``number`` in its namespace.
+
+        Args:
+            number: the node's number.
+
+        Returns:
+            ``10.X.0.(10 + number)``.
+        """
         return f"10.{self.subnet}.0.{10 + number}"
 
     def node_env(self, number: int) -> dict:
+        """Point gloo at the node's veth (the shared hostname resolves to an address the namespace lacks).
+
+        Args:
+            number: the node's number.
+
+        Returns:
+            ``{"GLOO_SOCKET_IFNAME": "eth0"}``.
+        """
         return {"GLOO_SOCKET_IFNAME": "eth0"}
 
     def wrap(self, cmd: list[str], number: int) -> list[str]:
+        """Run ``cmd`` inside node ``number``'s namespace.
+
+        Args:
+            cmd: the agent's command line.
+            number: the node's number.
+
+        Returns:
+            ``ip netns exec <namespace> cmd...``.
+        """
         return ["ip", "netns", "exec", self.ns(number), *cmd]
 
     def spawn_store(self, python: str, port: int, log_path: Path) -> subprocess.Popen:
+        """Start the rendezvous TCPStore in the hub namespace and wait until it listens.
+
+        Args:
+            python: the interpreter to run :mod:`elastic_emb.drill.store_server` with.
+            port: the port to serve on (at :attr:`store_addr`).
+            log_path: file that receives the server's output (appended).
+
+        Returns:
+            The server process (``ip netns exec`` running it).
+
+        Raises:
+            RuntimeError: if the server exits before it listens.
+            TimeoutError: if it does not listen within 30 seconds.
+        """
         cmd = ["ip", "netns", "exec", self.hub, python, "-m", "elastic_emb.drill.store_server",
                "--host", self.store_addr, "--port", str(port)]
         return self._popen(cmd, log_path)
@@ -138,10 +259,20 @@ class Netns(Network):
         return [int(x) for x in r.stdout.split()]
 
     def kill_node(self, number: int, agent_pid: int) -> list[int]:
+        """SIGKILL every process of node ``number``: the agent, its descendants, and all in its namespace.
+
+        Args:
+            number: the node's number.
+            agent_pid: the pid of the node's torchrun agent.
+
+        Returns:
+            The pids signalled.
+        """
         pids = sorted(set(procs.descendants(agent_pid)) | set(self._pids(self.ns(number))) | {agent_pid})
         return procs.signal_all(pids, signal.SIGKILL)
 
     def teardown(self) -> None:
+        """SIGKILL every process left in the namespaces this object made, then delete them."""
         for ns in reversed(self.made):
             procs.signal_all(self._pids(ns), signal.SIGKILL)
             _ip("netns", "del", ns, check=False)
@@ -152,7 +283,11 @@ STALE = re.compile(r"^ee(\d+)x[0-9a-f]{3}(hub|n\d+)$")
 
 
 def remove_stale_namespaces() -> list[str]:
-    """Delete drill namespaces whose creating process is gone (a drill that was SIGKILLed)."""
+    """Delete drill namespaces whose creating process is gone (a drill that was SIGKILLed).
+
+    Returns:
+        The names of the namespaces removed.
+    """
     listed = _ip("netns", "list", check=False).stdout.split("\n")
     removed = []
     for line in listed:
@@ -170,7 +305,13 @@ def remove_stale_namespaces() -> list[str]:
 
 
 def netns_works() -> tuple[bool, str]:
-    """Can this process make namespaces joined by a veth pair? (root, iproute2, kernel support)."""
+    """Whether this process can make namespaces joined by a veth pair (root, iproute2, kernel support).
+
+    Tries it: makes a namespace with a veth pair and an address, then deletes it.
+
+    Returns:
+        ``(True, "ok")``, or ``(False, why)``.
+    """
     if os.geteuid() != 0:
         return False, "not root"
     tag = f"eeprobe{os.getpid() % 100000}"
@@ -190,6 +331,18 @@ def netns_works() -> tuple[bool, str]:
 
 
 def pick_network(choice: str, tag: str) -> Network:
+    """The network a scenario asks for.
+
+    Args:
+        choice: ``"loopback"``, ``"netns"``, or ``"auto"`` (netns when it works, else loopback).
+        tag: passed to :class:`Netns` to name its namespaces.
+
+    Returns:
+        A :class:`Network` (loopback) or a :class:`Netns`, not yet set up.
+
+    Raises:
+        RuntimeError: if ``choice`` is ``"netns"`` and namespaces do not work here.
+    """
     if choice == "loopback":
         return Network()
     ok, why = netns_works()

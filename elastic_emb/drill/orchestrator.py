@@ -1,28 +1,12 @@
 """The drill orchestrator: real torchrun agents, real faults, bounded waits, nothing left behind.
 
-One simulated node is one ``torchrun`` agent process (``python -m torch.distributed.run``) with
-``--nproc-per-node`` workers running the training script, started with its own
-``ELASTIC_EMB_NODE_ID`` and its own node-local ``ELASTIC_EMB_STATE_DIR`` (so a node that dies
-takes its snapshots with it, as a real machine would), and, where network namespaces work, in a
-namespace of its own with its own address (see :mod:`elastic_emb.drill.network`).
+- :class:`Drill`: runs one scenario end to end, one ``torchrun`` agent per simulated node, then
+  verifies the final tables against the reference replay;
+- :class:`DrillResult`: what happened (progress events, faults fired, nodes), for the report;
+- :class:`EventReader`: reads the workers' progress lines as they are written;
+- :func:`worker_error`: the cause of a node's failure, from its log.
 
-The orchestrator's loop (one bounded loop, 0.1 s per turn, ``scenario.timeout`` in all):
-
-1. read the workers' progress lines (``<out>/run/events/*.jsonl``) from where it left off;
-2. fire every fault whose trigger has come (the committed step reached ``at_step``, or
-   ``at_time`` seconds passed since the first committed step). After a fault the drill creates
-   the workers' slow-down file (``--slow-file``: ``slow_delay`` per step instead of
-   ``step_delay``) until a new incarnation steps in a world of the size the fault leads to and
-   every rank of it has a commit of that world complete (at most ``AWAIT_S``; giving up is logged
-   as ``drill_await_gave_up``), so a short run cannot finish before the resize lands; the
-   next step-triggered fault waits for that too, and the first waits for a world of all the
-   initial nodes;
-3. stop when every agent has exited (training done, or failed), or at the timeout.
-
-Whatever happens, the ``finally`` block SIGKILLs every process tree it started (agents, their
-workers, an etcd server) and removes the namespaces it made. Then the final tables are verified
-against the reference replay (:mod:`elastic_emb.drill.replay`) and the report is written
-(:mod:`elastic_emb.drill.report`).
+Design: ``docs/DRILLS.md`` (section "The orchestrator").
 """
 
 from __future__ import annotations
@@ -56,13 +40,15 @@ configure_logging()
 log = structlog.get_logger("elastic_emb.drill")
 
 
-# How long a fault's slow-down waits for the world it leads to: a join in restart mode at load 10+
-# took 60 s (the new agent's start, a drain, every worker restarted), ep8 (8 ranks on 2 cores).
+# How long a fault's slow-down waits for the world it leads to: long enough for a join in restart
+# mode on a loaded machine (the new agent's start, a drain, every worker restarted).
 AWAIT_S = 120.0
 
 
 @dataclass
 class Node:
+    """One simulated node: its torchrun agent process, its log, and what became of it."""
+
     number: int
     proc: subprocess.Popen
     log_path: Path
@@ -78,6 +64,8 @@ class Node:
 
 @dataclass
 class FiredFault:
+    """A fault the drill injected: which, when (wall clock and committed step), on which node, and what it did."""
+
     index: int
     fault: Fault
     t: float
@@ -86,12 +74,24 @@ class FiredFault:
     detail: dict = field(default_factory=dict)
 
     def as_dict(self, t0: float) -> dict:
+        """The fault as a report record.
+
+        Args:
+            t0: the drill's start (``time.time()``), from which ``t`` is counted.
+
+        Returns:
+            Index, kind, trigger, node, seconds since ``t0``, committed step, and the detail.
+        """
         return {"index": self.index, "kind": self.fault.kind, "trigger": self.fault.when(), "node": self.node,
                 "t": round(self.t - t0, 3), "committed_step": self.step, **self.detail}
 
 
 class EventReader:
-    """Incremental reader of the workers' JSON-lines progress files."""
+    """Incremental reader of the workers' JSON-lines progress files.
+
+    Args:
+        directory: the directory of ``*.jsonl`` files (``<out>/run/events``).
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -99,6 +99,13 @@ class EventReader:
         self.events: list[dict] = []
 
     def poll(self) -> list[dict]:
+        """Read the complete lines written since the last call (also kept in :attr:`events`).
+
+        A torn line (a process killed mid-write) is skipped; a partial last line waits for the next call.
+
+        Returns:
+            The new events, sorted by their time.
+        """
         new: list[dict] = []
         if not self.directory.is_dir():
             return new
@@ -126,6 +133,8 @@ class EventReader:
 
 @dataclass
 class DrillResult:
+    """The outcome of :meth:`Drill.run`: the verdict (``ok``), the verification, and what happened."""
+
     scenario: Scenario
     out: Path
     ok: bool
@@ -142,14 +151,23 @@ class DrillResult:
 
 
 class Drill:
-    """Run one scenario end to end. ``Drill(scenario, out).run()`` returns a :class:`DrillResult`."""
+    """Run one scenario end to end: ``Drill(scenario, out).run()`` returns a :class:`DrillResult`.
+
+    Args:
+        scenario: the drill to run.
+        out: the output directory (made, or replaced when it holds an earlier drill).
+        script: the training script; the packaged recsys example by default, in which case the
+            scenario's ``workload`` picks the packaged script.
+        on_progress: called with a status dict on every turn of the loop, and once before verifying.
+        python: the interpreter of the agents and the store server.
+        metrics_port: serve Prometheus metrics on 127.0.0.1: node ``n``'s agent on
+            ``metrics_port + n * (nproc_per_node + 1)``, its workers on the ports after it; None: off.
+    """
 
     def __init__(self, scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE,
                  on_progress: Callable[[dict], None] | None = None, python: str = sys.executable,
                  metrics_port: int | None = None) -> None:
         self.scenario = scenario
-        # Prometheus endpoints (elastic_emb.metrics): node n's agent serves metrics_port + n *
-        # (nproc_per_node + 1), its workers the ports after it; on 127.0.0.1 only.
         self.metrics_port = metrics_port
         self.out = Path(out).resolve()
         if scenario.workload != "recsys" and Path(script).resolve() == Path(EXAMPLE).resolve():
@@ -221,9 +239,9 @@ class Drill:
 
     def _agent_cmd(self, number: int) -> list[str]:
         s = self.scenario
-        # Heartbeat expiry 3 s; 8 s from 8 workers up: the ep8 presets' 4 agents and 8 workers, niced on a
-        # loaded 2-core VM (load 18-20), starved an agent past 3 s between its join and its round's end:
-        # torch dropped it as dead before the first step, and the first worlds re-formed for minutes.
+        # Heartbeat expiry 3 s; 8 s from 8 workers up: that many processes on a loaded machine can
+        # starve an agent past 3 s between its join and its round's end, and torch would drop it as
+        # dead before the first step.
         attempts = 3 if s.initial_nodes * s.nproc_per_node < 8 else 8
         conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
                 "keep_alive_max_attempt": attempts, "read_timeout": 60, **self.store_conf}
@@ -260,7 +278,7 @@ class Drill:
             raise DrillError(f"node{number} needs {n} free GPU(s); live nodes hold {sorted(held)} of {count}")
         devices = [str(d) for d in free[:n]]
         self.gpus[number] = [int(d) for d in devices]
-        # NVLink multicast off on the lent machines (FACTS: NCCL pitfalls).
+        # NVLink multicast off (FACTS: NCCL pitfalls).
         return {"CUDA_VISIBLE_DEVICES": ",".join(devices), "NCCL_NVLS_ENABLE": "0"}
 
     def _start_node(self, number: int) -> Node:
@@ -352,8 +370,9 @@ class Drill:
             # down until the second (else the survivor, stepping fast once alone, may finish first).
             rejoins = fault.kind == "crash_worker" and self.scenario.mode == "in_process"
             # A membership fault is in once a world of the size it leads to steps: a new generation
-            # alone may be an earlier fault's re-form landing late (restart mode at load: a join whose
-            # agent took 60 s), which would end the slow-down before this fault's node is in.
+            # alone may be an earlier fault's re-form landing late (in restart mode on a loaded machine
+            # a joiner's agent can be slow to start), which would end the slow-down before this
+            # fault's node is in.
             world = (len(self.history[index + 1]) * self.scenario.nproc_per_node
                      if fault.kind in ("join", "leave", "kill_node", "kill_agent") else None)
             self.awaiting = (self.rank0_pid, self.generation + int(rejoins), world, time.monotonic() + AWAIT_S)
@@ -417,6 +436,20 @@ class Drill:
         return self.t_first_step is not None and time.time() - self.t_first_step >= fault.at_time
 
     def run(self) -> DrillResult:
+        """Start the nodes, inject the faults, wait for the end, clean up, and verify the final tables.
+
+        Every wait is bounded by ``scenario.timeout``; whatever happens, every process tree the
+        drill started is killed and its namespaces are removed. A drill that fails once started
+        does not raise: its error is in the result.
+
+        Returns:
+            The result; ``ok`` is True when training finished and the tables equal the replay.
+
+        Raises:
+            DrillError: if ``out`` exists and is not a drill directory, or ``store: etcd`` is asked
+                for with network namespaces.
+            RuntimeError: if ``network: netns`` is asked for and namespaces do not work here.
+        """
         s = self.scenario
         self._prepare_out()
         # etcd listens on loopback only; NCCL between namespaces of one host is untested: loopback.
@@ -558,7 +591,15 @@ def worker_error(path: Path, limit: int = 500) -> str:
 
     Preference: the exception line (and innermost frame) of the last Python traceback that is not
     torchrun's own ``ChildFailedError`` summary; else the last lines that mention an error (e.g.
-    ``python: can't open file ...``), leaving out torchrun's failure box; else the log's tail."""
+    ``python: can't open file ...``), leaving out torchrun's failure box; else the log's tail.
+
+    Args:
+        path: the node's log file.
+        limit: the most characters returned.
+
+    Returns:
+        One line, or ``"<no log>"`` / ``"<empty log>"``.
+    """
     try:
         text = path.read_text(errors="replace")
     except OSError:

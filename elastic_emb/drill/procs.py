@@ -1,10 +1,10 @@
 """Finding and signalling the processes of one simulated node.
 
-torchrun starts its workers with ``start_new_session=True`` (FACTS item 4), so a worker is not in
-its agent's process group and a SIGKILL of the agent alone leaves the workers running. A node
-loss must take the whole node, so the drill collects an agent's descendants from ``/proc``
-(parent links) before it signals anything, then signals the agent and every descendant. In
-network-namespace mode ``ip netns pids`` gives the same set more directly; both are used.
+torchrun starts its workers in sessions of their own (FACTS item 4), so a node loss signals the
+agent and every descendant, collected from ``/proc`` parent links before anything is signalled
+(:func:`kill_tree`).
+
+Design: ``docs/DRILLS.md`` (section "Killing a node").
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ def _parents() -> dict[int, int]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first), from /proc parent links."""
+    """Every descendant of ``pid``, from ``/proc`` parent links.
+
+    Args:
+        pid: the ancestor.
+
+    Returns:
+        The descendants' pids, breadth first (children, then grandchildren, ...).
+    """
     parents = _parents()
     children: dict[int, list[int]] = {}
     for child, parent in parents.items():
@@ -49,10 +56,23 @@ def descendants(pid: int) -> list[int]:
 
 
 def all_pids() -> list[int]:
+    """Every process visible in ``/proc``.
+
+    Returns:
+        Their pids, sorted.
+    """
     return sorted(_parents())
 
 
 def cmdline(pid: int) -> str:
+    """The command line of ``pid``, its arguments joined by spaces.
+
+    Args:
+        pid: the process.
+
+    Returns:
+        The command line, or ``""`` when the process is gone or unreadable.
+    """
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -60,6 +80,14 @@ def cmdline(pid: int) -> str:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie.
+
+    Args:
+        pid: the process.
+
+    Returns:
+        True for a running (or sleeping, or stopped) process, also one this user may not signal.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -75,7 +103,15 @@ def alive(pid: int) -> bool:
 
 
 def signal_all(pids: list[int], sig: int) -> list[int]:
-    """Send ``sig`` to each pid (and its process group when it leads one); return those signalled."""
+    """Send ``sig`` to each pid, and to its process group when it leads one.
+
+    Args:
+        pids: the processes.
+        sig: the signal number.
+
+    Returns:
+        The pids signalled (those gone or not ours are skipped).
+    """
     hit = []
     for pid in pids:
         try:
@@ -90,5 +126,13 @@ def signal_all(pids: list[int], sig: int) -> list[int]:
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Signal ``pid`` and all its descendants (collected first, so orphans are not missed)."""
+    """Signal ``pid`` and all its descendants (collected first, so orphans are not missed).
+
+    Args:
+        pid: the root of the tree.
+        sig: the signal number.
+
+    Returns:
+        The pids signalled.
+    """
     return signal_all([pid, *descendants(pid)], sig)

@@ -1,20 +1,12 @@
 """The reference replay and the bit-for-bit verification of a drill.
 
-The example script's result is a pure function of its configuration and of the last committed
-step ``S``: every step ``0..S`` applied exactly once to the deterministic initial rows
-(:func:`elastic_emb.context.init_rows`), whatever world sizes the steps ran at. The replay is one
-process holding each table as a ``torch.nn.Embedding`` and stepping it with ``torch.optim.SGD``
-on the same global batches, using the script's own data and gradient functions (imported from
-the script file, so the drill checks the script it ran, not a copy of it).
+- :func:`replay`: steps ``0..S`` of the training script in one process (``torch.nn.Embedding``
+  tables stepped by ``torch.optim.SGD``, the script's own data and gradient functions);
+- :func:`gather_final`: the final shards of the newest complete world, checked to cover every row once;
+- :func:`verify`: the two compared bit for bit, with every per-step checksum the workers wrote;
+  :class:`LossDetected` names each row that differs and the steps it is missing.
 
-Verification, loudest first:
-
-1. coverage: the final shards of the last complete world cover every row of every table exactly
-   once (a row missing or owned twice is named by range);
-2. every row equals the replay after step ``S``, bit for bit. For a row that does not, the
-   replay's history names what happened: the row equals the replay after an earlier step ``k``
-   (the updates of the steps after ``k`` that touched it were lost), or it equals no state of the
-   replay (corrupted, or an update applied twice). :class:`LossDetected` carries every finding.
+Design: ``docs/DRILLS.md`` (section "Verification").
 """
 
 from __future__ import annotations
@@ -34,7 +26,17 @@ from elastic_emb.examples import RECSYS as EXAMPLE  # inside the package: a whee
 
 
 def load_script(path: Path | str = EXAMPLE) -> ModuleType:
-    """Import the training script as a module (its ``main`` is not run)."""
+    """Import the training script as a module (its ``main`` is not run).
+
+    Args:
+        path: the script's file.
+
+    Returns:
+        The module, registered in ``sys.modules`` under a name of its own.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training script {path} not found; pass --script PATH, or leave it out to drill "
@@ -59,7 +61,21 @@ class FinalTables:
 
 
 def gather_final(out: Path) -> FinalTables:
-    """Assemble the newest complete world's final shards, checking coverage row by row."""
+    """Assemble the newest complete world's final shards, checking coverage row by row.
+
+    A world is complete when every one of its ranks wrote a final file; of several, the one
+    that wrote last is taken.
+
+    Args:
+        out: the training run's output directory (``<drill out>/run``), holding ``final/*.pt``.
+
+    Returns:
+        The full tables, the committed step they reflect, and where they came from.
+
+    Raises:
+        LossDetected: if there are no final files, no world wrote all of its ranks, its ranks
+            finished at different steps, or a row is held by no rank or by several.
+    """
     files = sorted((out / "final").glob("*.pt"))
     if not files:
         raise LossDetected(f"no final tables under {out / 'final'}: the training never finished", [])
@@ -109,10 +125,19 @@ def gather_final(out: Path) -> FinalTables:
 
 
 def replay(script: ModuleType, cfg, last_step: int, *, keep_history: bool = True, on_step=None):
-    """Apply steps ``0..last_step`` in one process. Returns (tables, history).
+    """Apply steps ``0..last_step`` of ``script`` in one process.
 
-    ``history[table]`` is a list of ``(step, rows, values)``: the rows each step changed and their
-    new values, so a mismatching row can be traced to the step where it went astray.
+    Args:
+        script: the training script's module (:func:`load_script`).
+        cfg: the script's ``Config``, as the workers ran it.
+        last_step: the last step to apply.
+        keep_history: record the rows each step changed.
+        on_step: called as ``on_step(step, tables)`` after each step, and with step -1 before the first.
+
+    Returns:
+        ``(tables, history, initial)``: the tables after ``last_step``; per table, a list of
+        ``(step, rows, values)`` with the rows each step changed and their new values (so a
+        mismatching row can be traced to the step where it went astray); the initial tables.
     """
     from elastic_emb.context import init_rows
     from elastic_emb.sharding import RowRange
@@ -154,7 +179,25 @@ def replay(script: ModuleType, cfg, last_step: int, *, keep_history: bool = True
 
 
 def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int = 20) -> dict:
-    """Compare a drill's final tables with the replay; raise :class:`LossDetected` on any difference."""
+    """Compare a drill's final tables with the replay, bit for bit.
+
+    Also checks, at each step, the CRC32s of the rows each rank held and looked up (the
+    workers' ``--checksums`` progress lines), naming the first step where a rank diverged.
+
+    Args:
+        out: the training run's output directory (``<drill out>/run``).
+        script_path: the training script the workers ran; a script with ``drill_replay`` brings
+            its own reference.
+        max_named: the most mismatching rows named per table (the rest are counted).
+
+    Returns:
+        ``ok``, the step and world size checked, rows and per-step checksums checked, table shapes
+        and the final files.
+
+    Raises:
+        LossDetected: on any difference (also those of :func:`gather_final`), with every finding.
+        FileNotFoundError: if the script is not a file.
+    """
     out = Path(out)
     final = gather_final(out)
     script = load_script(script_path)
@@ -189,7 +232,7 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
                                   "process_restored_step": c["restored_step"]}
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: threads only contend (10x slower on a busy 2-core machine)
+    torch.set_num_threads(1)  # small ops: threads only contend, and on a busy machine slow them down
     try:
         # A script may bring its own reference (the TorchRec example replays with TorchRec itself).
         own = getattr(script, "drill_replay", None)

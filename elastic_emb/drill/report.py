@@ -1,30 +1,11 @@
 """The drill report: a JSON timeline, a PNG plot, and a one-screen summary table.
 
-Everything is derived from what the workers wrote (one JSON line per committed step, one at each
-process start with the lifecycle's restore report) and from the faults the orchestrator fired,
-so the report describes what happened, not what was planned.
+- :func:`build_report`: the report, derived from the workers' progress lines and the faults fired;
+- :func:`write_report`: ``report.json`` and ``report.png`` in the drill's directory;
+- :func:`summary_table`, :func:`print_summary`: the verdict and one row per resize, for a terminal.
 
-A *segment* is one incarnation of the world: from rank 0's ``start`` line to its last ``step``
-line. A *resize* is the boundary between two segments, with its phases:
-
-``ran_on``          fault -> last step of the old world (the old world kept committing meanwhile)
-``restart``         last old step -> the new worker begins ``Lifecycle.start`` (detection by the
-                    agent, stopping the workers, rendezvous, process start and imports)
-``lifecycle``       ``Lifecycle.start``: agree on the topology, construct the context, restore
-                    (``restore`` is the restore alone, from the lifecycle's report)
-``first_step``      lifecycle ready -> first committed step of the new world
-
-With ``mode: in_process`` a segment also begins at rank 0's ``resized`` line (the world re-formed
-inside the running processes): ``restart`` is then the detection and decision, ``lifecycle`` the
-rebuild (agree, construct, restore). ``pause_seconds`` is the last step of the old world -> the
-first step of the new one: what the training loop lost to the resize, in either mode.
-
-``recovery_seconds`` is fault -> first committed step of the new world (last old step when no
-fault caused it). ``steps_lost`` counts committed steps the new world had to redo (the restore
-came from an older commit than the newest one reported complete): with a commit every step it is 0.
-``steps_in_flight`` counts the steps after that whose commits were still in flight (asynchronous
-commits: the step lines' ``committed`` field says which step was complete) and that the new world
-redid: a fault that kills a rank loses at most those (one at ``commit_every=1``).
+The segments, a resize's phases (``ran_on``, ``restart``, ``lifecycle``, ``first_step``) and its
+counts (``steps_lost``, ``steps_in_flight``) are defined in ``docs/DRILLS.md`` (section "The report").
 """
 
 from __future__ import annotations
@@ -37,7 +18,18 @@ from elastic_emb.drill.orchestrator import DrillResult
 
 
 def segments(events: list[dict]) -> list[dict]:
-    """Rank 0's incarnations, in time order."""
+    """Rank 0's incarnations (segments), in time order.
+
+    A segment begins at rank 0's ``start`` line (a new process) or ``resized`` line (a re-form in
+    process) and collects the ``step`` lines after it.
+
+    Args:
+        events: the workers' progress lines (every rank's; only rank 0's are used).
+
+    Returns:
+        One dict per segment: start time, lifecycle seconds, world, generation, restored step,
+        restore report, node, steps ``(t, step)``, mode, and the newest step reported complete.
+    """
     segs: list[dict] = []
     for e in sorted((e for e in events if e.get("rank") == 0), key=lambda e: e["t"]):
         if e["event"] in ("start", "resized"):
@@ -54,6 +46,15 @@ def segments(events: list[dict]) -> list[dict]:
 
 
 def build_report(result: DrillResult) -> dict:
+    """The report of a drill: verdict, segments, resizes with their phases, nodes, and time series.
+
+    Args:
+        result: what :meth:`~elastic_emb.drill.orchestrator.Drill.run` returned.
+
+    Returns:
+        A JSON-able dict (the scenario, ``ok``, ``error``, ``faults``, ``segments``, ``resizes``,
+        ``nodes``, ``world_size_over_time``, ``throughput_samples_per_s``, ``verification``, ...).
+    """
     s, t0 = result.scenario, result.t0
     segs = segments(result.events)
     faults = [f.as_dict(t0) for f in result.faults]
@@ -144,7 +145,16 @@ def _jsonable(obj):
 
 
 def write_report(result: DrillResult) -> dict:
-    """Write ``report.json`` and ``report.png`` into the drill's out directory; return the report."""
+    """Write ``report.json`` and ``report.png`` into the drill's out directory.
+
+    A plot that fails is reported in the report (``plot_error``), never raised.
+
+    Args:
+        result: the drill's result; its ``report`` is set too.
+
+    Returns:
+        The report, with ``paths`` to the two files.
+    """
     report = build_report(result)
     out = result.out
     report["paths"] = {"json": str(out / "report.json"), "plot": str(out / "report.png")}
@@ -159,6 +169,12 @@ def write_report(result: DrillResult) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Draw the world size and the throughput over time, faults and recoveries marked, into a PNG.
+
+    Args:
+        report: a report of :func:`build_report`.
+        path: the PNG file to write.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +211,14 @@ def plot(report: dict, path: Path) -> None:
 
 
 def summary_table(report: dict):
-    """A rich renderable: the verdict, the run in numbers, one row per resize."""
+    """The summary of a drill for a terminal: the verdict, the run in numbers, one row per resize.
+
+    Args:
+        report: a report of :func:`write_report` (it needs ``paths``).
+
+    Returns:
+        A rich renderable.
+    """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -237,6 +260,12 @@ def summary_table(report: dict):
 
 
 def print_summary(report: dict, console=None) -> None:
+    """Print :func:`summary_table` of ``report``.
+
+    Args:
+        report: a report of :func:`write_report`.
+        console: the rich console to print on; default a new one (at least 130 columns off a terminal).
+    """
     from rich.console import Console
 
     if console is None:

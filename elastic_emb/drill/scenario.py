@@ -1,34 +1,11 @@
 """Drill scenarios: what cluster to simulate and which faults to inject when.
 
-A scenario is data, not code: a frozen pydantic record that can come from a named preset
-(:data:`PRESETS`), from a YAML or JSON file (:func:`load_scenario`), or from a seed
-(:func:`chaos`). Validation happens before any process starts, so a scenario that would ask for
-an impossible cluster (a fifth node when ``max_nodes`` is 4, a kill of a node that already left,
-a fault after the last step) is refused with the fault and the remedy named, instead of
-surfacing as a hung drill ten minutes in.
+- :class:`Scenario`, :class:`Fault`: frozen pydantic records, validated (the membership
+  simulated fault by fault) before any process starts;
+- :data:`PRESETS`: the named drills; :func:`chaos`: a random but reproducible one from a seed;
+- :func:`load_scenario`: a preset, ``chaos:SEED``, or a YAML or JSON file.
 
-Faults are triggered either at a training step (the drill watches the committed steps the
-workers report) or at a time (seconds since the first committed step). Nodes are named by the
-order in which the drill started them: ``node 0`` is the first, a ``join`` starts the next free
-number. A fault that names no node picks the newest live node (never node 0 for ``leave``, so a
-1->2->1 drill keeps its original node), which is what an autoscaler removing the last-added
-machine does.
-
-Fault kinds and what they mean on a real cluster:
-
-=================  =============================================================================
-``join``           a new node starts its agent (scale-up by an autoscaler)
-``leave``          SIGTERM to a node's agent: a graceful scale-down (spot notice, drain)
-``kill_node``      SIGKILL to every process of a node at once: power loss, kernel panic
-``kill_agent``     SIGKILL to the node's torchrun agent only: its workers live on as orphans
-                   (FACTS item 4) and must notice and leave by themselves
-``crash_worker``   SIGKILL to one training worker: OOM kill, segfault; its agent survives
-``kill_store``     SIGKILL the etcd server holding the rendezvous (``store: etcd``; with
-                   ``etcd_members`` > 1 one member, ``member`` or else the leader), then start
-                   it again on the same ports and data after ``duration`` seconds
-``corrupt``        flip bytes of the newest snapshot of a node: used to prove the drill detects
-                   a loss (the drill is then expected to FAIL)
-=================  =============================================================================
+Design: ``docs/DRILLS.md`` (sections "Scenarios", "Fault kinds" and "Presets").
 """
 
 from __future__ import annotations
@@ -69,6 +46,11 @@ class Fault(BaseModel):
         return self
 
     def when(self) -> str:
+        """The trigger, for messages.
+
+        Returns:
+            ``"step N"`` or ``"t=Ss"``.
+        """
         return f"step {self.at_step}" if self.at_step is not None else f"t={self.at_time:g}s"
 
 
@@ -168,7 +150,12 @@ class Scenario(BaseModel):
     def simulate(self) -> list[list[int]]:
         """The live node numbers after each fault, as the drill will see them (no timing).
 
-        Raises ``ValueError`` naming the fault that makes the membership infeasible.
+        Returns:
+            The live nodes at the start, then after each fault (``len(faults) + 1`` lists).
+
+        Raises:
+            ValueError: naming the fault that makes the membership infeasible: a join beyond
+                ``max_nodes``, a leave or kill below ``min_nodes``, or a fault on a node not live then.
         """
         live = list(range(self.initial_nodes))
         next_node = self.initial_nodes
@@ -196,7 +183,15 @@ class Scenario(BaseModel):
 
     @staticmethod
     def default_victim(live: list[int], kind: str) -> int:
-        """The newest live node; for ``leave``, never node 0 unless it is alone."""
+        """The node a fault that names none is aimed at, as an autoscaler removing the newest machine.
+
+        Args:
+            live: the live node numbers, oldest first.
+            kind: the fault's kind.
+
+        Returns:
+            The newest live node; for ``leave``, never node 0 unless it is alone.
+        """
         candidates = [n for n in live if n != 0] if kind == "leave" else list(live)
         return (candidates or live)[-1]
 
@@ -211,7 +206,7 @@ def _ep8(name: str, loss: str, story: str) -> Scenario:
     return Scenario(
         name=name, description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
         initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
-        mode="in_process", slow_delay=1.0,  # the joiners' agents took 30 s to start at load 9-14 (as scale-up)
+        mode="in_process", slow_delay=1.0,  # joiners' agents start slowly on a loaded machine (as scale-up)
         faults=(
             Fault(kind=loss, at_step=8, node=1), Fault(kind=loss, at_step=20, node=3),
             Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
@@ -226,8 +221,8 @@ PRESETS: dict[str, Scenario] = {
             name="demo",
             description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store, resized in process "
                         "(the README's demo).",
-            # slow_delay=1.0 as in scale-up (below): a joiner that needs 45 s to import torch on a
-            # loaded machine still joins while the world trains.
+            # slow_delay=1.0 as in scale-up (below): a joiner slow to import torch on a loaded
+            # machine still joins while the world trains.
             initial_nodes=1, max_nodes=2, store="agent", network="loopback", steps=90, step_delay=0.05,
             mode="in_process", slow_delay=1.0,
             faults=(Fault(kind="join", at_step=10), Fault(kind="leave", at_step=55)),
@@ -235,10 +230,10 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="scale-up", description="A second node joins a running 1-node job.",
             # The joiner starts a process (imports torch) while the world trains on: on a loaded
-            # machine that took over 20 s, longer than 0.25 s x 62 steps. A join that comes after
-            # the end now exits 0 (the job is marked complete), but the drill would have resized
-            # nothing (it fails saying so): the slow steps keep the join inside training. A slowed
-            # step ends as soon as the join is due, so the pause reported is still the re-form's.
+            # machine that can outlast the remaining steps at 0.25 s each. A join that comes after
+            # the end exits 0 (the job is marked complete) but resizes nothing, and the drill fails
+            # saying so: the slow steps keep the join inside training. A slowed step ends as soon as
+            # the join is due, so the pause reported is still the re-form's.
             initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), mode="in_process", slow_delay=1.0,
             **_STEP,
         ),
@@ -259,8 +254,8 @@ PRESETS: dict[str, Scenario] = {
             name="torchrec",
             description="TorchRec (the torchrec extra): 1 -> 2 nodes, then one dies (2 -> 1); tables equal a "
                         "one-process TorchRec replay bit for bit.",
-            # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they join
-            # (over 20 s at load 16, more than 35 steps x 0.5 s: the joiner came after the end).
+            # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they
+            # join, which on a loaded machine can outlast the remaining steps.
             workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=1.5,
             timeout=420, faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
             mode="in_process",
@@ -281,7 +276,7 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="store-host-loss",
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
-            # slow_delay=1.0 as in scale-up: at load 17 the joiner's start outlasted 79 x 0.25 s.
+            # slow_delay=1.0 as in scale-up: keeps the join inside training on a loaded machine.
             initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05, mode="in_process", slow_delay=1.0,
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
         ),
@@ -320,6 +315,15 @@ def chaos(seed: int, *, faults: int = 5, max_nodes: int = 3, steps_between: int 
 
     Each fault is drawn among the kinds that are feasible at that point (a join only below
     ``max_nodes``, a leave or kill only above one node), so every seed gives a valid scenario.
+
+    Args:
+        seed: the random seed (also the training seed and the scenario's name, ``chaos-SEED``).
+        faults: how many faults to draw.
+        max_nodes: the most nodes at once; the drill starts with one.
+        steps_between: the least steps between two faults (up to 9 more are drawn).
+
+    Returns:
+        The scenario.
     """
     rng = random.Random(seed)
     live, drawn, step = 1, [], 8
@@ -334,8 +338,8 @@ def chaos(seed: int, *, faults: int = 5, max_nodes: int = 3, steps_between: int 
         live += {"join": 1, "leave": -1, "kill_node": -1}.get(kind, 0)
         step += steps_between + rng.randrange(0, 10)
     # In process (the default mode) the world trains on while a joiner's worker starts (imports
-    # torch: 16 s at load 5): slowed steps of 1.0 s, as in the presets with joins, keep a join drawn
-    # late inside training (with 0.25 s, chaos:7's last join came after the end at load 5).
+    # torch): slowed steps of 1.0 s, as in the presets with joins, keep a join drawn late inside
+    # training on a loaded machine.
     return Scenario(
         name=f"chaos-{seed}", description=f"random chaos, seed {seed}: " + ", ".join(f.kind for f in drawn),
         initial_nodes=1, max_nodes=max_nodes, steps=step + 20, step_delay=0.05, slow_delay=1.0,
@@ -344,7 +348,20 @@ def chaos(seed: int, *, faults: int = 5, max_nodes: int = 3, steps_between: int 
 
 
 def load_scenario(spec: str) -> Scenario:
-    """A preset name, ``chaos:SEED``, or a path to a ``.yaml``/``.yml``/``.json`` scenario file."""
+    """The scenario ``spec`` names.
+
+    A file's scenario is named after the file when it names none.
+
+    Args:
+        spec: a preset name, ``chaos:SEED``, or a path to a ``.yaml``/``.yml``/``.json`` scenario file.
+
+    Returns:
+        The validated scenario.
+
+    Raises:
+        ValueError: if ``spec`` is none of those, the file cannot be read or parsed, does not hold
+            a mapping, or does not validate (every problem named in one line).
+    """
     if spec in PRESETS:
         return PRESETS[spec]
     if spec.startswith("chaos"):

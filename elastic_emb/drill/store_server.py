@@ -1,9 +1,10 @@
 """``python -m elastic_emb.drill.store_server --host H --port P``: a rendezvous TCPStore host.
 
-The drill hosts the c10d rendezvous store in a process of its own (in the hub namespace when
-nodes are namespaces), so that killing any node, node 0 included, is a fair fault: with torch's
-embedded store the first agent hosts it, and its death ends the job. It serves until killed
-(bounded by ``--lifetime``, so a leaked server cannot outlive a test run by much).
+The drill hosts the rendezvous store in a process of its own (in the hub namespace when nodes
+are namespaces), so that any node, node 0 included, can be killed. It serves until killed, or
+for ``--lifetime`` seconds at most.
+
+Design: ``docs/DRILLS.md`` (section "The rendezvous store").
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from datetime import timedelta
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen, *, timeout: float, netns: str | None = None) -> None:
-    """Block until ``host:port`` accepts connections; raise naming the log if the server died."""
+    """Block until ``host:port`` accepts connections.
+
+    Args:
+        host: the server's address.
+        port: the server's port.
+        proc: the server process, watched so that its exit ends the wait.
+        timeout: seconds to wait at most.
+        netns: probe from inside this network namespace (``ip netns exec``); None probes from here.
+
+    Raises:
+        RuntimeError: if the server exits before it listens.
+        TimeoutError: if it does not listen within ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -37,6 +50,7 @@ def wait_listening(host: str, port: int, proc: subprocess.Popen, *, timeout: flo
 
 
 def main() -> None:
+    """Serve a TCPStore (the master, multi-tenant) on ``--host``/``--port`` until killed or ``--lifetime`` ends."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

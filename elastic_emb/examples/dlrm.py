@@ -1,39 +1,13 @@
 """A small DLRM-like TorchRec model, trained elastically with elastic_emb.
 
-Run it on every node (``pip install 'elastic-emb[torchrec]'`` first, README "TorchRec")::
+Three tables sharded row-wise by ``DistributedModelParallel`` and a tower replicated by DDP, in a
+:class:`~elastic_emb.adapters.torchrec.TorchRecContext`; the workload of the drill preset
+``torchrec`` (its tables equal :func:`drill_replay` bit for bit). Run it on every node::
 
     torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=elastic_emb \\
         --rdzv-endpoint=HOST:PORT --rdzv-id=dlrm examples/train_torchrec.py --steps 1000 --out runs/dlrm
 
-The model is what a TorchRec user writes: an ``EmbeddingBagCollection`` of three tables (``user``
-one id per sample, ``item`` a bag of 1-3 recently seen items, ``category`` one id), sharded
-row-wise by ``DistributedModelParallel`` with fbgemm's fused SGD; a dense tower (an MLP over the
-pooled rows, replicated by DDP) predicts a click; binary cross-entropy, the local batch's mean.
-:func:`build` makes the DMP for whatever world size the job has; the loop (:func:`main` runs
-:func:`~elastic_emb.examples.loop.run_elastic`, the recsys example's loop too) is the elastic part: :class:`~elastic_emb.adapters.torchrec.TorchRecContext` plus a
-:class:`~elastic_emb.lifecycle.manager.Lifecycle` that commits every step and, on a resize, builds a new
-DMP at the new size and moves every row (and the dense tower) across.
-
-This script is also the workload of the drill preset ``torchrec``, whose final tables must equal
-a single-process replay (:func:`drill_replay`) bit for bit, whatever world sizes it ran at:
-
-- The data is a pure function of ``(seed, step)``: a fixed global batch, rank ``r`` of ``W``
-  taking the ``r``-th contiguous slice (``batch`` must be divisible by every world size).
-- Gradient division: TorchRec divides the embeddings' gradients by ``W`` in the backward of its
-  output all-to-all (``torchrec.distributed.comm_ops.GRADIENT_DIVISION``, default True), and DDP
-  averages the tower's gradients over ``W``. Both are kept. Each rank's loss is the mean over its
-  ``B/W`` samples, so after either division the gradient is the global batch's mean, as in one
-  process.
-- Exactness: a hook on the pooled embeddings replaces each sample's gradient ``g`` with
-  ``W * q(g / W)``, ``q`` rounding onto the grid ``2**-GRAD_BITS``; TorchRec's division by ``W``
-  then yields exactly ``q(g / W)`` (an IEEE division whose true result is representable), the
-  quantised per-sample gradient of the global mean loss, the same number a single process
-  computes. Sums of such numbers are exact in any order, the learning rate is a power of two, so
-  the rows stay on a dyadic grid, and pooled sums of rows (added in a different order when rows
-  live on different ranks) are exact too. The tower runs in float64; its gradient (averaged by
-  DDP) is quantised the same way before the SGD step. What is left is float64 rounding that
-  depends on the batch shape (~1e-16 relative), 2**40 times finer than the grid: a value would
-  have to fall within that distance of a rounding boundary to differ.
+Design: ``docs/DRILLS.md`` (section "The TorchRec example").
 """
 
 from __future__ import annotations
@@ -70,10 +44,27 @@ class Config:
         return 2.0 ** self.lr_log2
 
     def rows(self, table: str) -> int:
+        """Rows of a table.
+
+        Args:
+            table: ``user``, ``item`` or ``category``.
+
+        Returns:
+            Its ``<table>_rows``.
+        """
         return getattr(self, f"{table}_rows")
 
 
 def quantise(t: torch.Tensor, bits: int = GRAD_BITS) -> torch.Tensor:
+    """Round onto the grid ``2**-bits`` (in float64), keeping ``t``'s dtype.
+
+    Args:
+        t: the values.
+        bits: the grid's binary digits after the point.
+
+    Returns:
+        The rounded values, in ``t``'s dtype.
+    """
     scale = float(2 ** bits)
     return torch.round(t.double() * scale).div(scale).to(t.dtype)
 
@@ -81,7 +72,13 @@ def quantise(t: torch.Tensor, bits: int = GRAD_BITS) -> torch.Tensor:
 # -- the model -------------------------------------------------------------------------------------
 
 class DLRM(torch.nn.Module):
-    """Pooled embeddings -> MLP (float64) -> click logit."""
+    """Pooled embeddings -> MLP (float64) -> click logit.
+
+    Args:
+        ebc: the ``EmbeddingBagCollection`` of the three tables.
+        cfg: the configuration (``dim``, ``hidden``).
+        world_size: the world size, for the gradient hook (``W * q(g / W)``).
+    """
 
     def __init__(self, ebc, cfg: Config, world_size: int) -> None:
         super().__init__()
@@ -92,6 +89,14 @@ class DLRM(torch.nn.Module):
             torch.nn.Linear(cfg.hidden, 1, dtype=torch.float64))
 
     def forward(self, kjt) -> torch.Tensor:
+        """The click logits of a batch.
+
+        Args:
+            kjt: the batch's ids (a ``KeyedJaggedTensor``, one key per table).
+
+        Returns:
+            One logit per sample (float64).
+        """
         pooled = self.ebc(kjt).values()
         if pooled.requires_grad:
             w = self.world_size
@@ -101,7 +106,20 @@ class DLRM(torch.nn.Module):
 
 
 def build(topology, env, device, cfg: Config):
-    """The DistributedModelParallel for one world size (called again at every resize)."""
+    """The DistributedModelParallel for one world size (called again at every resize).
+
+    Every table is sharded row-wise with fbgemm's fused exact SGD; the tables start on the meta
+    device (their values come from a restore or :func:`first_start`).
+
+    Args:
+        topology: the agreed topology (its world size).
+        env: TorchRec's ``ShardingEnv``.
+        device: the device of this rank.
+        cfg: the configuration.
+
+    Returns:
+        The ``DistributedModelParallel`` of a :class:`DLRM`.
+    """
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -122,7 +140,14 @@ def build(topology, env, device, cfg: Config):
 
 
 def init_rows(cfg: Config) -> dict[str, torch.Tensor]:
-    """Initial values of every table (and of the flattened tower), the same at every world size."""
+    """Initial values of every table (and of the flattened tower), the same at every world size.
+
+    Args:
+        cfg: the configuration (``seed``, sizes).
+
+    Returns:
+        ``{table: rows}`` and ``"dense"``: the tower's parameters, flat, on the grid ``2**-INIT_BITS``.
+    """
     g = torch.Generator().manual_seed(cfg.seed)
     out = {t: quantise(torch.rand(cfg.rows(t), cfg.dim, generator=g) - 0.5, INIT_BITS) for t in TABLES}
     tower = (len(TABLES) * cfg.dim + 1) * cfg.hidden + cfg.hidden + 1
@@ -131,7 +156,12 @@ def init_rows(cfg: Config) -> dict[str, torch.Tensor]:
 
 
 def first_start(ctx, cfg: Config) -> None:
-    """Write the initial values into a context that restored nothing."""
+    """Write the initial values into a context that restored nothing (collective).
+
+    Args:
+        ctx: the ``TorchRecContext``.
+        cfg: the configuration.
+    """
     from elastic_emb.adapters.torchrec import DENSE_DIM
 
     init = init_rows(cfg)
@@ -150,7 +180,16 @@ def first_start(ctx, cfg: Config) -> None:
 # -- data: a pure function of (seed, step) --------------------------------------------------------
 
 def global_batch(step: int, cfg: Config):
-    """Per table (lengths, ids) of the whole step, and the labels."""
+    """The whole step's samples, a function of seed and step.
+
+    Args:
+        step: the training step.
+        cfg: the configuration.
+
+    Returns:
+        ``({table: (lengths, ids)}, labels)``: ``user`` and ``category`` one id per sample, ``item``
+        a bag of 1 to 3 ids.
+    """
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     users = torch.randint(0, cfg.user_rows, (cfg.batch,), generator=g)
     item_len = torch.randint(1, 4, (cfg.batch,), generator=g)
@@ -162,6 +201,20 @@ def global_batch(step: int, cfg: Config):
 
 
 def local_batch(step: int, cfg: Config, rank: int, world_size: int):
+    """This rank's contiguous share of the step's samples.
+
+    Args:
+        step: the training step.
+        cfg: the configuration.
+        rank: the rank.
+        world_size: ranks in all.
+
+    Returns:
+        ``(KeyedJaggedTensor, labels)`` of ``cfg.batch // world_size`` samples.
+
+    Raises:
+        ValueError: if ``cfg.batch`` is not divisible by ``world_size``.
+    """
     from torchrec import KeyedJaggedTensor
 
     if cfg.batch % world_size:
@@ -182,7 +235,15 @@ def local_batch(step: int, cfg: Config, rank: int, world_size: int):
 
 def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
     """One step: forward, backward (fbgemm's fused SGD updates the rows), then the tower's SGD.
-    Returns the loss as a tensor: the loop reads it after the commit (no sync before it)."""
+
+    Args:
+        ctx: the ``TorchRecContext`` (its model is rebuilt at every resize).
+        step: the training step.
+        cfg: the configuration.
+
+    Returns:
+        The loss as a tensor: the loop reads it after the commit (no sync before it).
+    """
     t = ctx.topology
     kjt, labels = local_batch(step, cfg, t.rank, t.world_size)
     model = ctx.model  # a new DMP after every resize: read it each step
@@ -201,9 +262,20 @@ def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
 # -- the reference: the same steps in one process -------------------------------------------------
 
 def drill_replay(cfg: Config, last_step: int, *, on_step=None):
-    """Steps ``0..last_step`` on one process (world size 1). Returns (tables, history, initial):
-    the full tables, per table the rows each step changed with their new values, and the initial
-    tables (what :func:`elastic_emb.drill.replay.verify` needs)."""
+    """Steps ``0..last_step`` on one process (world size 1): the drill's reference for this workload.
+
+    Args:
+        cfg: the configuration the workers ran.
+        last_step: the last step to apply.
+        on_step: called as ``on_step(step, tables)`` after each step, and with step -1 before the first.
+
+    Returns:
+        ``(tables, history, initial)``: the full tables, per table the rows each step changed with
+        their new values, and the initial tables (what :func:`elastic_emb.drill.replay.verify` needs).
+
+    Raises:
+        RuntimeError: if a default process group exists (the replay forms a world of one).
+    """
     import torch.distributed as dist
 
     from elastic_emb.adapters.torchrec import TorchRecContext
@@ -240,11 +312,27 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
 # -- the elastic training loop (examples/loop.py) --------------------------------------------------
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
+    """Parse the loop's options and the configuration's.
+
+    Args:
+        argv: the command line; default ``sys.argv[1:]``.
+
+    Returns:
+        The options and the configuration.
+    """
     args = loop_parser(__doc__.split("\n\n")[0], Config()).parse_args(argv)
     return args, Config(**{f: getattr(args, f) for f in asdict(Config())})
 
 
 def main(argv=None) -> int:
+    """Train with a ``TorchRecContext`` under :func:`~elastic_emb.examples.loop.run_elastic`.
+
+    Args:
+        argv: the command line; default ``sys.argv[1:]``.
+
+    Returns:
+        The process exit code of :func:`~elastic_emb.examples.loop.run_elastic`.
+    """
     from elastic_emb import configure_logging
     from elastic_emb.adapters.torchrec import TorchRecContext
 

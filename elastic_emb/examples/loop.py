@@ -1,27 +1,12 @@
 """The elastic training loop the examples share: start, step, commit, and stop stepping to drain.
 
-Both workloads (:mod:`elastic_emb.examples.recsys` over an ``EmbContext``,
-:mod:`elastic_emb.examples.dlrm` over a TorchRec model) run the same loop, :func:`run_elastic`;
-they differ only in the context factory and the step. It is the loop a user writes:
+- :func:`run_elastic`: the loop a user writes; the two workloads (:mod:`~elastic_emb.examples.recsys`,
+  :mod:`~elastic_emb.examples.dlrm`) differ only in the context factory and the step;
+- :func:`loop_parser`: its command-line options;
+- :class:`Progress`, :func:`write_final`, :func:`shard_checksums`: the progress lines and the final
+  rows that the drills' report and replay read.
 
-1. ``Lifecycle.start`` agrees on the topology, builds the context and restores the newest commit
-   (resharded when the world size changed); the watcher, when the job runs under
-   ``--rdzv-backend=elastic_emb``, reports membership changes while the loop steps.
-2. Each step runs and is committed (``Lifecycle.commit``). A step that fails because a peer went
-   away commits nothing: when the watcher confirms a membership change, the worker waits for the
-   agent's restart into the new world (free of ``--max-restarts``) instead of failing.
-3. When the lifecycle says the job is draining for a restart (a node waits to join), the worker
-   stops stepping and waits, bounded, for the agent's SIGTERM: everything up to the last step is
-   committed.
-4. With ``--rdzv-conf resize=in_process`` (:mod:`elastic_emb.inprocess.resize`) the worker re-forms in its
-   own process instead: at each step boundary ``resize.pending()`` says a member left or a
-   joiner is ready, and a step that failed because a peer died re-forms at once; a worker of a
-   joining node waits to be included (``InProcessResize.join``). After a re-form the world's
-   rank and size are ``lc.topology``: torchrun's ``RANK``/``WORLD_SIZE`` still name the first
-   generation (this loop reads nothing else).
-
-Every event goes to a per-process JSON-lines file (:class:`Progress`) that the drills' report and
-replay read; at the end each rank writes its rows (:func:`write_final`).
+Design: ``docs/DRILLS.md`` (section "The examples' loop").
 """
 
 from __future__ import annotations
@@ -46,7 +31,13 @@ commit, so that on a GPU the commit's host work overlaps the step's (README, com
 
 
 class Progress:
-    """Per-process JSON lines (``<out>/events/<node>-<pid>.jsonl``): what the drill's report reads."""
+    """Per-process JSON lines (``<out>/events/<node>-<pid>.jsonl``): what the drill's report reads.
+
+    The node is ``ELASTIC_EMB_NODE_ID`` (a drill names its simulated nodes), else ``node``.
+
+    Args:
+        out: the run's output directory.
+    """
 
     def __init__(self, out: Path) -> None:
         # The drill names its simulated nodes; otherwise the node id the rendezvous backend gives.
@@ -56,11 +47,24 @@ class Progress:
         self.node = node
 
     def write(self, event: str, **fields) -> None:
+        """Append one line: the event, the time, the node and the pid, and ``fields``.
+
+        Args:
+            event: the event's name (``start``, ``step``, ``resized``, ``final``, ...).
+            fields: more keys of the line (values that JSON cannot hold are written as strings).
+        """
         self.file.write(json.dumps({"event": event, "t": time.time(), "node": self.node, "pid": os.getpid(), **fields}, default=str) + "\n")
 
 
 def record(obj) -> dict:
-    """A lifecycle report (pydantic record, dataclass or dict) as JSON-able data."""
+    """A lifecycle report as JSON-able data.
+
+    Args:
+        obj: a pydantic record, a dataclass, a dict, None, or anything else.
+
+    Returns:
+        Its fields; ``{}`` for None; ``{"value": str(obj)}`` for anything else.
+    """
     if obj is None:
         return {}
     if hasattr(obj, "model_dump"):
@@ -71,8 +75,16 @@ def record(obj) -> dict:
 
 
 def write_final(lc, cfg, out: Path) -> Path:
-    """This rank's rows of every table, with the committed step they reflect (``cfg``: the
-    workload's config dataclass, written alongside)."""
+    """Write this rank's rows of every table, with the committed step they reflect, atomically.
+
+    Args:
+        lc: the lifecycle (its context's shards and topology, its step).
+        cfg: the workload's config dataclass, written alongside.
+        out: the run's output directory; the file goes under ``final/``.
+
+    Returns:
+        The file written (``final/gen<G>-w<W>-r<R>-<pid>.pt``).
+    """
     topo = lc.context.topology
     shards = {
         name: {"start": s.rows.start, "stop": s.rows.stop, "num_rows": lc.context.tables[name].num_rows,
@@ -89,10 +101,17 @@ def write_final(lc, cfg, out: Path) -> Path:
 
 
 def shard_checksums(ctx) -> dict:
-    """CRC32 of this rank's rows of each table: ``{table: [start, stop, crc32]}``.
+    """CRC32 of this rank's rows of each table.
 
     Written with every step's progress line (``--checksums``), so a run that diverges from the
-    reference replay is traced to the first step, table and row range where it did."""
+    reference replay is traced to the first step, table and row range where it did.
+
+    Args:
+        ctx: the context.
+
+    Returns:
+        ``{table: [start, stop, crc32]}`` (crc32 0 for a rank without rows).
+    """
     out = {}
     for name, s in ctx.export_shard().items():
         w = s.weight.detach().cpu().contiguous()
@@ -101,8 +120,15 @@ def shard_checksums(ctx) -> dict:
 
 
 def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
-    """The loop's command-line options, plus one integer option per field of the workload's
-    config dataclass ``cfg`` (its defaults)."""
+    """The loop's command-line options, plus one integer option per field of the workload's config.
+
+    Args:
+        description: the parser's description.
+        cfg: an instance of the workload's config dataclass; its values are the options' defaults.
+
+    Returns:
+        The parser.
+    """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="Train steps 0..steps-1 (global count, across restarts).")
     p.add_argument("--out", type=Path, required=True, help="Directory for progress lines and the final tables.")
@@ -147,17 +173,29 @@ def _pace(delay: float, resize) -> None:
 
 def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
                 on_first_start: Callable[[object], None] | None = None) -> int:
-    """Train steps ``lc.next_step .. args.steps - 1`` elastically (see the module docstring).
+    """Train steps ``lc.next_step .. args.steps - 1`` elastically, committing each step.
+
+    Starts (or, on a joining node in process, joins), steps and commits, re-forms in process or
+    waits for the agent's restart when the world changes, and writes the final rows at the end.
+    The steps are in ``docs/DRILLS.md`` (section "The examples' loop").
 
     Args:
         factory: builds the context for an agreed topology (``Lifecycle.start``'s factory).
         step_fn: one step (:data:`StepFn`).
-        args: the options of :func:`loop_parser`.
+        args: an ``argparse.Namespace`` of :func:`loop_parser`'s options: ``steps``, ``out``,
+            ``step_delay``, ``slow_file``, ``slow_delay``, ``checksums``, ``drain_timeout``.
         cfg: the workload's config dataclass (written into the final rows).
         on_first_start: called with the context when no commit exists yet (a fresh job).
 
-    Returns the process exit code: 0 when done, or drained / restarted for a new world; 3 when
-    the agent did not restart the worker within ``args.drain_timeout``."""
+    Returns:
+        The process exit code: 0 when done, drained or restarted for a new world, or when the job
+        completed before a joiner was included; 3 when the agent did not restart the worker within
+        ``args.drain_timeout``.
+
+    Raises:
+        Exception: a step's failure that no membership change explains, re-raised (restart mode),
+            or the re-form's ``ElasticEmbError`` when no departure explains it (in process).
+    """
     from elastic_emb import (
         InProcessResize,
         JobComplete,

@@ -1,41 +1,13 @@
 """A small but real recommendation model trained elastically with elastic_emb.
 
-It ships with the package, so it runs from an installed wheel as well as from a checkout. Run
-it the way a user would, on every node, either as a module::
+Hashed user and item ids look up rows of two sharded tables (``user``, ``item``); a dense tower,
+stored as a third table (``dense``), predicts a click. Its result equals a single-process replay
+bit for bit at any world size, so it doubles as the drills' workload. Run it on every node::
 
     torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=elastic_emb \\
         --rdzv-endpoint=HOST:PORT --rdzv-id=recsys -m elastic_emb.examples.recsys --steps 1000 --out runs/recsys
 
-or by its file path, which ``elastic-emb example-path`` prints (``torchrun ... "$(elastic-emb
-example-path)" --steps 1000 --out runs/recsys``). ``python -m elastic_emb.examples.recsys --help``
-lists its options.
-
-The model: hashed user and item ids look up rows of two sharded embedding tables (``user``,
-``item``); a dense tower (an MLP over the two concatenated rows) predicts a click; binary cross
-entropy; SGD. Nodes may join, leave or die at any time: the :class:`~elastic_emb.lifecycle.manager.Lifecycle`
-commits the tables after every step, rebuilds the context for each new world size and restores
-the newest commit, resharded. The loop (:func:`~elastic_emb.examples.loop.run_elastic`, shared
-with the TorchRec example) is all a user writes: start, step, commit, and stop stepping when the
-lifecycle says the job is draining for a restart.
-
-Why the numbers look the way they do (this script doubles as the drills' workload, whose result
-must equal a single-process replay *bit for bit* whatever world sizes it ran at):
-
-- The data is a pure function of ``(seed, step)``: a fixed GLOBAL batch per step, whatever the
-  world size; rank ``r`` of ``W`` takes the ``r``-th of ``W`` contiguous slices. So after any
-  sequence of committed steps the expected tables are computable by one process.
-- Float sums in a different order differ, and a different world size sums gradients in a
-  different order. So every per-sample gradient is quantised onto a dyadic grid (multiples of
-  ``2**-GRAD_BITS``, magnitude at most 1): sums of such numbers are exact in fp32 while they stay
-  below ``2**(24 - GRAD_BITS)``, hence equal in any order. The learning rate is a power of two, so
-  ``lr * grad`` is exact too, and each row sees one rounding per step, ``w - lr*G``, as in the
-  replay. The per-sample gradients are computed in float64 before quantisation, so a sample's
-  gradient does not depend on which other samples share its rank (different batch shapes may
-  round the last bits of a float64 differently; 2**-10 grid steps are far coarser).
-- The dense tower is replicated in spirit but stored as a third sharded table (``dense``: its
-  flattened parameters, ``DENSE_DIM`` per row) that every rank looks up in full. That puts it in
-  the same commit as the embeddings (one atomic snapshot, carried across resizes with them) and
-  makes its all-reduce the context's exact duplicate-id summation.
+Design: ``docs/DRILLS.md`` (section "The recsys example").
 """
 
 from __future__ import annotations
@@ -79,11 +51,24 @@ class Config:
         return -(-self.dense_params // DENSE_DIM)
 
     def check(self) -> None:
+        """Refuse a configuration whose gradient sums would not be exact in fp32.
+
+        Raises:
+            ValueError: if ``batch`` exceeds ``2**(23 - GRAD_BITS)``.
+        """
         if self.batch > 2 ** (24 - GRAD_BITS - 1):
             raise ValueError(f"batch={self.batch} too large for exact fp32 gradient sums; keep it <= {2 ** (23 - GRAD_BITS)}")
 
 
 def table_specs(cfg: Config):
+    """The model's tables: ``user``, ``item``, and ``dense`` (the tower's parameters, ``DENSE_DIM`` per row).
+
+    Args:
+        cfg: the configuration.
+
+    Returns:
+        Their ``TableSpec``s.
+    """
     from elastic_emb import TableSpec
 
     return [
@@ -94,6 +79,14 @@ def table_specs(cfg: Config):
 
 
 def optimizer_spec(cfg: Config):
+    """The optimizer of every table: plain SGD at ``cfg.lr``.
+
+    Args:
+        cfg: the configuration.
+
+    Returns:
+        The ``OptimizerSpec``.
+    """
     from elastic_emb import OptimizerSpec
 
     return OptimizerSpec(kind="sgd", lr=cfg.lr)
@@ -102,12 +95,28 @@ def optimizer_spec(cfg: Config):
 # -- data: a pure function of (seed, step) ------------------------------------------------------
 
 def hash_ids(raw: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Hash raw 31-bit ids to table rows (multiplicative hashing; fits in int64 exactly)."""
+    """Hash raw 31-bit ids to table rows (multiplicative hashing; fits in int64 exactly).
+
+    Args:
+        raw: int64 ids in ``[0, 2**31)``.
+        num_rows: rows of the table.
+
+    Returns:
+        Row numbers in ``[0, num_rows)``.
+    """
     return ((raw * 2654435761) % (2**31)) % num_rows
 
 
 def global_batch(step: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(user rows, item rows, labels) of the whole step, identical on every rank and in the replay."""
+    """The whole step's samples, identical on every rank and in the replay (a function of seed and step).
+
+    Args:
+        step: the training step.
+        cfg: the configuration (``seed``, ``batch``, table sizes).
+
+    Returns:
+        ``(user rows, item rows, labels)``, ``cfg.batch`` of each; items are skewed towards popular rows.
+    """
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     users = torch.randint(0, 2**31 - 1, (cfg.batch,), generator=g)
     # Popular items: a skewed draw, so some rows get many gradients per step (duplicate ids).
@@ -117,7 +126,16 @@ def global_batch(step: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def rank_slice(n: int, rank: int, world_size: int) -> slice:
-    """Rank ``rank``'s contiguous share of ``n`` samples (``torch.tensor_split`` bounds)."""
+    """Rank ``rank``'s contiguous share of ``n`` samples (``torch.tensor_split`` bounds).
+
+    Args:
+        n: samples in all.
+        rank: the rank.
+        world_size: ranks in all.
+
+    Returns:
+        The slice (empty when ``n < world_size`` leaves the rank none).
+    """
     q, r = divmod(n, world_size)
     start = rank * q + min(rank, r)
     return slice(start, start + q + (1 if rank < r else 0))
@@ -126,20 +144,47 @@ def rank_slice(n: int, rank: int, world_size: int) -> slice:
 # -- the model: per-sample gradients on a dyadic grid --------------------------------------------
 
 def quantise(t: torch.Tensor) -> torch.Tensor:
-    """Round onto the grid 2**-GRAD_BITS, clamp to [-1, 1], return fp32 (exact)."""
+    """Round onto the grid ``2**-GRAD_BITS`` and clamp to [-1, 1].
+
+    Args:
+        t: the values (float64).
+
+    Returns:
+        The quantised values as fp32 (exact).
+    """
     scale = float(2**GRAD_BITS)
     return (torch.round(t * scale).clamp_(-scale, scale) / scale).float()
 
 
 def unpack_dense(cfg: Config, dense: torch.Tensor):
-    """The tower's parameters (float64) from the rows of the ``dense`` table: w1, b1, w2, b2."""
+    """The tower's parameters from the rows of the ``dense`` table.
+
+    Args:
+        cfg: the configuration (``dim``, ``hidden``).
+        dense: the ``dense`` table's rows.
+
+    Returns:
+        ``(w1, b1, w2, b2)`` in float64: ``w1`` of shape ``(hidden, 2 * dim)``, ``b1`` and ``w2`` of
+        ``(hidden,)``, ``b2`` a scalar.
+    """
     p = dense.reshape(-1)[: cfg.dense_params].double()
     d, h = cfg.dim, cfg.hidden
     return p[: 2 * d * h].view(h, 2 * d), p[2 * d * h: 2 * d * h + h], p[2 * d * h + h: 2 * d * h + 2 * h], p[-1]
 
 
 def tower_loss(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss of the tower ``logit = w2 . relu(w1 [u; i] + b1) + b2`` (binary cross entropy)."""
+    """Per-sample loss of the tower ``logit = w2 . relu(w1 [u; i] + b1) + b2`` (binary cross entropy).
+
+    Args:
+        cfg: the configuration.
+        dense: the ``dense`` table's rows.
+        u: the samples' user rows.
+        i: the samples' item rows.
+        y: the labels (float64).
+
+    Returns:
+        One loss per sample (float64).
+    """
     w1, b1, w2, b2 = unpack_dense(cfg, dense)
     h = torch.relu(torch.cat([u, i], 1).double() @ w1.T + b1)
     return torch.nn.functional.binary_cross_entropy_with_logits(h @ w2 + b2, y, reduction="none")
@@ -150,8 +195,19 @@ def sample_gradients(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch
 
     The gradient of :func:`tower_loss`, written out (a two-layer MLP's backward pass is four
     lines) rather than taken with ``torch.func.vmap(grad(...))``: same values (the tests check
-    that they quantise identically), but 10x cheaper per step and without functorch's seconds
-    of warm-up on a worker's first step, which would show in every recovery time.
+    that they quantise identically), but cheaper per step and without functorch's warm-up on a
+    worker's first step, which would show in every recovery time.
+
+    Args:
+        cfg: the configuration.
+        dense: the ``dense`` table's rows.
+        u: the samples' user rows.
+        i: the samples' item rows.
+        y: the labels (float64).
+
+    Returns:
+        ``(loss sum, d dense [n, P], d user rows [n, dim], d item rows [n, dim])``, the gradients
+        quantised (:func:`quantise`).
     """
     w1, b1, w2, b2 = unpack_dense(cfg, dense)
     x = torch.cat([u, i], 1).double()
@@ -168,14 +224,31 @@ def sample_gradients(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch
 
 
 def dense_gradient_rows(cfg: Config, g_dense: torch.Tensor) -> torch.Tensor:
-    """Sum per-sample dense gradients (exact) and lay them out as rows of the ``dense`` table."""
+    """Sum per-sample dense gradients (exact) and lay them out as rows of the ``dense`` table.
+
+    Args:
+        cfg: the configuration.
+        g_dense: per-sample gradients of the tower's parameters, ``[n, P]``.
+
+    Returns:
+        The summed gradient, ``[dense_rows, DENSE_DIM]`` fp32 (zero past the last parameter).
+    """
     flat = torch.zeros(cfg.dense_rows * DENSE_DIM, dtype=torch.float32, device=g_dense.device)
     flat[: cfg.dense_params] = g_dense.sum(0)
     return flat.view(cfg.dense_rows, DENSE_DIM)
 
 
 def lookup_checksum(dense: torch.Tensor, u: torch.Tensor, i: torch.Tensor) -> int:
-    """CRC32 of the rows a step looked up (dense, user, item, in that order)."""
+    """CRC32 of the rows a step looked up.
+
+    Args:
+        dense: the ``dense`` rows.
+        u: the user rows.
+        i: the item rows.
+
+    Returns:
+        The CRC32 of their bytes, in that order.
+    """
     crc = 0
     for t in (dense, u, i):
         crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
@@ -185,7 +258,15 @@ def lookup_checksum(dense: torch.Tensor, u: torch.Tensor, i: torch.Tensor) -> in
 def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     """One step of this rank's slice; every rank calls every collective (possibly with no samples).
 
-    ``seen``, when given, receives ``lookup_crc``: the checksum of the rows this rank looked up."""
+    Args:
+        ctx: the context (``lookup`` and ``apply_gradients``).
+        step: the training step.
+        cfg: the configuration.
+        seen: when given, receives ``lookup_crc``: the checksum of the rows this rank looked up.
+
+    Returns:
+        The mean loss over this rank's samples (0 with none).
+    """
     rank, world = ctx.topology.rank, ctx.topology.world_size
     device = getattr(ctx, "device", None) or torch.device("cpu")  # cuda:LOCAL_RANK under nccl
     users, items, labels = global_batch(step, cfg)
@@ -207,6 +288,17 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
 # -- the elastic training loop (examples/loop.py) --------------------------------------------------
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
+    """Parse the loop's options and the configuration's.
+
+    Args:
+        argv: the command line; default ``sys.argv[1:]``.
+
+    Returns:
+        The options and the checked configuration.
+
+    Raises:
+        ValueError: if the batch is too large for exact sums (:meth:`Config.check`).
+    """
     args = loop_parser(__doc__.split("\n\n")[0], Config()).parse_args(argv)
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
     cfg.check()
@@ -214,6 +306,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
 
 
 def main(argv=None) -> int:
+    """Train with an ``EmbContext`` under :func:`~elastic_emb.examples.loop.run_elastic`.
+
+    Args:
+        argv: the command line; default ``sys.argv[1:]``.
+
+    Returns:
+        The process exit code of :func:`~elastic_emb.examples.loop.run_elastic`.
+    """
     from elastic_emb import EmbContext, configure_logging
 
     args, cfg = parse_args(argv)

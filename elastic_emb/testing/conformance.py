@@ -1,48 +1,12 @@
 """Conformance suite for :class:`elastic_emb.protocol.ShardedContext` implementations.
 
-Any context class can prove it keeps the contract the lifecycle relies on: describe it as a
-:class:`Target` (a factory and one collective of the context), then call :func:`run` with the
-target's import path. The suite starts ``world_size`` real processes (one per rank, a real
-TCPStore held by the calling process, the target's own communicator) and runs the checks below on
-every rank in the same order; a rank stops at its first failed check (later checks are collective
-and would wait for it), and :func:`run` raises :class:`ConformanceFailure` naming each failed check
-and rank with the reason.
+Describe a context class as a :class:`Target` and call :func:`run` with its import path: it starts
+``world_size`` real processes, runs the :data:`CHECKS` on every rank in order, and raises
+:class:`ConformanceFailure` naming each failed check and rank. Each rank is a process of
+``python -m elastic_emb.testing.conformance --target pkg.module:NAME --rank R --world-size W
+--ep-size E --port P --run-id ID``.
 
-The checks, in order:
-
-``members``       every member of the contract exists; ``reset`` takes ``(rank, world_size, *,
-                  topology, store)``, ``close`` takes ``(*, abort, wait)``.
-``state``         ``topology`` is the one given, ``tables`` maps names to ``TableSpec``, a new
-                  context is healthy and not closed, ``tracks_changes`` is a bool.
-``export``        one shard per table, exactly this rank's owned range over ``row_owners`` (empty on ranks without
-                  rows), weights ``(rows, dim)`` in the table's dtype, slots row-wise; the
-                  tensors are copies (changing them changes nothing in the context).
-``round_trip``    ``import_shard`` of integer-valued rows and slots, then ``export_shard``, gives
-                  them back bit for bit; a shard of other rows, or a missing table, is refused
-                  with ``ValueError``.
-``shard_views``   when offered (not None): the same ranges and shapes as ``export_shard``, and
-                  rows written into them (then ``mark_restored()``) are what ``export_shard``
-                  reads back.
-``changes``       ``tracks_changes`` False: ``take_changes`` raises ``NotImplementedError``;
-                  True: one bool mask per table of shape (local rows,), a fresh one per call;
-                  after ``import_shard`` every row is set, with nothing written none is, and
-                  (with the target's ``write``) exactly the rows written are.
-``reset_refuses`` ``reset`` to another world size raises ``WorldSizeChanged`` and to another
-                  ``ep_size`` raises ``ValueError``, both without communicating; the context stays
-                  healthy with its rows.
-``reset``         a same-size ``reset`` (collective, on a new generation) adopts the topology,
-                  keeps every row, and the target's collective works on the new communicator.
-``close``         ``close(wait=False)``: closed and not healthy; closing again (also with
-                  ``abort=True``) is a no-op; ``export_shard``/``import_shard`` then raise
-                  ``ContextClosed``.
-``failed_collective`` a fresh context; every rank but 0 aborts it (``close(abort=True)``) and rank
-                  0 runs the target's collective: it raises within the context's timeout, the
-                  context reports ``healthy`` False (still not closed), and ``close()`` returns.
-
-Command line (what :func:`run` starts per rank)::
-
-    python -m elastic_emb.testing.conformance --target pkg.module:NAME --rank R --world-size W \
-        --ep-size E --port P --run-id ID
+Design: ``docs/DRILLS.md`` (section "The conformance suite": what each check asserts).
 """
 
 from __future__ import annotations
@@ -68,8 +32,6 @@ CHECKS = ("members", "state", "export", "round_trip", "shard_views", "changes", 
           "failed_collective")
 
 
-@dataclass(frozen=True)
-
 class ConformanceFailure(ElasticEmbError, AssertionError):
     """A context failed checks of the conformance suite.
 
@@ -82,17 +44,22 @@ class ConformanceFailure(ElasticEmbError, AssertionError):
         super().__init__(message)
         self.failures = failures
 
+
+@dataclass(frozen=True)
 class Target:
     """A context implementation under test.
 
-    ``factory(topology, store)`` builds a context; build it with a collective timeout of a few
-    seconds, since the last check waits for a collective to fail. ``collective(context)`` runs
-    one collective operation of the context (every rank calls it at the same point), e.g. a
-    barrier or a lookup; it must mark the context unhealthy when it fails. ``write(context,
-    table, ids)`` (optional, for contexts that track changes) writes rows of ``table``: every
-    rank calls it at once with its own int64 global row ids, and the union is what was written
-    (e.g. ``apply_gradients`` with non-zero gradients). ``backend``: the topology's backend
-    (``gloo`` on the CPU)."""
+    Args:
+        factory: ``factory(topology, store)`` builds a context; build it with a collective timeout
+            of a few seconds, since the last check waits for a collective to fail.
+        collective: ``collective(context)`` runs one collective operation of the context (every
+            rank calls it at the same point), e.g. a barrier or a lookup; it must mark the context
+            unhealthy when it fails.
+        write: optional, for contexts that track changes: ``write(context, table, ids)`` writes
+            rows of ``table``; every rank calls it at once with its own int64 global row ids, and
+            the union is what was written (e.g. ``apply_gradients`` with non-zero gradients).
+        backend: the topology's backend (``gloo`` on the CPU).
+    """
 
     factory: Callable[[Topology, object], ShardedContext]
     collective: Callable[[ShardedContext], None]
@@ -115,9 +82,23 @@ class Report:
 
 def run(target: str, *, world_size: int = 2, ep_size: int | None = None, timeout: float = 180.0,
         env: Mapping[str, str] | None = None) -> Report:
-    """Run the suite on ``world_size`` processes for ``target`` (``"pkg.module:NAME"``, NAME a
-    :class:`Target` or a function returning one). The children import it with this process's
-    ``sys.path``. Raises :class:`ConformanceFailure` listing every failed check and rank."""
+    """Run the suite on ``world_size`` processes, one per rank, around a TCPStore this process holds.
+
+    Args:
+        target: ``"pkg.module:NAME"``, NAME a :class:`Target` or a function returning one; the
+            children import it with this process's ``sys.path``.
+        world_size: ranks, at least 2 (one collective must fail).
+        ep_size: the topology's EP size; default the largest power of two at most ``world_size``.
+        timeout: seconds for the whole suite; ranks still running then are killed.
+        env: the children's environment; default this process's.
+
+    Returns:
+        Which ranks passed each check, what each saw, and the seconds taken.
+
+    Raises:
+        ValueError: if ``world_size`` is below 2 or ``timeout`` is not positive.
+        ConformanceFailure: listing every failed check and rank (a rank that crashed or timed out too).
+    """
     import torch.distributed as dist
 
     if world_size < 2:
@@ -437,7 +418,18 @@ def _equal(a, b) -> bool:
 
 
 def load_target(ref: str) -> Target:
-    """``"pkg.module:NAME"`` -> the :class:`Target` (NAME may be a function returning one)."""
+    """Import the target ``ref`` names.
+
+    Args:
+        ref: ``"pkg.module:NAME"``, NAME a :class:`Target` or a function returning one.
+
+    Returns:
+        The target.
+
+    Raises:
+        ValueError: if ``ref`` is not of the form ``module:NAME``.
+        TypeError: if NAME is, or returns, something other than a :class:`Target`.
+    """
     module, _, name = ref.partition(":")
     if not module or not name:
         raise ValueError(f"target={ref!r}: use 'pkg.module:NAME'")
@@ -454,6 +446,15 @@ def _emit(check: str, ok: bool, note: str, since: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank of the suite: build the context, run every check in order, print one JSON line per check.
+
+    Args:
+        argv: the command line (``--target``, ``--rank``, ``--world-size``, ``--ep-size``,
+            ``--port``, ``--run-id``); default ``sys.argv``.
+
+    Returns:
+        0 when every check passed, 1 at the first that failed.
+    """
     p = argparse.ArgumentParser(prog="python -m elastic_emb.testing.conformance", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--rank", type=int, required=True)
@@ -493,7 +494,7 @@ if __name__ == "__main__":
     code = conformance.main()
     # The verdicts are written; leave without the interpreter's native teardown. After the
     # failed-collective check a communicator was aborted, and the threads some backends leave
-    # behind then (seen with TorchRec on gloo, rarely) abort the process at exit with
+    # behind then (TorchRec on gloo, for one) can abort the process at exit with
     # "terminate called without an active exception", which is not part of the contract.
     sys.stdout.flush()
     sys.stderr.flush()

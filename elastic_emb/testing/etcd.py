@@ -1,27 +1,12 @@
 """A real etcd for drills and tests: the rendezvous store that outlives every node.
 
-With torch's ``c10d`` rendezvous the store lives inside one torchrun agent (``is_host``): when
-that node dies the rendezvous dies with it. With ``--rdzv-conf inner=etcd-v3`` (or ``etcd-v2``)
-the elastic_emb backend keeps the rendezvous in etcd instead, so any node, the first one
-included, can be lost. On Kubernetes etcd runs as its own service (``deploy/components/etcd``,
-three members); on one machine (drills, tests) this module starts Debian's ``etcd`` (package
-``etcd-server``, 3.4) as child processes. It is test tooling, not part of the library at run time.
+Starts Debian's ``etcd`` (package ``etcd-server``) as child processes on loopback (test tooling):
 
-- :class:`EtcdServer`: one member on free loopback ports (client and peer), in a data directory
-  the caller owns, with the v2 API enabled (torch's ``etcd-v2`` and python-etcd speak v2; the v3
-  API and its JSON gateway are always on);
-- :class:`EtcdCluster`: ``size`` such members forming one cluster (stable member names
-  ``m0..m<size-1>``, every peer URL in ``--initial-cluster``), its client endpoint the
-  comma-separated member list ``inner=etcd-v3`` accepts; :meth:`EtcdCluster.leader` names the
-  member that leads, so a drill can kill the one whose loss costs an election;
-- ``start()`` waits for ``/health`` to report healthy, bounded by ``start_timeout``, and raises
-  naming the log file when etcd exits or never gets healthy; ``stop()`` sends SIGTERM, then
-  SIGKILL after ``stop_timeout``; ``kill()`` is the fault a drill injects (SIGKILL, data
-  directory kept) and ``start()`` again restarts it on the same ports with the same data, as a
-  restarted member would.
+- :class:`EtcdServer`: one member on free loopback ports, in a data directory the caller owns;
+- :class:`EtcdCluster`: ``size`` members forming one cluster; :meth:`EtcdCluster.leader` names its leader;
+- :func:`command`, :func:`wait_healthy`: for a caller that starts the process elsewhere.
 
-``command()`` is exposed separately so a caller that must start the process elsewhere (inside a
-network namespace, say) builds the same command line and uses :func:`wait_healthy`.
+Design: ``docs/DRILLS.md`` (section "The test etcd").
 """
 
 from __future__ import annotations
@@ -49,14 +34,33 @@ class EtcdUnavailable(ElasticEmbError, RuntimeError):
     """The etcd binary is not installed."""
 
 def etcd_binary() -> str | None:
+    """Where the etcd binary is.
+
+    Returns:
+        ``ELASTIC_EMB_ETCD`` when set, else ``etcd`` on PATH, else None.
+    """
     return config.load(None, "etcd").etcd or shutil.which("etcd")
 
 
 def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill",
             initial_cluster: str | None = None, tls: "TLSFiles | None" = None) -> list[str]:
-    """The etcd command line of one member listening on ``host`` only (a one-member cluster
-    unless ``initial_cluster`` names every member's ``name=peer URL``). With ``tls`` the client
-    port serves HTTPS and requires a client certificate signed by ``tls.ca``."""
+    """The etcd command line of one member listening on ``host`` only.
+
+    The v2 API is enabled (torch's ``etcd-v2`` and python-etcd speak v2); fsync is off (a test store).
+
+    Args:
+        binary: the etcd binary.
+        data_dir: the member's data directory.
+        host: the address to listen on (client and peer).
+        client_port: the client port.
+        peer_port: the peer port.
+        name: the member's name.
+        initial_cluster: every member's ``name=peer URL``, comma-separated; None for a one-member cluster.
+        tls: serve the client port over HTTPS, requiring a client certificate signed by ``tls.ca``.
+
+    Returns:
+        The argument list.
+    """
     client = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://{host}:{peer_port}"
     secure = [] if tls is None else ["--cert-file", str(tls.cert), "--key-file", str(tls.key),
@@ -81,13 +85,27 @@ class TLSFiles(NamedTuple):
     ca: Path
 
     def context(self) -> ssl.SSLContext:
+        """A client TLS context: trusts :attr:`ca` and presents :attr:`cert` and :attr:`key`.
+
+        Returns:
+            The SSL context.
+        """
         ctx = ssl.create_default_context(cafile=str(self.ca))
         ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
 
 
 def health(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
-    """Whether etcd at ``url`` answers ``/health`` with ``{"health": "true"}``."""
+    """Whether etcd at ``url`` answers ``/health`` with ``{"health": "true"}``.
+
+    Args:
+        url: the member's client URL.
+        timeout: seconds for the request.
+        context: the TLS context for an HTTPS URL.
+
+    Returns:
+        True when healthy; False on any error or other answer.
+    """
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout, context=context) as r:  # noqa: S310
             return r.status == 200 and json.loads(r.read() or b"{}").get("health") == "true"
@@ -97,7 +115,22 @@ def health(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None,
                  context: ssl.SSLContext | None = None) -> float:
-    """Block until etcd at ``url`` is healthy; return the seconds it took. Raises on exit or timeout."""
+    """Block until etcd at ``url`` is healthy.
+
+    Args:
+        url: the member's client URL.
+        proc: the etcd process, watched so that its exit ends the wait; None watches nothing.
+        timeout: seconds to wait at most.
+        log: the member's log file, quoted in the errors.
+        context: the TLS context for an HTTPS URL.
+
+    Returns:
+        The seconds it took.
+
+    Raises:
+        RuntimeError: if ``proc`` exits first (with the log's tail).
+        TimeoutError: if etcd is not healthy within ``timeout`` seconds.
+    """
     start = time.monotonic()
     deadline = start + timeout
     while time.monotonic() < deadline:
@@ -112,7 +145,23 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: P
 
 
 class EtcdServer:
-    """One etcd member on loopback. Use as a context manager, or start()/stop()."""
+    """One etcd member on loopback. Use as a context manager, or :meth:`start` / :meth:`stop`.
+
+    The client port is reserved (:func:`~elastic_emb.testing.ports.free_port`) until the process ends.
+
+    Args:
+        data_dir: the directory for the member's data and its log (``etcd.log``).
+        host: a loopback address to listen on.
+        start_timeout: seconds :meth:`start` waits for health.
+        stop_timeout: seconds :meth:`stop` waits after SIGTERM before SIGKILL.
+        name: the member's name.
+        peer_port: the peer port; default a free one.
+        initial_cluster: every member's ``name=peer URL`` (see :func:`command`).
+        tls: serve the client port over HTTPS with client certificates.
+
+    Raises:
+        ValueError: if ``host`` is not in 127.0.0.0/8.
+    """
 
     def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
                  stop_timeout: float = 5.0, name: str = "drill", peer_port: int | None = None,
@@ -151,7 +200,11 @@ class EtcdServer:
 
     def launch(self) -> None:
         """Start the process without waiting for it to be healthy (a cluster's members must all
-        be started before any of them can elect a leader)."""
+        be started before any of them can elect a leader). Does nothing while it runs.
+
+        Raises:
+            EtcdUnavailable: if the etcd binary is not installed.
+        """
         binary = etcd_binary()
         if binary is None:
             raise EtcdUnavailable(
@@ -169,6 +222,16 @@ class EtcdServer:
             )
 
     def start(self) -> "EtcdServer":
+        """Start the member (again on the same ports and data after :meth:`kill`) and wait until healthy.
+
+        Returns:
+            This server.
+
+        Raises:
+            EtcdUnavailable: if the etcd binary is not installed.
+            RuntimeError: if etcd exits before it is healthy (it is stopped).
+            TimeoutError: if it is not healthy within ``start_timeout`` (it is stopped).
+        """
         if self.running:
             return self
         self.launch()
@@ -187,6 +250,7 @@ class EtcdServer:
             self.proc.wait(self.stop_timeout)
 
     def stop(self) -> None:
+        """SIGTERM the member, then SIGKILL after ``stop_timeout``; the data directory stays."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -205,11 +269,21 @@ class EtcdServer:
 
 
 class EtcdCluster:
-    """``size`` etcd members on loopback forming one cluster (module docstring).
+    """``size`` etcd members on loopback forming one cluster, named ``m0`` to ``m<size-1>``.
 
     ``kill(member)`` SIGKILLs one member (default: the leader) and ``start()`` brings back every
     member that is down, on its ports and data; the others keep serving meanwhile (a quorum of
     ``size // 2 + 1`` survives the loss of ``(size - 1) // 2`` members).
+
+    Args:
+        data_dir: the directory holding one data directory per member (``m0``, ``m1``, ...).
+        size: members, 1 to 7.
+        host: a loopback address to listen on.
+        start_timeout: seconds :meth:`start` waits for every member's health, in all.
+        stop_timeout: seconds each member's stop waits after SIGTERM.
+
+    Raises:
+        ValueError: if ``size`` is not in 1..7.
     """
 
     def __init__(self, data_dir: str | Path, size: int = 3, *, host: str = "127.0.0.1", start_timeout: float = 30.0,
@@ -240,6 +314,16 @@ class EtcdCluster:
         return all(m.running for m in self.members)
 
     def start(self) -> "EtcdCluster":
+        """Launch every member that is down, then wait until each of them is healthy.
+
+        Returns:
+            This cluster.
+
+        Raises:
+            EtcdUnavailable: if the etcd binary is not installed.
+            RuntimeError: if a member exits before it is healthy (the cluster is stopped).
+            TimeoutError: if a member is not healthy within ``start_timeout`` (the cluster is stopped).
+        """
         start = time.monotonic()
         down = [m for m in self.members if not m.running]
         for m in down:
@@ -255,7 +339,14 @@ class EtcdCluster:
         return self
 
     def leader(self, timeout: float = 2.0) -> int | None:
-        """Index of the member that currently leads (None when no live member knows one)."""
+        """The member that currently leads, from the live members' v3 status.
+
+        Args:
+            timeout: seconds for each member's status request.
+
+        Returns:
+            Its index, or None when no live member knows a leader.
+        """
         ids = {}
         leader_id = None
         for i, m in enumerate(self.members):
@@ -272,7 +363,17 @@ class EtcdCluster:
         return ids.get(leader_id) if leader_id is not None else None
 
     def kill(self, member: int | None = None) -> int:
-        """SIGKILL one member (default: the leader, else member 0); returns its index."""
+        """SIGKILL one member; its data stays, and :meth:`start` brings it back.
+
+        Args:
+            member: the member's index; default the leader, else member 0.
+
+        Returns:
+            The index of the member killed.
+
+        Raises:
+            ValueError: if ``member`` is out of range.
+        """
         index = member if member is not None else self.leader()
         index = 0 if index is None else index
         if not 0 <= index < len(self.members):
@@ -282,6 +383,7 @@ class EtcdCluster:
         return index
 
     def stop(self) -> None:
+        """Stop every member (:meth:`EtcdServer.stop`)."""
         for m in self.members:
             m.stop()
 

@@ -22,12 +22,28 @@ ENV_FAULT = "ELASTIC_EMB_FAULT"
 
 
 def matches(spec: str, point: str, step: int | None) -> bool:
-    """Whether the fault ``spec`` (``<point>`` or ``<point>@<step>``) names this point (and step)."""
+    """Whether a fault spec names this point (and step).
+
+    Args:
+        spec: ``<point>`` or ``<point>@<step>``.
+        point: the point reached.
+        step: the step being committed, or None when the point has none.
+
+    Returns:
+        True when ``spec`` is ``point``, or ``point@step``.
+    """
     return spec == point or (step is not None and spec == f"{point}@{step}")
 
 
 def kill_at(spec: str) -> points.Hook:
-    """A hook that SIGKILLs this process at the point ``spec`` names."""
+    """A hook that SIGKILLs this process at the point ``spec`` names.
+
+    Args:
+        spec: ``<point>`` or ``<point>@<step>``.
+
+    Returns:
+        The hook, for :func:`elastic_emb.state.points.set_hook`.
+    """
 
     def hook(point: str, step: int | None) -> None:
         if matches(spec, point, step):
@@ -38,7 +54,14 @@ def kill_at(spec: str) -> points.Hook:
 
 
 def arm_from_env(env: Mapping[str, str] | None = None) -> str | None:
-    """Install a kill hook if ``ELASTIC_EMB_FAULT`` is set; returns the spec armed (or None)."""
+    """Install a kill hook if ``ELASTIC_EMB_FAULT`` is set.
+
+    Args:
+        env: the environment to read; default ``os.environ``.
+
+    Returns:
+        The spec armed, or None.
+    """
     spec = config.load(env, "fault").fault
     if spec:
         points.set_hook(kill_at(spec))

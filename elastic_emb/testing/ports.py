@@ -1,34 +1,13 @@
 """Free TCP ports that nothing else can take before their consumer binds them.
 
-The usual helper binds port 0, reads the number, closes the socket and hands the number on. It
-races: between the close and the consumer's bind, any socket on the machine may be given that
-port, another helper's bind to port 0 or the source port of an outgoing connection (gloo and
-the TCPStore clients open many). Tests and benchmark launchers saw EADDRINUSE from it.
+A reservation is a socket bound with ``SO_REUSEADDR`` to the wildcard address and never
+listening: while it is held the kernel gives the port to no other socket by chance, and a
+consumer that binds with ``SO_REUSEADDR`` (TCPStore, etcd) binds and listens beside it.
 
-:func:`reserve_port` keeps the socket instead: bound with ``SO_REUSEADDR`` to the wildcard
-address (``::`` dual-stack, else ``0.0.0.0``, so it overlaps every local address), never
-listening, until the reservation is released. Why that cannot race, on Linux:
+- :class:`PortReservation`, :func:`reserve_port`: a port held until released;
+- :func:`free_port`, :func:`free_ports`: a port, or a run of consecutive ports, held until :func:`release_ports`.
 
-* the kernel picks an ephemeral port (``bind`` to port 0, or the source port of ``connect``)
-  only among ports no overlapping socket is bound to: the bind search counts every bound socket
-  as a conflict, ``SO_REUSEADDR`` or not, and ``connect`` skips every port a ``bind`` claimed.
-  So while the reservation is held, no other socket gets the port by chance, on any address;
-* a consumer that binds with ``SO_REUSEADDR`` may share the port with sockets that do not
-  listen, so it binds and listens beside the reservation. TCPStore (torch sets the option on
-  its listening socket) and etcd (Go sets it on every listener) do; so does a second consumer
-  after the first one ended (a restarted store on the same port).
-
-A consumer that does not set ``SO_REUSEADDR`` cannot bind a reserved port: release the
-reservation first (and accept the race) or pass it the socket itself.
-
-:func:`free_port` is the one-call form: the number of a port reserved until
-:func:`release_ports` (the test suite calls it after every test) or the end of the process.
-:func:`free_ports` reserves a run of consecutive ports the same way, for a consumer that derives
-ports from a base (the metrics endpoints: agent ``P``, its workers ``P + 1 + local rank``). A
-port of the run after the first is bound by number, at first without ``SO_REUSEADDR``, so the
-bind fails (and another run is tried) when any socket holds it, another reservation included;
-the option is set once the port is ours, so its consumer binds beside it like any reserved port.
-tests/test_ports.py checks these properties against the kernel.
+Design: ``docs/DRILLS.md`` (section "Ports").
 """
 
 from __future__ import annotations
@@ -43,8 +22,14 @@ __all__ = ["PortReservation", "free_port", "free_ports", "release_ports", "reser
 class PortReservation:
     """A port held by a bound, non-listening socket until :meth:`release` (or ``with`` exit).
 
-    ``port``: 0 (the kernel picks a free one) or the number to reserve, which must be held by no
-    socket at all (else ``OSError``, EADDRINUSE)."""
+    Args:
+        port: 0 (the kernel picks a free one) or the number to reserve, which must be held by no
+            socket at all.
+
+    Raises:
+        OSError: EADDRINUSE if ``port`` is held by a socket; another error if no wildcard address
+            can be bound.
+    """
 
     def __init__(self, port: int = 0) -> None:
         self._sock: socket.socket | None = _bind_wildcard(port)
@@ -98,7 +83,11 @@ def _bind_wildcard(port: int = 0) -> socket.socket:
 
 
 def reserve_port() -> PortReservation:
-    """Reserve a free port (on every local address); the caller releases it (or uses ``with``)."""
+    """Reserve a free port (on every local address); the caller releases it (or uses ``with``).
+
+    Returns:
+        The reservation.
+    """
     return PortReservation()
 
 
@@ -107,7 +96,11 @@ _held_lock = threading.Lock()
 
 
 def free_port() -> int:
-    """A free port, reserved until :func:`release_ports` or the end of the process."""
+    """A free port, reserved until :func:`release_ports` or the end of the process.
+
+    Returns:
+        The port number.
+    """
     reservation = PortReservation()
     with _held_lock:
         _held.append(reservation)
@@ -115,7 +108,11 @@ def free_port() -> int:
 
 
 def release_ports() -> int:
-    """Release every port :func:`free_port` handed out; returns how many there were."""
+    """Release every port :func:`free_port` and :func:`free_ports` reserved (the test suite calls it after each test).
+
+    Returns:
+        How many reservations there were.
+    """
     with _held_lock:
         held, _held[:] = list(_held), []
     for reservation in held:
@@ -125,8 +122,20 @@ def release_ports() -> int:
 
 def free_ports(count: int, attempts: int = 100) -> int:
     """The first of ``count`` consecutive free ports, all reserved until :func:`release_ports` (or
-    the end of the process). Tries up to ``attempts`` runs (a run fails when one of its later ports
-    is taken)."""
+    the end of the process), for a consumer that derives ports from a base (the metrics endpoints).
+
+    Args:
+        count: how many consecutive ports.
+        attempts: how many runs to try (a run fails when one of its later ports is taken).
+
+    Returns:
+        The first port of the run.
+
+    Raises:
+        ValueError: if ``count`` is below 1.
+        OSError: EADDRINUSE if no run was free in ``attempts`` tries; another error if a port
+            cannot be bound at all.
+    """
     if count < 1:
         raise ValueError(f"count={count!r}: reserve at least one port")
     for _ in range(attempts):
