@@ -1,27 +1,12 @@
 """How a command-line failure reaches the user: one line, a documented exit code, no stack.
 
 Every ``elastic-emb`` command (and ``python -m elastic_emb.drill``) runs through
-:func:`run_command`. A failure the user can cause (a bad option, a scenario file that is not
-YAML, a path that does not exist, nothing listening at an endpoint) is raised as
-:class:`UserError` naming the input and the remedy, and printed as exactly one line on stderr::
+:func:`run_command`; a failure the user can cause is raised as :class:`UserError`, naming the
+input and the remedy. Exit codes: 0 ok, 1 negative verdict, 2 bad input or unreachable store,
+3 timed out, 70 internal error, 130 interrupted. ``--debug`` (or ``ELASTIC_EMB_DEBUG=1``) shows
+the stack instead.
 
-    elastic-emb rdzv-state: error: nothing listens at 127.0.0.1:29400 (--endpoint): ...
-
-Exit codes (documented in the README too):
-
-====  ==========================================================================================
-0     success (a drill: PASS, or the planted loss was caught for an ``expect_failure`` scenario)
-1     the command ran and its verdict is negative (a drill: FAIL)
-2     bad input: an option, a file, a path, an endpoint where nothing listens, a store that
-      cannot be reached (the line names which, and what to do)
-3     timed out waiting for the job (``drain``: the workers did not acknowledge in time)
-70    an internal error (a bug): the line says so; rerun with ``--debug`` for the stack
-130   interrupted (Ctrl-C)
-====  ==========================================================================================
-
-A stack trace (Python's, and torch's C++ frames) appears only with ``--debug`` or
-``ELASTIC_EMB_DEBUG=1``: without it, commands that talk to a store call :func:`quiet_torch`
-before torch is imported, and probe the endpoint with a plain socket first.
+Design: ``docs/LIFECYCLE.md`` (section "Errors and exit codes").
 """
 
 from __future__ import annotations
@@ -44,7 +29,12 @@ _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >
 
 
 class UserError(click.ClickException):
-    """A failure the user can fix: the message names the input at fault and the remedy."""
+    """A failure the user can fix: the message names the input at fault and the remedy.
+
+    Args:
+        message: the one-line message.
+        exit_code: the process's exit code (2, bad input, unless given).
+    """
 
     exit_code = EXIT_USAGE
 
@@ -56,7 +46,11 @@ class UserError(click.ClickException):
 
 
 def debug_enabled() -> bool:
-    """``ELASTIC_EMB_DEBUG`` (or ``--debug``, which sets it); a malformed value counts as off."""
+    """Whether stacks are shown: ``ELASTIC_EMB_DEBUG``, which ``--debug`` sets.
+
+    Returns:
+        True when debugging is on; a malformed value counts as off.
+    """
     from elastic_emb.config import load
     from elastic_emb.errors import ConfigError
 
@@ -78,7 +72,15 @@ def quiet_torch() -> None:
 
 
 def one_line(text: str, limit: int = 600) -> str:
-    """The text on one line (newlines folded), at most ``limit`` characters."""
+    """The text on one line (newlines folded), at most ``limit`` characters.
+
+    Args:
+        text: the text (anything ``str`` accepts).
+        limit: the most characters kept; a longer text ends with ``...``.
+
+    Returns:
+        The folded text.
+    """
     flat = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
@@ -89,7 +91,18 @@ def _say(prog: str, message: str) -> None:
 
 def run_command(command: click.Command, args: list[str] | None = None, prog_name: str | None = None,
                 **extra: Any) -> None:
-    """Run a click command or group; turn every failure into one line and an exit code."""
+    """Run a click command or group; turn every failure into one line and an exit code.
+
+    Args:
+        command: the click command or group.
+        args: the arguments; None takes ``sys.argv[1:]``.
+        prog_name: the program name in messages; None is ``elastic-emb``.
+        **extra: passed on to the command's ``main``.
+
+    Raises:
+        SystemExit: always, with the command's return value or the code of its failure (2 usage,
+            the :class:`UserError`'s code, 70 internal error, 130 interrupted).
+    """
     argv = list(sys.argv[1:] if args is None else args)
     if "--debug" in argv[: max(1, argv.index("--") if "--" in argv else len(argv))]:
         os.environ[DEBUG_ENV] = "1"

@@ -1,36 +1,12 @@
 """Drain on request: the client side of a Kubernetes ``preStop`` hook (``elastic-emb drain``).
 
-Before a pod is stopped (node drain, autoscaler scale-down, preemption with notice), kubelet runs
-the container's preStop hook and only then sends SIGTERM to torchrun. The hook asks the running
-workers to finish their step and commit, and returns once they acknowledged (or after a bounded
-timeout), so the departing node's rows are in a commit before its workers die.
+:func:`request_drain` asks the workers of the running round to stop after a committed step,
+through the backend's drain keys (``rdzv/keys.py``), and waits, bounded, for every worker's
+signed acknowledgement, so a departing node's rows are in a commit before its workers die.
+:class:`DrainTarget` says where the job's rendezvous is; :class:`DrainOutcome` what the drain
+ended with.
 
-The request travels through the rendezvous backend's own drain protocol (``rdzv/keys.py``, the
-wire contract, and ``watch.py``): a round-scoped ``drain`` key under
-:func:`elastic_emb.rdzv.keys.round_prefix`, which every worker's ``Watcher`` polls; the workers
-agree on a last step, commit it, and each writes its own signed acknowledgement; each watcher
-published the number of acknowledgements to expect as ``world_size`` (signed too). This module
-writes nothing else and reads only those keys (signing the request when the job has a secret,
-``rdzv/signing.py``), through the same :class:`elastic_emb.rdzv.reader.RendezvousReader` the
-workers use, so a change of key names there is caught by ``tests/test_deploy.py``, which runs
-this client against real watchers. The drain counts a rank only when its acknowledgement
-verifies and names that rank and the round (``rdzv/drain_acks.py``): a forged ``acks`` counter,
-even one equal to ``world_size``, cannot end it early. Both counts are read as untrusted input:
-a ``world_size`` without a valid signature, or either one outside ``[0, rdzv.keys.MAX_COUNT]``
-(a wrapped or foreign value), ends the drain with :class:`DrainError` naming the key and the
-value (both are checked before the request is written). A missing ``world_size`` is not taken
-as "no watchers" at first sight: a store writer may have deleted it (rank 0's watcher writes it
-back) or the round's watchers may be starting, so the drain looks again for
-``rdzv.drain_acks.NO_WATCHERS_GRACE`` seconds first.
-
-A drain is job-wide by nature: all ranks take part in every collective, so no rank can stop
-alone; "drain this node" means "let the whole world stop after the same committed step". After
-the acknowledgement the workers wait; torchrun's SIGTERM (sent by kubelet once this hook returns)
-then ends this pod, and the other agents start the next, smaller round.
-
-Where the hook finds the rendezvous: the same variables torchrun reads in the pod (``PET_*``, set
-by the templates or the training operator), or elastic_emb's own (``ELASTIC_EMB_RDZV_*``) when
-present; every value can be given on the command line instead.
+Design: ``docs/LIFECYCLE.md`` (section "The preStop drain client").
 """
 
 from __future__ import annotations
@@ -54,7 +30,7 @@ from elastic_emb.rdzv.signing import Signer, read_signed
 
 
 class DrainTarget(BaseModel):
-    """Where the running job's rendezvous is."""
+    """Where the running job's rendezvous is: the inner backend, its endpoint and the run id."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -65,8 +41,23 @@ class DrainTarget(BaseModel):
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, endpoint: str | None = None,
                  run_id: str | None = None, inner: str | None = None) -> "DrainTarget":
-        """Explicit values first, then elastic_emb's worker variables, then torchrun's ``PET_*``
-        ones (what a preStop hook sees in the pod)."""
+        """The target from explicit values first, then elastic_emb's variables, then torchrun's.
+
+        Args:
+            env: the environment to read; None reads ``os.environ``. ``PET_*`` are what a preStop
+                hook sees in the pod.
+            endpoint: the rendezvous ``HOST:PORT``, or None.
+            run_id: the run id, or None (else ``TORCHELASTIC_RUN_ID``, ``PET_RDZV_ID``, ``none``).
+            inner: the inner backend, or None (else ``ELASTIC_EMB_RDZV_BACKEND``, ``inner=`` in
+                ``PET_RDZV_CONF``, ``c10d``).
+
+        Returns:
+            The target.
+
+        Raises:
+            DrainError: no endpoint is known, or the inner backend is not supported.
+            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
+        """
         from elastic_emb.config import load
 
         env = os.environ if env is None else env
@@ -98,6 +89,7 @@ class DrainOutcome(BaseModel):
 
     @property
     def ok(self) -> bool:
+        """Whether the drain ended without a timeout."""
         return self.outcome != "timeout"
 
 
@@ -114,9 +106,22 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
                   connect_timeout: float = 5.0) -> DrainOutcome:
     """Ask the workers of the running round to stop after a committed step; wait for their acks.
 
-    Returns when every worker acknowledged, at once when there is no complete round or no worker
-    runs a watcher, and after ``timeout`` seconds otherwise (outcome ``timeout``). Raises
-    :class:`DrainError` when the rendezvous store cannot be reached within ``connect_timeout``.
+    Args:
+        target: where the job's rendezvous is.
+        timeout: seconds to wait for every acknowledgement.
+        poll: seconds between reads.
+        reason: why the drain is requested, recorded in the request.
+        connect_timeout: seconds to reach the rendezvous store.
+
+    Returns:
+        The outcome: ``acknowledged`` when every worker acknowledged, ``no_running_round`` at
+        once when there is no complete round, ``no_watchers`` when no worker published its count
+        within a short grace, ``timeout`` after ``timeout`` seconds otherwise.
+
+    Raises:
+        ValueError: ``timeout`` or ``poll`` is not positive.
+        DrainError: the rendezvous store cannot be reached within ``connect_timeout``, or a count
+            of the drain protocol read from it is foreign (unsigned, or out of range).
     """
     if timeout <= 0 or poll <= 0:
         raise ValueError(f"timeout={timeout!r} and poll={poll!r} must be > 0 seconds")

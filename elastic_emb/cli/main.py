@@ -1,14 +1,12 @@
-"""The ``elastic-emb`` command line.
+"""The ``elastic-emb`` command line: drills, the preStop drain, rendezvous and state inspection.
 
-Built on click: subcommands, typed options with their defaults in ``--help``, and errors that
-name the bad option, which argparse would make us write by hand. Every command runs through
-:func:`elastic_emb.cli.console.run_command`: a failure the user can cause ends in one line naming the
-input and the remedy, with the exit codes listed there (0 ok, 1 negative verdict, 2 bad input or
-unreachable endpoint, 3 timeout, 70 internal error); ``--debug`` (or ``ELASTIC_EMB_DEBUG=1``)
-shows the stack instead.
+Built on click. Every command runs through :func:`elastic_emb.cli.console.run_command`: a
+failure the user can cause ends in one line naming the input and the remedy, with a documented
+exit code; ``--debug`` (or ``ELASTIC_EMB_DEBUG=1``) shows the stack instead. The drill commands
+live in :mod:`elastic_emb.drill.command` (the drill package does not import this module); this
+group adds them.
 
-The drill commands live in :mod:`elastic_emb.drill.command` (the drill package does not import
-this module); this group adds them.
+Design: ``docs/LIFECYCLE.md`` (section "The command line").
 """
 
 from __future__ import annotations
@@ -34,7 +32,12 @@ def main(debug: bool) -> None:
     """Elastic lifecycle manager for sharded embedding tables under torchrun.
 
     Exit codes: 0 ok; 1 negative verdict (drill FAIL); 2 bad input or unreachable endpoint;
-    3 timed out (drain); 70 internal error (rerun with --debug)."""
+    3 timed out (drain); 70 internal error (rerun with --debug).
+    \f
+
+    Args:
+        debug: show stacks on errors (``run_command`` reads the flag before click does).
+    """
 
 
 main.add_command(drill_cmd)
@@ -51,8 +54,21 @@ def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int
 
     A short plain-socket probe before torch's TCPStore or etcd client is built: those retry for
     their whole timeout and fail with a long stack (TCPStore's carries C++ frames); this fails in
-    ``timeout`` seconds with the endpoint and the remedy named. An etcd-v3 member list
-    (``HOST:PORT,HOST:PORT``) passes when one member accepts."""
+    ``timeout`` seconds with the endpoint and the remedy named.
+
+    Args:
+        endpoint: ``HOST:PORT``, or an etcd member list ``HOST:PORT,HOST:PORT`` that passes when
+            one member accepts.
+        option: the option the endpoint came from, named in the message.
+        timeout: seconds a connection may take.
+
+    Returns:
+        ``(host, port)`` of the endpoint that accepted.
+
+    Raises:
+        UserError: the endpoint is malformed, its host does not resolve, nothing listens there,
+            or it is unreachable within ``timeout``.
+    """
     if "," in endpoint:
         errors = []
         for part in (p for p in endpoint.split(",") if p.strip()):
@@ -82,7 +98,16 @@ def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int
 @main.command("agree")
 @click.option("--timeout", type=float, default=60.0, help="Seconds to wait for every rank.")
 def agree_cmd(timeout: float) -> None:
-    """Worker: read the topology from torchrun's environment, agree with every rank, print it."""
+    """Worker: read the topology from torchrun's environment, agree with every rank, print it.
+    \f
+
+    Args:
+        timeout: seconds to wait for every rank.
+
+    Raises:
+        SystemExit: 2 when the topology is bad or the ranks do not agree (logged as
+            ``agreement_failed``).
+    """
     from elastic_emb.events import bind_topology, get_logger
     from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology, agree
@@ -102,7 +127,15 @@ def agree_cmd(timeout: float) -> None:
 @main.command("agree-demo")
 @click.option("--nproc", type=click.IntRange(1, 64), default=2, help="Local worker processes.")
 def agree_demo(nproc: int) -> None:
-    """Run the topology agreement across NPROC local processes under torchrun (loopback)."""
+    """Run the topology agreement across NPROC local processes under torchrun (loopback).
+    \f
+
+    Args:
+        nproc: local worker processes.
+
+    Raises:
+        SystemExit: always, with torchrun's exit code.
+    """
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_LOG_FORMAT="json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "elastic_emb.cli.main", "agree", "--timeout", "30"]
@@ -114,13 +147,14 @@ def agree_demo(nproc: int) -> None:
 def example_path() -> None:
     """Print the packaged example model's file path (a torchrun training script).
 
-    e.g. torchrun --standalone --nproc-per-node=2 "$(elastic-emb example-path)" --steps 50 --out runs/x"""
+    e.g. torchrun --standalone --nproc-per-node=2 "$(elastic-emb example-path)" --steps 50 --out runs/x
+    """
     from elastic_emb.examples import RECSYS
 
     click.echo(str(RECSYS))
 
 
-# -- deploy (issue 7): the Kubernetes preStop hook ---------------------------------------------
+# -- deploy: the Kubernetes preStop hook -------------------------------------------------------
 
 
 @main.command("rdzv-state")
@@ -132,7 +166,22 @@ def example_path() -> None:
 @click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
               help="Seconds to reach the rendezvous store.")
 def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: float, connect_timeout: float) -> None:
-    """Print torch's rendezvous state as JSON (decoded with elastic_emb's restricted unpickler)."""
+    """Print torch's rendezvous state as JSON (decoded with elastic_emb's restricted unpickler).
+    \f
+
+    Args:
+        endpoint: the rendezvous ``HOST:PORT``.
+        run_id: the rendezvous run id.
+        inner: the inner rendezvous backend.
+        count: reads to print.
+        interval: seconds between reads.
+        connect_timeout: seconds to reach the store.
+
+    Raises:
+        UserError: the endpoint is unreachable, the etcd-v2 client is missing, or the rendezvous
+            read failed.
+        SystemExit: when done, with the reader's exit code.
+    """
     quiet_torch()
     probe_endpoint(endpoint, "--endpoint", connect_timeout)
     if inner == "etcd-v2":
@@ -168,6 +217,18 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
     Meant as a pod's preStop hook: kubelet sends torchrun SIGTERM only after it returns. Prints
     the outcome as JSON; exit 0 when acknowledged (or nothing to drain), 3 on timeout, 2 when the
     rendezvous cannot be reached (one JSON log line, drain_failed, says why).
+    \f
+
+    Args:
+        timeout: seconds to wait for every worker's acknowledgement.
+        endpoint: the rendezvous ``HOST:PORT``, or None to read it from the environment.
+        run_id: the rendezvous run id, or None.
+        inner: the inner rendezvous backend, or None.
+        connect_timeout: seconds to reach the store.
+
+    Raises:
+        SystemExit: always: 0 acknowledged or nothing to drain, 3 timed out, 2 the rendezvous
+            cannot be reached or a drain count is foreign.
     """
     quiet_torch()
     from elastic_emb.cli.drain import DrainError, DrainTarget, request_drain
@@ -198,7 +259,18 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
 @click.option("--durable-dir", default=None, help="DCP root [default: ELASTIC_EMB_DURABLE_DIR, if set].")
 def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None) -> None:
     """List committed state (newest first): per commit, the nodes holding it, and the row ranges
-    missing from this host's view (empty: restorable from here). Reads manifests only."""
+    missing from this host's view (empty: restorable from here). Reads manifests only.
+    \f
+
+    Args:
+        state_dir: the snapshot root, or None for the configured one.
+        run_id: the run id, or None (``TORCHELASTIC_RUN_ID``, else ``none``).
+        durable_dir: the DCP root, or None for the configured one.
+
+    Raises:
+        UserError: a variable is malformed, or the state directory, the run or the durable
+            directory does not exist.
+    """
     from elastic_emb.state import inspect_state
 
     from elastic_emb.config import load

@@ -1,14 +1,12 @@
 """A store whose waits end as soon as a member of the generation is gone.
 
-In ``resize=in_process`` mode a survivor blocked in a store wait (a commit's exchange, an
-agreement, a gloo group forming) when its peer dies would otherwise wait out the store's full
-timeout before the in-process resize (``resize.py``) could re-form without that peer.
-:class:`InterruptibleStore` wraps the world's store and polls instead of blocking in the store's
-client; its ``interrupted`` callable, :class:`WaitGuard`, says "a member is gone" from the
-watcher's view (``watch.py``: a departure in the rendezvous state, a peer's failed collective)
-and, for a wait that lasts, from the members' liveness sockets (``rollcall.py``). A wait that
-ends this way raises :class:`~elastic_emb.errors._MemberGone`, which the lifecycle's caller turns
-into a re-form.
+:class:`InterruptibleStore` wraps the world's store and polls instead of blocking, asking its
+``interrupted`` callable between polls; :class:`WaitGuard` is that callable for the in-process
+resize (the watcher's view, then the members' liveness sockets); :func:`interruptible_store`
+wraps a first generation's store in ``resize=in_process`` mode. A wait that ends this way raises
+:class:`~elastic_emb.errors._MemberGone`, which the in-process resize turns into a re-form.
+
+Design: ``docs/RESIZE.md`` (section "The interruptible store").
 """
 
 from __future__ import annotations
@@ -31,6 +29,10 @@ class InterruptibleStore(ForwardingStore):
     the store's client, so a survivor never waits out a timeout for a peer that is gone.
     ``multi_get``/``multi_set`` are torch's defaults (a loop over ``get``/``set``), not the inner
     store's, so a ``multi_get`` waits interruptibly too.
+
+    Args:
+        inner: the store to wrap.
+        interrupted: called between polls; True ends the wait.
     """
 
     def __init__(self, inner, interrupted) -> None:
@@ -41,10 +43,32 @@ class InterruptibleStore(ForwardingStore):
     multi_set = dist.Store.multi_set
 
     def get(self, key):
+        """The value of ``key``, waiting (interruptibly) until it is set.
+
+        Args:
+            key: the key to read.
+
+        Returns:
+            The value, as the inner store returns it.
+
+        Raises:
+            _MemberGone: ``interrupted()`` said so while waiting.
+            TimeoutError: the key was not set within the inner store's timeout.
+        """
         self.wait([key])
         return self._inner.get(key)
 
     def wait(self, keys, timeout=None):
+        """Wait until every key of ``keys`` is set, polling, or until ``interrupted()``.
+
+        Args:
+            keys: the keys to wait for.
+            timeout: a ``timedelta``; None uses the inner store's timeout.
+
+        Raises:
+            _MemberGone: ``interrupted()`` said so: a member of this generation is gone.
+            TimeoutError: the keys were not all set within the timeout.
+        """
         limit = (timeout or self._inner.timeout).total_seconds()
         deadline = time.monotonic() + limit
         pause = 0.001
@@ -59,10 +83,16 @@ class InterruptibleStore(ForwardingStore):
 
 
 class WaitGuard:
-    """The ``interrupted`` callable of the in-process stores: the watcher's view (a member gone, a
-    peer's collective failed) and, once one wait has lasted ``PROBE_AFTER_S``, the members'
-    liveness sockets (``rollcall.Prober``): a SIGKILLed peer that a survivor waits on in the store
-    (a commit's exchange) fails no collective, and its heartbeat takes seconds to expire."""
+    """The ``interrupted`` callable of the in-process stores.
+
+    True when the watcher's view shows a member gone or a peer's collective failed, or, once one
+    wait has lasted ``PROBE_AFTER_S``, when a member's liveness socket refuses
+    (``rollcall.Prober``): a SIGKILLed peer that a survivor waits on in the store (a commit's
+    exchange) fails no collective, and its heartbeat takes seconds to expire.
+
+    Args:
+        watcher: the worker's :class:`~elastic_emb.watch.watcher.Watcher`.
+    """
 
     def __init__(self, watcher) -> None:
         self._watcher = watcher
@@ -82,8 +112,22 @@ class WaitGuard:
 
 
 def interruptible_store(store, watcher):
-    """``store`` with waits that end when ``watcher`` sees a member of the generation gone (for
-    ``Lifecycle.start(store=...)`` in ``resize=in_process`` mode; ``store`` itself otherwise)."""
+    """``store`` with waits that end when ``watcher`` sees a member of the generation gone.
+
+    Pass the result to ``Lifecycle.start(store=...)`` for the first generation; the generations
+    formed in process get such a store automatically.
+
+    Args:
+        store: the world's store.
+        watcher: the worker's watcher, or None.
+
+    Returns:
+        An :class:`InterruptibleStore` over ``store`` in ``resize=in_process`` mode with a
+        watcher; ``store`` itself otherwise.
+
+    Raises:
+        ConfigError: ``ELASTIC_EMB_RESIZE`` is malformed.
+    """
     if watcher is None or config.load(None, "resize").resize != "in_process":
         return store
     return InterruptibleStore(store, WaitGuard(watcher))

@@ -1,18 +1,11 @@
-"""The running workers' side of a node joining a world formed in process: the joiners'
-registrations and the plan that includes them.
+"""The running workers' side of a node joining a world formed in process.
 
-A new node's worker registers under the run's in-process root (a counter ``KEY_JOINERS`` and one
-signed key ``KEY_JOINER<n>`` per registration, ``resize.InProcessResize.join``) and waits to be
-included. The running workers must all re-form after the same step (a worker that re-formed alone
-would leave its peers blocked in a collective), so only the planner (the first member node's
-local rank 0) acts on a ready joiner: at a step boundary it publishes the next generation's plan,
-"include these joiners after step ``n``", signed, before it takes step ``n``; every other worker
-reads the plan at each boundary (``InProcessResize.pending``). :class:`JoinPlan` keeps what one
-worker has read: the registrations counted (a count read back from the store is untrusted: a
-foreign value is reported once and ignored), the joiners not yet in the world, the plan.
+:class:`JoinPlan` keeps what one running worker has read of the joiners' registrations and of
+the next generation's plan ("include these joiners after step ``n``"), which only the planner,
+the first member node's local rank 0, publishes, so that every worker re-forms after the same
+step. :func:`raise_generations` is the rule every writer of a new generation's keys follows first.
 
-:func:`raise_generations` is the rule every writer of a new generation's keys follows first (the
-plan here, the decision and the roll call in ``resize.py``).
+Design: ``docs/RESIZE.md`` (section "The join plan").
 """
 
 from __future__ import annotations
@@ -28,8 +21,14 @@ log = get_logger("elastic_emb.inprocess.resize")
 
 
 class JoinPlan:
-    """What one running worker knows of the joiners and of the next generation's plan (module
-    docstring). ``reader`` is the watcher's ``RendezvousReader`` (its store and run id)."""
+    """What one running worker knows of the joiners and of the next generation's plan.
+
+    ``joiners`` lists the registered joiners not yet in the world, in order.
+
+    Args:
+        reader: the watcher's ``RendezvousReader`` (its store and run id).
+        signer: signs and verifies the plan and the registrations.
+    """
 
     def __init__(self, reader, signer: Signer) -> None:
         self._reader = reader
@@ -41,10 +40,28 @@ class JoinPlan:
         self._plan: dict | None = None  # the next generation's plan to include joiners, once read
 
     def key(self, generation: int) -> str:
+        """The store key of a generation's join plan.
+
+        Args:
+            generation: the generation the plan forms.
+
+        Returns:
+            The key under the generation's in-process prefix.
+        """
         return inproc_prefix(self._reader.run_id, generation) + KEY_PLAN
 
     def read(self, generation: int) -> dict | None:
-        """The plan of ``generation`` (the next one), or None while there is none."""
+        """The join plan of ``generation``, read once and then kept.
+
+        Args:
+            generation: the next generation.
+
+        Returns:
+            The plan (``generation``, ``after_step``, ``joiners``), or None while there is none.
+
+        Raises:
+            ElasticEmbError: the signed value under the plan's key is not a plan of ``generation``.
+        """
         if self._plan is not None and self._plan["generation"] == generation:
             return self._plan
         key = self.key(generation)
@@ -59,7 +76,18 @@ class JoinPlan:
         return plan
 
     def publish(self, generation: int, after_step: int, joiners: list[str]) -> dict:
-        """The planner: include ``joiners`` in ``generation`` after ``after_step``."""
+        """The planner: publish (signed) that ``joiners`` join ``generation`` after ``after_step``.
+
+        The run's generation high-water mark is raised first (:func:`raise_generations`).
+
+        Args:
+            generation: the next generation.
+            after_step: the last step of the current generation.
+            joiners: the nodes to include, in order.
+
+        Returns:
+            The plan published.
+        """
         key = self.key(generation)
         plan = {"generation": generation, "after_step": after_step, "joiners": list(joiners)}
         raise_generations(self._reader.store, self._reader.run_id, plan["generation"])
@@ -70,8 +98,18 @@ class JoinPlan:
         return plan
 
     def ready(self, members: tuple[str, ...], present: set[str]) -> list[str]:
-        """The registered joiners, not ``members`` already, whose agent is a participant of the
-        rendezvous (in ``present``): they run."""
+        """The registered joiners that are ready to be included.
+
+        Reads the registrations counted since the last call; a foreign count is reported once and
+        ignored, and a registration counted but not written yet is read again next time.
+
+        Args:
+            members: the current generation's nodes (never joiners).
+            present: the nodes whose agents are participants of the rendezvous.
+
+        Returns:
+            The joiners, in registration order, that are not members and whose agent is present.
+        """
         store = self._reader.store
         root = inproc_root(self._reader.run_id)
         try:  # untrusted (a foreign count would make this loop run to it)
@@ -89,7 +127,7 @@ class JoinPlan:
             key = root + KEY_JOINER + str(index)
             if not store.check([key]):
                 # counted, not written yet (a joiner adds, then sets): read it at a later boundary,
-                # or the registration is lost and the joiner waits for nothing (seen under load)
+                # or the registration is lost and the joiner waits for nothing
                 unwritten.append(index)
                 continue
             value = read_signed(store, self._signer, key, log)
@@ -99,16 +137,30 @@ class JoinPlan:
         return [n for n in self.joiners if n in present]
 
     def included(self, nodes: tuple[str, ...]) -> None:
-        """A new generation of ``nodes`` formed: its joiners are in, its plan is spent."""
+        """A new generation formed: its joiners are in, its plan is spent.
+
+        Args:
+            nodes: the new generation's nodes.
+        """
         self.joiners = [n for n in self.joiners if n not in nodes]
         self._plan = None
 
 
 def raise_generations(store, run_id: str, generation: int) -> None:
-    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``
-    before writing any key of it: the agents start a torch round at ``round + mark``, so a round
-    after a fallback never reuses this generation (``rdzv/handler.py``). Two raisers at once may
-    overshoot; a higher mark only makes later generations larger, never equal."""
+    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``.
+
+    Call it before writing any key of that generation: the agents start a torch round at
+    ``round + mark``, so a round after a fallback never reuses this generation. Two raisers at
+    once may overshoot; a higher mark only makes later generations larger, never equal.
+
+    Args:
+        store: the rendezvous store.
+        run_id: the run.
+        generation: the generation about to be written.
+
+    Raises:
+        ValueError: the mark in the store is not a valid count (a foreign value).
+    """
     key = inproc_root(run_id) + KEY_GENERATIONS
     now = count_value(key, store.add(key, 0))
     if now < generation:

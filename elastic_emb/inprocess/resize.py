@@ -1,66 +1,13 @@
-"""In-process resize: the survivors of a membership change re-form the world inside the running
-workers, under stock torchrun (``--rdzv-backend=elastic_emb --rdzv-conf resize=in_process``).
+"""In-process resize: the survivors of a membership change re-form the world inside the running workers.
 
-Why: a restart costs every worker a new Python, a new ``import torch`` (seconds), a new CUDA
-context and new communicators before its first step. The lifecycle already knows how to destroy
-and rebuild its context in a live process (:meth:`Lifecycle.on_membership_change`); this module
-drives it from a real membership change.
+Under stock torchrun (``--rdzv-backend=elastic_emb --rdzv-conf resize=in_process``),
+:class:`InProcessResize` sees a departure or a planned join at a step boundary (or after a failed
+collective), has one decider publish the next generation's nodes, rebuilds through
+:meth:`Lifecycle.on_membership_change`, and asks the agents for a restart-mode round when the
+re-form fails. :meth:`InProcessResize.join` starts a worker whose node joins a running world.
+After a resize a worker's rank and world size are ``lifecycle.topology``'s, not torchrun's.
 
-Design (what holds today, what is planned: ``docs/RESIZE.md``):
-
-1. **The agents stay out of the way.** In ``resize=in_process`` mode the backend answers
-   ``num_nodes_waiting() == 0`` for a node that left or died (it still evicts the dead from
-   torch's state and writes the signed eviction marks), so torchrun does not restart the healthy
-   workers. A new node's agent joins the running round as one more participant and its workers
-   wait to be included (:meth:`InProcessResize.join`; the running side, registrations and the
-   plan that includes them: ``joiners.py``; ``docs/RESIZE.md``). A crashed worker's
-   agent leaves the round (a departure for the survivors), waits for their decision without it
-   and rejoins as a joiner (``rdzv/rejoin.py``). A peer in the wait list, a fallback, or a round
-   that moved on stay in restart mode.
-2. **Detect.** Each worker's :class:`~elastic_emb.watch.watcher.Watcher` polls torch's state; a member node
-   of the worker's generation missing from it (and not in the wait list: that one is restarting
-   after a worker crash, which stays restart mode) is a departure (:meth:`InProcessResize.pending`).
-   The worker checks at every step boundary, or at once when a collective failed (a peer died
-   mid-step): :meth:`InProcessResize.run` with ``failed=True`` then waits, bounded by
-   ``detect_timeout``, for the state to show who is gone; if nobody is, the failure was a real
-   one and is re-raised. Between collectives, local rank 0 of each node probes the next member
-   node's liveness sockets (``rollcall.watch_neighbour``); at its next step boundary a refusal
-   counts as a failed collective.
-3. **Decide.** One decider, the first surviving node's local rank 0 (the survivors' order is
-   the old generation's order), claims the decision with an atomic counter and publishes the new
-   generation's record under ``rdzv.keys.inproc_prefix(run_id, generation)``: the surviving
-   nodes in their old order (signed when the job has a secret). The others wait for it, bounded
-   by ``decide_timeout``. Rank rule: ``rank = node_index * local_world_size + local_rank``, so the
-   survivors keep their relative order. Generation: the old one plus one.
-4. **Rebuild.** Each worker builds its :class:`Topology` from the record and calls
-   ``lifecycle.on_membership_change(new, store=...)``: agree, close the old context (aborted,
-   since a peer is gone), construct the new one, restore (live rows from the survivors when their
-   context is healthy, the departed ranks' rows from the committed snapshots and replicas). The
-   new generation's store is the rendezvous store itself (a client with a longer timeout, keys
-   under ``elastic_emb/<run_id>/gen<N>``): the old world's store was hosted by the old rank 0,
-   which may be the node that left.
-   After a failed collective the old context is aborted first: the failed step may have
-   changed rows without a commit, so the restore takes the newest commit, never those rows.
-   A survivor blocked in a store wait (a commit's exchange, an agreement) when its peer dies
-   would wait out the full timeout: the world's store is wrapped in :class:`InterruptibleStore`
-   (``interruptible.py``),
-   whose waits end with :class:`_MemberGone` as soon as the watcher sees a member gone. Pass
-   :func:`interruptible_store` of the first generation's store to ``Lifecycle.start``; the
-   generations formed in process get one automatically.
-5. **Fallback.** Any failure of the re-form (no decision in time, the worker not in it, an error
-   while rebuilding) writes the signed ``inproc_fallback`` key of the running round; every agent
-   then restarts its workers as in restart mode (a membership restart, budget untouched), and
-   the ``resize_fallback`` event says why. The worker raises :class:`ResizeFallback`.
-
-Events: one ``lifecycle.resize`` per change with ``mode=in_process``, this worker's pid
-(unchanged: the point) and every phase: ``detect_s`` (the check that first saw the change, plus,
-after a failed collective, the wait for the rendezvous to show who left), ``drain_s`` (from seeing
-the change to the step boundary where this worker re-forms: the steps a join plan lets run
-first), ``decide_s``, then the lifecycle's ``teardown_s``, ``agreement_s``, ``construct_s``,
-``restore_s`` and ``first_step_s`` (the event is logged when the first step of the new world
-ends, at its ``commit``). Also one ``resize.in_process`` at the re-form itself: the nodes gone and
-joined, the new rank and world size, ``detect_s``, ``decide_s``, ``rebuild_s``. The truth of a worker's rank and world size after an in-process resize
-is ``lifecycle.topology``; torchrun's ``RANK``/``WORLD_SIZE`` go stale.
+Design: ``docs/RESIZE.md``.
 """
 
 from __future__ import annotations
@@ -74,7 +21,7 @@ from collections.abc import Mapping
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError, JobComplete, ResizeFallback
 from elastic_emb.events import get_logger
-from elastic_emb.inprocess.interruptible import (  # InterruptibleStore and interruptible_store: users import them from here
+from elastic_emb.inprocess.interruptible import (  # InterruptibleStore and interruptible_store: importable here too
     InterruptibleStore,
     WaitGuard,
     interruptible_store,
@@ -102,14 +49,44 @@ log = get_logger("elastic_emb.inprocess.resize")
 
 
 def rank_of(node_index: int, local_rank: int, local_world_size: int) -> int:
-    """The rank rule of an in-process re-form (module docstring): a node's workers take the ranks
-    of its place in the decided node list; the joiner, the survivors and the give-up on departed
-    nodes all count ranks this one way."""
+    """The rank rule of an in-process re-form: a node's workers take the ranks of its place in the list.
+
+    The joiner, the survivors and the give-up on departed nodes all count ranks this one way, so
+    the survivors keep their relative order.
+
+    Args:
+        node_index: the node's place in the decided node list.
+        local_rank: the worker's rank on its node.
+        local_world_size: workers per node.
+
+    Returns:
+        ``node_index * local_world_size + local_rank``.
+    """
     return node_index * local_world_size + local_rank
 
 
 class InProcessResize:
-    """Drives :meth:`Lifecycle.on_membership_change` from the watcher's view (module docstring)."""
+    """Drives :meth:`Lifecycle.on_membership_change` from the watcher's view of the rendezvous.
+
+    Enabled when ``ELASTIC_EMB_RESIZE`` is ``in_process`` and the watcher knows its node; then it
+    also listens on this worker's liveness socket, watches the roll call's failure flag, and (on
+    local rank 0) probes the next member node.
+
+    Args:
+        lifecycle: the worker's started :class:`~elastic_emb.lifecycle.manager.Lifecycle`.
+        watcher: the worker's started :class:`~elastic_emb.watch.watcher.Watcher`, or None.
+        env: the environment to read; None reads ``os.environ``.
+        detect_timeout: seconds to wait, after a failed collective, for a departure to show (and
+            for a member proven alive to answer the roll call).
+        decide_timeout: seconds to wait for the decider's record of the next generation.
+        store_timeout: the timeout of the new generations' store client.
+        rollcall_grace: seconds to wait for a member's roll-call answer when nothing is known of
+            it.
+
+    Raises:
+        ElasticEmbError: the worker's node is not in ``ELASTIC_EMB_MEMBERSHIP``.
+        ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
+    """
 
     def __init__(self, lifecycle, watcher, *, env: Mapping[str, str] | None = None, detect_timeout: float = 10.0,
                  decide_timeout: float = 10.0, store_timeout: float = 30.0, rollcall_grace: float = 0.5) -> None:
@@ -136,7 +113,7 @@ class InProcessResize:
             watcher.watch_failures(self._rollcall(lifecycle.topology.generation + 1).failed_key)
             watcher.on_failure = self._abort_context
             self._listen(lifecycle.topology, self.nodes)
-        # a dead next node found by its liveness socket (rollcall.watch_neighbour), this generation
+        # set when the neighbour probe (rollcall.watch_neighbour) finds the next node dead, this generation
         self.neighbour_dead = threading.Event()
         if self.enabled and lifecycle.topology.local_rank == 0:
             watch_neighbour(self, InProcessResize._probe_neighbour, log)
@@ -144,13 +121,31 @@ class InProcessResize:
     @classmethod
     def join(cls, factory, lifecycle_config, watcher, *, env: Mapping[str, str] | None = None,
              timeout: float = 60.0, store_timeout: float = 30.0):
-        """The start of a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``):
-        register as ready, wait (bounded) until the running workers' decision includes this node,
-        then start the lifecycle in that generation (agree, construct, restore together with the
-        running workers, which rebuild at the same time). Returns ``(lifecycle, resize)``.
-        Not included within ``timeout``: asks the agents for a restart-mode round and raises
-        :class:`ResizeFallback`. The job finished first (an agent marked it complete): raises
-        :class:`~elastic_emb.errors.JobComplete` (the worker has nothing to do; exit 0)."""
+        """Start a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``).
+
+        Registers as ready, waits (bounded) until the running workers' decision includes this
+        node, then starts the lifecycle in that generation: agree, construct and restore together
+        with the running workers, which rebuild at the same time.
+
+        Args:
+            factory: builds the context, as for :meth:`Lifecycle.start`.
+            lifecycle_config: the lifecycle's configuration, or None for the defaults.
+            watcher: this worker's watcher (its reader, node and store).
+            env: the environment to read; None reads ``os.environ``.
+            timeout: seconds to wait to be included.
+            store_timeout: the timeout of the new generation's store client.
+
+        Returns:
+            ``(lifecycle, resize)``: the started lifecycle and this worker's
+            :class:`InProcessResize`.
+
+        Raises:
+            ResizeFallback: not included within ``timeout``; the agents are asked for a
+                restart-mode round.
+            JobComplete: the job finished first (an agent marked it complete): the worker has
+                nothing to do and should exit 0.
+            Exception: what :meth:`Lifecycle.start` raises.
+        """
         from elastic_emb.lifecycle.manager import Lifecycle
 
         env = dict(os.environ if env is None else env)
@@ -206,17 +201,16 @@ class InProcessResize:
         return lc, resize
 
     def pending(self) -> bool:
-        """Whether a member node of this generation is gone from the rendezvous, or the joiners'
-        plan says to re-form now (check at every step boundary: one or two store reads).
+        """Whether to re-form at this step boundary (check at every one: one or two store reads).
 
-        A departure needs no agreement on the step: the departed peer fails everyone's next
-        collective. A joiner does: the running workers keep stepping together, so a worker that
-        re-formed on its own at a boundary where a peer did not yet see the joiner would leave
-        that peer blocked in a collective (seen with 2 -> 3). So only the decider acts on a ready
-        joiner: at the boundary before step ``n`` it publishes the plan "include these joiners
-        after step ``n``" and then takes step ``n``. Every other worker reads the plan at each
-        boundary; none can pass step ``n`` without it, because finishing step ``n``'s collective
-        needs the decider, which wrote the plan before it entered that step."""
+        A departure re-forms at once. A join re-forms only after the step the planner's published
+        plan names, so that every worker re-forms at the same boundary; the planner publishes
+        that plan here when joiners are ready (``docs/RESIZE.md``, section "The join plan").
+
+        Returns:
+            True when a member node of this generation is gone from the rendezvous, a collective
+            failed, or the join plan's step has been taken: call :meth:`run`.
+        """
         if not self.enabled:
             return False
         t0 = time.perf_counter()
@@ -229,8 +223,12 @@ class InProcessResize:
         return plan is not None and self.lc.step >= plan["after_step"]
 
     def departure_seen(self) -> bool:
-        """Whether this worker already knows a member is gone (the watcher's last view, a failed
-        collective, the neighbour probe): memory only, no store read."""
+        """Whether this worker already knows a member is gone; memory only, no store read.
+
+        Returns:
+            True when the watcher's last view lacks a member, a collective failed, or the
+            neighbour probe found the next node dead.
+        """
         return self.enabled and bool(self._gone() or self.watcher.failure_seen or self.neighbour_dead.is_set())
 
     def _current_plan(self, *, publish: bool) -> dict | None:
@@ -250,8 +248,14 @@ class InProcessResize:
             return None
 
     def planned(self) -> bool:
-        """A join plan for the next generation is published: its ``after_step`` is to be taken
-        (a worker that idles between steps takes it, then re-forms at ``pending()``)."""
+        """Whether a join plan for the next generation is published.
+
+        A worker that idles between steps then takes the plan's ``after_step`` and re-forms at
+        :meth:`pending`.
+
+        Returns:
+            True when the plan is published (False when in-process resize is off).
+        """
         return self.enabled and self._read_plan() is not None
 
     def _probe_neighbour(self) -> None:
@@ -275,8 +279,8 @@ class InProcessResize:
     def _abort_context(self) -> None:
         """The watcher's thread, when a peer's collective failed: abort this worker's
         communicator, so a collective it may be blocked in (a dead peer's connection that gloo
-        does not see closed) fails now, not at its timeout (seen: 10 s under load); the commit in
-        flight's store waits end too (``Lifecycle.interrupt``)."""
+        does not see closed) fails now, not at its timeout; the commit in flight's store waits
+        end too (``Lifecycle.interrupt``)."""
         ctx = self.lc.context
         if ctx is not None and not ctx.closed:
             try:
@@ -316,11 +320,16 @@ class InProcessResize:
                            patience=self.detect_timeout)
 
     def join_due(self) -> bool:
-        """At the end of training: whether a join plan asks to re-form after the step just taken
-        (the planner published it at the boundary before the last step, so every worker saw it
-        before that step's collective). Without this re-form the joiner would wait to be included
+        """At the end of training: whether a join plan asks to re-form after the step just taken.
+
+        The planner published it at the boundary before the last step, so every worker saw it
+        before that step's collective; without this re-form the joiner would wait to be included
         by a world that has finished. Departures are not acted on here: with no collective left,
-        the workers could disagree on them."""
+        the workers could disagree on them.
+
+        Returns:
+            True when the worker should call :meth:`run` once more.
+        """
         if not self.enabled:
             return False
         plan = self._current_plan(publish=False)
@@ -350,18 +359,27 @@ class InProcessResize:
         return tuple(n for n in self.nodes if n not in view.nodes and n not in view.wait_list)
 
     def run(self, *, failed: bool = False, rebuild: bool = False):
-        """Re-form the world without the departed nodes (and with the planned joiners); returns
-        the lifecycle's ResizeEvent (its ``first_step_s`` comes with the next ``commit``).
+        """Re-form the world without the departed nodes and with the planned joiners.
 
-        ``failed``: a collective raised (or a peer's did: ``Watcher.failure_seen``); the old
-        communicator is aborted and the members answer a roll call (``rollcall.py``): a node whose
-        worker's liveness socket refuses is gone at once, without waiting for its heartbeat to
-        expire; one proven alive is waited for up to ``detect_timeout``, one unknown up to
-        ``rollcall_grace``. If every member answers, wait (bounded by ``detect_timeout``) for the
-        rendezvous to show a departure, and raise :class:`ElasticEmbError` if none shows (a real
-        failure, not a resize).
-        ``rebuild``: construct a fresh context even when the sizes stay (``bench/resize_gpu.py``:
-        world size 1 rebuilt)."""
+        Args:
+            failed: a collective raised (a peer's failure, ``Watcher.failure_seen``, and a dead
+                neighbour count too): the old communicator is aborted and the members answer a
+                roll call; a node whose worker's liveness socket refuses is gone at once, one
+                proven alive is waited for up to ``detect_timeout``, one unknown up to
+                ``rollcall_grace``. If every member answers, the rendezvous is watched (bounded by
+                ``detect_timeout``) for a departure.
+            rebuild: construct a fresh context even when the sizes stay.
+
+        Returns:
+            The lifecycle's :class:`~elastic_emb.lifecycle.records.ResizeEvent` (its
+            ``first_step_s`` comes with the next ``commit``).
+
+        Raises:
+            ElasticEmbError: in-process resize is off, or a collective failed and no member left
+                within ``detect_timeout`` (a real failure, not a resize).
+            ResizeFallback: the re-form failed (no decision in time, this worker not in it, an
+                error while rebuilding); the agents are asked for a restart-mode round.
+        """
         if not self.enabled:
             raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
         t0 = time.perf_counter()

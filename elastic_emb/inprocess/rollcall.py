@@ -1,49 +1,12 @@
 """Roll call after a failed collective: which member nodes of a generation still answer.
 
-Why: a collective fails at once when a peer's process dies (its TCP connections reset), but the
-rendezvous learns of a SIGKILLed node only when its heartbeat expires (``keep_alive_interval x
-keep_alive_max_attempt``, seconds). Waiting for that made an in-process re-form after a node kill
-take the expiry plus the re-form. The survivors know much sooner: each of them saw its own
-collective fail, and a live process can say so.
+The rendezvous learns of a SIGKILLed node only when its heartbeat expires; the survivors know
+sooner. :class:`RollCall`: the survivors flag the failure and answer with signed marks, and
+:meth:`RollCall.absent` says which member nodes did not. :class:`Prober`: each worker's liveness
+socket, whose refused connection proves a worker dead. :func:`watch_neighbour`: local rank 0 of
+each node probes the next member node between collectives.
 
-Protocol (keys under ``rdzv.keys.inproc_prefix(run_id, generation)``, the generation being
-formed; the caller raises the run's generation high-water mark first, ``resize.py``):
-
-1. A worker whose collective failed (or that saw another worker's call, below) sets the
-   ``failed`` flag and its own signed ``alive/<node>/<local rank>`` mark.
-2. Every other worker's watcher reads the flag at its next poll (``Watcher.watch_failures``):
-   a worker blocked in a store wait (a commit's exchange with the dead peer) is interrupted, a
-   worker at a step boundary re-forms at once; a worker blocked in a collective fails as soon as
-   the first survivor aborts its communicator (``InProcessResize.run`` aborts before the call).
-3. :meth:`RollCall.absent` waits until every member node either has all ``local_world_size``
-   marks, is gone from the rendezvous state, or is proven dead (below); a node still unmarked
-   is waited for ``patience`` seconds while its workers are proven alive, ``grace`` seconds when
-   nothing is known of it, and then taken as dead. A node with a local worker missing is absent
-   as a whole: its agent restarts it (rejoin or restart mode), never half a node.
-
-Between collectives nothing fails: idle workers (or a node killed while the others sleep
-between steps) would learn of a dead node only at its heartbeat expiry. So local rank 0 of each
-member node probes the workers of the *next* member node (in the generation's order, wrapping)
-every ``NEIGHBOUR_EVERY_S`` (:func:`watch_neighbour`, one connection per worker probed: every
-node is watched by one other, not by all); at that worker's next step boundary a refusal counts
-as a failed collective, and the roll call follows (its flag brings in the others). Not before:
-a peer that finished training and exited refuses too. Two adjacent nodes lost at once: the
-second is still found by the roll call's own probes or its heartbeat.
-
-Faster and certain where it applies: every worker listens on a TCP socket of its own
-(:class:`Prober`, its address signed under the prefix of each generation it is in, so a
-crashed worker's stale address is never probed in a later one) that it never closes while it lives. A
-connection refused there means no process holds the port: that worker is dead (its host up, as
-after a SIGKILL). The roll call takes such a node as absent at once, and a survivor blocked in a
-store wait for a peer (a commit's exchange: no collective fails there) probes the members once
-the wait has lasted ``PROBE_AFTER_S``, so a node killed then is found without its heartbeat
-expiring. A probe accepted proves the worker alive (the kernel accepts for a busy or starved
-process too: the roll call waits for its answer); timed out or unreachable proves nothing.
-
-The trade-off, stated: a worker that cannot answer within ``patience`` (proven alive: hung) or
-``grace`` (unknown: no socket reachable) is taken for dead; it then finds itself outside the
-decision and asks for a restart (``resize_fallback``): slower, never wrong. Nobody answers for nobody: a mark is
-signed with the job's secret when it has one.
+Design: ``docs/RESIZE.md`` (section "The roll call").
 """
 
 from __future__ import annotations
@@ -67,17 +30,35 @@ NEIGHBOUR_EVERY_S = 0.1  # local rank 0 of each node probes the next node's work
 
 
 def next_node(members: tuple[str, ...], me: str) -> tuple[str, ...]:
-    """The member node after ``me`` in the generation's order (wrapping), as a 1-tuple; empty
-    when ``me`` is not a member or is the only one."""
+    """The member node after ``me`` in the generation's order, wrapping.
+
+    Args:
+        members: the generation's nodes, in order.
+        me: this worker's node.
+
+    Returns:
+        A 1-tuple of the next node; empty when ``me`` is not a member or is the only one.
+    """
     if me not in members or len(members) < 2:
         return ()
     return (members[(members.index(me) + 1) % len(members)],)
 
 
 def watch_neighbour(owner, tick: Callable[[object], None], log, every: float = NEIGHBOUR_EVERY_S) -> threading.Thread:
-    """Call ``tick(owner)`` every ``every`` seconds in a daemon thread for as long as ``owner``
-    lives (held by a weak reference: the thread ends once ``owner`` is collected). An error of one
-    tick is reported once per kind and the next tick runs."""
+    """Call ``tick(owner)`` every ``every`` seconds in a daemon thread for as long as ``owner`` lives.
+
+    The thread holds ``owner`` by a weak reference and ends once it is collected, or when the
+    process starts to exit. An error of one tick is logged once per kind and the next tick runs.
+
+    Args:
+        owner: the object the ticks are for.
+        tick: called with ``owner`` at each tick.
+        log: the logger for a failed tick.
+        every: seconds between ticks.
+
+    Returns:
+        The started thread.
+    """
     ref = weakref.ref(owner)
     del owner
 
@@ -103,7 +84,18 @@ def watch_neighbour(owner, tick: Callable[[object], None], log, every: float = N
 
 
 class RollCall:
-    """The roll call of the re-form into ``generation`` (see the module docstring)."""
+    """The roll call of the re-form into ``generation``: who of the previous one still answers.
+
+    Its keys live under ``inproc_prefix(run_id, generation)``; the caller raises the run's
+    generation high-water mark before any of them is written.
+
+    Args:
+        store: the rendezvous store.
+        run_id: the run.
+        generation: the generation being formed.
+        signer: signs the answers (when the job has a secret) and verifies them.
+        log: the logger for rejected marks.
+    """
 
     def __init__(self, store, run_id: str, generation: int, signer: Signer, log) -> None:
         self._store = store
@@ -113,6 +105,7 @@ class RollCall:
 
     @property
     def failed_key(self) -> str:
+        """The key of the failure flag that every member's watcher reads."""
         return self._prefix + KEY_FAILED
 
     def _mark(self, node: str, local_rank: int) -> str:
@@ -123,15 +116,26 @@ class RollCall:
         self._store.set(self.failed_key, b"1")
 
     def answer(self, node: str, local_rank: int) -> None:
-        """This worker is alive and re-forming: flag the failure for the others, then answer."""
+        """This worker is alive and re-forming: flag the failure for the others, then answer.
+
+        Args:
+            node: this worker's node.
+            local_rank: this worker's rank on its node.
+        """
         self.flag()
         self.present(node, local_rank)
 
     def present(self, node: str, local_rank: int) -> None:
-        """Answer without flagging: a worker that re-forms for a departure it saw in the
-        rendezvous (no collective failed) while another member may hold a roll call for the same
-        change (its neighbour probe found the departed worker dead first), which would otherwise
-        wait ``patience`` for this live worker's answer."""
+        """Answer without flagging the failure.
+
+        For a worker that re-forms for a departure it saw in the rendezvous (no collective
+        failed) while another member may hold a roll call for the same change, which would
+        otherwise wait ``patience`` for this live worker's answer.
+
+        Args:
+            node: this worker's node.
+            local_rank: this worker's rank on its node.
+        """
         key = self._mark(node, local_rank)
         self._store.set(key, self._signer.sign(key, node))
 
@@ -145,11 +149,25 @@ class RollCall:
 
     def absent(self, nodes: Iterable[str], local_world_size: int, gone: Callable[[], Iterable[str]], grace: float,
                prober: "Prober | None" = None, patience: float = 10.0, poll: float = 0.005) -> tuple[str, ...]:
-        """The nodes of ``nodes`` that are gone from the rendezvous (``gone()``) or did not answer,
-        in ``nodes``' order. A node that has not answered is waited for: not at all once a worker
-        of it refuses the ``prober``'s connection (dead), up to ``patience`` seconds while its
-        sockets accept (alive, busy: a long step or commit), up to ``grace`` seconds when nothing
-        is known of it (no prober, no address, no connection)."""
+        """The member nodes that are gone or did not answer the roll call.
+
+        A node that has not answered is waited for: not at all once a worker of it refuses the
+        ``prober``'s connection (dead), up to ``patience`` seconds while its sockets accept
+        (alive, busy: a long step or commit), up to ``grace`` seconds when nothing is known of it
+        (no prober, no address, no connection). A node answers only when all its workers have.
+
+        Args:
+            nodes: the generation's member nodes, in order.
+            local_world_size: workers per node.
+            gone: returns the nodes gone from the rendezvous state.
+            grace: seconds to wait for a node nothing is known of.
+            prober: the liveness prober, or None.
+            patience: seconds to wait for a node proven alive.
+            poll: seconds between looks.
+
+        Returns:
+            The absent nodes, in ``nodes``' order.
+        """
         nodes = tuple(nodes)
         start = time.monotonic()
         answered: set[str] = set()
@@ -175,10 +193,21 @@ class RollCall:
 
 
 class Prober:
-    """Kernel-level liveness of the workers of one run (module docstring): :meth:`listen` opens
-    this worker's socket, :meth:`enter` publishes its address for a generation and probes that
-    generation's members from then on; :meth:`dead` probes. ``found`` holds the members the last
-    probe of a store wait found dead (cleared by :meth:`enter`)."""
+    """Kernel-level liveness of the workers of one run, through a TCP socket per worker.
+
+    :meth:`listen` opens this worker's socket, :meth:`enter` publishes its address for a
+    generation and probes that generation's members from then on; :meth:`status` and :meth:`dead`
+    probe. A refused connection proves a worker dead; an accepted one proves it alive; a timeout
+    proves nothing. ``found`` holds the members the last probe of a store wait found dead
+    (cleared by :meth:`enter`).
+
+    Args:
+        store: the rendezvous store, where the addresses are published.
+        run_id: the run.
+        signer: signs and verifies the addresses.
+        log: the logger for rejected addresses and refused probes.
+        timeout: seconds a probe's connection may take.
+    """
 
     def __init__(self, store, run_id: str, signer: Signer, log, timeout: float = 0.1) -> None:
         self._store = store
@@ -196,9 +225,17 @@ class Prober:
         self._probed = 0.0
 
     def listen(self, node: str, local_rank: int) -> None:
-        """Listen on the node's address (the one in its rendezvous id, ``addr_pid_localid``) for
-        as long as this process lives. A daemon thread accepts and closes every probe, so the
-        backlog never fills."""
+        """Listen on the node's address for as long as this process lives.
+
+        A daemon thread accepts and closes every probe, so the backlog never fills.
+
+        Args:
+            node: this worker's node, a rendezvous id ``addr_pid_localid`` whose address is used.
+            local_rank: this worker's rank on its node.
+
+        Raises:
+            OSError: the socket cannot be bound on the node's address.
+        """
         host = node.rsplit("_", 2)[0]
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.bind((host, 0))
@@ -208,8 +245,16 @@ class Prober:
         self._me = (node, local_rank)
 
     def enter(self, generation: int, members: tuple[str, ...], local_world_size: int) -> None:
-        """This worker is in ``generation`` (before its agreement): publish its address there
-        (signed) and probe ``members`` by their addresses of that generation from now on."""
+        """This worker is in ``generation``: publish its address there and probe its members.
+
+        Call it before the generation's agreement. The address is signed; the members are probed
+        by their addresses of that generation from now on.
+
+        Args:
+            generation: the generation this worker is in.
+            members: the generation's nodes, in order.
+            local_world_size: workers per node.
+        """
         self.generation, self.members, self.local_world_size = generation, tuple(members), local_world_size
         self._addrs, self.found = {}, ()
         if self._me is not None and self._sock is not None:
@@ -250,8 +295,16 @@ class Prober:
             return None
 
     def status(self, nodes: Iterable[str], local_world_size: int) -> dict[str, bool | None]:
-        """Per node: False when a worker's socket refused a connection (dead), True when every
-        worker's accepted (alive), None when nothing is known."""
+        """Probe the workers of ``nodes``.
+
+        Args:
+            nodes: the nodes to probe.
+            local_world_size: workers per node.
+
+        Returns:
+            Per node: False when a worker's socket refused a connection (dead), True when every
+            worker's accepted (alive), None when nothing is known.
+        """
         out: dict[str, bool | None] = {}
         for n in nodes:
             seen = []
@@ -264,11 +317,23 @@ class Prober:
         return out
 
     def dead(self, nodes: Iterable[str], local_world_size: int) -> tuple[str, ...]:
-        """The nodes of ``nodes`` with a worker whose socket refused a connection."""
+        """The nodes with a worker whose socket refused a connection.
+
+        Args:
+            nodes: the nodes to probe.
+            local_world_size: workers per node.
+
+        Returns:
+            The dead nodes, in ``nodes``' order.
+        """
         return tuple(n for n, v in self.status(nodes, local_world_size).items() if v is False)
 
     def probe_members(self) -> tuple[str, ...]:
-        """During a long store wait: probe the members, at most every ``PROBE_EVERY_S``."""
+        """During a long store wait: probe the members, at most every ``PROBE_EVERY_S``.
+
+        Returns:
+            The members found dead (kept in ``found``; no new probe once some are).
+        """
         now = time.monotonic()
         if not self.found and now - self._probed >= PROBE_EVERY_S:
             self._probed = now

@@ -1,33 +1,12 @@
-"""Committer: how a lifecycle's commits are written, and what writing them keeps between commits.
+"""How a lifecycle's commits are written, and what writing them keeps between commits.
 
-The lifecycle (``lifecycle.py``) decides *when* a commit is due: its cadence, a drain, a resize
-that commits the live rows first. The committer decides *how* it is written and owns what that
-needs across commits of one generation:
+:class:`Committer` owns, for one generation at a time, the snapshot and durable tiers, the state
+tiers' communicator, the background writer (``state.writer.CommitWriter``), DCP's default process
+group, the step taken and the step committed. The lifecycle
+(:class:`~elastic_emb.lifecycle.manager.Lifecycle`) decides when a commit is due; the committer
+writes it, and drops, interrupts or gives up on the commits in flight when a peer is gone.
 
-- the tiers: the node snapshot with its replicas (``state.snapshot``) and the durable DCP
-  checkpoint (``state.durable``), which runs on DCP's default process group of the generation
-  (``default_group.py``) and, with ``durable_async``, in a thread on a communicator of its own;
-- the state tiers' communicator on the context's process group (restore uses it too:
-  :meth:`Committer.comm_for`);
-- the background writer (``state.writer.CommitWriter``): with ``async_commit`` (by default when
-  commits are incremental and the context tracks its changes) a commit is captured in the
-  training thread and written in the background, several in flight; on CUDA the capture itself
-  runs on a side stream (``state.capture.DeviceCapture``). A SIGTERM first waits, bounded, for the
-  commit in flight (``state.writer.finish_commit_on_sigterm``);
-- :attr:`Committer.step`, the last step taken, and :attr:`Committer.committed_step`, the newest
-  one complete: behind ``step`` while a commit is in flight, or while the first-base window of a
-  generation formed in process coalesces the commits due (``first_base.py``). A commit that fails
-  in the background sets ``step`` back to the newest complete one.
-
-A dead peer takes the commits in flight with it: :meth:`Committer.abandon` drops them without
-waiting for their replica transfers (their thread leaves its aborted store wait by itself;
-:meth:`Committer.close` gives it a moment). A peer made known gone from another thread
-(:meth:`Committer.interrupt`) ends the writer's store waits at once; that commit is logged as
-``commit_aborted`` (a warning, with the reason and step), a real failure as ``commit_failed`` (an error).
-
-The committer follows the lifecycle's generation (:meth:`Committer.enter`); communicators and the
-writer of an older generation are replaced at their next use. Its events keep the lifecycle's
-names (``lifecycle.commit``, ``lifecycle.commit_failed``, ...): they are what a user reads.
+Design: ``docs/LIFECYCLE.md`` (section "Commits").
 """
 
 from __future__ import annotations
@@ -64,8 +43,15 @@ COMMIT_DEPTH = 3
 
 
 class Committer:
-    """See the module docstring. ``context`` returns the lifecycle's context of the moment (and
-    raises when it has none)."""
+    """Writes one lifecycle's commits and keeps the tiers, communicators and writer they need.
+
+    Args:
+        config: the lifecycle's resolved configuration.
+        topology: the current generation's topology.
+        store: the current generation's store.
+        context: returns the lifecycle's context of the moment, raising
+            :class:`~elastic_emb.errors.ElasticEmbError` when it has none.
+    """
 
     def __init__(self, config: LifecycleConfig, topology: Topology, store,
                  context: Callable[[], ShardedContext]) -> None:
@@ -94,7 +80,14 @@ class Committer:
                                     dir_mode=config.dir_mode) if config.durable_dir else None)
 
     def enter(self, topology: Topology, store) -> None:
-        """The lifecycle moved to a new generation (or re-formed the same one)."""
+        """The lifecycle moved to a new generation (or re-formed the same one).
+
+        Communicators and a writer of the previous generation are replaced at their next use.
+
+        Args:
+            topology: the new generation's topology.
+            store: the new generation's store.
+        """
         self.topology, self.store = topology, store
 
     # -- the committed step ------------------------------------------------------------------
@@ -110,8 +103,15 @@ class Committer:
         return done if coalesced is None else min(done, coalesced - 1)  # coalesced steps are not written yet
 
     def wait(self) -> int:
-        """``Lifecycle.wait_commit``: block until the commits in flight are complete; raise the
-        error of one that failed (after setting ``step`` back to the newest complete one)."""
+        """Block until the commits in flight are complete (``Lifecycle.wait_commit``).
+
+        Returns:
+            :attr:`step`, the last step taken.
+
+        Raises:
+            Exception: the error of a commit in flight that failed, after :attr:`step` is set back
+                to the newest complete commit.
+        """
         if self._writer is not None:
             try:
                 self._writer.wait()
@@ -123,8 +123,20 @@ class Committer:
     # -- commits -----------------------------------------------------------------------------
 
     def due(self, step: int, *, forced: bool) -> CommitReport | None:
-        """A step that the cadence makes due (``forced``: a drain or ``commit(force=True)``).
-        Returns None when nothing was written (coalesced in a first-base window)."""
+        """Commit a step that is due, unless a first-base window coalesces it.
+
+        Args:
+            step: the due step.
+            forced: a drain or ``commit(force=True)``: never coalesced; a first-base window ends
+                and its base is waited for.
+
+        Returns:
+            The commit's report, or None when nothing was written (coalesced).
+
+        Raises:
+            ValueError: a first-base verdict in the store is foreign (:meth:`FirstBase.defer`).
+            Exception: a write failed, as in :meth:`commit`.
+        """
         if self.first_base is not None:
             report, due = self._first_base_commit(step, forced=forced)
             if not due:
@@ -148,8 +160,26 @@ class Committer:
         return None, True
 
     def commit(self, step: int, *, background: bool = False) -> CommitReport:
-        """Write ``step`` to the tiers now (collective over the generation); ``background``: through
-        the writer whatever ``async_commit`` says (the first base of a generation formed in process)."""
+        """Write ``step`` to the tiers now (collective over the generation).
+
+        With the background writer the rows are captured here and written while training goes
+        on; otherwise the snapshot, its replicas and a due durable checkpoint are written before
+        this returns.
+
+        Args:
+            step: the step to commit.
+            background: go through the background writer whatever ``async_commit`` says (the
+                first base of a generation formed in process).
+
+        Returns:
+            The commit's report (for a background commit, the bytes captured).
+
+        Raises:
+            ElasticEmbError: the lifecycle has no context.
+            Exception: a synchronous write failed, or a background commit failed (this one's
+                submission, or an earlier one it waits for); :attr:`step` is then set back to the
+                newest complete commit.
+        """
         t0 = time.perf_counter()
         ctx = self._context()
         durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
@@ -217,8 +247,14 @@ class Committer:
     # -- the durable tier --------------------------------------------------------------------
 
     def default_group(self):
-        """DCP's default process group of this generation (``default_group.py``), or None without
-        a durable tier."""
+        """DCP's default process group of this generation, made on first use.
+
+        Returns:
+            The default group, or None without a durable tier.
+
+        Raises:
+            ElasticEmbError: a default group the user created does not match the topology.
+        """
         if self.durable is None:
             return None
         return self._default_group.ensure(self.topology, self.store, self.config.transfer_timeout)
@@ -237,11 +273,18 @@ class Committer:
 
     @property
     def durable_in_flight(self) -> bool:
+        """Whether an asynchronous durable checkpoint is still being written."""
         return self._pending_durable is not None and not self._pending_durable.done()
 
     def wait_durable(self, timeout: float | None = None) -> None:
-        """``Lifecycle.wait_durable``: a failed checkpoint is logged, not raised (the snapshot
-        tier still holds the commit)."""
+        """Block until the durable checkpoint in flight (if any) is written (``Lifecycle.wait_durable``).
+
+        A checkpoint that fails or outlasts ``timeout`` is logged, not raised: the snapshot tier
+        still holds the commit.
+
+        Args:
+            timeout: seconds to wait at most; None waits up to ``transfer_timeout``.
+        """
         fut, self._pending_durable = self._pending_durable, None
         if fut is None:
             return
@@ -254,7 +297,15 @@ class Committer:
     # -- communicators and the background writer ---------------------------------------------
 
     def comm_for(self, ctx: ShardedContext) -> Comm:
-        """The state tiers' communicator of this generation, on ``ctx``'s process group."""
+        """The state tiers' communicator of this generation, made on first use.
+
+        Args:
+            ctx: the lifecycle's context; the communicator uses its ``process_group`` (when that
+                is None, a gloo group of its own, once per generation).
+
+        Returns:
+            The communicator; restores and synchronous commits use it.
+        """
         # A context without a process group gets a communicator with a gloo group of its own, once
         # per generation (formed_on: that group stands for the context's None). A new one would
         # close the writer, waiting for the commits in flight, and form a gloo group per commit.
@@ -283,16 +334,18 @@ class Committer:
         return self._writer
 
     def interrupt(self, reason: str) -> None:
-        """A peer is known gone (another thread; ``reason`` says how it is known): nothing of this
-        generation that waits for it can complete. Every communicator of the generation is
-        aborted: the writer's (the commit in flight's store waits and replica transfer; the writer
-        logs its failure as ``commit_aborted``, a warning, not the error ``commit_failed``), the
-        state tiers' on the context's group (restore's row moves, a synchronous commit) and the
-        durable thread's; so are those made for the generation afterwards (:meth:`_made`: a
-        restore that starts after the interrupt). A wait whose keys or rows are all there still
+        """A peer is known gone: abort every communicator of this generation (from another thread).
+
+        The writer's, the state tiers' and the durable thread's are aborted, and so are those made
+        for the same generation afterwards. A wait whose keys or rows are all there still
         completes; the others raise :class:`~elastic_emb.errors._CommAborted`
-        (``TransferInterrupted`` for a transfer) instead of waiting out ``transfer_timeout``, and
-        the re-form follows (it abandons the writer: :meth:`abandon`)."""
+        (``TransferInterrupted`` for a transfer) instead of waiting out ``transfer_timeout``; the
+        writer logs its commit as ``commit_aborted``, a warning. The re-form that follows abandons
+        the writer (:meth:`abandon`).
+
+        Args:
+            reason: how the peer is known gone, for the errors and the log.
+        """
         self._interrupted = (self.topology, reason)  # first: a communicator made meanwhile sees it (_made)
         writer = self._writer  # one read each: the training thread may replace them meanwhile
         if writer is not None:
@@ -302,11 +355,16 @@ class Committer:
                 comm.abort(reason)
 
     def give_up_on(self, ranks, reason: str) -> None:
-        """Ranks of this generation left the rendezvous without a failed collective (``reason``):
-        a commit in flight still waiting for their part ends now instead of at
-        ``transfer_timeout`` (seen: a survivor's commit of the step its evicted orphan was told
-        not to commit), while a commit they finished before leaving (a drain) completes, so a
-        graceful resize still loses no step (:meth:`Comm.give_up_on`)."""
+        """Stop waiting for ranks of this generation that left the rendezvous without a failed collective.
+
+        A commit in flight still waiting for their part ends now instead of at
+        ``transfer_timeout``, while a commit they finished before leaving (a drain) completes, so
+        a graceful resize still loses no step (:meth:`Comm.give_up_on`).
+
+        Args:
+            ranks: the departed ranks, in this generation's numbering.
+            reason: why they are given up on, for the errors and the log.
+        """
         writer = self._writer  # one read each: the training thread may replace them meanwhile
         if writer is not None:
             writer.give_up_on(ranks, reason)
@@ -353,9 +411,15 @@ class Committer:
     # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> BaseException | None:
-        """Wait for the checkpoint and the commits in flight, then release the writer, the
-        communicators, the SIGTERM handler and the spare files. Returns the error of a commit in
-        flight that failed (the caller raises it once everything is released)."""
+        """Wait for the checkpoint and the commits in flight, then release everything.
+
+        Releases the writer, the communicators, the SIGTERM handler and the spare files, and gives
+        abandoned writers' threads a moment to exit.
+
+        Returns:
+            The error of a commit in flight that failed (the caller raises it once everything is
+            released), or None.
+        """
         self.wait_durable()
         failed: BaseException | None = None
         try:

@@ -18,15 +18,31 @@ from elastic_emb.topology import Topology
 
 
 class DefaultGroup:
-    """The default gloo process group of the current generation (module docstring)."""
+    """The default gloo process group of the current generation, made and destroyed here.
+
+    A default group the user created is used while it matches the topology, and never destroyed.
+    """
 
     def __init__(self) -> None:
         self._owned = False  # this object initialized the default group (and destroys it)
         self._generation: int | None = None  # the generation it was initialized for
 
     def ensure(self, topology: Topology, store, timeout: float):
-        """The default group for ``topology``: the user's matching one, this generation's, or a
-        new one (the previous generation's destroyed first)."""
+        """The default group for ``topology``, made when needed.
+
+        Args:
+            topology: the current generation's topology.
+            store: the generation's store; the group forms on a ``dcp`` prefix of it.
+            timeout: seconds for the group's operations.
+
+        Returns:
+            ``torch.distributed.group.WORLD``: the user's matching group, this generation's, or a
+            new one (the previous generation's is destroyed first).
+
+        Raises:
+            ElasticEmbError: a default group created outside elastic_emb does not match the
+                topology's rank and world size.
+        """
         import torch.distributed as dist
 
         if dist.is_initialized():

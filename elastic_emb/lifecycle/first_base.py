@@ -1,31 +1,11 @@
 """The first commit of a generation formed in process: a full base, written in the background.
 
-Why: the delta chain of the snapshot tier does not cross generations (a delta's rows are those of
-its base's shard, and a re-form re-lays the shards), so the first commit after an in-process
-re-form writes every row of the new shard, with its replica: 0.3-2 s for a 128 MB shard on the
-2-core VM, measured as most of the survivors' pause at 256 MB (docs/RESIZE.md). Nothing needs that
-base before the next failure: until it is complete, the newest complete commit (of the old
-generation, or the one the restore used) is the restore point, exactly as during any commit.
+A re-form re-lays the shards, so a new generation's first commit writes every row. It goes to
+the background writer, and the commits due until every rank's base is complete are coalesced into
+one delta on it; rank 0 decides each due step for all (:class:`FirstBase`), so every rank writes
+the same commits. Only where shards are large enough to pay (:func:`wanted`).
 
-So the first due commit of such a generation captures the base (a copy of the shard, in the
-training thread) and hands it to the background writer (``state.writer.CommitWriter``), whatever
-``async_commit`` says. The commits due while any rank's base is still being written are
-*coalesced*: nothing is written, the rows they changed stay in the context's change masks, and
-the first commit after the window writes them all as one delta on the base. A commit is
-collective (every rank writes the same step, or none does), so whether a due step is coalesced is
-decided once, by rank 0, and read by every other rank from the generation's store
-(:meth:`FirstBase.defer`: one key per due step, only during the window): each rank counts itself
-in once its own writer has nothing in flight, and rank 0 ends the window at the first due step at
-which every rank has.
-
-Only where it pays: a shard of at least ``MIN_SHARD_BYTES`` of weights (judged from the table
-specs and the world size, the same on every rank). A small base costs less in the training thread
-than the background writer's own communicator takes to form, and is complete at once.
-
-The trade-off, stated: a second failure inside the window (about the base's write time) restores
-the newest complete commit, so it costs the steps since that commit, not one step; a drain or a
-forced commit inside the window waits for the base and commits as usual; a job that closes inside
-the window leaves its last steps uncommitted (``close()`` waits for the base only).
+Design: ``docs/LIFECYCLE.md`` (section "The first base of an in-process generation").
 """
 
 from __future__ import annotations
@@ -45,9 +25,18 @@ MIN_SHARD_BYTES = 16 << 20  # a rank's share of the tables' weights from which t
 
 
 def wanted(tables: Mapping[str, object], world_size: int) -> bool:
-    """Whether a generation of ``world_size`` ranks over ``tables`` (name -> TableSpec) writes its
-    first base in the background: an average shard of at least :data:`MIN_SHARD_BYTES` of
-    weights. The same answer on every rank (specs and world size only)."""
+    """Whether a generation writes its first base in the background.
+
+    It does when an average shard holds at least :data:`MIN_SHARD_BYTES` of weights. The answer
+    depends on the specs and the world size only, so it is the same on every rank.
+
+    Args:
+        tables: the context's tables, name -> ``TableSpec``.
+        world_size: the generation's number of ranks.
+
+    Returns:
+        True when the base is large enough to write in the background.
+    """
     total = 0
     for spec in tables.values():
         itemsize = torch.empty((), dtype=getattr(torch, getattr(spec, "dtype", "float32"))).element_size()
@@ -56,8 +45,15 @@ def wanted(tables: Mapping[str, object], world_size: int) -> bool:
 
 
 class FirstBase:
-    """The window of one generation's first base (module docstring). ``step`` is the base's step
-    once captured; ``coalesced`` the first step coalesced since, or None."""
+    """The window of one generation's first base, during which due commits are coalesced.
+
+    ``step`` is the base's step once captured; ``coalesced`` the first step coalesced since, or
+    None. The verdicts live under a ``first-base`` prefix of the generation's store.
+
+    Args:
+        store: the generation's store.
+        topology: the generation's topology.
+    """
 
     def __init__(self, store, topology: Topology) -> None:
         self._store = generation_store(store, topology, "first-base")
@@ -68,9 +64,23 @@ class FirstBase:
         self.coalesced: int | None = None
 
     def defer(self, step: int, written: bool) -> bool:
-        """Collective (every rank, at the same due ``step``): whether to coalesce it. ``written``:
-        this rank's writer has nothing in flight (its base is complete, or failed: the next
-        commit raises that as usual)."""
+        """Whether to coalesce the due ``step``; collective (every rank, at the same step).
+
+        Each rank counts itself in once its base is written; rank 0 decides whether every rank
+        has and publishes the verdict, the others read it.
+
+        Args:
+            step: the due step.
+            written: this rank's writer has nothing in flight (its base is complete, or failed:
+                the next commit raises that as usual).
+
+        Returns:
+            True to coalesce the step (write nothing now), False to commit it as usual.
+
+        Raises:
+            ValueError: the verdict in the store is neither ``b"0"`` nor ``b"1"`` (a foreign
+                writer shares the keys).
+        """
         if written and not self._counted:
             self._store.add(KEY_DONE, 1)
             self._counted = True

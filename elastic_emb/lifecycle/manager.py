@@ -1,44 +1,13 @@
-"""Lifecycle: build a context for an agreed topology, commit its rows, and on a resize destroy it,
-construct a new one, and carry every row and optimizer slot across, resharded.
+"""The lifecycle of one worker's sharded tables: start, commit, and re-form on a membership change.
 
-The one rule: ``reset`` is for a same-size re-form only. :meth:`Lifecycle.on_membership_change`
-branches once on ``(world_size, ep_size)``: equal, it calls :meth:`_reform_same_size` (the only
-place ``reset`` is called, and it checks the sizes again); different, it calls
-:meth:`_rebuild`, which has no reference to ``reset`` at all: commit (if the context is healthy
-and has uncommitted progress), export the live shard, close, agree on the new topology,
-construct, restore. A context that refuses ``reset`` across sizes (``WorldSizeChanged``) is
-therefore never asked to.
+:class:`Lifecycle` builds a context for an agreed topology and restores the newest complete
+commit (:meth:`Lifecycle.start`), commits at step boundaries (:meth:`Lifecycle.commit`), and on a
+membership change destroys the context, constructs a new one and carries every row and optimizer
+slot across, resharded (:meth:`Lifecycle.on_membership_change`). ``reset`` is used only for a
+re-form at the same world and EP size. How a commit is written is
+:mod:`~elastic_emb.lifecycle.committer`.
 
-Start (:meth:`Lifecycle.start`): topology from the environment, agree over the store,
-construct, then the same restore as a resize, minus the live tier: the newest commit that is
-complete for every row across the node snapshots (own and replicas) and the durable tier, with
-checksums verified. With no state anywhere, the context keeps its seeded initial rows (the
-context decides those; ``EmbContext`` makes them identical whatever the world size).
-
-Commits (:meth:`Lifecycle.commit`, at step boundaries): every ``commit_every`` steps a node
-snapshot (+ replicas), every ``durable_every`` steps also a DCP checkpoint. Call ``commit(step)``
-after *every* step: the cadence decides what is written, and the lifecycle learns how far
-training got, which tells a resize whether the live rows are newer than the last commit.
-Incremental commits are asynchronous by default: ``commit()`` returns once the rows are captured
-and a background writer completes them (``committed_step``); how a due commit is written (tiers,
-the writer, the committed step) is ``committer.py``. After an in-process re-form the new generation's first commit (a full base) is
-written in the background and the commits due meanwhile are coalesced into one delta
-(``first_base.py``).
-
-Each resize logs one ``lifecycle.resize`` event (and returns it as :class:`ResizeEvent`): phase
-durations (teardown, agreement, construct, restore, and the first step), bytes moved, source
-tiers, steps. The event waits for the first step of the new world: it is logged when training
-calls ``commit()`` next (``first_step_s``: restore done -> that call), or, when no step follows,
-at the next resize or ``close()`` (``first_step_s`` null). ``on_membership_change`` returns it at
-once without ``first_step_s``; ``events[-1]`` gets the complete one. A caller that drives the
-change (``resize.InProcessResize``) passes the phases before it: detect, drain, decide.
-
-A user context plugs in through :class:`elastic_emb.protocol.ShardedContext` and a factory
-``(topology, store) -> context``; the lifecycle checks at construction that the context has every
-member of the contract (:func:`elastic_emb.protocol.check_context`) and then uses them as
-declared. Its ``process_group`` (when not None) carries row transfers; otherwise the state layer
-forms a gloo group of its own per generation. ``shard_views()`` (when not None) lets restore
-write rows in place instead of into a copy that ``import_shard`` copies again.
+Design: ``docs/LIFECYCLE.md``.
 """
 
 from __future__ import annotations
@@ -70,7 +39,18 @@ log = get_logger("elastic_emb.lifecycle.manager")
 
 
 class Lifecycle:
-    """See the module docstring. Build with :meth:`start`."""
+    """One worker's sharded tables across its start, its commits and its membership changes.
+
+    Build with :meth:`start`; the constructor only wires the parts together.
+
+    Args:
+        factory: builds the context for a topology, ``(topology, store) -> ShardedContext``.
+        config: where state lives and how often it is committed (environment defaults resolved).
+        topology: this worker's current topology.
+        store: the current generation's store.
+        watcher: the worker's :class:`~elastic_emb.watch.watcher.Watcher`, or None.
+        env: the worker's environment (not read by the constructor).
+    """
 
     def __init__(self, factory: ContextFactory, config: LifecycleConfig, topology: Topology, store,
                  watcher=None, env: Mapping[str, str] | None = None) -> None:
@@ -96,11 +76,34 @@ class Lifecycle:
     def start(cls, factory: ContextFactory, config: LifecycleConfig | None = None, *,
               env: Mapping[str, str] | None = None, store=None, watcher=None,
               background_base: bool = False) -> "Lifecycle":
-        """Topology from env -> agree -> construct -> restore the newest complete commit.
+        """Start a lifecycle: topology from the environment, agree, construct, restore.
 
-        ``background_base``: this worker joins a generation formed in process, whose running
-        workers may write its first base in the background (``on_membership_change``): so does
-        it, by the same rule."""
+        The restore takes the newest commit complete for every row across the node snapshots
+        and the durable tier; with no state anywhere the context keeps its initial rows. A
+        failure after the store is open closes what was already built before it is raised.
+
+        Args:
+            factory: builds the context for a topology, ``(topology, store) -> ShardedContext``.
+            config: the configuration (None: the defaults); environment defaults are filled in.
+            env: the environment to read; None reads ``os.environ``.
+            store: the world's store; None opens it from the environment. In
+                ``resize=in_process`` mode pass :func:`~elastic_emb.inprocess.interruptible.interruptible_store`.
+            watcher: the worker's :class:`~elastic_emb.watch.watcher.Watcher`, or None.
+            background_base: this worker joins a generation formed in process, whose running
+                workers may write its first base in the background: so does it, by the same rule.
+
+        Returns:
+            The started lifecycle; its ``start`` event is ``events[0]``.
+
+        Raises:
+            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
+            TopologyError: a torchrun variable is missing or malformed.
+            TopologyDisagreement: the ranks do not hold the same topology.
+            AgreementTimeout: some ranks did not arrive within ``agree_timeout``.
+            ContractViolation: the factory's context lacks a member of ``ShardedContext``.
+            RestoreError: state exists but no commit is complete (and ``start_fresh`` is off), or
+                ``require_state`` is set and there is no state.
+        """
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()
@@ -134,6 +137,7 @@ class Lifecycle:
 
     @property
     def next_step(self) -> int:
+        """The step training runs next: :attr:`step` + 1."""
         return self.step + 1
 
     @property
@@ -154,26 +158,46 @@ class Lifecycle:
         return self._committer.committed_step
 
     def wait_commit(self) -> int:
-        """Block until the commit in flight (``async_commit``) is complete; raise its error if it
-        failed (the lifecycle then counts the step before it as the last committed one).
-        Returns :attr:`committed_step`."""
+        """Block until the commits in flight (``async_commit``) are complete.
+
+        Returns:
+            :attr:`step`, the last step taken: :attr:`committed_step` too, unless due steps are
+            coalesced in the first-base window of a generation formed in process.
+
+        Raises:
+            Exception: the error of a commit in flight that failed; :attr:`step` is first set back
+                to the newest complete commit.
+        """
         return self._committer.wait()
 
     def interrupt(self, reason: str) -> None:
-        """A peer is known gone (called from another thread: the in-process resize's neighbour
-        probe, a peer's failed collective): the context's waits end now (``interrupt``) and so do
-        those of the generation's state communicators (:meth:`Committer.interrupt`: the commit in
+        """A peer is known gone: end this generation's waits for it now.
+
+        Called from another thread (the in-process resize's neighbour probe, a peer's failed
+        collective). The context's waits end (its ``interrupt``, when it has one), and so do those
+        of the generation's state communicators (:meth:`Committer.interrupt`: the commit in
         flight, a restore's row moves), so the training thread raises at once instead of at a
-        timeout, and the re-form follows."""
+        timeout, and the re-form follows.
+
+        Args:
+            reason: how the peer is known gone, for the errors and the log.
+        """
         ctx = self.context
         if ctx is not None and hasattr(ctx, "interrupt"):
             ctx.interrupt(reason)
         self._committer.interrupt(reason)
 
     def give_up_on(self, ranks, reason: str) -> None:
-        """Ranks of the current generation left the rendezvous (the in-process resize, before it
-        re-forms without them): the commit in flight stops waiting for what they will never send
-        (:meth:`Committer.give_up_on`); what they finished before leaving still completes."""
+        """Stop waiting for ranks of the current generation that left the rendezvous.
+
+        The in-process resize calls it before it re-forms without them: the commit in flight
+        stops waiting for what they will never send (:meth:`Committer.give_up_on`); what they
+        finished before leaving still completes.
+
+        Args:
+            ranks: the departed ranks, in the current generation's numbering.
+            reason: why they are given up on, for the errors and the log.
+        """
         self._committer.give_up_on(ranks, reason)
 
     # -- commits -----------------------------------------------------------------------------
@@ -181,9 +205,24 @@ class Lifecycle:
     def commit(self, step: int, *, force: bool = False) -> CommitReport | None:
         """Record that training finished ``step``; write the tiers the cadence asks for.
 
-        Collective: every rank calls it with the same ``step``. Returns None when nothing was
-        written. After a commit, a drain requested by the watcher is acknowledged and
-        :attr:`draining` becomes True."""
+        Collective: every rank calls it after every step with the same ``step``. When the watcher
+        requests a drain, the commit is written, waited for and acknowledged, and
+        :attr:`draining` becomes True.
+
+        Args:
+            step: the step just finished; above every step committed before.
+            force: write a commit now, whatever the cadence says.
+
+        Returns:
+            The commit's report, or None when nothing was written (not due, or coalesced in the
+            first-base window of a generation formed in process).
+
+        Raises:
+            ValueError: ``step`` is not above the last step taken.
+            ElasticEmbError: the watcher says this worker was evicted: it must not commit.
+            Exception: a write failed: a synchronous commit's, or an earlier background commit's,
+                raised when this commit waits for it.
+        """
         self._finish_resize(stepped=True)  # the first step after a resize ends here
         if step <= self.step:
             raise ValueError(f"step={step} was already committed (last committed step {self.step}); "
@@ -207,19 +246,40 @@ class Lifecycle:
     def on_membership_change(self, new_topology: Topology, store=None, *, rebuild: bool = False,
                              abort: bool = False, mode: str | None = None,
                              phases: Mapping[str, float] | None = None, background_base: bool = False) -> ResizeEvent:
-        """Same world and EP size, open context: ``reset``. Otherwise: commit, close, construct,
-        restore.
+        """Move to a new generation: ``reset`` at the same sizes, else commit, close, construct, restore.
 
-        ``rebuild``: destroy and construct even at the same sizes (a fresh context and
-        communicator). ``abort``: a collective failed; abort the old context first, so the
-        restore takes the newest commit, never rows that may hold part of an uncommitted step
-        (a closed context is always rebuilt: ``reset`` needs an open one).
-        ``mode`` and ``phases`` (``detect_s``, ``drain_s``, ``decide_s``) come from the caller that
-        drove the change and go into the event, which is logged after the first step (module
-        docstring). ``background_base``: the new generation's first commit (a full base) is
-        written in the background and the commits due meanwhile are coalesced, when the shards
-        are large enough to pay (``first_base.py``); every rank of the new generation must pass
-        the same (the in-process resize does, and its joiners' ``start``)."""
+        Same world and EP size with an open context: ``reset``. Otherwise the context is destroyed
+        and a new one constructed, and every row is restored, resharded. The event is logged
+        after the new world's first step (its next :meth:`commit`).
+
+        Args:
+            new_topology: the new generation of the same run.
+            store: the new generation's store; None keeps the current one.
+            rebuild: destroy and construct even at the same sizes (a fresh context and
+                communicator).
+            abort: a collective failed: abort the old context first, so the restore takes the
+                newest commit, never rows that may hold part of an uncommitted step (a closed
+                context is always rebuilt: ``reset`` needs an open one).
+            mode: how the change was driven (``"in_process"``), for the event.
+            phases: the driving caller's phases (``detect_s``, ``drain_s``, ``decide_s``), for the
+                event.
+            background_base: write the new generation's first commit (a full base) in the
+                background and coalesce the commits due meanwhile, when the shards are large
+                enough to pay; every rank of the new generation must pass the same.
+
+        Returns:
+            The change's :class:`ResizeEvent`, without ``first_step_s``; ``events[-1]`` gets the
+            complete one after the first step.
+
+        Raises:
+            ValueError: ``new_topology`` is of another run or not of a later generation, or
+                ``phases`` names a phase outside ``CALLER_PHASES``.
+            ElasticEmbError: the lifecycle has no context (closed, or an earlier resize failed).
+            TopologyDisagreement: the ranks do not hold the same new topology.
+            AgreementTimeout: some ranks did not arrive within ``agree_timeout``.
+            ContractViolation: the factory's new context lacks a member of ``ShardedContext``.
+            RestoreError: no commit is complete for every row of the new generation.
+        """
         store = self.store if store is None else store
         old = self.topology
         if new_topology.run_id != old.run_id:
@@ -308,7 +368,7 @@ class Lifecycle:
         if not healthy:
             # A collective failed (a peer died mid-step): this rank's rows may hold part of a step
             # that was never committed, so they are not the state of any commit. Restore from the
-            # committed tiers instead (found by tests/test_ep8.py: a step applied twice).
+            # committed tiers instead: restoring these rows could apply that step twice.
             log.warning("lifecycle.live_rows_skipped", reason="context unhealthy: rows may hold a partial step",
                         last_step=self._seen_step)
         else:
@@ -360,13 +420,33 @@ class Lifecycle:
         return self._committer.durable_in_flight
 
     def wait_durable(self, timeout: float | None = None) -> None:
-        """Block until the asynchronous durable checkpoint in flight (if any) is written."""
+        """Block until the asynchronous durable checkpoint in flight (if any) is written.
+
+        A checkpoint that fails or outlasts ``timeout`` is logged, not raised: the snapshot tier
+        still holds the commit.
+
+        Args:
+            timeout: seconds to wait at most; None waits up to ``transfer_timeout``.
+        """
         self._committer.wait_durable(timeout)
 
     # -- draining ----------------------------------------------------------------------------
 
     def wait_for_restart(self, timeout: float) -> bool:
-        """After a drain: block until the agent's SIGTERM (True) or ``timeout`` seconds (False)."""
+        """After a drain: block until the agent's SIGTERM or ``timeout`` seconds.
+
+        In the main thread a SIGTERM handler is installed for the wait and the previous one put
+        back afterwards.
+
+        Args:
+            timeout: seconds to wait at most.
+
+        Returns:
+            True when the SIGTERM came, False when the time ran out.
+
+        Raises:
+            ValueError: ``timeout`` is not positive.
+        """
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
         if threading.current_thread() is threading.main_thread():
@@ -387,9 +467,13 @@ class Lifecycle:
         self.close()
 
     def close(self) -> None:
-        """Wait for the commits in flight, then release everything. Raises the error of a
-        commit in flight that failed (after releasing): like a synchronous ``commit()``, the
-        caller learns that its last commit is not complete."""
+        """Wait for the commits in flight, then release everything.
+
+        Raises:
+            Exception: the error of a commit in flight that failed, raised after everything is
+                released: like a synchronous :meth:`commit`, the caller learns that its last
+                commit is not complete.
+        """
         self._finish_resize(stepped=False)
         failed = self._committer.close()  # the commits in flight complete first: a graceful end loses no step
         if self.context is not None:

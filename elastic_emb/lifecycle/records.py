@@ -1,8 +1,9 @@
 """The lifecycle's records: its configuration and the reports of what a commit and a resize did.
 
-Immutable pydantic records, kept apart from :mod:`elastic_emb.lifecycle.manager` (which acts on them) so
-that callers, the CLI and the docs can read the shapes without the machinery. ``ResizeEvent`` is
-what each ``lifecycle.resize`` log event carries, phase by phase (docs/RESIZE.md, "Events").
+Immutable pydantic records, kept apart from :mod:`elastic_emb.lifecycle.manager` (which acts on
+them) so that callers, the CLI and the docs can read the shapes without the machinery:
+:class:`LifecycleConfig`, :class:`CommitReport` and :class:`ResizeEvent`, what each
+``lifecycle.resize`` log event carries, phase by phase (``docs/RESIZE.md``, section "Events").
 """
 
 from __future__ import annotations
@@ -67,8 +68,20 @@ class LifecycleConfig(BaseModel):
         return self
 
     def resolved(self, env: Mapping[str, str]) -> "LifecycleConfig":
-        """A copy with environment defaults filled in (every ``ELASTIC_EMB_*`` variable is
-        validated here: a bad one fails the start with a :class:`ConfigError` naming it)."""
+        """A copy with the environment's defaults filled in.
+
+        Every ``ELASTIC_EMB_*`` variable is validated here, so a bad one fails the start.
+
+        Args:
+            env: the environment to read.
+
+        Returns:
+            The configuration with ``state_dir``, ``durable_dir``, ``durable_every`` and
+            ``node_id`` set (a ``durable_dir`` without ``durable_every`` makes every commit durable).
+
+        Raises:
+            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed (the error names it).
+        """
         settings = config.load(env)
         durable = self.durable_dir or settings.durable_dir
         durable_every = self.durable_every or (self.commit_every if durable else 0)
@@ -81,6 +94,12 @@ class LifecycleConfig(BaseModel):
 
 
 class CommitReport(BaseModel):
+    """What one commit wrote: its step, the tiers, the bytes per tier and the seconds in ``commit()``.
+
+    A background commit reports the bytes captured; its writer logs ``commit_complete`` with the
+    bytes written and replicated.
+    """
+
     model_config = ConfigDict(frozen=True, extra="forbid")
     step: int
     tiers: list[str]
@@ -127,8 +146,23 @@ class ResizeEvent(BaseModel):
     @classmethod
     def of(cls, kind: str, old, new, *, teardown: float, agreement: float, construct: float, restore_s: float,
            total: float, report, committed: bool) -> "ResizeEvent":
-        """The event of a change from topology ``old`` (None at start) to ``new``, with the
-        lifecycle's phase durations and its ``RestoreReport``."""
+        """The event of a change from topology ``old`` to ``new``.
+
+        Args:
+            kind: ``"start"``, ``"reset"`` or ``"rebuild"``.
+            old: the topology before the change; None at start.
+            new: the topology after it.
+            teardown: seconds to close (or reset) the old context.
+            agreement: seconds to agree on the new topology.
+            construct: seconds to construct the new context.
+            restore_s: seconds to restore the rows.
+            total: seconds of the whole change.
+            report: the restore's ``RestoreReport`` (bytes, tiers, restored step).
+            committed: whether the live rows were committed before the change.
+
+        Returns:
+            The event, durations rounded to microseconds.
+        """
         return cls(
             kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
             old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
@@ -146,7 +180,20 @@ CALLER_PHASES = ("detect_s", "drain_s", "decide_s")  # the phases before the lif
 
 def completed_by_caller(event: ResizeEvent, aborted: float, mode: str | None,
                          phases: Mapping[str, float] | None) -> ResizeEvent:
-    """``event`` with the phases of the caller that drove the change (``on_membership_change``)."""
+    """``event`` with the phases of the caller that drove the change (``on_membership_change``).
+
+    Args:
+        event: the lifecycle's event of the change.
+        aborted: seconds spent aborting the old context, added to ``teardown_s`` and ``total_s``.
+        mode: how the change was driven (``"in_process"``), or None.
+        phases: the caller's phases (``detect_s``, ``drain_s``, ``decide_s``), or None.
+
+    Returns:
+        The completed event, validated again.
+
+    Raises:
+        pydantic.ValidationError: a phase is negative.
+    """
     extra = {k: round(float(v), 6) for k, v in (phases or {}).items()}
     return ResizeEvent.model_validate({**event.model_dump(), **extra, "mode": mode,  # validated: phases >= 0
                                        "teardown_s": round(event.teardown_s + aborted, 6),

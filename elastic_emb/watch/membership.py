@@ -1,24 +1,12 @@
 """What a rendezvous state means for one worker: the membership events and their classification.
 
-The worker's :class:`~elastic_emb.watch.watcher.Watcher` reads torch's rendezvous state over and over
-(a thread, a store, outages, signed marks); what it concludes from one state is decided here,
-as a pure function of plain data, so the rules can be read and tested without a store or a
-thread. :func:`classify` compares a :class:`~elastic_emb.rdzv.decode.RendezvousView` with
-what the worker knows of its own round (the round, the members it started with, its node) and
-returns the :class:`Change` records it implies:
+:func:`classify` is a pure function of plain data: it compares a
+:class:`~elastic_emb.rdzv.decode.RendezvousView` with what the worker knows of its round and
+returns the :class:`Change` records it implies (``join_pending``, ``departure``,
+``round_advanced``, ``evicted``). :class:`MembershipEvent` is the record the watcher hands the
+lifecycle; :data:`EXPLAINING` are the kinds that explain a failed collective.
 
-- ``join_pending``: a node waits in the wait list (a scale-up restart is coming);
-- ``departure``: a member of the worker's round is gone from the state (heartbeat expired, or it
-  left);
-- ``round_advanced``: the rendezvous moved past the worker's round;
-- ``evicted``: the worker's own node is outside the membership (neither participant nor
-  waiting) in its round or a later one. This is a *candidate*: the watcher believes it only when
-  the job has no secret, or an agent confirmed it with a signed eviction mark.
-
-Two kinds do not come from a state and are made by the watcher itself: ``agent_lost`` (the
-worker's agent process vanished) and ``drain_requested``. :class:`MembershipEvent` is the
-immutable record the watcher hands the lifecycle for each of them; :data:`EXPLAINING` are the
-kinds that explain a failed collective (the agent is about to restart the workers).
+Design: ``docs/LIFECYCLE.md`` (section "Membership events").
 """
 
 from __future__ import annotations
@@ -38,6 +26,12 @@ __all__ = ["EXPLAINING", "Change", "EventKind", "MembershipEvent", "classify", "
 
 
 class MembershipEvent(BaseModel):
+    """One membership change a worker's watcher saw: its kind, the nodes concerned, and when.
+
+    Kinds: ``join_pending``, ``departure``, ``round_advanced`` and ``evicted`` come from a state;
+    ``agent_lost`` (the worker's agent vanished) and ``drain_requested`` from the watcher itself.
+    """
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: EventKind
@@ -57,14 +51,33 @@ class Change(NamedTuple):
 
 
 def departed(members: tuple[str, ...], view: RendezvousView) -> tuple[str, ...]:
-    """The ``members`` absent from ``view``'s participants, in their order."""
+    """The ``members`` absent from ``view``'s participants.
+
+    Args:
+        members: the nodes of the worker's generation.
+        view: a rendezvous state.
+
+    Returns:
+        The absent members, in their order.
+    """
     present = set(view.nodes)
     return tuple(n for n in members if n not in present)
 
 
 def classify(view: RendezvousView, *, round_: int, members: tuple[str, ...], node: str | None) -> list[Change]:
-    """The changes ``view`` implies for a worker of round ``round_`` that started with ``members``
-    and runs on ``node`` (None: not known yet, so no eviction can be inferred)."""
+    """The changes a rendezvous state implies for one worker.
+
+    Args:
+        view: the state read.
+        round_: the worker's round.
+        members: the nodes the worker's round started with.
+        node: the worker's node; None when not known yet, so that no eviction is inferred.
+
+    Returns:
+        The changes, in the order ``join_pending`` (a node waits), ``departure`` (members gone),
+        ``round_advanced`` (a later round), ``evicted`` (the worker's node is neither participant
+        nor waiting in its round or a later one: a candidate the watcher confirms).
+    """
     found: list[Change] = []
     if view.wait_list:
         found.append(Change("join_pending", view.wait_list, view.round))

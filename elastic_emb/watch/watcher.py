@@ -1,58 +1,11 @@
-"""Worker side: a thread that watches the rendezvous and tells the lifecycle what changed.
+"""The worker's watcher: a thread that polls the rendezvous and tells the lifecycle what changed.
 
-torchrun tells a worker nothing about membership. :class:`Watcher` polls the
-rendezvous state every ``interval`` seconds (bounded: every store read has a timeout and the
-loop sleeps on an Event, so ``stop()`` returns within one interval plus one read) and turns
-differences into :class:`~elastic_emb.watch.membership.MembershipEvent` records: ``join_pending``,
-``departure``, ``round_advanced``, ``evicted`` (decided from each state by
-:func:`elastic_emb.watch.membership.classify`, a pure function, where the kinds are explained),
-``agent_lost`` (the worker's own agent process vanished: its parent changed) and
-``drain_requested``.
+torchrun tells a worker nothing about membership. :class:`Watcher` turns each rendezvous state
+into :class:`~elastic_emb.watch.membership.MembershipEvent` records, stops an orphaned or evicted
+worker, settles a drain's last step among the ranks and acknowledges it, and counts store
+outages. The reader's and the events' names are importable from here too (``__all__``).
 
-The parts: ``rdzv/reader.py`` opens the store and reads the state for each inner backend;
-``membership.py`` says what one state means; ``selfstop.py`` notices a dead agent and stops the
-process; ``rdzv/drain_acks.py`` writes the drain's signed acknowledgements. This module holds
-what needs a thread, a store and time: the polling loop, the orphan report, the drain agreement,
-the outage accounting and the signed confirmations below. The reader's and the events' names stay importable from here.
-
-**Safe decoding.** The state is ``base64(pickle(_RendezvousState))`` in a network store:
-the watcher decodes it with the restricted decoder of ``rdzv/decode.py`` (the same one the agent
-validates with), which admits only the classes the state is made of and raises
-:class:`UnsafeStateError` for anything else, before any object of that class is made.
-
-**Orphans.** A worker whose agent was SIGKILLed keeps running (torch starts workers in a new
-session). The watcher notices within one interval that its parent process changed (it was
-reparented), or that the agent's pid (``ELASTIC_EMB_AGENT_PID``) is gone when a wrapper sits
-between agent and worker, reports the node dead under the
-round's store keys (the surviving agents then evict it from the rendezvous and restart at
-once, see ``rdzv/handler.py``), marks itself evicted and stops the worker: ``stop_delay`` seconds
-later it sends itself SIGTERM (the worker's own clean-up runs) and, if the process is still
-alive ``evict_grace`` seconds after the eviction, the kernel ends it (``selfstop.py``: SIGALRM
-from an interval timer, which needs no Python thread, so it also cuts a slow interpreter
-teardown short). A worker outside the membership never
-touches shared state: ``evicted`` is True before the stop begins, and the lifecycle checks it.
-
-**Drain.** When the agent asks the running workers to drain before a scale-up (a round-scoped
-``drain`` key), every rank must stop after the same step or the rank that stopped first would
-leave the others blocked in a collective. ``drain_requested(step)`` settles that: the first rank
-to see the request after committing step ``s`` fixes the last step at ``s + 1`` (no rank can
-have started ``s + 2``: that needs this rank in step ``s + 1``'s collective), and every rank
-then stops after committing it and calls ``ack_drain(step)``, which writes this rank's own signed
-acknowledgement (``rdzv/drain_acks.py``: a drain counts only acknowledgements that verify).
-
-**Store outages.** The workers' own collectives do not use the rendezvous store, so while it
-is unreachable (etcd restarting, say) they keep training, and the watcher treats the
-membership as *unknown*: no departure, eviction or round change is inferred from a failed read,
-a drain cannot be seen (it needs the store), and ``membership_change_pending()`` says False
-(a failed collective is then a real failure). It counts the outage with the agent's tracker
-(``rdzv/outage.py``): ``store_unreachable`` once per outage, ``store_reachable`` with ``outage_s``
-when a read succeeds again, and past ``store_outage_timeout`` (``ELASTIC_EMB_STORE_OUTAGE_TIMEOUT``,
-the agent's bound, default 30 s) ``store_outage_exceeded`` once; ``store_outage_exceeded`` is set: the agent fails at the same
-bound and stops its workers. ``store_outage_s`` says how long the current outage has lasted.
-
-Without the elastic_emb backend (plain ``--rdzv-backend=c10d``) the watcher works from
-torchrun's variables plus ``ELASTIC_EMB_RDZV_ENDPOINT`` (the ``--rdzv-endpoint``, which torchrun
-does not pass on); the worker's node is the participant whose pid is its parent's.
+Design: ``docs/LIFECYCLE.md`` (section "The watcher").
 """
 
 from __future__ import annotations
@@ -86,9 +39,9 @@ from elastic_emb.rdzv.reader import RendezvousReader, print_state
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.watch.selfstop import agent_gone, stop_self
 
-StateView = RendezvousView  # the name this module used before the two views were merged
-# Names this module exported before the reader (rdzv/reader.py) and the event classification
-# (membership.py) moved out; they stay importable from here.
+StateView = RendezvousView  # another name for the view, importable from here
+# The reader's (rdzv/reader.py) and the event classification's (membership.py) names are
+# importable from here too.
 __all__ = ["ALLOWED_CLASSES", "EventKind", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView",
            "StateView", "UnsafeStateError", "Watcher", "decode_state", "print_state"]
 
@@ -97,7 +50,31 @@ __all__ = ["ALLOWED_CLASSES", "EventKind", "MembershipEvent", "Participant", "Re
 
 
 class Watcher:
-    """Polls the rendezvous for one worker; see the module docstring."""
+    """Polls the rendezvous for one worker and reports what changed.
+
+    Build it with :meth:`from_env` and :meth:`start` it before the lifecycle. ``prober`` and
+    ``on_failure`` are set by the in-process resize; ``failure_seen`` holds once the failure flag
+    given to :meth:`watch_failures` is set.
+
+    Args:
+        reader: reads the rendezvous state and holds the store.
+        round_: the worker's rendezvous round; None learns it from the first complete state.
+        rank: the worker's rank.
+        world_size: the world's size.
+        node: the worker's node (its agent's rendezvous id); None finds it in the state.
+        agent_pid: the agent's pid (the worker's parent, unless a wrapper sits between).
+        interval: seconds between polls.
+        drain: whether to take part in drains.
+        stop_delay: seconds from an eviction to this process's SIGTERM.
+        evict_grace: seconds from an eviction to the process's hard end.
+        on_evicted: called with the event instead of stopping the process, or None.
+        signer: signs and verifies control keys; None reads the job's secret from the environment.
+        store_outage_timeout: seconds of store outage after which ``store_outage_exceeded`` holds.
+
+    Raises:
+        ValueError: ``interval`` is not positive, ``stop_delay`` is outside
+            ``[0, evict_grace]``, or ``store_outage_timeout`` is negative.
+    """
 
     def __init__(
         self,
@@ -157,7 +134,18 @@ class Watcher:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> "Watcher | None":
-        """A watcher for this worker, or None when the rendezvous endpoint is unknown."""
+        """A watcher for this worker, from torchrun's and elastic_emb's variables.
+
+        Args:
+            env: the environment to read; None reads ``os.environ``.
+            **kwargs: constructor arguments that override the environment's.
+
+        Returns:
+            The watcher (not started), or None when the rendezvous endpoint is unknown.
+
+        Raises:
+            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
+        """
         from elastic_emb.config import load, variable
 
         env = os.environ if env is None else env
@@ -173,12 +161,13 @@ class Watcher:
             return None
         run_id = env.get("TORCHELASTIC_RUN_ID", "none")
         backend = settings.rdzv_backend or "c10d"
-        # connect bounded by 30 s: under load (16 on 2 cores) the agent's store took over 2 s to
-        # accept and every worker of a bench run died at start; each later call stays bounded by 2 s
+        # connect bounded by 30 s: a loaded host's store may be slow to accept, and a worker that
+        # gives up dies at start; each later call stays bounded by 2 s
         reader = RendezvousReader(backend, endpoint, run_id, connect_timeout=30.0)
         agent_pid = settings.agent_pid or os.getppid()
-        # The round (a backend older than ELASTIC_EMB_RDZV_ROUND: the generation was the round).
-        # Unset (no elastic_emb backend): the round is learnt from the first complete state.
+        # The round: ELASTIC_EMB_RDZV_ROUND, else ELASTIC_EMB_GENERATION when set (a backend that
+        # does not set the round passes it as the generation). Neither (no elastic_emb backend):
+        # the round is learnt from the first complete state.
         gen = settings.rdzv_round if settings.rdzv_round is not None else (
             settings.generation if env.get(variable("generation")) else None)
         kwargs.setdefault("interval", settings.watch_interval)
@@ -199,6 +188,7 @@ class Watcher:
 
     @property
     def evicted(self) -> bool:
+        """Whether this worker is outside the membership (it must not touch shared state)."""
         return self._evicted
 
     @property
@@ -212,6 +202,11 @@ class Watcher:
         return self._outage.exceeded
 
     def start(self) -> "Watcher":
+        """Poll once now, publish the drain's expected count, then poll in a daemon thread.
+
+        Returns:
+            This watcher; starting a started watcher does nothing.
+        """
         if self._thread is not None:
             return self
         self._poll()  # learn the round and membership before the worker builds anything
@@ -225,7 +220,19 @@ class Watcher:
         self._thread.start()
         return self
 
+    def poll(self) -> None:
+        """Read the rendezvous state once, now, as the watcher's thread does every ``interval``.
+
+        For a caller that drives a watcher it never started (a benchmark that times this read).
+        """
+        self._poll()
+
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the polling thread and wait for it.
+
+        Args:
+            timeout: seconds to wait for the thread at most.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -237,7 +244,11 @@ class Watcher:
         self.stop()
 
     def events(self) -> list[MembershipEvent]:
-        """Membership events since the last call."""
+        """Hand out the membership events recorded since the last call.
+
+        Returns:
+            The events, oldest first.
+        """
         with self._lock:
             out, self._events = self._events, []
         return out
@@ -245,9 +256,18 @@ class Watcher:
     def drain_requested(self, step: int | None = None) -> bool:
         """Whether the worker must stop stepping for a drain.
 
-        With ``step`` (the step just committed): True once ``step`` reaches the last step all ranks
-        agreed on (the first rank to see the request fixes it at ``step + 1``). Without: whether a
-        request is pending at all.
+        Args:
+            step: the step just committed; None asks only whether a request is pending. The first
+                rank to see the request with a step fixes the last step at ``step + 1``.
+
+        Returns:
+            With ``step``: True once ``step`` reaches the last step all ranks agreed on. Without:
+            whether a request is pending. Always False when draining is off, before the round is
+            known, or after an eviction.
+
+        Raises:
+            TimeoutError: another rank claimed the last step but did not publish it within 10 s
+                (it died).
         """
         if not self.drain_enabled or self.round is None or self._evicted:
             return False  # an evicted worker stops through its eviction, not a drain
@@ -265,10 +285,16 @@ class Watcher:
     def membership_change_pending(self, timeout: float = 2.0) -> bool:
         """After a collective failed: whether a membership change explains it.
 
-        Polls (bounded by ``timeout``) until the state shows a departure, a newer round, a
-        waiting node, or this worker's eviction. True means the agent is about to restart the
-        workers: wait for its SIGTERM instead of exiting with an error, which torch would count
-        against the restart budget. False means the failure is a real one.
+        Polls until the state shows a departure, a newer round, a waiting node, or this worker's
+        eviction.
+
+        Args:
+            timeout: seconds to poll at most.
+
+        Returns:
+            True when a change explains the failure: the agent is about to restart the workers,
+            so wait for its SIGTERM instead of exiting with an error, which torch would count
+            against the restart budget. False when the failure is a real one.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -283,8 +309,16 @@ class Watcher:
             time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
 
     def adopt(self, nodes: tuple[str, ...], rank: int, world_size: int) -> None:
-        """The workers re-formed in process (``resize.py``): ``nodes`` are the members now, and
-        the departures seen so far are settled (a later one is reported afresh)."""
+        """The workers re-formed in process: take the new generation's members.
+
+        The departures and round changes seen so far are settled (a later one is reported
+        afresh), and rank 0 rewrites the drain's expected count at its next poll.
+
+        Args:
+            nodes: the new generation's nodes.
+            rank: this worker's new rank.
+            world_size: the new world size.
+        """
         with self._lock:
             self._members = tuple(nodes)
             self._reported = {k for k in self._reported if k[0] not in ("departure", "round_advanced")}
@@ -294,9 +328,14 @@ class Watcher:
             self._restore_due = 0.0
 
     def watch_failures(self, key: str | None) -> None:
-        """In process (``rollcall.py``): each poll reads ``key``, set when a collective of this
-        generation failed; then ``failure_seen`` holds and ``on_failure`` runs once (locked: never
-        for a replaced key)."""
+        """In process: read the roll call's failure flag of this generation at each poll.
+
+        Once the flag is set, ``failure_seen`` holds and ``on_failure`` runs once (never for a
+        key that was replaced meanwhile).
+
+        Args:
+            key: the flag's store key (``RollCall.failed_key``); None stops watching.
+        """
         with self._lock:
             self._failure_key, self.failure_seen = key, False
 
@@ -308,11 +347,19 @@ class Watcher:
             return False
 
     def interrupted(self) -> bool:
-        """This generation is over: a member gone or a peer's collective failed (store waits end)."""
+        """Whether this generation is over, so that its store waits should end.
+
+        Returns:
+            True when a member is gone or a peer's collective failed.
+        """
         return self.failure_seen or bool(self.gone())
 
     def gone(self) -> tuple[str, ...]:
-        """Members of this worker's generation absent from the last state read (none if unread)."""
+        """The members of this worker's generation absent from the last state read.
+
+        Returns:
+            The absent members, in order; empty before the first state or round is known.
+        """
         view = self.last_state
         if view is None or self.round is None:
             return ()
@@ -320,11 +367,18 @@ class Watcher:
 
     @property
     def stop_step(self) -> int | None:
+        """The drain's last step, once the ranks agreed on it; else None."""
         return self._stop_step
 
     def ack_drain(self, step: int) -> None:
-        """Tell the agent this worker committed ``step`` and stopped stepping (this rank's signed
-        acknowledgement, ``rdzv/drain_acks.py``)."""
+        """Tell the agent this worker committed ``step`` and stopped stepping.
+
+        Writes this rank's signed acknowledgement once; does nothing before the round is known
+        or after an eviction.
+
+        Args:
+            step: the last step committed.
+        """
         if self._acked or self.round is None or self._evicted:
             return  # outside the membership: touch no shared state
         write_ack(self._reader.store, self._signer, self._prefix(), self.round, self.rank, step)
@@ -408,8 +462,7 @@ class Watcher:
         if (key := self._failure_key) is not None and not self.failure_seen and self._control_set(key):
             with self._lock:
                 # watch_failures may have moved to the next generation's key meanwhile: the previous
-                # generation's failure is not this one's (seen: the new generation's agreement ended
-                # with _MemberGone and fell back)
+                # generation's failure is not this one's (it would end the new agreement's waits)
                 if key == self._failure_key and not self.failure_seen:
                     self.failure_seen = True
                     if self.on_failure is not None:
