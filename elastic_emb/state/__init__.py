@@ -1,32 +1,13 @@
 """Where embedding rows live between generations, and how they come back resharded.
 
-Three tiers hold committed state; one restore reads them all.
+Three tiers hold committed state: live rows kept in memory across an in-process re-form, node-local
+snapshots with replicas on other nodes (:class:`SnapshotTier`), and DCP checkpoints loadable at any
+world size (:class:`DurableTier`). One collective :func:`restore` reads them all; rows move by a
+:class:`Transport` (:func:`execute_plan`, :func:`move_rows`). Every commit ends with a manifest
+written last by atomic rename, and a restore that finds no complete commit raises
+:class:`~elastic_emb.errors.RestoreError` instead of inventing rows.
 
-* **live**: when the old and the new context are in one process, the old context's exported
-  shard stays in memory across the teardown and its rows move rank to rank over the *new*
-  context's communicator, per the reshard plan, with no disk.
-* **snapshot** (:mod:`.snapshot`, node-local, with replicas on other nodes).
-* **durable** (:mod:`.durable`, ``torch.distributed.checkpoint``, loadable by plain DCP at any
-  world size).
-
-Modules, from the bottom up:
-
-* :mod:`.manifest`: the on-disk records of a commit, :class:`CommitId`, checksums, atomic writes.
-* :mod:`.paths`: node identity and the directory layout.
-* :mod:`.comm`: the communicator (process group for tensors, store for small JSON).
-* :mod:`.plan`: pure planning (who sends which rows to whom, replica placement).
-* :mod:`.transport`: one :class:`Transport` interface; all-to-all, gloo p2p and cross-memory
-  attach (:mod:`.cma`) behind it; :func:`execute_plan` and :func:`move_rows` on top.
-* :mod:`.snapshot`, :mod:`.durable`: the two tiers that write commits (:mod:`.shardfile`: a
-  snapshot's data file, packed, written and read back verified).
-* :mod:`.restore`: the collective restore (inventory, choice of commit, verification, transfer)
-  and :func:`inspect_state` for operators.
-* :mod:`.points`: named points of a commit where tests inject faults (a no-op in production).
-
-Every commit of every tier ends with a JSON manifest written last by atomic rename, so a commit
-torn by a crash is never read as complete. When state exists but no commit is complete,
-:class:`~elastic_emb.errors.RestoreError` names the row ranges nobody holds: never silent zeros,
-never fresh random rows.
+Design: ``docs/COMMIT.md``.
 """
 
 from elastic_emb.state.comm import TRANSPORTS, Comm

@@ -1,43 +1,12 @@
 """Same-host row transport for CPU restores: each receiver pulls its rows out of its senders' memory.
 
-Why. On CPU every rank of a host runs on one kernel. Over gloo, a row block goes from rank s to
-rank d through a loopback TCP connection: copied into socket buffers by s, out of them by d, about
-2 GB/s here. Linux cross-memory attach, ``process_vm_readv(2)``, lets d copy the bytes from s's
-address space straight into its own rows: one kernel copy, no socket, no staging buffer, and s
-does nothing while it happens (see BENCHMARKS.md for what that changes for a live reshard).
+:func:`transfer` (collective) moves row blocks by ``process_vm_readv(2)`` between the ranks of one
+host, after checking that each sender is a worker of this job (:func:`job_member`) and owns the
+addresses it published (a token probe); the pairs it could not move are returned, for gloo.
+:func:`identity` and :func:`read_remote` are its parts. ``ELASTIC_EMB_TRANSPORT=cma`` selects it
+(the CPU default); ``p2p`` keeps every byte on gloo.
 
-How. :func:`transfer` is collective over the restore's communicator (:class:`elastic_emb.state.comm.Comm`):
-
-1. Every rank publishes through ``Comm.exchange`` (the store, JSON): its identity (pid, boot id,
-   host name, pid namespace, and the address and value of a random 16-byte token in its memory)
-   and, for each row block it sends, the address and length of every tensor's bytes (weight, then
-   optimizer slots, in the plan's order; a source that is not contiguous is copied first).
-2. Each receiver checks each sender it needs: same boot id, host name and pid namespace; then
-   that the offered pid is a worker of this job (:func:`job_member`: the kernel's
-   ``/proc/<pid>`` says it is a sibling of this worker, started by the same agent with the same
-   run id and restart count: a process outside the job, named by a forged offer in the store, is
-   refused before a byte of it is read); then a probe: it reads the sender's token with
-   ``process_vm_readv`` and compares it with the published value. A match proves that the pid
-   names the process that published the addresses, in this kernel (not a recycled pid, not a
-   process of another pid namespace), and that this process is allowed to read it (ptrace access
-   rules: same user, Yama, seccomp). It then touches its
-   destination pages in user space (a fresh arena faults in faster there than inside the kernel's
-   copy, measured) and pulls every block.
-3. A barrier (``Comm.exchange``, bounded by the communicator's timeout) on which every receiver
-   reports the senders it could not read. Senders keep their source rows alive and unchanged until
-   the barrier; the pairs reported are then moved by the caller over gloo (:class:`elastic_emb.state.transport.P2PTransport`),
-   which both sides know from the barrier's result.
-
-Any failure with a peer (EPERM from ptrace rules, ENOSYS from a seccomp policy or another OS,
-another host or pid namespace, a process that is not a worker of this job launched by the same
-agent, a wrong token, a short read) sends that peer's rows over gloo
-instead: rows are never lost or guessed, only slower. The first fallback for a reason is logged as
-a ``cma_fallback`` warning event, later ones at debug level. Under Yama ``ptrace_scope`` 1 (only
-ancestors may read a process) a sender opens itself to readers of its own user with
-``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` for the duration of the transfer and closes again
-after the barrier; scopes 2 and 3 refuse and fall back.
-
-``ELASTIC_EMB_TRANSPORT=cma`` selects it (the CPU default); ``p2p`` keeps every byte on gloo.
+Design: ``docs/COMMIT.md`` (section "Cross-memory attach").
 """
 
 from __future__ import annotations
@@ -99,7 +68,12 @@ def _token_buffer() -> ctypes.Array:
 
 
 def identity() -> dict:
-    """What a reader needs to find this process and to prove it found the right one."""
+    """What a reader needs to find this process and to prove it found the right one.
+
+    Returns:
+        A JSON-able dict: whether ``process_vm_readv`` is available here, the pid, the boot id,
+        the host name, the pid namespace, and the address and hex value of this process's token.
+    """
     tok = _token_buffer()
     pidns = ""
     try:
@@ -111,8 +85,15 @@ def identity() -> dict:
 
 
 def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
-    """Copy ``(local_addr, remote_addr, nbytes)`` blocks out of process ``pid``; raises
-    :class:`_PullError` on any error or short read."""
+    """Copy blocks of bytes out of another process's memory into this one's.
+
+    Args:
+        pid: the process to read.
+        blocks: ``(local address, remote address, bytes)`` triples.
+
+    Raises:
+        _PullError: if ``process_vm_readv`` is unavailable, fails (with its errno), or reads nothing.
+    """
     if _readv is None:
         raise _PullError(38, "process_vm_readv is not available on this platform")  # ENOSYS
     for local, remote, n in blocks:
@@ -154,13 +135,18 @@ def _parent(pid: int | str) -> int:
 
 
 def job_member(pid: int) -> str | None:
-    """None when process ``pid`` proves it is a worker of this job's current launch, else why not.
+    """Whether process ``pid`` is, in the kernel's view, a worker of this job's current launch.
 
-    Everything in the offer (pid, token, addresses) comes from the store, which anyone who can
-    reach it may write. What a store writer cannot forge is the kernel's view of the offered
-    process: it must be a sibling of this worker (the same parent: the agent that started both
-    for this launch) and have been started with this worker's run id and restart count. Checked
-    before a single byte of the process is read; a refusal sends that peer's rows over gloo."""
+    It must be a sibling of this worker (the same parent: the agent that started both) and have
+    been started with this worker's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``.
+    An offer in the store can be forged; ``/proc/<pid>`` cannot.
+
+    Args:
+        pid: the process an offer names.
+
+    Returns:
+        None when it is a worker of this job, else the reason it is not (or cannot be checked).
+    """
     try:
         theirs, parent = _environ(pid), _parent(pid)
         mine = _environ("self")
@@ -217,10 +203,9 @@ _populate = [True]  # cleared when the kernel refuses MADV_POPULATE_WRITE
 
 def _touch(b: torch.Tensor) -> None:
     """Fault the pages of a flat uint8 destination in before the pull: faults taken inside
-    process_vm_readv's copy cost more than taking them first (measured: 128 MB fresh, 0.062 s
-    pulled as is, 0.040 + 0.017 s touched then pulled). ``madvise(MADV_POPULATE_WRITE)`` on the
-    whole pages inside (no content changes, ~8% cheaper than writing a byte per page), one write
-    per page on the partial pages at the ends (and everywhere when the kernel lacks it)."""
+    process_vm_readv's copy cost more than taking them first. ``madvise(MADV_POPULATE_WRITE)`` on
+    the whole pages inside (no content changes, and cheaper than writing a byte per page), one
+    write per page on the partial pages at the ends (and everywhere when the kernel lacks it)."""
     n = b.numel()
     if not n:
         return
@@ -252,13 +237,27 @@ def _yama_scope() -> int:
 
 def transfer(comm, outgoing: dict[int, tuple[int, list[torch.Tensor]]],
              incoming: dict[int, tuple[int, list[torch.Tensor]]]) -> set[tuple[int, int]]:
-    """Collective: move row blocks between the ranks of ``comm`` by cross-memory attach.
+    """Move row blocks between the ranks of ``comm`` by cross-memory attach (collective).
 
-    ``outgoing``: block key -> (destination rank, source tensors of this rank, CPU);
-    ``incoming``: block key -> (source rank, destination tensors of this rank, CPU, same shapes
-    as the sender's). Keys are shared by sender and receiver (the index in the common plan order).
-    Every rank must call it, even with nothing to move. Returns the (src, dst) pairs of the whole
-    world whose blocks were not moved (any failure of that pair): the caller moves them another way."""
+    Every rank must call it, even with nothing to move. Keys are shared by sender and receiver
+    (the index in the common plan order). Senders keep their rows alive and unchanged until the
+    closing barrier.
+
+    Args:
+        comm: the communicator (:class:`elastic_emb.state.comm.Comm`): its store carries the offers.
+        outgoing: block key -> (destination rank, this rank's source tensors, on the CPU).
+        incoming: block key -> (source rank, this rank's destination tensors, on the CPU, shaped
+            as the sender's).
+
+    Returns:
+        The ``(src, dst)`` pairs of the whole world whose blocks were not moved (any failure of
+        that pair): the caller moves them another way.
+
+    Raises:
+        ValueError: if a source or destination tensor is not in CPU memory.
+        RuntimeError: if a sender's offer does not match this rank's plan (the ranks planned
+            differently).
+    """
     keep: list[torch.Tensor] = []
     offers: dict[str, list[list[int]]] = {}
     for key, (_, tensors) in outgoing.items():

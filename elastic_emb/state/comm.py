@@ -1,28 +1,12 @@
-"""The communicator state transfer runs on: one world's process group for tensors, its store for
-small JSON.
+"""The communicator state transfer runs on: one world's process group for tensors, its store for JSON.
 
-Every restore, commit and reshard of one generation talks through a :class:`Comm`. Tensors go
-over the context's own ``process_group`` (a c10d ProcessGroup; raw methods are used, so it need
-not be registered with ``torch.distributed``); a context without one gets a gloo group of its
-own on a private store prefix. Small metadata (inventories, offers, verdicts) travels through
-the store as JSON, never pickle, and every wait on it is bounded by the communicator's timeout.
+:class:`Comm` exchanges small JSON objects through the store (:meth:`Comm.exchange`) and moves
+bytes over the context's process group, or a gloo group of its own (:meth:`Comm.all_to_all`,
+:meth:`Comm.wait_works`). Every wait is bounded by its timeout; :meth:`Comm.abort` and
+:meth:`Comm.give_up_on` end waits for peers known gone. :func:`thread_store` gives a background
+thread a store client of its own.
 
-A communicator used from a background thread (``interruptible``) waits on the store by polling
-in short sleeps, so that :meth:`Comm.abort` from another thread ends the wait at once: a thread
-still blocked inside the store client when the process exits is torn down mid-call (seen: the
-store's server, in rank 0's process, closing under it aborts the process). The poll also ends
-when the process exits, and its store calls, like every blocking call a background thread makes
-here, are made inside :func:`~elastic_emb.native_calls.native_call`, which the exit waits for.
-
-Tensor transfers on gloo (restore's row moves over point-to-point sends and receives, the
-replicas' all-to-all) wait through :class:`~elastic_emb.work_wait.WorkWaits`: :meth:`Comm.abort`
-ends them too, at once, with :class:`~elastic_emb.errors.TransferInterrupted`, where gloo alone
-would wait out the timeout for a peer that is stopped, cut off, or whose connection broke under
-a queued send. (NCCL transfers only order the stream; the communicator's timeout bounds them.)
-
-The k-th communicator a rank makes in a generation pairs with the k-th on every other rank (same
-program order) and gets store keys of its own: reused keys would hand one exchange the values of
-an earlier one, and a process group formed twice on one prefix hangs.
+Design: ``docs/COMMIT.md`` (section "The communicator").
 """
 
 from __future__ import annotations
@@ -55,11 +39,18 @@ TRANSPORTS = ("cma", "p2p", "alltoall")  # ELASTIC_EMB_TRANSPORT values (see ela
 def thread_store(store):
     """A client of ``store`` of its own, for a communicator used from a background thread.
 
-    A TCPStore client serves one request at a time: a thread blocked in ``wait()`` on a client it
-    shares stalls every ``set()`` of the other threads, and two ranks whose threads each wait for
-    a key the other rank's stalled thread would set never wake (seen: the durable thread and the
-    training thread). ``Store.clone()`` (torch >= 2.8) gives a connection of its own; a store
-    without it (a Python store) is shared as it is."""
+    A TCPStore client serves one request at a time: a thread blocked in ``wait()`` on a shared
+    client stalls every ``set()`` of the other threads, and two ranks whose threads each wait for
+    a key the other rank's stalled thread would set never wake (for example the durable thread
+    and the training thread).
+
+    Args:
+        store: a c10d store.
+
+    Returns:
+        ``store.clone()`` (torch >= 2.8: a connection of its own), or ``store`` itself when it
+        cannot be cloned (a Python store).
+    """
     try:
         return store.clone()
     except (AttributeError, RuntimeError, NotImplementedError) as exc:
@@ -68,7 +59,20 @@ def thread_store(store):
 
 
 class Comm:
-    """The collective operations state transfer needs, on one world's process group and store."""
+    """The collective operations state transfer needs, on one world's process group and store.
+
+    Args:
+        topology: the generation's topology (rank, world size, backend).
+        store: the rendezvous store; this communicator's keys go under a prefix of their own.
+        process_group: the context's process group; None: form a gloo group of its own.
+        timeout: seconds every wait (store or transfer) is bounded by.
+        device: where tensors are moved; None: the current CUDA device on NCCL, else the CPU.
+        purpose: names the store prefix, so communicators of different purposes never pair.
+        interruptible: wait on the store by polling, so :meth:`abort` from another thread ends it.
+
+    Raises:
+        ValueError: if ``ELASTIC_EMB_TRANSPORT`` names a CPU-only transport on a CUDA device.
+    """
 
     def __init__(self, topology: Topology, store, process_group=None, *, timeout: float = 300.0,
                  device: torch.device | str | None = None, purpose: str = "state",
@@ -106,7 +110,19 @@ class Comm:
         self._waits = WorkWaits(f"rank {self.rank} (generation {topology.generation}, state communicator {purpose})")
 
     def exchange(self, name: str, obj: Any) -> list[Any]:
-        """All-gather a JSON-able object through the store; returns one entry per rank."""
+        """All-gather a JSON-able object through the store (collective).
+
+        Args:
+            name: what is exchanged (part of the keys and of error messages).
+            obj: this rank's JSON-able value.
+
+        Returns:
+            Every rank's value, decoded, in rank order.
+
+        Raises:
+            TimeoutError: if some rank did not publish within the timeout.
+            _CommAborted: if the wait was ended by :meth:`abort`, the exit, or a rank given up on.
+        """
         with native_call():  # store calls, maybe on a background thread: the exit waits for them
             return self._exchange(name, obj)
 
@@ -118,7 +134,7 @@ class Comm:
         self.store.set(f"{base}/{self.rank}", json.dumps(obj))
         keys = [f"{base}/{r}" for r in range(self.size)]
         try:
-            if self.interruptible or self._aborted.is_set() or self._gone[0]:  # aborted: keys not all there raise at once
+            if self.interruptible or self._aborted.is_set() or self._gone[0]:  # aborted: missing keys raise now
                 self._poll(keys, name)
             else:
                 self.store.wait(keys, timedelta(seconds=self.timeout))
@@ -154,7 +170,16 @@ class Comm:
             pause = min(2 * pause, POLL_MAX)
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
-        """Send ``send[d]`` (uint8) to rank d; return the byte buffers received from each rank."""
+        """Send ``send[d]`` to rank ``d`` and receive from every rank (collective).
+
+        Args:
+            send: one uint8 tensor per rank (empty for none); a single non-empty contiguous one on
+                this device is sent without a copy.
+            recv_sizes: the bytes to receive from each rank.
+
+        Returns:
+            The byte buffers received, one per rank, as views of one buffer.
+        """
         in_splits = [int(t.numel()) for t in send]
         full = [t for t in send if t.numel()]
         if len(full) == 1 and full[0].device == self.device and full[0].is_contiguous():
@@ -167,8 +192,22 @@ class Comm:
 
     def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int],
                         out: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """One ``alltoall_base`` of a flat uint8 buffer (into ``out`` if given); every rank must
-        call it, even with nothing to move."""
+        """One ``alltoall_base`` of a flat uint8 buffer; every rank calls it, even with nothing to move.
+
+        Args:
+            inp: the bytes to send, one split per rank back to back.
+            in_splits: the bytes for each rank.
+            recv_sizes: the bytes to receive from each rank.
+            out: a buffer of ``sum(recv_sizes)`` bytes to receive into; None: a new one.
+
+        Returns:
+            The received bytes, split per rank (views of ``out``).
+
+        Raises:
+            ValueError: if ``out`` has the wrong size.
+            TransferInterrupted: if the communicator was aborted before or during the transfer.
+            RuntimeError: if the transfer failed or did not complete within the timeout.
+        """
         import torch.distributed as dist
 
         if out is None:
@@ -183,14 +222,30 @@ class Comm:
         return list(torch.split(out, list(recv_sizes)))
 
     def check(self, what: str) -> None:
-        """Raise :class:`~elastic_emb.errors.TransferInterrupted` if :meth:`abort` was called
-        (before posting a transfer that could only be abandoned)."""
+        """Refuse to post a transfer that could only be abandoned.
+
+        Args:
+            what: the transfer, for the error message.
+
+        Raises:
+            TransferInterrupted: if :meth:`abort` was called.
+        """
         self._waits.check(what)
 
     def wait_works(self, works: list, what: str) -> None:
-        """Wait for the transfers ``works`` (posted on :attr:`pg`), bounded by the timeout and,
-        on gloo, ended at once by :meth:`abort` (:class:`~elastic_emb.errors.TransferInterrupted`).
-        Raises ``RuntimeError`` naming ``what`` when one fails or the time runs out."""
+        """Wait for transfers posted on :attr:`pg`, bounded by the timeout.
+
+        On gloo, :meth:`abort` ends the wait at once; transfers left behind are held by a daemon
+        thread until they end. On NCCL the wait only orders the current stream.
+
+        Args:
+            works: the work objects of the posted transfers.
+            what: the transfers, for messages.
+
+        Raises:
+            TransferInterrupted: if :meth:`abort` ended the wait (gloo).
+            RuntimeError: naming ``what``, if a transfer failed or the time ran out.
+        """
         if self.device.type != "cpu":  # NCCL: wait() orders the current stream, the host does not block
             ok = all(w.wait() for w in works)
         else:
@@ -209,29 +264,52 @@ class Comm:
                                f"complete within {self.timeout}s; a peer died or is stuck: re-form the world")
 
     def formed_on(self, process_group) -> bool:
-        """Whether this communicator was made for ``process_group``: the same group, or None
-        for one that formed a gloo group of its own (whose :attr:`pg` is that group)."""
+        """Whether this communicator was made for ``process_group``.
+
+        Args:
+            process_group: a context's process group, or None.
+
+        Returns:
+            True for the same group, or for None when this communicator formed a gloo group of its
+            own.
+        """
         return process_group is None if self._own_pg else self.pg is process_group
 
     def barrier(self, name: str) -> None:
+        """Wait until every rank reached this point (an :meth:`exchange` of nothing).
+
+        Args:
+            name: the barrier's name (part of its keys).
+        """
         self.exchange(name, 0)
 
     def abort(self, reason: str = "the communicator was aborted (a peer died)") -> None:
-        """A peer died (any thread): an interruptible wait on the store raises :class:`_CommAborted`
-        now instead of at its timeout, a wait on a gloo transfer raises
-        :class:`~elastic_emb.errors.TransferInterrupted` (a ``_CommAborted``), and so does every
-        later one. The transfer itself is abandoned: it runs out on its own thread, holding its
-        tensors, until it completes, fails or times out (``work_wait.py``)."""
+        """A peer died (callable from any thread): end this communicator's waits now.
+
+        An interruptible wait on the store raises :class:`_CommAborted` now instead of at its
+        timeout, a wait on a gloo transfer raises :class:`~elastic_emb.errors.TransferInterrupted`
+        (a ``_CommAborted``), and so does every later one. The transfer itself is abandoned: it
+        runs out on its own thread, holding its tensors, until it completes, fails or times out.
+
+        Args:
+            reason: why, for the errors raised.
+        """
         self._aborted.set()
         self._waits.interrupt(reason)
 
     def give_up_on(self, ranks, reason: str) -> None:
-        """Ranks ``ranks`` of this generation are gone from the rendezvous (any thread): an exchange
-        that still misses one of their keys raises :class:`_CommAborted` now, since they will never
-        write it, while one whose gone ranks had all published (a node that drained: it finished
-        its part of the commit before it left) still waits for the live ranks and completes.
-        Unlike :meth:`abort`, a transfer in flight is not ended: it cannot tell which peer it waits
-        for, and a gloo transfer from a process that exited fails on its own."""
+        """Ranks of this generation left the rendezvous (callable from any thread).
+
+        An exchange that still misses one of their keys raises :class:`_CommAborted` now, since
+        they will never write it; one whose gone ranks had all published (a node that drained
+        after its part of the commit) still waits for the live ranks and completes. Unlike
+        :meth:`abort`, a transfer in flight is not ended: it cannot tell which peer it waits for,
+        and a gloo transfer from a process that exited fails on its own.
+
+        Args:
+            ranks: the ranks gone (added to those given before).
+            reason: why, for the errors raised.
+        """
         gone = frozenset(int(r) for r in ranks)
         self._gone = (self._gone[0] | gone, reason)
 

@@ -1,49 +1,12 @@
 """Compaction in the background: a holder folds a delta chain into a base from its own files.
 
-Without it, a chain of host-captured deltas would end in a new full base captured from the
-context: the training thread copies the whole shard, and the writer writes it, sends it to the
-replica holders and writes it there, while the next commit waits for all of that. Every holder
-already has what a new base needs: the previous base and the deltas since, in its own node
-directory. So, after the writer completed a delta commit at a *fold point*, each rank hands the
-manifests it wrote for that commit (its own shard's, and the replicas it holds) to its
-:class:`Compactor`, whose thread, for each:
+After the writer completed a delta commit at a fold point (:class:`FoldWindow` says when), each
+rank hands the manifests it wrote for it to its :class:`Compactor`, whose thread folds each
+(:func:`fold`): the chain is read back verified and written as a new base file, and the delta's
+manifest is replaced by atomic rename with one naming that base. Nothing is collective or crosses
+the network, and a kill at any point leaves a restorable commit. Log segment deltas are not folded.
 
-1. reads the chain back verified (:func:`~elastic_emb.state.delta.read_chain`: every CRC of the
-   base and of every delta is checked, so a corrupt file is never folded into a fresh checksum);
-2. writes the materialized shard (the base's copy-on-write mapping with the deltas applied),
-   tensor by tensor, as a new data file next to the delta's (``*.base.bin``), and fsyncs it; its
-   checksums are XXH3-64 (:mod:`.digest`: several times faster than CRC32, and the next fold
-   verifies this base again);
-3. replaces the delta's manifest, by atomic rename, with one that names the new file and no
-   parent: from then on the commit is a base, and prune frees the old base and the deltas
-   before it (:meth:`SnapshotTier.prune`);
-4. removes the delta's own data file (a base needs nothing else).
-
-When: a fold costs a pass over the whole shard, so fold points are spaced by what a restore
-would read of the deltas, not by their count alone (:class:`FoldWindow`): a commit is a fold point
-once some rank's deltas since the last one, their bytes plus :data:`DELTA_FILE_COST` per file,
-reach ``fold_ratio`` (0.25) of its shard's bytes, or after ``fold_max_deltas`` (32) deltas, and
-never sooner than ``max_chain`` (8) deltas after the last (a fold is a pass over the shard like a
-captured base: never more often than the bases it replaces). The fold's share of every step then
-grows with the rows a step writes, not with the table, and a restore reads at most about
-``2 * fold_ratio`` of a shard's worth in deltas on top of its base (the chain since the older base
-while a fold runs): at most about 1.5 times a restore of the base alone, unless the ``max_chain``
-spacing holds the fold back (small shards with large deltas).
-
-Nothing crosses the network, nothing is collective and the training thread does not take part:
-the next commits are deltas on the same parent as before, whatever their holders' compactors
-are doing. A kill at any point leaves a restorable commit: before step 3 the delta and its chain
-are intact (the partial ``*.base.bin`` is an orphan the commit directory's prune removes), after
-it the base is complete (a leftover delta file is an orphan too). Holders fold at their own pace,
-so one node may hold a commit as a base while another holds it as a delta: both are complete,
-and prune keeps a chain while any node still lists it.
-
-Bound: a fold starts only once the previous one ended (the writer waits for it at the next fold
-point, bounded), so a holder keeps at most two bases of a shard (the older one until the prune at
-the next fold point) and the deltas of two windows. A fold that fails (storage full, a corrupt
-link) is logged and changes nothing: the chain stays as it was, and the next fold point folds the
-longer chain. Deltas captured on the GPU into log segments are not folded: on that path a base
-is still captured every ``max_chain + 1`` commits.
+Design: ``docs/COMMIT.md`` (section "Folding").
 """
 
 from __future__ import annotations
@@ -73,9 +36,8 @@ log = get_logger("elastic_emb.state")
 BASE_SUFFIX = ".base.bin"  # the data file a fold writes: rank<r>[.replica].base.bin
 FOLD_CHECKSUM = "xxh3_64"  # the algorithm of a folded base's checksums (digest.py)
 # What reading one delta file costs a restore beyond its bytes, as bytes of a base (mapping,
-# manifest, checksum set-up, applying the rows): measured on the 2-core CPU machine with two ranks,
-# chains of 0.53 MB deltas restored in about 2 ms more per delta than their base alone, where the
-# base read about 1 GB/s (bench/commit.py --phases restore).
+# manifest, checksum set-up, applying the rows); estimated from restores of long chains on the CPU
+# (BENCHMARKS.md).
 DELTA_FILE_COST = 2 << 20
 
 
@@ -91,21 +53,44 @@ class FoldWindow:
 
     @classmethod
     def after_base(cls, sizes: list[int]) -> "FoldWindow":
+        """The window that starts at a base.
+
+        Args:
+            sizes: each rank's base bytes (its whole shard), in rank order.
+
+        Returns:
+            An empty window over those bases.
+        """
         return cls(list(sizes), [0] * len(sizes))
 
     def add(self, sizes: list[int]) -> None:
+        """Count one more delta commit.
+
+        Args:
+            sizes: each rank's delta bytes, in rank order.
+        """
         self.delta_bytes = [a + b for a, b in zip(self.delta_bytes, sizes)]
         self.deltas += 1
 
     def due(self, ratio: float, max_deltas: int, min_deltas: int = 1) -> bool:
-        """A fold point: ``max_deltas`` deltas, or, for some rank, what a restore reads of its
-        deltas (their bytes, and :data:`DELTA_FILE_COST` for each file) reaches ``ratio`` of its
-        base, but never before ``min_deltas`` deltas."""
+        """Whether the newest commit is a fold point.
+
+        Args:
+            ratio: the share of a rank's base that what a restore reads of its deltas (their bytes,
+                and :data:`DELTA_FILE_COST` for each file) must reach.
+            max_deltas: a fold point after this many deltas, whatever their size.
+            min_deltas: never a fold point before this many deltas.
+
+        Returns:
+            True after ``max_deltas`` deltas, or once some rank's deltas reach ``ratio`` of its base
+            and at least ``min_deltas`` deltas were counted.
+        """
         opened = self.deltas * DELTA_FILE_COST
         return self.deltas >= max_deltas or (self.deltas >= min_deltas and any(
             b > 0 and d + opened >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes)))
 
     def restart(self) -> None:
+        """Start a new window at a fold point (the bases stay as they are)."""
         self.delta_bytes, self.deltas = [0] * len(self.base_bytes), 0
 
 
@@ -114,20 +99,37 @@ def _cancelled(path: Path) -> _FoldCancelled:
 
 
 def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int | None:
-    """Fold the delta commit whose manifest is ``manifest_path`` (in ``tier``'s node directory)
-    into a base, in place (module docstring). Returns the bytes of the new data file, or None
-    when there is nothing to fold (already a base, or gone: pruned meanwhile). Raises on a chain
-    that cannot be read (a gap, a checksum mismatch) and on storage errors, leaving the delta as it
-    was; :class:`_FoldCancelled` when ``cancelled()`` turned true before the manifest swap.
-    ``chains``: the node directory's resolved chains (``resolve_chains(...)[0]``), when the caller
-    folds several manifests of one commit (listed once)."""
+    """Fold one delta commit of a node directory into a base, in place.
+
+    The chain is read back verified, written as ``*.base.bin`` next to the delta and fsynced, the
+    manifest is swapped by atomic rename (under the tier's fold lock, and only if it is unchanged),
+    and the delta's data file is removed. Every error leaves the delta as it was.
+
+    Args:
+        tier: the node's :class:`~elastic_emb.state.snapshot.SnapshotTier`.
+        manifest_path: the delta's manifest in the tier's node directory.
+        cancelled: checked before the write and again before the swap.
+        chains: the node directory's resolved chains (``resolve_chains(...)[0]``), when the caller
+            folds several manifests of one commit (listed once); None: resolved here.
+
+    Returns:
+        The bytes of the new data file, or None when there is nothing to fold (already a base, a
+        delta in a log segment, or gone or replaced meanwhile).
+
+    Raises:
+        FileNotFoundError: if the delta's chain is not complete in the node directory.
+        ChecksumMismatch: if a link of the chain is corrupt.
+        ValueError: if the manifest names an unsafe data file or a delta names rows outside its shard.
+        OSError: on storage errors.
+        _FoldCancelled: if ``cancelled()`` turned true before the manifest swap.
+    """
     try:
         raw = manifest_path.read_bytes()
     except FileNotFoundError:
         return None
     m = SnapshotManifest.model_validate_json(raw)
     if m.parent is None or m.segment is not None:
-        return None  # a base already, or a GPU delta in a log segment (not folded: module docstring)
+        return None  # a base already, or a GPU delta in a log segment (reused: never folded)
     check_name(m.data_file, "data file")  # (read back from the directory: it names the file removed last)
     key = (m.source_rank, m.replica, m.commit)
     if chains is None:
@@ -191,7 +193,14 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int
 
 
 class Compactor:
-    """Folds the delta commits it is given in a thread of its own, one at a time (module docstring)."""
+    """Folds the delta commits it is given in a thread of its own, one at a time.
+
+    A fold that fails is logged and changes nothing (the next fold point folds the longer chain).
+
+    Args:
+        tier: the node's :class:`~elastic_emb.state.snapshot.SnapshotTier`.
+        timeout: how long :meth:`request` and :meth:`wait` wait for the fold under way.
+    """
 
     def __init__(self, tier, timeout: float) -> None:
         self.tier = tier
@@ -203,9 +212,16 @@ class Compactor:
         self._thread: threading.Thread | None = None
 
     def request(self, step: int, manifests: list[Path]) -> bool:
-        """Fold these manifests of the commit of ``step`` (written by this rank: its own and the
-        replicas it holds) once the fold under way ended (waiting at most ``timeout``: then this
-        fold point is skipped, and the next one folds the longer chain). Whether it was queued."""
+        """Start folding a commit's manifests once the fold under way ended.
+
+        Args:
+            step: the commit's step (for events).
+            manifests: the manifests this rank wrote for it: its own and the replicas it holds.
+
+        Returns:
+            Whether the fold started; False when the previous fold still ran after ``timeout``
+            (this fold point is skipped, and the next one folds the longer chain).
+        """
         deadline = time.monotonic() + self.timeout
         with self._cv:
             while self._busy and (left := deadline - time.monotonic()) > 0:
@@ -250,7 +266,14 @@ class Compactor:
                 self._cv.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait (at most ``timeout``, default the compactor's) for the fold under way; whether none is."""
+        """Wait for the fold under way.
+
+        Args:
+            timeout: the most seconds to wait; None: the compactor's timeout.
+
+        Returns:
+            Whether no fold runs now.
+        """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cv:
             while self._busy and (left := deadline - time.monotonic()) > 0:
@@ -258,9 +281,17 @@ class Compactor:
             return not self._busy
 
     def cancel(self, timeout: float) -> bool:
-        """Cancel the fold under way (it stops before its manifest swap, leaving the delta as it
-        was) and wait for its thread, at most ``timeout``; whether none runs now. Later requests
-        fold again (a resize cancels the fold of the old generation before it restores)."""
+        """Cancel the fold under way and wait for its thread.
+
+        The fold stops before its manifest swap, leaving the delta as it was. Later requests fold
+        again (a resize cancels the fold of the old generation before it restores).
+
+        Args:
+            timeout: the most seconds to wait for the thread.
+
+        Returns:
+            Whether no fold runs now.
+        """
         with self._cv:
             self._epoch += 1
         ended = self.wait(timeout)
@@ -270,6 +301,15 @@ class Compactor:
 
 
 def fold_targets(cdir: Path, rank: int, replicas_of: list[int]) -> list[Path]:
-    """The manifests one rank wrote for a commit: its own shard's, then the replicas it holds."""
+    """The manifests one rank wrote for a commit: its own shard's, then the replicas it holds.
+
+    Args:
+        cdir: the commit directory.
+        rank: the rank.
+        replicas_of: the ranks whose replicas it holds.
+
+    Returns:
+        The manifest paths.
+    """
     return [cdir / f"rank{rank}.json"] + [cdir / f"rank{r}.replica.json" for r in replicas_of]
 

@@ -1,18 +1,11 @@
 """CRC32 of large buffers on several cores, and a background commit's data file written by them.
 
-A delta captured on the GPU lands in a log segment or in pinned host memory, and the background
-writer (:mod:`elastic_emb.state.capture`) checksums it there (:func:`checksum_ranges`), or, from
-pinned memory, copies it into a file and checksums it on the way (:func:`write_and_checksum`).
-zlib's CRC32 runs at about 1 GB/s on one core, so a 0.5 GB delta would take half a second: too
-slow for a commit every 20 ms step. CRC32 is linear, so the buffer is cut into chunks, each
-chunk's CRC32 is computed on a thread of its own (``zlib.crc32`` releases the GIL), and the chunks' CRCs are joined (:func:`crc32_combine`): the
-CRC of ``A + B`` is the CRC of ``A`` advanced over ``len(B)`` zero bytes, xor the CRC of ``B``.
-Advancing over ``m`` zero bytes is a linear map on the 32 bits of the CRC; the maps for 1, 2, 4,
-... bytes are built once by squaring (``_ZEROS``), so a join costs at most one 32x32 bit-matrix
-product per set bit of ``m``. The same threads copy their chunk into the file, mapped (numpy's
-copy releases the GIL too), and checksum it while it is in cache. The result equals
-``zlib.crc32`` of the whole buffer, so a manifest written this way is read back by the same code
-as any other.
+* :func:`checksum_ranges`, :func:`crc32_of`: zlib's CRC32, chunk by chunk on the checksum threads
+  (:func:`pool`), the chunks joined by :func:`crc32_combine`; equal to ``zlib.crc32`` of the whole.
+* :func:`write_and_checksum`: a buffer copied into a new mapped file and checksummed by the same
+  threads, each chunk while it is in cache.
+
+Design: ``docs/COMMIT.md`` (section "CRC32 on several threads").
 """
 
 from __future__ import annotations
@@ -60,7 +53,16 @@ _ZEROS = _zero_maps()
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc1`` = CRC32(A), ``crc2`` = CRC32(B) and ``len2`` = len(B)."""
+    """The CRC32 of the concatenation ``A + B`` from the CRC32s of its parts.
+
+    Args:
+        crc1: the CRC32 of ``A``.
+        crc2: the CRC32 of ``B``.
+        len2: the length of ``B`` in bytes.
+
+    Returns:
+        ``zlib.crc32(A + B)``.
+    """
     k = 0
     while len2:
         if len2 & 1:
@@ -72,16 +74,19 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 CHUNK = 16 << 20  # per thread job: large enough that the join is negligible, small enough to spread
 _pool: ThreadPoolExecutor | None = None
-# The checksum threads' nice above the process's: they hash 0.5 GB per 20 ms step on an H200 host
-# and must never take the core the training thread launches from when the host's cores are all
-# busy (data loaders, other ranks); with free cores it costs no throughput. (On an idle 16-core
-# H200 host the dense loop measured the same with it or without: BENCHMARKS.md.)
+# The checksum threads' nice above the process's: they hash every GPU delta and must never take
+# the core the training thread launches from when the host's cores are all busy (data loaders,
+# other ranks); with free cores it costs no throughput.
 NICE = 10
 
 
 def threads() -> int:
-    """How many checksum-and-write threads the process has: all the cores it may use but two
-    (the training thread and the GPU's feeder), at least one."""
+    """How many checksum-and-write threads the process has.
+
+    Returns:
+        All the cores the process may use but two (the training thread and the GPU's feeder), at
+        least one.
+    """
     return max(1, len(os.sched_getaffinity(0)) - 2)
 
 
@@ -96,8 +101,11 @@ def _lower_priority() -> None:
 
 
 def pool() -> ThreadPoolExecutor:
-    """The process's checksum-and-write threads (:func:`threads` of them, at lower priority:
-    :func:`_lower_priority`)."""
+    """The process's checksum-and-write threads, made at the first call.
+
+    Returns:
+        A thread pool of :func:`threads` workers, each running at :data:`NICE` below the process.
+    """
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="elastic_emb-crc",
@@ -121,17 +129,36 @@ def _joined(ranges: list[tuple[int, int]], jobs: list[tuple[int, int, int]], crc
 
 
 def check_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> None:
-    """Raise ValueError naming the first ``(off, n)`` of ``ranges`` that is not inside ``buf``."""
+    """Check that every range lies inside ``buf``.
+
+    Args:
+        buf: a uint8 array.
+        ranges: ``(offset, length)`` pairs.
+
+    Raises:
+        ValueError: naming the first range that is negative or reaches past the end of ``buf``.
+    """
     for off, n in ranges:
         if off < 0 or n < 0 or off + n > buf.size:
             raise ValueError(f"range ({off}, {n}) lies outside the {buf.size}-byte buffer; ranges must be inside it")
 
 
 def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]:
-    """The CRC32 (``zlib.crc32``) of ``buf[off: off + n]`` for each ``(off, n)`` of ``ranges``, the
-    uint8 array ``buf`` read in place, chunk by chunk on the pool's threads. This is how the
-    background writer checksums a GPU capture's bytes where they landed (a log segment or a
-    pinned buffer), off the training thread."""
+    """The CRC32 of each range of ``buf``, read in place, chunk by chunk on the checksum threads.
+
+    This is how the background writer checksums a GPU capture's bytes where they landed (a log
+    segment or a pinned buffer), off the training thread.
+
+    Args:
+        buf: a uint8 array.
+        ranges: ``(offset, length)`` pairs inside ``buf``.
+
+    Returns:
+        ``zlib.crc32(buf[off: off + n])`` for each range, in order (0 for an empty one).
+
+    Raises:
+        ValueError: if a range lies outside ``buf`` (:func:`check_ranges`).
+    """
     check_ranges(buf, ranges)
     jobs = _chunks(ranges)
     if len(jobs) <= 1:  # one chunk: a thread would only add its hand-over
@@ -142,17 +169,34 @@ def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]
 
 
 def crc32_of(buf: np.ndarray) -> int:
-    """The CRC32 (``zlib.crc32``) of the whole uint8 array ``buf``, on the pool's threads."""
+    """The CRC32 of a whole buffer, on the checksum threads.
+
+    Args:
+        buf: a uint8 array.
+
+    Returns:
+        ``zlib.crc32`` of its bytes (0 when empty).
+    """
     return checksum_ranges(buf, [(0, buf.size)])[0] if buf.size else 0
 
 
 def write_and_checksum(path: Path, buf: np.ndarray, ranges: list[tuple[int, int]], opener) -> list[int]:
-    """Write the uint8 array ``buf`` to a new file ``path`` (``opener(path)`` opens it for
-    writing and reading) and fsync it; return the CRC32 of ``buf[off: off + n]`` for each
-    ``(off, n)`` of ``ranges`` (disjoint). Both on the pool's threads, chunk by chunk: the file is
-    sized first and mapped, and each thread copies its chunks into the mapping (a ``write`` of
-    one file is serialised by the kernel's lock on it; page faults of a mapping are not) and
-    checksums them while they are in cache."""
+    """Write ``buf`` to a file and checksum ranges of it, both on the checksum threads.
+
+    The file is sized (a file allocated ahead is trimmed) and mapped; each thread copies its chunks
+    into the mapping (the kernel serialises ``write`` calls on one file, but not page faults of a
+    mapping) and checksums them while they are in cache. The file is fsynced before this returns.
+
+    Args:
+        path: the file.
+        buf: the uint8 array to write, whole.
+        ranges: disjoint ``(offset, length)`` pairs of ``buf`` to checksum; bytes outside them
+            (alignment padding) are copied only.
+        opener: ``opener(path)`` opens the file for writing and reading.
+
+    Returns:
+        The CRC32 of each range, in order.
+    """
     jobs = _chunks(ranges)  # (range number or -1: padding, chunk start, chunk end)
     at = 0
     for lo, hi in sorted((off, off + n) for off, n in ranges):

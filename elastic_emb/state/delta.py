@@ -1,38 +1,12 @@
 """Incremental commits: a base image plus a bounded chain of deltas of the rows that changed.
 
-An embedding step writes few rows of a large table, so a commit need only carry those rows. A
-context that tracks its writes (``tracks_changes``, ``take_changes()``: per table a bool mask of
-the rows written since the last call) lets the snapshot tier write, after a full *base* commit,
-*delta* commits: per table the local row numbers that changed (an ``index`` tensor, int64) and
-those rows of the weight and of every optimizer slot, each with its CRC32, in the same file and
-manifest format as a base. A delta's manifest names its ``parent`` commit, so every delta links to
-the one before it, back to a base of the same generation (a new generation, a new layout, always
-starts with a base).
+A delta carries, per table, the local row numbers that changed (the :data:`INDEX` tensor) and
+those rows of the weight and of every optimizer slot, in a base's file and manifest format, and
+names its parent commit. :func:`pack_delta` builds one on the host; :func:`resolve_chains` links
+one holder's manifests into chains back to their bases (and finds gaps); :func:`read_chain`
+materializes a chain, verified link by link.
 
-A delta captured on the GPU (:mod:`elastic_emb.state.capture`) has the same format; its index
-may list a row more than once (with the same bytes) and holds the shard's row count for entries
-that stand for no row, which :func:`read_chain` skips.
-
-Restore materializes a delta commit of one source rank from the files one holder keeps: the
-base, then every delta in order, each verified against its CRC32s before it is applied
-(:func:`read_chain`). A delta whose manifest was never written (a crash in the middle of a
-commit) is not a commit: the chain simply ends one step earlier (a torn tail is ignored). A link
-missing in the *middle* of a chain, where later deltas exist, is reported by
-:func:`resolve_chains` as a gap, and restore refuses to skip over it silently.
-
-Bound, two ways of ending a chain. Folding (the default for chains captured on the host;
-:mod:`.compact` says when a commit is a fold point): each holder folds the chain into a base,
-from its own files, in the background; the chain goes on from it, and the full prune at the next
-fold point frees the
-older base and its deltas: a node directory then holds at most two bases per shard it stores
-(own or replica) and the deltas of two fold windows, plus the commits in flight (with a fold point
-every ``f`` deltas, ``2 * f - 2`` deltas after each prune). Re-basing (the GPU capture path, or
-``LifecycleConfig(fold=False)``): the chain is at most ``max_chain`` deltas long and the commit
-after that is a new base captured from the context (a complete commit of its own, so a crash at
-any point leaves the previous base and chain restorable until the new base is complete); with
-``keep`` complete commits kept and their chains (``keep <= max_chain + 1``), after each commit's
-prune a node directory holds at most two bases and ``max_chain + keep - 2`` deltas per shard it
-stores, plus the one commit in flight (tests/test_state.py checks both bounds over a long run).
+Design: ``docs/COMMIT.md`` (section "Deltas").
 """
 
 from __future__ import annotations
@@ -49,10 +23,21 @@ INDEX = "index"  # the tensor of a delta record holding the changed rows' local 
 
 
 def changed_index(name: str, change: torch.Tensor | None, n: int) -> torch.Tensor:
-    """The local rows of one table a commit carries, from what the context reported: a bool
-    mask of shape ``(n,)`` (``take_changes``), a sorted int64 tensor of distinct local rows
-    (``take_changed_rows``), or None (every row). Checked: a row outside ``[0, n)`` or an
-    unsorted / duplicated index is refused (O(rows changed))."""
+    """The local rows of one table a commit carries, from what the context reported.
+
+    Args:
+        name: the table, for error messages.
+        change: a bool mask of shape ``(n,)`` (``take_changes``), a sorted int64 tensor of distinct
+            local rows (``take_changed_rows``), or None (every row).
+        n: the rows of this rank's shard of the table.
+
+    Returns:
+        The changed local rows, a sorted 1-D int64 tensor.
+
+    Raises:
+        ValueError: if a mask has the wrong shape, the tensor has another dtype or shape, or the
+            rows are not distinct, sorted and within ``[0, n)`` (checked in O(rows changed)).
+    """
     if change is None:
         return torch.arange(n, dtype=torch.int64)
     if change.dtype == torch.bool:
@@ -71,8 +56,20 @@ def changed_index(name: str, change: torch.Tensor | None, n: int) -> torch.Tenso
 def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | None],
                num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor, int]:
     """The changed rows of every table back to back in one byte buffer, with their records.
-    ``changes``: per table a bool mask or the sorted distinct changed rows (see
-    :func:`changed_index`). Returns (records, buffer, number of changed rows over all tables)."""
+
+    Args:
+        shards: table -> this rank's shard.
+        changes: table -> a bool mask or the sorted distinct changed rows (see
+            :func:`changed_index`); every table of ``shards`` must be there.
+        num_rows: table -> rows in the whole table.
+
+    Returns:
+        ``(records, buffer, rows)``: the records with each tensor's CRC32, the uint8 CPU buffer,
+        and the number of changed rows over all tables.
+
+    Raises:
+        ValueError: if a table lacks its changes, or they are malformed (:func:`changed_index`).
+    """
     records, parts, off, total = [], [], 0, 0
     for name in sorted(shards):
         sd = shards[name]
@@ -97,12 +94,18 @@ def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | N
 def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
     """For every manifest one holder has: the files restoring it takes, base first.
 
-    Returns (chains, gaps): ``chains`` maps (path of the manifest's data file) to the list of
-    (path, manifest) from the base to it, for every manifest whose chain is complete; ``gaps``
-    lists (manifest, the parent commit that is missing) for those whose chain is broken."""
+    Args:
+        manifests: ``(data file path, manifest)`` pairs of one node directory.
+
+    Returns:
+        ``(chains, gaps)``: ``chains`` maps the data file path of every manifest whose chain is
+        complete to the ``(path, manifest)`` list from its base to it; ``gaps`` lists
+        ``(manifest, missing parent commit)`` for those whose chain is broken (a parent that is not
+        older than its child counts as missing).
+    """
     by_key = {(m.source_rank, m.replica, m.commit): (p, m) for p, m in manifests}
     # A manifest's chain is its parent's plus itself, so each is resolved once, oldest commit first
-    # (its parent, always older, is resolved by then): walking every chain from its tip instead
+    # (its parent, always older, is resolved by then): walking every chain from its tip would
     # cost O(length) per manifest, quadratic in a long chain.
     done: dict[tuple, list[tuple[Path, SnapshotManifest]] | None] = {}
     missing: dict[tuple, CommitId] = {}  # for a broken chain: the first parent commit it lacks
@@ -133,16 +136,28 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
 
 def read_chain(chain: list[tuple[Path, SnapshotManifest]], read, fill: dict | None = None,
                materialize: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    """Materialize a shard from its base and deltas, in order; ``read(path, manifest, fill=)``
-    reads and verifies one file (:func:`elastic_emb.state.shardfile.read_snapshot`). The base is
-    mapped copy-on-write, so applying the deltas never changes a committed file.
+    """Materialize a shard from its base and deltas, in order, each verified before it is applied.
 
-    ``fill`` (as :func:`~elastic_emb.state.shardfile.read_snapshot`'s): rows that stay on the
-    reading rank are copied out of the base in its checksum pass, and every delta is applied to
-    them too. ``materialize=False``: only ``fill`` is wanted (every row of this shard stays on
-    this rank), so the deltas are not also applied to the base's mapping (whose pages would be
-    copied on write): the tensors returned then hold the base's rows only. The same caveat as
-    ``read_snapshot``'s: on ChecksumMismatch the destinations hold unverified rows."""
+    The base is mapped copy-on-write, so applying the deltas never changes a committed file.
+    Delta entries equal to the shard's row count (a GPU capture's skipped entries) are skipped.
+
+    Args:
+        chain: ``(path, manifest)`` from the base to the newest delta (:func:`resolve_chains`).
+        read: ``read(path, manifest, fill=)`` reads and verifies one file
+            (:func:`elastic_emb.state.shardfile.read_snapshot`).
+        fill: as ``read_snapshot``'s: rows that stay on the reading rank, copied out of the base in
+            its checksum pass, with every delta applied to them too. On ChecksumMismatch the
+            destinations hold unverified rows.
+        materialize: apply the deltas to the base's mapping too; False when only ``fill`` is
+            wanted (the tensors returned then hold the base's rows only).
+
+    Returns:
+        table -> tensor name -> tensor, the base's with the deltas applied.
+
+    Raises:
+        ValueError: if a delta names rows outside its shard.
+        ChecksumMismatch: if ``read`` finds a file corrupt.
+    """
     (base_path, base_m), deltas = chain[0], chain[1:]
     out = read(base_path, base_m, fill=fill)
     for path, m in deltas:

@@ -1,21 +1,12 @@
 """The checksum of a tensor's bytes in a manifest: which algorithm, computed in parallel or streamed.
 
-Every :class:`~elastic_emb.state.manifest.TensorRecord` names its algorithm (``algorithm``; a
-manifest written before that field existed means ``"crc32"``) and carries the value in ``crc32``:
+Every :class:`~elastic_emb.state.manifest.TensorRecord` names one of :data:`ALGORITHMS`:
+``"crc32"`` (zlib's CRC32; host-side commits) or ``"xxh3_64"`` (the XXH3-64 of the XXH3-64s of
+the bytes' :data:`TREE_CHUNK` chunks; GPU deltas in log segments and folded bases).
+:func:`digest_ranges` computes either on the checksum threads, as a copy lands; :class:`Digest`
+streams one for restore's single pass over a file.
 
-* ``"crc32"``: zlib's CRC32 (IEEE) of the bytes; what host-side commits write.
-* ``"xxh3_64"``: a two-level XXH3-64 (the ``xxhash`` library): the bytes are cut into
-  :data:`TREE_CHUNK` chunks from the tensor's first byte, each chunk gets its XXH3-64, and the
-  value is the XXH3-64 of those digests, 8 bytes little-endian each, in order (no chunk: the
-  XXH3-64 of no bytes). What GPU-captured deltas write: the background writer checksums a
-  0.5 GB delta per commit where it landed in host memory, and zlib's CRC32 on 14 threads of an
-  H200 host ran at 26-31 GB/s there, about half the pinned device-to-host bandwidth (55 GB/s),
-  which made it the bound of the commit path; XXH3-64 ran at 63 GB/s on the same threads. The
-  chunks are what lets the threads share one tensor (XXH3, unlike CRC32, cannot join chunks'
-  digests afterwards), so the chunk size is part of the algorithm, fixed here.
-
-Reading a manifest (untrusted input) validates the algorithm against this list and the value's
-range (pydantic); restore recomputes the value with :class:`Digest` and compares.
+Design: ``docs/COMMIT.md`` (section "Checksums").
 """
 
 from __future__ import annotations
@@ -43,7 +34,14 @@ def _tree(digests: list[int]) -> int:
 
 class Digest:
     """The checksum of a stream of bytes fed in order (``update``), for restore's one pass over
-    a file (it copies rows block by block and checksums the same blocks while in cache)."""
+    a file (it copies rows block by block and checksums the same blocks while in cache).
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS`.
+
+    Raises:
+        ValueError: if ``algorithm`` is not one of :data:`ALGORITHMS`.
+    """
 
     def __init__(self, algorithm: str) -> None:
         if algorithm not in ALGORITHMS:
@@ -55,7 +53,11 @@ class Digest:
         self._fed = 0  # bytes of that chunk so far
 
     def update(self, data) -> None:
-        """Feed the next bytes (a buffer: numpy uint8, bytes, memoryview)."""
+        """Feed the next bytes.
+
+        Args:
+            data: a buffer (numpy uint8 array, bytes, memoryview).
+        """
         if self.algorithm == "crc32":
             self._crc = zlib.crc32(data, self._crc)
             return
@@ -72,6 +74,11 @@ class Digest:
                 self._chunk = None
 
     def value(self) -> int:
+        """The checksum of every byte fed so far.
+
+        Returns:
+            The value a :class:`~elastic_emb.state.manifest.TensorRecord` of this algorithm holds.
+        """
         if self.algorithm == "crc32":
             return self._crc
         tail = [self._chunk.intdigest()] if self._chunk is not None else []
@@ -79,21 +86,40 @@ class Digest:
 
 
 def digest(data, algorithm: str) -> int:
-    """The checksum of one buffer."""
+    """The checksum of one buffer.
+
+    Args:
+        data: the bytes (numpy uint8 array, bytes, memoryview).
+        algorithm: one of :data:`ALGORITHMS`.
+
+    Returns:
+        Its checksum by ``algorithm``.
+    """
     d = Digest(algorithm)
     d.update(data)
     return d.value()
 
 
 def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str, landed=None) -> list[int]:
-    """The checksum of ``buf[off: off + n]`` for each ``(off, n)`` of ``ranges``, the uint8 array
-    read in place on the checksum threads of :mod:`elastic_emb.state.crc` (both libraries
-    release the GIL), chunk by chunk: how the background writer checksums a GPU capture.
+    """The checksum of each range of ``buf``, read in place, chunk by chunk on the checksum threads.
 
-    ``landed`` (XXH3-64): an iterable of growing byte counts, each yielded once ``buf[:count]``
-    holds its final bytes (the copy of a delta landing piece by piece): a chunk is handed to the
-    threads as soon as it has landed, so the checksums run beside the copy, not after it. Every
-    count is consumed before the result."""
+    This is how the background writer checksums a GPU capture (both libraries release the GIL).
+
+    Args:
+        buf: a uint8 array.
+        ranges: ``(offset, length)`` pairs inside ``buf``.
+        algorithm: one of :data:`ALGORITHMS`.
+        landed: for XXH3-64, an iterable of growing byte counts, each yielded once ``buf[:count]``
+            holds its final bytes (a copy landing piece by piece): each chunk goes to the threads
+            as soon as it has landed. Every count is consumed before the result, for either
+            algorithm (CRC32 starts after the last one).
+
+    Returns:
+        The checksum of ``buf[off: off + n]`` for each range, in order.
+
+    Raises:
+        ValueError: if ``algorithm`` is unknown or a range lies outside ``buf``.
+    """
     if algorithm == "crc32":
         for _ in landed or ():
             pass  # CRC32 chunks are joined in order by crc.checksum_ranges: after the whole copy

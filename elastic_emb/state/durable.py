@@ -1,21 +1,11 @@
 """The durable tier: ``torch.distributed.checkpoint`` (DCP) checkpoints any world size can load.
 
-Each commit goes to ``<durable_dir>/<run_id>/step-<step>-<fp>/`` with one DTensor ``Shard(0)`` per
-table tensor over the whole world, laid out ``torch.chunk``-style (rank r holds rows
-``owned_range(num_rows, world_size, r)``), so plain DCP without elastic_emb loads it at any world
-size. Before saving, rows move from the context's layout (``ep_size`` owners) to that world
-layout with :func:`elastic_emb.state.transport.move_rows`.
+:class:`DurableTier` saves each table tensor as one DTensor ``Shard(0)`` over the whole world, in
+``torch.chunk`` layout, so plain DCP loads it at any world size; a commit can run in a background
+thread of its own. Rank 0 writes the manifest last, with the CRC32 of every saved shard, and a load
+at any world size verifies them without gathering a byte.
 
-Asynchronous (the default, ``LifecycleConfig.durable_async``): the commit only takes the copy of
-the shard (``export_shard()``) and starts a thread; the move to the world layout, the CRC32s,
-``dcp.save`` and the manifest run there, on the durable tier's own communicator and DCP's group,
-while the steps go on. Not ``dcp.async_save``: it would stage a second copy of what is already a
-copy, synchronously, and the move and the CRC32s would still run in the training thread.
-
-Rank 0 writes ``elastic_emb_manifest.json`` last, once DCP finished on every rank, with the CRC32
-of every saved shard. Loading at another world size verifies
-them: each rank checksums the part of every saved shard it now holds, and the parts combine into
-the saved shard's CRC32 (:func:`elastic_emb.state.crc.crc32_combine`) without gathering a byte.
+Design: ``docs/COMMIT.md`` (section "The durable tier").
 """
 
 from __future__ import annotations
@@ -53,7 +43,17 @@ log = get_logger("elastic_emb.state")
 
 class DurableTier:
     """DCP checkpoints, one DTensor Shard(0) per table tensor over the whole world (torch.chunk
-    layout), so that plain ``torch.distributed.checkpoint.load`` reads them at any world size."""
+    layout), so that plain ``torch.distributed.checkpoint.load`` reads them at any world size.
+
+    Args:
+        root: the durable directory; commits go under ``<root>/<run_id>/``.
+        run_id: the run (a plain name).
+        file_mode: the permissions of the files written.
+        dir_mode: the permissions of the directories created.
+
+    Raises:
+        ValueError: if ``run_id`` is not a plain name.
+    """
 
     def __init__(self, root: str | os.PathLike, run_id: str, *, file_mode: int = FILE_MODE,
                  dir_mode: int = DIR_MODE) -> None:
@@ -64,8 +64,14 @@ class DurableTier:
         self.dir_mode = dir_mode
 
     def manifests(self) -> list[DurableManifest]:
-        """The valid manifests of complete checkpoints, newest last. ``checkpoint_dir`` is always
-        the directory the manifest was found in (the recorded path is not trusted)."""
+        """The valid manifests of complete checkpoints (with DCP's ``.metadata``), newest last.
+
+        A manifest that does not parse or names another run is reported and skipped.
+
+        Returns:
+            The manifests; ``checkpoint_dir`` is always the directory the manifest was found in
+            (the recorded path is not trusted).
+        """
         out = []
         if not self.root.is_dir():
             return out
@@ -84,17 +90,31 @@ class DurableTier:
 
     def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
                asynchronous: bool = False) -> tuple[int, Future | None]:
-        """Save ``shards`` through DCP (collective). ``group``: a gloo process group registered
-        with torch.distributed with this world's ranks (DCP and DTensor accept no other).
+        """Save ``shards`` through DCP (collective).
 
-        ``shards`` must be a copy of its own (``export_shard()``): asynchronously, the training
-        changes the context's rows meanwhile. Returns ``(bytes this rank hands over, future or
-        None)``. Asynchronous: everything after the capture (the move to the world layout, the
-        CRC32s, the DCP save, the manifest) runs in a background thread, so the step goes on at
-        once; ``comm`` must then be a communicator of the durable tier's own (on ``group``), used
-        by nobody else meanwhile. Wait on the future before the next durable commit, a resize or
-        exit. A checkpoint cut short by a crash has no manifest (rank 0 writes it last, once DCP
-        finished on every rank)."""
+        A checkpoint cut short by a crash has no manifest (rank 0 writes it last, once DCP
+        finished on every rank).
+
+        Args:
+            step: the commit's step.
+            shards: table -> this rank's shard, a copy of its own (``export_shard()``): when
+                asynchronous, the training changes the context's rows meanwhile.
+            comm: the communicator; when asynchronous, one of the durable tier's own (on
+                ``group``), used by nobody else until the future is done.
+            num_rows: table -> rows in the table.
+            group: a gloo process group of this world registered with torch.distributed (DCP and
+                DTensor accept no other).
+            asynchronous: run everything after the capture (the move to the world layout, the
+                CRC32s, the DCP save, the manifest) in a background thread, so the step goes on.
+
+        Returns:
+            ``(bytes this rank hands over, future or None)``: wait on the future (it holds the
+            step, or the save's error) before the next durable commit, a resize or the exit.
+
+        Raises:
+            RuntimeError: if ``group`` is not registered with torch.distributed. Synchronous: this
+                and any error of the save raise here; asynchronous: they are set on the future.
+        """
         nbytes = sum(s.nbytes() for s in shards.values())
         if not asynchronous:
             self._save(step, shards, comm, num_rows, group, None)
@@ -152,9 +172,26 @@ class DurableTier:
 
     def load(self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData],
              num_rows: dict[str, int], group) -> dict[str, ShardData]:
-        """Load a commit at this world size (world layout) and verify every saved shard's CRC32
-        (combined from the parts the ranks now hold, whatever the world size). Returns this
-        rank's rows in the world layout; the caller moves them to the context's layout."""
+        """Load a commit at this world size and verify every saved shard's CRC32 (collective).
+
+        Each saved shard's CRC32 is combined from the parts the ranks now hold, whatever the world
+        size.
+
+        Args:
+            manifest: the commit's manifest (from :meth:`manifests`).
+            comm: the communicator of the world.
+            template: table -> a shard with the table's tensor shapes and dtypes.
+            num_rows: table -> rows in the table.
+            group: a gloo process group of this world registered with torch.distributed.
+
+        Returns:
+            This rank's rows in the world (``torch.chunk``) layout; the caller moves them to the
+            context's layout.
+
+        Raises:
+            ChecksumMismatch: if a saved shard's rows are not all covered or their CRC32 differs.
+            RuntimeError: if ``group`` is not registered with torch.distributed.
+        """
         import torch.distributed.checkpoint as dcp
 
         world = {}

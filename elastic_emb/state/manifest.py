@@ -1,17 +1,12 @@
 """What a commit is on disk: the manifest records, commit ids, checksums and atomic writes.
 
-A commit of either tier ends with a JSON manifest written last, by atomic rename (write a
-temporary file, fsync, rename): a reader sees either no manifest or a whole one, so a commit torn
-by a crash is never read as complete. The manifest names the commit (step, generation, topology
-fingerprint), the row ranges it holds and the CRC32 of every tensor's bytes, which restore checks
-before it trusts a single row.
+* :class:`CommitId`: a commit's identity ``(step, generation, fingerprint)``, newer compares greater.
+* :class:`SnapshotManifest`, :class:`DurableManifest`: the JSON records a commit ends with, made of
+  :class:`ShardRecord` and :class:`TensorRecord` (untrusted input: parsed with ``extra="forbid"``).
+* :func:`write_atomic`: how every manifest is written (temporary file, fsync, rename).
+* :func:`tensor_items`, :func:`row_spec`, :func:`row_bytes`, :func:`checksum`: a shard's row-wise tensors.
 
-Manifests are read back from a directory that anyone with access to the host may have written:
-they are parsed by pydantic with ``extra="forbid"`` (never unpickled), and a file that does not
-validate is reported and ignored, never counted as a commit.
-
-:class:`CommitId` is the typed identity of a commit, ordered newest-last by (step, generation,
-fingerprint); it travels between ranks as a three-element JSON list.
+Design: ``docs/COMMIT.md`` (section "Commits and manifests").
 """
 
 from __future__ import annotations
@@ -38,7 +33,17 @@ class CommitId(NamedTuple):
 
     @classmethod
     def parse(cls, value) -> "CommitId":
-        """From the JSON form ``[step, generation, fingerprint]`` (untrusted: checked)."""
+        """Parse the JSON form of a commit id (untrusted input).
+
+        Args:
+            value: a list or tuple ``[step, generation, fingerprint]``.
+
+        Returns:
+            The commit id.
+
+        Raises:
+            ValueError: if ``value`` is not three elements of types int, int, str.
+        """
         if (not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[0], int)
                 or not isinstance(value[1], int) or not isinstance(value[2], str)):
             raise ValueError(f"commit id {value!r} must be [step:int, generation:int, fingerprint:str]")
@@ -54,17 +59,38 @@ class CommitId(NamedTuple):
 
 
 def tensor_items(shard: ShardData) -> list[tuple[str, torch.Tensor]]:
-    """The row-wise tensors of a shard in canonical order: weight, then slots by name."""
+    """The row-wise tensors of a shard in canonical order: weight, then slots by name.
+
+    Args:
+        shard: the shard.
+
+    Returns:
+        ``(name, tensor)`` pairs, ``"weight"`` first.
+    """
     return [("weight", shard.weight)] + [(k, shard.slots[k]) for k in sorted(shard.slots)]
 
 
 def row_spec(t: torch.Tensor) -> list:
-    """[dtype, per-row shape] of a row-wise tensor."""
+    """The ``[dtype, per-row shape]`` of a row-wise tensor.
+
+    Args:
+        t: the tensor (rows along dimension 0).
+
+    Returns:
+        ``[dtype name without "torch.", list of the dimensions after the first]``.
+    """
     return [str(t.dtype).removeprefix("torch."), list(t.shape[1:])]
 
 
 def row_bytes(spec: list) -> int:
-    """Bytes of one row of a tensor with this [dtype, per-row shape]."""
+    """Bytes of one row of a tensor with this ``[dtype, per-row shape]``.
+
+    Args:
+        spec: a :func:`row_spec`.
+
+    Returns:
+        The row's size in bytes.
+    """
     dtype = getattr(torch, spec[0])
     n = 1
     for d in spec[1]:
@@ -73,12 +99,27 @@ def row_bytes(spec: list) -> int:
 
 
 def specs_of(shards: dict[str, ShardData]) -> dict[str, list]:
-    """Per table, the [dtype, per-row shape] of each of its tensors in canonical order."""
+    """Per table, the ``[dtype, per-row shape]`` of each of its tensors in canonical order.
+
+    Args:
+        shards: table name -> shard.
+
+    Returns:
+        Table name -> list of :func:`row_spec`, in :func:`tensor_items` order.
+    """
     return {name: [row_spec(t) for _, t in tensor_items(s)] for name, s in shards.items()}
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a tensor's bytes (moved to the CPU, made contiguous if needed)."""
+    """A flat uint8 view of a tensor's bytes (moved to the CPU, made contiguous if needed).
+
+    Args:
+        t: any tensor (detached first).
+
+    Returns:
+        A 1-D uint8 CPU tensor over the same bytes, or over a copy when a move or a contiguous
+        copy was needed.
+    """
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -86,8 +127,14 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(t: torch.Tensor) -> int:
-    """CRC32 (zlib's) of a tensor's bytes (CPU copy when needed), on the writer's threads
-    (:func:`elastic_emb.state.crc.crc32_of`): the one checksum path of every commit."""
+    """zlib's CRC32 of a tensor's bytes, computed on the checksum threads.
+
+    Args:
+        t: the tensor (copied to the CPU when needed).
+
+    Returns:
+        The CRC32, as :func:`elastic_emb.state.crc.crc32_of` computes it.
+    """
     return crc32_of(as_bytes(t).numpy())
 
 
@@ -107,7 +154,7 @@ class TensorRecord(BaseModel):
     row_shape: list[int]
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
-    crc32: int  # the checksum of the bytes by ``algorithm`` (the name predates the field)
+    crc32: int  # the checksum of the bytes by ``algorithm``, whichever it is (not only CRC32)
     # elastic_emb.state.digest: "crc32" (zlib) or "xxh3_64" (GPU-captured deltas); absent: "crc32"
     algorithm: Literal["crc32", "xxh3_64"] = "crc32"
 
@@ -178,8 +225,13 @@ class DurableManifest(CommitRecord):
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write a file so that readers see either nothing or all of it (write, fsync, rename);
-    permissions ``mode`` (owner-only by default)."""
+    """Write a file so that readers see either nothing or all of it (write, fsync, rename).
+
+    Args:
+        path: the file to write; a temporary file next to it is renamed over it.
+        text: the content.
+        mode: the file's permissions (owner-only by default).
+    """
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     os.fchmod(fd, mode)
@@ -191,12 +243,27 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
 
 
 def commit_dirname(step: int, fingerprint: str) -> str:
-    """The directory name of a commit: zero-padded step (sorts by age), then the fingerprint."""
+    """The directory name of a commit: zero-padded step (sorts by age), then the fingerprint.
+
+    Args:
+        step: the commit's step.
+        fingerprint: the topology fingerprint of its generation.
+
+    Returns:
+        ``step-<12-digit step>-<fingerprint>``.
+    """
     return f"step-{step:012d}-{fingerprint}"
 
 
 def step_of_dirname(name: str) -> int:
-    """The step a commit directory name carries; -1 for a name that is not one."""
+    """The step a commit directory name carries.
+
+    Args:
+        name: a directory name, as :func:`commit_dirname` makes them.
+
+    Returns:
+        The step, or -1 for a name that is not a commit directory's.
+    """
     try:
         return int(name.split("-")[1])
     except (IndexError, ValueError):

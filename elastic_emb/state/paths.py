@@ -1,17 +1,12 @@
 """Where the state tiers put files: names, the directory layout under each root, file modes.
 
-Snapshots live under ``<state_dir>/<run_id>/<node_id>/`` and durable checkpoints under
-``<durable_dir>/<run_id>/``. The run id comes from the rendezvous (``--rdzv-id``) and the node id
-from the environment, so both are untrusted: they must be plain names (:data:`SAFE_NAME`: letters,
-digits, ``_ - .``, not starting with a dot, at most 128 characters), and every path built from
-them is resolved and checked to lie under its root (:func:`under`), so no id can make a tier write
-outside its root or make the root itself the run directory.
+Snapshots live under ``<state_dir>/<run_id>/<node_id>/``, durable checkpoints under
+``<durable_dir>/<run_id>/``. Run and node ids are untrusted: :func:`check_name` accepts plain
+names only and :func:`under` keeps every path inside its root. :func:`node_id_from_env` gives the
+node id that survives restarts; files are owner-only by default (:data:`FILE_MODE`,
+:data:`DIR_MODE`).
 
-The node id must be stable across restarts (torchrun renumbers node ranks), so it is
-``ELASTIC_EMB_NODE_ID`` if set, else the host name.
-
-Files the tiers write are owner-only by default (:data:`FILE_MODE` 0600, :data:`DIR_MODE` 0700):
-the rows of a model are its owner's data, not the host's.
+Design: ``docs/COMMIT.md`` (section "Names and directories").
 """
 
 from __future__ import annotations
@@ -31,7 +26,19 @@ _SAFE = re.compile(SAFE_NAME)
 
 
 def check_name(value: str, what: str) -> str:
-    """``value`` if it is a safe path component, else ValueError naming it and the rule."""
+    """Check that ``value`` is a safe path component.
+
+    Args:
+        value: the name to check (a run id, a node id, a file name).
+        what: what the name is, for the error message.
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        ValueError: if ``value`` is not a string of 1-128 letters, digits, ``_``, ``-`` or ``.``
+            that does not start with a dot.
+    """
     if not isinstance(value, str) or not _SAFE.fullmatch(value):
         raise ValueError(f"{what} {value!r} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', "
                          f"not starting with '.' (it becomes a directory name under the state root)")
@@ -39,14 +46,31 @@ def check_name(value: str, what: str) -> str:
 
 
 def node_id_from_env(env: Mapping[str, str] | None = None) -> str:
-    """This node's stable identity: ELASTIC_EMB_NODE_ID, else the host name (checked)."""
+    """This node's stable identity: ``ELASTIC_EMB_NODE_ID``, else the host name.
+
+    Args:
+        env: the environment to read (None: the process's).
+
+    Returns:
+        The node id, checked by :func:`check_name` (which raises ValueError for an unsafe one).
+    """
     nid = config.load(env, "node_id").node_id or socket.gethostname()
     return check_name(nid, "node id (ELASTIC_EMB_NODE_ID or the host name)")
 
 
 def under(root: str | os.PathLike, *names: str) -> Path:
-    """``root/names...`` after checking each name and that the resolved path lies inside the
-    resolved root (a symlink planted in the tree cannot lead out of it)."""
+    """The path ``root/names...``, checked to lie strictly inside ``root``.
+
+    Args:
+        root: the tier's root directory.
+        *names: path components below it, each checked by :func:`check_name`.
+
+    Returns:
+        The resolved path (a symlink planted in the tree cannot lead out of the root).
+
+    Raises:
+        ValueError: if a name is unsafe, or the resolved path is the root itself or outside it.
+    """
     base = Path(root).resolve()
     for n in names:
         check_name(n, "path component")
@@ -57,9 +81,16 @@ def under(root: str | os.PathLike, *names: str) -> Path:
 
 
 def make_dirs(root: str | os.PathLike, path: Path, mode: int = DIR_MODE) -> None:
-    """Create ``path`` and its missing parents below ``root`` with ``mode`` (the root itself is
-    created with ``mode`` too when missing, its missing parents with the defaults; existing
-    directories keep their modes)."""
+    """Create ``path`` and its missing parents below ``root`` with ``mode``.
+
+    The root itself is created with ``mode`` too when missing, its own missing parents with the
+    defaults; existing directories keep their modes.
+
+    Args:
+        root: the tier's root directory.
+        path: the directory to create, at or below ``root``.
+        mode: the permissions of every directory created at or below the root.
+    """
     root = Path(root).resolve()
     root.parent.mkdir(parents=True, exist_ok=True)  # above the root: the user's directories, their modes
     chain = [p for p in reversed(path.parents) if root in p.parents or p == root] + [path]
@@ -72,8 +103,16 @@ def make_dirs(root: str | os.PathLike, path: Path, mode: int = DIR_MODE) -> None
 
 
 def open_new(path: Path, mode: int = FILE_MODE, readable: bool = False):
-    """Open ``path`` for writing (created or truncated) with permissions ``mode``; ``readable``:
-    for reading too (a shared mapping of it needs both)."""
+    """Open ``path`` for writing, created or truncated, with permissions ``mode``.
+
+    Args:
+        path: the file.
+        mode: its permissions, set even when the file existed or the umask would mask them.
+        readable: open it for reading too (a shared mapping of it needs both).
+
+    Returns:
+        A binary file object (``"r+b"`` or ``"wb"``).
+    """
     fd = os.open(path, (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC, mode)
     os.fchmod(fd, mode)  # an existing file keeps its old mode otherwise; the umask may mask it
     return os.fdopen(fd, "r+b" if readable else "wb")

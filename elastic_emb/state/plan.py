@@ -1,16 +1,11 @@
 """Pure planning: which rank sends which rows to which new owner, and who holds replicas.
 
 Nothing here touches a file, a store or a process group, so every rank computes the same answer
-from the same inputs, and the tests can drive it with random layouts.
+from the same inputs. :func:`plan_assignments` turns every rank's :class:`Piece` records into
+:class:`Assignment` records and the ranges nobody holds; :func:`uncovered` is the completeness
+rule of planning, prune and restore; :func:`replica_holders` places replicas.
 
-A restore starts from an *inventory*: per rank, the :class:`Piece` records of the row ranges it
-can supply (a live shard in memory, a shard file in its node directory, a replica of another
-node's shard), each tagged with the commit it belongs to. :func:`plan_assignments` then covers
-every row of every table in the new layout from one commit, preferring live memory over an own
-file over a replica (memory moved over the interconnect beats reading a file), then the
-destination itself (no transfer), then the piece reaching furthest, then the lowest rank. The
-ranges nobody holds are returned, never filled with anything: the caller decides whether that
-commit is incomplete (and an older one is tried) or the restore fails.
+Design: ``docs/COMMIT.md`` (sections "Planning" and "Replica placement").
 """
 
 from __future__ import annotations
@@ -65,8 +60,20 @@ def plan_assignments(inventories: list[list[Piece]], commit: CommitId, num_rows:
                      specs: dict[str, list]) -> tuple[list[Assignment], list[tuple[str, int, int]]]:
     """Choose, for every row of every table in the ``owners`` layout, one rank that sends it.
 
-    Only pieces of ``commit`` whose tensor layout equals ``specs[table]`` count. Returns the
-    assignments and the ranges (table, start, stop) nobody holds."""
+    Preferred, in order: live memory over an own file over a replica, then the destination itself
+    (no transfer), then the piece reaching furthest, then the lowest rank.
+
+    Args:
+        inventories: per rank, the pieces it can supply.
+        commit: the commit to restore; pieces of other commits do not count.
+        num_rows: table -> rows in the table; only these tables are planned.
+        owners: the number of row owners of the new layout (``owned_range`` splits).
+        specs: table -> the new context's tensor layout; pieces with another layout do not count.
+
+    Returns:
+        ``(assignments, missing)``: the rows each rank sends to each owner, and the ranges
+        ``(table, start, stop)`` nobody holds (never filled with anything).
+    """
     by_table: dict[str, list[tuple[int, Piece]]] = {}
     for rank, inv in enumerate(inventories):
         for p in inv:
@@ -101,8 +108,15 @@ def plan_assignments(inventories: list[list[Piece]], commit: CommitId, num_rows:
 
 
 def uncovered(spans, num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
-    """The row ranges ``(table, start, stop)`` of each table in ``num_rows`` that no span
-    ``(table, start, stop)`` covers: the one completeness rule of planning, prune and restore."""
+    """The rows no span covers: the one completeness rule of planning, prune and restore.
+
+    Args:
+        spans: ``(table, start, stop)`` triples, in any order, overlapping or not.
+        num_rows: table -> rows in the table; only these tables are checked.
+
+    Returns:
+        The uncovered ranges ``(table, start, stop)``, by table then start.
+    """
     by_table: dict[str, list[tuple[int, int]]] = {}
     for table, a, b in spans:
         if b > a:
@@ -120,14 +134,32 @@ def uncovered(spans, num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
 
 
 def missing_rows(pieces: list[Piece], num_rows: dict[str, int]) -> list[tuple[str, int, int]]:
-    """The row ranges of each table that no piece covers (pieces of one commit, any holders)."""
+    """The row ranges of each table that no piece covers.
+
+    Args:
+        pieces: pieces of one commit, from any holders.
+        num_rows: table -> rows in the table.
+
+    Returns:
+        The uncovered ranges ``(table, start, stop)`` (see :func:`uncovered`).
+    """
     return uncovered(((p.table, p.start, p.stop) for p in pieces), num_rows)
 
 
 def replica_holders(records: list[dict], rank: int, replication: int) -> list[int]:
-    """Ranks that hold replicas of ``rank``'s shard: one rank on each of the next ``replication``
-    nodes (in node_rank order, wrapping), the one with the same local rank modulo that node's size.
-    ``records`` has one {"rank", "node_rank", "local_rank"} per rank."""
+    """The ranks that hold replicas of ``rank``'s shard.
+
+    One rank on each of the next ``replication`` nodes (in node-rank order, wrapping), the one with
+    the same local rank modulo that node's size; never more nodes than there are other nodes.
+
+    Args:
+        records: one ``{"rank", "node_rank", "local_rank"}`` mapping per rank, in rank order.
+        rank: the rank whose shard is replicated.
+        replication: how many other nodes hold a replica.
+
+    Returns:
+        The holders' ranks, nearest node first.
+    """
     nodes: dict[int, list[dict]] = {}
     for r in records:
         nodes.setdefault(r["node_rank"], []).append(r)

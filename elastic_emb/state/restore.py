@@ -1,23 +1,12 @@
 """Restore: bring a freshly constructed context to the newest commit complete for every row.
 
-The same collective code serves a first start, a restart and an in-process resize:
+:func:`restore` (collective) serves a first start, a restart and an in-process resize: every rank
+publishes an :class:`Inventory` of what it can supply, all choose the same commit, the files to
+send from are verified, and the rows move straight into the context. When state exists but no
+commit is complete it raises :class:`RestoreError` naming the missing rows; with no state at all
+the context keeps its initial rows. :func:`inspect_state` reports the commits on disk.
 
-1. Inventory. Every rank publishes, through the store, an :class:`Inventory`: the pieces it can
-   supply (live shards it exported from its previous context, shard files and replicas in its
-   node directory) tagged with their :class:`~elastic_emb.state.manifest.CommitId`, the durable
-   commits it sees, and the row range and tensor layout of each table in its new context.
-2. Choice. Every rank computes the same answer from the same inventories: the newest commit
-   whose pieces cover every row of every table (:func:`~elastic_emb.state.plan.plan_assignments`),
-   or failing that the newest durable commit every rank sees.
-3. Verification. Each rank reads and checks (CRC32) the files it must send from; a corrupt file
-   is reported to everyone and the plan is made again without it.
-4. Transfer. Rows move by the communicator's transport (:mod:`elastic_emb.state.transport`)
-   straight into the context's own tensors when it offers ``shard_views()``, else into a copy
-   that ``import_shard`` takes.
-
-When state exists but no commit is complete, :class:`RestoreError` names the row ranges nobody
-holds: never silent zeros, never fresh random rows. With no state at all the context keeps its
-seeded initial rows (step -1).
+Design: ``docs/COMMIT.md`` (section "Restore").
 """
 
 from __future__ import annotations
@@ -79,7 +68,7 @@ class RestoreReport:
     step: int  # -1: no committed state, the context keeps its seeded initial rows
     generation: int | None
     fingerprint: str | None
-    tiers: dict[str, list[tuple[int, int, str]]] = field(default_factory=dict)  # table -> [(start, stop, tier)] of this rank
+    tiers: dict[str, list[tuple[int, int, str]]] = field(default_factory=dict)  # this rank's (start, stop, tier)
     source_tiers: list[str] = field(default_factory=list)  # distinct tiers used by the whole world
     bytes_moved: int = 0  # bytes this rank sent over the communicator
     bytes_local: int = 0  # bytes this rank copied without the communicator
@@ -89,6 +78,11 @@ class RestoreReport:
     transport: str | None = None  # how rows moved between ranks: cma, p2p, cma+p2p (some pairs fell back), alltoall
 
     def as_dict(self) -> dict:
+        """The report as JSON-able values (for events and the CLI).
+
+        Returns:
+            A dict of every field, tuples as lists and times rounded to microseconds.
+        """
         return {
             "step": self.step, "generation": self.generation, "fingerprint": self.fingerprint,
             "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()}, "source_tiers": self.source_tiers,
@@ -131,13 +125,32 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
 def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: DurableTier | None,
             live: list[ShardData] | None = None, live_commit: tuple[int, int, str] | None = None,
             require_state: bool = False, start_fresh: bool = False, durable_group=None) -> RestoreReport:
-    """Collective: bring ``context`` to the newest commit complete for every row across tiers.
+    """Bring ``context`` to the newest commit complete for every row across tiers (collective).
 
-    ``live``: shards this process exported from its previous context, at commit ``live_commit``
-    = (step, generation, fingerprint). Raises :class:`RestoreError` when state exists but no
-    commit is complete, when a node holds the run marker (this run committed before) but no
-    commit is left, or when ``require_state`` and there is none. ``start_fresh``: in those cases
-    keep the context's initial rows instead (an explicit choice to start over)."""
+    Args:
+        context: the new context; filled in place when it offers ``shard_views()``, else through
+            ``export_shard()`` and ``import_shard()``.
+        comm: the communicator of the new world.
+        snapshot: the node's snapshot tier, or None.
+        durable: the durable tier, or None.
+        live: shards this process exported from its previous context.
+        live_commit: the commit ``(step, generation, fingerprint)`` those shards hold.
+        require_state: a restore without any state is an error.
+        start_fresh: where an error would be raised for missing state, keep the context's initial
+            rows instead (an explicit choice to start over).
+        durable_group: the registered process group DCP loads with; None: the durable tier is not
+            read.
+
+    Returns:
+        What was restored: the commit (step -1 with none), where each row came from, bytes moved.
+
+    Raises:
+        RestoreError: when state exists but no commit is complete, when a node holds the run marker
+            (this run committed before) but no commit is left, when ``require_state`` and there is
+            none, when a chain link newer than the chosen commit is missing, when every snapshot
+            file tried was corrupt, or when no rank reports any row of a table.
+        ChecksumMismatch: if the durable commit chosen fails its verification.
+    """
     t0 = time.perf_counter()
     # The new context's own shards give shapes and dtypes and receive the rows. A context that
     # offers ``shard_views()`` (its own storage, writable) is filled in place: no copy of the
@@ -286,8 +299,7 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
             if a.src == comm.rank and i not in filled and isinstance(sources.get(a.handle), FileSource)}
     # Every file this rank sends from is read (and verified) once; several files on threads of
     # their own (the checksums and the row copies release the GIL), e.g. a survivor's own shard
-    # and the replica of a dead rank's: on the 2-core VM the restore of a 256 MB table after a
-    # node kill reads both.
+    # and the replica of a dead rank's, which a restore after a node kill reads both.
     reads = {}
     for a in plan:
         src = sources.get(a.handle) if a.src == comm.rank else None
@@ -368,9 +380,19 @@ def _num_rows_from(everyone: list[Inventory]) -> dict[str, int]:
 
 
 def inspect_state(state_dir, run_id: str, durable_dir=None) -> dict:
-    """Every commit found under ``<state_dir>/<run_id>/*/`` (all node directories visible from
-    here) and ``<durable_dir>/<run_id>/``: for each, the nodes and tiers holding pieces, and the
-    row ranges of each table nobody holds (empty: complete). Newest first. Reads manifests only."""
+    """Every commit on disk, for operators; reads manifests only.
+
+    Args:
+        state_dir: the snapshot root; every node directory under ``<state_dir>/<run_id>/`` visible
+            from here is read.
+        run_id: the run.
+        durable_dir: the durable root (``<durable_dir>/<run_id>/``), or None.
+
+    Returns:
+        ``{"run_id", "state_dir", "durable_dir", "commits"}``; ``commits`` newest first, each with
+        its tier, step, generation, fingerprint, table sizes, whether it is complete, and the row
+        ranges nobody holds (plus, for a snapshot, the nodes and shards holding pieces).
+    """
     root = Path(state_dir) / run_id
     found: dict[CommitId, list[tuple[str, SnapshotManifest, object]]] = {}
     if root.is_dir():

@@ -1,33 +1,12 @@
 """A ring of node-local log segments that the GPU's copy engine writes deltas into.
 
-A GPU-captured delta (:mod:`elastic_emb.state.capture`) used to land in a pinned buffer that the
-writer then copied into a /dev/shm file: about 58 ms per 0.5 GB delta on an H200 host, the bound
-of the whole commit path. :class:`SegmentRing` removes that copy: ``count`` files in the node
-directory's ``log/`` folder, each ``size`` bytes, allocated (``posix_fallocate``), mapped and
-``cudaHostRegister``-ed ONCE (registration costs about 0.3 s per 0.5 GB, so never per commit) and
-reused across commits. The device-to-host copy of a delta goes straight into a free segment (it
-starts at offset 0; one delta per segment); the writer waits for the copy's event, finishes the
-checksums and writes the manifest, which names the segment, the offset and the length (and the
-CRC32 of every tensor, as for any commit). No byte is copied on the host.
+:class:`SegmentRing` holds ``count`` shared-memory files in the node directory's ``log/`` folder,
+allocated, mapped and registered with CUDA once and reused across commits: a delta is copied
+straight into a free :class:`Segment`, and its manifest names the segment, so no byte is copied
+on the host. A segment is reused only once no manifest names it; :func:`sweep_segments` removes
+the unreferenced segments of processes that are gone.
 
-When a segment may be reused: a segment is "in flight" from its capture until its commit is
-written (or dropped), then "held" by its manifest until that manifest is gone, i.e. until
-:meth:`SnapshotTier.prune` deleted the commit directory, which it does only for commits no kept
-commit needs (the newest ``keep`` complete ones and their chains back to a base, and anything
-newer). Restore reads only commits whose manifests exist, so a segment is never rewritten under
-a commit that restore, a replica or a chain could still read. When no segment is free, or a delta
-is larger than a segment, the capture takes the pinned-buffer path instead (never a wait).
-
-Shared-memory bound: the ring is ``count x size`` bytes, fixed once created (the lifecycle sizes
-``size`` at 1.25 x its first GPU delta, ``count`` = ``min(max_chain, 8) + 3 + keep``), plus what
-the commits that fell back to files hold. Segments of a process that has exited stay while a
-manifest names them (restore after a worker restart reads them); the next prune on the node
-removes the unreferenced ones of rings whose owner is gone (each ring holds an ``flock`` on its
-lock file while its process lives, so a reused pid is never mistaken for the owner).
-
-Everything a manifest says about a segment is checked on read: the name must be a plain name
-(it resolves inside ``<node dir>/log``), ``offset + length`` must lie within the file, and every
-tensor's CRC32 is verified (:func:`~elastic_emb.state.shardfile.read_snapshot`).
+Design: ``docs/COMMIT.md`` (section "The log ring").
 """
 
 from __future__ import annotations
@@ -52,7 +31,15 @@ SEGMENT_ALIGN = 2 << 20
 
 
 class Segment:
-    """One log segment: a file, its shared mapping, and who holds it."""
+    """One log segment: a file, its shared mapping, and who holds it.
+
+    Args:
+        ring: the ring it belongs to.
+        name: the file's name (what a manifest records).
+        path: the file.
+        size: its size in bytes.
+        mm: its shared mapping (``host`` is a uint8 tensor over it).
+    """
 
     def __init__(self, ring: "SegmentRing", name: str, path: Path, size: int, mm: mmap.mmap) -> None:
         self.ring = ring
@@ -65,11 +52,28 @@ class Segment:
         self.manifest: Path | None = None
 
     def release(self) -> None:
+        """The capture in this segment is written or dropped (see :meth:`SegmentRing.release`)."""
         self.ring.release(self)
 
 
 class SegmentRing:
-    """``count`` registered segments of ``size`` bytes in ``directory`` (this process's own)."""
+    """``count`` registered segments of ``size`` bytes in ``directory`` (this process's own).
+
+    Holds an ``flock`` on its lock file while the process lives, so that :func:`sweep_segments`
+    never removes the segments of a live ring.
+
+    Args:
+        directory: the node directory's ``log/`` folder.
+        count: the number of segments.
+        size: bytes per segment (rounded up to :data:`SEGMENT_ALIGN`).
+        file_mode: the files' permissions.
+        register: register the mappings with CUDA (``cudaHostRegister``).
+
+    Raises:
+        ValueError: if ``count`` or ``size`` is below 1.
+        RuntimeError: if registering a segment with CUDA fails (e.g. the locked-memory limit).
+        OSError: if a file cannot be created or allocated.
+    """
 
     def __init__(self, directory: Path, count: int, size: int, file_mode: int, register: bool = True) -> None:
         if count < 1 or size < 1:
@@ -109,8 +113,15 @@ class SegmentRing:
         log.info("log_ring_ready", dir=str(self.dir), segments=count, segment_bytes=self.size)
 
     def acquire(self, nbytes: int) -> Segment | None:
-        """A free segment for a delta of ``nbytes`` (now "in flight"), or None: the delta is
-        larger than a segment, or every segment is in flight or named by a manifest."""
+        """Take a free segment for a delta (it is then "in flight").
+
+        Args:
+            nbytes: the delta's size.
+
+        Returns:
+            The segment, or None: the delta is larger than a segment, or every segment is in
+            flight or named by a manifest that still exists.
+        """
         if nbytes > self.size:
             return None
         with self._cv:  # a free one first: checking whether held ones were pruned costs a stat each
@@ -131,17 +142,31 @@ class SegmentRing:
         return seg
 
     def landed(self, seg: Segment, manifest: Path) -> None:
-        """The commit in ``seg`` is written: held until ``manifest`` is gone."""
+        """The commit in ``seg`` is written: the segment is held until ``manifest`` is gone.
+
+        Args:
+            seg: the segment.
+            manifest: the manifest that names it.
+        """
         with self._cv:
             seg.state, seg.manifest = "held", manifest
 
     def release(self, seg: Segment) -> None:
-        """The capture in ``seg`` is written or dropped: a dropped one frees the segment."""
+        """The capture in ``seg`` is written or dropped: a dropped one (still in flight) frees it.
+
+        Args:
+            seg: the segment.
+        """
         with self._cv:
             if seg.state == "flight":
                 seg.state, seg.manifest = "free", None
 
     def in_use(self) -> int:
+        """How many segments are taken.
+
+        Returns:
+            The segments in flight or named by a manifest that still exists.
+        """
         with self._cv:
             return sum(s.state == "flight" or (s.state == "held" and s.manifest is not None and s.manifest.exists())
                        for s in self.segments)
@@ -170,9 +195,17 @@ class SegmentRing:
 
 
 def newest_per_segment(manifests: list) -> list:
-    """``(path, manifest)`` pairs less those naming a segment a newer commit's manifest names too:
-    a segment holds one commit at a time, so one of them is damaged or foreign; only the newest is
-    read (and its CRC32s decide)."""
+    """Drop the manifests that name a segment a newer commit's manifest names too.
+
+    A segment holds one commit at a time, so one of them is damaged or foreign: only the newest is
+    read (and its checksums decide); the others are reported.
+
+    Args:
+        manifests: ``(path, manifest)`` pairs.
+
+    Returns:
+        The pairs kept, in their order.
+    """
     newest: dict[str, int] = {}
     for i, (_, m) in enumerate(manifests):
         if m.segment is not None and (m.segment not in newest or manifests[newest[m.segment]][1].commit < m.commit):
@@ -188,8 +221,17 @@ def newest_per_segment(manifests: list) -> list:
 
 
 def on_memory_fs(path: Path) -> bool:
-    """Whether ``path`` lies on tmpfs (or hugetlbfs/ramfs): only such file pages can be
-    registered with CUDA for long (Linux refuses long-term pins of pages of disk filesystems)."""
+    """Whether ``path`` lies on tmpfs, hugetlbfs or ramfs.
+
+    Only such file pages can stay registered with CUDA (Linux refuses long-term pins of pages of
+    disk filesystems).
+
+    Args:
+        path: a path (symlinks resolved).
+
+    Returns:
+        True on a memory-backed filesystem; False otherwise or when the mounts cannot be read.
+    """
     target, best, fstype = os.path.realpath(path), "", None
     try:
         with open("/proc/self/mountinfo") as f:
@@ -217,13 +259,34 @@ def _clear_cuda_error() -> None:
 
 
 def segment_path(node_dir: Path, name: str) -> Path:
-    """Where the segment a manifest names lies: always inside ``<node dir>/log`` (ValueError else)."""
+    """Where the segment a manifest names lies: always inside ``<node dir>/log``.
+
+    Args:
+        node_dir: the node directory.
+        name: the segment name from a manifest (untrusted).
+
+    Returns:
+        The segment's path.
+
+    Raises:
+        ValueError: if ``name`` is not a plain name (via :func:`~elastic_emb.state.paths.check_name`).
+    """
     return Path(node_dir) / LOG_DIR / check_name(name, "log segment")
 
 
 def sweep_segments(node_dir: Path, referenced: set[str]) -> list[str]:
-    """Remove the segments of rings whose process is gone (their lock is free) that no manifest
-    in ``referenced`` names; a ring's lock file goes with its last segment. Returns the names."""
+    """Remove the segments of rings whose process is gone that no manifest names.
+
+    A ring's process is gone when its lock file's ``flock`` is free; its lock file goes with its
+    last segment.
+
+    Args:
+        node_dir: the node directory.
+        referenced: the segment names the node's manifests name.
+
+    Returns:
+        The names of the segments removed.
+    """
     d = Path(node_dir) / LOG_DIR
     removed = []
     for lock in sorted(d.glob("ring-*.lock")):

@@ -1,11 +1,11 @@
 """The data file of one shard: packed, written, and read back verified.
 
-A commit's data file (a base: the whole shard; a delta: the changed rows, see :mod:`.delta`) is
-every table's row-wise tensors back to back, each with its offset, length and CRC32 in the
-manifest (:func:`pack_shard`). It is written and fsynced before any manifest names it
-(:func:`write_blob`). Reading it back (:func:`read_snapshot`) maps the file (or the manifest's
-range of a log segment, :mod:`.ring`) copy-on-write and checks every tensor's CRC32, copying the
-rows that stay on the reading rank in the same pass over the bytes.
+A data file is every table's row-wise tensors back to back (:func:`pack_shard`), written and
+fsynced before any manifest names it (:func:`write_blob`). :func:`read_snapshot` maps it (or a
+log segment's range) copy-on-write, verifies every tensor's checksum and copies the rows that
+stay on the reading rank in the same pass.
+
+Design: ``docs/COMMIT.md`` (section "The data file").
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ from elastic_emb.state.paths import FILE_MODE, open_new
 
 
 def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor]:
-    """Every table's row-wise tensors back to back in one byte buffer, with their records."""
+    """Every table's row-wise tensors back to back in one byte buffer, with their records.
+
+    Args:
+        shards: table -> this rank's shard (tables in name order, tensors in
+            :func:`~elastic_emb.state.manifest.tensor_items` order).
+        num_rows: table -> rows in the whole table.
+
+    Returns:
+        ``(records, buffer)``: one :class:`ShardRecord` per table with each tensor's offset,
+        length and CRC32, and the uint8 CPU buffer.
+    """
     records, parts, off = [], [], 0
     for name in sorted(shards):
         sd = shards[name]
@@ -42,7 +52,13 @@ def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[
 
 
 def write_blob(path: Path, blob: torch.Tensor, mode: int = FILE_MODE) -> None:
-    """Write a byte buffer to ``path`` (permissions ``mode``) and fsync it."""
+    """Write a byte buffer to a new file and fsync it.
+
+    Args:
+        path: the file (created or truncated).
+        blob: a uint8 CPU tensor.
+        mode: the file's permissions.
+    """
     with open_new(path, mode) as f:
         f.write(memoryview(blob.numpy()))
         f.flush()
@@ -51,21 +67,35 @@ def write_blob(path: Path, blob: torch.Tensor, mode: int = FILE_MODE) -> None:
 
 # A block of a snapshot tensor copied into its destination and checksummed while it is in cache:
 # the file's bytes then come from memory once, not once for the CRC32 and again for the copy.
-# 2 MiB: fastest of 0.5-4 MiB measured for 128 MB shards with two ranks sharing a 32 MiB L3.
+# 2 MiB: the fastest block size tried, with two ranks reading at once through one shared L3.
 VERIFY_CHUNK = 2 << 20
 
 
 def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
                   fill: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] | None = None,
                   ) -> dict[str, dict[str, torch.Tensor]]:
-    """Load one shard file; check every tensor's CRC32. Returns table -> name -> tensor.
+    """Load one shard file (or a log segment's range) and check every tensor's checksum.
 
-    ``fill``: table -> [(row_lo, row_hi, {tensor name: destination rows})], rows counted from the
-    shard's first row: those rows are also copied into the (contiguous) destinations, in the same
-    pass over the file as the checksum, block by block while each block is in cache. The copies
-    happen before the verdict: when ChecksumMismatch is raised, the destinations hold unverified
-    bytes, which the caller must overwrite or discard (restore re-plans without the piece, and
-    raises if no commit is left, so the rows are never used)."""
+    The file is mapped privately (copy-on-write), so it works on read-only storage and nothing done
+    to the tensors returned changes the file.
+
+    Args:
+        path: the data file or log segment.
+        manifest: the manifest naming it (sizes, offsets, checksums, the segment range).
+        verify: check the checksums (False: only map and copy).
+        fill: table -> ``[(row_lo, row_hi, {tensor name: destination rows})]``, rows counted from
+            the shard's first row: those rows are also copied into the (contiguous) destinations,
+            in the same pass as the checksum. The copies happen before the verdict: after a
+            ChecksumMismatch the destinations hold unverified bytes, which the caller must
+            overwrite or discard.
+
+    Returns:
+        table -> tensor name -> tensor (the shard's rows for a base, the changed rows for a delta).
+
+    Raises:
+        ChecksumMismatch: if the file's size or the segment range disagrees with the manifest, or a
+            tensor's checksum does not match.
+    """
     size = path.stat().st_size if path.exists() else -1
     at = manifest.segment_offset if manifest.segment is not None else 0
     if manifest.segment is not None:  # a log segment holds more than this commit: the range must lie in it

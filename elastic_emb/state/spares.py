@@ -1,15 +1,12 @@
 """Data files allocated ahead of the GPU-captured commits that will fill them.
 
-A fresh /dev/shm file gets its pages from the kernel at the first write: allocation and zeroing
-inside the copy, which made the copy of a 0.5 GB delta into its file take about 110 ms on an H200
-host (about 5 GB/s on 14 threads), while the same copy into pages already allocated takes about
-30 ms (``bench/shm_landing.py``). :class:`SpareFiles` therefore keeps a few files allocated ahead
-(``posix_fallocate``, one thread per file: separate files allocate in parallel, one file's
-allocations do not), sized from the commits seen so far. The writer renames a spare into the
-commit's directory, trims it to the commit's size, and copies into its pages. Spares live in the
-node directory (so a rename moves no bytes) under a dot name that listings and restore never read;
-they are bounded: ``count`` files of at most 1.0625 x the largest delta seen per process, removed
-by ``close`` and, after a crash, by the next process of the node that allocates spares.
+A fresh ``/dev/shm`` file gets its pages at the first write, inside the copy into it.
+:class:`SpareFiles` keeps a few files allocated ahead (``posix_fallocate``, in parallel), sized
+from the commits seen so far; the writer renames one into the commit's directory and copies into
+its pages. Spares live under a dot directory of the node directory that listings never read, and
+:func:`remove_dead_spares` removes those of processes that are gone.
+
+Design: ``docs/COMMIT.md`` (section "Spare files").
 """
 
 from __future__ import annotations
@@ -26,7 +23,14 @@ log = get_logger("elastic_emb.state")
 
 
 class SpareFiles:
-    """Up to ``count`` allocated files in ``directory`` (owned by this process alone)."""
+    """Up to ``count`` allocated files in ``directory`` (owned by this process alone).
+
+    Args:
+        directory: the spares' directory; whatever is there is removed first.
+        count: how many files to keep ready.
+        file_mode: the files' permissions.
+        dir_mode: the directory's permissions.
+    """
 
     def __init__(self, directory: Path, count: int, file_mode: int, dir_mode: int) -> None:
         self.dir = Path(directory)
@@ -42,7 +46,14 @@ class SpareFiles:
         self._pool = ThreadPoolExecutor(max_workers=max(1, count), thread_name_prefix="elastic_emb-spare")
 
     def want(self, nbytes: int) -> None:
-        """A commit of ``nbytes`` was captured: keep ``count`` files of at least that ready."""
+        """A commit of ``nbytes`` was captured: keep ``count`` files of at least that ready.
+
+        Files are sized 1/16 above the largest commit seen; ready files that became too small are
+        removed, and the missing ones are allocated in the background.
+
+        Args:
+            nbytes: the captured commit's data size.
+        """
         stale = []
         with self._lock:
             size = nbytes + nbytes // 16
@@ -65,8 +76,8 @@ class SpareFiles:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, self.file_mode)
             try:
-                # Not mapped here: mapping with MAP_POPULATE ahead made the writer's copies slower
-                # on an H200 host (mmap/munmap of large mappings contend with the copy threads).
+                # Not mapped here: mapping with MAP_POPULATE ahead slows the writer's copies
+                # (mmap/munmap of large mappings contend with the copy threads).
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
@@ -80,7 +91,14 @@ class SpareFiles:
                 self._pending -= 1
 
     def take(self, nbytes: int) -> Path | None:
-        """A ready file of at least ``nbytes`` (the caller renames it away), or None."""
+        """Take a ready file for a commit.
+
+        Args:
+            nbytes: the commit's data size.
+
+        Returns:
+            The path of a ready file of at least ``nbytes`` (the caller renames it away), or None.
+        """
         with self._lock:
             for i, (path, size) in enumerate(self._ready):
                 if size >= nbytes:
@@ -89,12 +107,17 @@ class SpareFiles:
         return None
 
     def close(self) -> None:
+        """Wait for the allocations under way, then remove the directory and every spare in it."""
         self._pool.shutdown(wait=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def remove_dead_spares(node_dir: Path) -> None:
-    """Remove the spare directories (``.spare-<pid>``) of processes of this node that are gone."""
+    """Remove the spare directories (``.spare-<pid>``) of processes of this node that are gone.
+
+    Args:
+        node_dir: the node directory; directories of live processes (or of another user's) stay.
+    """
     for d in Path(node_dir).glob(".spare-*"):
         pid = d.name.removeprefix(".spare-")
         if not pid.isdigit():

@@ -1,25 +1,12 @@
 """How row blocks move between the ranks of one world: one interface, three transports.
 
-A transfer is a list of :class:`Move` records that every rank builds identically (same moves,
-same order; a move's index in the list is its key on both sides). Each rank fills in only its
-own side: the source tensors where it sends, the destination tensors where it receives, ``None``
-elsewhere; source and destination of one move have the same shapes and dtypes. A
-:class:`Transport` moves every block and returns what it sent. Every rank calls it, even with
-nothing to move, because each transport is collective.
+Every rank builds the same list of :class:`Move` records and fills in only its own side; a
+:class:`Transport` (collective) moves the blocks: :class:`AllToAllTransport` (any device, the only
+one for NCCL), :class:`P2PTransport` (gloo sends and receives, CPU) and :class:`CmaTransport`
+(same-host pulls by cross-memory attach, CPU). :func:`transport_for` picks the configured one;
+:func:`execute_plan` runs a reshard plan through it and :func:`move_rows` plans and runs one.
 
-* :class:`AllToAllTransport`: one ``alltoall_base`` over a packed byte buffer. The only safe way
-  on NCCL; zero copy where a rank sends (or receives) a single block of a single tensor.
-* :class:`P2PTransport` (CPU, gloo): every send and receive posted at once, straight from the
-  source rows into the destination rows, no staging copy. The tag is ``key * 64 + tensor index``,
-  so every message pairs with exactly one receive. ``Comm.abort`` (a peer known gone) ends the
-  wait at once with ``TransferInterrupted`` (``Comm.wait_works``).
-* :class:`CmaTransport` (CPU): receivers pull their rows out of same-host senders' memory by
-  cross-memory attach (:mod:`elastic_emb.state.cma`); the pairs that cannot go that way (another
-  host, ptrace rules, a sender that cannot prove it belongs to this job) go over p2p afterwards.
-
-``ELASTIC_EMB_TRANSPORT`` picks one (``Comm.transport``). Restore, the durable tier's layout
-change and :func:`move_rows` all go through :func:`execute_plan`; a context that moves its own
-rows (a same-size re-form with a new rank order) builds moves and calls a transport directly.
+Design: ``docs/COMMIT.md`` (section "Transports").
 """
 
 from __future__ import annotations
@@ -57,13 +44,25 @@ class Moved:
 
 
 class Transport(ABC):
-    """Moves the blocks of a shared move list between the ranks of ``comm`` (collective)."""
+    """Moves the blocks of a shared move list between the ranks of a communicator (collective).
+
+    Every rank calls :meth:`move` with the same list, even with nothing to move; a move's index in
+    the list is its key on both sides.
+    """
 
     name: str
 
     @abstractmethod
     def move(self, comm: Comm, moves: list[Move]) -> Moved:
-        """Move every block with ``src != dst``; blocks with ``src == dst`` are the caller's."""
+        """Move every block with ``src != dst``; blocks with ``src == dst`` are the caller's.
+
+        Args:
+            comm: the communicator of the world.
+            moves: the shared move list, with this rank's tensors filled in.
+
+        Returns:
+            What this rank sent, and how.
+        """
 
 
 def _mine(comm: Comm, moves: list[Move]) -> tuple[list[tuple[int, Move]], list[tuple[int, Move]]]:
@@ -90,6 +89,21 @@ class AllToAllTransport(Transport):
     name = "alltoall"
 
     def move(self, comm: Comm, moves: list[Move]) -> Moved:
+        """Pack this rank's outgoing blocks, run one all-to-all, and unpack what arrived.
+
+        A rank that sends (or receives) a single block of a single contiguous tensor on the
+        communicator's device sends from it (receives into it) in place.
+
+        Args:
+            comm: the communicator of the world.
+            moves: the shared move list, with this rank's tensors filled in.
+
+        Returns:
+            The bytes this rank sent, and ``"alltoall"``.
+
+        Raises:
+            ValueError: if a move of this rank lacks its tensors.
+        """
         outgoing, incoming = _mine(comm, moves)
         outgoing.sort(key=lambda km: (km[1].dst, km[0]))
         incoming.sort(key=lambda km: (km[1].src, km[0]))
@@ -143,7 +157,22 @@ class P2PTransport(Transport):
     name = "p2p"
 
     def move(self, comm: Comm, moves: list[Move], only: set[tuple[int, int]] | None = None) -> Moved:
-        """``only``: move just the blocks of these (src, dst) pairs (the cma transport's fallback)."""
+        """Post every send and receive of this rank at once, then wait for all of them.
+
+        Args:
+            comm: the communicator of the world (gloo, CPU).
+            moves: the shared move list, with this rank's tensors filled in.
+            only: move just the blocks of these ``(src, dst)`` pairs (the cma transport's fallback);
+                None: every block.
+
+        Returns:
+            The bytes this rank sent, and ``"p2p"``.
+
+        Raises:
+            ValueError: if a move of this rank lacks its tensors.
+            TransferInterrupted: if the communicator was aborted (a peer known gone).
+            RuntimeError: if a transfer failed or did not complete within the timeout.
+        """
         outgoing, incoming = _mine(comm, moves)
         comm.check("point-to-point row transfer")  # aborted: post nothing that could only be abandoned
         works, sent = [], 0
@@ -174,6 +203,16 @@ class CmaTransport(Transport):
     name = "cma"
 
     def move(self, comm: Comm, moves: list[Move]) -> Moved:
+        """Pull same-host blocks by cross-memory attach, then move the rest over gloo p2p.
+
+        Args:
+            comm: the communicator of the world (CPU).
+            moves: the shared move list, with this rank's tensors filled in.
+
+        Returns:
+            The bytes this rank sent, and ``"cma"``, ``"cma+p2p"`` (some pairs fell back) or
+            ``"p2p"`` (all did).
+        """
         from elastic_emb.state import cma
 
         if all(m.src == m.dst for m in moves):
@@ -193,7 +232,14 @@ _BY_NAME = {"alltoall": AllToAllTransport, "p2p": P2PTransport, "cma": CmaTransp
 
 
 def transport_for(comm: Comm) -> Transport:
-    """The transport ``comm`` was configured with (``Comm.transport``)."""
+    """The transport a communicator was configured with.
+
+    Args:
+        comm: the communicator; its ``transport`` names the transport (``ELASTIC_EMB_TRANSPORT``).
+
+    Returns:
+        A new transport of that kind.
+    """
     return _BY_NAME[comm.transport]()
 
 
@@ -211,9 +257,21 @@ def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_sta
 
 def execute_plan(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
                  starts: dict[int, int], template: dict[str, ShardData], done: set[int] | None = None) -> Moved:
-    """Move the rows of ``plan`` by the communicator's transport; fill ``template`` (this rank's
-    rows). ``handles``/``starts``: this rank's source tensors per piece handle and the piece's
-    first row. ``done``: indices (in ``plan``) of this rank's local assignments already copied."""
+    """Move the rows of a reshard plan by the communicator's transport (collective).
+
+    Rows that stay on this rank are copied directly, never through the transport.
+
+    Args:
+        comm: the communicator of the world.
+        plan: every rank's assignments (the same list on every rank).
+        handles: piece handle -> this rank's source tensors of that piece, by tensor name.
+        starts: piece handle -> the piece's first row.
+        template: table -> this rank's new shard, filled in place.
+        done: indices (in ``plan``) of this rank's local assignments already copied.
+
+    Returns:
+        What this rank sent, and how.
+    """
     me = comm.rank
     done_ids = {id(plan[i]) for i in done or ()}
     order = sorted(plan, key=lambda a: (a.dst, a.src, a.table, a.start))
@@ -250,8 +308,23 @@ LIVE = CommitId(0, 0, "live")  # the commit tag of pieces that are simply "the r
 
 def move_rows(comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData], num_rows: dict[str, int],
               owners: int) -> dict[str, ShardData]:
-    """Every rank holds some row ranges in memory (``pieces``, together covering every row once or
-    more); deliver to each rank its rows in a layout of ``owners`` owners. Fills ``template``."""
+    """Deliver to each rank its rows in a layout of ``owners`` owners, from rows held in memory.
+
+    Collective: every rank's pieces are exchanged and planned alike, then moved.
+
+    Args:
+        comm: the communicator of the world.
+        pieces: the row ranges this rank holds (together, every rank's cover every row once or more).
+        template: table -> this rank's shard in the new layout, filled in place.
+        num_rows: table -> rows in the table.
+        owners: the number of row owners of the new layout.
+
+    Returns:
+        ``template``, filled.
+
+    Raises:
+        RestoreError: if some rows are held by no rank.
+    """
     inv = [Piece(table=p.table, start=p.shard.rows.start, stop=p.shard.rows.stop, tier="live", commit=LIVE,
                  handle=i, spec=[row_spec(t) for _, t in tensor_items(p.shard)])
            for i, p in enumerate(pieces) if len(p.shard.rows)]
@@ -267,5 +340,12 @@ def move_rows(comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData
 
 
 def row_bytes_of(template: dict[str, ShardData]) -> dict[str, int]:
-    """Bytes of one row (weight plus slots) per table."""
+    """Bytes of one row (weight plus slots) per table.
+
+    Args:
+        template: table -> a shard with the table's tensors.
+
+    Returns:
+        Table -> bytes per row.
+    """
     return {name: sum(row_bytes(s) for s in spec) for name, spec in specs_of(template).items()}

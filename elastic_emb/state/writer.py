@@ -1,32 +1,12 @@
 """The background commit writer: a commit returns once its rows are captured; the files, the
 replicas and the manifests are written while the next steps run.
 
-``lc.commit(step)`` (with ``LifecycleConfig.async_commit``) captures the commit into a buffer of
-its own (:meth:`SnapshotTier.capture`: the changed rows, or the whole shard for a base) and
-hands it to :class:`CommitWriter`, whose thread writes it (:meth:`SnapshotTier.write`) and prunes.
-Commits are written one after the other, in the order they were captured. At most ``depth`` are
-in flight: the host capture uses 1 (the next capture waits for the parent it names to be
-complete); a GPU capture (:mod:`elastic_emb.state.capture`) names its parent before that is
-written, so several commits may be in flight while the GPU copies and the writer checksums.
-A resize, a drain and ``close`` first wait for every commit in flight (:meth:`CommitWriter.wait`,
-bounded), so a graceful resize loses no step, and a SIGKILL loses at most the commits in flight
-(their manifests were not written: restore takes the newest complete one; a later commit is never
-written before an earlier one, so the chain on disk has no gap).
+:class:`CommitWriter` writes captured commits in order in a thread of its own, on a communicator
+of its own, at most ``depth`` in flight; a failed write drops the commits queued after it and is
+raised by the next :meth:`~CommitWriter.submit` or :meth:`~CommitWriter.wait`.
+:func:`finish_commit_on_sigterm` makes a SIGTERM wait for the commit in flight first.
 
-After a peer died (an aborted re-form), :meth:`CommitWriter.abandon` drops the commits in flight
-without waiting: the one being written may wait for the dead peer (its store exchange, its replica)
-for up to the transfer timeout, and it is not complete anyway. The writer's communicator is
-aborted, the queued commits are released, and the thread, once its write returns or fails (its store
-waits poll and end at the abort; a gloo transfer to the dead peer runs to its timeout), exits
-without pruning; the lifecycle counts the last complete commit as its committed step.
-
-When a write fails, the commits queued after it are dropped (they would name a parent that does
-not exist), and the next :meth:`submit` or :meth:`wait` raises the error and breaks the tier's
-chain, so the next commit is a base.
-
-The writer has a communicator of its own (a private gloo group and store prefix): its store
-exchanges and replica transfers run beside the training's collectives on the context's group
-without ever pairing with them.
+Design: ``docs/COMMIT.md`` (section "The background writer").
 """
 
 from __future__ import annotations
@@ -52,7 +32,17 @@ class _Abandoned(Exception):
 
 
 class CommitWriter:
-    """Writes captured commits in order in a background thread, at most ``depth`` in flight."""
+    """Writes captured commits in order in a background thread, at most ``depth`` in flight.
+
+    Args:
+        tier: the snapshot tier that writes and prunes.
+        comm: the writer's own communicator (a private gloo group and store prefix).
+        timeout: how long :meth:`submit` and :meth:`wait` wait by default.
+        depth: the most commits in flight (1 for host captures, which name a complete parent).
+
+    Raises:
+        ValueError: if ``depth`` is below 1.
+    """
 
     def __init__(self, tier: SnapshotTier, comm: Comm, timeout: float, depth: int = 1) -> None:
         if depth < 1:
@@ -83,7 +73,16 @@ class CommitWriter:
         return len(self._queue) + (self._writing is not None)
 
     def submit(self, cap: Capture) -> None:
-        """Queue ``cap`` for writing, once fewer than ``depth`` commits are in flight (bounded)."""
+        """Queue a captured commit for writing, once fewer than ``depth`` commits are in flight.
+
+        Args:
+            cap: the capture; released here if it cannot be queued.
+
+        Raises:
+            TimeoutError: if no slot came free within the writer's timeout.
+            Exception: the error of an earlier write that failed (the tier's chain is then broken,
+                so the next commit is a base).
+        """
         try:
             self._wait_until(lambda: self._count() < self.depth, f"a slot for the commit of step {cap.step}")
         except BaseException:
@@ -166,24 +165,40 @@ class CommitWriter:
         return self._queue[0].step if self._queue else None
 
     def interrupt(self, reason: str) -> None:
-        """A peer is known gone (called from another thread): the write in flight cannot complete.
-        Its store waits and its replica transfer end now (the communicator is aborted) and its
-        failure, raised to the training thread as usual, is logged as ``commit_aborted`` (warning,
-        with ``reason``), not as the error ``commit_failed``."""
+        """A peer is known gone (callable from another thread): the write in flight cannot complete.
+
+        Its store waits and its replica transfer end now (the communicator is aborted), and its
+        failure, raised to the training thread as usual, is logged as ``commit_aborted`` (a
+        warning), not as the error ``commit_failed``.
+
+        Args:
+            reason: why, for the log and the abort.
+        """
         self._interrupted = reason  # before the abort: the thread reads it once its wait ends
         self.comm.abort(reason)
 
     def give_up_on(self, ranks, reason: str) -> None:
-        """Ranks of this generation left the rendezvous (called from another thread): the write in
-        flight fails now if it still waits for a key of theirs (``Comm.give_up_on``), and is logged
-        as ``commit_aborted`` (warning, with ``reason``); one they had done their part of completes."""
+        """Ranks of this generation left the rendezvous (callable from another thread).
+
+        The write in flight fails now if it still waits for a key of theirs (``Comm.give_up_on``),
+        logged as ``commit_aborted`` (a warning); one they had done their part of completes.
+
+        Args:
+            ranks: the ranks gone.
+            reason: why, for the log and the errors.
+        """
         self._interrupted = reason  # before the comm reads it: the thread reads it once its wait ends
         self.comm.give_up_on(ranks, reason)
 
     def abandon(self) -> int | None:
-        """A peer died: drop the commits in flight without waiting for them (module docstring).
-        Returns the oldest step dropped, or None when none was in flight. The writer is unusable
-        afterwards; its thread exits on its own once the write it is in returns or fails."""
+        """A peer died: drop the commits in flight without waiting for them.
+
+        The queued commits are released and the communicator aborted; the thread exits without
+        pruning once the write it is in returns or fails. The writer is unusable afterwards.
+
+        Returns:
+            The oldest step dropped, or None when none was in flight.
+        """
         with self._cv:
             oldest = self._in_flight_locked()
             self._abandoned = self._stop = True
@@ -198,14 +213,31 @@ class CommitWriter:
         return oldest
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until no commit is in flight (at most ``timeout`` seconds, default the writer's);
-        raise the error of one that failed. Returns the newest complete step."""
+        """Block until no commit is in flight.
+
+        Args:
+            timeout: the most seconds to wait; None: the writer's timeout.
+
+        Returns:
+            The newest step this writer completed (-1 for none).
+
+        Raises:
+            TimeoutError: if a commit is still in flight at the timeout.
+            Exception: the error of a write that failed (the tier's chain is then broken).
+        """
         self._wait_until(lambda: self._count() == 0, "the commits in flight", timeout)
         return self.committed_step
 
     def join(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) for the thread to exit; whether it did (an abandoned
-        writer's thread must not be inside a store call when the interpreter exits)."""
+        """Wait for the writer's thread to exit (an abandoned writer's thread must not be inside a
+        store call when the interpreter exits).
+
+        Args:
+            timeout: the most seconds to wait.
+
+        Returns:
+            Whether the thread has exited (True when there was none).
+        """
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
@@ -213,8 +245,16 @@ class CommitWriter:
         return True
 
     def close(self, wait: bool = True) -> None:
-        """Wait for the commits in flight (unless ``wait`` is False: the caller did), stop the
-        thread, then release the writer's communicator."""
+        """Wait for the commits in flight, stop the thread, then release the writer's communicator.
+
+        Args:
+            wait: wait for the commits in flight first (False: the caller did); the thread and the
+                communicator are stopped and released even when the wait raises.
+
+        Raises:
+            TimeoutError: if ``wait`` and a commit is still in flight at the timeout.
+            Exception: the error of a write that failed.
+        """
         try:
             if wait:
                 self.wait()
@@ -229,11 +269,19 @@ class CommitWriter:
 
 
 def finish_commit_on_sigterm(writer_of: Callable[[], "CommitWriter | None"], wait_s: float):
-    """With commits in the background, make a SIGTERM first wait (at most ``wait_s``) for the
-    commit in flight of ``writer_of()``, then end the process as the default action would: a worker
-    stopped by its agent (a graceful leave) leaves its last commit complete, as a synchronous commit
-    did. Installed from the main thread only, and only over the default action (never over the
-    user's). Returns the handler installed, or None."""
+    """Make a SIGTERM first wait for the commit in flight, then end the process as by default.
+
+    A worker stopped by its agent (a graceful leave) then leaves its last commit complete, as with
+    synchronous commits. Installed from the main thread only, and only over the default action
+    (never over the user's).
+
+    Args:
+        writer_of: returns the current writer, or None.
+        wait_s: the most seconds the handler waits for the commit in flight.
+
+    Returns:
+        The handler installed, or None when none was.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
@@ -255,8 +303,11 @@ def finish_commit_on_sigterm(writer_of: Callable[[], "CommitWriter | None"], wai
 
 
 def uninstall_sigterm(handler) -> None:
-    """Put the default SIGTERM action back if ``handler`` (from :func:`finish_commit_on_sigterm`)
-    is still the one installed (main thread only)."""
+    """Put the default SIGTERM action back if ``handler`` is still the one installed (main thread only).
+
+    Args:
+        handler: what :func:`finish_commit_on_sigterm` returned (None: nothing to do).
+    """
     if handler is not None and threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGTERM) is handler:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
