@@ -16,7 +16,7 @@
 #   PYPI_INDEX, EXTRA_INDEXES   where every other package comes from (EXTRA_INDEXES: space-separated)
 # uv uses the system's CA store (UV_NATIVE_TLS), so a TLS-inspecting proxy's CA, once installed in
 # the base image, is trusted. `make image-check` builds the CPU variant with local stand-ins for all
-# of these (README: "The image, built here").
+# of these (docs/KUBERNETES.md).
 #
 # Why this shape:
 # - Two stages: the builder holds uv; the runtime stage copies only the interpreter and the

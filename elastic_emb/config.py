@@ -4,7 +4,7 @@ Modules read settings through :func:`load` (``load(env).state_dir``, or ``load(e
 for some variables only), never ``os.environ`` directly. :func:`load` validates the environment
 and turns a bad value, or an undeclared ``ELASTIC_EMB_*`` name (a typo such as
 ``ELASTIC_EMB_STATEDIR``), into one :class:`~elastic_emb.errors.ConfigError` line.
-``python -m elastic_emb.config`` prints the README's table of variables (:func:`markdown_table`).
+``python -m elastic_emb.config`` prints the table of variables in ``docs/CONFIG.md`` (:func:`markdown_table`).
 
 Design: ``docs/CORE.md`` (section "Settings").
 """
@@ -204,7 +204,7 @@ def _describe(error: dict, raw: Mapping[str, str]) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of variables.
+    """The table of variables in ``docs/CONFIG.md``.
 
     Returns:
         A Markdown table, one row per :class:`Settings` field: variable, who sets it, default and

@@ -1,5 +1,5 @@
 """elastic_emb.config: every ELASTIC_EMB_* variable the code, the tests or the deploy files name is
-declared, bad values fail in one line naming the variable, and the README's table is the
+declared, bad values fail in one line naming the variable, and the table in docs/CONFIG.md is the
 generated one."""
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ def test_every_variable_named_in_the_repository_is_declared():
     assert sorted(named - set(config.VARIABLES)) == []
 
 
-def test_readme_table_is_generated_from_the_settings():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("<!-- config-table:begin -->\n", 1)[1].split("\n<!-- config-table:end -->", 1)[0]
-    assert block == config.markdown_table(), "README is stale: paste `python -m elastic_emb.config` between the markers"
+def test_docs_table_is_generated_from_the_settings():
+    page = (REPO / "docs" / "CONFIG.md").read_text()
+    block = page.split("<!-- config-table:begin -->\n", 1)[1].split("\n<!-- config-table:end -->", 1)[0]
+    assert block == config.markdown_table(), \
+        "docs/CONFIG.md is stale: paste `python -m elastic_emb.config` between the markers"
 
 
 def test_values_are_typed_and_defaults_apply():

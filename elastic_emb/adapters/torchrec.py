@@ -55,7 +55,7 @@ def require_torchrec():
     except ImportError as exc:
         raise ImportError(
             f"elastic_emb.adapters.torchrec needs TorchRec ({exc}); install the extra: "
-            f"pip install 'elastic-emb[torchrec]' (README, section TorchRec, has the exact command)"
+            f"pip install 'elastic-emb[torchrec]' (the README's TorchRec section has the exact command)"
         ) from exc
     return torchrec
 

@@ -27,7 +27,7 @@ from elastic_emb import load_settings
 StepFn = Callable[[object, int, dict], "float | torch.Tensor"]
 """``step(context, step, fields) -> loss``: one training step; ``fields`` takes extra keys for
 the step's progress line. The loss may be a one-element tensor: it is read after the step's
-commit, so that on a GPU the commit's host work overlaps the step's (README, commits)."""
+commit, so that on a GPU the commit's host work overlaps the step's (``docs/TRAINING.md``)."""
 
 
 class Progress:

@@ -285,7 +285,7 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     return loss / max(1, len(labels))
 
 
-# -- the elastic training loop (examples/loop.py) --------------------------------------------------
+# -- the elastic training loop (elastic_emb/examples/loop.py) --------------------------------------
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     """Parse the loop's options and the configuration's.

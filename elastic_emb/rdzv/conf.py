@@ -4,7 +4,7 @@
 - :func:`check_conf_keys`: refuses a key neither elastic_emb nor torch reads;
 - :data:`INNER_BACKENDS`, :func:`register_inner`: ``inner=NAME`` to the factory of torch's backend and store.
 
-Design: ``docs/RDZV.md`` (section "Configuration"); the keys' table is in the README.
+Design: ``docs/RDZV.md`` (section "Configuration"); the keys' table: ``docs/CONFIG.md``.
 """
 
 from __future__ import annotations

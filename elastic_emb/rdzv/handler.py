@@ -7,7 +7,7 @@ round and membership in the workers' environment, scale-down detection and a dra
 scale-up. Importing this module has no side effect: torch imports it in every process that
 imports its rendezvous package.
 
-Design: ``docs/RDZV.md`` (section "The handler"); the ``--rdzv-conf`` keys: the README.
+Design: ``docs/RDZV.md`` (section "The handler"); the ``--rdzv-conf`` keys: ``docs/CONFIG.md``.
 """
 from __future__ import annotations
 
