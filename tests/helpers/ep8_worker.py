@@ -1,4 +1,4 @@
-"""Eight-rank elastic scenarios on CPU (issue 9): a hub process that forks one process per rank.
+"""Eight-rank elastic scenarios on CPU: a hub process that forks one process per rank.
 
 Starting eight Python + torch interpreters per phase costs more CPU than the scenarios
 themselves on a 2-core machine, so the hub imports torch and elastic_emb once and then
