@@ -1,4 +1,5 @@
 # elastic_emb: the README's two commands are `make demo` and `make test`.
+# `make check` is the fast tier to run before each commit; `make lint` runs ruff.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -6,7 +7,7 @@ PY := $(VENV)/bin/python
 # every run lists its 30 slowest tests (CI logs show where the time goes)
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv bench clean lint image-check system-deps
+.PHONY: demo test check venv bench clean lint format image-check system-deps
 
 venv: $(VENV)/.installed
 
@@ -37,6 +38,24 @@ system-deps:
 
 test: system-deps venv $(VENV)/.torchrec
 	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+
+# The fast tier: no torchrun agents, no etcd, no drills (a test that starts one fails and says to
+# mark it slow). Needs no system packages beyond a compiler for the native example.
+check: venv $(VENV)/.torchrec
+	$(PY) -m pytest -m "not slow and not gpu" --fast-tier --durations=10 $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# Every benchmark once at its smallest size on the CPU (what the suite's smoke test runs); the
+# figures in BENCHMARKS.md come from the commands listed there.
+bench: venv
+	$(PY) -m pytest -q tests/test_benches.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -9,6 +9,9 @@
 * Under ``CI=true`` a skipped test fails, unless it is marked ``gpu``: CI installs every system
   package the suite needs (.ci/apt-packages), so a skip there means a test silently did not run.
 * Outside CI, the summary at the end names every skip, so a smaller run than CI's is said aloud.
+* Tiers: ``make check`` runs ``-m "not slow and not gpu" --fast-tier``; under ``--fast-tier`` a test
+  that starts torchrun agents, etcd or a drill fails and says to mark it ``slow``, so the fast tier
+  stays what it says.
 * The example native context (tests/test_adapters_native.py) is compiled in the background from
   the start of the session, niced, and its tests run last: on a clean machine the compile (18 s
   of one core, the module's whole set-up) then overlaps the other tests, which leave a core idle
@@ -32,6 +35,34 @@ CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATIVE_TESTS = os.path.join(REPO, "tests", "test_adapters_native.py")
 _native_build: subprocess.Popen | None = None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast-tier", action="store_true", default=False,
+                     help="fail a test that starts torchrun agents, etcd or a drill (make check)")
+
+
+# what the fast tier never starts: a torchrun agent, an etcd server, a drill
+_HEAVY = ("torch.distributed.run", "torchrun", "etcd", "elastic_emb.drill", " drill")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    if not request.config.getoption("--fast-tier"):
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        argv = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        heavy = [h.strip() for h in _HEAVY if h in argv]
+        if heavy:
+            pytest.fail(f"{request.node.nodeid} starts {heavy[0]} ({argv[:120]}): the fast tier runs none; "
+                        f"mark the test @pytest.mark.slow", pytrace=False)
+        original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
 
 
 def pytest_collection_modifyitems(session, config, items):
