@@ -10,8 +10,9 @@ GPU name when CUDA is available) and the versions (Python, torch, CUDA, NCCL, el
 whatever the bench adds, e.g. etcd's). The bench's own fields are its measurements and
 arguments; it records none of these facts itself.
 
-A bench imports it as ``_report`` after putting its own folder first on ``sys.path`` (as for
-``_ranks``), so it works run as a script (``python bench/x.py``) and as a module (``-m bench.x``).
+A bench imports it as ``_report`` after putting its own folder first on ``sys.path``, so it works
+run as a script (``python bench/x.py``) and as a module (``-m bench.x``). Rank processes are
+started and collected with :mod:`elastic_emb.testing.procs`, shared with the tests.
 """
 
 from __future__ import annotations

@@ -48,19 +48,17 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import collect, start, torchrun_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _ranks import collect, rank_env  # noqa: E402
 from _report import write_json  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 DIM = 64
 
 
@@ -295,14 +293,16 @@ def launch(args) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
-        env = rank_env(rank, args.world, port, "bench", REPO)
-        cmd = [sys.executable, __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
+        # each rank its own node (so every commit also sends a replica)
+        env = torchrun_env(rank, args.world, port, local_world_size=1, run_id="bench",
+                           extra={"ELASTIC_EMB_LOG_LEVEL": "warning"})
+        cmd = ["python", __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
                "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
                "--fold-ratio", str(args.fold_ratio), "--fold-max-deltas", str(args.fold_max_deltas),
                "--full-steps", str(args.full_steps if args.full_steps is not None else args.steps),
                "--state-dir", args.state_dir, "--phases", args.phases, "--scaling-commits", str(args.scaling_commits),
                "--scaling-max-chain", str(args.scaling_max_chain)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
 
 

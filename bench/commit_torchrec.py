@@ -33,19 +33,17 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import collect, start, torchrun_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _ranks import collect, rank_env  # noqa: E402
 from _report import write_json  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 MODES = ("none", "full", "incremental", "rebased")
 
 
@@ -77,8 +75,8 @@ def worker(args) -> None:
 
     from torchrec import KeyedJaggedTensor
 
-    from elastic_emb.adapters.torchrec import TorchRecContext
     from elastic_emb import Lifecycle, LifecycleConfig
+    from elastic_emb.adapters.torchrec import TorchRecContext
 
     rows = args.table_mb * 2**20 // (args.dim * 4) * args.world
     factory = functools.partial(TorchRecContext, build=functools.partial(build, rows=rows, dim=args.dim),
@@ -107,13 +105,15 @@ def launch(args, mode: str, state_dir: str) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
-        env = rank_env(rank, args.world, port, f"bench-{mode}", REPO,
-                       ELASTIC_EMB_STATE_DIR=os.path.join(state_dir, mode, f"node{rank}"))
-        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--table-mb", str(args.table_mb),
+        # each rank its own node (so every commit also sends a replica)
+        env = torchrun_env(rank, args.world, port, local_world_size=1, run_id=f"bench-{mode}",
+                           extra={"ELASTIC_EMB_LOG_LEVEL": "warning",
+                                  "ELASTIC_EMB_STATE_DIR": os.path.join(state_dir, mode, f"node{rank}")})
+        cmd = ["python", __file__, "--worker", "--mode", mode, "--table-mb", str(args.table_mb),
                "--dim", str(args.dim), "--ids", str(args.ids), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--world", str(args.world), "--max-chain", str(args.max_chain),
                "--full-steps", str(args.full_steps)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start(cmd, env))
     try:
         return collect(procs, args.timeout, f"mode {mode}")
     finally:
@@ -179,14 +179,21 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                      "overhead_pct": 100 * statistics.median(r["step_ms"] / b["step_ms"] - 1 for r, b in pairs)})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     full, inc = (next(r for r in rows if r["mode"] == m) for m in ("full", "incremental"))
-    print(f"time a commit adds to a step, incremental / full: 1/{full['added_ms'] / inc['added_ms']:.0f} at the median "
-          f"step, 1/{full['mean_added_ms'] / inc['mean_added_ms']:.0f} in the mean (the folds included)", flush=True)
+
+    def one_in(whole: float, part: float) -> str:  # "1/N", or "-" when the part is lost in the noise
+        return f"1/{whole / part:.0f}" if part > 0 else "-"
+
+    print(f"time a commit adds to a step, incremental / full: {one_in(full['added_ms'], inc['added_ms'])} at the "
+          f"median step, {one_in(full['mean_added_ms'], inc['mean_added_ms'])} in the mean (the folds included)",
+          flush=True)
     rebased = next((r for r in rows if r["mode"] == "rebased"), None)
     if rebased is not None:  # (an earlier run's JSON may lack it)
         per_rep = [(r["mean_step_ms"] - b["mean_step_ms"]) / (q["mean_step_ms"] - b["mean_step_ms"])
-                   for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])]
-        print(f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
-              f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})", flush=True)
+                   for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])
+                   if q["mean_step_ms"] != b["mean_step_ms"]]
+        if per_rep:
+            print(f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
+                  f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})", flush=True)
     return rows
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ time in each mode. Then the host checksums of the landed bytes on the writer's t
 CRC32 and XXH3-64 (``xxhash``), per 16 MiB chunk, alone and while the next copy lands.
 
   python bench/d2h_overlap.py --json d2h_overlap.json
+  python bench/d2h_overlap.py --device cpu --copy-mb 16 --reps 1 --json out/d2h_overlap_cpu.json
+
+``--device cpu`` (a smoke run of the script): the host checksums alone (the copies need CUDA streams;
+their figures are ``null``).
 """
 
 from __future__ import annotations
@@ -46,15 +50,36 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json", default="d2h_overlap.json")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the host checksums alone")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    side = torch.cuda.Stream(dev)
-    side2 = torch.cuda.Stream(dev)
+    known = ("pieces", "paced", "paced1", "pingpong")
+    if any(m not in known for m in args.modes) or args.copy_mb < 1 or args.reps < 1:
+        ap.error(f"--modes of {', '.join(known)}; --copy-mb and --reps at least 1")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (run on the GPU machine, or --device cpu)")
+    dev = torch.device(args.device)
     nbytes = args.copy_mb << 20
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    out: dict = {"copy_bytes": nbytes, "device": args.device}
+    if cuda:
+        copies(args, out, src, dst)
+    else:
+        dst.copy_(src)
+        out.update(small_read_ms=None, copy_gbs=None, step_ms=None, dense_matmuls=None)
+    checksums(args, out, src, dst, cuda)
+    print(json.dumps(out, indent=1))
+    write_json(args.json, "d2h_overlap", out, indent=1)
+
+
+def copies(args, out: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Parts 1 and 2: a small read's latency and a dense step's time with the copy in flight."""
+    dev = src.device
+    side = torch.cuda.Stream(dev)
+    side2 = torch.cuda.Stream(dev)
+    nbytes = src.numel()
     one = torch.ones(1, device=dev)
-    out: dict = {"copy_bytes": nbytes}
 
     def issue(mode: str, piece: int):
         """Start the copy on the side stream; returns a thread (paced) or None."""
@@ -171,7 +196,12 @@ def main() -> None:
     out["step_ms"] = steps
     out["dense_matmuls"] = reps
 
-    # 3. host checksums of the landed bytes on the writer's threads (16 MiB chunks)
+
+def checksums(args, out: dict, src: torch.Tensor, dst: torch.Tensor, cuda: bool) -> None:
+    """Part 3: host checksums of the landed bytes on the writer's threads (16 MiB chunks), alone
+    and (CUDA) while the next copy lands; then the pinned device-to-host bandwidth (CUDA)."""
+    nbytes = src.numel()
+    side = torch.cuda.Stream(src.device) if cuda else None
     host = dst.numpy()
     nthreads = max(1, len(os.sched_getaffinity(0)) - 2)
     pool = ThreadPoolExecutor(nthreads)
@@ -186,31 +216,35 @@ def main() -> None:
         out["xxhash"] = None
     sums = {}
     for name, fn in fns.items():
-        for busy in (False, True):
+        for busy in (False, True) if cuda else (False,):
             xs = []
             for _ in range(5):
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 if busy:
                     src2 = src[: nbytes // 2]
                     with torch.cuda.stream(side):
                         dst[nbytes // 2:].copy_(src2, non_blocking=True)
                 t0 = time.perf_counter()
-                list(pool.map(lambda s: fn(memoryview(host[s:s + chunk])), range(0, nbytes // (2 if busy else 1), chunk)))
+                list(pool.map(lambda s, fn=fn: fn(memoryview(host[s:s + chunk])),
+                              range(0, nbytes // (2 if busy else 1), chunk)))
                 xs.append((nbytes // (2 if busy else 1)) / (time.perf_counter() - t0) / 1e9)
-                side.synchronize()
+                if cuda:
+                    side.synchronize()
             sums[f"{name}{'_during_copy' if busy else ''}_gbs"] = statistics.median(xs)
     out["host_checksum"] = sums
     out["threads"] = nthreads
-    t = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t.append(time.perf_counter() - t0)
-    out["pinned_d2h_gbs"] = nbytes / statistics.median(t) / 1e9
-    print(json.dumps(out, indent=1))
-    write_json(args.json, "d2h_overlap", out, indent=1)
+    pool.shutdown()
+    out["pinned_d2h_gbs"] = None
+    if cuda:
+        t = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        out["pinned_d2h_gbs"] = nbytes / statistics.median(t) / 1e9
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ new worker starts its Lifecycle), ``lifecycle`` (agree + construct + restore) an
 Prints a table of medians with the ratio elastic_emb / c10d and writes JSON.
 
     .venv/bin/python bench/drill_recovery.py --scenarios scale-up scale-down node-loss --runs 3 --out out/drill_recovery.json
+    .venv/bin/python bench/drill_recovery.py --scenarios scale-down --runs 1 --backends elastic_emb   # a smoke run
 
 A drill whose verification fails is reported (and makes the script exit 1): a fast recovery that
 lost rows is not a result.
@@ -54,13 +55,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", nargs="+", default=["scale-up", "scale-down", "node-loss"], choices=sorted(PRESETS))
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
+                   help="rendezvous backends to drill (c10d, the baseline, gives the ratio)")
     p.add_argument("--out", type=Path, default=Path("out/drill_recovery.json"))
     args = p.parse_args()
+    if args.runs < 1:
+        p.error(f"--runs={args.runs} must be >= 1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="drill-bench-") as tmp:
         for name in args.scenarios:
             for k in range(args.runs):
-                for backend in BACKENDS:  # alternate, so load drifts hit both alike
+                for backend in args.backends:  # alternate, so load drifts hit both alike
                     rows.append(one(name, backend, Path(tmp), k))
                     print(json.dumps(rows[-1]), flush=True)
     summary = []
@@ -68,7 +73,7 @@ def main() -> int:
           f"{'lost':>5} {'ratio vs c10d':>14}")
     for name in args.scenarios:
         base = median([r["recovery_s"] for r in rows if r["scenario"] == name and r["backend"] == "c10d" and r["ok"]])
-        for backend in BACKENDS:
+        for backend in args.backends:
             mine = [r for r in rows if r["scenario"] == name and r["backend"] == backend]
             rec = median([r["recovery_s"] for r in mine if r["ok"]])
             entry = {"scenario": name, "backend": backend, "runs": len(mine), "ok": sum(r["ok"] for r in mine),

@@ -85,12 +85,10 @@ def _check_rows(ctx, what: str) -> None:
 
 def rank_main(me: str, args, port: int, flags: str) -> dict:
     import torch
-    import torch.distributed as dist
 
-    from elastic_emb.context import EmbContext
     from elastic_emb import Lifecycle, LifecycleConfig
+    from elastic_emb.context import EmbContext
     from elastic_emb.protocol import OptimizerSpec, TableSpec
-    from elastic_emb.store import worker_store
     from elastic_emb.topology import Topology, agree
 
     torch.set_num_threads(1)
@@ -170,8 +168,8 @@ def rank_main(me: str, args, port: int, flags: str) -> dict:
 def hub(args) -> dict:
     import torch  # noqa: F401  (imported once here; the forked ranks inherit it)
 
-    import elastic_emb.lifecycle.manager  # noqa: F401
     import elastic_emb.context  # noqa: F401
+    import elastic_emb.lifecycle.manager  # noqa: F401
 
     port = free_port()  # reserved until the hub exits: the forked rank 0 binds its TCPStore beside it
     flags = tempfile.mkdtemp(prefix="ep8_flags_")

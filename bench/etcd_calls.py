@@ -1,12 +1,15 @@
 """etcd-v3 calls per second of elastic_emb's client, against a real etcd on loopback.
 
-Three transports of the same ``EtcdV3Client`` (elastic_emb/rdzv/etcd_v3.py), measured in one run
+Three transports of the same ``EtcdV3Client`` (elastic_emb/rdzv/etcd_v3_client.py), measured in one run
 against one etcd (Debian's etcd-server, started here on free loopback ports):
 
 - ``kept``: the client as shipped, one kept-alive HTTP/1.1 connection reused across calls;
-- ``fresh``: the same code with no idle connection kept (``MAX_IDLE = 0``): a TCP connect per call;
-- ``urllib``: one ``urllib.request.urlopen`` per call, the transport before connections were kept
-  (the baseline).
+- ``fresh``: the client's calls over a new ``http.client`` connection per call: a TCP connect per call;
+- ``urllib``: the client's calls over one ``urllib.request.urlopen`` per call, the transport before
+  connections were kept (the baseline).
+
+The baselines are the shipped client with its public ``call`` overridden (the same request bodies,
+built by its ``get``, ``get_many`` and ``put_if``), so only the transport differs.
 
 Per transport, three operations a rendezvous does: ``get`` (one range), ``check`` (a transaction
 of two ranges: what a watcher polls), ``add`` (``EtcdV3Store.add``: a range and a
@@ -18,57 +21,97 @@ costs a TLS handshake.
 
     python bench/etcd_calls.py --runs 5 --calls 300 --out out/etcd_calls.json
     python bench/etcd_calls.py --runs 5 --calls 300 --tls --out out/etcd_calls_tls.json
+
+Without an etcd binary (Debian package etcd-server) it says so and exits 0, measuring nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import os
+import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Mapping
 from pathlib import Path
 
-from elastic_emb.rdzv import etcd_v3 as v3
+from elastic_emb.rdzv.etcd_v3 import EtcdV3Store
+from elastic_emb.rdzv.etcd_v3_client import ClientOptions, EtcdV3Client
 from elastic_emb.testing.etcd import EtcdServer, TLSFiles, etcd_binary
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
 from _report import write_json  # noqa: E402
 
 
-class UrllibClient(v3.EtcdV3Client):
-    """The baseline: every call a new connection through urllib."""
+class PerCallClient(EtcdV3Client):
+    """The library's calls (the same JSON bodies, built by its ``get``, ``get_many`` and
+    ``put_if``) over a new connection per call, through ``opener``: the baselines."""
 
-    def _post(self, url: str, target: str, data: bytes, headers: Mapping[str, str]) -> bytes:
-        req = urllib.request.Request(url + target, data=data, headers=dict(headers), method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.options.read_timeout, context=self._ssl) as r:  # noqa: S310
-                return r.read()
-        except urllib.error.HTTPError as exc:
-            return exc.read() or b"{}"
-        except OSError as exc:
-            raise v3._MemberDown(f"{type(exc).__name__}: {exc}") from None
+    opener = "urllib"
+
+    def __init__(self, endpoints, options: ClientOptions | None = None) -> None:
+        super().__init__(endpoints, options)
+        o = self.options
+        self.tls = None
+        if o.protocol == "https":
+            self.tls = ssl.create_default_context(cafile=o.ca_cert)
+            if o.ssl_cert:
+                self.tls.load_cert_chain(o.ssl_cert, o.ssl_cert_key)
+
+    def call(self, path: str, body) -> dict:
+        url, data = f"{self.endpoints[0]}/v3/{path}", json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.opener == "urllib":
+            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+            try:
+                timeout = self.options.read_timeout
+                with urllib.request.urlopen(req, timeout=timeout, context=self.tls) as r:  # noqa: S310
+                    raw = r.read()
+            except urllib.error.HTTPError as exc:
+                raw = exc.read() or b"{}"
+        else:
+            parts = urllib.parse.urlsplit(url)
+            conn = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.options.read_timeout,
+                                                context=self.tls) if parts.scheme == "https"
+                    else http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.options.read_timeout))
+            try:
+                conn.request("POST", parts.path, body=data, headers=headers)
+                raw = conn.getresponse().read()
+            finally:
+                conn.close()
+        reply = json.loads(raw or b"{}")
+        if "error" in reply or ("code" in reply and "header" not in reply):
+            raise RuntimeError(f"etcd refused /v3/{path}: {reply}")
+        return reply
 
 
-class FreshClient(v3.EtcdV3Client):
-    """The shipped transport with no idle connection kept: a connect per call."""
+class UrllibClient(PerCallClient):
+    """The baseline: every call a new connection through urllib (the transport before kept connections)."""
 
-    def _checkin(self, url, conn) -> None:
-        conn.close()
-
-
-TRANSPORTS = {"kept": v3.EtcdV3Client, "fresh": FreshClient, "urllib": UrllibClient}
+    opener = "urllib"
 
 
-def rate(store: v3.EtcdV3Store, op: str, calls: int, tag: str) -> float:
+class FreshClient(PerCallClient):
+    """Every call a new ``http.client`` connection, closed after the reply: the handshake's cost."""
+
+    opener = "http.client"
+
+
+TRANSPORTS = {"kept": EtcdV3Client, "fresh": FreshClient, "urllib": UrllibClient}
+
+
+def rate(store: EtcdV3Store, op: str, calls: int, tag: str) -> float:
     if op == "get":
         store.set(f"{tag}/g", b"v")
-        fn = lambda i: store.client.get(store._key(f"{tag}/g"))  # noqa: E731
+        key = store.prefix + f"{tag}/g"  # (the store keeps its keys under its prefix)
+        fn = lambda i: store.client.get(key)  # noqa: E731
     elif op == "check":
         store.set(f"{tag}/a", b"1")
         store.set(f"{tag}/b", b"2")
@@ -94,19 +137,20 @@ def main(argv=None) -> None:
     if args.runs < 1 or args.calls < 1:
         ap.error(f"--runs={args.runs} and --calls={args.calls} must be >= 1")
     if etcd_binary() is None:
-        raise SystemExit("etcd is not installed (Debian package etcd-server)")
+        print("bench/etcd_calls.py: etcd is not installed (Debian package etcd-server); none measured")
+        return
     samples: dict[str, dict[str, list[float]]] = {t: {op: [] for op in ("get", "check", "add")} for t in TRANSPORTS}
     with tempfile.TemporaryDirectory() as tmp:
-        tls, options = None, v3.ClientOptions()
+        tls, options = None, ClientOptions()
         if args.tls:
             cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
             subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
                             "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                            check=True, capture_output=True, timeout=60)
             tls = TLSFiles(cert=Path(cert), key=Path(key), ca=Path(cert))
-            options = v3.ClientOptions(protocol="https", ca_cert=cert, ssl_cert=cert, ssl_cert_key=key)
+            options = ClientOptions(protocol="https", ca_cert=cert, ssl_cert=cert, ssl_cert_key=key)
         with EtcdServer(os.path.join(tmp, "etcd"), tls=tls) as server:
-            stores = {t: v3.EtcdV3Store(cls.from_endpoint(server.endpoint, options), prefix=f"/bench/{t}/")
+            stores = {t: EtcdV3Store(cls.from_endpoint(server.endpoint, options), prefix=f"/bench/{t}/")
                       for t, cls in TRANSPORTS.items()}
             for run in range(args.runs):
                 for op in ("get", "check", "add"):

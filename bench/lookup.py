@@ -34,19 +34,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import collect, start, torchrun_env
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
-from _ranks import collect  # noqa: E402
 from _report import write_json  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 
 
 def draw_ids(n: int, rows: int, skew: float, device, gen):
@@ -146,38 +141,6 @@ def worker(args) -> None:
 
         return timed_runs(lambda: run_once(False), lambda: [run_once(True) for _ in range(args.warmup)])
 
-    def host_split(n: int = 20) -> dict:
-        """Where the host's time in ``lookup()`` goes (``--host-split``): the context's inner
-        steps are wrapped with timers for ``n`` lookups; mean microseconds per lookup of each,
-        and of everything else (Python between them). Each lookup starts from an idle device."""
-        import elastic_emb.context.dedup as dd
-        import elastic_emb.context.lookup as lk
-
-        wrapped = [(ctx._dedup, "dedup"), (ctx._dedup, "_graph"), (ctx._exchange, "exchange"),
-                   (ctx._group, "wait_event"), (ctx._group, "alltoall"), (lk, "gather_rows"), (lk, "check_ids"),
-                   (dd.DedupGraph, "replay"), (lk.LookupHandle, "_reorder_on_side_stream")]
-        saved = [(obj, name, getattr(obj, name)) for obj, name in wrapped]
-        for obj, name, fn in saved:
-            setattr(obj, name, timer(name, fn))
-        total = 0.0
-        try:
-            for i in range(n):
-                ctx.barrier()
-                _sync(dev)
-                t0 = time.perf_counter()
-                ctx.lookup("t", batches[i % 2])
-                total += time.perf_counter() - t0
-                _sync(dev)
-        finally:
-            for obj, name, fn in saved:
-                if isinstance(obj, type) or obj in (dd, lk):
-                    setattr(obj, name, fn)
-                else:
-                    delattr(obj, name)  # back to the class's method
-        out = {k: round(1e6 * v / n, 1) for k, v in spent.items()}
-        out["lookup_total"] = round(1e6 * total / n, 1)
-        return out
-
     def phases(n: int = 10) -> dict:
         """Host-side split of single lookups (medians, ms): until lookup() returns (validation,
         dedup, the count exchange's sync, launching the exchanges), until wait() returns
@@ -218,8 +181,6 @@ def worker(args) -> None:
             if args.in_flight:
                 result.setdefault("lookup_in_flight_s", {})[key] = timed_in_flight()
             result["phases"][key] = phases()
-            if args.host_split:
-                result.setdefault("host_split_us", {})[key] = host_split()
             verify(key)
     ctx.capture_dedup = True
     from elastic_emb.context.gather import kernel_status
@@ -298,23 +259,20 @@ def launch(args, world: int) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
-        env.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-            GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            TORCHELASTIC_RUN_ID=f"bench-lookup-{world}", TORCHELASTIC_USE_AGENT_STORE="False",
-            ELASTIC_EMB_BACKEND="nccl" if args.device == "cuda" else "gloo",
-            ELASTIC_EMB_EP_SIZE=str(world), ELASTIC_EMB_LOG_LEVEL="warning",
-            OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
-        )
+        # one node, every rank a local rank of it, as torchrun would start them
+        extra = {"ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
+                 "ELASTIC_EMB_EP_SIZE": str(world), "ELASTIC_EMB_LOG_LEVEL": "warning"}
+        env = torchrun_env(rank, world, port, run_id=f"bench-lookup-{world}", extra=extra)
         if args.device == "cuda":
             env.setdefault("NCCL_NVLS_ENABLE", "0")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
+        flags = {"--normal-priority": args.normal_priority, "--compare-capture": args.compare_capture,
+                 "--in-flight": args.in_flight}
+        cmd = ["python", os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
                "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
-               "--chunks", *map(str, args.chunks)] + (["--normal-priority"] if args.normal_priority else []) + (["--compare-capture"] if args.compare_capture else []) + (["--host-split"] if args.host_split else []) + (["--in-flight"] if args.in_flight else []) + (["--profile", args.profile] if args.profile else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+               "--chunks", *map(str, args.chunks), *(f for f, on in flags.items() if on),
+               *(["--profile", args.profile] if args.profile else [])]
+        procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"world {world}")
 
 
@@ -337,8 +295,6 @@ def main(argv=None) -> None:
                     help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)")
     ap.add_argument("--in-flight", action="store_true",
                     help="also measure with the next lookup started before each wait (one lookup in flight)")
-    ap.add_argument("--host-split", action="store_true",
-                    help="also time the host's steps inside lookup() (wrapped methods; means per lookup, us)")
     ap.add_argument("--normal-priority", action="store_true",
                     help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -401,7 +357,6 @@ def main(argv=None) -> None:
                 "unique_fraction": per_rank[0]["unique_fraction"],
                 "arena_bytes_rank0": per_rank[0]["arena"]["total_bytes"],
                 "phases_rank0": per_rank[0]["phases"][key],
-                "host_split_us_rank0": per_rank[0].get("host_split_us", {}).get(key),
                 "lookup_in_flight_s": per_rank[0].get("lookup_in_flight_s", {}).get(key),
             }
             entry["ratio_to_baseline"] = entry["lookup_rows_per_s"] / entry["baseline_rows_per_s"]
@@ -439,10 +394,6 @@ def main(argv=None) -> None:
             print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} with the next lookup started before each wait: "
                   f"{e['lookup_in_flight_rows_per_s']:.3e} rows/s, ratio {e['lookup_in_flight_rows_per_s'] / e['baseline_rows_per_s']:.2f}"
                   + (f", {frac:.2f} of min ceiling" if frac else ""))
-    for e in rows:
-        if e.get("host_split_us_rank0"):
-            print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} host split (us per lookup, nested): "
-                  + ", ".join(f"{k} {v}" for k, v in e["host_split_us_rank0"].items()))
     for e in rows:
         ph = e["phases_rank0"]
         print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} dedup {e['dedup']}: one lookup on rank 0: lookup() returned at "

@@ -18,6 +18,9 @@ two batches of ``--batch`` uniformly random ids, it measures, all in the same ru
 - that every result equals ``index_select`` bit for bit.
 
 Medians of ``--runs`` runs of ``--iters`` iterations. Prints a table; ``--out`` writes JSON.
+
+``--device cpu`` (a smoke run of the script, gloo): the same measures with wall times for GPU
+times, no busy-GPU host times (``null``), and dense steps of ``--matmul``-sized matmuls at least.
 """
 
 from __future__ import annotations
@@ -43,17 +46,31 @@ def _gpu_time(torch, fn, iters: int, runs: int) -> list[float]:
     return out
 
 
-def _wall_time(torch, fn, iters: int, runs: int) -> list[float]:
+def _wall_time(torch, fn, iters: int, runs: int, cuda: bool = True) -> list[float]:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t0) / iters)
     return out
+
+
+def _busy(torch, dev, ms: float):
+    """A function that queues about ``ms`` of GPU work (fp32 matmuls, one timed here first)."""
+    a = torch.randn(2048, 2048, device=dev)
+    one = min(_gpu_time(torch, lambda: a @ a, 5, 3))
+    count = max(1, round(ms / 1e3 / one))
+
+    def queue():
+        for _ in range(count):
+            torch.mm(a, a)
+
+    return queue
 
 
 def run(args) -> dict:
@@ -67,15 +84,24 @@ def run(args) -> dict:
     from elastic_emb.topology import Topology
 
     med = statistics.median
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    cuda = getattr(args, "device", "cuda") == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+
+    def gpu_time(fn, iters: int, runs: int) -> list[float]:  # (on the CPU: wall time)
+        return _gpu_time(torch, fn, iters, runs) if cuda else _wall_time(torch, fn, iters, runs, cuda=False)
+
+    def wall_time(fn, iters: int, runs: int) -> list[float]:
+        return _wall_time(torch, fn, iters, runs, cuda=cuda)
+
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=60))
     topo = Topology.build(run_id="bench-lookup-1gpu", generation=0, rank=0, world_size=1, local_rank=0,
-                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="nccl",
+                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="nccl" if cuda else "gloo",
                           master_addr="127.0.0.1", master_port=port)
     ctx = EmbContext(topo, store, tables=[TableSpec(name="t", num_rows=args.rows, dim=args.dim)],
-                     optimizer=OptimizerSpec(), seed=None, timeout=120.0)
+                     optimizer=OptimizerSpec(), device=dev, seed=None, timeout=120.0)
     w = ctx.shard_views()["t"].weight
     w.uniform_(-1, 1)
     g = torch.arange(args.rows, device=dev)
@@ -90,46 +116,43 @@ def run(args) -> dict:
     exact = all(torch.equal(ctx.lookup("t", b).wait(), torch.index_select(w, 0, b)) for b in batches)
 
     # -- GPU time: copy bound, index_select, lookup back to back -----------------------------
-    src = torch.empty(args.batch, args.dim, device=dev).uniform_(-1, 1)
-    dst = torch.empty_like(src)
-    copy_s = _gpu_time(torch, lambda: dst.copy_(src), args.iters, args.runs)
-    del src, dst
+    def copy_bound() -> list[float]:
+        src = torch.empty(args.batch, args.dim, device=dev).uniform_(-1, 1)
+        dst = torch.empty_like(src)
+        return gpu_time(lambda: dst.copy_(src), args.iters, args.runs)
+
+    copy_s = copy_bound()
     state = {"i": 0}
 
     def index_select():
         state["i"] += 1
         return torch.index_select(w, 0, batches[state["i"] % 2])
 
-    index_select_s = _gpu_time(torch, index_select, args.iters, args.runs)
+    index_select_s = gpu_time(index_select, args.iters, args.runs)
 
     def back_to_back():
         hs = [ctx.lookup("t", batches[i % 2]) for i in range(args.iters)]
         for h in hs:
             h.wait()
 
-    lookup_s = [t * 1 for t in _gpu_time(torch, back_to_back, 1, args.runs)]
+    lookup_s = [t * 1 for t in gpu_time(back_to_back, 1, args.runs)]
     lookup_s = [t / args.iters for t in lookup_s]
-    loop_s = _wall_time(torch, lambda: ctx.lookup("t", batches[0]).wait(), args.iters, args.runs)
+    loop_s = wall_time(lambda: ctx.lookup("t", batches[0]).wait(), args.iters, args.runs)
 
     # -- host time with the GPU busy ------------------------------------------------------------
-    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    probe[0].record()
-    torch.cuda._sleep(10_000_000)
-    probe[1].record()
-    torch.cuda.synchronize()
-    cycles_per_ms = 10_000_000 / probe[0].elapsed_time(probe[1])
     host_lookup, host_wait, busy_ok = [], [], []
-    for _ in range(args.runs):
+    busy = _busy(torch, dev, 20.0) if cuda else None
+    for _ in range(args.runs if cuda else 0):  # (the CPU has no queue to keep busy)
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(20 * cycles_per_ms))  # ~20 ms of GPU work queued ahead
+        busy()  # ~20 ms of GPU work queued ahead
         hs = []
         for i in range(20):
             t0 = time.perf_counter()
             hs.append(ctx.lookup("t", batches[i % 2]))
             host_lookup.append(time.perf_counter() - t0)
-        busy = torch.cuda.Event()
-        busy.record()
-        busy_ok.append(not busy.query())  # the GPU was still busy after the 20 calls
+        mark = torch.cuda.Event()
+        mark.record()
+        busy_ok.append(not mark.query())  # the GPU was still busy after the 20 calls
         torch.cuda.synchronize()
         for h in hs:
             t0 = time.perf_counter()
@@ -140,10 +163,10 @@ def run(args) -> dict:
     def prefetch(dtype) -> dict:
         """The step time of a prefetching loop over the dense step alone, for a dense step of
         ``dtype`` matmuls (fp32: CUDA cores; bf16: tensor cores) sized to the lookup's GPU time."""
-        target, m = med(lookup_s), 1024
+        target, m = med(lookup_s), getattr(args, "matmul", 1024)
         while True:
             a = torch.randn(m, m, device=dev, dtype=dtype)
-            t = med(_gpu_time(torch, lambda: a @ a, 5, 3))
+            t = med(gpu_time(lambda: a @ a, 5, 3))
             if t >= target / 4 or m >= 8192:
                 break
             m *= 2
@@ -166,9 +189,9 @@ def run(args) -> dict:
                 h = nxt
             h.wait()
 
-        dense_wall = _wall_time(torch, dense, args.iters, args.runs)
-        step = [t / args.iters for t in _wall_time(torch, loop, 1, args.runs)]
-        return {"dtype": str(dtype), "matmul": m, "chain": scale, "dense_gpu_s": _gpu_time(torch, dense, args.iters, args.runs),
+        dense_wall = wall_time(dense, args.iters, args.runs)
+        step = [t / args.iters for t in wall_time(loop, 1, args.runs)]
+        return {"dtype": str(dtype), "matmul": m, "chain": scale, "dense_gpu_s": gpu_time(dense, args.iters, args.runs),
                 "dense_wall_s": dense_wall, "prefetch_step_s": step, "step_over_dense": med(step) / med(dense_wall)}
 
     overlap = [prefetch(torch.float32), prefetch(torch.bfloat16)]
@@ -187,14 +210,16 @@ def run(args) -> dict:
         "index_select_fraction_of_copy_bound": copy_bound / med(index_select_s),
         "speedup_vs_index_select": med(index_select_s) / med(lookup_s),
         "copy_bound_bytes_per_s": 2 * args.batch * args.dim * 4 / copy_bound,
-        "host_lookup_us_median": 1e6 * med(host_lookup), "host_lookup_us_p90": 1e6 * sorted(host_lookup)[int(0.9 * len(host_lookup))],
-        "host_wait_us_median": 1e6 * med(host_wait), "gpu_busy_during_calls": all(busy_ok),
+        "host_lookup_us_median": 1e6 * med(host_lookup) if cuda else None,
+        "host_lookup_us_p90": 1e6 * sorted(host_lookup)[int(0.9 * len(host_lookup))] if cuda else None,
+        "host_wait_us_median": 1e6 * med(host_wait) if cuda else None,
+        "gpu_busy_during_calls": all(busy_ok) if cuda else None, "device": str(dev),
         "prefetch": overlap,
         "prefetch_step_over_dense": min(o["step_over_dense"] for o in overlap),
         "targets": {},
     }
     report["targets"] = {
-        "host_lookup_le_100us": report["host_lookup_us_median"] <= 100,
+        "host_lookup_le_100us": report["host_lookup_us_median"] <= 100 if cuda else None,
         "fraction_of_copy_bound_ge_0.6": report["fraction_of_copy_bound"] >= 0.6,
         "prefetch_within_10pct": report["prefetch_step_over_dense"] <= 1.10,
     }
@@ -206,15 +231,18 @@ def print_report(r: dict) -> None:
     c = r["config"]
     import torch
 
-    print(f"one GPU ({torch.cuda.get_device_name(0)}, torch {torch.__version__}), table {c['rows']} x {c['dim']} fp32, "
+    where = torch.cuda.get_device_name(0) if r.get("device", "cuda:0").startswith("cuda") else "cpu"
+    print(f"one GPU ({where}, torch {torch.__version__}), table {c['rows']} x {c['dim']} fp32, "
           f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['assembly']}")
     print(f"  copy bound            {ms(r['copy_bound_s']):8.3f} ms  ({r['copy_bound_bytes_per_s'] / 1e12:.2f} TB/s moved)")
     print(f"  index_select          {ms(r['index_select_s']):8.3f} ms  {r['index_select_fraction_of_copy_bound']:.2f} of the bound")
     print(f"  lookup (back to back) {ms(r['lookup_back_to_back_s']):8.3f} ms  {r['fraction_of_copy_bound']:.2f} of the bound, "
           f"{r['speedup_vs_index_select']:.2f}x index_select")
     print(f"  lookup().wait() loop  {ms(r['lookup_loop_wall_s']):8.3f} ms wall per lookup")
-    print(f"  host per lookup()     {r['host_lookup_us_median']:8.1f} us median (p90 {r['host_lookup_us_p90']:.1f}), "
-          f"GPU busy throughout: {r['gpu_busy_during_calls']}; per wait() {r['host_wait_us_median']:.1f} us")
+    if r["host_lookup_us_median"] is not None:
+        print(f"  host per lookup()     {r['host_lookup_us_median']:8.1f} us median "
+              f"(p90 {r['host_lookup_us_p90']:.1f}), "
+              f"GPU busy throughout: {r['gpu_busy_during_calls']}; per wait() {r['host_wait_us_median']:.1f} us")
     for d in r["prefetch"]:
         print(f"  dense step alone      {ms(d['dense_wall_s']):8.3f} ms  ({d['chain']} x {d['dtype']} matmul {d['matmul']}); "
               f"prefetching loop {ms(d['prefetch_step_s']):.3f} ms per step = {d['step_over_dense']:.3f} of it")
@@ -236,7 +264,13 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (see the docstring)")
+    ap.add_argument("--matmul", type=int, default=1024, help="the dense step's smallest matmul size")
     a = ap.parse_args()
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (run on the GPU machine, or --device cpu)")
     rep = run(a)
     print_report(rep)
     if a.out:

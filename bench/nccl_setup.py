@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from elastic_emb.testing.ports import free_port
 
@@ -66,7 +65,6 @@ def barrier(name):
 
 def build(gen):
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=60)
     for k, v in cfg.get("config", {}).items():
         setattr(opts.config, k, v)
     pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"gen{gen}/", store), rank, 2, opts)
@@ -160,7 +158,7 @@ def main() -> None:
     import torch
 
     if torch.cuda.device_count() < 2:
-        print("bench/nccl_setup.py: needs 2 CUDA devices; none measured")
+        print("bench/nccl_setup.py: needs 2 CUDA devices; none measured (an NCCL benchmark: nothing runs on the CPU)")
         return
     rows = []
     print(f"{'config':16} {'init':>7} {'1st ar':>7} {'1st a2a':>8} {'ready':>7} {'cold':>7} {'destroy':>8} {'a2a GB/s':>9}")

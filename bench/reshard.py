@@ -37,22 +37,19 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import collect, start, torchrun_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _ranks import collect  # noqa: E402
 from _report import write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("rebuild", "live", "snapshot", "durable", "dcp")
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,19 +257,16 @@ def launch(args, size_mb: int) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(args.world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ELASTIC_EMB_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.world),
-                   GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TORCHELASTIC_RUN_ID="bench", ELASTIC_EMB_BACKEND="nccl" if args.device == "cuda" else "gloo",
-                   TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS=str(args.threads),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-                   ELASTIC_EMB_LOG_LEVEL="warning", NCCL_NVLS_ENABLE="0")
+        # one node, every rank a local rank of it (one GPU each with --device cuda)
+        extra = {"ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
+                 "OMP_NUM_THREADS": str(args.threads), "ELASTIC_EMB_LOG_LEVEL": "warning", "NCCL_NVLS_ENABLE": "0"}
         if args.transport:
-            env["ELASTIC_EMB_TRANSPORT"] = args.transport
-        cmd = [sys.executable, __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),
+            extra["ELASTIC_EMB_TRANSPORT"] = args.transport
+        env = torchrun_env(rank, args.world, port, run_id="bench", extra=extra)
+        cmd = ["python", __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),
                "--device", args.device, "--state-dir", args.state_dir, "--dcp-dir", args.dcp_dir,
                "--methods", ",".join(args.methods), "--max-seconds", str(args.max_seconds)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"size {size_mb} MB")
 
 

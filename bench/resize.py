@@ -35,6 +35,7 @@ sequence ends there. For the elastic_emb backend each fault is split at the agen
 step: torchrun starting Python, importing torch, agreeing, gloo init).
 
     .venv/bin/python -m bench.resize --runs 3 --out out/resize.json
+    .venv/bin/python bench/resize.py --runs 1 --backends elastic_emb --cap 30 --out out/resize_smoke.json
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ import tempfile
 import time
 from datetime import datetime
 
-if not __package__:
-    sys.exit("bench/resize.py imports tests.helpers: run it from the repository root as `python -m bench.resize`")
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
+# bench/ (for _report) and the repository root (for tests.helpers), as a script or as -m bench.*
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_BENCH, os.path.dirname(_BENCH)]
 from _report import write_json  # noqa: E402
+
 from elastic_emb.testing.ports import free_port  # noqa: E402
 from tests.helpers.agents import (  # noqa: E402
     FAST_CONF,

@@ -16,10 +16,12 @@ state no longer holds: the node that "left". Each run:
    **restore** (every row and slot from the live shard: the path of a scale-down's survivor);
 3. **first step**: one lookup of ``--batch`` random ids, waited for, its gradients applied, the
    GPU synchronised; then ``commit`` (which completes the ``lifecycle.resize`` event). That
-   commit is the new generation's first: a full base of the table (seconds for 4 GiB, in the
-   training thread unless ``async_commit``), timed apart as ``commit_s``, not part of the path.
+   commit is the new generation's first: a full base of the table (seconds for 4 GiB; the
+   library may write it in the background), timed apart until it is complete as ``commit_s``
+   (the call alone: ``commit_call_s``), not part of the path.
 
-The membership is then set back to two nodes for the next run. The figure is the wall time from
+The membership is then set back to two nodes for the next run, and its step's commit waited for
+(a commit still in flight would make the next run's teardown wait for it). The figure is the wall time from
 the poll to the end of the first step (``path_s``; target <= 0.1 s), median of ``--runs``; each
 phase is taken from the ``lifecycle.resize`` event of the run. Measured in the same invocation, as baselines:
 ``raw``: ``close(wait=False)`` + a new ``EmbContext`` + its first lookup, nothing else (what the
@@ -141,10 +143,10 @@ def _rendezvous(port: int, alive: str):
 def measure(args, state_dir: str) -> dict:
     import torch
 
+    from elastic_emb import InProcessResize, Lifecycle, LifecycleConfig
     from elastic_emb.context import EmbContext
-    from elastic_emb import Lifecycle, LifecycleConfig
+    from elastic_emb.inprocess.interruptible import InterruptibleStore
     from elastic_emb.protocol import OptimizerSpec, TableSpec
-    from elastic_emb.inprocess.resize import InProcessResize, InterruptibleStore
     from elastic_emb.testing.ports import free_port
     from elastic_emb.watch.watcher import RendezvousReader, Watcher
 
@@ -187,7 +189,6 @@ def measure(args, state_dir: str) -> dict:
     t0 = time.perf_counter()
     lc = Lifecycle.start(factory, config, env=env, store=world_store, watcher=None)
     resize = InProcessResize(lc, watcher, env=env)
-    resize._store = world_store
     setup = {"start_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
     step(lc, *batch())  # step 0: a full base of the table (not timed)
@@ -201,7 +202,7 @@ def measure(args, state_dir: str) -> dict:
             torch.cuda.synchronize()
         pid = os.getpid()
         t0 = time.perf_counter()
-        watcher._poll()  # what the watcher thread does every interval: read and decode torch's state
+        watcher.poll()  # what the watcher thread does every interval: read and decode torch's state
         if not resize.pending():
             raise RuntimeError(f"run {r}: the step-boundary check did not see node {gone} gone")
         t_detect = time.perf_counter() - t0
@@ -210,13 +211,16 @@ def measure(args, state_dir: str) -> dict:
         step(lc, ids, grads, commit=False)
         path = time.perf_counter() - t0
         lc.commit(lc.next_step)
+        commit_call = time.perf_counter() - t0 - path
+        lc.wait_commit()  # the new generation's first commit, a full base, may be written in the background
         commit = time.perf_counter() - t0 - path
         ev = lc.events[-1]
         if ev.first_step_s is None or ev.mode != "in_process" or ev.pid != pid or ev.kind != "rebuild":
             raise RuntimeError(f"run {r}: unexpected resize event {ev}")
         if lc.topology.world_size != 1 or lc.topology.generation != 2 + r:
             raise RuntimeError(f"run {r}: topology after the re-form is {lc.topology}")
-        runs.append({"path_s": path, "commit_s": commit, "detect_wall_s": t_detect, "reformed_s": t_reformed,
+        runs.append({"path_s": path, "commit_s": commit, "commit_call_s": commit_call, "detect_wall_s": t_detect,
+                     "reformed_s": t_reformed,
                      **{k: getattr(ev, k) for k in PHASES}, "generation": ev.new_generation,
                      "restored_step": ev.restored_step, "source_tiers": ev.source_tiers})
         print(f"  run {r}: {path * 1e3:.1f} ms, then commit {commit:.2f} s (" + ", ".join(f"{k[:-2]} {getattr(ev, k) * 1e3:.1f}" for k in PHASES)
@@ -225,6 +229,7 @@ def measure(args, state_dir: str) -> dict:
         resize.nodes = (me, gone)
         watcher.adopt((me, gone), 0, 1)
         step(lc, *batch())
+        lc.wait_commit()  # nothing in flight when the next run starts: its teardown would wait for it
     lc.close()
     raw = _raw(args, factory, lc.topology, world_store, batch, cuda)
     restart = [_restart(args) for _ in range(args.restart_runs)]

@@ -14,6 +14,10 @@ GPU at the pinned D2H bandwidth; then it must be in a /dev/shm file. Measured, m
   file's mapping, the D2H copy straight into it, and the unregister: the zero-CPU-copy design.
 
   python3 bench/shm_landing.py --mib 512 --threads 14 --json shm_landing.json
+  python3 bench/shm_landing.py --device cpu --mib 8 --threads 2 --runs 1 --json out/shm_landing_cpu.json
+
+``--device cpu`` (a smoke run of the script): the host parts alone (the copies into and out of
+the files, ``fallocate``); the CUDA parts are left out of the JSON.
 """
 
 from __future__ import annotations
@@ -43,7 +47,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--json", default="shm_landing.json")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the host parts alone")
     args = ap.parse_args()
+    if args.mib < 1 or args.threads < 1 or args.runs < 1:
+        ap.error("--mib, --threads and --runs must be at least 1")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (run on the GPU machine, or --device cpu)")
     n = args.mib << 20
     d = Path(tempfile.mkdtemp(prefix="ee-landing-", dir=args.dir))
     pool = ThreadPoolExecutor(args.threads)
@@ -62,16 +72,19 @@ def main() -> None:
     def par_copy(dst: np.ndarray, src: np.ndarray) -> None:
         list(pool.map(lambda lo: np.copyto(dst[lo: lo + chunk], src[lo: lo + chunk]), range(0, n, chunk)))
 
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=args.device).random_(0, 255)
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
     src = pinned.numpy()
-    cudart = torch.cuda.cudart()
-    for r in range(args.runs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pinned.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize()
-        rec("d2h_pinned", time.perf_counter() - t0)
+    if not cuda:
+        pinned.copy_(dev)
+    cudart = torch.cuda.cudart() if cuda else None
+    for _ in range(args.runs):
+        if cuda:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pinned.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+            rec("d2h_pinned", time.perf_counter() - t0)
 
         p, fd = new_file(0, False)
         mm = mmap.mmap(fd, n)
@@ -103,6 +116,8 @@ def main() -> None:
         for p, fd in files:
             os.close(fd)
             p.unlink()
+        if not cuda:
+            continue
 
         p, fd = new_file(2, True)
         mm = mmap.mmap(fd, n)
@@ -129,7 +144,8 @@ def main() -> None:
         if not ok:
             raise SystemExit("the registered mapping does not hold the copied bytes")
     os.rmdir(d)
-    out = {"mib": args.mib, "threads": args.threads}
+    pool.shutdown()
+    out = {"mib": args.mib, "threads": args.threads, "device": args.device}
     for k, v in res.items():
         s = statistics.median(v)
         out[f"{k}_ms"] = s * 1e3

@@ -16,7 +16,10 @@ once, then:
     python3 bench/teardown.py --runs 3 --out out/teardown.json      # on the 2-GPU machine
 
 Prints a table of medians and writes JSON. Without two CUDA devices it says so and exits 0 with
-no figures (it is a GPU benchmark; CI never runs it).
+no figures (it is a GPU benchmark; CI never runs it). ``--device cpu`` is a smoke run of the
+script: the same trials on gloo (two CPU ranks), whose teardown has no NCCL to destroy or abort.
+
+    python3 bench/teardown.py --device cpu --runs 1 --rows 4096 --timeout 5 --out out/teardown_cpu.json
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import start
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, as a script or as -m bench.*
 from _report import write_json  # noqa: E402
@@ -43,13 +46,17 @@ from elastic_emb.protocol import TableSpec
 from elastic_emb.topology import Topology
 
 rank, port, mode, scenario, rows = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-torch.cuda.set_device(rank)
+cuda = sys.argv[7] == "cuda"
+device = f"cuda:{rank}" if cuda else "cpu"
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+if cuda:
+    torch.cuda.set_device(rank)
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=60))
 tables = [TableSpec(name="t", num_rows=rows, dim=128)]
 
 def topo(gen):
     return Topology.build(run_id="teardown", generation=gen, rank=rank, world_size=2, local_rank=rank,
-                          local_world_size=2, node_rank=0, num_nodes=1, ep_size=2, backend="nccl",
+                          local_world_size=2, node_rank=0, num_nodes=1, ep_size=2, backend="nccl" if cuda else "gloo",
                           master_addr="127.0.0.1", master_port=port)
 
 def barrier(name):
@@ -60,12 +67,12 @@ def barrier(name):
             raise TimeoutError(f"barrier {name} timed out")
         time.sleep(0.001)
 
-ids = torch.randint(0, rows, (1 << 16,), device=f"cuda:{rank}")
+ids = torch.randint(0, rows, (1 << 16,), device=device)
 t0 = time.perf_counter()
 # seed=None: a rebuilt context's rows are overwritten by the restore, so nothing is initialised
 # (seeding 4M rows on the CPU took 13 s here and is not part of a resize).
 ctx = EmbContext(topo(0), store, tables=tables, timeout=float(sys.argv[6]), seed=None)
-ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
+ctx.lookup("t", ids).wait(); sync()
 first_build = time.perf_counter() - t0
 
 barrier("rebuild")
@@ -74,7 +81,7 @@ ctx.close()
 t1 = time.perf_counter()
 ctx = EmbContext(topo(1), store, tables=tables, timeout=float(sys.argv[6]), seed=None)
 t2 = time.perf_counter()
-ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
+ctx.lookup("t", ids).wait(); sync()
 t3 = time.perf_counter()
 out = {"rank": rank, "first_build_s": first_build, "close_s": t1 - t0, "construct_s": t2 - t1,
        "first_lookup_s": t3 - t2, "rebuild_s": t3 - t0}
@@ -88,7 +95,7 @@ t0 = time.perf_counter()
 ctx.close(wait=False)
 t1 = time.perf_counter()
 ctx = EmbContext(topo(2), store, tables=tables, timeout=float(sys.argv[6]), seed=None)
-ctx.lookup("t", ids).wait(); torch.cuda.synchronize()
+ctx.lookup("t", ids).wait(); sync()
 out["overlapped_rebuild_s"] = time.perf_counter() - t0
 out["overlapped_close_s"] = t1 - t0
 rel = wait_releases(60)
@@ -111,14 +118,11 @@ os._exit(0)
 """
 
 
-def trial(mode: str, scenario: str, rows: int, timeout: float) -> list[dict]:
+def trial(mode: str, scenario: str, rows: int, timeout: float, device: str) -> list[dict]:
     port = free_port()
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", ELASTIC_EMB_LOG_LEVEL="warning")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), mode, scenario, str(rows), str(timeout)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
+    procs = [start(["python", "-c", WORKER, str(r), str(port), mode, scenario, str(rows), str(timeout), device], env)
+             for r in range(2)]
     results = []
     for p in procs:
         try:
@@ -141,17 +145,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1 << 22, help="rows of the one table (dim 128, fp32)")
     ap.add_argument("--timeout", type=float, default=10.0, help="the context's timeout: bounds every close")
     ap.add_argument("--out", default="out/teardown.json")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run on gloo")
+    ap.add_argument("--scenarios", nargs="+", choices=("healthy", "broken"), default=["healthy", "broken"])
+    ap.add_argument("--modes", nargs="+", choices=("shutdown", "abort"), default=["shutdown", "abort"])
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs={args.runs} must be >= 1")
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("bench/teardown.py: needs 2 CUDA devices; none measured")
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print("bench/teardown.py: needs 2 CUDA devices; none measured (--device cpu: a smoke run on gloo)")
         return
     rows: dict[tuple[str, str], list[list[dict]]] = {}
     for _ in range(args.runs):
-        for scenario in ("healthy", "broken"):
-            for mode in ("shutdown", "abort"):
-                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows, args.timeout))
+        for scenario in args.scenarios:
+            for mode in args.modes:
+                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows, args.timeout,
+                                                                   args.device))
     med = statistics.median
     table = []
     for (scenario, mode), trials in rows.items():
@@ -183,7 +193,7 @@ def main() -> None:
     print(f"destroy + reconstruct as the lifecycle does it (close(wait=False)): median "
           f"{summary['overlapped_rebuild_s']:.4f} s to the first lookup (max {summary['overlapped_rebuild_max_s']:.4f}); "
           f"background destroy took {summary['background_release_s']:.4f} s; errors: {summary['overlapped_errors'] or 'none'}")
-    write_json(args.out, "teardown", {"rows": args.rows, "teardown": table, "rebuild": summary})
+    write_json(args.out, "teardown", {"rows": args.rows, "device": args.device, "teardown": table, "rebuild": summary})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.procs import REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
 from elastic_emb.state import cma
 
 CODE = "from tests.helpers import cma_worker; cma_worker.main()"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.procs import run_ranks, torchrun_env
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 
 TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]
 

@@ -1,7 +1,7 @@
 """Lifecycle with real processes: resizes in-process (live tier) and across restarts (snapshot
 tier), torn commits, lost nodes, and the rule that ``reset`` is never used across sizes.
 
-Every rank is a separate interpreter (tests/helpers/procs.py) on a real TCPStore and gloo groups. Data
+Every rank is a separate interpreter (elastic_emb/testing/procs.py) on a real TCPStore and gloo groups. Data
 are integer-valued; after each scenario every row and optimizer slot of every table is compared
 bit for bit with a reference run at world size 1 (same global batches, no resize), and training
 continues from the committed step. Simulated nodes: each node id has its own state directory.
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.procs import REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
 from tests.helpers import lifecycle_worker as lw
 
 TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]

@@ -372,7 +372,7 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
 
 def _lifecycle_run(tmp_path, layout, gen, out, until, extra=None, config=None):
     from tests.helpers import lifecycle_worker as lw
-    from tests.helpers.procs import run_ranks
+    from elastic_emb.testing.procs import run_ranks
     from tests.test_lifecycle import rank_env, spec_of
 
     port = free_port()
@@ -762,7 +762,7 @@ def _commit_in_flight_to_a_dead_peer(tmp_path, timeout: float, **a_spec):
     in A's writer; A then re-forms alone with abort and trains to step 4. Returns A's result
     (``out`` under ``tmp_path``); ``a_spec``: more of A's lifecycle_worker spec."""
     from tests.helpers import lifecycle_worker as lw
-    from tests.helpers.procs import run_ranks
+    from elastic_emb.testing.procs import run_ranks
     from tests.test_lifecycle import layout_env, rank_env, spec_of
 
     out = tmp_path / "out"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from elastic_emb.errors import AgreementTimeout, TopologyDisagreement, TopologyError
 from elastic_emb.topology import SHARED_FIELDS, Topology, agree, evaluate, largest_power_of_two_at_most
 from elastic_emb.testing.ports import free_port
-from tests.helpers.procs import run_ranks, torchrun_env
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 
 BASE_ENV = {
     "RANK": "1",

@@ -1,74 +1,12 @@
-"""Delta commits captured on the GPU: a side-stream gather, an asynchronous copy to pinned memory.
+"""Delta commits captured on the GPU: a side-stream gather, an asynchronous copy to host memory.
 
-On CUDA a commit must not stop the step: a 1M-id step changes about 0.5 GB of rows and slots,
-and gathering them on the host (a sync, an indexed copy, a pageable copy) costs hundreds of
-milliseconds. :class:`DeviceCapture` instead, in ``lc.commit(step)`` and without any host
-synchronisation:
+:class:`DeviceCapture` lays a delta out in ``lc.commit(step)`` without a host synchronisation and
+hands the rest to a launcher thread: on a side stream it gathers the changed rows (or takes the
+values the row update wrote), holds the context's next writes until they are read, and copies the
+delta in pieces into a log segment or a pinned buffer. The background writer then checksums the
+bytes as they land (:func:`finished_records`) and writes the manifest last.
 
-1. takes the rows written since the last commit as the context recorded them
-   (``take_changed_rows(unique=False)``: the int64 row tensors of each write, duplicates
-   included; their sizes are known on the host, so the staging size is too), lays the delta
-   out, records a "step done" event on the training stream and hands the rest to the capture's
-   launcher thread; it also makes every later write of the context wait (``hold_writes``) for
-   the "rows read" event of step 3, which the launcher records;
-2. the launcher thread, on a side stream that first waits for "step done" (so every write of
-   the step is in), gathers the index and the rows of the weight and of every optimizer slot
-   into one device staging buffer, laid out exactly as the delta's data file;
-3. records "rows read": the next step's lookups and dense part run at once, its row update
-   waits only for the gather (on the device; on the host only until the launcher has launched
-   the gather, a fraction of a millisecond), so no captured row is ever torn;
-4. copies the staging buffer (asynchronously) straight into a free segment of the node's log
-   ring (:mod:`elastic_emb.state.ring`: shared-memory files registered with CUDA once), or,
-   when none is free, into a pinned host buffer the writer then copies into a file; in pieces
-   alternating between two streams (:meth:`DeviceCapture._copy`), so that the training
-   stream's own small reads from the GPU are not queued behind a whole delta.
-
-The values written instead of a gather: where the context hands over, with a table's rows, the
-values its one write since the last commit put there (``rows.written``, see
-:class:`elastic_emb.context.changes.RowsTaken`: the optimizer computed them whole), those tensors
-ARE the delta's bytes: the launcher copies them (and the row numbers) straight to the host, and
-steps 2-3 do not happen for that table: no gather, no staging buffer, and no hold (the next row
-update waits for nothing, the capture does not read the table). Measured on an H200
-(BENCHMARKS.md, "The device path"): a 20 ms dense step's overhead +4.0% instead of +7.3% with the
-gather (about 2 points lower, paired, over two runs). Tables written twice since the last commit,
-or without values (SGD), are gathered as above.
-
-Why a thread launches the gather and the copy: the training thread's time in ``lc.commit`` is
-time the GPU idles (a step ends by reading its loss, which drains the training stream), and on
-an H200 launching them took it 2 ms per commit of a 20 ms step, 4.7 ms once the copy went in
-pieces. Now it spends the cost of laying out the records, taking a log segment and recording an
-event: 0.3 ms on that host (:data:`TRACE` lists each step for the bench), 0.5 ms with the rest of
-``SnapshotTier.capture``. Measured there and not kept (BENCHMARKS.md, "The device path"): the
-pieces launched through the CUDA driver by ``ctypes`` (fewer Python calls in the launcher), the
-gather launched by the training thread itself, larger or smaller pieces, the gather as one Triton
-kernel per tensor, the copy by a few SMs instead of the copy engine (much slower steps: the SMs are
-taken from the dense part), the log segment taken ahead by the launcher, the layout, records and
-log segment all taken by the launcher (the call 0.52 -> 0.33 ms, the step the same: the work then
-competes with the next step's launches); none made the step faster.
-
-No checksum is computed on the GPU or by the training thread. The background writer
-(:class:`~elastic_emb.state.writer.CommitWriter`) waits for the copy's events in its own thread,
-computes the checksum of every tensor of the delta over the bytes where they landed, on several
-cores, each chunk once the copy has landed past its end (:meth:`_PendingCopy.landed`: the writer
-wakes every :data:`MARK_BYTES`, not once per piece, so it takes the GIL a few times per commit;
-on an H200 checksumming as the copy lands left 3-5 ms of the writer's work after a 9.4 ms copy,
-against 10.7 ms after the whole copy) (:func:`finished_records`; for a delta in a log segment XXH3-64 in 16 MiB chunks,
-:data:`DELTA_CHECKSUM`: zlib's CRC32 was the bound of the whole commit path, see
-:mod:`elastic_emb.state.digest`; the pinned path keeps CRC32), and writes
-the manifest last, as for any commit: naming the log segment the bytes already are in, or, for a
-delta that took the pinned path, after copying them into a file and checksumming them on the way
-(:func:`~elastic_emb.state.crc.write_and_checksum`). (A CRC32 computed on the GPU cost the training
-thread about 16 ms per commit of launching small tensor operations, most of a 20 ms step.)
-
-Pinned buffers come from a small pool (``buffers``): when every buffer is in use, the next capture
-waits for the oldest commit to be written (bounded), which is the back-pressure that keeps host
-memory bounded.
-
-Duplicates: a row written twice since the last commit appears twice in the delta, with the same
-bytes (both copies were gathered after the step, in one pass). A write that skipped rows marked
-them with the table's local row count (``n``); those entries carry row ``n - 1``'s bytes and
-restore skips them (:func:`~elastic_emb.state.delta.read_chain`). Restore applies the deltas in
-order, so the newest value of each row wins.
+Design: ``docs/COMMIT.md`` (section "Capturing deltas on the GPU").
 """
 
 from __future__ import annotations
@@ -92,16 +30,20 @@ DELTA_CHECKSUM = "xxh3_64"  # the algorithm of a delta's checksums when it lande
 IDLE_SECONDS = 2.0  # the launcher thread exits after this long without a capture
 PIECE_BYTES = 16 << 20  # the device-to-host copy of a delta goes in pieces of this size (see DeviceCapture._copy)
 MARK_BYTES = 64 << 20  # the writer wakes once per this many bytes landed (see _PendingCopy.landed)
-TRACE: list | None = None  # a list to append (label, perf_counter_ns) to at the steps of a capture call (bench)
-
-
-def _trace(label: str) -> None:
-    if TRACE is not None:
-        TRACE.append((label, time.perf_counter_ns()))
 
 
 class DeviceCapture:
-    """Captures deltas of one CUDA context; one per lifecycle (its pinned buffers are reused)."""
+    """Captures deltas of one CUDA context; one per lifecycle (its pinned buffers are reused).
+
+    Args:
+        device: the context's CUDA device (without an index: the current one).
+        buffers: the most pinned buffers; a capture waits for one to come free beyond that.
+        timeout: how long a capture waits for a pinned buffer, and a wait for the launcher.
+        piece_bytes: the size of the pieces the copy to the host goes in (0: one copy).
+
+    Raises:
+        ValueError: if ``buffers`` is below 1 or ``piece_bytes`` is negative.
+    """
 
     def __init__(self, device: torch.device, buffers: int = 3, timeout: float = 300.0,
                  piece_bytes: int = PIECE_BYTES) -> None:
@@ -142,20 +84,38 @@ class DeviceCapture:
         return torch.empty(max(nbytes + nbytes // 4, 1 << 20), dtype=torch.uint8, pin_memory=True)
 
     def release(self, buf: torch.Tensor) -> None:
-        """Give a pinned buffer back (the writer wrote what it held)."""
+        """Give a pinned buffer back to the pool (the writer wrote what it held).
+
+        Args:
+            buf: the buffer a capture returned.
+        """
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
 
     def capture(self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int],
                 hold, land=None) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object]:
-        """Start capturing the rows ``rows[table]`` (raw, see the module docstring) of ``shards``
-        (the context's own tensors, on this device). ``hold(event)`` makes the context's writes
-        wait for ``event``. ``land(nbytes)``: a log segment (:mod:`elastic_emb.state.ring`) to copy
-        the delta straight into, or None (then a pinned buffer of the pool). Returns (records with
-        :data:`PENDING_CRC`, the host bytes the data file will hold, the event after which they are
-        there, and the pinned buffer or the segment to release)."""
-        _trace("start")
+        """Start capturing a delta: lay it out here, launch the gather and copy on the launcher.
+
+        Args:
+            shards: table -> the context's own shard, on this device.
+            rows: table -> the raw row tensor of its writes since the last commit (int64, 1-D, on
+                this device, duplicates included, the shard's row count for skipped entries); a
+                ``written`` attribute may hold, per table, the values its one write put there.
+            num_rows: table -> rows in the table.
+            hold: ``hold(event)`` makes the context's writes wait for ``event`` (``hold_writes``).
+            land: ``land(nbytes)`` returns a log segment (:mod:`elastic_emb.state.ring`) to copy the
+                delta straight into, or None; without it, or on None, a pinned buffer of the pool.
+
+        Returns:
+            A tuple: the records (checksums :data:`PENDING_CRC`), the host bytes the data file will
+            hold, what to wait on for them (its ``synchronize()`` and ``landed()``), and the pinned
+            buffer or the segment to release afterwards.
+
+        Raises:
+            ValueError: if a row tensor or a shard tensor is not as described, or not on this device.
+            TimeoutError: if no pinned buffer came free within the timeout (the writer is stuck).
+        """
         written = getattr(rows, "written", None) or {}
         layout, off, gathers = [], 0, False
         for name in sorted(shards):
@@ -181,20 +141,16 @@ class DeviceCapture:
             gathers = gathers or vals is None
             layout.append((name, sd, idx, trs, vals))
         total = off
-        _trace("layout")
         seg = land(total) if land is not None else None
         buf = seg if seg is not None else self._acquire(total)
         host = (seg.host if seg is not None else buf)[:total]
-        _trace("land")
         records = [ShardRecord.model_construct(table=name, num_rows=num_rows[name], start=sd.rows.start,
                                                stop=sd.rows.stop, tensors=[tr for tr, _ in trs])
                    for name, sd, _, trs, _ in layout]
-        _trace("records")
         job = _Job(self.timeout, host, total, layout)
         job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
         if gathers:  # (a capture of written values alone never reads the table)
             hold(_PendingRead(job))
-        _trace("ready")
         # The launcher is woken last: from then on it competes with this thread for the GIL.
         with self._cv:
             self._jobs.append(job)
@@ -202,7 +158,6 @@ class DeviceCapture:
                 self._thread = threading.Thread(target=self._run, name="elastic_emb-capture", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        _trace("handed")
         return records, host, _PendingCopy(job), buf
 
     def _run(self) -> None:
@@ -271,8 +226,8 @@ class DeviceCapture:
         In pieces of ``piece_bytes``, alternately on the two side streams, each piece waiting for
         the one before: a stream's queue runs dry after each piece, so a small read of the
         training stream (``.item()``, ``torch.unique``'s count), which goes through the same copy
-        engine, waits for one piece, not for the whole delta (measured on an H200: a 516 MB copy
-        in one piece, or in pieces queued on one stream, kept such a read waiting 8-9 ms)."""
+        engine, waits for one piece, not for the whole delta (as it would with one copy, or with
+        pieces queued on one stream)."""
         side, other = self.stream, self.stream2
         prev = read  # recorded on ``side``
         marks, i = [], 0
@@ -398,17 +353,34 @@ class _PendingCopy:
 
 
 def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` of every tensor of ``records``, in order."""
+    """Where each tensor of a delta lies in its data.
+
+    Args:
+        records: the delta's records.
+
+    Returns:
+        ``(offset, nbytes)`` of every tensor of every record, in order.
+    """
     return [(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors]
 
 
 def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None,
                      algorithm: str = "crc32", landed=None) -> list[ShardRecord]:
-    """``records`` of a GPU capture (:data:`PENDING_CRC`) with the checksum of each tensor's bytes
-    by ``algorithm`` (:mod:`elastic_emb.state.digest`): ``crcs`` (one per tensor, in order) when
-    the caller computed them, else computed here from ``data`` (the delta's bytes on the host,
-    numpy uint8, read only after the capture's event) on several cores
-    (:func:`~elastic_emb.state.digest.digest_ranges`; ``landed``: as the copy lands, see there)."""
+    """The records of a GPU capture with the checksum of each tensor filled in.
+
+    Args:
+        records: records with :data:`PENDING_CRC` checksums.
+        data: the delta's bytes on the host (numpy uint8), read once they have landed; unused when
+            ``crcs`` is given.
+        crcs: one checksum per tensor, in order, when the caller computed them; None: computed here
+            on the checksum threads (:func:`~elastic_emb.state.digest.digest_ranges`).
+        algorithm: the checksum algorithm (:mod:`elastic_emb.state.digest`).
+        landed: growing byte counts of ``data`` that have landed (see ``digest_ranges``), so the
+            checksums run as the copy lands.
+
+    Returns:
+        Copies of ``records`` with their checksums and ``algorithm`` set.
+    """
     if crcs is None:
         crcs = digest_ranges(data, record_ranges(records), algorithm, landed)
     it = iter(crcs)

@@ -1,19 +1,12 @@
 """The snapshot tier: each rank's shard in a node-local directory, with replicas on other nodes.
 
-At a commit, each rank writes its shard into
-``<state_dir>/<run_id>/<node_id>/step-<step>-<fingerprint>/rank<r>.bin`` (``/dev/shm`` by
-default, so it survives a worker restart but not a reboot) and sends a copy over the
-communicator to one rank on each of the next ``replication`` nodes, which write it into *their*
-node directory as ``rank<r>.replica.bin``. Losing any ``replication`` nodes therefore loses
-nothing. A rank reads only its own node's directory, so node identity must be stable across
-restarts (torchrun renumbers node ranks): directories are keyed by a node id,
-``ELASTIC_EMB_NODE_ID`` if set, else the host name. The data file's format, its writing and its
-verified reading are :mod:`.shardfile`'s.
+:class:`SnapshotTier` captures a commit (:meth:`~SnapshotTier.capture`: a whole shard or a delta,
+on the host or the GPU) and writes it collectively (:meth:`~SnapshotTier.write`): data files first,
+replicas on the next ``replication`` nodes, manifests last by atomic rename, so a commit cut short
+by a crash does not exist for restore. :meth:`~SnapshotTier.prune` deletes what no kept commit
+needs and hands fold points to the compactor.
 
-Data files are written and fsynced first; the manifests (one per shard held, own or replica) go
-last, by atomic rename, so a commit cut short by a crash has no manifest and does not exist for
-restore. Reading a shard back (:func:`read_snapshot`) checks every tensor's CRC32 against its
-manifest (:mod:`.shardfile`).
+Design: ``docs/COMMIT.md`` (section "The snapshot tier").
 """
 
 from __future__ import annotations
@@ -53,9 +46,9 @@ log = get_logger("elastic_emb.state")
 
 RUN_MARKER = "run.json"
 
-# Folding (compact.py), a chain of host-captured deltas still ends in a captured base after this
-# many deltas: a bound the same on every rank, so that a node whose folds keep failing does not
-# keep a chain forever.
+# With folding (compact.py), a chain of host-captured deltas still ends in a captured base after
+# this many deltas: a bound the same on every rank, so that a node whose folds keep failing does
+# not keep a chain forever.
 FOLD_CHAIN_LIMIT = 1024
 
 
@@ -74,7 +67,8 @@ class RunMarker(BaseModel):
 class NodeListing(BaseModel):
     """What one node directory holds: the commit directories (torn ones included), whether the
     run marker is there, the valid manifests' pieces (``[commit, table, start, stop, num_rows]``)
-    and the links of delta commits to their parents. Exchanged between ranks so that every rank judges completeness the same way."""
+    and the links of delta commits to their parents. Exchanged between ranks so that every rank
+    judges completeness the same way."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     node: str
@@ -95,7 +89,7 @@ class Capture:
     parent: CommitId | None  # the commit a delta changes; None: a base
     chain_length: int  # deltas since the base, this one included
     # A capture on the GPU (elastic_emb.state.capture): ``blob`` is complete once ``copied`` (a
-    # CUDA event) has passed, its CRC32s are computed by the writer, and ``buffer`` goes back to
+    # CUDA event) has passed, its checksums are computed by the writer, and ``buffer`` goes back to
     # ``device`` after the write.
     copied: object = None
     device: object = None
@@ -104,7 +98,8 @@ class Capture:
     fold: bool = False  # folding was on when it was captured (compact.py): it may be a fold point
 
     def release(self) -> None:
-        """The pinned buffer of a GPU capture is no longer needed (written, or dropped)."""
+        """The buffer of a GPU capture is no longer needed (written, or dropped): a log segment is
+        freed unless its manifest was written, a pinned buffer goes back to its pool."""
         if isinstance(self.buffer, Segment):
             self.buffer.release()  # a log segment: free again unless its manifest was written
         elif self.device is not None:
@@ -112,7 +107,25 @@ class Capture:
 
 
 class SnapshotTier:
-    """Node-local snapshots with replicas on other nodes."""
+    """Node-local snapshots with replicas on other nodes.
+
+    Args:
+        root: the state directory; this node's commits go under ``<root>/<run_id>/<node_id>/``.
+        run_id: the run (a plain name).
+        node_id: this node's stable id (a plain name).
+        replication: how many other nodes hold a replica of each shard (0: none).
+        keep: how many complete commits prune keeps (with their chains).
+        file_mode: the permissions of the files written.
+        dir_mode: the permissions of the directories created.
+        max_chain: the most deltas on a base before the next commit is a base (0: every commit is).
+            With folding on (``max_chain > 0``, host captures) it is the least spacing of fold points.
+        fold_ratio: a fold point once some rank's deltas reach this share of its shard's bytes.
+        fold_max_deltas: a fold point after this many deltas anyway.
+        fold_timeout: how long a fold point waits for the previous fold.
+
+    Raises:
+        ValueError: if a parameter is out of range or an id is not a plain name.
+    """
 
     def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
                  file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8,
@@ -155,8 +168,12 @@ class SnapshotTier:
         self._fold_due: tuple[int, list[Path]] | None = None  # the fold point just written: (step, its manifests)
 
     def enable_spares(self, count: int) -> None:
-        """Keep ``count`` data files allocated ahead for GPU-captured commits (see
-        :mod:`elastic_emb.state.spares`), in a directory of this process's own."""
+        """Keep data files allocated ahead for GPU-captured commits, in a directory of this
+        process's own (removing those of the node's processes that are gone).
+
+        Args:
+            count: how many files to keep ready (the first call decides; later calls do nothing).
+        """
         if self.spares is None:
             remove_dead_spares(self.node_dir)
             self.spares = SpareFiles(self.node_dir / f".spare-{os.getpid()}", count, self.file_mode, self.dir_mode)
@@ -172,9 +189,13 @@ class SnapshotTier:
             self.ring = None
 
     def enable_ring(self, count: int, size: int | None = None) -> None:
-        """Land GPU-captured deltas in a ring of ``count`` log segments (see
-        :mod:`elastic_emb.state.ring`) of ``size`` bytes; without ``size``, made at the first GPU
-        delta with segments of 1.25 x its size."""
+        """Land GPU-captured deltas in a ring of log segments (:mod:`elastic_emb.state.ring`).
+
+        Args:
+            count: the number of segments.
+            size: bytes per segment; None: the ring is made at the first GPU delta, with segments
+                of 1.25 times its size.
+        """
         self._ring_count = count
         if size is not None and self.ring is None:
             self.ring = self._make_ring(size)
@@ -209,28 +230,54 @@ class SnapshotTier:
 
     def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int],
                changes: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
-        """Write this rank's shard and replicas of others'; collective over ``comm``.
+        """Capture and write a commit now (:meth:`write` of :meth:`capture`); collective.
 
-        ``changes`` (the context's ``take_changes()``; the same choice on every rank): write a
-        delta of those rows on top of the previous commit of this generation, unless the chain
-        is at ``max_chain`` deltas or there is none yet (then a full base). Returns (bytes
-        written locally for own shard, bytes received as replicas). Raises
-        :class:`StorageError` on every rank when any rank could not write its data (full or
-        read-only storage): each rank then removes what it wrote of this commit, so the older
-        commits stay the newest complete ones. The same as :meth:`write` of :meth:`capture`."""
+        Args:
+            step: the commit's step.
+            shards: table -> this rank's shard (the context's tensors).
+            comm: the communicator of the world.
+            num_rows: table -> rows in the table.
+            changes: the context's ``take_changes()`` (the same choice on every rank): write a
+                delta of those rows on the previous commit of this generation, unless the chain is
+                at its bound or there is none yet (then a full base); None: a full base.
+
+        Returns:
+            ``(bytes written for this rank's own shard, bytes received as replicas)``.
+
+        Raises:
+            StorageError: on every rank, when any rank could not write its data (full or read-only
+                storage); each rank then removes what it wrote of this commit, so the older commits
+                stay the newest complete ones.
+        """
         return self.write(self.capture(step, shards, comm.topology, num_rows, changes), comm)
 
     def capture(self, step: int, shards: dict[str, ShardData], topology, num_rows: dict[str, int],
                 changes: dict[str, torch.Tensor] | None = None, device=None, hold=None) -> "Capture":
-        """Copy what commit ``step`` writes (the whole shard, or the changed rows on top of the
-        previous commit) into a buffer of its own: once it returns, the context may change its
-        rows while :meth:`write` runs (e.g. in a background writer). Local, not collective.
+        """Copy what a commit writes into a buffer of its own (local, not collective).
 
-        ``device`` (a :class:`~elastic_emb.state.capture.DeviceCapture`) with raw ``changes``
-        (``take_changed_rows(unique=False)``) and ``hold`` (the context's ``hold_writes``): a delta
-        is gathered on the GPU and copied to pinned memory asynchronously, and the chain advances
-        at once (the commits in flight are written in order; after a failed one the caller calls
-        :meth:`break_chain`), so the next commit need not wait for this one."""
+        Once it returns, the context may change its rows while :meth:`write` runs (e.g. in a
+        background writer). The capture is a delta on the previous commit of this generation when
+        ``changes`` are given and the chain is below its bound, else a whole-shard base.
+
+        Args:
+            step: the commit's step.
+            shards: table -> this rank's shard (the context's tensors).
+            topology: the generation's topology.
+            num_rows: table -> rows in the table.
+            changes: the rows written since the last commit (see :meth:`commit`), or None.
+            device: a :class:`~elastic_emb.state.capture.DeviceCapture`, with raw ``changes``
+                (``take_changed_rows(unique=False)``) and ``hold``: the delta is gathered on the GPU
+                and copied to host memory asynchronously, and the chain advances at once (after a
+                failed write the caller calls :meth:`break_chain`).
+            hold: the context's ``hold_writes``, for ``device``.
+
+        Returns:
+            The :class:`Capture`, ready for :meth:`write`.
+
+        Raises:
+            ValueError: if ``changes`` are malformed.
+            TimeoutError: with ``device``, if no pinned buffer came free in time.
+        """
         fp = topology.fingerprint()  # (a hash of the topology's JSON: once per call, it runs on the training thread)
         chain = self._chain if self._chain and self._chain[0] == fp else None
         if device is not None:
@@ -262,12 +309,43 @@ class SnapshotTier:
         return Capture(step, topology, records, blob, parent, length, fold=self.fold)
 
     def break_chain(self) -> None:
-        """A commit failed: the next one is a base (it must not name a parent that was never
-        written)."""
+        """A commit failed: make the next one a base (it must not name a parent never written)."""
         self._chain = None
 
+    def rewind(self, base: CommitId) -> None:
+        """Delete this node's commits after ``base`` and make the next delta extend ``base`` again
+        (their log segments come free). For benchmarks that measure many delta commits on one
+        base. Local, not collective; no commit may be in flight.
+
+        Args:
+            base: a full commit (no parent) of this tier, in this node's directory.
+
+        Raises:
+            ValueError: if this node holds no manifest of ``base`` as a full commit.
+        """
+        if not any(m.commit == base and m.parent is None for _, m in self.manifests()):
+            raise ValueError(f"rewind: commit {base} is not a full commit in {self.node_dir}")
+        for cdir in self.node_dir.glob("step-*"):
+            if step_of_dirname(cdir.name) > base.step:
+                shutil.rmtree(cdir, ignore_errors=True)
+        self._chain = (base.fingerprint, base, 0)
+        self._written = self._pruned_at = None
+
     def write(self, cap: "Capture", comm: Comm) -> tuple[int, int]:
-        """Write a captured commit: data, replicas, manifests last; collective over ``comm``."""
+        """Write a captured commit: data, replicas, manifests last (collective).
+
+        Args:
+            cap: the capture (its GPU copy, if any, is waited for here).
+            comm: the communicator of the world (the writer's own in the background).
+
+        Returns:
+            ``(bytes written for this rank's own shard, bytes received as replicas)``.
+
+        Raises:
+            StorageError: on every rank, when any rank could not write its data or replicas, or
+                when this rank could not write its manifests; what it wrote is removed.
+            RuntimeError: if the ranks disagree on the parent commit.
+        """
         topo, step, parent, records, blob = cap.topology, cap.step, cap.parent, cap.records, cap.blob
         cdir = self.node_dir / commit_dirname(step, topo.fingerprint())
         written: list[Path] = []
@@ -417,9 +495,14 @@ class SnapshotTier:
     # -- reading ----------------------------------------------------------------------------------
 
     def manifests(self) -> list[tuple[Path, SnapshotManifest]]:
-        """Every valid manifest in this node's directory, with its data file. A manifest that does
-        not parse, or names another run or a data file outside its directory, is reported and
-        ignored: never counted."""
+        """Every valid manifest in this node's directory, with its data file.
+
+        A manifest that does not parse, names another run or a data file outside its directory,
+        or names a log segment a newer commit names too, is reported and ignored: never counted.
+
+        Returns:
+            ``(data file or log segment path, manifest)`` pairs, by commit directory.
+        """
         out = []
         node_dir = self.node_dir  # resolved (and checked) once: it stats every component
         try:
@@ -427,9 +510,9 @@ class SnapshotTier:
         except OSError:
             return out
         # Parsed manifests by their exact bytes: the background writer prunes after every commit,
-        # which lists every manifest twice, and parsing them all again cost it milliseconds per
-        # commit (held under the GIL, which the training thread needs to launch its kernels).
-        # Keyed by content, a rewritten file is always parsed again.
+        # which lists every manifest twice, and parsing them all again would hold the GIL, which
+        # the training thread needs to launch its kernels. Keyed by content, a rewritten file is
+        # always parsed again.
         parsed, seen = self._parsed, {}
         for cdir in cdirs:
             for mpath in sorted(cdir.glob("rank*.json")):
@@ -453,7 +536,11 @@ class SnapshotTier:
         return newest_per_segment(out)
 
     def listing(self) -> NodeListing:
-        """This node directory's contents (see :class:`NodeListing`)."""
+        """This node directory's contents.
+
+        Returns:
+            The :class:`NodeListing` every rank exchanges to judge completeness alike.
+        """
         try:
             dirs = sorted(d.name for d in self.node_dir.glob("step-*"))
             marker = (self.node_dir / RUN_MARKER).exists()
@@ -467,25 +554,23 @@ class SnapshotTier:
     # -- pruning ----------------------------------------------------------------------------------
 
     def prune(self, comm: Comm, *, at_start: bool = False) -> list[str]:
-        """Collective: delete the commit directories of this node that can no longer be needed.
+        """Delete the commit directories of this node that can no longer be needed (collective).
 
-        Completeness is judged over the whole world (every node's valid manifests, exchanged),
-        by the same rule as restore: a commit is complete when valid manifests cover every row
-        of every table. Kept: the newest ``keep`` complete commits (a delta with every commit of
-        its chain back to its base), and anything newer than the
-        newest complete one (it may still complete: a commit in progress). Deleted: everything
-        older than the newest complete commit that is not kept. ``at_start`` (after a restart's
-        restore): torn directories of earlier generations are deleted too, since their writers
-        are gone. Without any complete commit nothing is deleted. Local rank 0 deletes; returns
-        the directory names it deleted.
+        Completeness is judged over the whole world, by restore's rule. Kept: the newest ``keep``
+        complete commits with their chains, and anything newer than the newest complete one.
+        Deleted: everything else older than the newest complete commit. Nothing is deleted without
+        a complete commit. Skipped on every rank alike when it could delete nothing. At a fold
+        point it waits for the previous fold first, then hands the commit just written to the
+        compactor.
 
-        Skipped, without listing or exchanging anything, when it could delete nothing (see
-        :meth:`_prune_frees_nothing`): a delta that extends a chain already ``keep`` commits long,
-        right after a prune that left only kept commits. Every rank decides alike (the same
-        commits, the same parents), so the collective exchange is skipped on all or none. At a fold
-        point (compact.py; the same commit on every rank) it is never skipped: it waits for the
-        previous fold first, frees what that fold made obsolete, then hands the commit just
-        written to the compactor."""
+        Args:
+            comm: the communicator of the world.
+            at_start: after a restart's restore: torn directories of earlier generations are
+                deleted too, since their writers are gone.
+
+        Returns:
+            The directory names this rank deleted (only local rank 0 deletes).
+        """
         written = self._written
         fold_due, self._fold_due = self._fold_due, None
         if fold_due is not None:
@@ -504,8 +589,16 @@ class SnapshotTier:
         return deleted
 
     def cancel_fold(self, timeout: float = 10.0) -> bool:
-        """Cancel the fold under way, if any (a resize restores next; the exit): its commit stays
-        the delta it was (compact.py). Whether none runs now."""
+        """Cancel the fold under way, if any (a resize restores next, or the process exits).
+
+        Its commit stays the delta it was.
+
+        Args:
+            timeout: the most seconds to wait for the fold's thread.
+
+        Returns:
+            Whether no fold runs now.
+        """
         self._fold_due = None  # a fold point an abandoned writer wrote but never pruned: not folded
         return self.compactor.cancel(timeout)
 
@@ -566,8 +659,15 @@ class SnapshotTier:
 
 
 def commit_missing(pieces: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int]]:
-    """The rows of a commit no piece ``(table, start, stop, num_rows)`` covers: the one
-    completeness rule of prune and restore, applied to the table sizes the pieces record."""
+    """The rows of a commit no piece covers: the completeness rule of prune and restore.
+
+    Args:
+        pieces: ``(table, start, stop, num_rows)`` of every valid manifest of the commit; the table
+            sizes are taken from them.
+
+    Returns:
+        The uncovered ranges ``(table, start, stop)`` (empty: the commit is complete).
+    """
     num_rows: dict[str, int] = {}
     for table, _, _, n in pieces:
         num_rows[table] = max(num_rows.get(table, 0), n)
@@ -575,7 +675,14 @@ def commit_missing(pieces: list[tuple[str, int, int, int]]) -> list[tuple[str, i
 
 
 def free_bytes(path: Path) -> int | None:
-    """Bytes available to this user on the filesystem of ``path`` (None if unknown)."""
+    """Bytes available to this user on the filesystem of ``path``.
+
+    Args:
+        path: any path on the filesystem.
+
+    Returns:
+        The free bytes, or None if unknown.
+    """
     try:
         st = os.statvfs(path)
     except OSError:
@@ -584,7 +691,17 @@ def free_bytes(path: Path) -> int | None:
 
 
 def storage_message(path: Path, needed: int, exc: OSError, step: int) -> str:
-    """One line: what could not be written, why, bytes needed and free, and what to do."""
+    """One line for an operator: what could not be written, why, bytes needed and free, what to do.
+
+    Args:
+        path: what could not be written.
+        needed: the bytes it needed.
+        exc: the error.
+        step: the commit's step.
+
+    Returns:
+        The message.
+    """
     free = free_bytes(path.parent if not path.is_dir() else path)
     reason = exc.strerror or str(exc)
     return (f"cannot write {path} for the commit of step {step} ({reason}): needs {needed} bytes, "

@@ -1,0 +1,244 @@
+"""Every benchmark script in bench/ runs, at a tiny size on the CPU, and leaves the figures it promises.
+
+A benchmark is only run by hand (and the GPU ones on a lent machine), so nothing else notices when
+a change of the library breaks one. Each script here runs in a subprocess of its own, as its
+docstring says to run it but at its smallest setting (a few ids, a few steps, one run; the drills
+and the torchrun benches one short scenario), under a hard timeout, with CUDA hidden: a bench that
+needs CUDA runs its ``--device cpu`` mode (the same loops as far as the CPU allows), and one that
+can do nothing without it (bench/nccl_setup.py) must say so and exit 0. Checked: exit status 0, and
+the JSON report it wrote parses, names the bench, and holds the keys it promises (with the bench's
+own verdicts, where it has one, true).
+
+The scripts run side by side, a few at a time (most of their time is waiting: process starts,
+imports, torchrun agents), so the whole module takes about a minute or two on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from elastic_emb.testing.etcd import etcd_binary
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+OUT = "{out}"  # replaced by the bench's JSON path
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """How one bench runs here and what it must leave."""
+
+    argv: tuple[str, ...]  # after the script's path; OUT marks the JSON path
+    keys: tuple[str, ...] = ()  # top-level keys of its JSON report (none: it writes no report here)
+    stdout: str | None = None  # text its output must hold
+    timeout: float = 150.0
+    needs: tuple[str, ...] = field(default=())  # "torchrec", "etcd"
+
+
+SMOKES: dict[str, Smoke] = {
+    "agree": Smoke(("--ranks", "2", "4", "--runs", "1", "--out", OUT), ("results",)),
+    "commit": Smoke(("--sizes-mb", "1,2", "--ids", "64", "--steps", "3", "--full-steps", "2", "--max-chain", "2",
+                     "--fold-max-deltas", "2", "--restore-reps", "1", "--scaling-commits", "4",
+                     "--scaling-max-chain", "2", "--block", "2", "--json", OUT), ("args", "rows", "scaling")),
+    "commit_gpu": Smoke(("--device", "cpu", "--table-gib", "0.001", "--dim", "16", "--ids", "64", "--steps", "3",
+                         "--rounds", "1", "--window", "2", "--d2h-mib", "1", "--min-step-ms", "0",
+                         "--latency-commits", "1", "--modes", "none,commit,si,commit@issue,commit@lib,commit@lib+early",
+                         "--json", OUT),
+                        ("dense_windows", "step_none_dense_ms", "commit_full_s", "overhead_device_dense_pct",
+                         "overhead_device_dense_lib_pct", "sustained_device_emb_only_gbs",
+                         "commit_incremental_dense_ms", "async_latency_ms", "dcp_async_save_blocking_ms",
+                         "pinned_d2h_gbs")),
+    "commit_torchrec": Smoke(("--table-mb", "1", "--dim", "8", "--ids", "32", "--steps", "3", "--full-steps", "2",
+                              "--warmup", "1", "--reps", "1", "--max-chain", "2", "--json", OUT),
+                             ("args", "rows", "runs"), needs=("torchrec",)),
+    "d2h_overlap": Smoke(("--device", "cpu", "--copy-mb", "4", "--reps", "1", "--json", OUT),
+                         ("copy_bytes", "host_checksum", "threads")),
+    "drill_matrix": Smoke(("--presets", "scale-down", "--modes", "restart", "--timeout", "150", "--out", OUT),
+                          ("modes", "rows"), timeout=240.0),
+    "drill_recovery": Smoke(("--scenarios", "scale-down", "--runs", "1", "--backends", "elastic_emb", "--out", OUT),
+                            ("summary", "runs"), timeout=240.0),
+    "ep8": Smoke(("--mb", "1", "--runs", "1", "--timeout", "120", "--json", OUT),
+                 ("agree_s", "rebuild_s", "alltoall_gbps_per_rank", "shrink_8_to_4", "grow_4_to_8")),
+    "etcd_calls": Smoke(("--runs", "1", "--calls", "5", "--out", OUT), ("samples", "medians", "ratios_to_urllib"),
+                        needs=("etcd",)),
+    "lookup": Smoke(("--ranks", "1", "2", "--rows", "4096", "--dim", "8", "--batch", "256", "--runs", "1",
+                     "--iters", "2", "--warmup", "1", "--in-flight", "--compare-capture", "--out", OUT),
+                    ("device", "config", "results")),
+    "lookup_one_gpu": Smoke(("--device", "cpu", "--rows", "4096", "--dim", "8", "--batch", "256", "--runs", "1",
+                             "--iters", "2", "--matmul", "32", "--out", OUT),
+                            ("exact_vs_index_select", "copy_bound_s", "lookup_back_to_back_s", "fraction_of_copy_bound",
+                             "prefetch", "targets")),
+    "nccl_setup": Smoke(("--configs", "default", "--trials", "2", "--mib", "1", "--out", OUT),
+                        stdout="needs 2 CUDA devices; none measured"),
+    "reshard": Smoke(("--sizes-mb", "1", "--runs", "1", "--json", OUT), ("device", "world", "results")),
+    "resize": Smoke(("--runs", "1", "--backends", "elastic_emb", "--cap", "60", "--out", OUT),
+                    ("raw_s", "median_s", "pause_median_s", "import_floor_s"), timeout=240.0),
+    "resize_gpu": Smoke(("--device", "cpu", "--rows", "4096", "--dim", "8", "--batch", "64", "--runs", "2",
+                         "--restart-runs", "1", "--out", OUT), ("runs", "median", "raw_median_s", "restart_median_s")),
+    "shm_landing": Smoke(("--device", "cpu", "--mib", "4", "--threads", "2", "--runs", "1", "--json", OUT),
+                         ("copy_fresh_ms", "fallocate_ms", "copy_populated_ms", "fallocate_parallel_each_ms")),
+    "teardown": Smoke(("--device", "cpu", "--runs", "1", "--rows", "4096", "--timeout", "5", "--out", OUT),
+                      ("teardown", "rebuild")),
+}
+WORKERS = 3  # benches at a time (they mostly wait; more would fight over two cores)
+
+
+def bench_scripts() -> list[str]:
+    """The bench scripts: every bench/*.py but the private helper modules (``_*.py``)."""
+    return sorted(p.stem for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_bench_script_has_a_smoke_run():
+    """A new bench joins the smoke runs below, or this fails (and a removed one leaves them)."""
+    assert sorted(SMOKES) == bench_scripts()
+
+
+@dataclass
+class Ran:
+    name: str
+    returncode: int | None  # None: killed at its timeout
+    output: str  # stdout and stderr, interleaved
+    seconds: float
+    report: Path
+
+
+def _missing(smoke: Smoke) -> str | None:
+    if "torchrec" in smoke.needs and importlib.util.find_spec("torchrec") is None:
+        return "needs the torchrec extra (make .venv/.torchrec)"
+    if "etcd" in smoke.needs and etcd_binary() is None:
+        return "needs etcd (Debian package etcd-server)"
+    return None
+
+
+def run_bench(name: str, out_dir: Path) -> Ran:
+    """Run bench ``name`` at its smoke setting in its own session; past its timeout the whole
+    session gets SIGTERM (a drill stops what it started), then SIGKILL."""
+    smoke = SMOKES[name]
+    report = out_dir / f"{name}.json"
+    argv = [sys.executable, str(BENCH / f"{name}.py"), *(str(report) if a == OUT else a for a in smoke.argv)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ELASTIC_EMB_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=out_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=smoke.timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        output, _ = proc.communicate()
+        code = None
+    return Ran(name, code, output or "", time.monotonic() - t0, report)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict[str, Future]:
+    """The selected benches, started side by side (the longest first), ``WORKERS`` at a time.
+    Under pytest-xdist each test runs its own bench instead (every worker sees every item)."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and getattr(item, "callspec", None) is not None]
+    names = sorted((n for n in names if _missing(SMOKES[n]) is None), key=lambda n: -SMOKES[n].timeout)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield {}
+        return
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bench-smoke")
+    futures = {n: pool.submit(run_bench, n, tmp_path_factory.mktemp(f"bench-{n}")) for n in names}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_bench_runs_and_reports(name, runs, tmp_path):
+    smoke = SMOKES[name]
+    reason = _missing(smoke)
+    if reason:
+        pytest.skip(f"bench/{name}.py {reason}")
+    ran = runs[name].result() if name in runs else run_bench(name, tmp_path)
+    tail = ran.output[-6000:]
+    assert ran.returncode is not None, f"bench/{name}.py did not finish within {smoke.timeout:g} s:\n{tail}"
+    assert ran.returncode == 0, f"bench/{name}.py exited {ran.returncode} after {ran.seconds:.0f} s:\n{tail}"
+    if smoke.stdout is not None:
+        assert smoke.stdout in ran.output, f"bench/{name}.py did not say {smoke.stdout!r}:\n{tail}"
+    if not smoke.keys:
+        return
+    assert ran.report.is_file(), f"bench/{name}.py wrote no report at {ran.report}:\n{tail}"
+    doc = json.loads(ran.report.read_text())
+    assert doc["bench"] == name and {"date", "python", "torch"} <= set(doc["meta"]), doc.get("meta")
+    missing = [k for k in smoke.keys if k not in doc]
+    assert not missing, f"bench/{name}.py's report lacks {missing}; it has {sorted(doc)}"
+    check = VERDICTS.get(name)
+    if check is not None:
+        check(doc)
+
+
+def _drill_matrix(doc: dict) -> None:
+    assert [r["result"] for r in doc["rows"]] == ["PASS"], doc["rows"]
+
+
+def _drill_recovery(doc: dict) -> None:
+    assert doc["runs"] and all(r["ok"] for r in doc["runs"]), doc["runs"]
+    assert doc["summary"][0]["recovery_s"] is not None, doc["summary"]
+
+
+def _lookup(doc: dict) -> None:
+    assert [r["world_size"] for r in doc["results"]] == [1, 1, 2, 2], doc["results"]  # eager and captured dedup
+    assert all(r["lookup_rows_per_s"] > 0 and r["lookup_in_flight_s"] for r in doc["results"])
+
+
+def _lookup_one_gpu(doc: dict) -> None:
+    assert doc["exact_vs_index_select"] is True
+    assert len(doc["prefetch"]) == 2 and doc["device"] == "cpu"
+
+
+def _commit_gpu(doc: dict) -> None:
+    assert doc["capture_path"] == "host" and doc["device"] == "cpu"
+    windows = doc["dense_windows"]
+    assert set(windows["modes"]) == {"none", "commit", "si", "none@issue", "commit@issue", "none@lib", "commit@lib",
+                                     "none@lib+early", "commit@lib+early"}, windows["modes"]
+    assert windows["commit"]["commit_call_parts_ms"].keys() == {"call_views", "call_take", "call_tier_capture",
+                                                                "call_submit"}
+
+
+def _resize(doc: dict) -> None:
+    assert set(doc["raw_s"]["elastic_emb"]) == {"scale_up", "scale_down_sigterm", "scale_down_sigkill"}
+
+
+def _resize_gpu(doc: dict) -> None:
+    assert len(doc["runs"]) == 2 and all(r["path_s"] > 0 for r in doc["runs"])
+
+
+def _reshard(doc: dict) -> None:
+    [row] = doc["results"]
+    assert {"rebuild_s", "live_s", "snap_restore_s", "durable_restore_s", "dcp_s"} <= set(row["median_s"]), row
+
+
+def _teardown(doc: dict) -> None:
+    assert {(r["scenario"], r["mode"]) for r in doc["teardown"]} == {
+        (s, m) for s in ("healthy", "broken") for m in ("shutdown", "abort")}
+
+
+VERDICTS = {"drill_matrix": _drill_matrix, "drill_recovery": _drill_recovery, "lookup": _lookup,
+            "lookup_one_gpu": _lookup_one_gpu, "commit_gpu": _commit_gpu, "resize": _resize,
+            "resize_gpu": _resize_gpu, "reshard": _reshard, "teardown": _teardown}
