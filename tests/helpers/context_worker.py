@@ -1,6 +1,6 @@
 """One rank of the EmbContext multi-process tests (tests/test_context.py, tests/test_context_nccl.py).
 
-Started once per rank with torchrun's environment (tests/helpers/procs.py) and a JSON config in
+Started once per rank with torchrun's environment (elastic_emb/testing/procs.py) and a JSON config in
 ``CTX_TEST_CFG``: ``{"dir": shared tmp dir, "load_from": world size whose DCP checkpoint to load
 or null, "shrink_to": world size to re-construct at or null, "tag": name of this run}``.
 
