@@ -42,8 +42,18 @@ def pytest_addoption(parser):
                      help="fail a test that starts torchrun agents, etcd or a drill (make check)")
 
 
-# what the fast tier never starts: a torchrun agent, an etcd server, a drill
-_HEAVY = ("torch.distributed.run", "torchrun", "etcd", "elastic_emb.drill", " drill")
+# what the fast tier never starts: a torchrun agent (a drill starts them too), an etcd server
+_HEAVY_MODULES = {"torch.distributed.run"}
+_HEAVY_PROGRAMS = {"torchrun", "etcd"}
+
+
+def _heavy(args) -> str | None:
+    """The agent or server ``args`` would start, if any."""
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    for a in argv:
+        if a in _HEAVY_MODULES or os.path.basename(a) in _HEAVY_PROGRAMS:
+            return a
+    return None
 
 
 @pytest.fixture(autouse=True)
@@ -54,11 +64,10 @@ def _fast_tier_guard(request, monkeypatch):
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *a, **kw):
-        argv = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
-        heavy = [h.strip() for h in _HEAVY if h in argv]
+        heavy = _heavy(args)
         if heavy:
-            pytest.fail(f"{request.node.nodeid} starts {heavy[0]} ({argv[:120]}): the fast tier runs none; "
-                        f"mark the test @pytest.mark.slow", pytrace=False)
+            pytest.fail(f"{request.node.nodeid} starts {heavy}: the fast tier starts no torchrun agent and no "
+                        f"etcd; mark the test @pytest.mark.slow", pytrace=False)
         original(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -137,6 +137,7 @@ def _expected(last_step: int) -> dict:
     return want
 
 
+@pytest.mark.slow
 def test_lifecycle_drives_the_native_context_2_1_2(native, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -66,6 +66,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
             assert torch.equal(gslots[k], slots[k]), f"{what}: table {name} optimizer state {k} differs"
 
 
+@pytest.mark.slow
 def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -129,6 +130,7 @@ TORCHREC = lambda: conformance.Target(factory=tm.factory(timeout=5.0, dense=True
                                       collective=lambda ctx: ctx.barrier(), write=tm.write_rows)
 
 
+@pytest.mark.slow
 def test_torchrec_context_passes_the_conformance_suite():
     report = conformance.run(f"{__name__}:TORCHREC", world_size=2, ep_size=2, timeout=280)
     assert report.passed == {c: [0, 1] for c in conformance.CHECKS}
@@ -157,6 +159,7 @@ def test_torchrec_context_refuses_tables_it_cannot_move_row_by_row(plan, message
     assert not dist.is_initialized()  # the failed construction released its process group
 
 
+@pytest.mark.slow
 def test_drill_preset_torchrec_loses_nothing(tmp_path):
     """`elastic-emb drill --scenario torchrec`: 1 -> 2 -> 1 (the second node SIGKILLed) on real
     torchrun agents; the drill compares the final tables with a one-process TorchRec replay."""

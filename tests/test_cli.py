@@ -59,6 +59,7 @@ def test_rdzv_state_with_nothing_listening(inner):
               f"nothing listens at 127.0.0.1:{port}", "--endpoint")
 
 
+@pytest.mark.slow
 def test_rdzv_state_against_something_that_is_not_a_store():
     """Something accepts the connection but never answers like a store: bounded, one line."""
     srv = socket.socket()
@@ -167,6 +168,7 @@ def test_rdzv_conf_refuses_unknown_keys_listing_the_valid_ones():
                                 "read_timeout": "60", "is_host": "true", "timeout": 900})
 
 
+@pytest.mark.slow
 def test_torchrun_with_a_typo_in_rdzv_conf_names_it(tmp_path):
     """The real launcher: the agent refuses to start, and its error names the key."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",

@@ -60,6 +60,7 @@ def _run(tmp_path, case: str, transport: str | None = None, sabotage: list | Non
     return values, fallbacks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_cma_restores_every_byte(tmp_path, case):
     values, fallbacks = _run(tmp_path, case)
@@ -67,12 +68,14 @@ def test_cma_restores_every_byte(tmp_path, case):
     assert fallbacks == []
 
 
+@pytest.mark.slow
 def test_forced_p2p_never_tries_cma(tmp_path):
     values, fallbacks = _run(tmp_path, "4to3", transport="p2p")
     assert {v["transport"] for v in values} == {"p2p"}
     assert fallbacks == []
 
 
+@pytest.mark.slow
 def test_wrong_token_falls_back_to_gloo_for_that_sender(tmp_path):
     """Rank 1 publishes a token that its memory does not hold (as a recycled pid or another pid
     namespace would look): readers refuse to pull from it and take its rows over gloo; the other
@@ -82,6 +85,7 @@ def test_wrong_token_falls_back_to_gloo_for_that_sender(tmp_path):
     assert fallbacks and all("token mismatch" in f["reason"] and f["peer"] == 1 for f in fallbacks), fallbacks
 
 
+@pytest.mark.slow
 def test_failed_pull_falls_back_to_gloo(tmp_path):
     """Rank 0 publishes unmapped row addresses: the probe passes, the pull fails (EFAULT) half way
     through a receiver's blocks; that pair's rows then come over gloo, overwriting whatever the
@@ -139,6 +143,7 @@ def test_job_member_accepts_only_siblings_of_the_same_run():
             p.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_forged_offer_naming_a_process_outside_the_job_is_refused(tmp_path):
     """Issue case 9: rank 1 rewrites its offer in the store to name another process (one it
     started, holding a known pattern at the published addresses, token included, so the old

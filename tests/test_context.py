@@ -68,6 +68,7 @@ CASES += [("w3", "non_power_of_two_ep_when_allowed"), ("w4", "reconstruct_at_oth
           ("w3", "reconstruct_at_other_world_size")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tag,check", CASES, ids=[f"{t}-{c}" for t, c in CASES])
 def test_context_gloo(runs, tag, check):
     per_rank = _checks(runs(tag), tag)
@@ -178,6 +179,7 @@ time.sleep(0.5)
 """
 
 
+@pytest.mark.slow
 def test_construction_is_bounded_by_its_timeout():
     """A peer that never constructs: construction raises CommunicationError after about the
     context's timeout (2 s here), naming the rank, instead of waiting for ever."""

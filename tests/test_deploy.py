@@ -236,6 +236,7 @@ def test_admission_planted_error_fails(rendered, plant):
     assert any(needle in e for e in errs), errs
 
 
+@pytest.mark.slow
 def test_own_schema_agrees_with_the_operator_api(rendered):
     """Our PyTorchJob schema and the rendered job against the operator's own API types (its SDK)."""
     paths = R.model_paths(R.PyTorchJob)
@@ -659,6 +660,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float) -> None
     pytest.fail(f"workers never wrote {[p.name for p in paths if not p.exists()]}; torchrun output:\n{out[-4000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["c10d", "etcd-v2", "etcd-v3"])
 def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path, request, inner):
     port = free_port()
@@ -686,6 +688,7 @@ def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path, request, i
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
     """A worker stuck in a step longer than the drain timeout: the hook's wait is bounded, exit 3."""
     port = free_port()

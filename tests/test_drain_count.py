@@ -120,6 +120,7 @@ def test_after_an_in_process_re_form_the_drain_counts_the_new_world(running_roun
             w.stop()
 
 
+@pytest.mark.slow
 def test_without_watchers_the_drain_answers_no_watchers_after_its_grace(running_round):
     _, master, target = running_round
     t0 = time.monotonic()

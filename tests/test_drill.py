@@ -286,6 +286,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_verify_accepts_the_untouched_run(finished_run):
     v = verify(finished_run)
     assert v["ok"] and v["step"] == 11 and v["world_size"] == 2
@@ -463,6 +464,7 @@ def test_default_out_is_the_working_directory_or_a_temporary_one(tmp_path, monke
         locked.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_a_worker_failing_before_its_first_step_is_named_in_the_drill_error(tmp_path):
     """The cause (the worker's last error line) is in the drill's own message, not only in a log."""
     script = tmp_path / "broken.py"

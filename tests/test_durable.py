@@ -58,6 +58,7 @@ print(json.dumps({"seen": seen}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_world_size(tmp_path):
     out = tmp_path / "out"
@@ -130,6 +131,7 @@ print(json.dumps({"committed": done, "event": event.model_dump()}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_durable_save_waiting_for_a_dead_rank_ends_when_it_is_given_up_on(tmp_path):
     """The survivor's durable save in flight waits for the dead rank's part of the checkpoint; the

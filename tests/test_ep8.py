@@ -150,6 +150,7 @@ def _first(phases, p) -> int:
     return next(k for k, layout in enumerate(phases) if p in layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["restart-kill", "term"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_shrink_and_grow(tmp_path, name, how):
@@ -159,6 +160,7 @@ def test_shrink_and_grow(tmp_path, name, how):
     check(run, results, phases, hows)
 
 
+@pytest.mark.slow
 def test_in_process_resize_after_sigkill_mid_step(tmp_path):
     phases = SCENARIOS["4-2-4"]
     run, results = run_scenario(tmp_path, phases, ["kill", "grow"])

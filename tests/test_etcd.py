@@ -19,6 +19,7 @@ from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
 from tests.helpers.etcd_fixture import require_etcd
 
 
+@pytest.mark.slow
 def test_fixture_serves_the_v2_api_and_comes_back_after_a_kill(etcd_server):
     import etcd
 
@@ -31,6 +32,7 @@ def test_fixture_serves_the_v2_api_and_comes_back_after_a_kill(etcd_server):
     assert client.read("/elastic_emb/probe").value == "v1"
 
 
+@pytest.mark.slow
 def test_server_stops_at_exit_and_its_port_goes_quiet(tmp_path):
     require_etcd()
     with EtcdServer(tmp_path / "etcd") as server:
@@ -62,6 +64,7 @@ def test_a_missing_etcd_binary_is_named(tmp_path, monkeypatch):
 # -- the drill: node 0 dies, etcd survives, nothing is lost ----------------------------------------
 
 
+@pytest.mark.slow
 def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     """The issue-7 drill through the drill tool (``elastic-emb drill``): store='etcd', node 0
     SIGKILLed at world 2 (the agent that would host a c10d store), etcd survives, node 0's rows
@@ -87,6 +90,7 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
           f"{report['verification']['rows_checked']} rows equal the replay")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
     """inner=etcd-v3 through the drill tool: node 1's agent SIGKILLed alone (its orphaned worker
@@ -124,6 +128,7 @@ def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
           f"equal the replay")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_member_etcd_loses_its_leader_mid_join_zero_loss(tmp_path):
     """The ``store-member-loss`` preset: a 3-member etcd cluster (``inner=etcd-v3``, the endpoint
@@ -202,6 +207,7 @@ def _close(handler) -> None:
     handler._left = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["etcd-v2", "etcd-v3"])
 def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_path, monkeypatch, inner):
     """etcd SIGKILLed for 2.5 s, bound 20 s: num_nodes_waiting (what torch's agent polls while its
@@ -243,6 +249,7 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
         _close(handler)
 
 
+@pytest.mark.slow
 def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bound(etcd_server, tmp_path,
                                                                                     monkeypatch):
     """etcd stopped for longer than store_outage_timeout=2 s: the retries stop at the bound and
@@ -277,6 +284,7 @@ def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bo
         _close(handler)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path):
     """The ``store-host-loss`` preset (``elastic-emb drill --scenario store-host-loss``): etcd
@@ -320,6 +328,7 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
           f"meanwhile; {report['verification']['rows_checked']} rows equal the replay")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["etcd-v2", "etcd-v3"])
 def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server, tmp_path, monkeypatch, inner):
     """A worker's watcher during an etcd outage: no departure, eviction or round change is inferred;
@@ -359,6 +368,7 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
         _close(handler)
 
 
+@pytest.mark.slow
 def test_the_in_process_world_store_on_etcd_v2_has_compare_set(etcd_server):
     """The generations formed in process agree over the etcd-v2 store, and every agreement raises
     the generation mark with compare_set, which torch's EtcdStore lacks: CasEtcdStore adds it with

@@ -41,6 +41,7 @@ def _backend(server, run_id="job", **conf):
     return backend, store
 
 
+@pytest.mark.slow
 def test_state_semantics_of_torch_backends(etcd_server):
     backend, _ = _backend(etcd_server)
     assert backend.name == "etcd-v3"
@@ -65,6 +66,7 @@ def test_state_semantics_of_torch_backends(etcd_server):
     assert has_set and token3 > token2
 
 
+@pytest.mark.slow
 def test_two_writers_with_one_token_exactly_one_wins(etcd_server):
     a, _ = _backend(etcd_server, run_id="race")
     b, _ = _backend(etcd_server, run_id="race")
@@ -87,6 +89,7 @@ def test_two_writers_with_one_token_exactly_one_wins(etcd_server):
     assert results[loser][:2] == (wins[0].encode(), results[wins[0]][1])  # the loser sees the winner's state
 
 
+@pytest.mark.slow
 def test_corrupt_state_raises_state_error_and_absent_stale_token_is_none(etcd_server):
     backend, _ = _backend(etcd_server, run_id="corrupt")
     client = client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
@@ -99,6 +102,7 @@ def test_corrupt_state_raises_state_error_and_absent_stale_token_is_none(etcd_se
     assert backend.set_state(b"x", 12345) is None  # a stale token and no state: nothing to return
 
 
+@pytest.mark.slow
 def test_state_key_is_leased_for_ttl(etcd_server):
     backend, _ = _backend(etcd_server, run_id="leased", ttl="60")
     backend.set_state(b"s")
@@ -109,6 +113,7 @@ def test_state_key_is_leased_for_ttl(etcd_server):
     assert 50 <= int(ttl["TTL"]) <= 60 and int(ttl["grantedTTL"]) == 60, ttl
 
 
+@pytest.mark.slow
 def test_store_set_get_add_check_wait_compare_delete(etcd_server):
     _, store = _backend(etcd_server)
     store.set_timeout(timedelta(seconds=2))
@@ -130,6 +135,7 @@ def test_store_set_get_add_check_wait_compare_delete(etcd_server):
     assert store.num_keys() >= 4
 
 
+@pytest.mark.slow
 def test_store_add_is_atomic_under_contention(etcd_server):
     _, store = _backend(etcd_server)
     results: list[int] = []
@@ -146,6 +152,7 @@ def test_store_add_is_atomic_under_contention(etcd_server):
     assert sorted(results) == list(range(1, 101)) and store.get("counter") == b"100"
 
 
+@pytest.mark.slow
 def test_store_works_behind_torch_prefix_store_as_the_agent_uses_it(etcd_server):
     """The dynamic rendezvous wraps the store in a C++ PrefixStore per round; the agent's
     RendezvousStoreInfo (MASTER_ADDR/PORT) and barriers go through it."""
@@ -160,6 +167,7 @@ def test_store_works_behind_torch_prefix_store_as_the_agent_uses_it(etcd_server)
     assert store.get("torch.rendezvous.job.3/c") == b"2"
 
 
+@pytest.mark.slow
 def test_cluster_failover_when_the_leader_dies_and_a_clear_error_when_all_do(tmp_path):
     require_etcd()
     with EtcdCluster(tmp_path / "etcd", 3) as cluster:
@@ -200,6 +208,7 @@ def _post(url, path, body):
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
     url = etcd_server.url
     _post(url, "auth/role/add", {"name": "root"})
@@ -221,6 +230,7 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
                                       ).get("x")
 
 
+@pytest.mark.slow
 def test_tls_with_client_certificates(tmp_path):
     """etcd serving HTTPS and requiring a client certificate: the --rdzv-conf keys protocol,
     ca_cert, ssl_cert and ssl_cert_key reach it; without the client certificate every call fails
@@ -283,6 +293,7 @@ def test_conf_keys_and_endpoints_are_validated():
         client.ClientOptions.from_env({client.ENV_OPTIONS: "{not json"})
 
 
+@pytest.mark.slow
 def test_calls_keep_one_connection_and_reconnect_after_a_member_restart(etcd_server):
     """A client reuses its connection across calls (one per concurrent caller, at most MAX_IDLE
     idle); after the member restarted (SIGKILL, start again on the same port) the next call opens
@@ -359,6 +370,7 @@ def _one_shot_http_server(replies: int):
     return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted, stop
 
 
+@pytest.mark.slow
 def test_a_kept_connection_closed_unanswered_is_retried_once_on_a_fresh_one():
     url, accepted, stop = _one_shot_http_server(replies=3)
     try:
@@ -369,6 +381,7 @@ def test_a_kept_connection_closed_unanswered_is_retried_once_on_a_fresh_one():
         stop.set()
 
 
+@pytest.mark.slow
 def test_a_member_that_never_replies_fails_within_read_timeout():
     import socket
 
@@ -380,6 +393,7 @@ def test_a_member_that_never_replies_fails_within_read_timeout():
         assert time.monotonic() - start < 5.0
 
 
+@pytest.mark.slow
 def test_the_in_process_world_store_takes_a_multi_member_endpoint(etcd_server):
     """The generations formed in process (resize.py) get their store from the watcher's reader:
     over etcd-v3 it is a v3 client of every listed member (python-etcd, used before, could not parse

@@ -85,6 +85,7 @@ def _reformed(tmp, pid, after):
     return [r for r in worker_records(tmp) if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > after]
 
 
+@pytest.mark.slow
 @INNERS
 @pytest.mark.parametrize("fault", ["sigterm", "sigkill_node"])
 def test_two_to_one_survivor_reforms_in_process(inner, cluster, fault):
@@ -176,6 +177,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+@pytest.mark.slow
 def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
     """SIGKILL of one worker (its agent lives): the survivor re-forms without it in its own
     process (2 -> 1); the crashed node's agent leaves the round, waits for that decision, restarts
@@ -219,6 +221,7 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
           f"after {t_back - t_kill:.2f} s (includes its Python start)")
 
 
+@pytest.mark.slow
 def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     """Three nodes; c leaves (SIGTERM); the decider (a's worker, first survivor) is killed right
     after claiming the decision (fault point). b waits for the record until a's node leaves the
@@ -284,6 +287,7 @@ def _steps_lost(recs, reformed) -> int:
     return max(0, max(before) - (reformed["resume"] - 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["c10d", "etcd-v2"])
 def test_three_to_two_to_three_survivors_keep_their_processes(cluster, inner):
     """a, b, c join one after the other (in process); c leaves by SIGTERM (3 -> 2); a new node d
@@ -358,6 +362,7 @@ def _newest_ready(tmp, after) -> dict:
     return {r["agent_pid"]: r for r in worker_records(tmp) if r["ev"] == "ready" and r["t"] > after}
 
 
+@pytest.mark.slow
 def test_a_joiner_dying_before_it_is_ready_and_the_job_converges(cluster):
     """Re-form fault: b's first worker is killed before it registers as ready (fault point
     ``resize_joiner_registering@0``). a's world never included it, so nothing waits on it; b's
@@ -394,6 +399,7 @@ def test_a_joiner_dying_before_it_is_ready_and_the_job_converges(cluster):
           f"a's worker kept its process: {kept}")
 
 
+@pytest.mark.slow
 def test_a_second_node_lost_during_the_restore_and_the_job_converges(cluster):
     """Re-form fault: three nodes; c's node is SIGKILLed (agent and worker); while a and b restore
     generation 3, b's worker dies at ``lifecycle_restoring@3`` and the test SIGKILLs b's agent (a

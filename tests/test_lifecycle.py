@@ -176,6 +176,7 @@ def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer
     return survivors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_resize_in_process(tmp_path, case):
     old, new = CASES[case]
@@ -192,6 +193,7 @@ def test_resize_in_process(tmp_path, case):
         assert tiers == {"live"}, tiers
 
 
+@pytest.mark.slow
 def test_scale_up_commits_uncommitted_progress_first(tmp_path):
     """commit_every=2 and the resize comes after step 3, which the cadence did not commit: the
     healthy old world commits it before tearing down, and the new world goes on from step 3."""
@@ -217,6 +219,7 @@ def test_resize_in_process_nccl(tmp_path, case):
 # -- resize across a restart: snapshot tier -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resize_across_restarts(tmp_path):
     """New processes each time, state only in the node directories: 4 -> 2 (node B gone) -> 4
     (B back, its stale commit ignored) -> 3 (uneven: EP 2, one rank owns nothing) -> 1 (B gone).
@@ -248,6 +251,7 @@ def test_resize_across_restarts(tmp_path):
 # -- first start ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_first_start_rows_are_the_same_whatever_the_world_size(tmp_path):
     """No state anywhere: every world size starts from the same seeded rows (the context's init)."""
     starts = {}
@@ -269,6 +273,7 @@ def test_first_start_rows_are_the_same_whatever_the_world_size(tmp_path):
 # -- torn commit ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_between_data_and_manifest_uses_previous_commit(tmp_path):
     layout = ["A", "B"]
     out = tmp_path / "out"
@@ -302,6 +307,7 @@ def _two_nodes_then_lose_b(tmp_path, out, config: dict) -> None:
     shutil.rmtree(tmp_path / "nodes" / "B")
 
 
+@pytest.mark.slow
 def test_lost_node_with_replication_loses_nothing(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -314,6 +320,7 @@ def test_lost_node_with_replication_loses_nothing(tmp_path):
     assert_bit_exact(gather(out, "phase1", 1), ref_after(3), "trained on")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_lost_node_without_replication_durable_then_error(tmp_path):
     out = tmp_path / "out"
@@ -352,6 +359,7 @@ def test_lost_node_without_replication_durable_then_error(tmp_path):
 # -- reset is for same-size re-forms only; a second context class proves the protocol --------------
 
 
+@pytest.mark.slow
 def test_minimal_context_resize_never_resets_across_sizes(tmp_path):
     old, new = ["A", "A", "B", "B"], ["A", "A"]
     out = tmp_path / "out"

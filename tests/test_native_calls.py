@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from elastic_emb.testing.ports import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "helpers" / "exit_teardown.py"
@@ -21,6 +23,7 @@ def _run(mode: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 def test_the_exit_waits_for_a_store_wait_in_flight_and_the_process_exits_cleanly():
     # Only what the library guarantees: its exit hook waits for the call in flight, so the call
     # ends before the teardown and the process exits 0. (Whether an unguarded call returning
@@ -32,6 +35,7 @@ def test_the_exit_waits_for_a_store_wait_in_flight_and_the_process_exits_cleanly
     assert guarded.returncode == 0 and ABORT not in guarded.stderr, (guarded.returncode, guarded.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_a_polling_exchange_ends_at_exit_and_a_stuck_call_is_reported_after_the_grace():
     out = _run("mixed")
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])

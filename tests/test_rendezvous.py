@@ -103,6 +103,7 @@ def _check_membership_restart(tmp: str, gen: int, ws: int) -> None:
     assert {r["restart_count"] for r in ready} == {0}, ready
 
 
+@pytest.mark.slow
 def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     tmp, agents = cluster
     port = free_port()
@@ -193,6 +194,7 @@ def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     assert any(e["event"] == "node_left" and e["reason"] == "agent_exit" for e in events(tmp, "c"))
 
 
+@pytest.mark.slow
 def test_idle_scale_down_and_drain_timeout(cluster):
     """Idle workers (no collectives in flight): the stock agent would never notice a lost node."""
     tmp, agents = cluster
@@ -232,6 +234,7 @@ def test_idle_scale_down_and_drain_timeout(cluster):
     assert t0 > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd-server is not installed (Debian package etcd-server)")
 def test_etcd_v2_inner_backend_scale_down(cluster):
     pytest.importorskip("etcd", reason="python-etcd is not installed (test extra)")
@@ -261,6 +264,7 @@ def test_etcd_v2_inner_backend_scale_down(cluster):
         assert [e["outcome"] for e in ev if e["event"] == "drain_finished"] == ["acknowledged"]
 
 
+@pytest.mark.slow
 def test_watcher_alone_under_stock_c10d(cluster):
     """No elastic_emb backend: stock c10d agents, the watcher told only the endpoint. It still
     sees the join and the departure, and the SIGKILLed agent's orphan stops itself.
@@ -301,6 +305,7 @@ def test_watcher_alone_under_stock_c10d(cluster):
           f"departure after {departures[0]['t'] - t_kill:.2f} s")
 
 
+@pytest.mark.slow
 def test_hung_agent_is_declared_dead_and_its_worker_leaves(cluster):
     """SIGSTOP an agent (hung, not dead: no orphan report). Its heartbeat expires, the survivor
     restarts without it (a death, not a departure), and the hung node's idle worker sees its
@@ -350,6 +355,7 @@ def test_entry_point_registers_the_backend_and_conf_errors_name_the_key():
         ListenerConfig.from_params({"sync_interval": "0"})
 
 
+@pytest.mark.slow
 def test_whole_node_death_restarts_without_spending_budget(cluster):
     """SIGKILL of an agent and its worker together (a lost host: no orphan reports anything).
     The survivors' agent sees the node's heartbeat expire and restarts its worker as a

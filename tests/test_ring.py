@@ -99,6 +99,7 @@ def test_untrusted_manifests_of_segments_are_refused(tmp_path):
         ring.close()
 
 
+@pytest.mark.slow
 def test_sweep_removes_the_unnamed_segments_of_an_exited_process(tmp_path):
     log_dir = tmp_path / LOG_DIR
     log_dir.mkdir()

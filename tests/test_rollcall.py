@@ -48,6 +48,7 @@ def _child(store, node):
     return proc
 
 
+@pytest.mark.slow
 def test_a_killed_workers_socket_refuses_and_a_stopped_ones_is_accepted(store):
     live, killed = "127.0.0.1_1_0", "127.0.0.1_2_0"
     procs = {n: _child(store, n) for n in (live, killed)}
@@ -71,6 +72,7 @@ def test_a_killed_workers_socket_refuses_and_a_stopped_ones_is_accepted(store):
             p.wait(10)
 
 
+@pytest.mark.slow
 def test_the_roll_call_takes_the_silent_and_the_refusing_as_absent(store):
     nodes = ("127.0.0.1_1_0", "127.0.0.1_2_0", "127.0.0.1_3_0")
     signer = Signer(None)
@@ -179,6 +181,7 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
+@pytest.mark.slow
 def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_the_timeout():
     """Issue 18: a survivor whose all-to-all send to a peer was in flight when the peer was
     SIGKILLed waited out gloo's timeout (10 s in the bench): gloo does not fail a send queued on a
@@ -278,6 +281,7 @@ print(f"released {released:.3f} holding {holding} exit_at {time.time():.3f}", fl
 """
 
 
+@pytest.mark.slow
 def test_a_waited_release_and_the_exit_after_an_abandoned_transfer_do_not_wait_for_it():
     """A gloo group's destructor joins its worker threads, so it waits for a transfer abandoned
     to a dead peer until the group's timeout. ``release(abort=True)`` waited (as

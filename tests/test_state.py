@@ -381,6 +381,7 @@ def _lifecycle_run(tmp_path, layout, gen, out, until, extra=None, config=None):
     return run_ranks(lw.CODE, envs, 120)
 
 
+@pytest.mark.slow
 def test_torn_commits_of_one_local_rank_never_cost_the_last_complete_commit(tmp_path):
     """Issue case 1 with real processes: two ranks on one node; rank 1 is killed between its data
     and its manifest at step 5, twice in a row (rank 0's manifest of step 5 is written both times).
@@ -404,6 +405,7 @@ def test_torn_commits_of_one_local_rank_never_cost_the_last_complete_commit(tmp_
     assert left and all((d / "rank0.json").exists() and (d / "rank1.json").exists() for d in left), left
 
 
+@pytest.mark.slow
 def test_one_corrupt_file_on_a_four_rank_node_restores_the_older_commit(tmp_path):
     """Issue case 3: one flipped byte in rank0.bin of the newest commit, four ranks on the node.
     The file is rejected once for the whole node (not once per rank) and the previous commit is
@@ -674,6 +676,7 @@ def test_delta_chain_torn_tail_missing_link_and_prune(tmp_path, world1):
         restore(TrackingContext(topo2), comm2, snapshot=tier, durable=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fold", [False, True], ids=["rebased", "folded"])
 @pytest.mark.parametrize("keep,max_chain", [(2, 4), (3, 2)])
 def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, world1, keep, max_chain, fold):
@@ -733,6 +736,7 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
 # -- asynchronous commits (a background writer) with real processes -----------------------------------
 
 
+@pytest.mark.slow
 def test_async_commits_restore_bit_for_bit_and_a_kill_loses_only_the_commit_in_flight(tmp_path):
     from tests.test_lifecycle import assert_bit_exact, gather, ok, ref_after
 
@@ -780,6 +784,7 @@ def _commit_in_flight_to_a_dead_peer(tmp_path, timeout: float, **a_spec):
     return a
 
 
+@pytest.mark.slow
 def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(tmp_path):
     """Nodes A and B commit in the background; B dies (SIGKILL) in its writer right after the data
     of step 2, so A's commit of step 2 waits for B in its writer. A re-forms alone with abort
@@ -799,6 +804,7 @@ def test_async_commit_in_flight_to_a_dead_peer_is_dropped_by_an_aborted_reform(t
     assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
 
 
+@pytest.mark.slow
 def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path):
     """As above, B dies in its writer after the data of step 2, so A's commit of step 2 waits for
     B's keys in A's writer. A's training thread waits for that commit (``wait_commit``, as it
@@ -837,6 +843,7 @@ def _parents(node_dir, rank: int) -> dict[int, int | None]:
     return out
 
 
+@pytest.mark.slow
 def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(tmp_path):
     """Incremental commits by default, a fold point every second delta (``fold_max_deltas`` 2), which
     each holder folds into a base after it is complete (elastic_emb/state/compact.py). Two nodes,
@@ -917,6 +924,7 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
     assert_bit_exact(gather(out, "start", gen + 1), ref[last + 1], "node B's delta from its replica on A")
 
 
+@pytest.mark.slow
 def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):
     """2 -> 4 in the same processes: the old ranks' last commit is in flight when the resize
     starts; the rebuild waits for it, so the new world restores exactly the last step."""
@@ -925,6 +933,7 @@ def test_async_commits_in_process_grow_waits_for_the_commit_in_flight(tmp_path):
     _in_process(tmp_path, ["A", "B"], ["A", "B", "C", "D"], {}, config={"async_commit": True})
 
 
+@pytest.mark.slow
 def test_incremental_commits_of_emb_context_restore_bit_for_bit(tmp_path):
     """EmbContext tracks its writes: with incremental commits (max_chain 2, not folding: bases and
     deltas alternate) two nodes train, restart and restore the last step bit for bit, then a node is

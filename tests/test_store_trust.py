@@ -43,6 +43,7 @@ class _Payload:
         return (os.system, (f"touch {self.path}",))
 
 
+@pytest.mark.slow
 def test_a_pickle_payload_in_the_rendezvous_key_does_not_run_in_the_agent(cluster):
     tmp, agents = cluster
     port = free_port()
@@ -61,6 +62,7 @@ def test_a_pickle_payload_in_the_rendezvous_key_does_not_run_in_the_agent(cluste
     assert "refusing the value of torch.rendezvous.rdzvtest before unpickling it" in a.output()
 
 
+@pytest.mark.slow
 def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_drain_works(cluster, monkeypatch):
     tmp, agents = cluster
     port = free_port()

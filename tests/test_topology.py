@@ -183,6 +183,7 @@ def _agree(envs, timeout=8.0, linger=0.0):
     return [r.value for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_agreement_succeeds(world_size):
     port = free_port()
@@ -192,6 +193,7 @@ def test_agreement_succeeds(world_size):
     assert sorted(o["rank"] for o in out) == list(range(world_size))
 
 
+@pytest.mark.slow
 def test_different_world_size_is_rejected_on_every_rank():
     port = free_port()
     envs = [torchrun_env(r, 3, port) for r in range(3)]
@@ -212,6 +214,7 @@ def test_duplicated_rank_is_rejected_on_every_rank():
     assert all("duplicated ranks [0]" in o["message"] and "unclaimed ranks [1]" in o["message"] for o in out)
 
 
+@pytest.mark.slow
 def test_rank_of_another_generation_is_rejected_on_every_rank():
     port = free_port()
     envs = [torchrun_env(r, 3, port, generation=5) for r in range(3)]
@@ -225,6 +228,7 @@ def test_rank_of_another_generation_is_rejected_on_every_rank():
     assert any("stale generation 4" in o["message"] for o in out)
 
 
+@pytest.mark.slow
 def test_missing_rank_times_out_naming_it_within_the_timeout():
     port = free_port()
     envs = [torchrun_env(r, 3, port) for r in (0, 1)]

@@ -96,6 +96,7 @@ def test_an_abandoned_forged_or_unsigned_claim_is_ignored(store):
     assert other.claimant() is None
 
 
+@pytest.mark.slow
 def test_a_late_agent_with_a_slow_window_gets_into_the_wait_list(store, monkeypatch):
     """Three agents of a complete round keep their heartbeats fresh every 0.25 s (this backend's
     FreshHeartbeat), a fourth comes late and needs 0.6 s between reading the state and writing it
