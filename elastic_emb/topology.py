@@ -14,9 +14,9 @@ import hashlib
 import json
 import os
 import time
-from datetime import timedelta
 from collections import Counter
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator

@@ -18,8 +18,9 @@ import torch
 
 from elastic_emb.testing import conformance
 from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 from tests.helpers import adapters_worker as aw
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
 
 sys.path.insert(0, os.path.join(REPO, "examples", "native_context"))
 import native_context as nc  # noqa: E402

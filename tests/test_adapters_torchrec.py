@@ -24,9 +24,10 @@ if importlib.util.find_spec("torchrec") is None:
 
 from elastic_emb.testing import conformance  # noqa: E402
 from elastic_emb.testing.ports import free_port  # noqa: E402
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO  # noqa: E402
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 from tests.helpers import adapters_worker as aw  # noqa: E402
 from tests.helpers import torchrec_model as tm  # noqa: E402
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env  # noqa: E402
 
 
 def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | None = None, run_id="torchrec"):

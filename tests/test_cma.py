@@ -10,16 +10,16 @@ tests pin the probe's refusals and the transport setting's error.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 
 import pytest
 import torch
 
-from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
 from elastic_emb.state import cma
+from elastic_emb.testing.ports import free_port
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 
 CODE = "from tests.helpers import cma_worker; cma_worker.main()"
 

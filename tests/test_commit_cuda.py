@@ -291,8 +291,8 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
     """``Lifecycle`` with ``async_commit`` on CUDA takes the device path: commit every step,
     ``committed_step`` trails by at most the commits in flight and reaches the last step after
     ``wait_commit``; a new lifecycle restores that step bit for bit."""
-    from elastic_emb.context import EmbContext
     from elastic_emb import Lifecycle, LifecycleConfig
+    from elastic_emb.context import EmbContext
 
     def factory(topology, store):
         return EmbContext(topology, store, tables=TABLES, optimizer=OPT, seed=3)

@@ -10,8 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_emb.context import EmbContext
 from elastic_emb import Lifecycle, LifecycleConfig
+from elastic_emb.context import EmbContext
 from elastic_emb.protocol import OptimizerSpec, TableSpec
 from elastic_emb.testing.ports import free_port
 from elastic_emb.topology import Topology

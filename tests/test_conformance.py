@@ -16,7 +16,6 @@ import pytest
 from elastic_emb.errors import ContractViolation, WorldSizeChanged
 from elastic_emb.protocol import ContextBase, OptimizerSpec, TableSpec, check_context, missing_abilities
 from elastic_emb.testing import conformance
-
 from tests.helpers import lifecycle_worker as lw
 
 TABLES = [TableSpec(name="items", num_rows=37, dim=4), TableSpec(name="users", num_rows=10, dim=3, dtype="bfloat16")]

@@ -16,7 +16,8 @@ import os
 import pytest
 
 from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 
 WORKER = os.path.join(REPO, "tests", "helpers", "context_worker.py")
 

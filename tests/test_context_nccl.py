@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [

@@ -563,7 +563,6 @@ def test_image_pins_every_runtime_dependency():
     """deploy/image-constraints.txt pins (==) every runtime dependency of the package (torch is
     pinned by the Dockerfile's TORCH_VERSION), each pin inside pyproject's range."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.version import Version
 

@@ -88,8 +88,8 @@ def test_records_validate_the_algorithm_and_the_value():
 
 
 def test_restore_verifies_an_xxh3_record(tmp_path, small_chunks):
-    from elastic_emb.state.manifest import ShardRecord, SnapshotManifest
     from elastic_emb.errors import ChecksumMismatch
+    from elastic_emb.state.manifest import ShardRecord, SnapshotManifest
     from elastic_emb.state.shardfile import read_snapshot
 
     w = torch.arange(3000 * 4, dtype=torch.float32).reshape(3000, 4)  # 48000 bytes: many 1000-byte chunks

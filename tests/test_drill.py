@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_emb.drill import PRESETS, LossDetected, Scenario, chaos, load_scenario, run_drill, verify
-from elastic_emb.drill.scenario import Fault
-from elastic_emb.drill import procs
+from elastic_emb.drill import PRESETS, LossDetected, Scenario, chaos, load_scenario, procs, run_drill, verify
 from elastic_emb.drill.network import netns_works
 from elastic_emb.drill.replay import EXAMPLE, load_script
+from elastic_emb.drill.scenario import Fault
 
 REPO = Path(__file__).resolve().parents[1]
 NETNS_OK, NETNS_WHY = netns_works()

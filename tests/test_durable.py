@@ -81,7 +81,7 @@ def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_wo
     [ckpt] = glob.glob(str(durable / "test" / "step-000000000003-*"))
     want: dict[str, dict[str, torch.Tensor]] = {}
     for f in sorted(glob.glob(str(out / "step3-g0-r*.pt"))):
-        for name, (start, stop, w, slots) in torch.load(f).items():
+        for name, (start, _stop, w, slots) in torch.load(f).items():
             parts = want.setdefault(name, {})
             for key, t in [("weight", w), *slots.items()]:
                 parts.setdefault(key, []).append((start, t))

@@ -39,7 +39,8 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 from tests.helpers.ep8_worker import node_of
 from tests.test_lifecycle import TABLES, assert_bit_exact, gather, ref_after
 

@@ -15,8 +15,10 @@ import os
 import pytest
 
 from elastic_emb.testing.etcd import EtcdServer, command, health
-from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
-from tests.helpers.etcd_fixture import require_etcd
+from tests.helpers.etcd_fixture import (
+    etcd_server,  # noqa: F401  (the fixture)
+    require_etcd,
+)
 
 
 @pytest.mark.slow

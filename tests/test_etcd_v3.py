@@ -21,18 +21,20 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 
 from elastic_emb.rdzv import etcd_v3 as v3
-from elastic_emb.rdzv import etcd_v3_client as client
+from elastic_emb.rdzv import etcd_v3_client as v3client
 from elastic_emb.testing.etcd import EtcdCluster
-from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
-from tests.helpers.etcd_fixture import require_etcd
+from tests.helpers.etcd_fixture import (
+    etcd_server,  # noqa: F401  (the fixture)
+    require_etcd,
+)
 
 
 @pytest.fixture(autouse=True)
 def _no_leaked_client_options(monkeypatch):
     """create_backend puts its options into os.environ (for an agent's workers): undo that after
     each test, or a later test's subprocesses (a drain CLI) would read this test's TLS or auth."""
-    monkeypatch.setenv(client.ENV_OPTIONS, "")  # recorded as unset-before: the undo removes what the test sets
-    monkeypatch.delenv(client.ENV_OPTIONS)
+    monkeypatch.setenv(v3client.ENV_OPTIONS, "")  # recorded as unset-before: the undo removes what the test sets
+    monkeypatch.delenv(v3client.ENV_OPTIONS)
 
 
 def _backend(server, run_id="job", **conf):
@@ -92,7 +94,7 @@ def test_two_writers_with_one_token_exactly_one_wins(etcd_server):
 @pytest.mark.slow
 def test_corrupt_state_raises_state_error_and_absent_stale_token_is_none(etcd_server):
     backend, _ = _backend(etcd_server, run_id="corrupt")
-    client = client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    client = v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
     client.put(v3.state_key("corrupt"), b"%%% not base64 %%%")
     with pytest.raises(RendezvousStateError, match="corrupt"):
         backend.get_state()
@@ -106,7 +108,7 @@ def test_corrupt_state_raises_state_error_and_absent_stale_token_is_none(etcd_se
 def test_state_key_is_leased_for_ttl(etcd_server):
     backend, _ = _backend(etcd_server, run_id="leased", ttl="60")
     backend.set_state(b"s")
-    client = client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    client = v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
     kv = client.call("kv/range", {"key": base64.b64encode(v3.state_key("leased").encode()).decode()})["kvs"][0]
     lease = int(kv["lease"])
     ttl = client.call("lease/timetolive", {"ID": str(lease)})
@@ -187,7 +189,7 @@ def test_cluster_failover_when_the_leader_dies_and_a_clear_error_when_all_do(tmp
         assert ok and backend.get_state() == (b"two", token2)
         store.set("after", b"failover")
         cluster.start()  # the killed member rejoins with its data and catches up
-        only = client.EtcdV3Client([cluster.members[killed].url])
+        only = v3client.EtcdV3Client([cluster.members[killed].url])
         deadline = time.monotonic() + 20
         while (only.get(v3.STORE_PREFIX + "after") or SimpleNamespace(value=None)).value != b"failover":
             assert time.monotonic() < deadline, "the restarted member never caught up"
@@ -195,7 +197,7 @@ def test_cluster_failover_when_the_leader_dies_and_a_clear_error_when_all_do(tmp
         for m in cluster.members:
             m.kill()
         start = time.monotonic()
-        with pytest.raises(client.EtcdV3ConnectionError) as info:
+        with pytest.raises(v3client.EtcdV3ConnectionError) as info:
             backend.get_state()
         assert isinstance(info.value, RendezvousConnectionError) and isinstance(info.value, ConnectionError)
         assert all(m.url in str(info.value) for m in cluster.members) and "--rdzv-endpoint" in str(info.value)
@@ -223,10 +225,10 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
     assert store.get("k") == b"v"
     # Without credentials etcd refuses: a clear error, not a hang.
     with pytest.raises(RendezvousConnectionError, match="refused"):
-        v3.EtcdV3RendezvousBackend(client.EtcdV3Client.from_endpoint(etcd_server.endpoint), "authed").get_state()
+        v3.EtcdV3RendezvousBackend(v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint), "authed").get_state()
     secret.write_text("wrong\n")
     with pytest.raises(v3.EtcdV3Error, match="authentication failed|invalid"):
-        client.EtcdV3Client.from_endpoint(etcd_server.endpoint, client.ClientOptions(user="root", password_file=str(secret))
+        v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint, v3client.ClientOptions(user="root", password_file=str(secret))
                                       ).get("x")
 
 
@@ -255,42 +257,42 @@ def test_tls_with_client_certificates(tmp_path):
         assert backend.set_state(b"over tls")[2] and backend.get_state()[0] == b"over tls"
         store.set("k", b"v")
         assert store.get("k") == b"v"
-        no_client_cert = client.ClientOptions(protocol="https", ca_cert=str(cert), read_timeout=5)
-        with pytest.raises(client.EtcdV3ConnectionError, match=server.url):
-            client.EtcdV3Client.from_endpoint(server.endpoint, no_client_cert).get("k")
-        untrusted = client.ClientOptions(protocol="https", ssl_cert=str(cert), ssl_cert_key=str(key), read_timeout=5)
-        with pytest.raises(client.EtcdV3ConnectionError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
-            client.EtcdV3Client.from_endpoint(server.endpoint, untrusted).get("k")
+        no_client_cert = v3client.ClientOptions(protocol="https", ca_cert=str(cert), read_timeout=5)
+        with pytest.raises(v3client.EtcdV3ConnectionError, match=server.url):
+            v3client.EtcdV3Client.from_endpoint(server.endpoint, no_client_cert).get("k")
+        untrusted = v3client.ClientOptions(protocol="https", ssl_cert=str(cert), ssl_cert_key=str(key), read_timeout=5)
+        with pytest.raises(v3client.EtcdV3ConnectionError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            v3client.EtcdV3Client.from_endpoint(server.endpoint, untrusted).get("k")
 
 
 def test_conf_keys_and_endpoints_are_validated():
     from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
 
     # The backend registry (which imports no torch) lists the same keys this module reads.
-    assert INNER_BACKENDS["etcd-v3"].conf_keys == client.CONF_KEYS
+    assert INNER_BACKENDS["etcd-v3"].conf_keys == v3client.CONF_KEYS
     ListenerConfig.from_params({"inner": "etcd-v3", "user": "u", "password_file": "/p", "ttl": "60"})
     with pytest.raises(ValueError, match="password_file"):
         ListenerConfig.from_params({"inner": "c10d", "password_file": "/p"})
-    assert client.parse_endpoints("a:1,b:2, c") == ["http://a:1", "http://b:2", "http://c:2379"]
-    assert client.parse_endpoints("[::1]:23", "https") == ["https://[::1]:23"]
+    assert v3client.parse_endpoints("a:1,b:2, c") == ["http://a:1", "http://b:2", "http://c:2379"]
+    assert v3client.parse_endpoints("[::1]:23", "https") == ["https://[::1]:23"]
     for bad in ("", "a:b", "a:1:2", "a:70000"):
         with pytest.raises(ValueError, match="HOST:PORT|names no member"):
-            client.parse_endpoints(bad)
+            v3client.parse_endpoints(bad)
     with pytest.raises(ValueError, match="protocol"):
-        client.ClientOptions.from_conf({"protocol": "ftp"})
+        v3client.ClientOptions.from_conf({"protocol": "ftp"})
     with pytest.raises(ValueError, match="user and password_file together"):
-        client.ClientOptions.from_conf({"user": "root"})
+        v3client.ClientOptions.from_conf({"user": "root"})
     with pytest.raises(ValueError, match="ssl_cert_key"):
-        client.ClientOptions.from_conf({"ssl_cert_key": "/k.pem"})
+        v3client.ClientOptions.from_conf({"ssl_cert_key": "/k.pem"})
     with pytest.raises(ValueError, match="cannot be loaded"):
-        client.EtcdV3Client(["https://x:1"], client.ClientOptions(protocol="https", ca_cert="/nonexistent/ca.pem"))
-    opts = client.ClientOptions.from_conf({"read_timeout": "3", "protocol": "HTTPS", "join_timeout": "9"})
+        v3client.EtcdV3Client(["https://x:1"], v3client.ClientOptions(protocol="https", ca_cert="/nonexistent/ca.pem"))
+    opts = v3client.ClientOptions.from_conf({"read_timeout": "3", "protocol": "HTTPS", "join_timeout": "9"})
     assert (opts.read_timeout, opts.protocol) == (3.0, "https")
     # The agent hands its options to the workers; PET_RDZV_CONF is the preStop hook's fallback.
-    assert client.ClientOptions.from_env({client.ENV_OPTIONS: opts.to_env()}) == opts
-    assert client.ClientOptions.from_env({"PET_RDZV_CONF": "inner=etcd-v3,read_timeout=7"}).read_timeout == 7.0
-    with pytest.raises(ValueError, match=client.ENV_OPTIONS):
-        client.ClientOptions.from_env({client.ENV_OPTIONS: "{not json"})
+    assert v3client.ClientOptions.from_env({v3client.ENV_OPTIONS: opts.to_env()}) == opts
+    assert v3client.ClientOptions.from_env({"PET_RDZV_CONF": "inner=etcd-v3,read_timeout=7"}).read_timeout == 7.0
+    with pytest.raises(ValueError, match=v3client.ENV_OPTIONS):
+        v3client.ClientOptions.from_env({v3client.ENV_OPTIONS: "{not json"})
 
 
 @pytest.mark.slow
@@ -298,7 +300,7 @@ def test_calls_keep_one_connection_and_reconnect_after_a_member_restart(etcd_ser
     """A client reuses its connection across calls (one per concurrent caller, at most MAX_IDLE
     idle); after the member restarted (SIGKILL, start again on the same port) the next call opens
     a fresh connection instead of failing on the dead one."""
-    client = client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    client = v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
     url = client.endpoints[0]
     client.put("k", b"v")
     (conn,) = client._idle[url]
@@ -318,7 +320,7 @@ def test_calls_keep_one_connection_and_reconnect_after_a_member_restart(etcd_ser
         t.start()
     for t in threads:
         t.join(30)
-    assert 1 <= len(client._idle[url]) <= client.MAX_IDLE
+    assert 1 <= len(client._idle[url]) <= v3client.MAX_IDLE
     etcd_server.kill()
     etcd_server.start()
     assert client.get("k").value == b"v"  # the idle connections were dead: seen, replaced
@@ -374,7 +376,7 @@ def _one_shot_http_server(replies: int):
 def test_a_kept_connection_closed_unanswered_is_retried_once_on_a_fresh_one():
     url, accepted, stop = _one_shot_http_server(replies=3)
     try:
-        client = client.EtcdV3Client([url], client.ClientOptions(read_timeout=5))
+        client = v3client.EtcdV3Client([url], v3client.ClientOptions(read_timeout=5))
         assert client.get("a") is None and len(accepted) == 1
         assert client.get("b") is None and len(accepted) == 2  # the kept one failed unanswered: a new one served it
     finally:
@@ -386,9 +388,9 @@ def test_a_member_that_never_replies_fails_within_read_timeout():
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
-        client = client.EtcdV3Client([f"http://127.0.0.1:{silent.getsockname()[1]}"], client.ClientOptions(read_timeout=0.5))
+        client = v3client.EtcdV3Client([f"http://127.0.0.1:{silent.getsockname()[1]}"], v3client.ClientOptions(read_timeout=0.5))
         start = time.monotonic()
-        with pytest.raises(client.EtcdV3ConnectionError, match="timed out"):
+        with pytest.raises(v3client.EtcdV3ConnectionError, match="timed out"):
             client.get("k")
         assert time.monotonic() - start < 5.0
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_emb.lifecycle import first_base
-from elastic_emb.context import EmbContext
 from elastic_emb import Lifecycle, LifecycleConfig
+from elastic_emb.context import EmbContext
+from elastic_emb.lifecycle import first_base
 from elastic_emb.protocol import OptimizerSpec, TableSpec
 from elastic_emb.state import points
 from elastic_emb.testing.ports import free_port

@@ -10,7 +10,16 @@ import time
 import pytest
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.agents import FAST_CONF, Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+from tests.helpers.agents import (
+    FAST_CONF,
+    Agent,
+    events,
+    first_commit_at,
+    kill_all,
+    start_agent,
+    wait_for,
+    worker_records,
+)
 
 WAIT = 60.0
 CONF = FAST_CONF + ",resize=in_process"

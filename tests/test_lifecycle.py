@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import SOURCE_ROOT as REPO, run_ranks, torchrun_env
+from elastic_emb.testing.procs import SOURCE_ROOT as REPO
+from elastic_emb.testing.procs import run_ranks, torchrun_env
 from tests.helpers import lifecycle_worker as lw
 
 TABLES = [{"name": "items", "num_rows": 203, "dim": 4}, {"name": "users", "num_rows": 61, "dim": 3}]
@@ -60,8 +61,9 @@ def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None
 @functools.lru_cache(maxsize=None)
 def reference(steps: int, optimizer: str = "adagrad") -> tuple:
     """Full tables after steps 0..steps-1 at world size 1 (integer start), for every prefix."""
-    from elastic_emb.topology import Topology
     import torch.distributed as dist
+
+    from elastic_emb.topology import Topology
 
     port = free_port()
     topo = Topology.build(run_id="reference", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
@@ -98,7 +100,7 @@ def gather(out, phase: str, gen: int) -> dict:
     for name, ps in parts.items():
         ps.sort(key=lambda p: p[0])
         covered = [(a, b) for a, b, _, _ in ps if b > a]
-        for (a0, b0), (a1, b1) in zip(covered, covered[1:]):
+        for (_a0, b0), (a1, _b1) in zip(covered, covered[1:]):
             assert b0 == a1, f"{name}: shards {covered} overlap or leave a gap"
         full[name] = (torch.cat([p[2] for p in ps]), {k: torch.cat([p[3][k] for p in ps]) for k in ps[0][3]})
     return full

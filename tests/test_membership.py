@@ -3,8 +3,8 @@ watcher's store, thread and signed confirmations are tested in test_watch.py).""
 
 from __future__ import annotations
 
-from elastic_emb.watch.membership import EXPLAINING, Change, classify, departed
 from elastic_emb.rdzv.decode import RendezvousView
+from elastic_emb.watch.membership import EXPLAINING, Change, classify, departed
 
 A, B, C, J = "10.0.0.1_11_0", "10.0.0.2_12_0", "10.0.0.3_13_0", "10.0.0.4_14_0"
 

@@ -17,8 +17,16 @@ import time
 import pytest
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.agents import (FAST_CONF, Agent, events, first_commit_at, kill_all, start_agent, wait_for,
-                                  worker_records)
+from tests.helpers.agents import (
+    FAST_CONF,
+    Agent,
+    events,
+    first_commit_at,
+    kill_all,
+    start_agent,
+    wait_for,
+    worker_records,
+)
 
 WAIT = 120.0  # generous: a torchrun start took over 60 s at load 20 on the 2-core machine (a bound, not a cost)
 # For the tests that assert the exact sequence of rounds across a scale-up. After the drain, the

@@ -16,8 +16,8 @@ import pytest
 import structlog
 import torch.distributed as dist
 
-from elastic_emb.rdzv.signing import Signer
 from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_neighbour
+from elastic_emb.rdzv.signing import Signer
 from elastic_emb.testing.ports import free_port
 
 LOG = structlog.get_logger("test")
@@ -193,7 +193,6 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
     The group's destructor blocks until the abandoned send times out, so whoever drops the last
     reference waits for it: another holder dropping its reference after the release thread has
     aborted must not (3 of 16 runs took 30 s when the caller's own reference happened to be last)."""
-    import structlog
     import torch
 
     from elastic_emb.context import group as group_module

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_emb.testing.ports import free_port
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.protocol import ContextBase, ShardData
 from elastic_emb.sharding import owned_range
@@ -32,6 +31,7 @@ from elastic_emb.state import (
     restore,
 )
 from elastic_emb.state.snapshot import FOLD_CHAIN_LIMIT
+from elastic_emb.testing.ports import free_port
 from elastic_emb.topology import Topology
 
 SPEC = [["float32", [3]], ["float32", []]]  # weight [rows, 3] + one per-row slot
@@ -213,6 +213,7 @@ def test_missing_rows_raise_restore_error_never_fresh_rows(tmp_path, world1):
     assert torch.equal(ctx.w, torch.full((40, 3), -1.0))  # untouched: no zeros, no fresh rows
     # The operator's view (`elastic-emb state`) says the same.
     from click.testing import CliRunner
+
     from elastic_emb.cli.main import main
 
     res = CliRunner().invoke(main, ["state", "--state-dir", str(tmp_path), "--run-id", "unit"])
@@ -255,7 +256,8 @@ def test_prune_counts_only_valid_manifests_that_cover_every_row(tmp_path, world1
     for step in range(5):
         _commit(tier, ctx, comm, step, float(step))
         tier.prune(comm)
-    names = lambda: sorted(p.name.split("-")[1].lstrip("0") or "0" for p in tier.node_dir.glob("step-*"))
+    def names():
+        return sorted(p.name.split("-")[1].lstrip("0") or "0" for p in tier.node_dir.glob("step-*"))
     assert names() == ["3", "4"]
     _commit(tier, ctx, comm, 5, 5.0)
     _shrink_manifest(tier.node_dir.glob("step-000000000005-*").__next__() / "rank0.json", 25)
@@ -371,8 +373,8 @@ def test_read_snapshot_copies_rows_while_it_verifies(tmp_path, world1, monkeypat
 
 
 def _lifecycle_run(tmp_path, layout, gen, out, until, extra=None, config=None):
-    from tests.helpers import lifecycle_worker as lw
     from elastic_emb.testing.procs import run_ranks
+    from tests.helpers import lifecycle_worker as lw
     from tests.test_lifecycle import rank_env, spec_of
 
     port = free_port()
@@ -765,8 +767,8 @@ def _commit_in_flight_to_a_dead_peer(tmp_path, timeout: float, **a_spec):
     (SIGKILL) in its writer right after the data of step 2, so A's commit of step 2 waits for B
     in A's writer; A then re-forms alone with abort and trains to step 4. Returns A's result
     (``out`` under ``tmp_path``); ``a_spec``: more of A's lifecycle_worker spec."""
-    from tests.helpers import lifecycle_worker as lw
     from elastic_emb.testing.procs import run_ranks
+    from tests.helpers import lifecycle_worker as lw
     from tests.test_lifecycle import layout_env, rank_env, spec_of
 
     out = tmp_path / "out"

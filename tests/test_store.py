@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_emb.errors import _MemberGone
-from elastic_emb.inprocess.resize import InterruptibleStore
+from elastic_emb.inprocess.interruptible import InterruptibleStore
 from elastic_emb.store import ForwardingStore
 from elastic_emb.testing.ports import free_port
 

@@ -9,11 +9,12 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from elastic_emb.errors import AgreementTimeout, TopologyDisagreement, TopologyError
-from elastic_emb.topology import SHARED_FIELDS, Topology, agree, evaluate, largest_power_of_two_at_most
 from elastic_emb.testing.ports import free_port
 from elastic_emb.testing.procs import run_ranks, torchrun_env
+from elastic_emb.topology import SHARED_FIELDS, Topology, agree, evaluate, largest_power_of_two_at_most
 
 BASE_ENV = {
     "RANK": "1",
@@ -84,7 +85,7 @@ def test_every_bad_value_names_its_variable(var, value, fragment):
 
 def test_record_is_frozen_strict_and_closed():
     t = Topology.from_env(BASE_ENV)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         t.rank = 2  # type: ignore[misc]
     with pytest.raises(TopologyError, match="colour=.blue. is not a topology field"):
         Topology.build(**t.model_dump(), colour="blue")

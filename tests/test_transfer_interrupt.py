@@ -47,9 +47,9 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
     a loaded machine, while the peer is still stopped (nothing else ended it); every later transfer
     of that generation raises at once; the communicator's release does not block. Without the
     interrupt the wait lasts the whole timeout (60 s)."""
-    from elastic_emb.lifecycle.committer import Committer
-    from elastic_emb.errors import _CommAborted, CommunicationError, TransferInterrupted
     from elastic_emb import LifecycleConfig
+    from elastic_emb.errors import CommunicationError, TransferInterrupted, _CommAborted
+    from elastic_emb.lifecycle.committer import Committer
     from elastic_emb.state.transport import Move, P2PTransport
     from elastic_emb.topology import Topology
 
@@ -191,8 +191,8 @@ def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path
     rank that left ends on ``give_up_on`` (or ``interrupt``) instead of at ``transfer_timeout``: a
     blocking ``store.wait`` already under way ignored both (its thread stayed alive here for the
     whole 60 s)."""
-    from elastic_emb.lifecycle.committer import Committer
     from elastic_emb import LifecycleConfig
+    from elastic_emb.lifecycle.committer import Committer
     from elastic_emb.topology import Topology
 
     timeout = 60.0

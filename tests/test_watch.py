@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic_emb.rdzv.keys import round_prefix
+from elastic_emb.testing.ports import free_port
 from elastic_emb.watch.watcher import (
     MembershipEvent,
     RendezvousReader,
@@ -28,7 +29,6 @@ from elastic_emb.watch.watcher import (
     Watcher,
     decode_state,
 )
-from elastic_emb.testing.ports import free_port
 
 
 def _state(round_: int, participants: dict, wait=(), complete=True) -> _RendezvousState:

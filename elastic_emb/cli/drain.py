@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from elastic_emb.errors import DrainError
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE, AckCounter, read_expected
+
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_STOP_STEP, round_prefix

@@ -271,10 +271,9 @@ def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None
         UserError: a variable is malformed, or the state directory, the run or the durable
             directory does not exist.
     """
-    from elastic_emb.state import inspect_state
-
     from elastic_emb.config import load
     from elastic_emb.errors import ConfigError
+    from elastic_emb.state import inspect_state
 
     try:
         settings = load(None, "state_dir", "durable_dir")

@@ -15,8 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_emb.context.exchange import (H_FLAGGED, H_HI, H_LEN, H_LO, H_WANT, HEADER_WIDTH, OP_LOOKUP, HeaderExchange,
-                                          header_words, tag_op)
+from elastic_emb.context.exchange import (
+    H_FLAGGED,
+    H_HI,
+    H_LEN,
+    H_LO,
+    H_WANT,
+    HEADER_WIDTH,
+    OP_LOOKUP,
+    HeaderExchange,
+    header_words,
+    tag_op,
+)
 from elastic_emb.errors import InvalidIds
 from elastic_emb.protocol import TableSpec
 from elastic_emb.sharding import owned_range, rows_per_owner

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import atexit
 import time
-from typing import Literal
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from elastic_emb import metrics
+from elastic_emb import config, metrics
 from elastic_emb.context.arena import Arena, Rows
 from elastic_emb.context.changes import ChangeTracker
 from elastic_emb.context.checks import DeviceChecks
@@ -32,7 +32,6 @@ from elastic_emb.context.gradients import GradientRouter
 from elastic_emb.context.group import Group, log, wait_releases
 from elastic_emb.context.lookup import LookupEngine, LookupHandle
 from elastic_emb.context.parts import OpParts
-from elastic_emb import config
 from elastic_emb.errors import CommunicationError, ContextClosed, WorldSizeChanged
 from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, TableSpec
 from elastic_emb.sharding import RowRange, owned_range
@@ -89,7 +88,7 @@ class EmbContext(ContextBase):
         store: dist.Store,
         *,
         tables: Sequence[TableSpec],
-        optimizer: OptimizerSpec = OptimizerSpec(),
+        optimizer: OptimizerSpec = OptimizerSpec(),  # noqa: B008 - a frozen record, safe to share
         device: torch.device | str | None = None,
         timeout: float = 60.0,
         require_power_of_two: bool = True,

@@ -18,9 +18,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from elastic_emb.drill import procs
 import structlog
 
+from elastic_emb.drill import procs
 from elastic_emb.events import configure_logging
 
 # A lazy proxy (not get_logger(), which binds now): it follows a later configure_logging(), so

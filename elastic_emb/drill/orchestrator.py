@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import structlog
+
 from elastic_emb.drill import procs
+from elastic_emb.drill.errors import DrillError
 from elastic_emb.drill.network import Network, pick_network
 from elastic_emb.drill.replay import EXAMPLE, LossDetected, verify
 from elastic_emb.drill.scenario import Fault, Scenario
-from elastic_emb.testing.ports import free_port
-import structlog
-
-from elastic_emb.drill.errors import DrillError
 from elastic_emb.events import configure_logging
+from elastic_emb.testing.ports import free_port
 
 # A lazy proxy (not get_logger(), which binds now): it follows a later configure_logging(), so
 # the CLI can turn the drill's info events down after this module was imported.

@@ -278,8 +278,8 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
     """
     import torch.distributed as dist
 
-    from elastic_emb.adapters.torchrec import TorchRecContext
     from elastic_emb import Topology
+    from elastic_emb.adapters.torchrec import TorchRecContext
 
     if dist.is_initialized():
         raise RuntimeError("drill_replay forms a world of one: destroy the default process group first")

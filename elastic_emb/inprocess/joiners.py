@@ -14,7 +14,15 @@ import json
 
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
-from elastic_emb.rdzv.keys import KEY_GENERATIONS, KEY_JOINER, KEY_JOINERS, KEY_PLAN, count_value, inproc_prefix, inproc_root
+from elastic_emb.rdzv.keys import (
+    KEY_GENERATIONS,
+    KEY_JOINER,
+    KEY_JOINERS,
+    KEY_PLAN,
+    count_value,
+    inproc_prefix,
+    inproc_root,
+)
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 log = get_logger("elastic_emb.inprocess.resize")

@@ -21,12 +21,9 @@ from collections.abc import Mapping
 from elastic_emb import config
 from elastic_emb.errors import ElasticEmbError, JobComplete, ResizeFallback
 from elastic_emb.events import get_logger
-from elastic_emb.inprocess.interruptible import (  # InterruptibleStore and interruptible_store: importable here too
-    InterruptibleStore,
-    WaitGuard,
-    interruptible_store,
-)
-from elastic_emb.rdzv.outage import is_connection_error
+from elastic_emb.inprocess.interruptible import InterruptibleStore, WaitGuard
+from elastic_emb.inprocess.joiners import JoinPlan, raise_generations
+from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.rdzv.job_complete import read_mark
 from elastic_emb.rdzv.keys import (
     KEY_CURRENT,
@@ -39,9 +36,8 @@ from elastic_emb.rdzv.keys import (
     inproc_root,
     round_prefix,
 )
-from elastic_emb.inprocess.joiners import JoinPlan, raise_generations
+from elastic_emb.rdzv.outage import is_connection_error
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_neighbour
 from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from elastic_emb import metrics
-from elastic_emb.lifecycle.default_group import DefaultGroup
 from elastic_emb.errors import _CommAborted
 from elastic_emb.events import get_logger
+from elastic_emb.lifecycle.default_group import DefaultGroup
 from elastic_emb.lifecycle.first_base import FirstBase
 from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig
 from elastic_emb.protocol import ShardedContext

@@ -19,10 +19,10 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.lifecycle.committer import Committer
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.lifecycle import first_base
+from elastic_emb.lifecycle.committer import Committer
 from elastic_emb.lifecycle.first_base import FirstBase
 from elastic_emb.lifecycle.records import (
     CALLER_PHASES,

@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic_emb.errors import EtcdV3Error
+
 # The transport and its options.
 from elastic_emb.rdzv.etcd_v3_client import (
     ENV_OPTIONS,

@@ -26,20 +26,25 @@ from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
 from elastic_emb.rdzv.decode import RendezvousView, node_id
+from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
-from elastic_emb.rdzv.job_complete import (CompletingExitBarrierStore, CompletingStore, closed_and_complete,
-                                          mark_complete)
+from elastic_emb.rdzv.job_complete import (
+    CompletingExitBarrierStore,
+    CompletingStore,
+    closed_and_complete,
+    mark_complete,
+)
 from elastic_emb.rdzv.keys import (
     BACKEND_NAME,
     DISABLE_SHARED_STORE,
     ENV_AGENT_PID,
     ENV_DRAIN,
     ENV_GENERATION,
+    ENV_JOINER,
     ENV_MEMBERSHIP,
     ENV_NODE_ID,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
-    ENV_JOINER,
     ENV_RESIZE,
     ENV_ROUND,
     ENV_STORE_OUTAGE_TIMEOUT,
@@ -55,7 +60,6 @@ from elastic_emb.rdzv.keys import (
     round_prefix,
     write_priority_key,
 )
-from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 from elastic_emb.rdzv.liveness import Liveness
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin

@@ -21,7 +21,6 @@ from typing import Any
 from elastic_emb import metrics
 from elastic_emb.errors import StoreOutageError
 
-
 _TORCH_OUTAGE_ERROR: list[type] = []
 
 

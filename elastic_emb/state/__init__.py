@@ -11,6 +11,7 @@ Design: ``docs/COMMIT.md``.
 """
 
 from elastic_emb.state.comm import TRANSPORTS, Comm
+from elastic_emb.state.crc import crc32_combine
 from elastic_emb.state.durable import DurableTier
 from elastic_emb.state.manifest import (
     CommitId,
@@ -23,7 +24,6 @@ from elastic_emb.state.manifest import (
     commit_dirname,
     write_atomic,
 )
-from elastic_emb.state.crc import crc32_combine
 from elastic_emb.state.paths import node_id_from_env
 from elastic_emb.state.plan import Assignment, Piece, plan_assignments, replica_holders
 from elastic_emb.state.restore import Inventory, RestoreReport, inspect_state, restore

@@ -20,8 +20,8 @@ import torch
 
 from elastic_emb.native_calls import native_call
 from elastic_emb.protocol import ShardData
-from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.delta import INDEX
+from elastic_emb.state.digest import digest_ranges
 from elastic_emb.state.manifest import ShardRecord, TensorRecord, tensor_items
 
 ALIGN = 64  # every tensor of the staging buffer starts on this many bytes (views of any dtype)
@@ -185,7 +185,7 @@ class DeviceCapture:
         with torch.cuda.stream(side):
             if gathered:
                 staging = torch.empty(job.total, dtype=torch.uint8, device=self.device)
-            for name, sd, idx, trs, _ in gathered:
+            for _name, sd, idx, trs, _ in gathered:
                 idx.record_stream(side)  # allocated on the training stream, read here
                 n, k = len(sd.rows), idx.numel()
                 src = idx.clamp(max=max(n - 1, 0))  # skipped entries (== n) read row n - 1; restore skips them
@@ -203,7 +203,7 @@ class DeviceCapture:
             sources = [(0, staging)]  # the whole delta from one buffer
         else:  # per tensor, in the order of the delta: written values as they are, the rest gathered
             sources = []
-            for name, sd, idx, trs, vals in job.layout:
+            for _name, _sd, idx, trs, vals in job.layout:
                 for tr, _ in trs:
                     if vals is None:
                         src = staging[tr.offset: tr.offset + tr.nbytes]

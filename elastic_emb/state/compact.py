@@ -26,8 +26,15 @@ from elastic_emb.state import points
 from elastic_emb.state.capture import finished_records
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.digest import digest_ranges
-from elastic_emb.state.manifest import (ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, tensor_items,
-                                        write_atomic)
+from elastic_emb.state.manifest import (
+    ShardRecord,
+    SnapshotManifest,
+    TensorRecord,
+    as_bytes,
+    row_spec,
+    tensor_items,
+    write_atomic,
+)
 from elastic_emb.state.paths import check_name, open_new
 from elastic_emb.state.shardfile import read_snapshot
 

@@ -17,7 +17,15 @@ import torch
 
 from elastic_emb.protocol import ShardData
 from elastic_emb.state.crc import crc32_of
-from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_spec, tensor_items
+from elastic_emb.state.manifest import (
+    CommitId,
+    ShardRecord,
+    SnapshotManifest,
+    TensorRecord,
+    as_bytes,
+    row_spec,
+    tensor_items,
+)
 
 INDEX = "index"  # the tensor of a delta record holding the changed rows' local row numbers (int64)
 

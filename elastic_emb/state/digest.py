@@ -131,7 +131,8 @@ def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str
     jobs = [(r, c, min(c + TREE_CHUNK, off + n)) for r, (off, n) in enumerate(ranges)
             for c in range(off, off + n, TREE_CHUNK)]
     jobs.sort(key=lambda j: j[2])  # by the byte each chunk ends at: the order it lands in
-    run = lambda lo, hi: xxh.xxh3_64_intdigest(memoryview(buf[lo:hi]))
+    def run(lo, hi):
+        return xxh.xxh3_64_intdigest(memoryview(buf[lo:hi]))
     futures = []
     for mark in landed or ():
         while len(futures) < len(jobs) and jobs[len(futures)][2] <= mark:

@@ -20,7 +20,15 @@ from elastic_emb.errors import ChecksumMismatch
 from elastic_emb.protocol import ShardData
 from elastic_emb.state.crc import crc32_of
 from elastic_emb.state.digest import NAMES, Digest
-from elastic_emb.state.manifest import ShardRecord, SnapshotManifest, TensorRecord, as_bytes, row_bytes, row_spec, tensor_items
+from elastic_emb.state.manifest import (
+    ShardRecord,
+    SnapshotManifest,
+    TensorRecord,
+    as_bytes,
+    row_bytes,
+    row_spec,
+    tensor_items,
+)
 from elastic_emb.state.paths import FILE_MODE, open_new
 
 

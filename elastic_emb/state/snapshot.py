@@ -21,24 +21,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import StorageError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import points
+from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
-from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
-from elastic_emb.state.manifest import CommitId, ShardRecord, SnapshotManifest, commit_dirname, step_of_dirname, write_atomic
+from elastic_emb.state.manifest import (
+    CommitId,
+    ShardRecord,
+    SnapshotManifest,
+    commit_dirname,
+    step_of_dirname,
+    write_atomic,
+)
 from elastic_emb.state.paths import DIR_MODE, FILE_MODE, check_name, make_dirs, open_new, under
 from elastic_emb.state.plan import replica_holders, uncovered
+from elastic_emb.state.ring import (
+    LOG_DIR,
+    Segment,
+    SegmentRing,
+    newest_per_segment,
+    on_memory_fs,
+    segment_path,
+    sweep_segments,
+)
 from elastic_emb.state.shardfile import pack_shard, write_blob
-from elastic_emb.state.ring import (LOG_DIR, Segment, SegmentRing, newest_per_segment, on_memory_fs, segment_path,
-                                    sweep_segments)
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
 log = get_logger("elastic_emb.state")

@@ -15,8 +15,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 
 from elastic_emb import metrics
 from elastic_emb.events import get_logger

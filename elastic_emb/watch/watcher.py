@@ -18,18 +18,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_emb.events import get_logger
-from elastic_emb.watch.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
 from elastic_emb.native_calls import exiting, native_call
+
 # The worker side imports the wire contract (keys), the shared decoder and view (decode), the
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
 from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, keep_expected, write_ack, write_expected
 from elastic_emb.rdzv.keys import (
-    KEY_EVICTED,
     ENV_RDZV_ENDPOINT,
     KEY_DEAD,
     KEY_DRAIN,
+    KEY_EVICTED,
     KEY_STOP_CLAIM,
     KEY_STOP_STEP,
     round_prefix,
@@ -37,6 +37,7 @@ from elastic_emb.rdzv.keys import (
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
 from elastic_emb.rdzv.reader import RendezvousReader, print_state
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.watch.membership import EXPLAINING, EventKind, MembershipEvent, classify, departed
 from elastic_emb.watch.selfstop import agent_gone, stop_self
 
 StateView = RendezvousView  # another name for the view, importable from here

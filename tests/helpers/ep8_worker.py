@@ -42,11 +42,9 @@ import threading
 import time
 import traceback
 
-import torch
-
-from tests.helpers import lifecycle_worker as lw
 from elastic_emb import Lifecycle, LifecycleConfig
 from elastic_emb.topology import Topology
+from tests.helpers import lifecycle_worker as lw
 
 DEADLINE_S = 120.0  # the whole scenario, hub side
 

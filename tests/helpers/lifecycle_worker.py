@@ -140,7 +140,7 @@ class MiniContext(ContextBase):
             raise
 
     def train_step(self, step: int) -> None:
-        for n, (rr, w, a) in self._rows.items():
+        for _n, (rr, w, a) in self._rows.items():
             rows = torch.arange(rr.start, rr.stop, dtype=torch.int64)
             w += ((rows + step) % 5 - 2).to(torch.float64)[:, None]
             a += 1
@@ -174,9 +174,9 @@ def train_step(ctx, step: int) -> None:
 def integer_start(ctx) -> None:
     """First start: integer-valued rows and slots, identical whatever the world size."""
     shards = ctx.export_shard()
-    for name, s in shards.items():
+    for _name, s in shards.items():
         s.weight.copy_(int_init(s.rows, s.weight.shape[1], s.weight.dtype))
-        for k, v in s.slots.items():
+        for _k, v in s.slots.items():
             v.copy_((torch.arange(s.rows.start, s.rows.stop) % 3).to(v.dtype).reshape(-1, *([1] * (v.dim() - 1))).expand_as(v))
     ctx.import_shard(shards)
 

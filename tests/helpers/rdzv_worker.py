@@ -228,8 +228,8 @@ def main_lifecycle() -> int:
     restored rows must equal :func:`expected_rows` for the restored step, bit for bit."""
     import functools
 
-    from elastic_emb.context import EmbContext
     from elastic_emb import Lifecycle, LifecycleConfig
+    from elastic_emb.context import EmbContext
 
     t_start = time.time()
     factory = functools.partial(EmbContext, tables=[table_spec()], optimizer=optimizer_spec(), seed=SEED)
@@ -238,14 +238,13 @@ def main_lifecycle() -> int:
         watcher.start()
     # transfer_timeout bounds a commit's store exchange with a peer that died (in-process resize
     # re-forms when it expires); the table is 1 KiB, so 10 s is ample for every real transfer.
-    from elastic_emb.inprocess.resize import interruptible_store
-    from elastic_emb.store import worker_store
-    from elastic_emb.topology import Topology
-
     # resize=in_process: the first generation's store waits end when a member leaves (the
     # survivors re-form instead of waiting out a commit's timeout for a dead peer).
     from elastic_emb import config as settings
+    from elastic_emb.inprocess.interruptible import interruptible_store
     from elastic_emb.inprocess.resize import InProcessResize, ResizeFallback
+    from elastic_emb.store import worker_store
+    from elastic_emb.topology import Topology
 
     lc_config = LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0)
     joined = settings.load(None, "joiner").joiner
