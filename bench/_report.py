@@ -34,11 +34,19 @@ def _torch_facts() -> dict[str, Any]:
         import torch
     except ImportError:  # a bench that needs no torch (none yet) still gets the rest
         return {"torch": None}
-    facts: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None, "gpus": 0,
-                             "nccl": None}
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": None,
+        "gpus": 0,
+        "nccl": None,
+    }
     if torch.cuda.is_available():
-        facts.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                     nccl=".".join(map(str, torch.cuda.nccl.version())))
+        facts.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
     return facts
 
 
@@ -69,8 +77,14 @@ def environment(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return meta
 
 
-def write_json(path: str | os.PathLike[str], bench: str, report: Mapping[str, Any], *,
-               extra: Mapping[str, Any] | None = None, indent: int = 2) -> Path:
+def write_json(
+    path: str | os.PathLike[str],
+    bench: str,
+    report: Mapping[str, Any],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    indent: int = 2,
+) -> Path:
     """Write ``{"bench": bench, "meta": environment(extra), **report}`` to ``path`` (its folder
     made as needed) and say so on stdout; returns the path. ``report`` may not use the keys
     ``bench`` and ``meta``."""

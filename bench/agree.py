@@ -32,10 +32,18 @@ def trial(port: int, world_size: int, generation: int, clients: list) -> dict:
 
     def rank_main(rank: int) -> None:
         t = Topology.build(
-            run_id="bench", generation=generation, rank=rank, world_size=world_size, local_rank=rank % 8,
-            local_world_size=8 if world_size % 8 == 0 else world_size, node_rank=rank // 8 if world_size % 8 == 0 else 0,
-            num_nodes=world_size // 8 if world_size % 8 == 0 else 1, ep_size=world_size if world_size & (world_size - 1) == 0 else 1,
-            backend="gloo", master_addr="127.0.0.1", master_port=port,
+            run_id="bench",
+            generation=generation,
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank % 8,
+            local_world_size=8 if world_size % 8 == 0 else world_size,
+            node_rank=rank // 8 if world_size % 8 == 0 else 0,
+            num_nodes=world_size // 8 if world_size % 8 == 0 else 1,
+            ep_size=world_size if world_size & (world_size - 1) == 0 else 1,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=port,
         )
         barrier.wait(timeout=60)
         start = time.perf_counter()
@@ -85,8 +93,11 @@ def main() -> None:
             "per_rank_median_ms": 1000 * statistics.median(r["rank_median_s"] for r in runs),
         }
         results.append(row)
-        print(f"ranks={ws:4d}  median {row['wall_median_ms']:8.1f} ms  (min {row['wall_min_ms']:.1f}, max {row['wall_max_ms']:.1f}; "
-              f"per-rank median {row['per_rank_median_ms']:.1f} ms)", flush=True)
+        print(
+            f"ranks={ws:4d}  median {row['wall_median_ms']:8.1f} ms  (min {row['wall_min_ms']:.1f}, max {row['wall_max_ms']:.1f}; "
+            f"per-rank median {row['per_rank_median_ms']:.1f} ms)",
+            flush=True,
+        )
         del clients
     write_json(args.out, "agree", {"results": results})
 

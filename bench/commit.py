@@ -126,8 +126,16 @@ def worker(args) -> None:
     results: dict = {"sizes": sizes}
 
     def tier_for(name: str) -> SnapshotTier:
-        return SnapshotTier(Path(args.state_dir) / name, "bench", f"node{topo.rank}", replication=1, keep=2,
-                            max_chain=args.max_chain, fold_ratio=args.fold_ratio, fold_max_deltas=args.fold_max_deltas)
+        return SnapshotTier(
+            Path(args.state_dir) / name,
+            "bench",
+            f"node{topo.rank}",
+            replication=1,
+            keep=2,
+            max_chain=args.max_chain,
+            fold_ratio=args.fold_ratio,
+            fold_max_deltas=args.fold_max_deltas,
+        )
 
     phases = set(args.phases.split(","))
     # Steps and commits: the sizes interleaved step by step (ABBA order), so that the load of this
@@ -140,7 +148,7 @@ def worker(args) -> None:
         gens = {mb: torch.Generator().manual_seed(topo.rank) for mb in sizes}
         rec = {mb: {"step_s": [], "commit_s": [], "written": [], "replicated": [], "base": []} for mb in sizes}
         for step in range((args.full_steps if mode == "full" else args.steps) + 1):
-            for mb in (sizes if step % 2 == 0 else sizes[::-1]):
+            for mb in sizes if step % 2 == 0 else sizes[::-1]:
                 ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
                 comm.barrier(f"{mode}-{step}-{mb}")
                 t0 = time.perf_counter()
@@ -158,8 +166,13 @@ def worker(args) -> None:
                     tier.prune(comm)
                 t2 = time.perf_counter()
                 if step:  # step 0 of incremental is the first base: measured in `full`
-                    for key, v in (("step_s", t2 - t0), ("commit_s", t2 - t1), ("written", w), ("replicated", r),
-                                   ("base", base)):
+                    for key, v in (
+                        ("step_s", t2 - t0),
+                        ("commit_s", t2 - t1),
+                        ("written", w),
+                        ("replicated", r),
+                        ("base", base),
+                    ):
                         rec[mb][key].append(v)
         results[mode] = rec
         for tier in tiers.values():
@@ -182,15 +195,17 @@ def worker(args) -> None:
         s, window = 0, None
         while True:
             ctx.step(gen)
-            w, _ = chain_tier.commit(s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr,
-                                     changes=ctx.take_changed_rows())
+            w, _ = chain_tier.commit(
+                s, ctx.export_shard() if s == 0 else ctx.shard_views(), comm, nr, changes=ctx.take_changed_rows()
+            )
             each = comm.exchange(f"chain-{mb}-{s}", w)  # every rank's bytes: the same window on all
             if s == 0:
                 window = FoldWindow.after_base(each)
             else:
                 window.add(each)
-                if window.due(2 * args.fold_ratio, 2 * args.fold_max_deltas,
-                              2 * min(args.max_chain, args.fold_max_deltas)):
+                if window.due(
+                    2 * args.fold_ratio, 2 * args.fold_max_deltas, 2 * min(args.max_chain, args.fold_max_deltas)
+                ):
                     break
             s += 1
         longest = s
@@ -198,24 +213,30 @@ def worker(args) -> None:
         full_tier.commit(longest, {"emb": want}, comm, nr)
         times = {"chain": [], "full": []}
         for rep in range(args.restore_reps):
-            for kind in (("chain", "full") if rep % 2 == 0 else ("full", "chain")):
+            for kind in ("chain", "full") if rep % 2 == 0 else ("full", "chain"):
                 fresh = Ctx(rows_of[mb], fill=False)
                 comm.barrier(f"restore-{mb}-{rep}-{kind}")
                 t0 = time.perf_counter()
                 rep_ = restore(fresh, comm, snapshot=chain_tier if kind == "chain" else full_tier, durable=None)
                 times[kind].append(time.perf_counter() - t0)
-                if not (rep_.step == longest and torch.equal(fresh.w, want.weight)
-                        and torch.equal(fresh.acc, want.slots["acc"])):
-                    raise SystemExit(f"rank {topo.rank}: {kind} restore at {mb} MB: the rows differ from the "
-                                     f"committed rows (step {rep_.step})")
+                if not (
+                    rep_.step == longest
+                    and torch.equal(fresh.w, want.weight)
+                    and torch.equal(fresh.acc, want.slots["acc"])
+                ):
+                    raise SystemExit(
+                        f"rank {topo.rank}: {kind} restore at {mb} MB: the rows differ from the "
+                        f"committed rows (step {rep_.step})"
+                    )
         results["restore"][str(mb)] = {**times, "deltas": longest}
         for name in (f"chain-{mb}", f"full-{mb}"):
             shutil.rmtree(Path(args.state_dir) / name, ignore_errors=True)
         comm.barrier(f"restore-{mb}-cleaned")
     if "scaling" in phases:
         results["scaling"] = scaling(args, sizes, rows_of, Ctx, tier_for, comm)
-    results["shard_bytes"] = {str(mb): len(owned_range(rows_of[mb], topo.ep_size, topo.rank)) * (DIM * 4 + 4)
-                              for mb in sizes}
+    results["shard_bytes"] = {
+        str(mb): len(owned_range(rows_of[mb], topo.ep_size, topo.rank)) * (DIM * 4 + 4) for mb in sizes
+    }
     comm.close()
     print(json.dumps({"rank": topo.rank, "results": results}), flush=True)
 
@@ -233,7 +254,7 @@ def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
     gens = {mb: torch.Generator().manual_seed(1000 + comm.rank) for mb in sizes}
     rec = {mb: {"wall_s": [], "cpu_s": [], "base": []} for mb in sizes}
     for step in range(args.scaling_commits + 1):
-        for mb in (sizes if step % 2 == 0 else sizes[::-1]):
+        for mb in sizes if step % 2 == 0 else sizes[::-1]:
             ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
             ctx.step(gens[mb])
             shards = ctx.export_shard() if step == 0 else ctx.shard_views()
@@ -263,13 +284,18 @@ def ratio_stats(a: list[float], b: list[float], block: int, reps: int = 2000) ->
         idx = [rng.randrange(n) for _ in range(n)]
         boot.append(statistics.median(b[i] for i in idx) / statistics.median(a[i] for i in idx))
     boot.sort()
-    blocks = [statistics.median(b[i:i + block]) / statistics.median(a[i:i + block])
-              for i in range(0, n - block + 1, block)]
-    return {"ratio_of_medians": statistics.median(b) / statistics.median(a),
-            "ci90": [boot[int(0.05 * reps)], boot[int(0.95 * reps) - 1]],
-            "pairs": spread([y / x for x, y in zip(a, b)]),
-            "blocks": spread(blocks) if blocks else None,
-            "median_a_ms": statistics.median(a) * 1e3, "median_b_ms": statistics.median(b) * 1e3}
+    blocks = [
+        statistics.median(b[i : i + block]) / statistics.median(a[i : i + block])
+        for i in range(0, n - block + 1, block)
+    ]
+    return {
+        "ratio_of_medians": statistics.median(b) / statistics.median(a),
+        "ci90": [boot[int(0.05 * reps)], boot[int(0.95 * reps) - 1]],
+        "pairs": spread([y / x for x, y in zip(a, b)]),
+        "blocks": spread(blocks) if blocks else None,
+        "median_a_ms": statistics.median(a) * 1e3,
+        "median_b_ms": statistics.median(b) * 1e3,
+    }
 
 
 def summarize_scaling(res: list[dict], sizes: list[int], block: int) -> dict:
@@ -285,7 +311,8 @@ def summarize_scaling(res: list[dict], sizes: list[int], block: int) -> dict:
         out[f"{mb}mb_over_{first}mb"] = {
             "commits": len(keep),
             "wall": ratio_stats(series(first, "wall_s", max), series(mb, "wall_s", max), block),
-            "cpu": ratio_stats(series(first, "cpu_s", sum), series(mb, "cpu_s", sum), block)}
+            "cpu": ratio_stats(series(first, "cpu_s", sum), series(mb, "cpu_s", sum), block),
+        }
     return out
 
 
@@ -294,14 +321,38 @@ def launch(args) -> list[dict]:
     procs = []
     for rank in range(args.world):
         # each rank its own node (so every commit also sends a replica)
-        env = torchrun_env(rank, args.world, port, local_world_size=1, run_id="bench",
-                           extra={"ELASTIC_EMB_LOG_LEVEL": "warning"})
-        cmd = ["python", __file__, "--worker", "--sizes-mb", args.sizes_mb, "--steps", str(args.steps),
-               "--ids", str(args.ids), "--max-chain", str(args.max_chain), "--restore-reps", str(args.restore_reps),
-               "--fold-ratio", str(args.fold_ratio), "--fold-max-deltas", str(args.fold_max_deltas),
-               "--full-steps", str(args.full_steps if args.full_steps is not None else args.steps),
-               "--state-dir", args.state_dir, "--phases", args.phases, "--scaling-commits", str(args.scaling_commits),
-               "--scaling-max-chain", str(args.scaling_max_chain)]
+        env = torchrun_env(
+            rank, args.world, port, local_world_size=1, run_id="bench", extra={"ELASTIC_EMB_LOG_LEVEL": "warning"}
+        )
+        cmd = [
+            "python",
+            __file__,
+            "--worker",
+            "--sizes-mb",
+            args.sizes_mb,
+            "--steps",
+            str(args.steps),
+            "--ids",
+            str(args.ids),
+            "--max-chain",
+            str(args.max_chain),
+            "--restore-reps",
+            str(args.restore_reps),
+            "--fold-ratio",
+            str(args.fold_ratio),
+            "--fold-max-deltas",
+            str(args.fold_max_deltas),
+            "--full-steps",
+            str(args.full_steps if args.full_steps is not None else args.steps),
+            "--state-dir",
+            args.state_dir,
+            "--phases",
+            args.phases,
+            "--scaling-commits",
+            str(args.scaling_commits),
+            "--scaling-max-chain",
+            str(args.scaling_max_chain),
+        ]
         procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
 
@@ -317,11 +368,16 @@ def spread(values: list[float]) -> dict:
 
 def restore_row(res: list[dict], mb: str) -> dict:
     """The restore columns of one size: medians (the slowest rank) and the per-repetition ratio."""
-    rt = {k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
-          for k in ("chain", "full")}
-    return {"restore_chain_deltas": res[0]["restore"][mb].get("deltas"),
-            "restore_chain_s": statistics.median(rt["chain"]), "restore_full_s": statistics.median(rt["full"]),
-            "restore_chain_over_full": spread([c / f for c, f in zip(rt["chain"], rt["full"])])}
+    rt = {
+        k: [max(r["restore"][mb][k][i] for r in res) for i in range(len(res[0]["restore"][mb][k]))]
+        for k in ("chain", "full")
+    }
+    return {
+        "restore_chain_deltas": res[0]["restore"][mb].get("deltas"),
+        "restore_chain_s": statistics.median(rt["chain"]),
+        "restore_full_s": statistics.median(rt["full"]),
+        "restore_chain_over_full": spread([c / f for c, f in zip(rt["chain"], rt["full"])]),
+    }
 
 
 def summarize(per_rank: list[dict], args) -> dict:
@@ -333,8 +389,14 @@ def summarize(per_rank: list[dict], args) -> dict:
     if "scaling" in res[0]:
         out["scaling"] = summarize_scaling(res, sizes, args.block)
     if "none" not in res[0]:  # restores only (or nothing)
-        return {**out, "rows": [{"size_mb_per_rank": int(mb), **restore_row(res, mb)} for mb in map(str, sizes)
-                                if mb in res[0].get("restore", {})]}
+        return {
+            **out,
+            "rows": [
+                {"size_mb_per_rank": int(mb), **restore_row(res, mb)}
+                for mb in map(str, sizes)
+                if mb in res[0].get("restore", {})
+            ],
+        }
 
     def slowest(mode, mb, key):  # the slowest rank of each step
         n = len(res[0][mode][mb][key])
@@ -342,16 +404,22 @@ def summarize(per_rank: list[dict], args) -> dict:
 
     rows = []
     for mb in map(str, sizes):
-        row = {"size_mb_per_rank": int(mb), "world": args.world, "ids_per_step": args.ids, "max_chain": args.max_chain,
-               "shard_bytes": res[0]["shard_bytes"][mb]}
+        row = {
+            "size_mb_per_rank": int(mb),
+            "world": args.world,
+            "ids_per_step": args.ids,
+            "max_chain": args.max_chain,
+            "shard_bytes": res[0]["shard_bytes"][mb],
+        }
         for mode in [m for m in MODES if m in res[0]]:
             steps, commits = slowest(mode, mb, "step_s"), slowest(mode, mb, "commit_s")
             is_base = res[0][mode][mb]["base"]
             if mode in ("incremental", "rebased"):  # the mean over every commit (folds, bases)
                 row[f"commit_{mode}_mean_ms"] = statistics.fmean(commits) * 1e3
             if mode == "rebased":  # deltas only; the bases (every max_chain + 1) apart
-                row["commit_base_ms"] = statistics.median([c for c, b in zip(commits, is_base) if b]) * 1e3 \
-                    if any(is_base) else None
+                row["commit_base_ms"] = (
+                    statistics.median([c for c, b in zip(commits, is_base) if b]) * 1e3 if any(is_base) else None
+                )
                 steps = [s for s, b in zip(steps, is_base) if not b]
                 commits = [c for c, b in zip(commits, is_base) if not b]
             row[f"step_{mode}_ms"] = statistics.median(steps) * 1e3
@@ -414,11 +482,14 @@ def main() -> None:
     for name, sc in summary.get("scaling", {}).items():
         for measure in ("wall", "cpu"):
             r = sc[measure]
-            print(f"{name} delta commit, {measure}: medians {r['median_a_ms']:.2f} -> {r['median_b_ms']:.2f} ms, "
-                  f"ratio of medians {r['ratio_of_medians']:.3f} (90% CI {r['ci90'][0]:.3f}-{r['ci90'][1]:.3f}); "
-                  f"per pair {r['pairs']['median']:.3f} ({r['pairs']['q1']:.3f}-{r['pairs']['q3']:.3f}); "
-                  f"blocks of {args.block} {r['blocks']['median']:.3f} ({r['blocks']['q1']:.3f}-{r['blocks']['q3']:.3f}); "
-                  f"{sc['commits']} pairs", flush=True)
+            print(
+                f"{name} delta commit, {measure}: medians {r['median_a_ms']:.2f} -> {r['median_b_ms']:.2f} ms, "
+                f"ratio of medians {r['ratio_of_medians']:.3f} (90% CI {r['ci90'][0]:.3f}-{r['ci90'][1]:.3f}); "
+                f"per pair {r['pairs']['median']:.3f} ({r['pairs']['q1']:.3f}-{r['pairs']['q3']:.3f}); "
+                f"blocks of {args.block} {r['blocks']['median']:.3f} ({r['blocks']['q1']:.3f}-{r['blocks']['q3']:.3f}); "
+                f"{sc['commits']} pairs",
+                flush=True,
+            )
     write_json(args.json, "commit", {"args": {k: v for k, v in vars(args).items() if k != "worker"}, **summary})
 
 

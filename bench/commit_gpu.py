@@ -96,14 +96,16 @@ def parse_modes(text: str, cuda: bool) -> tuple[list[str], list[str]]:
     for m in (x for x in text.split(",") if x):
         mode, _, suffix = m.partition("@")
         if mode not in MODES or any(s not in ORDERS for s in suffix.split("+") if suffix):
-            raise SystemExit(f"--modes: unknown mode {m!r}; modes are {', '.join(MODES)}, each optionally "
-                             f"@ORDER[+ORDER] of {', '.join(ORDERS)} (the modes of earlier versions of this "
-                             f"bench are gone: see its docstring)")
+            raise SystemExit(
+                f"--modes: unknown mode {m!r}; modes are {', '.join(MODES)}, each optionally "
+                f"@ORDER[+ORDER] of {', '.join(ORDERS)} (the modes of earlier versions of this "
+                f"bench are gone: see its docstring)"
+            )
         (left_out if mode in CUDA_ONLY and not cuda else modes).append(m)
     if "commit" not in modes:
         modes.append("commit")
     for m in list(modes):  # every order measured has its baseline
-        base = "none" + m[len(m.split("@")[0]):]
+        base = "none" + m[len(m.split("@")[0]) :]
         if base not in modes:
             modes.insert(0, base)
     return modes, left_out
@@ -119,26 +121,47 @@ def main() -> None:
     ap.add_argument("--latency-commits", type=int, default=3)
     ap.add_argument("--dcp-steps", type=int, default=1, help="0: skip the DCP anchor")
     ap.add_argument("--state-dir", default=None)
-    ap.add_argument("--device-only", action="store_true",
-                    help="after the base, measure only the device path (skip host-path commits and DCP)")
-    ap.add_argument("--ring", type=int, default=24,
-                    help="log segments the device path copies deltas into (0: pinned buffers + file copies)")
+    ap.add_argument(
+        "--device-only",
+        action="store_true",
+        help="after the base, measure only the device path (skip host-path commits and DCP)",
+    )
+    ap.add_argument(
+        "--ring",
+        type=int,
+        default=24,
+        help="log segments the device path copies deltas into (0: pinned buffers + file copies)",
+    )
     ap.add_argument("--json", default="bench/commit_gpu.json")
-    ap.add_argument("--copy-piece-mb", type=float, default=None,
-                    help="the capture's device-to-host copy in pieces of this many MiB (0: one copy; "
-                         "default: the library's)")
+    ap.add_argument(
+        "--copy-piece-mb",
+        type=float,
+        default=None,
+        help="the capture's device-to-host copy in pieces of this many MiB (0: one copy; default: the library's)",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="dense loop: rounds of interleaved windows")
     ap.add_argument("--window", type=int, default=8, help="dense loop: measured steps per window")
-    ap.add_argument("--modes", default="none,commit",
-                    help="dense loop: the modes interleaved, of " + ",".join(MODES) + " (each optionally "
-                         "@issue, @lib, @early, @issue+early, ...)")
+    ap.add_argument(
+        "--modes",
+        default="none,commit",
+        help="dense loop: the modes interleaved, of " + ",".join(MODES) + " (each optionally "
+        "@issue, @lib, @early, @issue+early, ...)",
+    )
     ap.add_argument("--switch-short", type=float, default=2e-4, help="the 'si' mode's sys.setswitchinterval (s)")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval (s) for the run: how long a thread may keep the GIL from another")
-    ap.add_argument("--profile", default=None,
-                    help="a path (.json.gz): a torch.profiler trace of a few dense steps of the device path")
-    ap.add_argument("--d2h-mib", type=int, default=512,
-                    help="MiB of the device-to-host bandwidth and host checksum measures")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval (s) for the run: how long a thread may keep the GIL from another",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="a path (.json.gz): a torch.profiler trace of a few dense steps of the device path",
+    )
+    ap.add_argument(
+        "--d2h-mib", type=int, default=512, help="MiB of the device-to-host bandwidth and host checksum measures"
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (see the docstring)")
     args = ap.parse_args()
     for name in ("steps", "rounds", "window", "ids", "dim", "d2h_mib"):
@@ -166,17 +189,30 @@ def main() -> None:
         raise SystemExit("bench/commit_gpu.py: no CUDA device (use --device cpu for a smoke run)")
     modes, left_out = parse_modes(args.modes, cuda)
     if left_out:
-        print(f"on {dev.type}: modes {', '.join(left_out)} left out (they measure the CUDA device path's own "
-              f"settings)", flush=True)
+        print(
+            f"on {dev.type}: modes {', '.join(left_out)} left out (they measure the CUDA device path's own settings)",
+            flush=True,
+        )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = int(args.table_gib * 2**30) // (args.dim * 4)
     if rows < 2:
         ap.error(f"--table-gib {args.table_gib} with --dim {args.dim} makes {rows} rows: at least 2")
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    topo = Topology.build(run_id="bench", generation=1, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1",
-                          master_port=port)
+    topo = Topology.build(
+        run_id="bench",
+        generation=1,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     comm = Comm(topo, store, None, timeout=600)
     # The library's own context (world size 1: its lookup and apply_gradients, change tracking
     # and written values): the "@lib" modes of the dense windows train through it. The bench's
@@ -185,12 +221,29 @@ def main() -> None:
     from elastic_emb.context import EmbContext
     from elastic_emb.protocol import OptimizerSpec, TableSpec
 
-    lib_topo = Topology.build(run_id="bench-lib", generation=1, rank=0, world_size=1, local_rank=0,
-                              local_world_size=1, node_rank=0, num_nodes=1, ep_size=1,
-                              backend="nccl" if cuda else "gloo", master_addr="127.0.0.1",
-                              master_port=port)
-    lctx = EmbContext(lib_topo, store, tables=[TableSpec(name="emb", num_rows=rows, dim=args.dim)],
-                      optimizer=OptimizerSpec(kind="adagrad", lr=0.01), device=dev, timeout=600.0, seed=None)
+    lib_topo = Topology.build(
+        run_id="bench-lib",
+        generation=1,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="nccl" if cuda else "gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+    lctx = EmbContext(
+        lib_topo,
+        store,
+        tables=[TableSpec(name="emb", num_rows=rows, dim=args.dim)],
+        optimizer=OptimizerSpec(kind="adagrad", lr=0.01),
+        device=dev,
+        timeout=600.0,
+        seed=None,
+    )
 
     class Ctx(ContextBase):
         tracks_changes = True
@@ -314,11 +367,19 @@ def main() -> None:
 
     d2h_gbs, crc_gbs, xxh_gbs, crc_threads = bandwidths(args.d2h_mib << 20)
 
-    out: dict = {"table_gib": args.table_gib, "dim": args.dim, "rows": rows, "ids_per_step": args.ids,
-                 "dense_matmuls": reps, "pinned_d2h_gbs": d2h_gbs, "host_crc32_gbs": crc_gbs,
-                 "host_xxh3_gbs": xxh_gbs, "host_crc32_threads": crc_threads,
-                 "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-                 "switch_interval_s": sys.getswitchinterval()}
+    out: dict = {
+        "table_gib": args.table_gib,
+        "dim": args.dim,
+        "rows": rows,
+        "ids_per_step": args.ids,
+        "dense_matmuls": reps,
+        "pinned_d2h_gbs": d2h_gbs,
+        "host_crc32_gbs": crc_gbs,
+        "host_xxh3_gbs": xxh_gbs,
+        "host_crc32_threads": crc_threads,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "switch_interval_s": sys.getswitchinterval(),
+    }
     shard_bytes = rows * (args.dim * 4 + 4)
     state = pick_dir(int(shard_bytes * 1.6) + (4 * 2**30 if cuda else 0), args.state_dir)
     out["state_dir"] = str(state)
@@ -352,8 +413,13 @@ def main() -> None:
             if self.skip:  # only wait for the copy: no checksums, no manifest
                 cap.copied.synchronize()
                 done[cap.step] = time.perf_counter()
-                stages[cap.step] = {"wait_copy_s": done[cap.step] - t0, "crc_write_manifest_s": 0.0,
-                                    "write_s": done[cap.step] - t0, "bytes": int(cap.blob.numel()), "ring": False}
+                stages[cap.step] = {
+                    "wait_copy_s": done[cap.step] - t0,
+                    "crc_write_manifest_s": 0.0,
+                    "write_s": done[cap.step] - t0,
+                    "bytes": int(cap.blob.numel()),
+                    "ring": False,
+                }
                 return 0, 0
             if cap.copied is not None:
                 cap = dataclasses.replace(cap, copied=Landing(cap.copied, at))
@@ -362,9 +428,13 @@ def main() -> None:
             t1 = at[-1] if at else t0
             # wait_copy: until the whole copy had landed (checksumming what landed meanwhile);
             # crc_write_manifest: the writer's work left after that (checksums, manifest)
-            stages[cap.step] = {"wait_copy_s": t1 - t0, "crc_write_manifest_s": done[cap.step] - t1,
-                                "write_s": done[cap.step] - t0,
-                                "bytes": int(cap.blob.numel()), "ring": isinstance(cap.buffer, Segment)}
+            stages[cap.step] = {
+                "wait_copy_s": t1 - t0,
+                "crc_write_manifest_s": done[cap.step] - t1,
+                "write_s": done[cap.step] - t0,
+                "bytes": int(cap.blob.numel()),
+                "ring": isinstance(cap.buffer, Segment),
+            }
             return r
 
         def prune(self, c, **kw):
@@ -406,10 +476,12 @@ def main() -> None:
         device = DeviceCapture(dev, buffers=3, timeout=600, **pieces)
         out["copy_piece_bytes"] = device.piece_bytes
         # The dense windows' other capture settings: larger and smaller pieces of the copy.
-        variants = {"commit": device,
-                    "bigpiece": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=64 << 20),
-                    "piece4": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=4 << 20),
-                    "piece8": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=8 << 20)}
+        variants = {
+            "commit": device,
+            "bigpiece": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=64 << 20),
+            "piece4": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=4 << 20),
+            "piece8": DeviceCapture(dev, buffers=3, timeout=600, piece_bytes=8 << 20),
+        }
     else:
         device, variants = None, {"commit": None}
     out["delta_checksum"] = DELTA_CHECKSUM if cuda else "crc32"
@@ -509,6 +581,7 @@ def main() -> None:
             sys.setswitchinterval(args.switch_short)
         got, lats, first = [], [], step_no
         try:
+
             def do_commit() -> None:
                 nonlocal step_no
                 called[step_no] = ta = time.perf_counter()
@@ -522,8 +595,12 @@ def main() -> None:
                 dwriter.submit(cap)
                 te = time.perf_counter()
                 if step_no - first >= 2:  # (the call's parts: views, take, SnapshotTier.capture, submit)
-                    for label, dt in (("call_views", tb - ta), ("call_take", tc - tb), ("call_tier_capture", td - tc),
-                                      ("call_submit", te - td)):
+                    for label, dt in (
+                        ("call_views", tb - ta),
+                        ("call_take", tc - tb),
+                        ("call_tier_capture", td - tc),
+                        ("call_submit", te - td),
+                    ):
                         call_ms.setdefault(name, {}).setdefault(label, []).append(dt * 1e3)
                 step_no += 1
 
@@ -576,11 +653,15 @@ def main() -> None:
             elif m == "commit@lib":
                 lat_lib += lats
         for m in modes:
-            base = "none" + m[len(m.split("@")[0]):]
+            base = "none" + m[len(m.split("@")[0]) :]
             per_round[m].append(meds[m] / meds[base] - 1 if m != base else meds[m])
     names = ("emb_ms", "dense_launch_ms", "loss_read_ms", "commit_call_ms", "step_ms")
-    out["dense_windows"] = {"rounds": args.rounds, "window_steps": args.window, "modes": modes,
-                            "switch_short_s": args.switch_short}
+    out["dense_windows"] = {
+        "rounds": args.rounds,
+        "window_steps": args.window,
+        "modes": modes,
+        "switch_short_s": args.switch_short,
+    }
     for m in modes:
         is_base = m.startswith("none")
         out["dense_windows"][m] = {
@@ -605,8 +686,9 @@ def main() -> None:
         out["step_none_dense_issue_order_ms"] = _median_ms(per_round["none@issue"])
         out["latency_device_dense_issue_order_ms"] = _median_ms(lat_issue)
         out["latency_device_dense_issue_order_ms_max"] = max(lat_issue) * 1e3
-        out["latency_device_dense_issue_order_steps"] = (out["latency_device_dense_issue_order_ms"]
-                                                         / out["step_none_dense_issue_order_ms"])
+        out["latency_device_dense_issue_order_steps"] = (
+            out["latency_device_dense_issue_order_ms"] / out["step_none_dense_issue_order_ms"]
+        )
     if "commit@lib" in modes:  # the library's own loop (EmbContext lookup and apply_gradients)
         ov = [100 * v for v in per_round["commit@lib"]]
         out["overhead_device_dense_lib_pct"] = statistics.median(ov)
@@ -617,31 +699,48 @@ def main() -> None:
         out["latency_device_dense_lib_ms"] = _median_ms(lat_lib)
         out["latency_device_dense_lib_ms_max"] = max(lat_lib) * 1e3
         out["latency_device_dense_lib_steps"] = out["latency_device_dense_lib_ms"] / out["step_none_dense_lib_ms"]
-    print("dense loop, interleaved windows (median over %d rounds of %d steps; spans ms: emb, dense launch, "
-          "loss read, commit call, step):" % (args.rounds, args.window), flush=True)
+    print(
+        "dense loop, interleaved windows (median over %d rounds of %d steps; spans ms: emb, dense launch, "
+        "loss read, commit call, step):" % (args.rounds, args.window),
+        flush=True,
+    )
     for m in modes:
         d = out["dense_windows"][m]
         ovs = d["overhead_pct_per_round"]
-        print(f"  {m:8s} " + " ".join(f"{v:7.3f}" for v in d["spans_median_ms"].values())
-              + ("" if ovs is None else f"  overhead {d['overhead_pct_median']:+.2f}% "
-                 f"(rounds {min(ovs):+.2f}..{max(ovs):+.2f})"), flush=True)
+        print(
+            f"  {m:8s} "
+            + " ".join(f"{v:7.3f}" for v in d["spans_median_ms"].values())
+            + (
+                ""
+                if ovs is None
+                else f"  overhead {d['overhead_pct_median']:+.2f}% (rounds {min(ovs):+.2f}..{max(ovs):+.2f})"
+            ),
+            flush=True,
+        )
         if d["commit_call_parts_ms"]:
             parts_text = " ".join(f"{k} {v:.3f}" for k, v in d["commit_call_parts_ms"].items())
             print(f"           commit call, ms: {parts_text}", flush=True)
-    print(f"  commit latency {out['latency_device_dense_ms']:.1f} ms median "
-          f"({out['latency_device_dense_steps']:.2f} steps), max {out['latency_device_dense_ms_max']:.1f} ms",
-          flush=True)
+    print(
+        f"  commit latency {out['latency_device_dense_ms']:.1f} ms median "
+        f"({out['latency_device_dense_steps']:.2f} steps), max {out['latency_device_dense_ms_max']:.1f} ms",
+        flush=True,
+    )
     if lat_lib:
-        print(f"  commit@lib latency {out['latency_device_dense_lib_ms']:.1f} ms median "
-              f"({out['latency_device_dense_lib_steps']:.2f} steps), "
-              f"max {out['latency_device_dense_lib_ms_max']:.1f} ms; "
-              f"rounds at most +2%: {out['overhead_device_dense_lib_rounds_at_most_2pct']} of {args.rounds}, "
-              f"quartiles " + " ".join(f"{q:+.2f}%" for q in out["overhead_device_dense_lib_pct_quartiles"]),
-              flush=True)
+        print(
+            f"  commit@lib latency {out['latency_device_dense_lib_ms']:.1f} ms median "
+            f"({out['latency_device_dense_lib_steps']:.2f} steps), "
+            f"max {out['latency_device_dense_lib_ms_max']:.1f} ms; "
+            f"rounds at most +2%: {out['overhead_device_dense_lib_rounds_at_most_2pct']} of {args.rounds}, "
+            f"quartiles " + " ".join(f"{q:+.2f}%" for q in out["overhead_device_dense_lib_pct_quartiles"]),
+            flush=True,
+        )
     if lat_issue:
-        print(f"  commit@issue latency {out['latency_device_dense_issue_order_ms']:.1f} ms median "
-              f"({out['latency_device_dense_issue_order_steps']:.2f} steps), max "
-              f"{out['latency_device_dense_issue_order_ms_max']:.1f} ms", flush=True)
+        print(
+            f"  commit@issue latency {out['latency_device_dense_issue_order_ms']:.1f} ms median "
+            f"({out['latency_device_dense_issue_order_steps']:.2f} steps), max "
+            f"{out['latency_device_dense_issue_order_ms_max']:.1f} ms",
+            flush=True,
+        )
 
     # The embedding-only loop: the writer woken every MARK_BYTES landed (the library's). Where the
     # training thread's time in a commit goes, per part (host time): taking the rows, the tier's
@@ -694,8 +793,10 @@ def main() -> None:
     steady = sum(byts[1:]) / (done[ks[-1]] - done[ks[0]]) / 1e9 if len(ks) > 1 else None
     out[f"steady_device_{label}_gbs"] = steady
     out[f"steady_device_{label}_of_d2h"] = None if steady is None else steady / d2h_gbs
-    out[f"stages_device_{label}_ms"] = {k: _median_ms([stages[j][k] for j in range(first + 2, step_no)])
-                                        for k in ("wait_copy_s", "crc_write_manifest_s", "write_s")}
+    out[f"stages_device_{label}_ms"] = {
+        k: _median_ms([stages[j][k] for j in range(first + 2, step_no)])
+        for k in ("wait_copy_s", "crc_write_manifest_s", "write_s")
+    }
     out[f"drain_device_{label}_ms"] = (t_drained - t_end) * 1e3
     out[f"ring_commits_device_{label}"] = sum(stages[k]["ring"] for k in range(first + 2, step_no))
     if args.profile:  # the device timeline of a few dense steps, each committed
@@ -726,17 +827,23 @@ def main() -> None:
     own = out["commit_call_parts_ms"]["take_rows"] + out["commit_call_parts_ms"]["tier_capture"]
     copy_ms = out["delta_bytes_device_emb_only"] / d2h_gbs / 1e6
     host_ms = st["crc_write_manifest_s"] + (out["writer_prune_ms"] or 0.0)
-    stage = {"the capture call in the training thread": own, "the pinned D2H copy": copy_ms,
-             "the host side (the writer's checksums left after the copy, manifest and prune)": host_ms}
+    stage = {
+        "the capture call in the training thread": own,
+        "the pinned D2H copy": copy_ms,
+        "the host side (the writer's checksums left after the copy, manifest and prune)": host_ms,
+    }
     bound = max(stage, key=stage.get)
     out["device_emb_only_stage_ms"] = {"capture_call": own, "d2h_copy": copy_ms, "writer_host": host_ms}
     out["device_emb_only_bound_by"] = bound
     steady_text = "-" if steady is None else f"{steady:.1f} GB/s = {100 * steady / d2h_gbs:.0f}%"
-    print(f"device path, embedding-only loop: {gbs:.1f} GB/s sustained = {100 * gbs / d2h_gbs:.0f}% of the pinned "
-          f"D2H bandwidth ({d2h_gbs:.1f} GB/s), {steady_text} between the first "
-          f"and the last commit complete; per commit: the copy {copy_ms:.1f} ms at that bandwidth, "
-          f"the writer after it (checksums left, manifest, prune) {host_ms:.1f} ms, the capture call {own:.1f} ms: "
-          f"bound by {bound}", flush=True)
+    print(
+        f"device path, embedding-only loop: {gbs:.1f} GB/s sustained = {100 * gbs / d2h_gbs:.0f}% of the pinned "
+        f"D2H bandwidth ({d2h_gbs:.1f} GB/s), {steady_text} between the first "
+        f"and the last commit complete; per commit: the copy {copy_ms:.1f} ms at that bandwidth, "
+        f"the writer after it (checksums left, manifest, prune) {host_ms:.1f} ms, the capture call {own:.1f} ms: "
+        f"bound by {bound}",
+        flush=True,
+    )
     if args.device_only:
         shutil.rmtree(state, ignore_errors=True) if not args.state_dir else None
         print(json.dumps(out, indent=1))
@@ -760,8 +867,9 @@ def main() -> None:
         out[f"step_incremental_{label}_ms"] = _median_ms(steps)
         out[f"commit_incremental_{label}_ms"] = _median_ms(commits)
         out[f"delta_bytes_{label}"] = statistics.median(written)
-        out[f"overhead_incremental_{label}_pct"] = 100 * (out[f"step_incremental_{label}_ms"]
-                                                         / out[f"step_none_{label}_ms"] - 1)
+        out[f"overhead_incremental_{label}_pct"] = 100 * (
+            out[f"step_incremental_{label}_ms"] / out[f"step_none_{label}_ms"] - 1
+        )
         out[f"commit_gbs_{label}"] = out[f"delta_bytes_{label}"] / (out[f"commit_incremental_{label}_ms"] / 1e3) / 1e9
 
     writer = CommitWriter(tier, comm, timeout=600)

@@ -61,12 +61,20 @@ def build(topology, env, device, rows: int, dim: int):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
 
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows,
-                                                            feature_names=["f"])], device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"])],
+        device=torch.device("meta"),
+    )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8})
-    plan = construct_module_sharding_plan(ebc, {"t": row_wise(compute_kernel="fused")},
-                                          world_size=topology.world_size, device_type=device.type, sharder=sharder)
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
+    )
+    plan = construct_module_sharding_plan(
+        ebc,
+        {"t": row_wise(compute_kernel="fused")},
+        world_size=topology.world_size,
+        device_type=device.type,
+        sharder=sharder,
+    )
     return DistributedModelParallel(ebc, env=env, device=device, plan=ShardingPlan({"": plan}), sharders=[sharder])
 
 
@@ -79,15 +87,21 @@ def worker(args) -> None:
     from elastic_emb.adapters.torchrec import TorchRecContext
 
     rows = args.table_mb * 2**20 // (args.dim * 4) * args.world
-    factory = functools.partial(TorchRecContext, build=functools.partial(build, rows=rows, dim=args.dim),
-                                dense_table=None, track_changes=args.mode in ("incremental", "rebased"), timeout=120.0)
+    factory = functools.partial(
+        TorchRecContext,
+        build=functools.partial(build, rows=rows, dim=args.dim),
+        dense_table=None,
+        track_changes=args.mode in ("incremental", "rebased"),
+        timeout=120.0,
+    )
     lc = Lifecycle.start(factory, LifecycleConfig(max_chain=args.max_chain, fold=args.mode != "rebased"))
     gen = torch.Generator().manual_seed(lc.topology.rank)
     steps, commits = [], []
     for step in range(args.warmup + measured(args, args.mode)):
         ids = torch.randint(0, rows, (args.ids,), generator=gen)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids,
-                                                  lengths=torch.ones(args.ids, dtype=torch.int64))
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=ids, lengths=torch.ones(args.ids, dtype=torch.int64)
+        )
         t0 = time.perf_counter()
         lc.context.model(kjt).values().sum().backward()
         t1 = time.perf_counter()
@@ -106,13 +120,40 @@ def launch(args, mode: str, state_dir: str) -> list[dict]:
     procs = []
     for rank in range(args.world):
         # each rank its own node (so every commit also sends a replica)
-        env = torchrun_env(rank, args.world, port, local_world_size=1, run_id=f"bench-{mode}",
-                           extra={"ELASTIC_EMB_LOG_LEVEL": "warning",
-                                  "ELASTIC_EMB_STATE_DIR": os.path.join(state_dir, mode, f"node{rank}")})
-        cmd = ["python", __file__, "--worker", "--mode", mode, "--table-mb", str(args.table_mb),
-               "--dim", str(args.dim), "--ids", str(args.ids), "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--world", str(args.world), "--max-chain", str(args.max_chain),
-               "--full-steps", str(args.full_steps)]
+        env = torchrun_env(
+            rank,
+            args.world,
+            port,
+            local_world_size=1,
+            run_id=f"bench-{mode}",
+            extra={
+                "ELASTIC_EMB_LOG_LEVEL": "warning",
+                "ELASTIC_EMB_STATE_DIR": os.path.join(state_dir, mode, f"node{rank}"),
+            },
+        )
+        cmd = [
+            "python",
+            __file__,
+            "--worker",
+            "--mode",
+            mode,
+            "--table-mb",
+            str(args.table_mb),
+            "--dim",
+            str(args.dim),
+            "--ids",
+            str(args.ids),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--world",
+            str(args.world),
+            "--max-chain",
+            str(args.max_chain),
+            "--full-steps",
+            str(args.full_steps),
+        ]
         procs.append(start(cmd, env))
     try:
         return collect(procs, args.timeout, f"mode {mode}")
@@ -125,11 +166,20 @@ def main() -> None:
     ap.add_argument("--table-mb", type=int, default=256, help="table MB per rank (weights; Adagrad adds 1/dim)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=4096, help="ids per step per rank")
-    ap.add_argument("--steps", type=int, default=180, help="measured steps per mode and repetition (a multiple of "
-                                                             "--max-chain + 1: the mean holds bases in their share; "
-                                                             "long enough for several fold points)")
-    ap.add_argument("--full-steps", type=int, default=36, help="measured steps of the full mode (each costs a "
-                                                                 "full snapshot: fewer suffice)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=180,
+        help="measured steps per mode and repetition (a multiple of "
+        "--max-chain + 1: the mean holds bases in their share; "
+        "long enough for several fold points)",
+    )
+    ap.add_argument(
+        "--full-steps",
+        type=int,
+        default=36,
+        help="measured steps of the full mode (each costs a full snapshot: fewer suffice)",
+    )
     ap.add_argument("--warmup", type=int, default=9)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the modes, in rotated order")
     ap.add_argument("--world", type=int, default=2)
@@ -150,18 +200,29 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
         for rep in range(args.reps):
-            for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
+            for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
                 ranks = launch(args, mode, state_dir)
                 slowest = [max(r["steps"][i] for r in ranks) for i in range(measured(args, mode))]
-                runs[mode].append({"step_ms": statistics.median(slowest) * 1e3, "mean_step_ms": statistics.fmean(slowest) * 1e3,
-                                   "commit_ms": statistics.median(c for r in ranks for c in r["commits"]) * 1e3})
-                print(f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms (mean {runs[mode][-1]['mean_step_ms']:.2f}), "
-                      f"commit call {runs[mode][-1]['commit_ms']:.2f} ms", flush=True)
+                runs[mode].append(
+                    {
+                        "step_ms": statistics.median(slowest) * 1e3,
+                        "mean_step_ms": statistics.fmean(slowest) * 1e3,
+                        "commit_ms": statistics.median(c for r in ranks for c in r["commits"]) * 1e3,
+                    }
+                )
+                print(
+                    f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms (mean {runs[mode][-1]['mean_step_ms']:.2f}), "
+                    f"commit call {runs[mode][-1]['commit_ms']:.2f} ms",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
     rows = summarize(runs)
-    write_json(args.json, "commit_torchrec", {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode")},
-                                              "rows": rows, "runs": runs})
+    write_json(
+        args.json,
+        "commit_torchrec",
+        {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode")}, "rows": rows, "runs": runs},
+    )
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
@@ -171,30 +232,43 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for mode in [m for m in MODES if runs.get(m)]:
         pairs = list(zip(runs[mode], runs["none"]))
-        rows.append({"mode": mode, "step_ms": statistics.median(r["step_ms"] for r in runs[mode]),
-                     "commit_call_ms": statistics.median(r["commit_ms"] for r in runs[mode]),
-                     "added_ms": statistics.median(r["step_ms"] - b["step_ms"] for r, b in pairs),
-                     "mean_step_ms": statistics.median(r["mean_step_ms"] for r in runs[mode]),
-                     "mean_added_ms": statistics.median(r["mean_step_ms"] - b["mean_step_ms"] for r, b in pairs),
-                     "overhead_pct": 100 * statistics.median(r["step_ms"] / b["step_ms"] - 1 for r, b in pairs)})
+        rows.append(
+            {
+                "mode": mode,
+                "step_ms": statistics.median(r["step_ms"] for r in runs[mode]),
+                "commit_call_ms": statistics.median(r["commit_ms"] for r in runs[mode]),
+                "added_ms": statistics.median(r["step_ms"] - b["step_ms"] for r, b in pairs),
+                "mean_step_ms": statistics.median(r["mean_step_ms"] for r in runs[mode]),
+                "mean_added_ms": statistics.median(r["mean_step_ms"] - b["mean_step_ms"] for r, b in pairs),
+                "overhead_pct": 100 * statistics.median(r["step_ms"] / b["step_ms"] - 1 for r, b in pairs),
+            }
+        )
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     full, inc = (next(r for r in rows if r["mode"] == m) for m in ("full", "incremental"))
 
     def one_in(whole: float, part: float) -> str:  # "1/N", or "-" when the part is lost in the noise
         return f"1/{whole / part:.0f}" if part > 0 else "-"
 
-    print(f"time a commit adds to a step, incremental / full: {one_in(full['added_ms'], inc['added_ms'])} at the "
-          f"median step, {one_in(full['mean_added_ms'], inc['mean_added_ms'])} in the mean (the folds included)",
-          flush=True)
+    print(
+        f"time a commit adds to a step, incremental / full: {one_in(full['added_ms'], inc['added_ms'])} at the "
+        f"median step, {one_in(full['mean_added_ms'], inc['mean_added_ms'])} in the mean (the folds included)",
+        flush=True,
+    )
     rebased = next((r for r in rows if r["mode"] == "rebased"), None)
     if rebased is not None:  # (an earlier run's JSON may lack it)
-        per_rep = [(r["mean_step_ms"] - b["mean_step_ms"]) / (q["mean_step_ms"] - b["mean_step_ms"])
-                   for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])
-                   if q["mean_step_ms"] != b["mean_step_ms"]]
+        per_rep = [
+            (r["mean_step_ms"] - b["mean_step_ms"]) / (q["mean_step_ms"] - b["mean_step_ms"])
+            for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])
+            if q["mean_step_ms"] != b["mean_step_ms"]
+        ]
         if per_rep:
-            print(f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
-                  f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})", flush=True)
+            print(
+                f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
+                f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})",
+                flush=True,
+            )
     return rows
+
 
 if __name__ == "__main__":
     import torch

@@ -94,7 +94,7 @@ def copies(args, out: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
         if mode == "pieces":
             with torch.cuda.stream(side):
                 for s in starts:
-                    dst[s:s + piece].copy_(src[s:s + piece], non_blocking=True)
+                    dst[s : s + piece].copy_(src[s : s + piece], non_blocking=True)
             return None
         if mode == "pingpong":
             prev = None
@@ -105,7 +105,7 @@ def copies(args, out: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
                 elif st is side2:
                     st.wait_stream(side)
                 with torch.cuda.stream(st):
-                    dst[s:s + piece].copy_(src[s:s + piece], non_blocking=True)
+                    dst[s : s + piece].copy_(src[s : s + piece], non_blocking=True)
                 prev = torch.cuda.Event()
                 prev.record(st)
             side.wait_event(prev)
@@ -118,7 +118,7 @@ def copies(args, out: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
                 for s in starts:
                     if len(events) >= in_flight:
                         events.pop(0).synchronize()
-                    dst[s:s + piece].copy_(src[s:s + piece], non_blocking=True)
+                    dst[s : s + piece].copy_(src[s : s + piece], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(side)
                     events.append(ev)
@@ -164,7 +164,7 @@ def copies(args, out: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
     # 2. a dense step (matmuls + a small read at its start and its end) with the copy from its start
     mm = 8192
     x = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16) / mm ** 0.5
+    w = torch.randn(mm, mm, device=dev, dtype=torch.bfloat16) / mm**0.5
 
     def dense(reps):
         y = x
@@ -224,10 +224,14 @@ def checksums(args, out: dict, src: torch.Tensor, dst: torch.Tensor, cuda: bool)
                 if busy:
                     src2 = src[: nbytes // 2]
                     with torch.cuda.stream(side):
-                        dst[nbytes // 2:].copy_(src2, non_blocking=True)
+                        dst[nbytes // 2 :].copy_(src2, non_blocking=True)
                 t0 = time.perf_counter()
-                list(pool.map(lambda s, fn=fn: fn(memoryview(host[s:s + chunk])),
-                              range(0, nbytes // (2 if busy else 1), chunk)))
+                list(
+                    pool.map(
+                        lambda s, fn=fn: fn(memoryview(host[s : s + chunk])),
+                        range(0, nbytes // (2 if busy else 1), chunk),
+                    )
+                )
                 xs.append((nbytes // (2 if busy else 1)) / (time.perf_counter() - t0) / 1e9)
                 if cuda:
                     side.synchronize()

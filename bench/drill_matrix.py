@@ -52,15 +52,36 @@ def skip_reason(name: str) -> str | None:
 
 def one(name: str, mode: str, workdir: Path, timeout: float) -> dict:
     """Run one drill in its own process; its row of the matrix."""
-    row = {"preset": name, "mode": mode, "result": "SKIP", "error": None, "resizes": None, "in_process": None,
-           "lost": None, "pause_s": None, "duration_s": None, "world_sizes": None}
+    row = {
+        "preset": name,
+        "mode": mode,
+        "result": "SKIP",
+        "error": None,
+        "resizes": None,
+        "in_process": None,
+        "lost": None,
+        "pause_s": None,
+        "duration_s": None,
+        "world_sizes": None,
+    }
     reason = skip_reason(name)
     if reason:
         row["error"] = reason
         return row
     out = workdir / f"{name}-{mode}"
-    cmd = [sys.executable, "-m", "elastic_emb.drill", "--scenario", name, "--mode", mode, "--out", str(out),
-           "--progress", "lines"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_emb.drill",
+        "--scenario",
+        name,
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        "--progress",
+        "lines",
+    ]
     log = workdir / f"{name}-{mode}.log"
     t = time.monotonic()
     with open(log, "wb") as f:
@@ -79,10 +100,14 @@ def one(name: str, mode: str, workdir: Path, timeout: float) -> dict:
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     resizes = report.get("resizes") or []
-    row.update(result="PASS" if rc == 0 else "FAIL", world_sizes=report.get("world_sizes"),
-               resizes=len(resizes), in_process=sum(r.get("mode") == "in_process" for r in resizes),
-               lost=sum(r.get("steps_lost") or 0 for r in resizes),
-               pause_s=max((r["pause_seconds"] for r in resizes if r.get("pause_seconds") is not None), default=None))
+    row.update(
+        result="PASS" if rc == 0 else "FAIL",
+        world_sizes=report.get("world_sizes"),
+        resizes=len(resizes),
+        in_process=sum(r.get("mode") == "in_process" for r in resizes),
+        lost=sum(r.get("steps_lost") or 0 for r in resizes),
+        pause_s=max((r["pause_seconds"] for r in resizes if r.get("pause_seconds") is not None), default=None),
+    )
     if rc is None:
         row["error"] = f"timed out after {timeout:g} s (log {log})"
     elif rc != 0:
@@ -93,13 +118,17 @@ def one(name: str, mode: str, workdir: Path, timeout: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | mode | result | resizes (in process) | lost | pause s | duration s |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| preset | mode | result | resizes (in process) | lost | pause s | duration s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     fmt = lambda v, spec="": "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         resizes = "-" if r["resizes"] is None else f"{r['resizes']} ({r['in_process']})"
-        lines.append(f"| {r['preset']} | {r['mode']} | {r['result']} | {resizes} | {fmt(r['lost'])} | "
-                     f"{fmt(r['pause_s'], '.2f')} | {fmt(r['duration_s'], '.0f')} |")
+        lines.append(
+            f"| {r['preset']} | {r['mode']} | {r['result']} | {resizes} | {fmt(r['lost'])} | "
+            f"{fmt(r['pause_s'], '.2f')} | {fmt(r['duration_s'], '.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -108,7 +137,9 @@ def main() -> int:
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per drill, then SIGTERM")
-    p.add_argument("--keep", type=Path, default=None, help="keep every drill's directory here (default: a temporary one)")
+    p.add_argument(
+        "--keep", type=Path, default=None, help="keep every drill's directory here (default: a temporary one)"
+    )
     p.add_argument("--out", type=Path, default=Path("out/drill_matrix.json"))
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]

@@ -52,11 +52,20 @@ def _env(layout: list[str], me: str, port: int, gen: int, run_id: str) -> dict:
     nodes = list(dict.fromkeys(p[0] for p in layout))
     rank = layout.index(me)
     members = [r for r, p in enumerate(layout) if p[0] == me[0]]
-    return {"RANK": str(rank), "WORLD_SIZE": str(len(layout)), "LOCAL_RANK": str(members.index(rank)),
-            "LOCAL_WORLD_SIZE": str(len(members)), "GROUP_RANK": str(nodes.index(me[0])),
-            "GROUP_WORLD_SIZE": str(len(nodes)), "ELASTIC_EMB_GENERATION": str(gen), "MASTER_PORT": str(port),
-            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_EMB_BACKEND": "gloo",
-            "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(len(layout)),
+        "LOCAL_RANK": str(members.index(rank)),
+        "LOCAL_WORLD_SIZE": str(len(members)),
+        "GROUP_RANK": str(nodes.index(me[0])),
+        "GROUP_WORLD_SIZE": str(len(nodes)),
+        "ELASTIC_EMB_GENERATION": str(gen),
+        "MASTER_PORT": str(port),
+        "MASTER_ADDR": "127.0.0.1",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "ELASTIC_EMB_BACKEND": "gloo",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
 
 
 def _wait_files(pattern_dir: str, prefix: str, count: int, timeout: float = 300.0) -> None:
@@ -77,10 +86,15 @@ def _check_rows(ctx, what: str) -> None:
 
     for name, s in ctx.shard_views().items():
         want = torch.arange(s.rows.start, s.rows.stop, dtype=s.weight.dtype)
-        if not (torch.equal(s.weight[:, 0], want) and torch.equal(s.weight[:, -1], want)
-                and all(torch.equal(v.reshape(len(want), -1)[:, 0], want) for v in s.slots.values())):
-            raise AssertionError(f"{what}: rows of {name} [{s.rows.start}, {s.rows.stop}) lost their values: "
-                                 f"{s.weight[:3, :2].tolist()} {[v.reshape(len(want), -1)[:3, 0].tolist() for v in s.slots.values()]}")
+        if not (
+            torch.equal(s.weight[:, 0], want)
+            and torch.equal(s.weight[:, -1], want)
+            and all(torch.equal(v.reshape(len(want), -1)[:, 0], want) for v in s.slots.values())
+        ):
+            raise AssertionError(
+                f"{what}: rows of {name} [{s.rows.start}, {s.rows.stop}) lost their values: "
+                f"{s.weight[:3, :2].tolist()} {[v.reshape(len(want), -1)[:3, 0].tolist() for v in s.slots.values()]}"
+            )
 
 
 def rank_main(me: str, args, port: int, flags: str) -> dict:
@@ -100,8 +114,12 @@ def rank_main(me: str, args, port: int, flags: str) -> dict:
         return EmbContext(topology, store, tables=tables, optimizer=opt, seed=None, timeout=120.0)
 
     def lc_env(layout, gen):
-        return {**os.environ, **_env(layout, me, port, gen, "ep8"),
-                "ELASTIC_EMB_NODE_ID": me[0], "ELASTIC_EMB_STATE_DIR": os.path.join(args.state_dir, me[0])}
+        return {
+            **os.environ,
+            **_env(layout, me, port, gen, "ep8"),
+            "ELASTIC_EMB_NODE_ID": me[0],
+            "ELASTIC_EMB_STATE_DIR": os.path.join(args.state_dir, me[0]),
+        }
 
     config = LifecycleConfig(replication=1, keep=1, transfer_timeout=300.0, agree_timeout=300.0)
     out: dict = {"agree": [], "rebuild": [], "a2a": [], "shrink": [], "grow": []}
@@ -226,12 +244,17 @@ def summarize(res: dict, args) -> dict:
         moved = [sum(e["bytes_moved"] for e in run) for run in evs]
         tiers = sorted({t for run in evs for e in run for t in e["source_tiers"]})
         return {
-            "restore_s": med(restore), "transfer_s": med(transfer), "resize_total_s": med(total),
-            "bytes_moved": med(moved), "tiers": tiers,
+            "restore_s": med(restore),
+            "transfer_s": med(transfer),
+            "resize_total_s": med(total),
+            "bytes_moved": med(moved),
+            "tiers": tiers,
             "gbps_per_rank": med(b / n / r / 1e9 for b, r in zip(moved, restore)),
             "transfer_gbps_per_rank": med(b / n / t / 1e9 for b, t in zip(moved, transfer)),
-            "phases_s": {k: med(max(e[k] for e in run if e["kind"] == "rebuild") for run in evs)
-                         for k in ("teardown_s", "agreement_s", "construct_s", "restore_s")},
+            "phases_s": {
+                k: med(max(e[k] for e in run if e["kind"] == "rebuild") for run in evs)
+                for k in ("teardown_s", "agreement_s", "construct_s", "restore_s")
+            },
         }
 
     a2a = [max(res[m]["a2a"][i][0] for m in LAYOUT) for i in range(runs)]
@@ -241,10 +264,19 @@ def summarize(res: dict, args) -> dict:
     for r in (shrink, grow):
         r["vs_alltoall"] = r["gbps_per_rank"] / base
     return {
-        "world": 8, "nodes": 4, "procs_per_node": 2, "backend": "gloo", "device": "cpu", "table_mb": args.mb,
-        "runs": runs, "agree_s": med(slowest("agree")), "rebuild_s": med(slowest("rebuild")),
-        "alltoall_gbps_per_rank": base, "alltoall_bytes_per_rank": a2a_bytes,
-        "shrink_8_to_4": shrink, "grow_4_to_8": grow,
+        "world": 8,
+        "nodes": 4,
+        "procs_per_node": 2,
+        "backend": "gloo",
+        "device": "cpu",
+        "table_mb": args.mb,
+        "runs": runs,
+        "agree_s": med(slowest("agree")),
+        "rebuild_s": med(slowest("rebuild")),
+        "alltoall_gbps_per_rank": base,
+        "alltoall_bytes_per_rank": a2a_bytes,
+        "shrink_8_to_4": shrink,
+        "grow_4_to_8": grow,
         "raw": {"agree_s": slowest("agree"), "rebuild_s": slowest("rebuild"), "a2a_s": a2a},
     }
 
@@ -277,12 +309,16 @@ def main() -> None:
     print(f"{'context destroy + reconstruct, world 8':44} {s['rebuild_s'] * 1e3:>10.2f} ms")
     print(f"{'baseline gloo all-to-all, per rank':44} {s['alltoall_gbps_per_rank']:>8.3f} GB/s")
     for name, r in (("8 -> 4", s["shrink_8_to_4"]), ("4 -> 8", s["grow_4_to_8"])):
-        print(f"{'reshard ' + name + ' per rank (restore)':44} {r['gbps_per_rank']:>8.3f} GB/s"
-              f"  ({r['vs_alltoall']:.2f}x all-to-all; tiers {','.join(r['tiers'])})")
+        print(
+            f"{'reshard ' + name + ' per rank (restore)':44} {r['gbps_per_rank']:>8.3f} GB/s"
+            f"  ({r['vs_alltoall']:.2f}x all-to-all; tiers {','.join(r['tiers'])})"
+        )
         print(f"{'reshard ' + name + ' per rank (transfer)':44} {r['transfer_gbps_per_rank']:>8.3f} GB/s")
-        print(f"{'resize ' + name + ' total (slowest survivor)':44} {r['resize_total_s'] * 1e3:>10.1f} ms"
-              f"  (teardown {r['phases_s']['teardown_s'] * 1e3:.1f}, agree {r['phases_s']['agreement_s'] * 1e3:.1f},"
-              f" construct {r['phases_s']['construct_s'] * 1e3:.1f}, restore {r['phases_s']['restore_s'] * 1e3:.1f} ms)")
+        print(
+            f"{'resize ' + name + ' total (slowest survivor)':44} {r['resize_total_s'] * 1e3:>10.1f} ms"
+            f"  (teardown {r['phases_s']['teardown_s'] * 1e3:.1f}, agree {r['phases_s']['agreement_s'] * 1e3:.1f},"
+            f" construct {r['phases_s']['construct_s'] * 1e3:.1f}, restore {r['phases_s']['restore_s'] * 1e3:.1f} ms)"
+        )
 
 
 if __name__ == "__main__":

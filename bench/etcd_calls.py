@@ -78,9 +78,13 @@ class PerCallClient(EtcdV3Client):
                 raw = exc.read() or b"{}"
         else:
             parts = urllib.parse.urlsplit(url)
-            conn = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.options.read_timeout,
-                                                context=self.tls) if parts.scheme == "https"
-                    else http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.options.read_timeout))
+            conn = (
+                http.client.HTTPSConnection(
+                    parts.hostname, parts.port, timeout=self.options.read_timeout, context=self.tls
+                )
+                if parts.scheme == "https"
+                else http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.options.read_timeout)
+            )
             try:
                 conn.request("POST", parts.path, body=data, headers=headers)
                 raw = conn.getresponse().read()
@@ -144,30 +148,67 @@ def main(argv=None) -> None:
         tls, options = None, ClientOptions()
         if args.tls:
             cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
-            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                            "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                           check=True, capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    "openssl",
+                    "req",
+                    "-x509",
+                    "-newkey",
+                    "rsa:2048",
+                    "-nodes",
+                    "-keyout",
+                    key,
+                    "-out",
+                    cert,
+                    "-days",
+                    "1",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                    "-addext",
+                    "subjectAltName=IP:127.0.0.1",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             tls = TLSFiles(cert=Path(cert), key=Path(key), ca=Path(cert))
             options = ClientOptions(protocol="https", ca_cert=cert, ssl_cert=cert, ssl_cert_key=key)
         with EtcdServer(os.path.join(tmp, "etcd"), tls=tls) as server:
-            stores = {t: EtcdV3Store(cls.from_endpoint(server.endpoint, options), prefix=f"/bench/{t}/")
-                      for t, cls in TRANSPORTS.items()}
+            stores = {
+                t: EtcdV3Store(cls.from_endpoint(server.endpoint, options), prefix=f"/bench/{t}/")
+                for t, cls in TRANSPORTS.items()
+            }
             for run in range(args.runs):
                 for op in ("get", "check", "add"):
                     for t, store in stores.items():  # interleaved: load on the machine hits all alike
                         samples[t][op].append(rate(store, op, args.calls, f"{op}{run}"))
-    version = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
+    version = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=10).stdout.split(
+        "\n"
+    )[0]
     medians = {t: {op: statistics.median(v) for op, v in ops.items()} for t, ops in samples.items()}
     ratios = {t: {op: medians[t][op] / medians["urllib"][op] for op in ops} for t, ops in medians.items()}
     print(f"{'transport':>9} {'op':>6} {'calls/s':>9} {'vs urllib':>9}")
     for t in TRANSPORTS:
         for op in ("get", "check", "add"):
             print(f"{t:>9} {op:>6} {medians[t][op]:9.0f} {ratios[t][op]:8.2f}x")
-    print(f"(medians of {args.runs} runs x {args.calls} calls; one etcd on loopback{' over TLS' if args.tls else ''}; "
-          f"add = range + compare-and-swap)")
+    print(
+        f"(medians of {args.runs} runs x {args.calls} calls; one etcd on loopback{' over TLS' if args.tls else ''}; "
+        f"add = range + compare-and-swap)"
+    )
     if args.out:
-        write_json(args.out, "etcd_calls", {"runs": args.runs, "calls": args.calls, "tls": args.tls, "samples": samples,
-                                            "medians": medians, "ratios_to_urllib": ratios}, extra={"etcd": version})
+        write_json(
+            args.out,
+            "etcd_calls",
+            {
+                "runs": args.runs,
+                "calls": args.calls,
+                "tls": args.tls,
+                "samples": samples,
+                "medians": medians,
+                "ratios_to_urllib": ratios,
+            },
+            extra={"etcd": version},
+        )
 
 
 if __name__ == "__main__":

@@ -83,9 +83,16 @@ def worker(args) -> None:
         torch.cuda.set_device(t.local_rank)
     store = worker_store(t, timeout=120)
     spec = TableSpec(name="t", num_rows=args.rows, dim=args.dim)
-    ctx = EmbContext(t, store, tables=[spec], optimizer=OptimizerSpec(), timeout=120.0, seed=None,
-                     staging_rows_per_rank=max(1, args.batch // t.world_size + 1),
-                     high_priority_stream=not args.normal_priority)
+    ctx = EmbContext(
+        t,
+        store,
+        tables=[spec],
+        optimizer=OptimizerSpec(),
+        timeout=120.0,
+        seed=None,
+        staging_rows_per_rank=max(1, args.batch // t.world_size + 1),
+        high_priority_stream=not args.normal_priority,
+    )
     dev = ctx.device
     mine = ctx.owned("t")
     w = torch.empty(len(mine), args.dim, device=dev).uniform_(-1, 1)
@@ -127,6 +134,7 @@ def worker(args) -> None:
         """``--in-flight``: per-run seconds per lookup when the next lookup is started before the
         current one is waited on (a training loop that prefetches the next batch's rows); the
         results are checked against the ids."""
+
         def run_once(check: bool) -> None:
             h, prev = ctx.lookup("t", batches[0]), batches[0]
             for i in range(1, args.iters):
@@ -164,8 +172,10 @@ def worker(args) -> None:
             got = ctx.lookup("t", ids).wait()
             back = got[:, 0].long() + 4096 * got[:, 1].long()
             if not torch.equal(back, ids):
-                raise SystemExit(f"rank {t.rank}: lookup ({key}) returned rows of other ids at "
-                                 f"{int((back != ids).sum())} of {ids.numel()} positions")
+                raise SystemExit(
+                    f"rank {t.rank}: lookup ({key}) returned rows of other ids at "
+                    f"{int((back != ids).sum())} of {ids.numel()} positions"
+                )
 
     variants = [("", True)]
     if args.compare_capture:
@@ -260,18 +270,44 @@ def launch(args, world: int) -> list[dict]:
     procs = []
     for rank in range(world):
         # one node, every rank a local rank of it, as torchrun would start them
-        extra = {"ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
-                 "ELASTIC_EMB_EP_SIZE": str(world), "ELASTIC_EMB_LOG_LEVEL": "warning"}
+        extra = {
+            "ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
+            "ELASTIC_EMB_EP_SIZE": str(world),
+            "ELASTIC_EMB_LOG_LEVEL": "warning",
+        }
         env = torchrun_env(rank, world, port, run_id=f"bench-lookup-{world}", extra=extra)
         if args.device == "cuda":
             env.setdefault("NCCL_NVLS_ENABLE", "0")
-        flags = {"--normal-priority": args.normal_priority, "--compare-capture": args.compare_capture,
-                 "--in-flight": args.in_flight}
-        cmd = ["python", os.path.abspath(__file__), "--worker", "--device", args.device, "--rows", str(args.rows),
-               "--dim", str(args.dim), "--batch", str(args.batch), "--runs", str(args.runs),
-               "--iters", str(args.iters), "--warmup", str(args.warmup), "--skew", str(args.skew),
-               "--chunks", *map(str, args.chunks), *(f for f, on in flags.items() if on),
-               *(["--profile", args.profile] if args.profile else [])]
+        flags = {
+            "--normal-priority": args.normal_priority,
+            "--compare-capture": args.compare_capture,
+            "--in-flight": args.in_flight,
+        }
+        cmd = [
+            "python",
+            os.path.abspath(__file__),
+            "--worker",
+            "--device",
+            args.device,
+            "--rows",
+            str(args.rows),
+            "--dim",
+            str(args.dim),
+            "--batch",
+            str(args.batch),
+            "--runs",
+            str(args.runs),
+            "--iters",
+            str(args.iters),
+            "--warmup",
+            str(args.warmup),
+            "--skew",
+            str(args.skew),
+            "--chunks",
+            *map(str, args.chunks),
+            *(f for f, on in flags.items() if on),
+            *(["--profile", args.profile] if args.profile else []),
+        ]
         procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"world {world}")
 
@@ -279,26 +315,45 @@ def launch(args, world: int) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="world sizes (default: 1 2 4 on cpu, GPU count on cuda)")
+    ap.add_argument(
+        "--ranks", type=int, nargs="+", default=None, help="world sizes (default: 1 2 4 on cpu, GPU count on cuda)"
+    )
     ap.add_argument("--rows", type=int, default=None, help="total table rows (default 1M on cpu, 20M on cuda)")
     ap.add_argument("--dim", type=int, default=None, help="row width (default 64 on cpu, 128 on cuda)")
-    ap.add_argument("--batch", type=int, default=None, help="ids per rank per lookup (default 65536 on cpu, 1M on cuda)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="ids per rank per lookup (default 65536 on cpu, 1M on cuda)"
+    )
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are reported")
     ap.add_argument("--skew", type=float, default=0.0, help="0: uniform ids; > 1: power-law ids (duplicates)")
-    ap.add_argument("--chunks", type=int, nargs="+", default=None,
-                    help="EmbContext pipeline_chunks values to measure (default: 1 on cpu; 3 2 4 on cuda)")
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="EmbContext pipeline_chunks values to measure (default: 1 on cpu; 3 2 4 on cuda)",
+    )
     ap.add_argument("--iters", type=int, default=5, help="lookups per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one world size's ranks")
     ap.add_argument("--out", default=None, help="JSON output path")
-    ap.add_argument("--compare-capture", action="store_true",
-                    help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)")
-    ap.add_argument("--in-flight", action="store_true",
-                    help="also measure with the next lookup started before each wait (one lookup in flight)")
-    ap.add_argument("--normal-priority", action="store_true",
-                    help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="also write a torch.profiler trace of 4 lookups (rank 0) to DIR")
+    ap.add_argument(
+        "--compare-capture",
+        action="store_true",
+        help="also measure each --chunks with the dedup kernels launched eagerly (capture_dedup=False)",
+    )
+    ap.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="also measure with the next lookup started before each wait (one lookup in flight)",
+    )
+    ap.add_argument(
+        "--normal-priority",
+        action="store_true",
+        help="EmbContext(high_priority_stream=False): NCCL kernels on a normal-priority stream",
+    )
+    ap.add_argument(
+        "--profile", default=None, metavar="DIR", help="also write a torch.profiler trace of 4 lookups (rank 0) to DIR"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     defaults = {"cpu": (1_000_000, 64, 65536), "cuda": (20_000_000, 128, 1 << 20)}[args.device]
@@ -346,8 +401,7 @@ def main(argv=None) -> None:
             entry = {
                 "world_size": world,
                 "pipeline_chunks": chunks,
-                "dedup": ("eager" if key.endswith("-eager") or args.device != "cuda"
-                          else "graph"),
+                "dedup": ("eager" if key.endswith("-eager") or args.device != "cuda" else "graph"),
                 "assembly": per_rank[0].get("assembly"),
                 "total_ids": total_ids,
                 "baseline_s": base,
@@ -365,9 +419,13 @@ def main(argv=None) -> None:
             if args.device == "cuda":
                 gather = total_ids / statistics.median(per_rank[0]["gather_s"])
                 a2a = total_ids / statistics.median(per_rank[0]["alltoall_s"])
-                entry.update(gather_s=per_rank[0]["gather_s"], alltoall_s=per_rank[0]["alltoall_s"],
-                             gather_ceiling_rows_per_s=gather, alltoall_ceiling_rows_per_s=a2a,
-                             fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a))
+                entry.update(
+                    gather_s=per_rank[0]["gather_s"],
+                    alltoall_s=per_rank[0]["alltoall_s"],
+                    gather_ceiling_rows_per_s=gather,
+                    alltoall_ceiling_rows_per_s=a2a,
+                    fraction_of_ceiling=entry["lookup_rows_per_s"] / min(gather, a2a),
+                )
                 if entry["lookup_in_flight_s"]:
                     entry["in_flight_fraction_of_ceiling"] = entry["lookup_in_flight_rows_per_s"] / min(gather, a2a)
             rows.append(entry)
@@ -382,25 +440,35 @@ def main(argv=None) -> None:
         head += f" {'gather ceil':>12} {'a2a ceil':>12} {'of min ceil':>11}"
     print(head)
     for e in rows:
-        line = (f"{e['world_size']:>5} {e['pipeline_chunks']:>6}{'e' if e['dedup'] == 'eager' else ' '} {e['total_ids']:>9} {e['baseline_rows_per_s']:>19.3e} "
-                f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}")
+        line = (
+            f"{e['world_size']:>5} {e['pipeline_chunks']:>6}{'e' if e['dedup'] == 'eager' else ' '} {e['total_ids']:>9} {e['baseline_rows_per_s']:>19.3e} "
+            f"{e['lookup_rows_per_s']:>15.3e} {e['ratio_to_baseline']:>6.2f}"
+        )
         if args.device == "cuda":
-            line += (f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
-                     f" {e['fraction_of_ceiling']:>11.2f}")
+            line += (
+                f" {e['gather_ceiling_rows_per_s']:>12.3e} {e['alltoall_ceiling_rows_per_s']:>12.3e}"
+                f" {e['fraction_of_ceiling']:>11.2f}"
+            )
         print(line)
     for e in rows:
         if e.get("lookup_in_flight_s"):
             frac = e.get("in_flight_fraction_of_ceiling")
-            print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} with the next lookup started before each wait: "
-                  f"{e['lookup_in_flight_rows_per_s']:.3e} rows/s, ratio {e['lookup_in_flight_rows_per_s'] / e['baseline_rows_per_s']:.2f}"
-                  + (f", {frac:.2f} of min ceiling" if frac else ""))
+            print(
+                f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} with the next lookup started before each wait: "
+                f"{e['lookup_in_flight_rows_per_s']:.3e} rows/s, ratio {e['lookup_in_flight_rows_per_s'] / e['baseline_rows_per_s']:.2f}"
+                + (f", {frac:.2f} of min ceiling" if frac else "")
+            )
     for e in rows:
         ph = e["phases_rank0"]
-        print(f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} dedup {e['dedup']}: one lookup on rank 0: lookup() returned at "
-              f"{ph['lookup_returned_ms']} ms, wait() at {ph['wait_returned_ms']} ms, device done at {ph['done_ms']} ms")
-    print(f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
-          f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f}; "
-          f"chunks marked e: eager dedup; result assembled by {rows[0].get('assembly')})")
+        print(
+            f"  ranks {e['world_size']} chunks {e['pipeline_chunks']} dedup {e['dedup']}: one lookup on rank 0: lookup() returned at "
+            f"{ph['lookup_returned_ms']} ms, wait() at {ph['wait_returned_ms']} ms, device done at {ph['done_ms']} ms"
+        )
+    print(
+        f"(medians of {args.runs} runs x {args.iters} lookups; table {args.rows} x {args.dim} fp32; "
+        f"{args.batch} ids per rank, skew {args.skew}, unique fraction {rows[0]['unique_fraction']:.3f}; "
+        f"chunks marked e: eager dedup; result assembled by {rows[0].get('assembly')})"
+    )
     if args.out:
         write_json(args.out, "lookup", report)
 

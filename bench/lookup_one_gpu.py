@@ -97,11 +97,29 @@ def run(args) -> dict:
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=60))
-    topo = Topology.build(run_id="bench-lookup-1gpu", generation=0, rank=0, world_size=1, local_rank=0,
-                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="nccl" if cuda else "gloo",
-                          master_addr="127.0.0.1", master_port=port)
-    ctx = EmbContext(topo, store, tables=[TableSpec(name="t", num_rows=args.rows, dim=args.dim)],
-                     optimizer=OptimizerSpec(), device=dev, seed=None, timeout=120.0)
+    topo = Topology.build(
+        run_id="bench-lookup-1gpu",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="nccl" if cuda else "gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+    ctx = EmbContext(
+        topo,
+        store,
+        tables=[TableSpec(name="t", num_rows=args.rows, dim=args.dim)],
+        optimizer=OptimizerSpec(),
+        device=dev,
+        seed=None,
+        timeout=120.0,
+    )
     w = ctx.shard_views()["t"].weight
     w.uniform_(-1, 1)
     g = torch.arange(args.rows, device=dev)
@@ -191,8 +209,15 @@ def run(args) -> dict:
 
         dense_wall = wall_time(dense, args.iters, args.runs)
         step = [t / args.iters for t in wall_time(loop, 1, args.runs)]
-        return {"dtype": str(dtype), "matmul": m, "chain": scale, "dense_gpu_s": gpu_time(dense, args.iters, args.runs),
-                "dense_wall_s": dense_wall, "prefetch_step_s": step, "step_over_dense": med(step) / med(dense_wall)}
+        return {
+            "dtype": str(dtype),
+            "matmul": m,
+            "chain": scale,
+            "dense_gpu_s": gpu_time(dense, args.iters, args.runs),
+            "dense_wall_s": dense_wall,
+            "prefetch_step_s": step,
+            "step_over_dense": med(step) / med(dense_wall),
+        }
 
     overlap = [prefetch(torch.float32), prefetch(torch.bfloat16)]
     ctx.check_errors()
@@ -201,10 +226,18 @@ def run(args) -> dict:
     copy_bound = med(copy_s)
     report = {
         "assembly": kernel_status(),
-        "config": {"rows": args.rows, "dim": args.dim, "batch": args.batch, "runs": args.runs, "iters": args.iters,
-                   "unique_fraction": unique_fraction},
+        "config": {
+            "rows": args.rows,
+            "dim": args.dim,
+            "batch": args.batch,
+            "runs": args.runs,
+            "iters": args.iters,
+            "unique_fraction": unique_fraction,
+        },
         "exact_vs_index_select": exact,
-        "copy_bound_s": copy_s, "index_select_s": index_select_s, "lookup_back_to_back_s": lookup_s,
+        "copy_bound_s": copy_s,
+        "index_select_s": index_select_s,
+        "lookup_back_to_back_s": lookup_s,
         "lookup_loop_wall_s": loop_s,
         "fraction_of_copy_bound": copy_bound / med(lookup_s),
         "index_select_fraction_of_copy_bound": copy_bound / med(index_select_s),
@@ -213,7 +246,8 @@ def run(args) -> dict:
         "host_lookup_us_median": 1e6 * med(host_lookup) if cuda else None,
         "host_lookup_us_p90": 1e6 * sorted(host_lookup)[int(0.9 * len(host_lookup))] if cuda else None,
         "host_wait_us_median": 1e6 * med(host_wait) if cuda else None,
-        "gpu_busy_during_calls": all(busy_ok) if cuda else None, "device": str(dev),
+        "gpu_busy_during_calls": all(busy_ok) if cuda else None,
+        "device": str(dev),
         "prefetch": overlap,
         "prefetch_step_over_dense": min(o["step_over_dense"] for o in overlap),
         "targets": {},
@@ -232,20 +266,32 @@ def print_report(r: dict) -> None:
     import torch
 
     where = torch.cuda.get_device_name(0) if r.get("device", "cuda:0").startswith("cuda") else "cpu"
-    print(f"one GPU ({where}, torch {torch.__version__}), table {c['rows']} x {c['dim']} fp32, "
-          f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['assembly']}")
-    print(f"  copy bound            {ms(r['copy_bound_s']):8.3f} ms  ({r['copy_bound_bytes_per_s'] / 1e12:.2f} TB/s moved)")
-    print(f"  index_select          {ms(r['index_select_s']):8.3f} ms  {r['index_select_fraction_of_copy_bound']:.2f} of the bound")
-    print(f"  lookup (back to back) {ms(r['lookup_back_to_back_s']):8.3f} ms  {r['fraction_of_copy_bound']:.2f} of the bound, "
-          f"{r['speedup_vs_index_select']:.2f}x index_select")
+    print(
+        f"one GPU ({where}, torch {torch.__version__}), table {c['rows']} x {c['dim']} fp32, "
+        f"{c['batch']} ids (unique fraction {c['unique_fraction']:.3f}), assembly {r['assembly']}"
+    )
+    print(
+        f"  copy bound            {ms(r['copy_bound_s']):8.3f} ms  ({r['copy_bound_bytes_per_s'] / 1e12:.2f} TB/s moved)"
+    )
+    print(
+        f"  index_select          {ms(r['index_select_s']):8.3f} ms  {r['index_select_fraction_of_copy_bound']:.2f} of the bound"
+    )
+    print(
+        f"  lookup (back to back) {ms(r['lookup_back_to_back_s']):8.3f} ms  {r['fraction_of_copy_bound']:.2f} of the bound, "
+        f"{r['speedup_vs_index_select']:.2f}x index_select"
+    )
     print(f"  lookup().wait() loop  {ms(r['lookup_loop_wall_s']):8.3f} ms wall per lookup")
     if r["host_lookup_us_median"] is not None:
-        print(f"  host per lookup()     {r['host_lookup_us_median']:8.1f} us median "
-              f"(p90 {r['host_lookup_us_p90']:.1f}), "
-              f"GPU busy throughout: {r['gpu_busy_during_calls']}; per wait() {r['host_wait_us_median']:.1f} us")
+        print(
+            f"  host per lookup()     {r['host_lookup_us_median']:8.1f} us median "
+            f"(p90 {r['host_lookup_us_p90']:.1f}), "
+            f"GPU busy throughout: {r['gpu_busy_during_calls']}; per wait() {r['host_wait_us_median']:.1f} us"
+        )
     for d in r["prefetch"]:
-        print(f"  dense step alone      {ms(d['dense_wall_s']):8.3f} ms  ({d['chain']} x {d['dtype']} matmul {d['matmul']}); "
-              f"prefetching loop {ms(d['prefetch_step_s']):.3f} ms per step = {d['step_over_dense']:.3f} of it")
+        print(
+            f"  dense step alone      {ms(d['dense_wall_s']):8.3f} ms  ({d['chain']} x {d['dtype']} matmul {d['matmul']}); "
+            f"prefetching loop {ms(d['prefetch_step_s']):.3f} ms per step = {d['step_over_dense']:.3f} of it"
+        )
     print(f"  exact vs index_select: {r['exact_vs_index_select']}; targets: {r['targets']}")
 
 

@@ -121,8 +121,16 @@ def run_config(name: str, cfg: dict, trials: int, mib: int, debug: bool) -> dict
     if debug:
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(trials), str(mib), json.dumps(cfg)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(r), str(port), str(trials), str(mib), json.dumps(cfg)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     res = []
     for p in procs:
         try:
@@ -136,7 +144,9 @@ def run_config(name: str, cfg: dict, trials: int, mib: int, debug: bool) -> dict
             return {"config": name, "error": f"rc={p.returncode}: {e[-1500:]}"}
         res.append(json.loads(lines[-1]))
         if debug and not res[1:]:
-            res[0]["nccl_timings"] = [ln for ln in e.splitlines() if "timing" in ln.lower() or "Init COMPLETE" in ln][:20]
+            res[0]["nccl_timings"] = [ln for ln in e.splitlines() if "timing" in ln.lower() or "Init COMPLETE" in ln][
+                :20
+            ]
     warm = res[0]["trials"][1:]
     med = lambda k: statistics.median(t[k] for t in warm) if warm and k in warm[0] else None  # noqa: E731
     row = {"config": name, "settings": cfg, "cold_ready_s": res[0]["trials"][0]["ready_s"]}
@@ -161,7 +171,9 @@ def main() -> None:
         print("bench/nccl_setup.py: needs 2 CUDA devices; none measured (an NCCL benchmark: nothing runs on the CPU)")
         return
     rows = []
-    print(f"{'config':16} {'init':>7} {'1st ar':>7} {'1st a2a':>8} {'ready':>7} {'cold':>7} {'destroy':>8} {'a2a GB/s':>9}")
+    print(
+        f"{'config':16} {'init':>7} {'1st ar':>7} {'1st a2a':>8} {'ready':>7} {'cold':>7} {'destroy':>8} {'a2a GB/s':>9}"
+    )
     f = lambda v, w=7: f"{v:{w}.3f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
     for name in args.configs:
         r = run_config(name, CONFIGS[name], args.trials, args.mib, args.debug)
@@ -169,8 +181,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['config']:16} ERROR {r['error'][:300]}")
             continue
-        print(f"{r['config']:16} {f(r['init_s'])} {f(r['first_allreduce_s'])} {f(r['first_alltoall_s'], 8)} "
-              f"{f(r['ready_s'])} {f(r['cold_ready_s'])} {f(r['destroy_s'], 8)} {f(r['alltoall_GBps'], 9)}")
+        print(
+            f"{r['config']:16} {f(r['init_s'])} {f(r['first_allreduce_s'])} {f(r['first_alltoall_s'], 8)} "
+            f"{f(r['ready_s'])} {f(r['cold_ready_s'])} {f(r['destroy_s'], 8)} {f(r['alltoall_GBps'], 9)}"
+        )
         for line in r["raw"][0].get("nccl_timings", []):
             print("    " + line[-200:])
         sys.stdout.flush()

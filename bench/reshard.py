@@ -78,13 +78,28 @@ def worker(args) -> None:
     device = torch.device("cuda", topo0.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=dist.PrefixStore("bench_default/", store),
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if cuda else "gloo",
+        store=dist.PrefixStore("bench_default/", store),
+        rank=rank,
+        world_size=world,
+    )
     dim = 128
     num_rows = (args.size_mb * 2**20 // (dim * 4)) // world * world
     spec = TableSpec(name="emb", num_rows=num_rows, dim=dim)
-    factory = lambda t: EmbContext(t, store, tables=[spec], optimizer=OptimizerSpec(kind="sgd"), device=device,  # noqa: E731
-                                   seed=None, timeout=300.0, staging_rows_per_rank=16)
+
+    def factory(t):
+        return EmbContext(
+            t,
+            store,
+            tables=[spec],
+            optimizer=OptimizerSpec(kind="sgd"),
+            device=device,
+            seed=None,
+            timeout=300.0,
+            staging_rows_per_rank=16,
+        )
+
     gen = [0]
 
     def next_topo():
@@ -142,8 +157,14 @@ def worker(args) -> None:
             for key in ("live", "live_warm"):
                 sync()
                 t0 = time.perf_counter()
-                rep = restore(ctx, comm, snapshot=None, durable=None, live=[piece],
-                              live_commit=(run, old_topo.generation, old_topo.fingerprint()))
+                rep = restore(
+                    ctx,
+                    comm,
+                    snapshot=None,
+                    durable=None,
+                    live=[piece],
+                    live_commit=(run, old_topo.generation, old_topo.fingerprint()),
+                )
                 if cuda:
                     torch.cuda.synchronize()
                 r[f"{key}_s"] = time.perf_counter() - t0
@@ -214,8 +235,9 @@ def worker(args) -> None:
             shape = torch.Size((num_rows, dim))
 
             def sd_of(t):
-                return {"emb.weight": DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=shape,
-                                                         stride=(dim, 1))}
+                return {
+                    "emb.weight": DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=shape, stride=(dim, 1))
+                }
 
             path = Path(args.dcp_dir) / f"baseline{run}"
             sync()
@@ -258,14 +280,34 @@ def launch(args, size_mb: int) -> list[dict]:
     procs = []
     for rank in range(args.world):
         # one node, every rank a local rank of it (one GPU each with --device cuda)
-        extra = {"ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
-                 "OMP_NUM_THREADS": str(args.threads), "ELASTIC_EMB_LOG_LEVEL": "warning", "NCCL_NVLS_ENABLE": "0"}
+        extra = {
+            "ELASTIC_EMB_BACKEND": "nccl" if args.device == "cuda" else "gloo",
+            "OMP_NUM_THREADS": str(args.threads),
+            "ELASTIC_EMB_LOG_LEVEL": "warning",
+            "NCCL_NVLS_ENABLE": "0",
+        }
         if args.transport:
             extra["ELASTIC_EMB_TRANSPORT"] = args.transport
         env = torchrun_env(rank, args.world, port, run_id="bench", extra=extra)
-        cmd = ["python", __file__, "--worker", "--size-mb", str(size_mb), "--runs", str(args.runs),
-               "--device", args.device, "--state-dir", args.state_dir, "--dcp-dir", args.dcp_dir,
-               "--methods", ",".join(args.methods), "--max-seconds", str(args.max_seconds)]
+        cmd = [
+            "python",
+            __file__,
+            "--worker",
+            "--size-mb",
+            str(size_mb),
+            "--runs",
+            str(args.runs),
+            "--device",
+            args.device,
+            "--state-dir",
+            args.state_dir,
+            "--dcp-dir",
+            args.dcp_dir,
+            "--methods",
+            ",".join(args.methods),
+            "--max-seconds",
+            str(args.max_seconds),
+        ]
         procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"size {size_mb} MB")
 
@@ -277,8 +319,14 @@ def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
     med = {k: statistics.median(v) for k, v in slowest.items()}
     shard = max(r["runs"][0]["shard_bytes"] for r in per_rank)
     total = size_mb * 2**20
-    row = {"size_mb": size_mb, "world": world, "shard_bytes_per_rank": shard, "runs": runs,
-           "median_s": med, "per_run_slowest_rank_s": slowest}
+    row = {
+        "size_mb": size_mb,
+        "world": world,
+        "shard_bytes_per_rank": shard,
+        "runs": runs,
+        "median_s": med,
+        "per_run_slowest_rank_s": slowest,
+    }
     if "live_s" in med:
         sent = [statistics.median(run["live_bytes"] for run in r["runs"]) for r in per_rank]
         row["live_gbps_per_rank"] = min(s / med["live_s"] for s in sent) / 1e9
@@ -287,8 +335,9 @@ def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
         row["live_warm_transfer_gbps_per_rank"] = min(s / med["live_warm_transfer_s"] for s in sent) / 1e9
         row["live_bytes_per_rank"] = min(sent)
         # What moved the rows, per rank and run (cma+p2p / p2p: some or all pairs fell back to gloo).
-        row["live_transports"] = sorted({run.get(f"{k}_transport") or "?" for r in per_rank for run in r["runs"]
-                                         for k in ("live", "live_warm")})
+        row["live_transports"] = sorted(
+            {run.get(f"{k}_transport") or "?" for r in per_rank for run in r["runs"] for k in ("live", "live_warm")}
+        )
     if "crc32_s" in med:
         row["crc32_gbps"] = shard / med["crc32_s"] / 1e9
     if "dcp_s" in med:
@@ -301,32 +350,50 @@ def summarize(size_mb: int, per_rank: list[dict], world: int) -> dict:
         if "snap_commit_s" in med:
             ratios["snap_commit+restore_vs_dcp_save_load"] = base / (med["snap_commit_s"] + med["snap_restore_s"])
         if "durable_commit_s" in med:
-            ratios["durable_commit+restore_vs_dcp_save_load"] = base / (med["durable_commit_s"] + med["durable_restore_s"])
+            ratios["durable_commit+restore_vs_dcp_save_load"] = base / (
+                med["durable_commit_s"] + med["durable_restore_s"]
+            )
         row["speedup"] = ratios
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mb", default=None,
-                    help="total table sizes (MB, comma-separated; default 256,2048 on CPU, 8192 on CUDA: 4 GiB per GPU at --world 2)")
+    ap.add_argument(
+        "--sizes-mb",
+        default=None,
+        help="total table sizes (MB, comma-separated; default 256,2048 on CPU, 8192 on CUDA: 4 GiB per GPU at --world 2)",
+    )
     ap.add_argument("--world", type=int, default=2, help="rank processes (one GPU each with --device cuda)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
-    ap.add_argument("--transport", choices=("cma", "p2p", "alltoall"), default=None,
-                    help="row transport (default: cma on CPU, i.e. cross-memory attach with gloo p2p "
-                         "for peers it cannot read; alltoall on CUDA)")
-    ap.add_argument("--methods", default=",".join(METHODS[1:]), help="subset of live,snapshot,durable,dcp (rebuild always runs)")
-    ap.add_argument("--state-dir", default=None, help="snapshot root (default /dev/shm if it has room, else a temp dir)")
+    ap.add_argument(
+        "--transport",
+        choices=("cma", "p2p", "alltoall"),
+        default=None,
+        help="row transport (default: cma on CPU, i.e. cross-memory attach with gloo p2p "
+        "for peers it cannot read; alltoall on CUDA)",
+    )
+    ap.add_argument(
+        "--methods", default=",".join(METHODS[1:]), help="subset of live,snapshot,durable,dcp (rebuild always runs)"
+    )
+    ap.add_argument(
+        "--state-dir", default=None, help="snapshot root (default /dev/shm if it has room, else a temp dir)"
+    )
     ap.add_argument("--dcp-dir", default=None, help="DCP checkpoints (storage; default a temp dir on disk)")
-    ap.add_argument("--json", "--out", dest="json", default=None,
-                    help="write results here (default out/reshard-<device>.json)")
+    ap.add_argument(
+        "--json", "--out", dest="json", default=None, help="write results here (default out/reshard-<device>.json)"
+    )
     ap.add_argument("--timeout", type=float, default=580.0, help="hard limit per table size (seconds)")
-    ap.add_argument("--max-seconds", type=float, default=None,
-                    help="per table size, start no run that would end past this (default: 230 on CUDA, "
-                         "so 3 runs of a 8 GiB table fit a 300 s slot; unlimited on CPU); fewer runs are "
-                         "recorded in the JSON")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="per table size, start no run that would end past this (default: 230 on CUDA, "
+        "so 3 runs of a 8 GiB table fit a 300 s slot; unlimited on CPU); fewer runs are "
+        "recorded in the JSON",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size-mb", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -356,9 +423,23 @@ def main() -> None:
             rows.append(summarize(size, per_rank, args.world))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    hdr = ["size MB", "rebuild s", "live s", "live GB/s/rank", "transfer GB/s/rank", "warm live GB/s/rank",
-           "warm transfer GB/s/rank", "snap commit s", "snap restore s", "durable c+r s",
-           "DCP save+load s", "live x", "snap restore x", "snap c+r x", "crc32 GB/s"]
+    hdr = [
+        "size MB",
+        "rebuild s",
+        "live s",
+        "live GB/s/rank",
+        "transfer GB/s/rank",
+        "warm live GB/s/rank",
+        "warm transfer GB/s/rank",
+        "snap commit s",
+        "snap restore s",
+        "durable c+r s",
+        "DCP save+load s",
+        "live x",
+        "snap restore x",
+        "snap c+r x",
+        "crc32 GB/s",
+    ]
     print(" | ".join(hdr))
     print(" | ".join("---" for _ in hdr))
     for r in rows:
@@ -367,22 +448,40 @@ def main() -> None:
         def f(v, p=3):
             return "-" if v is None else f"{v:.{p}f}"
 
-        print(" | ".join([
-            str(r["size_mb"]), f(m.get("rebuild_s")), f(m.get("live_s")), f(r.get("live_gbps_per_rank"), 2),
-            f(r.get("live_transfer_gbps_per_rank"), 2), f(r.get("live_warm_gbps_per_rank"), 2),
-            f(r.get("live_warm_transfer_gbps_per_rank"), 2),
-            f(m.get("snap_commit_s")), f(m.get("snap_restore_s")),
-            f(m["durable_commit_s"] + m["durable_restore_s"]) if "durable_commit_s" in m else "-",
-            f(m.get("dcp_s")), f(sp.get("live_vs_dcp_save_load"), 1), f(sp.get("snap_restore_vs_dcp_save_load"), 1),
-            f(sp.get("snap_commit+restore_vs_dcp_save_load"), 1), f(r.get("crc32_gbps"), 2),
-        ]))
+        print(
+            " | ".join(
+                [
+                    str(r["size_mb"]),
+                    f(m.get("rebuild_s")),
+                    f(m.get("live_s")),
+                    f(r.get("live_gbps_per_rank"), 2),
+                    f(r.get("live_transfer_gbps_per_rank"), 2),
+                    f(r.get("live_warm_gbps_per_rank"), 2),
+                    f(r.get("live_warm_transfer_gbps_per_rank"), 2),
+                    f(m.get("snap_commit_s")),
+                    f(m.get("snap_restore_s")),
+                    f(m["durable_commit_s"] + m["durable_restore_s"]) if "durable_commit_s" in m else "-",
+                    f(m.get("dcp_s")),
+                    f(sp.get("live_vs_dcp_save_load"), 1),
+                    f(sp.get("snap_restore_vs_dcp_save_load"), 1),
+                    f(sp.get("snap_commit+restore_vs_dcp_save_load"), 1),
+                    f(r.get("crc32_gbps"), 2),
+                ]
+            )
+        )
     for r in rows:
         if "live_transports" in r:
             print(f"size {r['size_mb']} MB: live rows moved by {', '.join(r['live_transports'])}")
-    doc = {"device": args.device, "world": args.world, "runs": args.runs,
-           "transport": args.transport or ("alltoall" if args.device == "cuda" else "cma"),
-           "state_dir": args.state_dir, "argv": sys.argv[1:], "results": rows,
-           "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time"}
+    doc = {
+        "device": args.device,
+        "world": args.world,
+        "runs": args.runs,
+        "transport": args.transport or ("alltoall" if args.device == "cuda" else "cma"),
+        "state_dir": args.state_dir,
+        "argv": sys.argv[1:],
+        "results": rows,
+        "note": "times are the slowest rank per run, medians over runs; x = DCP save+load time / method time",
+    }
     path = Path(args.json or REPO / "out" / f"reshard-{args.device}.json")
     write_json(path, "reshard", doc)
 

@@ -96,8 +96,15 @@ def import_floor() -> float:
     """Seconds a fresh interpreter takes to import torch and elastic_emb: the floor under every
     restart's worker side (torchrun starts each worker as a new process)."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, torch.distributed, elastic_emb.lifecycle.manager, elastic_emb.watch.watcher"],
-                   check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, torch.distributed, elastic_emb.lifecycle.manager, elastic_emb.watch.watcher",
+        ],
+        check=True,
+        timeout=120,
+    )
     return time.perf_counter() - t
 
 
@@ -123,14 +130,18 @@ def _worker_of(tmp: str, agent) -> int | None:
     return ready[-1] if ready else None
 
 
-def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: str = "node",
-             table_mb: int = 0) -> dict:
+def sequence(
+    backend: str, mode: str, cap: float, conf: str, worker: str, kill: str = "node", table_mb: int = 0
+) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"resize-{backend.replace(':', '-')}-")
     extra: dict = {}
     if table_mb:
         shm = tempfile.mkdtemp(prefix="resize-bench-", dir="/dev/shm")
-        extra = {"RDZV_TEST_ROWS": str(table_mb * 2**20 // (64 * 4)), "RDZV_TEST_DIM": "64",
-                 "ELASTIC_EMB_STATE_DIR": shm}
+        extra = {
+            "RDZV_TEST_ROWS": str(table_mb * 2**20 // (64 * 4)),
+            "RDZV_TEST_DIM": "64",
+            "ELASTIC_EMB_STATE_DIR": shm,
+        }
     if backend == "elastic_emb:in_process":
         backend, conf, worker = "elastic_emb", conf + ",resize=in_process", "lifecycle"
     port = free_port()
@@ -140,8 +151,14 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: 
     pause: dict = {}
     gap: dict = {}  # busy: the longest step (commit to commit) in the 1.5 s after the first at the new size
     try:
-        kw = dict(backend=backend, mode=mode, drain_timeout=1.0 if mode == "idle" else 10.0, conf=conf,
-                  worker=worker, extra_env=extra)
+        kw = dict(
+            backend=backend,
+            mode=mode,
+            drain_timeout=1.0 if mode == "idle" else 10.0,
+            conf=conf,
+            worker=worker,
+            extra_env=extra,
+        )
         agents.append(start_agent("a", tmp, port, **kw))
         wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), START_WAIT, "world size 1", agents)
         agents.append(start_agent("b", tmp, port, **kw))
@@ -159,8 +176,10 @@ def sequence(backend: str, mode: str, cap: float, conf: str, worker: str, kill: 
         time.sleep(1.5)
         if mode == "busy":
             gap["scale_up"] = _longest_gap(tmp, 3, t, 1.5)
-        for scenario, victim, sig, ws in (("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
-                                          ("scale_down_sigkill", agents[1], signal.SIGKILL, 1)):
+        for scenario, victim, sig, ws in (
+            ("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
+            ("scale_down_sigkill", agents[1], signal.SIGKILL, 1),
+        ):
             worker_pid = _worker_of(tmp, victim) if sig == signal.SIGKILL and kill == "node" else None
             t0 = victim.signal(sig)
             if worker_pid is not None:
@@ -192,19 +211,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mode", choices=["busy", "idle"], default="busy", help="workers during the scale-downs")
-    ap.add_argument("--worker", choices=["plain", "lifecycle"], default="plain",
-                    help="plain: one all_reduce per step; lifecycle: elastic_emb's Lifecycle over an EmbContext")
+    ap.add_argument(
+        "--worker",
+        choices=["plain", "lifecycle"],
+        default="plain",
+        help="plain: one all_reduce per step; lifecycle: elastic_emb's Lifecycle over an EmbContext",
+    )
     ap.add_argument("--cap", type=float, default=20.0, help="seconds to wait for a resize before recording null")
-    ap.add_argument("--kill", choices=["node", "agent"], default="node",
-                    help="the SIGKILL scale-down: the node's agent and worker (node), or its agent alone")
-    ap.add_argument("--table-mb", type=int, default=0,
-                    help="lifecycle worker's table in MiB (64 fp32 columns); 0: the tests' 64 x 4 table")
+    ap.add_argument(
+        "--kill",
+        choices=["node", "agent"],
+        default="node",
+        help="the SIGKILL scale-down: the node's agent and worker (node), or its agent alone",
+    )
+    ap.add_argument(
+        "--table-mb",
+        type=int,
+        default=0,
+        help="lifecycle worker's table in MiB (64 fp32 columns); 0: the tests' 64 x 4 table",
+    )
     ap.add_argument("--backends", default="elastic_emb,elastic_emb:in_process,c10d")
     ap.add_argument("--out", default="out/resize.json")
     ap.add_argument("--conf", default=FAST_CONF, help="--rdzv-conf of the elastic_emb agents")
-    ap.add_argument("--stock-conf", default="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
-                    help="--rdzv-conf of the stock c10d agents (with keep_alive_max_attempt=2 stock c10d "
-                         "split-brains here: a joiner declares the running node dead and forms its own world)")
+    ap.add_argument(
+        "--stock-conf",
+        default="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
+        help="--rdzv-conf of the stock c10d agents (with keep_alive_max_attempt=2 stock c10d "
+        "split-brains here: a joiner declares the running node dead and forms its own world)",
+    )
     args = ap.parse_args()
     if args.runs < 1:
         ap.error(f"--runs={args.runs} must be >= 1")
@@ -220,11 +254,19 @@ def main() -> None:
         for b in backends:  # interleaved, so load drifts hit both backends alike
             loads.append(os.getloadavg()[0])
             try:
-                res = sequence(b, args.mode, args.cap, args.stock_conf if b == "c10d" else args.conf, args.worker,
-                               args.kill, args.table_mb)
+                res = sequence(
+                    b,
+                    args.mode,
+                    args.cap,
+                    args.stock_conf if b == "c10d" else args.conf,
+                    args.worker,
+                    args.kill,
+                    args.table_mb,
+                )
             except AssertionError as exc:  # a set-up that did not finish: nothing was measured
-                print(f"run {run + 1}/{args.runs} {b}: set-up failed, left out ({str(exc).splitlines()[0]})",
-                      flush=True)
+                print(
+                    f"run {run + 1}/{args.runs} {b}: set-up failed, left out ({str(exc).splitlines()[0]})", flush=True
+                )
                 continue
             for s in SCENARIOS:
                 raw[b][s].append(res["results"][s])
@@ -234,8 +276,11 @@ def main() -> None:
             for s, v in res["split"].items():
                 for k in v:
                     splits[s][k].append(v[k])
-            print(f"run {run + 1}/{args.runs} {b}: " + ", ".join(
-                f"{s}={'-' if v is None else f'{v:.2f}s'}" for s, v in res["results"].items()), flush=True)
+            print(
+                f"run {run + 1}/{args.runs} {b}: "
+                + ", ".join(f"{s}={'-' if v is None else f'{v:.2f}s'}" for s, v in res["results"].items()),
+                flush=True,
+            )
 
     def med(values):
         vals = [v for v in values if v is not None]
@@ -250,15 +295,21 @@ def main() -> None:
     summary = {b: {s: med(raw[b][s]) for s in SCENARIOS} for b in backends}
     split_med = {s: {k: (statistics.median(v) if v else None) for k, v in d.items()} for s, d in splits.items()}
     done = min(len(raw[b]["scale_up"]) for b in backends)  # set-ups that failed are left out
-    print(f"\nfault-to-first-step, median (range) of {done} of {args.runs} runs, workers {args.mode} during scale-down (s); "
-          f"null = no resize within {args.cap:.0f} s")
+    print(
+        f"\nfault-to-first-step, median (range) of {done} of {args.runs} runs, workers {args.mode} during scale-down (s); "
+        f"null = no resize within {args.cap:.0f} s"
+    )
     head = f"| scenario | {' | '.join(backends)} | ratio c10d/elastic_emb | elastic_emb agent side | elastic_emb worker side |"
     print(head)
     print("| --- |" + " ---: |" * (len(backends) + 3))
     for s in SCENARIOS:
         e = summary.get("elastic_emb", {}).get(s)
         c = summary.get("c10d", {}).get(s)
-        ratio = f"{c / e:.2f}" if (e and c) else ("> " + f"{args.cap / e:.1f}" if e and c is None and "c10d" in backends else "-")
+        ratio = (
+            f"{c / e:.2f}"
+            if (e and c)
+            else ("> " + f"{args.cap / e:.1f}" if e and c is None and "c10d" in backends else "-")
+        )
         sp = split_med.get(s, {})
         cells = " | ".join(cell(summary[b][s], raw[b][s]) for b in backends)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
@@ -271,23 +322,41 @@ def main() -> None:
         print(f"| {s} | " + " | ".join(cell(pause_med[b][s], pauses[b][s]) for b in backends) + " |")
     if args.mode == "busy":
         gap_med = {b: {s: med(v) for s, v in d.items()} for b, d in gaps.items()}
-        print("\nlongest step after the change (commit to commit, the 1.5 s after the first step at the new size; "
-              "steps are 0.05 s apart plus the step itself), median (s)")
+        print(
+            "\nlongest step after the change (commit to commit, the 1.5 s after the first step at the new size; "
+            "steps are 0.05 s apart plus the step itself), median (s)"
+        )
         print(f"| scenario | {' | '.join(backends)} |")
         print("| --- |" + " ---: |" * len(backends))
         for s in SCENARIOS:
             print(f"| {s} | " + " | ".join(cell(gap_med[b][s], gaps[b][s]) for b in backends) + " |")
     print(f"\nload average (1 min) at each sequence's start: {min(loads):.1f}-{max(loads):.1f}")
-    print(f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
-          f"(runs: {', '.join(f'{f:.2f}' for f in floors)})")
-    write_json(args.out, "resize", {
-            "runs": args.runs, "mode": args.mode, "worker": args.worker, "cap_s": args.cap,
+    print(
+        f"\nimport floor (fresh python: import torch + elastic_emb), median: {statistics.median(floors):.2f} s "
+        f"(runs: {', '.join(f'{f:.2f}' for f in floors)})"
+    )
+    write_json(
+        args.out,
+        "resize",
+        {
+            "runs": args.runs,
+            "mode": args.mode,
+            "worker": args.worker,
+            "cap_s": args.cap,
             "conf": {"elastic_emb": args.conf, "c10d": args.stock_conf},
-            "raw_s": raw, "median_s": summary, "elastic_emb_split_median_s": split_med,
-            "elastic_emb_split_raw_s": splits, "import_floor_s": floors,
-            "pause_raw_s": pauses, "pause_median_s": pause_med, "longest_step_after_raw_s": gaps, "kill": args.kill, "table_mb": args.table_mb,
+            "raw_s": raw,
+            "median_s": summary,
+            "elastic_emb_split_median_s": split_med,
+            "elastic_emb_split_raw_s": splits,
+            "import_floor_s": floors,
+            "pause_raw_s": pauses,
+            "pause_median_s": pause_med,
+            "longest_step_after_raw_s": gaps,
+            "kill": args.kill,
+            "table_mb": args.table_mb,
             "load_avg_1min": loads,
-        })
+        },
+    )
 
 
 if __name__ == "__main__":

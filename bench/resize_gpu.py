@@ -105,7 +105,9 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: bench/resize_gpu.py measures on a GPU (use --device cpu for a smoke run)")
         return 0
-    state_dir = args.state_dir or tempfile.mkdtemp(prefix="resize_gpu_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    state_dir = args.state_dir or tempfile.mkdtemp(
+        prefix="resize_gpu_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
     try:
         result = measure(args, state_dir)
     finally:
@@ -125,8 +127,14 @@ def _rendezvous(port: int, alive: str):
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60),
-                           wait_for_workers=False, use_libuv=True)
+    master = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=60),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
     backend = C10dRendezvousBackend(master, RUN_ID)
     addr, pid, local = alive.rsplit("_", 2)
     node = _NodeDesc(addr, int(pid), int(local))
@@ -157,11 +165,21 @@ def measure(args, state_dir: str) -> dict:
     me, gone = "127.0.0.1_101_0", "127.0.0.1_102_0"
     port = free_port()
     master = _rendezvous(port, me)
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-           "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "TORCHELASTIC_RUN_ID": RUN_ID, "ELASTIC_EMB_GENERATION": "1",
-           "ELASTIC_EMB_BACKEND": "nccl" if cuda else "gloo", "ELASTIC_EMB_RESIZE": "in_process",
-           "ELASTIC_EMB_MEMBERSHIP": json.dumps([me, gone])}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": RUN_ID,
+        "ELASTIC_EMB_GENERATION": "1",
+        "ELASTIC_EMB_BACKEND": "nccl" if cuda else "gloo",
+        "ELASTIC_EMB_RESIZE": "in_process",
+        "ELASTIC_EMB_MEMBERSHIP": json.dumps([me, gone]),
+    }
     reader = RendezvousReader("c10d", f"127.0.0.1:{port}", RUN_ID, timeout=10.0)
     watcher = Watcher(reader, round_=1, rank=0, world_size=1, node=me, agent_pid=os.getppid(), interval=0.1)
     tables = [TableSpec(name="t", num_rows=args.rows, dim=args.dim)]
@@ -219,12 +237,25 @@ def measure(args, state_dir: str) -> dict:
             raise RuntimeError(f"run {r}: unexpected resize event {ev}")
         if lc.topology.world_size != 1 or lc.topology.generation != 2 + r:
             raise RuntimeError(f"run {r}: topology after the re-form is {lc.topology}")
-        runs.append({"path_s": path, "commit_s": commit, "commit_call_s": commit_call, "detect_wall_s": t_detect,
-                     "reformed_s": t_reformed,
-                     **{k: getattr(ev, k) for k in PHASES}, "generation": ev.new_generation,
-                     "restored_step": ev.restored_step, "source_tiers": ev.source_tiers})
-        print(f"  run {r}: {path * 1e3:.1f} ms, then commit {commit:.2f} s (" + ", ".join(f"{k[:-2]} {getattr(ev, k) * 1e3:.1f}" for k in PHASES)
-              + ")", flush=True)
+        runs.append(
+            {
+                "path_s": path,
+                "commit_s": commit,
+                "commit_call_s": commit_call,
+                "detect_wall_s": t_detect,
+                "reformed_s": t_reformed,
+                **{k: getattr(ev, k) for k in PHASES},
+                "generation": ev.new_generation,
+                "restored_step": ev.restored_step,
+                "source_tiers": ev.source_tiers,
+            }
+        )
+        print(
+            f"  run {r}: {path * 1e3:.1f} ms, then commit {commit:.2f} s ("
+            + ", ".join(f"{k[:-2]} {getattr(ev, k) * 1e3:.1f}" for k in PHASES)
+            + ")",
+            flush=True,
+        )
         # The node "comes back" for the next run: two members again, the other one gone.
         resize.nodes = (me, gone)
         watcher.adopt((me, gone), 0, 1)
@@ -234,13 +265,22 @@ def measure(args, state_dir: str) -> dict:
     raw = _raw(args, factory, lc.topology, world_store, batch, cuda)
     restart = [_restart(args) for _ in range(args.restart_runs)]
     del master
-    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "device": args.device,
-            "rows": args.rows, "dim": args.dim, "table_bytes": args.rows * args.dim * 4, "batch": args.batch,
-            "runs": runs, "setup": setup, "raw_runs": raw, "restart_runs": restart,
-            "median": {k: statistics.median(r[k] for r in runs) for k in ("path_s", "commit_s", "detect_wall_s", *PHASES)},
-            "raw_median_s": statistics.median(raw) if raw else None,
-            "restart_median_s": statistics.median(x["total_s"] for x in restart) if restart else None,
-            "target_s": 0.1}
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "device": args.device,
+        "rows": args.rows,
+        "dim": args.dim,
+        "table_bytes": args.rows * args.dim * 4,
+        "batch": args.batch,
+        "runs": runs,
+        "setup": setup,
+        "raw_runs": raw,
+        "restart_runs": restart,
+        "median": {k: statistics.median(r[k] for r in runs) for k in ("path_s", "commit_s", "detect_wall_s", *PHASES)},
+        "raw_median_s": statistics.median(raw) if raw else None,
+        "restart_median_s": statistics.median(x["total_s"] for x in restart) if restart else None,
+        "target_s": 0.1,
+    }
 
 
 def _raw(args, factory, topology, store, batch, cuda) -> list[float]:
@@ -271,8 +311,12 @@ def _raw(args, factory, topology, store, batch, cuda) -> list[float]:
 def _restart(args) -> dict:
     """A new Python process up to its first lookup: import, CUDA context, context, lookup."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", RESTART, repr(t0), str(args.rows), str(args.dim), str(args.batch),
-                           args.device], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTART, repr(t0), str(args.rows), str(args.dim), str(args.batch), args.device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESTART ")]
     if proc.returncode != 0 or not line:
         raise RuntimeError(f"the restart baseline failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
@@ -282,18 +326,24 @@ def _restart(args) -> dict:
 
 def report(r: dict) -> None:
     m = r["median"]
-    print(f"\nworld size 1 rebuilt in process, {r['device']} ({r['gpu'] or 'cpu'}), table {r['table_bytes'] / 2**30:.2f} GiB, "
-          f"batch {r['batch']}, {len(r['runs'])} runs (medians)")
+    print(
+        f"\nworld size 1 rebuilt in process, {r['device']} ({r['gpu'] or 'cpu'}), table {r['table_bytes'] / 2**30:.2f} GiB, "
+        f"batch {r['batch']}, {len(r['runs'])} runs (medians)"
+    )
     print(f"whole path, poll -> first step done : {m['path_s'] * 1e3:8.1f} ms   (target {r['target_s'] * 1e3:.0f} ms)")
     print(f"  detect (poll + boundary check)    : {m['detect_wall_s'] * 1e3:8.2f} ms")
     for k in PHASES[1:]:
         print(f"  {k[:-2]:<33}: {m[k] * 1e3:8.2f} ms")
     if r["raw_median_s"] is not None:
-        print(f"raw close(wait=False)+construct+lookup: {r['raw_median_s'] * 1e3:8.1f} ms   "
-              f"(path / raw {m['path_s'] / r['raw_median_s']:.2f}x)")
+        print(
+            f"raw close(wait=False)+construct+lookup: {r['raw_median_s'] * 1e3:8.1f} ms   "
+            f"(path / raw {m['path_s'] / r['raw_median_s']:.2f}x)"
+        )
     if r["restart_median_s"] is not None:
-        print(f"restarted process to first lookup   : {r['restart_median_s'] * 1e3:8.1f} ms   "
-              f"(restart / path {r['restart_median_s'] / m['path_s']:.1f}x)")
+        print(
+            f"restarted process to first lookup   : {r['restart_median_s'] * 1e3:8.1f} ms   "
+            f"(restart / path {r['restart_median_s'] / m['path_s']:.1f}x)"
+        )
     print(f"then the new generation's first commit (a full base): {m['commit_s']:.2f} s, not in the path")
 
 

@@ -70,7 +70,7 @@ def main() -> None:
         return p, fd
 
     def par_copy(dst: np.ndarray, src: np.ndarray) -> None:
-        list(pool.map(lambda lo: np.copyto(dst[lo: lo + chunk], src[lo: lo + chunk]), range(0, n, chunk)))
+        list(pool.map(lambda lo: np.copyto(dst[lo : lo + chunk], src[lo : lo + chunk]), range(0, n, chunk)))
 
     dev = torch.empty(n, dtype=torch.uint8, device=args.device).random_(0, 255)
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)

@@ -121,8 +121,10 @@ os._exit(0)
 def trial(mode: str, scenario: str, rows: int, timeout: float, device: str) -> list[dict]:
     port = free_port()
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", ELASTIC_EMB_LOG_LEVEL="warning")
-    procs = [start(["python", "-c", WORKER, str(r), str(port), mode, scenario, str(rows), str(timeout), device], env)
-             for r in range(2)]
+    procs = [
+        start(["python", "-c", WORKER, str(r), str(port), mode, scenario, str(rows), str(timeout), device], env)
+        for r in range(2)
+    ]
     results = []
     for p in procs:
         try:
@@ -134,8 +136,12 @@ def trial(mode: str, scenario: str, rows: int, timeout: float, device: str) -> l
         if not lines:
             raise RuntimeError(f"worker printed no result (rc={p.returncode}):\n{err[-2000:]}")
         results.append(json.loads(lines[-1]))
-    print(f"  trial {scenario}/{mode}: rank0 teardown {results[0].get('teardown_s', float('nan')):.4f} s, "
-          f"rebuild {results[0]['rebuild_s']:.4f} s", file=sys.stderr, flush=True)
+    print(
+        f"  trial {scenario}/{mode}: rank0 teardown {results[0].get('teardown_s', float('nan')):.4f} s, "
+        f"rebuild {results[0]['rebuild_s']:.4f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return results
 
 
@@ -160,17 +166,22 @@ def main() -> None:
     for _ in range(args.runs):
         for scenario in args.scenarios:
             for mode in args.modes:
-                rows.setdefault((scenario, mode), []).append(trial(mode, scenario, args.rows, args.timeout,
-                                                                   args.device))
+                rows.setdefault((scenario, mode), []).append(
+                    trial(mode, scenario, args.rows, args.timeout, args.device)
+                )
     med = statistics.median
     table = []
     for (scenario, mode), trials in rows.items():
         r0 = [t[0] for t in trials]
-        table.append({
-            "scenario": scenario, "mode": mode, "runs": len(trials),
-            "teardown_rank0_s": med(t["teardown_s"] for t in r0),
-            "teardown_rank0_max_s": max(t["teardown_s"] for t in r0),
-        })
+        table.append(
+            {
+                "scenario": scenario,
+                "mode": mode,
+                "runs": len(trials),
+                "teardown_rank0_s": med(t["teardown_s"] for t in r0),
+                "teardown_rank0_max_s": max(t["teardown_s"] for t in r0),
+            }
+        )
     rebuild = [t[0] for trials in rows.values() for t in trials]
     summary = {
         "rebuild_s": med(t["rebuild_s"] for t in rebuild),
@@ -178,21 +189,31 @@ def main() -> None:
         "construct_s": med(t["construct_s"] for t in rebuild),
         "first_lookup_s": med(t["first_lookup_s"] for t in rebuild),
         "first_build_s": med(t["first_build_s"] for t in rebuild),
-        "overlapped_rebuild_s": med([t["overlapped_rebuild_s"] for t in rebuild if "overlapped_rebuild_s" in t] or [float("nan")]),
-        "overlapped_rebuild_max_s": max([t["overlapped_rebuild_s"] for t in rebuild if "overlapped_rebuild_s" in t] or [float("nan")]),
-        "background_release_s": med([r["seconds"] for t in rebuild for r in t.get("release", []) if r["seconds"]] or [float("nan")]),
+        "overlapped_rebuild_s": med(
+            [t["overlapped_rebuild_s"] for t in rebuild if "overlapped_rebuild_s" in t] or [float("nan")]
+        ),
+        "overlapped_rebuild_max_s": max(
+            [t["overlapped_rebuild_s"] for t in rebuild if "overlapped_rebuild_s" in t] or [float("nan")]
+        ),
+        "background_release_s": med(
+            [r["seconds"] for t in rebuild for r in t.get("release", []) if r["seconds"]] or [float("nan")]
+        ),
         "overlapped_errors": sorted({t["overlapped_error"] for t in rebuild if "overlapped_error" in t}),
         "samples": len(rebuild),
     }
     print(f"{'scenario':9} {'mode':9} {'teardown median s':>18} {'max s':>8}")
     for row in table:
         print(f"{row['scenario']:9} {row['mode']:9} {row['teardown_rank0_s']:18.4f} {row['teardown_rank0_max_s']:8.4f}")
-    print(f"destroy + reconstruct (close, construct, first lookup): median {summary['rebuild_s']:.4f} s "
-          f"= {summary['close_s']:.4f} + {summary['construct_s']:.4f} + {summary['first_lookup_s']:.4f} "
-          f"(cold first build {summary['first_build_s']:.3f} s; n={summary['samples']})")
-    print(f"destroy + reconstruct as the lifecycle does it (close(wait=False)): median "
-          f"{summary['overlapped_rebuild_s']:.4f} s to the first lookup (max {summary['overlapped_rebuild_max_s']:.4f}); "
-          f"background destroy took {summary['background_release_s']:.4f} s; errors: {summary['overlapped_errors'] or 'none'}")
+    print(
+        f"destroy + reconstruct (close, construct, first lookup): median {summary['rebuild_s']:.4f} s "
+        f"= {summary['close_s']:.4f} + {summary['construct_s']:.4f} + {summary['first_lookup_s']:.4f} "
+        f"(cold first build {summary['first_build_s']:.3f} s; n={summary['samples']})"
+    )
+    print(
+        f"destroy + reconstruct as the lifecycle does it (close(wait=False)): median "
+        f"{summary['overlapped_rebuild_s']:.4f} s to the first lookup (max {summary['overlapped_rebuild_max_s']:.4f}); "
+        f"background destroy took {summary['background_release_s']:.4f} s; errors: {summary['overlapped_errors'] or 'none'}"
+    )
     write_json(args.out, "teardown", {"rows": args.rows, "device": args.device, "teardown": table, "rebuild": summary})
 
 

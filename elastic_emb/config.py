@@ -37,70 +37,124 @@ class Settings(BaseSettings):
     with :func:`load`.
     """
 
-    model_config = SettingsConfigDict(env_prefix=PREFIX, case_sensitive=True, frozen=True, extra="forbid",
-                                      env_ignore_empty=True)
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, case_sensitive=True, frozen=True, extra="forbid", env_ignore_empty=True
+    )
 
     # -- set by the user ---------------------------------------------------------------------
-    state_dir: str = _setting("/dev/shm/elastic_emb", "root of the node-local snapshots (`<dir>/<run_id>/<node id>/`)",
-                              min_length=1)
-    durable_dir: str | None = _setting(None, "root of the durable checkpoints (DCP); unset: no durable tier",
-                                       min_length=1)
-    node_id: str | None = _setting(None, "this node's stable name for its snapshots; unset: the host name",
-                                   pattern=r"^[^/\x00]+$")
-    ep_size: int | None = _setting(None, "ranks that own rows (a power of two); unset: the largest power of two "
-                                   "<= world size", ge=1)
-    backend: Literal["nccl", "gloo"] | None = _setting(None, "communicator backend; unset: nccl when CUDA is "
-                                                       "available, else gloo")
+    state_dir: str = _setting(
+        "/dev/shm/elastic_emb", "root of the node-local snapshots (`<dir>/<run_id>/<node id>/`)", min_length=1
+    )
+    durable_dir: str | None = _setting(
+        None, "root of the durable checkpoints (DCP); unset: no durable tier", min_length=1
+    )
+    node_id: str | None = _setting(
+        None, "this node's stable name for its snapshots; unset: the host name", pattern=r"^[^/\x00]+$"
+    )
+    ep_size: int | None = _setting(
+        None, "ranks that own rows (a power of two); unset: the largest power of two <= world size", ge=1
+    )
+    backend: Literal["nccl", "gloo"] | None = _setting(
+        None, "communicator backend; unset: nccl when CUDA is available, else gloo"
+    )
     transport: Literal["cma", "p2p", "alltoall"] | None = _setting(
-        None, "how restored rows move between ranks; unset: cma on the CPU, alltoall on GPUs")
-    log_format: Literal["json", "console"] | None = _setting(None, "log rendering; unset: console on a terminal, "
-                                                             "else JSON lines")
+        None, "how restored rows move between ranks; unset: cma on the CPU, alltoall on GPUs"
+    )
+    log_format: Literal["json", "console"] | None = _setting(
+        None, "log rendering; unset: console on a terminal, else JSON lines"
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = _setting(
-        None, "lowest level of the events logged; unset: info (`elastic-emb drill` and `demo`: warning)")
-    etcd: str | None = _setting(None, "path of the etcd binary for drills and tests; unset: `etcd` on PATH",
-                                min_length=1)
-    job_secret: SecretStr | None = _setting(None, "secret that signs the rendezvous control keys (the same on every "
-                                            "node, e.g. `openssl rand -hex 32`); unset: unsigned")
-    metrics_port: int | None = _setting(None, "serve Prometheus `/metrics` on this port (agent; worker of local "
-                                        "rank r: port + 1 + r); unset: off", ge=1, le=65535)
+        None, "lowest level of the events logged; unset: info (`elastic-emb drill` and `demo`: warning)"
+    )
+    etcd: str | None = _setting(
+        None, "path of the etcd binary for drills and tests; unset: `etcd` on PATH", min_length=1
+    )
+    job_secret: SecretStr | None = _setting(
+        None,
+        "secret that signs the rendezvous control keys (the same on every "
+        "node, e.g. `openssl rand -hex 32`); unset: unsigned",
+    )
+    metrics_port: int | None = _setting(
+        None,
+        "serve Prometheus `/metrics` on this port (agent; worker of local rank r: port + 1 + r); unset: off",
+        ge=1,
+        le=65535,
+    )
     metrics_addr: str = _setting("0.0.0.0", "the address the metrics endpoints bind", min_length=1)
     debug: bool = _setting(False, "1: the CLI shows Python and C++ stacks on errors")
     nonfinite_gradients: Literal["raise", "skip"] = _setting(
-        "raise", "NaN/inf gradients in `apply_gradients`: `raise` refuses the call (no row changes), `skip` "
-        "updates the other rows and counts the skipped ones in an event")
-    native_cache: str | None = _setting(None, "where the example native context's compiled extension is cached; "
-                                        "unset: `~/.cache/elastic_emb/native_context`", min_length=1)
+        "raise",
+        "NaN/inf gradients in `apply_gradients`: `raise` refuses the call (no row changes), `skip` "
+        "updates the other rows and counts the skipped ones in an event",
+    )
+    native_cache: str | None = _setting(
+        None,
+        "where the example native context's compiled extension is cached; unset: `~/.cache/elastic_emb/native_context`",
+        min_length=1,
+    )
     # -- set by the elastic_emb rendezvous backend in every worker -------------------------------
-    generation: int = _setting(0, "the topology's generation: the rendezvous round; with `resize=in_process`, the "
-                               "round plus the run's in-process high-water mark (never reused after a fallback)",
-                               "agent", ge=0)
-    rdzv_round: int | None = _setting(None, "the rendezvous round the worker was started in (its watcher's round "
-                                      "keys); unset: the generation", "agent", ge=0)
-    rdzv_backend: Literal["c10d", "etcd-v2", "etcd-v3"] | None = _setting(None, "the inner rendezvous backend, "
-                                                                          "for the watcher", "agent")
-    etcd_options: str | None = _setting(None, "inner=etcd-v3: the agent's etcd client options (JSON, no secrets: "
-                                        "TLS file paths, user, password file), for the watcher", "agent")
-    rdzv_endpoint: str | None = _setting(None, "the rendezvous endpoint HOST:PORT, for the watcher and "
-                                         "`elastic-emb drain`", "agent", pattern=r"^\S+:\d{1,5}$")
-    rdzv_node: str | None = _setting(None, "this agent's node in the rendezvous (`addr_pid_localid`)", "agent",
-                                     min_length=1)
+    generation: int = _setting(
+        0,
+        "the topology's generation: the rendezvous round; with `resize=in_process`, the "
+        "round plus the run's in-process high-water mark (never reused after a fallback)",
+        "agent",
+        ge=0,
+    )
+    rdzv_round: int | None = _setting(
+        None,
+        "the rendezvous round the worker was started in (its watcher's round keys); unset: the generation",
+        "agent",
+        ge=0,
+    )
+    rdzv_backend: Literal["c10d", "etcd-v2", "etcd-v3"] | None = _setting(
+        None, "the inner rendezvous backend, for the watcher", "agent"
+    )
+    etcd_options: str | None = _setting(
+        None,
+        "inner=etcd-v3: the agent's etcd client options (JSON, no secrets: "
+        "TLS file paths, user, password file), for the watcher",
+        "agent",
+    )
+    rdzv_endpoint: str | None = _setting(
+        None,
+        "the rendezvous endpoint HOST:PORT, for the watcher and `elastic-emb drain`",
+        "agent",
+        pattern=r"^\S+:\d{1,5}$",
+    )
+    rdzv_node: str | None = _setting(
+        None, "this agent's node in the rendezvous (`addr_pid_localid`)", "agent", min_length=1
+    )
     membership: str | None = _setting(None, "JSON list of the round's node ids, index = group rank", "agent")
     agent_pid: int | None = _setting(None, "the agent's pid (a worker that outlives it is an orphan)", "agent", ge=1)
-    drain: bool = _setting(True, "1: the agent drains the workers before a scale-up; 0: it restarts them at once",
-                           "agent")
+    drain: bool = _setting(
+        True, "1: the agent drains the workers before a scale-up; 0: it restarts them at once", "agent"
+    )
     watch_interval: float = _setting(0.1, "the watcher's polling interval, seconds", "agent", gt=0, le=60)
-    store_outage_timeout: float = _setting(30.0, "how long an unreachable store counts as an outage, not a loss, "
-                                           "seconds", "agent", gt=0, le=3600)
-    joiner: bool = _setting(False, "1: this worker's node joined a running world (resize=in_process): it waits to "
-                            "be included by the running workers instead of starting a world", "agent")
+    store_outage_timeout: float = _setting(
+        30.0, "how long an unreachable store counts as an outage, not a loss, seconds", "agent", gt=0, le=3600
+    )
+    joiner: bool = _setting(
+        False,
+        "1: this worker's node joined a running world (resize=in_process): it waits to "
+        "be included by the running workers instead of starting a world",
+        "agent",
+    )
     resize: Literal["restart", "in_process"] = _setting(
-        "restart", "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "
-        "(the survivors re-form in the running processes)", "agent")
+        "restart",
+        "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "
+        "(the survivors re-form in the running processes)",
+        "agent",
+    )
     # -- tests and drills ------------------------------------------------------------------------
-    fault: str | None = _setting(None, "crash at a named fault point, `<name>[@<step>]` (tests and drills only)",
-                                 "tests", pattern=r"^[A-Za-z0-9_.-]+(@\d+)?$")
-    failed_drills: str = _setting("/tmp/elastic_emb-failed-drills", "where the drill tests keep a failed drill's "
-                                  "output", "tests", min_length=1)
+    fault: str | None = _setting(
+        None,
+        "crash at a named fault point, `<name>[@<step>]` (tests and drills only)",
+        "tests",
+        pattern=r"^[A-Za-z0-9_.-]+(@\d+)?$",
+    )
+    failed_drills: str = _setting(
+        "/tmp/elastic_emb-failed-drills", "where the drill tests keep a failed drill's output", "tests", min_length=1
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -172,7 +226,9 @@ def load(env: Mapping[str, str] | None = None, *fields: str) -> Settings:
         field = VARIABLES.get(name)
         if field is None:
             if not fields:
-                raise ConfigError(f"{name} is not an elastic_emb setting (a typo?); known: {', '.join(sorted(VARIABLES))}")
+                raise ConfigError(
+                    f"{name} is not an elastic_emb setting (a typo?); known: {', '.join(sorted(VARIABLES))}"
+                )
             continue
         if not fields or field in fields:
             raw[field] = value

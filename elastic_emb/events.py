@@ -23,8 +23,9 @@ from elastic_emb import config
 _configured = False
 
 
-def configure_logging(stream=None, fmt: str | None = None, level: str | None = None, force: bool = False,
-                      default_level: str = "info") -> None:
+def configure_logging(
+    stream=None, fmt: str | None = None, level: str | None = None, force: bool = False, default_level: str = "info"
+) -> None:
     """Configure structlog once per process; later calls do nothing unless ``force`` is True.
 
     Args:
@@ -156,6 +157,4 @@ def bind_topology(topology) -> None:
         topology: the rank's :class:`~elastic_emb.topology.Topology` (any object with
             ``run_id``, ``generation`` and ``rank``).
     """
-    structlog.contextvars.bind_contextvars(
-        run_id=topology.run_id, generation=topology.generation, rank=topology.rank
-    )
+    structlog.contextvars.bind_contextvars(run_id=topology.run_id, generation=topology.generation, rank=topology.rank)

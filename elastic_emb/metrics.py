@@ -88,8 +88,10 @@ def _registry():
         try:
             import prometheus_client as prom
         except ImportError:
-            _warn("metrics_disabled", reason=f"{PORT_ENV} is set but prometheus-client is not installed: "
-                                             f"pip install 'elastic-emb[metrics]'")
+            _warn(
+                "metrics_disabled",
+                reason=f"{PORT_ENV} is set but prometheus-client is not installed: pip install 'elastic-emb[metrics]'",
+            )
             return None
         if hasattr(prom, "disable_created_metrics"):
             prom.disable_created_metrics()  # no *_created series: half the text, nothing a dashboard reads
@@ -102,8 +104,11 @@ def _registry():
         try:
             prom.start_http_server(port, addr=addr, registry=registry)
         except OSError as exc:
-            _warn("metrics_disabled", reason=f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); "
-                                             f"set {PORT_ENV} to a free port", role=role)
+            _warn(
+                "metrics_disabled",
+                reason=f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); set {PORT_ENV} to a free port",
+                role=role,
+            )
             return None
         _state.update(registry=registry, metrics=metrics, port=port, role=role)
         from elastic_emb.events import get_logger
@@ -115,29 +120,42 @@ def _registry():
 def _make(prom, registry, role: str) -> dict[str, Any]:
     r = {"registry": registry}
     m: dict[str, Any] = {
-        "world_size": prom.Gauge("elastic_emb_world_size", "Ranks (worker) or member nodes (agent) of the current world.",
-                                 **r),
+        "world_size": prom.Gauge(
+            "elastic_emb_world_size", "Ranks (worker) or member nodes (agent) of the current world.", **r
+        ),
         "generation": prom.Gauge("elastic_emb_generation", "Rendezvous round of the current world.", **r),
         # the agent's backend and a worker's watcher both survive store outages
         "outages": prom.Counter("elastic_emb_store_outages", "Rendezvous store outages survived.", **r),
-        "outage_seconds": prom.Histogram("elastic_emb_store_outage_seconds", "Length of each store outage.",
-                                         buckets=_PHASE_BUCKETS, **r),
+        "outage_seconds": prom.Histogram(
+            "elastic_emb_store_outage_seconds", "Length of each store outage.", buckets=_PHASE_BUCKETS, **r
+        ),
     }
     if role == "agent":
         m.update(
-            rounds=prom.Counter("elastic_emb_rendezvous_rounds", "Rendezvous rounds completed by this agent.",
-                                ["cause", "mode"], **r),
-            rdzv_seconds=prom.Histogram("elastic_emb_rendezvous_seconds", "Seconds in next_rendezvous.",
-                                        buckets=_PHASE_BUCKETS, **r),
+            rounds=prom.Counter(
+                "elastic_emb_rendezvous_rounds", "Rendezvous rounds completed by this agent.", ["cause", "mode"], **r
+            ),
+            rdzv_seconds=prom.Histogram(
+                "elastic_emb_rendezvous_seconds", "Seconds in next_rendezvous.", buckets=_PHASE_BUCKETS, **r
+            ),
         )
     else:
         m.update(
-            resizes=prom.Counter("elastic_emb_resizes", "Worlds this worker's lifecycle entered.", ["mode", "source"], **r),
-            phases=prom.Histogram("elastic_emb_resize_phase_seconds", "Duration of each resize phase.", ["phase"],
-                                  buckets=_PHASE_BUCKETS, **r),
+            resizes=prom.Counter(
+                "elastic_emb_resizes", "Worlds this worker's lifecycle entered.", ["mode", "source"], **r
+            ),
+            phases=prom.Histogram(
+                "elastic_emb_resize_phase_seconds",
+                "Duration of each resize phase.",
+                ["phase"],
+                buckets=_PHASE_BUCKETS,
+                **r,
+            ),
             steps_lost=prom.Counter("elastic_emb_steps_lost", "Committed steps a new world had to redo.", **r),
             commits=prom.Counter("elastic_emb_commits", "Commits written.", **r),
-            commit_seconds=prom.Histogram("elastic_emb_commit_seconds", "Commit latency.", buckets=_COMMIT_BUCKETS, **r),
+            commit_seconds=prom.Histogram(
+                "elastic_emb_commit_seconds", "Commit latency.", buckets=_COMMIT_BUCKETS, **r
+            ),
             commit_bytes=prom.Counter("elastic_emb_commit_bytes", "Bytes written by commits, per tier.", ["tier"], **r),
             lookups=prom.Counter("elastic_emb_lookups", "Ids looked up, per table.", ["table"], **r),
             rank=prom.Gauge("elastic_emb_rank", "This worker's global rank.", **r),
@@ -197,8 +215,11 @@ def commit(report: Any) -> None:
         return
     m["commits"].inc()
     m["commit_seconds"].observe(report.seconds)
-    for tier, n in (("snapshot", report.bytes_snapshot), ("replica", report.bytes_replicated),
-                    ("durable", report.bytes_durable)):
+    for tier, n in (
+        ("snapshot", report.bytes_snapshot),
+        ("replica", report.bytes_replicated),
+        ("durable", report.bytes_durable),
+    ):
         if n:
             m["commit_bytes"].labels(tier=tier).inc(n)
     m["step"].set(report.step)
@@ -232,8 +253,16 @@ def lookups(table: str, count: int) -> None:
 # -- agent events ------------------------------------------------------------------------------
 
 
-def rendezvous_round(*, round_: int, world_size: int, previous_world_size: int | None, joins: list, departures: list,
-                     deaths: list, seconds: float) -> None:
+def rendezvous_round(
+    *,
+    round_: int,
+    world_size: int,
+    previous_world_size: int | None,
+    joins: list,
+    departures: list,
+    deaths: list,
+    seconds: float,
+) -> None:
     """Record a completed rendezvous round (a no-op unless this is an agent serving metrics).
 
     The cause is read from who came and went: ``start`` (no previous round), else ``death``,

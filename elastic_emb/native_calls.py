@@ -92,9 +92,11 @@ def wait_at_exit(grace: float | None = None) -> int:
         still = _inside
         _closed = True
     if still:
-        sys.stderr.write(f"elastic_emb: {still} background torch call(s) still running after the {grace}s exit "
-                         f"grace (a peer or the store is unreachable); if one returns during the interpreter's "
-                         f"teardown the process aborts\n")
+        sys.stderr.write(
+            f"elastic_emb: {still} background torch call(s) still running after the {grace}s exit "
+            f"grace (a peer or the store is unreachable); if one returns during the interpreter's "
+            f"teardown the process aborts\n"
+        )
     return still
 
 

@@ -303,8 +303,10 @@ def row_owners(context: ShardedContext) -> int:
     if owners is None:
         return context.topology.ep_size
     if not 1 <= owners <= context.topology.world_size:
-        raise ContractViolation(f"{type(context).__name__}.owner_ranks={owners!r} must be between 1 and the world "
-                                f"size {context.topology.world_size}")
+        raise ContractViolation(
+            f"{type(context).__name__}.owner_ranks={owners!r} must be between 1 and the world "
+            f"size {context.topology.world_size}"
+        )
     return owners
 
 

@@ -349,9 +349,7 @@ def evaluate(records: list[dict], expected: dict) -> dict:
     world_size = expected["world_size"]
     details: dict[str, list] = {}
     for i, rec in enumerate(records):
-        diffs = [
-            [f, rec.get(f), expected[f]] for f in SHARED_FIELDS if rec.get(f) != expected[f]
-        ]
+        diffs = [[f, rec.get(f), expected[f]] for f in SHARED_FIELDS if rec.get(f) != expected[f]]
         if diffs:
             details.setdefault(_who(rec, i), []).extend(diffs)
     if details:
@@ -389,7 +387,12 @@ def evaluate(records: list[dict], expected: dict) -> dict:
                 "disagreement",
                 expected,
                 f"node {node}: local ranks {locals_} with local_world_size {sorted(lws)} are inconsistent",
-                {f"node{node}": [["local_rank", locals_, list(range(len(recs)))], ["local_world_size", sorted(lws), len(recs)]]},
+                {
+                    f"node{node}": [
+                        ["local_rank", locals_, list(range(len(recs)))],
+                        ["local_world_size", sorted(lws), len(recs)],
+                    ]
+                },
             )
     return {"ok": True, "fingerprint": _fingerprint_of(expected), "world_size": world_size}
 
@@ -484,7 +487,9 @@ def _raise_generation_mark(topology: Topology, store) -> None:
             return
         if int(current) > topology.generation:
             msg = _abort_newer_generation(topology, store, int(current))
-            raise TopologyDisagreement(msg, {f"rank{topology.rank}": [["generation", topology.generation, int(current)]]})
+            raise TopologyDisagreement(
+                msg, {f"rank{topology.rank}": [["generation", topology.generation, int(current)]]}
+            )
         swapped = store.compare_set(key, current, mine)
         swapped = swapped.decode() if isinstance(swapped, bytes) else str(swapped)
         if swapped == mine:

@@ -184,8 +184,10 @@ class WorkWaits:
         return False
 
     def _error(self, what: str) -> TransferInterrupted:
-        return TransferInterrupted(f"{what} on {self.where} interrupted: {self.reason}. Close this communicator "
-                                   f"(it aborts) and let the lifecycle re-form the world without that peer")
+        return TransferInterrupted(
+            f"{what} on {self.where} interrupted: {self.reason}. Close this communicator "
+            f"(it aborts) and let the lifecycle re-form the world without that peer"
+        )
 
 
 def _when_all(futures: list, callback) -> None:

@@ -38,8 +38,12 @@ _native_build: subprocess.Popen | None = None
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fast-tier", action="store_true", default=False,
-                     help="fail a test that starts torchrun agents, etcd or a drill (make check)")
+    parser.addoption(
+        "--fast-tier",
+        action="store_true",
+        default=False,
+        help="fail a test that starts torchrun agents, etcd or a drill (make check)",
+    )
 
 
 # what the fast tier never starts: a torchrun agent (a drill starts them too), an etcd server
@@ -66,8 +70,11 @@ def _fast_tier_guard(request, monkeypatch):
     def guarded(self, args, *a, **kw):
         heavy = _heavy(args)
         if heavy:
-            pytest.fail(f"{request.node.nodeid} starts {heavy}: the fast tier starts no torchrun agent and no "
-                        f"etcd; mark the test @pytest.mark.slow", pytrace=False)
+            pytest.fail(
+                f"{request.node.nodeid} starts {heavy}: the fast tier starts no torchrun agent and no "
+                f"etcd; mark the test @pytest.mark.slow",
+                pytrace=False,
+            )
         original(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
@@ -81,13 +88,19 @@ def pytest_collection_modifyitems(session, config, items):
     if not native or config.option.collectonly:
         return
     global _native_build
-    code = (f"import sys; sys.path.insert(0, {os.path.join(REPO, 'examples', 'native_context')!r}); "
-            f"import native_context; native_context.build()")
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.join(REPO, 'examples', 'native_context')!r}); "
+        f"import native_context; native_context.build()"
+    )
     # nice 10: the compile takes the CPU the tests leave idle, not the CPU they wait for. Its
     # output is not kept: a failure is redone, and reported, by the tests' own build().
-    _native_build = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                     preexec_fn=lambda: os.nice(10))
+    _native_build = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.nice(10),
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -132,9 +145,11 @@ def pytest_runtest_makereport(item, call):
         return  # an expected failure, not a skip
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = (f"skipped under CI=true, where every test but the gpu-marked ones must run: {reason}\n"
-                       f"remedy: install what .ci/apt-packages lists (.ci/system-deps does, as root), or mark the "
-                       f"test gpu if it needs CUDA")
+    report.longrepr = (
+        f"skipped under CI=true, where every test but the gpu-marked ones must run: {reason}\n"
+        f"remedy: install what .ci/apt-packages lists (.ci/system-deps does, as root), or mark the "
+        f"test gpu if it needs CUDA"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -146,8 +161,9 @@ def pytest_make_collect_report(collector):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = (f"{collector.nodeid} skipped whole under CI=true, where every test but the gpu-marked "
-                       f"ones must run: {reason}")
+    report.longrepr = (
+        f"{collector.nodeid} skipped whole under CI=true, where every test but the gpu-marked ones must run: {reason}"
+    )
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -165,4 +181,6 @@ def pytest_terminal_summary(terminalreporter):
         for r in other:
             reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
             tr.write_line(f"  {r.nodeid}: {reason}")
-        tr.write_line("  remedy: .ci/system-deps, run as root, installs the system packages the suite needs (.ci/apt-packages)")
+        tr.write_line(
+            "  remedy: .ci/system-deps, run as root, installs the system packages the suite needs (.ci/apt-packages)"
+        )

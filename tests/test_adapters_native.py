@@ -54,9 +54,20 @@ def _store(port: int):
 def _topology(world_size: int, rank: int = 0, generation: int = 0, port: int = 0):
     from elastic_emb.topology import Topology
 
-    return Topology.build(run_id="native", generation=generation, rank=rank, world_size=world_size, local_rank=rank,
-                          local_world_size=world_size, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
-                          master_addr="127.0.0.1", master_port=port)
+    return Topology.build(
+        run_id="native",
+        generation=generation,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
 
 
 def test_reset_across_sizes_raises_world_size_changed_with_the_seed_message(native):
@@ -79,13 +90,16 @@ def test_reset_across_sizes_raises_world_size_changed_with_the_seed_message(nati
     assert ctx.native_counters()["releases"] == before["releases"] + 1
 
 
-@pytest.mark.parametrize("args, message", [
-    ((2, 2, 2), "async_emb rank 2 is outside world size 2"),
-    ((-1, 2, 2), "async_emb rank -1 is outside world size 2"),
-    ((0, 0, 1), "async_emb world size 0 must be >= 1"),
-    ((0, 3, 3), "async_emb ep size 3 must be a power of two <= world size 3"),
-    ((0, 2, 4), "async_emb ep size 4 must be a power of two <= world size 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2, 2, 2), "async_emb rank 2 is outside world size 2"),
+        ((-1, 2, 2), "async_emb rank -1 is outside world size 2"),
+        ((0, 0, 1), "async_emb world size 0 must be >= 1"),
+        ((0, 3, 3), "async_emb ep size 3 must be a power of two <= world size 3"),
+        ((0, 2, 4), "async_emb ep size 4 must be a power of two <= world size 2"),
+    ],
+)
 def test_native_constructor_rejects_invalid_topologies(native, args, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         native.AsyncEmbContext(*args, [("items", 10, 2)], "cpu")
@@ -102,16 +116,32 @@ def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | No
     nodes = list(dict.fromkeys(layout))
     node = layout[rank]
     members = [r for r, n in enumerate(layout) if n == node]
-    over = {"RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
-            "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
-            "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port}
+    over = {
+        "RANK": rank,
+        "WORLD_SIZE": len(layout),
+        "LOCAL_RANK": members.index(rank),
+        "LOCAL_WORLD_SIZE": len(members),
+        "GROUP_RANK": nodes.index(node),
+        "GROUP_WORLD_SIZE": len(nodes),
+        "ELASTIC_EMB_GENERATION": gen,
+        "MASTER_PORT": port,
+    }
     if spec is None:
         return over
-    return torchrun_env(rank, len(layout), port, generation=gen, run_id="native", extra={
-        **{k: str(v) for k, v in over.items()},
-        "ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
-        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-        "ADW_SPEC": json.dumps(spec)})
+    return torchrun_env(
+        rank,
+        len(layout),
+        port,
+        generation=gen,
+        run_id="native",
+        extra={
+            **{k: str(v) for k, v in over.items()},
+            "ELASTIC_EMB_NODE_ID": node,
+            "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
+            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+            "ADW_SPEC": json.dumps(spec),
+        },
+    )
 
 
 def _gather(out, name: str, world: int) -> dict:
@@ -145,19 +175,29 @@ def test_lifecycle_drives_the_native_context_2_1_2(native, tmp_path):
     port = free_port()
     two, one = ["A", "B"], ["A"]
     base = {"context": "native", "out": str(out), "tables": TABLES}
-    rank0 = {**base, "phases": [
-        {"until": 2, "dump": "w2"},
-        {"env": _env(one, 0, port, 1, tmp_path), "until": 4, "dump": "w1"},
-        {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "w2again"},
-        {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "final"},
-    ]}
+    rank0 = {
+        **base,
+        "phases": [
+            {"until": 2, "dump": "w2"},
+            {"env": _env(one, 0, port, 1, tmp_path), "until": 4, "dump": "w1"},
+            {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "w2again"},
+            {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "final"},
+        ],
+    }
     leaver = {**base, "phases": [{"until": 2, "dump": "w2"}, {"depart": True}]}
-    joiner = {**base, "wait_file": str(out / "w1-r0.pt"), "phases": [
-        {"until": 6, "dump": "w2again"},
-        {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "final"},
-    ]}
-    envs = [_env(two, 0, port, 0, tmp_path, rank0), _env(two, 1, port, 0, tmp_path, leaver),
-            _env(two, 1, port, 2, tmp_path, joiner)]
+    joiner = {
+        **base,
+        "wait_file": str(out / "w1-r0.pt"),
+        "phases": [
+            {"until": 6, "dump": "w2again"},
+            {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "final"},
+        ],
+    }
+    envs = [
+        _env(two, 0, port, 0, tmp_path, rank0),
+        _env(two, 1, port, 0, tmp_path, leaver),
+        _env(two, 1, port, 2, tmp_path, joiner),
+    ]
     results = run_ranks(aw.CODE, envs, timeout=240)
     for r in results:
         assert r.returncode == 0, f"process {r.rank} rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
@@ -173,7 +213,11 @@ def test_lifecycle_drives_the_native_context_2_1_2(native, tmp_path):
     # (2 -> 1, 1 -> 2), reset once, for the same-size re-form only.
     assert [e["kind"] for e in first["events"]] == ["start", "rebuild", "rebuild", "reset"]
     assert [(c["constructions"], c["resets"], c["releases"]) for c in first["counters"]] == [
-        (1, 0, 0), (2, 0, 1), (3, 0, 2), (3, 1, 2)]
+        (1, 0, 0),
+        (2, 0, 1),
+        (3, 0, 2),
+        (3, 1, 2),
+    ]
     assert [e["new_world_size"] for e in first["events"]] == [2, 1, 2, 2]
     assert [e["kind"] for e in second["events"]] == ["start", "reset"]
     assert [(c["constructions"], c["resets"]) for c in second["counters"]] == [(1, 0), (1, 1)]

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 if importlib.util.find_spec("torchrec") is None:
-    pytest.skip("the torchrec extra is not installed: pip install 'elastic-emb[torchrec]' (README: TorchRec)",
-                allow_module_level=True)
+    pytest.skip(
+        "the torchrec extra is not installed: pip install 'elastic-emb[torchrec]' (README: TorchRec)",
+        allow_module_level=True,
+    )
 
 from elastic_emb.testing import conformance  # noqa: E402
 from elastic_emb.testing.ports import free_port  # noqa: E402
@@ -34,16 +36,32 @@ def _env(layout: list[str], rank: int, port: int, gen: int, tmp, spec: dict | No
     nodes = list(dict.fromkeys(layout))
     node = layout[rank]
     members = [r for r, n in enumerate(layout) if n == node]
-    over = {"RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
-            "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
-            "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port}
+    over = {
+        "RANK": rank,
+        "WORLD_SIZE": len(layout),
+        "LOCAL_RANK": members.index(rank),
+        "LOCAL_WORLD_SIZE": len(members),
+        "GROUP_RANK": nodes.index(node),
+        "GROUP_WORLD_SIZE": len(nodes),
+        "ELASTIC_EMB_GENERATION": gen,
+        "MASTER_PORT": port,
+    }
     if spec is None:
         return over
-    return torchrun_env(rank, len(layout), port, generation=gen, run_id=run_id, extra={
-        **{k: str(v) for k, v in over.items()},
-        "ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": str(tmp / run_id / node),
-        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-        "ADW_SPEC": json.dumps(spec)})
+    return torchrun_env(
+        rank,
+        len(layout),
+        port,
+        generation=gen,
+        run_id=run_id,
+        extra={
+            **{k: str(v) for k, v in over.items()},
+            "ELASTIC_EMB_NODE_ID": node,
+            "ELASTIC_EMB_STATE_DIR": str(tmp / run_id / node),
+            "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+            "ADW_SPEC": json.dumps(spec),
+        },
+    )
 
 
 def _gather(out, name: str, world: int) -> dict:
@@ -52,7 +70,9 @@ def _gather(out, name: str, world: int) -> dict:
     for t in tm.TABLES:
         ps = sorted((p[t["name"]] for p in parts), key=lambda x: x[0])
         assert ps[0][0] == 0 and ps[-1][1] == t["num_rows"], f"{name}: {t['name']} covers {[p[:2] for p in ps]}"
-        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1)), f"{name}: gap or overlap {[p[:2] for p in ps]}"
+        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1)), (
+            f"{name}: gap or overlap {[p[:2] for p in ps]}"
+        )
         full[t["name"]] = (torch.cat([p[2] for p in ps]), {k: torch.cat([p[3][k] for p in ps]) for k in ps[0][3]})
     return full
 
@@ -76,33 +96,52 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     renumbered = ["B", "C", "A"]  # a same-size re-form that gives every process another rank
     # A durable tier too: its asynchronous DCP saves use the default group while TorchRec trains on
     # the context's own group.
-    base = {"context": "torchrec", "out": str(out), "tables": tm.TABLES,
-            "config": {"durable_dir": str(tmp_path / "durable"), "durable_every": 2}}
-    rank0 = {**base, "phases": [
-        {"until": 2, "dump": "a"},
-        # The leaver is gone (as the in-process resize tells the survivors): its part of step 2's
-        # asynchronous durable save never comes, and the save in flight ends instead of waiting.
-        {"env": _env(one, 0, port, 1, tmp_path), "gone": [1], "until": 4, "dump": "b"},
-        {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "c"},
-        {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "d"},
-        {"env": _env(three, 0, port, 4, tmp_path), "until": 9, "dump": "e"},
-        {"env": _env(renumbered, 2, port, 5, tmp_path), "until": 10, "dump": "f"},
-    ]}
+    base = {
+        "context": "torchrec",
+        "out": str(out),
+        "tables": tm.TABLES,
+        "config": {"durable_dir": str(tmp_path / "durable"), "durable_every": 2},
+    }
+    rank0 = {
+        **base,
+        "phases": [
+            {"until": 2, "dump": "a"},
+            # The leaver is gone (as the in-process resize tells the survivors): its part of step 2's
+            # asynchronous durable save never comes, and the save in flight ends instead of waiting.
+            {"env": _env(one, 0, port, 1, tmp_path), "gone": [1], "until": 4, "dump": "b"},
+            {"env": _env(two, 0, port, 2, tmp_path), "until": 6, "dump": "c"},
+            {"env": _env(two, 0, port, 3, tmp_path), "until": 7, "dump": "d"},
+            {"env": _env(three, 0, port, 4, tmp_path), "until": 9, "dump": "e"},
+            {"env": _env(renumbered, 2, port, 5, tmp_path), "until": 10, "dump": "f"},
+        ],
+    }
     leaver = {**base, "phases": [{"until": 2, "dump": "a"}, {"depart": True}]}
-    joiner1 = {**base, "wait_file": str(out / "b-r0.pt"), "phases": [
-        {"until": 6, "dump": "c"},
-        {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "d"},
-        {"env": _env(three, 1, port, 4, tmp_path), "until": 9, "dump": "e"},
-        {"env": _env(renumbered, 0, port, 5, tmp_path), "until": 10, "dump": "f"},
-    ]}
-    joiner2 = {**base, "wait_file": str(out / "d-r0.pt"), "phases": [
-        {"until": 9, "dump": "e"},
-        {"env": _env(renumbered, 1, port, 5, tmp_path), "until": 10, "dump": "f"},
-    ]}
+    joiner1 = {
+        **base,
+        "wait_file": str(out / "b-r0.pt"),
+        "phases": [
+            {"until": 6, "dump": "c"},
+            {"env": _env(two, 1, port, 3, tmp_path), "until": 7, "dump": "d"},
+            {"env": _env(three, 1, port, 4, tmp_path), "until": 9, "dump": "e"},
+            {"env": _env(renumbered, 0, port, 5, tmp_path), "until": 10, "dump": "f"},
+        ],
+    }
+    joiner2 = {
+        **base,
+        "wait_file": str(out / "d-r0.pt"),
+        "phases": [
+            {"until": 9, "dump": "e"},
+            {"env": _env(renumbered, 1, port, 5, tmp_path), "until": 10, "dump": "f"},
+        ],
+    }
     reference = {**base, "config": {}, "phases": [{"until": 10, "dump": "ref", "dump_steps": [2, 4, 6, 7, 9, 10]}]}
-    envs = [_env(two, 0, port, 0, tmp_path, rank0), _env(two, 1, port, 0, tmp_path, leaver),
-            _env(two, 1, port, 2, tmp_path, joiner1), _env(three, 2, port, 4, tmp_path, joiner2),
-            _env(one, 0, ref_port, 0, tmp_path, reference, run_id="reference")]
+    envs = [
+        _env(two, 0, port, 0, tmp_path, rank0),
+        _env(two, 1, port, 0, tmp_path, leaver),
+        _env(two, 1, port, 2, tmp_path, joiner1),
+        _env(three, 2, port, 4, tmp_path, joiner2),
+        _env(one, 0, ref_port, 0, tmp_path, reference, run_id="reference"),
+    ]
     results = run_ranks(aw.CODE, envs, timeout=280)
     for r in results:
         (tmp_path / f"process{r.rank}.log").write_text(r.stdout + "\n" + r.stderr)
@@ -121,14 +160,19 @@ def test_torchrec_2_1_2_reform_then_2_3_equals_a_single_process(tmp_path):
     # The commits were incremental (the lookup hook's marks): deltas naming a parent, or bases their
     # holders folded from such deltas, on every node.
     manifests = [json.loads(p.read_text()) for p in (tmp_path / "torchrec").rglob("step-*/rank*.json")]
-    assert {m["source_node"] for m in manifests if m.get("parent") or m.get("folded_from")} == {"A", "B", "C"}, \
-        sorted((m["step"], m["source_node"], m.get("parent")) for m in manifests)
+    assert {m["source_node"] for m in manifests if m.get("parent") or m.get("folded_from")} == {"A", "B", "C"}, sorted(
+        (m["step"], m["source_node"], m.get("parent")) for m in manifests
+    )
 
 
 # With a replicated layer, so the suite also checks the adapter's ``dense`` table (round trip,
 # views written then mark_restored's all-gather, reset keeping the parameters).
-TORCHREC = lambda: conformance.Target(factory=tm.factory(timeout=5.0, dense=True),  # noqa: E731
-                                      collective=lambda ctx: ctx.barrier(), write=tm.write_rows)
+def TORCHREC():
+    return conformance.Target(
+        factory=tm.factory(timeout=5.0, dense=True),
+        collective=lambda ctx: ctx.barrier(),
+        write=tm.write_rows,
+    )
 
 
 @pytest.mark.slow
@@ -139,10 +183,13 @@ def test_torchrec_context_passes_the_conformance_suite():
     assert all(report.notes["changes"][r].startswith("exact") for r in (0, 1)), report.notes["changes"]
 
 
-@pytest.mark.parametrize("plan, message", [
-    ("table_wise", "table 't_users' (module 'ebc') is sharded table_wise; elastic_emb moves row-wise tables only"),
-    ("dense_kernel", "table 't_users' (module 'ebc') uses the 'dense' kernel; elastic_emb needs 'fused'"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ("table_wise", "table 't_users' (module 'ebc') is sharded table_wise; elastic_emb moves row-wise tables only"),
+        ("dense_kernel", "table 't_users' (module 'ebc') uses the 'dense' kernel; elastic_emb needs 'fused'"),
+    ],
+)
 def test_torchrec_context_refuses_tables_it_cannot_move_row_by_row(plan, message):
     import functools
 
@@ -152,8 +199,20 @@ def test_torchrec_context_refuses_tables_it_cannot_move_row_by_row(plan, message
     from elastic_emb.errors import UnsupportedSharding
     from elastic_emb.topology import Topology
 
-    topo = Topology.build(run_id="refuse", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1)
+    topo = Topology.build(
+        run_id="refuse",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
     build = functools.partial(tm.build, planned={"t_users": plan})  # the user's plan, one table planned otherwise
     with pytest.raises(UnsupportedSharding, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         TorchRecContext(topo, dist.HashStore(), build=build)
@@ -198,14 +257,21 @@ def _two_collections(topology, env, device):
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5})
     ebcs, plans = [], {}
     for name, table, rows in (("first", "a", 40), ("second", "b", 50)):
-        ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=table, embedding_dim=4, num_embeddings=rows,
-                                                                feature_names=["f"])], device=torch.device("meta"))
+        ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=table, embedding_dim=4, num_embeddings=rows, feature_names=["f"])],
+            device=torch.device("meta"),
+        )
         ebcs.append(ebc)
-        plans[name] = construct_module_sharding_plan(ebc, {table: row_wise(compute_kernel="fused")},
-                                                     world_size=topology.world_size, device_type=device.type,
-                                                     sharder=sharder)
-    return DistributedModelParallel(_TwoCollections(*ebcs), env=env, device=device, plan=ShardingPlan(plans),
-                                    sharders=[sharder])
+        plans[name] = construct_module_sharding_plan(
+            ebc,
+            {table: row_wise(compute_kernel="fused")},
+            world_size=topology.world_size,
+            device_type=device.type,
+            sharder=sharder,
+        )
+    return DistributedModelParallel(
+        _TwoCollections(*ebcs), env=env, device=device, plan=ShardingPlan(plans), sharders=[sharder]
+    )
 
 
 def test_torchrec_change_marks_follow_each_module_when_feature_names_repeat():
@@ -218,16 +284,30 @@ def test_torchrec_change_marks_follow_each_module_when_feature_names_repeat():
     from elastic_emb.adapters.torchrec import TorchRecContext
     from elastic_emb.topology import Topology
 
-    topo = Topology.build(run_id="twocoll", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1)
+    topo = Topology.build(
+        run_id="twocoll",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
     ctx = TorchRecContext(topo, dist.HashStore(), build=_two_collections, dense_table=None)
     try:
         assert ctx.tracks_changes and set(ctx.tables) == {"a", "b"}
         ctx.take_changes()
-        first = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3, 7, 7]),
-                                                    lengths=torch.tensor([2, 1]))
-        second = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([45, 0]),
-                                                     lengths=torch.tensor([1, 1]))
+        first = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.tensor([3, 7, 7]), lengths=torch.tensor([2, 1])
+        )
+        second = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.tensor([45, 0]), lengths=torch.tensor([1, 1])
+        )
         ctx.model(first, second).sum().backward()
         got = {n: m.nonzero().flatten().tolist() for n, m in ctx.take_changes().items()}
         assert got == {"a": [3, 7], "b": [0, 45]}, got

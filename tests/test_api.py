@@ -14,8 +14,18 @@ from elastic_emb import errors
 def test_every_public_name_resolves_from_the_top_level():
     for name in elastic_emb.__all__:
         assert getattr(elastic_emb, name) is not None, name
-    for name in ("Lifecycle", "LifecycleConfig", "EmbContext", "TableSpec", "OptimizerSpec", "Topology", "agree",
-                 "Watcher", "ElasticEmbError", "WorldSizeChanged"):
+    for name in (
+        "Lifecycle",
+        "LifecycleConfig",
+        "EmbContext",
+        "TableSpec",
+        "OptimizerSpec",
+        "Topology",
+        "agree",
+        "Watcher",
+        "ElasticEmbError",
+        "WorldSizeChanged",
+    ):
         assert name in elastic_emb.__all__, name
     assert elastic_emb.Lifecycle.__module__ == "elastic_emb.lifecycle.manager"
 
@@ -27,8 +37,14 @@ def test_importing_the_package_imports_no_torch():
 
 
 def _error_classes(module) -> dict[str, type]:
-    return {n: v for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, BaseException)
-            and v.__module__ == module.__name__ and not n.startswith("_")}
+    return {
+        n: v
+        for n, v in vars(module).items()
+        if isinstance(v, type)
+        and issubclass(v, BaseException)
+        and v.__module__ == module.__name__
+        and not n.startswith("_")
+    }
 
 
 def test_the_public_errors_are_the_declared_ones_and_refine_a_builtin():
@@ -58,10 +74,30 @@ def test_tooling_errors_live_with_their_tooling_and_are_not_public():
 
 PUBLIC = {
     # what a training script imports
-    "Lifecycle", "LifecycleConfig", "ResizeEvent", "CommitReport", "EmbContext", "TableSpec", "OptimizerSpec",
-    "ShardData", "ShardedContext", "ContextBase", "RowRange", "Topology", "agree", "Watcher", "InProcessResize",
-    "interruptible_store", "worker_store", "generation_store", "Settings", "load_settings", "configure_logging",
-    "get_logger", "bind_topology", "__version__",
+    "Lifecycle",
+    "LifecycleConfig",
+    "ResizeEvent",
+    "CommitReport",
+    "EmbContext",
+    "TableSpec",
+    "OptimizerSpec",
+    "ShardData",
+    "ShardedContext",
+    "ContextBase",
+    "RowRange",
+    "Topology",
+    "agree",
+    "Watcher",
+    "InProcessResize",
+    "interruptible_store",
+    "worker_store",
+    "generation_store",
+    "Settings",
+    "load_settings",
+    "configure_logging",
+    "get_logger",
+    "bind_topology",
+    "__version__",
 }
 
 
@@ -84,8 +120,12 @@ def test_every_error_class_is_defined_in_errors_py_or_its_tooling_module():
     package = Path(elastic_emb.__file__).parent
     names = {n for n in vars(errors) if isinstance(getattr(errors, n), type)}
     builtin_names = {n for n, v in vars(builtins).items() if isinstance(v, type)}
-    allowed = {package / "errors.py", package / "drill" / "errors.py", package / "testing" / "etcd.py",
-               package / "testing" / "conformance.py"}
+    allowed = {
+        package / "errors.py",
+        package / "drill" / "errors.py",
+        package / "testing" / "etcd.py",
+        package / "testing" / "conformance.py",
+    }
     elsewhere = []
     for path in package.rglob("*.py"):
         if path in allowed:

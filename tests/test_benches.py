@@ -48,48 +48,205 @@ class Smoke:
 
 SMOKES: dict[str, Smoke] = {
     "agree": Smoke(("--ranks", "2", "4", "--runs", "1", "--out", OUT), ("results",)),
-    "commit": Smoke(("--sizes-mb", "1,2", "--ids", "64", "--steps", "3", "--full-steps", "2", "--max-chain", "2",
-                     "--fold-max-deltas", "2", "--restore-reps", "1", "--scaling-commits", "4",
-                     "--scaling-max-chain", "2", "--block", "2", "--json", OUT), ("args", "rows", "scaling")),
-    "commit_gpu": Smoke(("--device", "cpu", "--table-gib", "0.001", "--dim", "16", "--ids", "64", "--steps", "3",
-                         "--rounds", "1", "--window", "2", "--d2h-mib", "1", "--min-step-ms", "0",
-                         "--latency-commits", "1", "--modes", "none,commit,si,commit@issue,commit@lib,commit@lib+early",
-                         "--json", OUT),
-                        ("dense_windows", "step_none_dense_ms", "commit_full_s", "overhead_device_dense_pct",
-                         "overhead_device_dense_lib_pct", "sustained_device_emb_only_gbs",
-                         "commit_incremental_dense_ms", "async_latency_ms", "dcp_async_save_blocking_ms",
-                         "pinned_d2h_gbs")),
-    "commit_torchrec": Smoke(("--table-mb", "1", "--dim", "8", "--ids", "32", "--steps", "3", "--full-steps", "2",
-                              "--warmup", "1", "--reps", "1", "--max-chain", "2", "--json", OUT),
-                             ("args", "rows", "runs"), needs=("torchrec",)),
-    "d2h_overlap": Smoke(("--device", "cpu", "--copy-mb", "4", "--reps", "1", "--json", OUT),
-                         ("copy_bytes", "host_checksum", "threads")),
-    "drill_matrix": Smoke(("--presets", "scale-down", "--modes", "restart", "--timeout", "150", "--out", OUT),
-                          ("modes", "rows"), timeout=240.0),
-    "drill_recovery": Smoke(("--scenarios", "scale-down", "--runs", "1", "--backends", "elastic_emb", "--out", OUT),
-                            ("summary", "runs"), timeout=240.0),
-    "ep8": Smoke(("--mb", "1", "--runs", "1", "--timeout", "120", "--json", OUT),
-                 ("agree_s", "rebuild_s", "alltoall_gbps_per_rank", "shrink_8_to_4", "grow_4_to_8")),
-    "etcd_calls": Smoke(("--runs", "1", "--calls", "5", "--out", OUT), ("samples", "medians", "ratios_to_urllib"),
-                        needs=("etcd",)),
-    "lookup": Smoke(("--ranks", "1", "2", "--rows", "4096", "--dim", "8", "--batch", "256", "--runs", "1",
-                     "--iters", "2", "--warmup", "1", "--in-flight", "--compare-capture", "--out", OUT),
-                    ("device", "config", "results")),
-    "lookup_one_gpu": Smoke(("--device", "cpu", "--rows", "4096", "--dim", "8", "--batch", "256", "--runs", "1",
-                             "--iters", "2", "--matmul", "32", "--out", OUT),
-                            ("exact_vs_index_select", "copy_bound_s", "lookup_back_to_back_s", "fraction_of_copy_bound",
-                             "prefetch", "targets")),
-    "nccl_setup": Smoke(("--configs", "default", "--trials", "2", "--mib", "1", "--out", OUT),
-                        stdout="needs 2 CUDA devices; none measured"),
+    "commit": Smoke(
+        (
+            "--sizes-mb",
+            "1,2",
+            "--ids",
+            "64",
+            "--steps",
+            "3",
+            "--full-steps",
+            "2",
+            "--max-chain",
+            "2",
+            "--fold-max-deltas",
+            "2",
+            "--restore-reps",
+            "1",
+            "--scaling-commits",
+            "4",
+            "--scaling-max-chain",
+            "2",
+            "--block",
+            "2",
+            "--json",
+            OUT,
+        ),
+        ("args", "rows", "scaling"),
+    ),
+    "commit_gpu": Smoke(
+        (
+            "--device",
+            "cpu",
+            "--table-gib",
+            "0.001",
+            "--dim",
+            "16",
+            "--ids",
+            "64",
+            "--steps",
+            "3",
+            "--rounds",
+            "1",
+            "--window",
+            "2",
+            "--d2h-mib",
+            "1",
+            "--min-step-ms",
+            "0",
+            "--latency-commits",
+            "1",
+            "--modes",
+            "none,commit,si,commit@issue,commit@lib,commit@lib+early",
+            "--json",
+            OUT,
+        ),
+        (
+            "dense_windows",
+            "step_none_dense_ms",
+            "commit_full_s",
+            "overhead_device_dense_pct",
+            "overhead_device_dense_lib_pct",
+            "sustained_device_emb_only_gbs",
+            "commit_incremental_dense_ms",
+            "async_latency_ms",
+            "dcp_async_save_blocking_ms",
+            "pinned_d2h_gbs",
+        ),
+    ),
+    "commit_torchrec": Smoke(
+        (
+            "--table-mb",
+            "1",
+            "--dim",
+            "8",
+            "--ids",
+            "32",
+            "--steps",
+            "3",
+            "--full-steps",
+            "2",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--max-chain",
+            "2",
+            "--json",
+            OUT,
+        ),
+        ("args", "rows", "runs"),
+        needs=("torchrec",),
+    ),
+    "d2h_overlap": Smoke(
+        ("--device", "cpu", "--copy-mb", "4", "--reps", "1", "--json", OUT), ("copy_bytes", "host_checksum", "threads")
+    ),
+    "drill_matrix": Smoke(
+        ("--presets", "scale-down", "--modes", "restart", "--timeout", "150", "--out", OUT),
+        ("modes", "rows"),
+        timeout=240.0,
+    ),
+    "drill_recovery": Smoke(
+        ("--scenarios", "scale-down", "--runs", "1", "--backends", "elastic_emb", "--out", OUT),
+        ("summary", "runs"),
+        timeout=240.0,
+    ),
+    "ep8": Smoke(
+        ("--mb", "1", "--runs", "1", "--timeout", "120", "--json", OUT),
+        ("agree_s", "rebuild_s", "alltoall_gbps_per_rank", "shrink_8_to_4", "grow_4_to_8"),
+    ),
+    "etcd_calls": Smoke(
+        ("--runs", "1", "--calls", "5", "--out", OUT), ("samples", "medians", "ratios_to_urllib"), needs=("etcd",)
+    ),
+    "lookup": Smoke(
+        (
+            "--ranks",
+            "1",
+            "2",
+            "--rows",
+            "4096",
+            "--dim",
+            "8",
+            "--batch",
+            "256",
+            "--runs",
+            "1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--in-flight",
+            "--compare-capture",
+            "--out",
+            OUT,
+        ),
+        ("device", "config", "results"),
+    ),
+    "lookup_one_gpu": Smoke(
+        (
+            "--device",
+            "cpu",
+            "--rows",
+            "4096",
+            "--dim",
+            "8",
+            "--batch",
+            "256",
+            "--runs",
+            "1",
+            "--iters",
+            "2",
+            "--matmul",
+            "32",
+            "--out",
+            OUT,
+        ),
+        (
+            "exact_vs_index_select",
+            "copy_bound_s",
+            "lookup_back_to_back_s",
+            "fraction_of_copy_bound",
+            "prefetch",
+            "targets",
+        ),
+    ),
+    "nccl_setup": Smoke(
+        ("--configs", "default", "--trials", "2", "--mib", "1", "--out", OUT),
+        stdout="needs 2 CUDA devices; none measured",
+    ),
     "reshard": Smoke(("--sizes-mb", "1", "--runs", "1", "--json", OUT), ("device", "world", "results")),
-    "resize": Smoke(("--runs", "1", "--backends", "elastic_emb", "--cap", "60", "--out", OUT),
-                    ("raw_s", "median_s", "pause_median_s", "import_floor_s"), timeout=240.0),
-    "resize_gpu": Smoke(("--device", "cpu", "--rows", "4096", "--dim", "8", "--batch", "64", "--runs", "2",
-                         "--restart-runs", "1", "--out", OUT), ("runs", "median", "raw_median_s", "restart_median_s")),
-    "shm_landing": Smoke(("--device", "cpu", "--mib", "4", "--threads", "2", "--runs", "1", "--json", OUT),
-                         ("copy_fresh_ms", "fallocate_ms", "copy_populated_ms", "fallocate_parallel_each_ms")),
-    "teardown": Smoke(("--device", "cpu", "--runs", "1", "--rows", "4096", "--timeout", "5", "--out", OUT),
-                      ("teardown", "rebuild")),
+    "resize": Smoke(
+        ("--runs", "1", "--backends", "elastic_emb", "--cap", "60", "--out", OUT),
+        ("raw_s", "median_s", "pause_median_s", "import_floor_s"),
+        timeout=240.0,
+    ),
+    "resize_gpu": Smoke(
+        (
+            "--device",
+            "cpu",
+            "--rows",
+            "4096",
+            "--dim",
+            "8",
+            "--batch",
+            "64",
+            "--runs",
+            "2",
+            "--restart-runs",
+            "1",
+            "--out",
+            OUT,
+        ),
+        ("runs", "median", "raw_median_s", "restart_median_s"),
+    ),
+    "shm_landing": Smoke(
+        ("--device", "cpu", "--mib", "4", "--threads", "2", "--runs", "1", "--json", OUT),
+        ("copy_fresh_ms", "fallocate_ms", "copy_populated_ms", "fallocate_parallel_each_ms"),
+    ),
+    "teardown": Smoke(
+        ("--device", "cpu", "--runs", "1", "--rows", "4096", "--timeout", "5", "--out", OUT), ("teardown", "rebuild")
+    ),
 }
 WORKERS = 3  # benches at a time (they mostly wait; more would fight over two cores)
 
@@ -127,11 +284,24 @@ def run_bench(name: str, out_dir: Path) -> Ran:
     smoke = SMOKES[name]
     report = out_dir / f"{name}.json"
     argv = [sys.executable, str(BENCH / f"{name}.py"), *(str(report) if a == OUT else a for a in smoke.argv)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ELASTIC_EMB_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "ELASTIC_EMB_LOG_LEVEL": "warning",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=out_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=out_dir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=smoke.timeout)
         code = proc.returncode
@@ -155,8 +325,11 @@ def run_bench(name: str, out_dir: Path) -> Ran:
 def runs(request, tmp_path_factory) -> dict[str, Future]:
     """The selected benches, started side by side (the longest first), ``WORKERS`` at a time.
     Under pytest-xdist each test runs its own bench instead (every worker sees every item)."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.module is request.module and getattr(item, "callspec", None) is not None]
+    names = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is request.module and getattr(item, "callspec", None) is not None
+    ]
     names = sorted((n for n in names if _missing(SMOKES[n]) is None), key=lambda n: -SMOKES[n].timeout)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         yield {}
@@ -215,10 +388,23 @@ def _lookup_one_gpu(doc: dict) -> None:
 def _commit_gpu(doc: dict) -> None:
     assert doc["capture_path"] == "host" and doc["device"] == "cpu"
     windows = doc["dense_windows"]
-    assert set(windows["modes"]) == {"none", "commit", "si", "none@issue", "commit@issue", "none@lib", "commit@lib",
-                                     "none@lib+early", "commit@lib+early"}, windows["modes"]
-    assert windows["commit"]["commit_call_parts_ms"].keys() == {"call_views", "call_take", "call_tier_capture",
-                                                                "call_submit"}
+    assert set(windows["modes"]) == {
+        "none",
+        "commit",
+        "si",
+        "none@issue",
+        "commit@issue",
+        "none@lib",
+        "commit@lib",
+        "none@lib+early",
+        "commit@lib+early",
+    }, windows["modes"]
+    assert windows["commit"]["commit_call_parts_ms"].keys() == {
+        "call_views",
+        "call_take",
+        "call_tier_capture",
+        "call_submit",
+    }
 
 
 def _resize(doc: dict) -> None:
@@ -236,9 +422,18 @@ def _reshard(doc: dict) -> None:
 
 def _teardown(doc: dict) -> None:
     assert {(r["scenario"], r["mode"]) for r in doc["teardown"]} == {
-        (s, m) for s in ("healthy", "broken") for m in ("shutdown", "abort")}
+        (s, m) for s in ("healthy", "broken") for m in ("shutdown", "abort")
+    }
 
 
-VERDICTS = {"drill_matrix": _drill_matrix, "drill_recovery": _drill_recovery, "lookup": _lookup,
-            "lookup_one_gpu": _lookup_one_gpu, "commit_gpu": _commit_gpu, "resize": _resize,
-            "resize_gpu": _resize_gpu, "reshard": _reshard, "teardown": _teardown}
+VERDICTS = {
+    "drill_matrix": _drill_matrix,
+    "drill_recovery": _drill_recovery,
+    "lookup": _lookup,
+    "lookup_one_gpu": _lookup_one_gpu,
+    "commit_gpu": _commit_gpu,
+    "resize": _resize,
+    "resize_gpu": _resize_gpu,
+    "reshard": _reshard,
+    "teardown": _teardown,
+}

@@ -37,9 +37,20 @@ def test_a_launcher_failure_surfaces_at_the_writer_and_at_the_next_write(tmp_pat
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
-    topo = Topology.build(run_id="capture-fail", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="nccl", master_addr="127.0.0.1",
-                          master_port=port)
+    topo = Topology.build(
+        run_id="capture-fail",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="nccl",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     ctx = EmbContext(topo, store, tables=[SPEC], optimizer=OptimizerSpec(kind="adagrad", lr=0.5), seed=3)
     dev = ctx.device
     comm = Comm(topo, store, None, timeout=60)
@@ -51,8 +62,17 @@ def test_a_launcher_failure_surfaces_at_the_writer_and_at_the_next_write(tmp_pat
     grads = torch.ones(SPEC.num_rows, SPEC.dim, device=dev)
     try:
         ctx.apply_gradients(SPEC.name, ids, grads)
-        writer.submit(tier.capture(0, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
-                                   device=capture, hold=ctx.hold_writes))  # the base (a host copy)
+        writer.submit(
+            tier.capture(
+                0,
+                ctx.shard_views(),
+                topo,
+                num_rows,
+                ctx.take_changed_rows(unique=False),
+                device=capture,
+                hold=ctx.hold_writes,
+            )
+        )  # the base (a host copy)
         assert writer.wait() == 0
         ctx.apply_gradients(SPEC.name, ids, grads)
         # (a plain dict: without the written values the context hands over, the capture gathers
@@ -65,8 +85,11 @@ def test_a_launcher_failure_surfaces_at_the_writer_and_at_the_next_write(tmp_pat
         try:
             t0 = time.monotonic()
             writer.submit(tier.capture(1, shards, topo, num_rows, rows, device=capture, hold=ctx.hold_writes))
-            with pytest.raises(RuntimeError, match=r"launching a commit's copy to the host on the GPU failed: "
-                                                   r".*out of memory") as at_writer:
+            with pytest.raises(
+                RuntimeError,
+                match=r"launching a commit's copy to the host on the GPU failed: "
+                r".*out of memory",
+            ) as at_writer:
                 writer.wait()
         finally:  # the launcher has failed: the next write gets its memory back, and the capture's error
             torch.cuda.set_per_process_memory_fraction(1.0, dev)

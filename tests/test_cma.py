@@ -39,13 +39,18 @@ def _run(tmp_path, case: str, transport: str | None = None, sabotage: list | Non
     world, ep, old, holders = CASES[case]
     port = free_port()
     spec = {"old": old, "holders": {str(k): v for k, v in holders.items()}, "sabotage": sabotage}
-    extra = {"ELASTIC_EMB_EP_SIZE": str(ep), "CMAW_SPEC": json.dumps(spec),
-             "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    extra = {
+        "ELASTIC_EMB_EP_SIZE": str(ep),
+        "CMAW_SPEC": json.dumps(spec),
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+    }
     if transport:
         extra["ELASTIC_EMB_TRANSPORT"] = transport
     results = run_ranks(CODE, [torchrun_env(r, world, port, extra=extra) for r in range(world)], timeout=90)
     for r in results:
-        assert r.returncode == 0, f"rank {r.rank} rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+        assert r.returncode == 0, (
+            f"rank {r.rank} rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+        )
     values = [r.value for r in results]
     for v in values:
         assert v["step"] == 5, v
@@ -55,8 +60,12 @@ def _run(tmp_path, case: str, transport: str | None = None, sabotage: list | Non
         spans = sorted(tuple(v["rows"][t]) for v in values if v["rows"][t][1] > v["rows"][t][0])
         assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
     assert sum(v["bytes_moved"] for v in values) > 0
-    fallbacks = [json.loads(line) for r in results for line in r.stderr.splitlines()
-                 if line.startswith("{") and '"cma_fallback"' in line]
+    fallbacks = [
+        json.loads(line)
+        for r in results
+        for line in r.stderr.splitlines()
+        if line.startswith("{") and '"cma_fallback"' in line
+    ]
     return values, fallbacks
 
 
@@ -129,8 +138,10 @@ def test_job_member_accepts_only_siblings_of_the_same_run():
     sleeper = "import time; time.sleep(60)"
     a, b = start("job", sleeper), start("other", sleeper)
     try:
-        check = ("import json, sys; from elastic_emb.state.cma import job_member; "
-                 f"print(json.dumps([job_member(p) for p in ({a.pid}, {b.pid}, {os.getpid()}, 999999999)]))")
+        check = (
+            "import json, sys; from elastic_emb.state.cma import job_member; "
+            f"print(json.dumps([job_member(p) for p in ({a.pid}, {b.pid}, {os.getpid()}, 999999999)]))"
+        )
         c = start("job", check)
         out, _ = c.communicate(timeout=60)
         same, other_run, parent, gone = json.loads(out)
@@ -151,14 +162,16 @@ def test_forged_offer_naming_a_process_outside_the_job_is_refused(tmp_path):
     takes rank 1's rows over gloo: every row is exact (the pattern never lands in a row)."""
     values, fallbacks = _run(tmp_path, "4to3", sabotage=["forge", 1])
     assert {v["transport"] for v in values} == {"cma+p2p"}, values
-    assert fallbacks and all(f["peer"] == 1 and "not a process of this job" in f["reason"] for f in fallbacks), fallbacks
+    assert fallbacks and all(f["peer"] == 1 and "not a process of this job" in f["reason"] for f in fallbacks), (
+        fallbacks
+    )
 
 
 def test_touch_writes_only_inside_the_destination():
     buf = torch.full((3 * cma.PAGE * 20,), 9, dtype=torch.uint8)
-    inner = buf[cma.PAGE * 5 + 17: cma.PAGE * 45 + 3]
+    inner = buf[cma.PAGE * 5 + 17 : cma.PAGE * 45 + 3]
     cma._touch(inner)
-    assert bool((buf[: cma.PAGE * 5 + 17] == 9).all()) and bool((buf[cma.PAGE * 45 + 3:] == 9).all())
+    assert bool((buf[: cma.PAGE * 5 + 17] == 9).all()) and bool((buf[cma.PAGE * 45 + 3 :] == 9).all())
 
 
 def test_bad_transport_setting_names_the_value_and_the_fix(monkeypatch):
@@ -169,8 +182,20 @@ def test_bad_transport_setting_names_the_value_and_the_fix(monkeypatch):
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    topo = Topology.build(run_id="unit", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    topo = Topology.build(
+        run_id="unit",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     monkeypatch.setenv("ELASTIC_EMB_TRANSPORT", "shm")
     with pytest.raises(ValueError, match=r"ELASTIC_EMB_TRANSPORT.*shm"):
         Comm(topo, store, None, timeout=10)

@@ -38,9 +38,20 @@ def _solo(port: int):
     from elastic_emb.context import EmbContext
 
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
-    topo = Topology.build(run_id="cuda-commit", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="nccl", master_addr="127.0.0.1",
-                          master_port=port)
+    topo = Topology.build(
+        run_id="cuda-commit",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="nccl",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     ctx = EmbContext(topo, store, tables=TABLES, optimizer=OPT, seed=3, nonfinite_gradients="skip")
     return topo, store, ctx
 
@@ -111,8 +122,9 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
                     ids, grads = _batch(gen, step, spec)
                     ctx.apply_gradients(spec.name, ids, grads)
             views = ctx.shard_views()
-            cap = tier.capture(step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device,
-                               hold=ctx.hold_writes)
+            cap = tier.capture(
+                step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device, hold=ctx.hold_writes
+            )
             assert (cap.parent is None) == (step == 0), f"step {step}: a base only first (parent {cap.parent})"
             expect[step] = _state(views)  # in stream order: after this step's writes, before the next's
             writer.submit(cap)
@@ -125,8 +137,9 @@ def test_device_commits_every_step_restore_bit_for_bit(tmp_path):
             step = chain[-1][1].step
             got = read_chain(chain, read_snapshot)
             names = lambda n: ["weight"] + sorted(k for k in got[n] if k != "weight")  # noqa: E731
-            assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), \
+            assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), (
                 f"commit of step {step} differs from the rows right after its step"
+            )
         final = _state(ctx.export_shard())
     finally:
         writer.close()
@@ -161,8 +174,9 @@ def _materialise_all(tier, expect):
         step = chain[-1][1].step
         got = read_chain(chain, read_snapshot)
         names = lambda n: ["weight"] + sorted(k for k in got[n] if k != "weight")  # noqa: E731
-        assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), \
+        assert _same({n: [got[n][k] for k in names(n)] for n in got}, expect[step]), (
             f"commit of step {step} differs from the rows right after its step"
+        )
     return sorted(chain[-1][1].step for chain in chains.values())
 
 
@@ -199,8 +213,9 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
             for spec in TABLES:
                 ctx.apply_gradients(spec.name, *_batch(gen, step, spec))
             views = ctx.shard_views()
-            cap = tier.capture(step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device,
-                               hold=ctx.hold_writes)
+            cap = tier.capture(
+                step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device, hold=ctx.hold_writes
+            )
             if cap.parent is not None:
                 deltas += 1
                 assert isinstance(cap.buffer, Segment), f"step {step}: a delta with a free segment lands in the ring"
@@ -223,12 +238,19 @@ def test_log_ring_reuses_segments_and_every_kept_commit_restores(shm_path):
         outside = m.model_copy(update={"segment_offset": path.stat().st_size - m.data_bytes + 64})
         with pytest.raises(ChecksumMismatch, match="outside the log segment"):
             read_snapshot(path, outside)
-        flipped = m.model_copy(update={"shards": [r.model_copy(update={"tensors": [
-            t.model_copy(update={"crc32": t.crc32 ^ 1}) for t in r.tensors]}) for r in m.shards]})
+        flipped = m.model_copy(
+            update={
+                "shards": [
+                    r.model_copy(update={"tensors": [t.model_copy(update={"crc32": t.crc32 ^ 1}) for t in r.tensors]})
+                    for r in m.shards
+                ]
+            }
+        )
         with pytest.raises(ChecksumMismatch):
             read_snapshot(path, flipped)
-        mfile = next(f for f in tier.node_dir.glob("step-*/rank0.json")
-                     if json.loads(f.read_text()).get("segment") == m.segment)
+        mfile = next(
+            f for f in tier.node_dir.glob("step-*/rank0.json") if json.loads(f.read_text()).get("segment") == m.segment
+        )
         original = mfile.read_text()
         for bad in ("../../escape.bin", ".hidden"):
             mfile.write_text(json.dumps({**json.loads(original), "segment": bad}))
@@ -264,8 +286,17 @@ def test_device_capture_takes_no_host_sync(shm_path):
         for step in range(2):  # the base (a host copy) and one delta to warm the pinned buffers up
             for spec, (ids, grads) in zip(TABLES, batches[step]):
                 ctx.apply_gradients(spec.name, ids, grads)
-            writer.submit(tier.capture(step, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
-                                       device=device, hold=ctx.hold_writes))
+            writer.submit(
+                tier.capture(
+                    step,
+                    ctx.shard_views(),
+                    topo,
+                    num_rows,
+                    ctx.take_changed_rows(unique=False),
+                    device=device,
+                    hold=ctx.hold_writes,
+                )
+            )
         writer.wait()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -273,8 +304,15 @@ def test_device_capture_takes_no_host_sync(shm_path):
             for step in range(2, 6):
                 for spec, (ids, grads) in zip(TABLES, batches[step]):
                     ctx.apply_gradients(spec.name, ids, grads)
-                cap = tier.capture(step, ctx.shard_views(), topo, num_rows, ctx.take_changed_rows(unique=False),
-                                   device=device, hold=ctx.hold_writes)
+                cap = tier.capture(
+                    step,
+                    ctx.shard_views(),
+                    topo,
+                    num_rows,
+                    ctx.take_changed_rows(unique=False),
+                    device=device,
+                    hold=ctx.hold_writes,
+                )
                 writer.submit(cap)
         finally:
             torch.cuda.set_sync_debug_mode(0)
@@ -299,8 +337,16 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
 
     def start():
         port = free_port()
-        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "cuda-lc", "ELASTIC_EMB_BACKEND": "nccl"}
+        env = {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "cuda-lc",
+            "ELASTIC_EMB_BACKEND": "nccl",
+        }
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
         cfg = LifecycleConfig(async_commit=True, max_chain=50, state_dir=str(shm_path), node_id="A")
         return Lifecycle.start(factory, cfg, env=env, store=store)

@@ -32,8 +32,20 @@ def _factory(topology, store):
 def test_one_communicator_and_one_writer_per_generation_for_a_context_without_a_group(tmp_path):
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
     config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", transfer_timeout=30.0).resolved({})
-    topo = Topology.build(run_id="committer", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1)
+    topo = Topology.build(
+        run_id="committer",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
     lc = Lifecycle(_factory, config, topo, store)
     lc.context = _factory(topo, store)
     assert lc.context.process_group is None and lc.context.tracks_changes

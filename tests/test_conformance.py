@@ -24,8 +24,9 @@ TABLES = [TableSpec(name="items", num_rows=37, dim=4), TableSpec(name="users", n
 def _emb_target() -> conformance.Target:
     from elastic_emb.context import EmbContext
 
-    factory = functools.partial(EmbContext, tables=TABLES, optimizer=OptimizerSpec(kind="adagrad"), timeout=5.0,
-                                staging_rows_per_rank=16)
+    factory = functools.partial(
+        EmbContext, tables=TABLES, optimizer=OptimizerSpec(kind="adagrad"), timeout=5.0, staging_rows_per_rank=16
+    )
     return conformance.Target(factory=factory, collective=lambda ctx: ctx.barrier(), write=_apply_ones)
 
 
@@ -39,13 +40,17 @@ def _apply_ones(ctx, table: str, ids) -> None:
 
 def _mini(cls=lw.MiniContext) -> conformance.Target:
     mini_tables = [TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim, dtype="float64") for t in TABLES]
-    return conformance.Target(factory=functools.partial(cls, tables=mini_tables, timeout=5.0),
-                              collective=lambda ctx: ctx.allreduce())
+    return conformance.Target(
+        factory=functools.partial(cls, tables=mini_tables, timeout=5.0), collective=lambda ctx: ctx.allreduce()
+    )
 
 
 # A context that lacks a required member: MiniContext's methods without ``healthy``.
-NoHealthy = type("NoHealthy", (ContextBase,), {k: v for k, v in vars(lw.MiniContext).items()
-                                               if k not in ("healthy", "__dict__", "__weakref__")})
+NoHealthy = type(
+    "NoHealthy",
+    (ContextBase,),
+    {k: v for k, v in vars(lw.MiniContext).items() if k not in ("healthy", "__dict__", "__weakref__")},
+)
 
 
 class AnySizeReset(lw.MiniContext):

@@ -27,9 +27,21 @@ RUNS = [
     ("w3", 3, 2, "w4", 1),
     ("w2", 2, 2, "w3", None),
 ]
-COMMON = ["sgd_matches_reference", "large_batches", "staging_grown", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
-          "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
-          "init_rows_independent_of_world", "dcp", "nonfinite_and_changes"]
+COMMON = [
+    "sgd_matches_reference",
+    "large_batches",
+    "staging_grown",
+    "adagrad_matches_reference",
+    "invalid_ids",
+    "mismatched_calls",
+    "reset_rules",
+    "reset_same_world",
+    "reset_new_rank_mapping",
+    "close_and_use_after_close",
+    "init_rows_independent_of_world",
+    "dcp",
+    "nonfinite_and_changes",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +56,16 @@ def runs(tmp_path_factory):
                 continue
             cfg = {"dir": str(shared), "tag": t, "load_from": load_from, "shrink_to": shrink}
             port = free_port()
-            envs = [torchrun_env(r, world, port, run_id=f"ctx-{t}",
-                                 extra={"ELASTIC_EMB_EP_SIZE": str(ep), "CTX_TEST_CFG": json.dumps(cfg)})
-                    for r in range(world)]
+            envs = [
+                torchrun_env(
+                    r,
+                    world,
+                    port,
+                    run_id=f"ctx-{t}",
+                    extra={"ELASTIC_EMB_EP_SIZE": str(ep), "CTX_TEST_CFG": json.dumps(cfg)},
+                )
+                for r in range(world)
+            ]
             code = f"import runpy, sys; sys.argv = [{WORKER!r}]; runpy.run_path({WORKER!r}, run_name='__main__')"
             cache[t] = run_ranks(code, envs, timeout=120)
             if t == tag:
@@ -65,8 +84,11 @@ def _checks(results, tag):
 
 
 CASES = [(tag, name) for tag, world, ep, load_from, shrink in RUNS for name in COMMON]
-CASES += [("w3", "non_power_of_two_ep_when_allowed"), ("w4", "reconstruct_at_other_world_size"),
-          ("w3", "reconstruct_at_other_world_size")]
+CASES += [
+    ("w3", "non_power_of_two_ep_when_allowed"),
+    ("w4", "reconstruct_at_other_world_size"),
+    ("w3", "reconstruct_at_other_world_size"),
+]
 
 
 @pytest.mark.slow
@@ -106,7 +128,10 @@ def test_arena_sized_from_world(runs):
             assert arena["total_bytes"] == arena["resident_bytes"] + arena["staging_bytes"]
         # staging: 2 rows per peer (the worker's setting) x world, row of 'big' (16 B) + id (8 B),
         # 256-byte aligned, one buffer per direction
-        assert per_rank[0]["arena"]["staging_bytes"] == 2 * (-(-2 * world * 24 // 256) * 256), (world, per_rank[0]["arena"])
+        assert per_rank[0]["arena"]["staging_bytes"] == 2 * (-(-2 * world * 24 // 256) * 256), (
+            world,
+            per_rank[0]["arena"],
+        )
         sizes[world] = per_rank[0]["arena"]["staging_bytes"]
     assert sizes[4] >= sizes[3] >= sizes[2], sizes
 
@@ -208,14 +233,29 @@ from elastic_emb.topology import Topology  # noqa: E402
 
 
 def _solo(generation: int, port: int) -> Topology:
-    return Topology.build(run_id="solo", generation=generation, rank=0, world_size=1, local_rank=0,
-                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
-                          master_addr="127.0.0.1", master_port=port)
+    return Topology.build(
+        run_id="solo",
+        generation=generation,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 9000), dim=st.integers(1, 5), seed=st.integers(0, 2**40),
-       cuts=st.lists(st.integers(0, 9000), max_size=5))
+@given(
+    n=st.integers(1, 9000),
+    dim=st.integers(1, 5),
+    seed=st.integers(0, 2**40),
+    cuts=st.lists(st.integers(0, 9000), max_size=5),
+)
 def test_init_rows_do_not_depend_on_how_rows_are_split(n, dim, seed, cuts):
     spec = TableSpec(name="t", num_rows=n, dim=dim)
     bounds = sorted({0, n, *(c % (n + 1) for c in cuts)})
@@ -232,7 +272,9 @@ def test_two_contexts_live_in_one_process_without_a_default_group():
     assert not dist.is_initialized()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
-    tables = [TableSpec(name=f"t_{d}", num_rows=50, dim=3, dtype=d) for d in ("float32", "float16", "bfloat16", "float64")]
+    tables = [
+        TableSpec(name=f"t_{d}", num_rows=50, dim=3, dtype=d) for d in ("float32", "float16", "bfloat16", "float64")
+    ]
     old = EmbContext(_solo(0, port), store, tables=tables, optimizer=OptimizerSpec(kind="sgd", lr=1.0))
     new = EmbContext(_solo(1, port), store, tables=tables, seed=None)
     assert not dist.is_initialized()
@@ -322,8 +364,21 @@ def test_one_rank_handle_after_close_behaves_like_any_other():
         pending.wait()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel runs on the GPU machine")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel runs on the GPU machine"
+                ),
+            ],
+        ),
+    ],
+)
 def test_gather_rows_reads_each_row_from_its_source(device):
     # The last step of a lookup: rows received from peers (pos >= 0) and the rank's own rows
     # (pos < 0, from the end of its shard), in one pass on CUDA, torch ops elsewhere.
@@ -393,8 +448,9 @@ def test_nonfinite_gradients_are_refused_or_skipped(kind):
         before = skip.export_shard()["t"]
         with structlog.testing.capture_logs() as events:
             skip.apply_gradients("t", ids, grads)
-        assert [(e["table"], e["rows"]) for e in events if e["event"] == "context.nonfinite_gradients_skipped"] \
-            == [("t", 2)], events
+        assert [(e["table"], e["rows"]) for e in events if e["event"] == "context.nonfinite_gradients_skipped"] == [
+            ("t", 2)
+        ], events
         expect_w, expect_s = before.weight.clone(), {k: v.clone() for k, v in before.slots.items()}
         apply_rows(opt, expect_w, expect_s, torch.tensor([3, 40]), torch.full((2, 3), 0.25))
         after = skip.export_shard()["t"]
@@ -407,8 +463,10 @@ def test_nonfinite_gradients_are_refused_or_skipped(kind):
 
 
 @settings(max_examples=25, deadline=None)
-@given(batches=st.lists(st.lists(st.integers(0, 49), max_size=30), min_size=1, max_size=6),
-       takes=st.lists(st.sampled_from([None, "mask", "rows", "raw"]), min_size=6, max_size=6))
+@given(
+    batches=st.lists(st.lists(st.integers(0, 49), max_size=30), min_size=1, max_size=6),
+    takes=st.lists(st.sampled_from([None, "mask", "rows", "raw"]), min_size=6, max_size=6),
+)
 def test_take_changes_marks_exactly_the_rows_written(batches, takes):
     """Random batches with duplicates and empty ones: after each step, the rows take_changes()
     (the mask) or take_changed_rows() (the row numbers, deduplicated or raw) reports are exactly

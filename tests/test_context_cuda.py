@@ -46,13 +46,32 @@ def no_sync():
 def solo(dtype: str, optimizer: OptimizerSpec, **kw):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
-    topo = Topology.build(run_id="cuda-solo", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="nccl", master_addr="127.0.0.1",
-                          master_port=port)
-    ctx = EmbContext(topo, store, tables=[TableSpec(name="t", num_rows=ROWS, dim=DIM, dtype=dtype)],
-                     optimizer=optimizer, seed=None, **kw)
+    topo = Topology.build(
+        run_id="cuda-solo",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="nccl",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+    ctx = EmbContext(
+        topo,
+        store,
+        tables=[TableSpec(name="t", num_rows=ROWS, dim=DIM, dtype=dtype)],
+        optimizer=optimizer,
+        seed=None,
+        **kw,
+    )
     gen = torch.Generator(device="cuda").manual_seed(7)
-    rows = (torch.randint(-64, 64, (ROWS, DIM), device="cuda", generator=gen).float() / 16).to(ctx.tables["t"].torch_dtype)
+    rows = (torch.randint(-64, 64, (ROWS, DIM), device="cuda", generator=gen).float() / 16).to(
+        ctx.tables["t"].torch_dtype
+    )
     slots = {"accumulator": torch.full((ROWS,), 0.5, device="cuda")} if optimizer.kind == "adagrad" else {}
     ctx.import_shard({"t": ShardData("t", RowRange(0, ROWS), rows, slots)})
     ctx.take_changes()
@@ -81,11 +100,15 @@ def test_lookup_and_gradients_never_synchronise_and_are_exact(dtype, kind):
         ids = batches(gen)
         # Gradient batches with few repeats per row, in quarters: every sum is exact in bf16 too,
         # whatever order the device adds duplicates in.
-        upd = {"random": torch.randint(0, ROWS, (2000,), device="cuda", generator=gen),
-               "duplicates": torch.randint(0, 8, (40,), device="cuda", generator=gen),
-               "empty": ids["empty"], "max": torch.full((5,), ROWS - 1, device="cuda")}
-        grads = {k: (torch.randint(-4, 5, (len(v), DIM), device="cuda", generator=gen).float() / 4)
-                 for k, v in upd.items()}
+        upd = {
+            "random": torch.randint(0, ROWS, (2000,), device="cuda", generator=gen),
+            "duplicates": torch.randint(0, 8, (40,), device="cuda", generator=gen),
+            "empty": ids["empty"],
+            "max": torch.full((5,), ROWS - 1, device="cuda"),
+        }
+        grads = {
+            k: (torch.randint(-4, 5, (len(v), DIM), device="cuda", generator=gen).float() / 4) for k, v in upd.items()
+        }
         table = ctx.export_shard()["t"]
         expect_w, expect_s = table.weight.clone(), {k: v.clone() for k, v in table.slots.items()}
         with no_sync():
@@ -99,7 +122,9 @@ def test_lookup_and_gradients_never_synchronise_and_are_exact(dtype, kind):
             after = {k: ctx.lookup("t", v).wait() for k, v in ids.items()}
         for k, v in ids.items():
             assert torch.equal(got[k], torch.index_select(table.weight, 0, v)), k
-        assert torch.equal(late[0], table.weight[ids["duplicates"]]) and torch.equal(late[1], table.weight[ids["random"]])
+        assert torch.equal(late[0], table.weight[ids["duplicates"]]) and torch.equal(
+            late[1], table.weight[ids["random"]]
+        )
         touched = torch.zeros(ROWS, dtype=torch.bool, device="cuda")
         for k, v in upd.items():
             uniq, inverse = torch.unique(v, return_inverse=True)
@@ -124,8 +149,11 @@ def test_bad_ids_and_nonfinite_gradients_raise_where_documented():
         ids[5], ids[9] = ROWS + 3, -1
         with no_sync():
             h = ctx.lookup("t", ids)  # returns at once; the verdict comes from the device
-            with pytest.raises(InvalidIds, match=rf"2 id\(s\) out of range for table 't' of {ROWS} rows, the first "
-                                                 rf"{ROWS + 3} at position 5"):
+            with pytest.raises(
+                InvalidIds,
+                match=rf"2 id\(s\) out of range for table 't' of {ROWS} rows, the first "
+                rf"{ROWS + 3} at position 5",
+            ):
                 h.wait()
             with pytest.raises(InvalidIds):
                 h.wait()  # and again
@@ -141,8 +169,9 @@ def test_bad_ids_and_nonfinite_gradients_raise_where_documented():
         with pytest.raises(NonFiniteGradients, match=r"1 row\(s\) of table 't'"):
             ctx.check_errors()
         after = ctx.export_shard()["t"]
-        assert torch.equal(after.weight, before.weight) and torch.equal(after.slots["accumulator"],
-                                                                        before.slots["accumulator"])
+        assert torch.equal(after.weight, before.weight) and torch.equal(
+            after.slots["accumulator"], before.slots["accumulator"]
+        )
         assert not ctx.take_changes()["t"].any(), "refused calls wrote nothing"
         ctx.check_errors()  # nothing pending any more
 

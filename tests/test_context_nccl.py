@@ -28,15 +28,28 @@ from elastic_emb.testing.procs import run_ranks, torchrun_env
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason=f"NCCL tests need >= 2 CUDA devices; this machine has {GPUS} "
-                                        f"(torch {torch.__version__}, cuda available: {torch.cuda.is_available()})"),
+    pytest.mark.skipif(
+        GPUS < 2,
+        reason=f"NCCL tests need >= 2 CUDA devices; this machine has {GPUS} "
+        f"(torch {torch.__version__}, cuda available: {torch.cuda.is_available()})",
+    ),
 ]
 
 WORKER = os.path.join(REPO, "tests", "helpers", "context_worker.py")
 RUNS = [("n2", 2, 2, None, 1), ("n1", 1, 1, "n2", None)]
-CHECKS = ["sgd_matches_reference", "large_batches", "adagrad_matches_reference", "invalid_ids", "mismatched_calls", "reset_rules",
-          "reset_same_world", "reset_new_rank_mapping", "close_and_use_after_close",
-          "init_rows_independent_of_world", "dcp"]
+CHECKS = [
+    "sgd_matches_reference",
+    "large_batches",
+    "adagrad_matches_reference",
+    "invalid_ids",
+    "mismatched_calls",
+    "reset_rules",
+    "reset_same_world",
+    "reset_new_rank_mapping",
+    "close_and_use_after_close",
+    "init_rows_independent_of_world",
+    "dcp",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +59,21 @@ def runs(tmp_path_factory):
     for tag, world, ep, load_from, shrink in RUNS:
         cfg = {"dir": str(shared), "tag": tag, "load_from": load_from, "shrink_to": shrink}
         port = free_port()
-        envs = [torchrun_env(r, world, port, run_id=f"nccl-{tag}",
-                             extra={"ELASTIC_EMB_EP_SIZE": str(ep), "ELASTIC_EMB_BACKEND": "nccl",
-                                    "NCCL_NVLS_ENABLE": "0", "CTX_TEST_CFG": json.dumps(cfg)})
-                for r in range(world)]
+        envs = [
+            torchrun_env(
+                r,
+                world,
+                port,
+                run_id=f"nccl-{tag}",
+                extra={
+                    "ELASTIC_EMB_EP_SIZE": str(ep),
+                    "ELASTIC_EMB_BACKEND": "nccl",
+                    "NCCL_NVLS_ENABLE": "0",
+                    "CTX_TEST_CFG": json.dumps(cfg),
+                },
+            )
+            for r in range(world)
+        ]
         code = f"import runpy, sys; sys.argv = [{WORKER!r}]; runpy.run_path({WORKER!r}, run_name='__main__')"
         cache[tag] = run_ranks(code, envs, timeout=240)
     return cache
@@ -68,7 +92,8 @@ def test_context_nccl(runs, tag, check):
         assert res["arena"]["device"].startswith("cuda"), res["arena"]
     if check == "large_batches" and tag == "n2":
         # the long batches went through the captured dedup graphs, not the eager fallback
-        assert all(r.value["large_batches"]["graphs"] > 0 and not r.value["large_batches"]["capture_failed"]
-                   for r in runs[tag]), [r.value["large_batches"] for r in runs[tag]]
+        assert all(
+            r.value["large_batches"]["graphs"] > 0 and not r.value["large_batches"]["capture_failed"] for r in runs[tag]
+        ), [r.value["large_batches"] for r in runs[tag]]
     if check == "dcp" and tag == "n1":
         assert runs[tag][0].value["dcp"]["loaded_from"] == "n2"

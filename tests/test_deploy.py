@@ -32,8 +32,10 @@ CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 def _need_kubectl() -> None:
     if R.kubectl() is None:
         if CI:
-            pytest.fail("kubectl is not installed in CI: it is part of this machine kind's image (kubectl bundles "
-                        "kustomize); install it so deploy/ can be rendered")
+            pytest.fail(
+                "kubectl is not installed in CI: it is part of this machine kind's image (kubectl bundles "
+                "kustomize); install it so deploy/ can be rendered"
+            )
         pytest.skip("kubectl (which bundles kustomize) is not installed here; CI has it")
 
 
@@ -49,8 +51,14 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     return out
 
 
-VARIANTS = ("indexed-job+cpu", "pytorchjob-etcd+cpu", "indexed-job-etcd+etcd-v2", "pytorchjob-etcd+etcd-v2",
-            "indexed-job+no-endport", "pytorchjob-etcd+no-endport")
+VARIANTS = (
+    "indexed-job+cpu",
+    "pytorchjob-etcd+cpu",
+    "indexed-job-etcd+etcd-v2",
+    "pytorchjob-etcd+etcd-v2",
+    "indexed-job+no-endport",
+    "pytorchjob-etcd+no-endport",
+)
 
 
 def pick(resources: list[dict], kind: str) -> dict:
@@ -97,14 +105,18 @@ def test_components_do_what_they_say(rendered):
     for v in ("indexed-job+cpu", "pytorchjob-etcd+cpu"):
         c = container(pod_template(rendered[v]))
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {}) and "nvidia.com/gpu" not in c["resources"].get(
-            "requests", {})
+            "requests", {}
+        )
         assert {"name": "ELASTIC_EMB_BACKEND", "value": "gloo"} in c["env"]
     for v in ("indexed-job+no-endport", "pytorchjob-etcd+no-endport"):
         spec = _np(rendered[v])
         assert spec["ingress"][0]["ports"] == [{"protocol": "TCP"}] == spec["egress"][0]["ports"]
         assert spec["ingress"][0]["from"] == _np(rendered[v.split("+")[0]])["ingress"][0]["from"]
     for v in ("indexed-job-etcd+etcd-v2", "pytorchjob-etcd+etcd-v2"):
-        assert "--enable-v2=true" in pick(rendered[v], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert (
+            "--enable-v2=true"
+            in pick(rendered[v], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"]
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -121,8 +133,15 @@ def test_params_file_is_the_one_place(tmp_path):
     shutil.copytree(R.DEPLOY, tree)
     params_file = tree / "params" / "params.yaml"
     params = yaml.safe_load(params_file.read_text())
-    params["spec"].update(image="example.org/team/emb:9.9.9", minNodes=3, maxNodes=7, workersPerNode=2,
-                          portRangeStart=40000, portRangeEnd=40999, restartBudget=175)
+    params["spec"].update(
+        image="example.org/team/emb:9.9.9",
+        minNodes=3,
+        maxNodes=7,
+        workersPerNode=2,
+        portRangeStart=40000,
+        portRangeEnd=40999,
+        restartBudget=175,
+    )
     params_file.write_text(yaml.safe_dump(params))
     job = R.render(tree / "pytorchjob")
     pj = pick(job, "PyTorchJob")
@@ -214,15 +233,22 @@ def _worker(j: dict) -> dict:
 ADMISSION_PLANTS = {
     "name not DNS-1035": (lambda j: j["metadata"].update(name="Elastic_Emb"), "DNS-1035"),
     "name starts with a digit": (lambda j: j["metadata"].update(name="1-emb"), "DNS-1035"),
-    "no container named pytorch": (lambda j: container(_worker(j)["template"]).update(name="trainer"), "named 'pytorch'"),
+    "no container named pytorch": (
+        lambda j: container(_worker(j)["template"]).update(name="trainer"),
+        "named 'pytorch'",
+    ),
     "container without image": (lambda j: container(_worker(j)["template"]).update(image=""), "image must be set"),
     "replicas below min": (lambda j: _worker(j).update(replicas=1), ">= elasticPolicy.minReplicas"),
     "replicas above max": (lambda j: _worker(j).update(replicas=9), "<= elasticPolicy.maxReplicas"),
     "min above max": (lambda j: j["spec"]["elasticPolicy"].update(minReplicas=5), "minReplicas=5 must be <="),
-    "elastic without Worker": (lambda j: j["spec"].update(pytorchReplicaSpecs={"Master": _worker(j) | {"replicas": 1}}),
-                               "Worker must be configured"),
-    "two Masters": (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Master=_worker(j) | {"replicas": 2}),
-                    "Master.replicas must be 1"),
+    "elastic without Worker": (
+        lambda j: j["spec"].update(pytorchReplicaSpecs={"Master": _worker(j) | {"replicas": 1}}),
+        "Worker must be configured",
+    ),
+    "two Masters": (
+        lambda j: j["spec"]["pytorchReplicaSpecs"].update(Master=_worker(j) | {"replicas": 2}),
+        "Master.replicas must be 1",
+    ),
     "both nproc settings": (lambda j: j["spec"]["elasticPolicy"].update(nProcPerNode=8), "nProcPerNode must not"),
 }
 
@@ -287,185 +313,321 @@ def _move_env_last(c, key):
 WIRING_PLANTS = {
     # endpoint: names a Service that selects the job's pods and serves the port
     ("indexed-job", "endpoint", "service name"): (
-        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"), "subdomain"),
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"),
+        "subdomain",
+    ),
     ("indexed-job", "endpoint", "unknown service"): (
-        lambda r: (_job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"),
-                   pod_template(r)["spec"].update(subdomain="rdzv")), "neither the rendering nor the operator"),
+        lambda r: (
+            _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.rdzv:29400"),
+            pod_template(r)["spec"].update(subdomain="rdzv"),
+        ),
+        "neither the rendering nor the operator",
+    ),
     ("indexed-job", "endpoint", "selector misses pods"): (
-        lambda r: pick(r, "Service")["spec"].update(selector={"app.kubernetes.io/instance": "other"}), "does not select"),
+        lambda r: pick(r, "Service")["spec"].update(selector={"app.kubernetes.io/instance": "other"}),
+        "does not select",
+    ),
     ("indexed-job", "endpoint", "not pod 0"): (
-        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-1.elastic-emb:29400"), "pod 0's hostname"),
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-1.elastic-emb:29400"),
+        "pod 0's hostname",
+    ),
     ("indexed-job", "endpoint", "port not served"): (
-        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.elastic-emb:29500"), "no port targets"),
+        lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.elastic-emb:29500"),
+        "no port targets",
+    ),
     ("pytorchjob", "endpoint", "rdzvHost nowhere"): (
-        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvHost="etcd-client"), "names Service 'etcd-client'"),
+        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvHost="etcd-client"),
+        "names Service 'etcd-client'",
+    ),
     ("pytorchjob", "endpoint", "rdzvPort not the operator port"): (
-        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvPort=29500), "does not serve it"),
+        lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"].update(rdzvPort=29500),
+        "does not serve it",
+    ),
     # replicas within min and max; PDB keeps the minimum
     ("indexed-job", "replicas", "parallelism above max"): (
-        lambda r: pick(r, "Job")["spec"].update(parallelism=9, completions=9), "outside the node range"),
-    ("indexed-job", "replicas", "min above max"): (
-        lambda r: _job_env(r, "PET_NNODES", "5:4"), "1 <= min <= max"),
+        lambda r: pick(r, "Job")["spec"].update(parallelism=9, completions=9),
+        "outside the node range",
+    ),
+    ("indexed-job", "replicas", "min above max"): (lambda r: _job_env(r, "PET_NNODES", "5:4"), "1 <= min <= max"),
     ("indexed-job", "replicas", "not indexed"): (
-        lambda r: pick(r, "Job")["spec"].update(completionMode="NonIndexed"), "Indexed"),
+        lambda r: pick(r, "Job")["spec"].update(completionMode="NonIndexed"),
+        "Indexed",
+    ),
     ("pytorchjob", "replicas", "replicas below min"): (
-        lambda r: _worker(pick(r, "PyTorchJob")).update(replicas=1), "outside the node range"),
+        lambda r: _worker(pick(r, "PyTorchJob")).update(replicas=1),
+        "outside the node range",
+    ),
     ("pytorchjob", "replicas", "pdb below min"): (
-        lambda r: pick(r, "PodDisruptionBudget")["spec"].update(minAvailable=1), "minAvailable=1"),
+        lambda r: pick(r, "PodDisruptionBudget")["spec"].update(minAvailable=1),
+        "minAvailable=1",
+    ),
     # commands exist in the image
     ("pytorchjob", "commands", "preStop subcommand typo"): (
         lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
-            command=["elastic-emb", "drian", "--timeout", "60"]), "no such subcommand"),
+            command=["elastic-emb", "drian", "--timeout", "60"]
+        ),
+        "no such subcommand",
+    ),
     ("indexed-job", "commands", "preStop option typo"): (
         lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
-            command=["elastic-emb", "drain", "--timeot", "60"]), "--timeot"),
+            command=["elastic-emb", "drain", "--timeot", "60"]
+        ),
+        "--timeot",
+    ),
     ("indexed-job", "commands", "preStop not in image"): (
         lambda r: container(pod_template(r))["lifecycle"]["preStop"]["exec"].update(
-            command=["/usr/local/bin/drain.sh"]), "neither torchrun nor a console script"),
-    ("indexed-job", "commands", "no preStop"): (
-        lambda r: container(pod_template(r)).pop("lifecycle"), "no preStop"),
+            command=["/usr/local/bin/drain.sh"]
+        ),
+        "neither torchrun nor a console script",
+    ),
+    ("indexed-job", "commands", "no preStop"): (lambda r: container(pod_template(r)).pop("lifecycle"), "no preStop"),
     ("pytorchjob", "commands", "script missing"): (
         lambda r: container(pod_template(r)).update(
-            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/nope.py", "--out", "/checkpoints/x"]),
-        "does not exist"),
+            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/nope.py", "--out", "/checkpoints/x"]
+        ),
+        "does not exist",
+    ),
     ("pytorchjob", "commands", "wrong backend"): (
         lambda r: container(pod_template(r)).update(
-            command=["torchrun", "--rdzv-backend=c10d", "/app/examples/train_recsys.py", "--out", "/checkpoints/x"]),
-        "must be elastic_emb"),
+            command=["torchrun", "--rdzv-backend=c10d", "/app/examples/train_recsys.py", "--out", "/checkpoints/x"]
+        ),
+        "must be elastic_emb",
+    ),
     ("indexed-job", "commands", "output on read-only root"): (
         lambda r: container(pod_template(r)).update(
-            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/train_recsys.py", "--out", "/data/x"]),
-        "read-only"),
+            command=["torchrun", "--rdzv-backend=elastic_emb", "/app/examples/train_recsys.py", "--out", "/data/x"]
+        ),
+        "read-only",
+    ),
     # grace period outlasts the drain
     ("pytorchjob", "grace", "too short"): (
-        lambda r: pod_template(r)["spec"].update(terminationGracePeriodSeconds=60), "terminationGracePeriodSeconds=60"),
+        lambda r: pod_template(r)["spec"].update(terminationGracePeriodSeconds=60),
+        "terminationGracePeriodSeconds=60",
+    ),
     # volumes
     ("indexed-job", "volumes", "shm on disk"): (
-        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].pop("medium"), "medium Memory"),
+        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].pop("medium"),
+        "medium Memory",
+    ),
     ("indexed-job", "volumes", "shm above memory limit"): (
-        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="300Gi"), "below the memory limit"),
+        lambda r: pod_template(r)["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="300Gi"),
+        "below the memory limit",
+    ),
     ("pytorchjob", "volumes", "state dir off shm"): (
-        lambda r: _job_env(r, "ELASTIC_EMB_STATE_DIR", "/tmp/state"), "under /dev/shm"),
+        lambda r: _job_env(r, "ELASTIC_EMB_STATE_DIR", "/tmp/state"),
+        "under /dev/shm",
+    ),
     ("pytorchjob", "volumes", "durable dir not mounted"): (
-        lambda r: _job_env(r, "ELASTIC_EMB_DURABLE_DIR", "/ckpt"), "persistentVolumeClaim"),
+        lambda r: _job_env(r, "ELASTIC_EMB_DURABLE_DIR", "/ckpt"),
+        "persistentVolumeClaim",
+    ),
     ("indexed-job", "volumes", "pvc missing"): (
-        lambda r: r.remove(pick(r, "PersistentVolumeClaim")), "not in the rendering"),
+        lambda r: r.remove(pick(r, "PersistentVolumeClaim")),
+        "not in the rendering",
+    ),
     # GPUs = workers per node
     ("pytorchjob", "gpus", "gpus differ from nproc"): (
-        lambda r: container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 4}), "must equal nvidia.com/gpu"),
+        lambda r: container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 4}),
+        "must equal nvidia.com/gpu",
+    ),
     ("indexed-job", "gpus", "no gpus"): (
-        lambda r: container(pod_template(r))["resources"]["limits"].pop("nvidia.com/gpu"), "positive integer"),
+        lambda r: container(pod_template(r))["resources"]["limits"].pop("nvidia.com/gpu"),
+        "positive integer",
+    ),
     # NetworkPolicy / PDB select the job's pods; only the job's pods, on the right ports
     ("indexed-job", "policies", "policy selects other pods"): (
-        lambda r: _np(r).update(podSelector={"matchLabels": {"app": "web"}}), "no NetworkPolicy in the rendering selects"),
+        lambda r: _np(r).update(podSelector={"matchLabels": {"app": "web"}}),
+        "no NetworkPolicy in the rendering selects",
+    ),
     ("pytorchjob", "policies", "policy admits a namespace"): (
-        lambda r: _np(r)["ingress"][0]["from"].append({"namespaceSelector": {}}), "not (only) the job's own pods"),
+        lambda r: _np(r)["ingress"][0]["from"].append({"namespaceSelector": {}}),
+        "not (only) the job's own pods",
+    ),
     ("pytorchjob", "policies", "policy admits everyone"): (
-        lambda r: _np(r)["ingress"][0].pop("from"), "admits every source"),
+        lambda r: _np(r)["ingress"][0].pop("from"),
+        "admits every source",
+    ),
     ("indexed-job", "policies", "rendezvous port closed"): (
-        lambda r: _np(r)["ingress"][0]["ports"].pop(0), "rendezvous port 29400 is not open"),
+        lambda r: _np(r)["ingress"][0]["ports"].pop(0),
+        "rendezvous port 29400 is not open",
+    ),
     ("pytorchjob", "policies", "ephemeral range closed"): (
-        lambda r: _np(r)["ingress"][0]["ports"].pop(1), "ephemeral range"),
+        lambda r: _np(r)["ingress"][0]["ports"].pop(1),
+        "ephemeral range",
+    ),
     ("indexed-job", "policies", "pdb selects other pods"): (
         lambda r: pick(r, "PodDisruptionBudget")["spec"].update(selector={"matchLabels": {"app": "web"}}),
-        "no PodDisruptionBudget in the rendering selects the job's pods"),
-    ("pytorchjob", "policies", "no network policy"): (
-        lambda r: r.remove(pick(r, "NetworkPolicy")), "no NetworkPolicy"),
+        "no PodDisruptionBudget in the rendering selects the job's pods",
+    ),
+    ("pytorchjob", "policies", "no network policy"): (lambda r: r.remove(pick(r, "NetworkPolicy")), "no NetworkPolicy"),
     # inner=etcd-v2: the endpoint is an etcd Service with the v2 API, isolated to the job's pods
     ("indexed-job-etcd", "endpoint", "store service selects nothing"): (
-        lambda r: _named(r, "Service", "elastic-emb-etcd")["spec"].update(selector={"app": "etcd"}), "selects no pods"),
+        lambda r: _named(r, "Service", "elastic-emb-etcd")["spec"].update(selector={"app": "etcd"}),
+        "selects no pods",
+    ),
     ("pytorchjob-etcd+etcd-v2", "endpoint", "etcd without the v2 API"): (
-        lambda r: pick(r, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"].remove("--enable-v2=true"),
-        "--enable-v2=true"),
+        lambda r: pick(r, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"].remove(
+            "--enable-v2=true"
+        ),
+        "--enable-v2=true",
+    ),
     ("indexed-job-etcd", "endpoint", "inner defined after its use"): (
-        lambda r: _move_env_last(container(pod_template(r)), "RDZV_INNER"), "must be c10d, etcd-v3 or etcd-v2"),
+        lambda r: _move_env_last(container(pod_template(r)), "RDZV_INNER"),
+        "must be c10d, etcd-v3 or etcd-v2",
+    ),
     ("pytorchjob-etcd", "policies", "store not isolated"): (
-        lambda r: r.remove(_named(r, "NetworkPolicy", "elastic-emb-etcd")), "no NetworkPolicy isolates"),
+        lambda r: r.remove(_named(r, "NetworkPolicy", "elastic-emb-etcd")),
+        "no NetworkPolicy isolates",
+    ),
     ("indexed-job-etcd", "policies", "store client port closed"): (
         lambda r: _named(r, "NetworkPolicy", "elastic-emb-etcd")["spec"]["ingress"][0]["ports"][0].update(port=2380),
-        "client port 2379 is not open"),
+        "client port 2379 is not open",
+    ),
     # the per-job label the controller sets, not only component labels
     ("indexed-job", "policies", "selector without the job-name label"): (
         lambda r: _np(r)["podSelector"]["matchLabels"].pop("batch.kubernetes.io/job-name"),
-        "podSelector lacks batch.kubernetes.io/job-name"),
+        "podSelector lacks batch.kubernetes.io/job-name",
+    ),
     ("pytorchjob", "policies", "peer by component labels alone"): (
         lambda r: _np(r)["ingress"][0]["from"][0]["podSelector"]["matchLabels"].pop("training.kubeflow.org/job-name"),
-        "component labels alone"),
+        "component labels alone",
+    ),
     ("indexed-job-etcd", "policies", "store admits any trainer"): (
         lambda r: _named(r, "NetworkPolicy", "elastic-emb-etcd")["spec"]["ingress"][0]["from"][0]["podSelector"][
-            "matchLabels"].pop("batch.kubernetes.io/job-name"), "component labels alone"),
+            "matchLabels"
+        ].pop("batch.kubernetes.io/job-name"),
+        "component labels alone",
+    ),
     # egress: the job's pods, the store, DNS; nothing else
     ("pytorchjob", "policies", "ingress only"): (
-        lambda r: _np(r).update(policyTypes=["Ingress"]), "must include Ingress and Egress"),
+        lambda r: _np(r).update(policyTypes=["Ingress"]),
+        "must include Ingress and Egress",
+    ),
     ("indexed-job", "policies", "egress to anywhere"): (
-        lambda r: _np(r)["egress"][0].pop("to"), "reaches every destination"),
+        lambda r: _np(r)["egress"][0].pop("to"),
+        "reaches every destination",
+    ),
     ("pytorchjob", "policies", "egress to the internet"): (
-        lambda r: _np(r)["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}), "neither the job's pods"),
-    ("indexed-job", "policies", "no dns"): (
-        lambda r: _np(r)["egress"].pop(1), "no egress to DNS"),
+        lambda r: _np(r)["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}),
+        "neither the job's pods",
+    ),
+    ("indexed-job", "policies", "no dns"): (lambda r: _np(r)["egress"].pop(1), "no egress to DNS"),
     ("pytorchjob", "policies", "egress range closed"): (
-        lambda r: _np(r)["egress"][0]["ports"].pop(1), "is not open egress to the job's pods"),
+        lambda r: _np(r)["egress"][0]["ports"].pop(1),
+        "is not open egress to the job's pods",
+    ),
     ("indexed-job-etcd", "policies", "no egress to the store"): (
-        lambda r: _np(r)["egress"].pop(), "no egress from the job's pods to the store"),
+        lambda r: _np(r)["egress"].pop(),
+        "no egress from the job's pods to the store",
+    ),
     # the NetworkPolicy's range is the pods' ephemeral range
     ("indexed-job", "policies", "pods bind outside the range"): (
         lambda r: pod_template(r)["spec"]["securityContext"]["sysctls"][0].update(value="20000 20999"),
-        "ephemeral range 20000-20999"),
+        "ephemeral range 20000-20999",
+    ),
     # every --rdzv-conf key is one the backend accepts
     ("indexed-job", "rdzv_conf", "misspelt key"): (
-        lambda r: _job_env(r, "PET_RDZV_CONF", "inner=c10d,joint_timeout=900"), "'joint_timeout' is not one"),
+        lambda r: _job_env(r, "PET_RDZV_CONF", "inner=c10d,joint_timeout=900"),
+        "'joint_timeout' is not one",
+    ),
     ("pytorchjob-etcd", "rdzv_conf", "c10d key with etcd-v3"): (
         lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"]["rdzvConf"].append({"key": "is_host", "value": "1"}),
-        "'is_host' is not one inner=etcd-v3"),
+        "'is_host' is not one inner=etcd-v3",
+    ),
     ("pytorchjob-etcd+etcd-v2", "rdzv_conf", "etcd-v3 key with etcd-v2"): (
         lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"]["rdzvConf"].append(
-            {"key": "password_file", "value": "/secrets/etcd"}), "'password_file' is not one inner=etcd-v2"),
+            {"key": "password_file", "value": "/secrets/etcd"}
+        ),
+        "'password_file' is not one inner=etcd-v2",
+    ),
     ("pytorchjob", "rdzv_conf", "invalid value"): (
         lambda r: pick(r, "PyTorchJob")["spec"]["elasticPolicy"]["rdzvConf"].append(
-            {"key": "drain_timeout", "value": "-5"}), "drain_timeout='-5'"),
+            {"key": "drain_timeout", "value": "-5"}
+        ),
+        "drain_timeout='-5'",
+    ),
     ("indexed-job-etcd", "rdzv_conf", "etcd-v3 option invalid"): (
-        lambda r: _job_env(r, "PET_RDZV_CONF", "inner=etcd-v3,user=root"), "user and password_file together"),
+        lambda r: _job_env(r, "PET_RDZV_CONF", "inner=etcd-v3,user=root"),
+        "user and password_file together",
+    ),
     # the Job completes when training ends on any allowed number of pods; restarts within budget
     ("indexed-job", "completion", "no success policy"): (
-        lambda r: pick(r, "Job")["spec"].pop("successPolicy"), "no successPolicy rule"),
+        lambda r: pick(r, "Job")["spec"].pop("successPolicy"),
+        "no successPolicy rule",
+    ),
     ("indexed-job", "completion", "success needs index 0"): (
-        lambda r: pick(r, "Job")["spec"].update(successPolicy={"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}),
-        "no successPolicy rule"),
+        lambda r: pick(r, "Job")["spec"].update(
+            successPolicy={"rules": [{"succeededIndexes": "0", "succeededCount": 1}]}
+        ),
+        "no successPolicy rule",
+    ),
     ("indexed-job", "completion", "budget below the incidents"): (
-        lambda r: pick(r, "Job")["spec"].update(backoffLimit=20), "backoffLimit=20"),
+        lambda r: pick(r, "Job")["spec"].update(backoffLimit=20),
+        "backoffLimit=20",
+    ),
     ("indexed-job", "completion", "per-index limit under OnFailure"): (
-        lambda r: pick(r, "Job")["spec"].update(backoffLimitPerIndex=1), "need restartPolicy Never"),
+        lambda r: pick(r, "Job")["spec"].update(backoffLimitPerIndex=1),
+        "need restartPolicy Never",
+    ),
     ("pytorchjob", "completion", "budget below the incidents"): (
-        lambda r: pick(r, "PyTorchJob")["spec"]["runPolicy"].update(backoffLimit=20), "runPolicy.backoffLimit=20"),
+        lambda r: pick(r, "PyTorchJob")["spec"]["runPolicy"].update(backoffLimit=20),
+        "runPolicy.backoffLimit=20",
+    ),
     ("pytorchjob", "completion", "pods left behind"): (
-        lambda r: pick(r, "PyTorchJob")["spec"]["runPolicy"].update(cleanPodPolicy="None"), "cleanPodPolicy='None'"),
+        lambda r: pick(r, "PyTorchJob")["spec"]["runPolicy"].update(cleanPodPolicy="None"),
+        "cleanPodPolicy='None'",
+    ),
     # the CPU variant asks for no GPU
     ("indexed-job+cpu", "gpus", "gpu limit in the cpu variant"): (
-        lambda r: container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 8}), "CPU variant"),
+        lambda r: container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 8}),
+        "CPU variant",
+    ),
     ("pytorchjob-etcd+cpu", "gpus", "gpu request in the cpu variant"): (
-        lambda r: container(pod_template(r))["resources"]["requests"].update({"nvidia.com/gpu": 1}), "CPU variant"),
+        lambda r: container(pod_template(r))["resources"]["requests"].update({"nvidia.com/gpu": 1}),
+        "CPU variant",
+    ),
     # the etcd store: odd members >= 3 = --initial-cluster, one per node, a PDB that lets a drain through
     ("indexed-job-etcd", "store", "one member"): (
-        lambda r: pick(r, "StatefulSet")["spec"].update(replicas=1), "odd number >= 3"),
+        lambda r: pick(r, "StatefulSet")["spec"].update(replicas=1),
+        "odd number >= 3",
+    ),
     ("pytorchjob-etcd", "store", "even members"): (
-        lambda r: pick(r, "StatefulSet")["spec"].update(replicas=4), "odd number >= 3"),
+        lambda r: pick(r, "StatefulSet")["spec"].update(replicas=4),
+        "odd number >= 3",
+    ),
     ("indexed-job-etcd", "store", "initial cluster misses a member"): (
-        lambda r: _etcd_flag(r, "--initial-cluster", lambda v: v.rsplit(",", 1)[0]), "must name exactly its 3 pods"),
+        lambda r: _etcd_flag(r, "--initial-cluster", lambda v: v.rsplit(",", 1)[0]),
+        "must name exactly its 3 pods",
+    ),
     ("pytorchjob-etcd", "store", "pdb blocks every drain"): (
         lambda r: _named(r, "PodDisruptionBudget", "elastic-emb-etcd").update(
-            spec={"minAvailable": 3, "selector": _named(r, "PodDisruptionBudget", "elastic-emb-etcd")["spec"]["selector"]}),
-        "would block forever"),
+            spec={
+                "minAvailable": 3,
+                "selector": _named(r, "PodDisruptionBudget", "elastic-emb-etcd")["spec"]["selector"],
+            }
+        ),
+        "would block forever",
+    ),
     ("indexed-job-etcd", "store", "pdb takes the quorum"): (
         lambda r: _named(r, "PodDisruptionBudget", "elastic-emb-etcd")["spec"].update(maxUnavailable=2),
-        "below the quorum of 2"),
+        "below the quorum of 2",
+    ),
     ("pytorchjob-etcd", "store", "members may share a node"): (
-        lambda r: pick(r, "StatefulSet")["spec"]["template"]["spec"].pop("affinity"), "podAntiAffinity"),
+        lambda r: pick(r, "StatefulSet")["spec"]["template"]["spec"].pop("affinity"),
+        "podAntiAffinity",
+    ),
     ("indexed-job-etcd", "store", "ordered start"): (
-        lambda r: pick(r, "StatefulSet")["spec"].update(podManagementPolicy="OrderedReady"), "Parallel"),
+        lambda r: pick(r, "StatefulSet")["spec"].update(podManagementPolicy="OrderedReady"),
+        "Parallel",
+    ),
     ("pytorchjob-etcd", "store", "history never compacted"): (
-        lambda r: _etcd_flag(r, "--auto-compaction-retention", None), "--auto-compaction-retention"),
+        lambda r: _etcd_flag(r, "--auto-compaction-retention", None),
+        "--auto-compaction-retention",
+    ),
     ("indexed-job-etcd", "store", "peer service not headless"): (
-        lambda r: _named(r, "Service", "elastic-emb-etcd-peer")["spec"].pop("clusterIP"), "headless"),
+        lambda r: _named(r, "Service", "elastic-emb-etcd-peer")["spec"].pop("clusterIP"),
+        "headless",
+    ),
 }
 
 
@@ -474,15 +636,22 @@ def _secret_entry(res):
     return e
 
 
-WIRING_PLANTS.update({
-    ("indexed-job", "secret", "missing"): (
-        lambda r: container(pod_template(r))["env"].remove(_secret_entry(r)), "is not set"),
-    ("pytorchjob", "secret", "literal"): (
-        lambda r: (_secret_entry(r).pop("valueFrom"), _secret_entry(r).update(value="hunter2hunter2hunter2")),
-        "secretKeyRef"),
-    ("indexed-job", "secret", "optional"): (
-        lambda r: _secret_entry(r)["valueFrom"]["secretKeyRef"].update(optional=True), "must not be optional"),
-})
+WIRING_PLANTS.update(
+    {
+        ("indexed-job", "secret", "missing"): (
+            lambda r: container(pod_template(r))["env"].remove(_secret_entry(r)),
+            "is not set",
+        ),
+        ("pytorchjob", "secret", "literal"): (
+            lambda r: (_secret_entry(r).pop("valueFrom"), _secret_entry(r).update(value="hunter2hunter2hunter2")),
+            "secretKeyRef",
+        ),
+        ("indexed-job", "secret", "optional"): (
+            lambda r: _secret_entry(r)["valueFrom"]["secretKeyRef"].update(optional=True),
+            "must not be optional",
+        ),
+    }
+)
 
 
 def _etcd_flag(res, flag, change):
@@ -528,12 +697,15 @@ def test_dockerfile_is_hadolint_clean_with_the_committed_config():
     assert rc == 0, out
 
 
-@pytest.mark.parametrize("body,needle", [
-    ("FROM debian\nLABEL org.opencontainers.image.title=x\n", "DL3006"),                       # untagged base
-    ("FROM quay.io/x/y:1\n", "DL3026"),                                                      # untrusted registry
-    ("FROM debian:12.12-slim\nRUN apt-get install -y curl\n", "DL3008"),                    # unpinned packages
-    ("FROM debian:12.12-slim\nLABEL org.opencontainers.image.version=latest\n", "DL3056"),  # label schema
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ("FROM debian\nLABEL org.opencontainers.image.title=x\n", "DL3006"),  # untagged base
+        ("FROM quay.io/x/y:1\n", "DL3026"),  # untrusted registry
+        ("FROM debian:12.12-slim\nRUN apt-get install -y curl\n", "DL3008"),  # unpinned packages
+        ("FROM debian:12.12-slim\nLABEL org.opencontainers.image.version=latest\n", "DL3056"),  # label schema
+    ],
+)
 def test_hadolint_planted_error_fails(tmp_path, body, needle):
     planted = tmp_path / "Dockerfile"
     planted.write_text(body)
@@ -589,7 +761,7 @@ def test_image_pins_every_runtime_dependency():
 
 # -- the preStop drain, for real ---------------------------------------------------------------------
 
-DRAIN_WORKER = r'''
+DRAIN_WORKER = r"""
 import json, os, sys, time
 from datetime import timedelta
 from pathlib import Path
@@ -619,19 +791,38 @@ while time.monotonic() < deadline:
 time.sleep(1.0)                            # what wait_for_restart does: stop stepping, stay alive
 w.stop()
 dist.destroy_process_group()
-'''
+"""
 
 
-def _torchrun(tmp_path: Path, port: int, nproc: int, extra_env: dict | None = None, *, inner: str = "c10d",
-              endpoint: str | None = None) -> subprocess.Popen:
+def _torchrun(
+    tmp_path: Path,
+    port: int,
+    nproc: int,
+    extra_env: dict | None = None,
+    *,
+    inner: str = "c10d",
+    endpoint: str | None = None,
+) -> subprocess.Popen:
     script = tmp_path / "drain_worker.py"
     script.write_text(DRAIN_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(R.REPO), OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_FORMAT="json", **(extra_env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=elastic_emb", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}", "--rdzv-id=drainjob",
-           f"--rdzv-conf=inner={inner},join_timeout=30" + (",is_host=1" if inner == "c10d" else ""),
-           "--max-restarts=0", "--monitor-interval=0.1",
-           str(script), str(tmp_path)]
+    env = dict(
+        os.environ, PYTHONPATH=str(R.REPO), OMP_NUM_THREADS="1", ELASTIC_EMB_LOG_FORMAT="json", **(extra_env or {})
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=elastic_emb",
+        f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}",
+        "--rdzv-id=drainjob",
+        f"--rdzv-conf=inner={inner},join_timeout=30" + (",is_host=1" if inner == "c10d" else ""),
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        str(script),
+        str(tmp_path),
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -672,8 +863,13 @@ def test_drain_cli_stops_real_workers_at_one_committed_step(tmp_path, request, i
         # As the preStop hook runs it: only the pod's PET_* variables, no flags but the timeout.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTIC_EMB_RDZV", "TORCHELASTIC_"))}
         env.update(PET_RDZV_ENDPOINT=endpoint, PET_RDZV_ID="drainjob", PET_RDZV_CONF=f"inner={inner},join_timeout=30")
-        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--timeout", "20"],
-                               env=env, capture_output=True, text=True, timeout=60)
+        drain = subprocess.run(
+            [sys.executable, "-m", "elastic_emb.cli.main", "drain", "--timeout", "20"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert drain.returncode == 0, drain.stderr[-3000:]
         outcome = json.loads(drain.stdout.strip().splitlines()[-1])
         assert outcome["outcome"] == "acknowledged" and outcome["acks"] == outcome["expected"] == 2, outcome
@@ -695,9 +891,25 @@ def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
     try:
         _wait_for([tmp_path / "ready0"], proc, 60)
         start = time.monotonic()
-        drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--timeout", "1.5",
-                                "--endpoint", f"127.0.0.1:{port}", "--run-id", "drainjob", "--inner", "c10d"],
-                               capture_output=True, text=True, timeout=60)
+        drain = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "elastic_emb.cli.main",
+                "drain",
+                "--timeout",
+                "1.5",
+                "--endpoint",
+                f"127.0.0.1:{port}",
+                "--run-id",
+                "drainjob",
+                "--inner",
+                "c10d",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         elapsed = time.monotonic() - start
         assert drain.returncode == 3, drain.stderr[-3000:]
         outcome = json.loads(drain.stdout.strip().splitlines()[-1])
@@ -710,9 +922,22 @@ def test_drain_cli_times_out_when_workers_do_not_ack(tmp_path):
 
 def test_drain_cli_reports_an_unreachable_rendezvous():
     port = free_port()  # nothing listens there
-    drain = subprocess.run([sys.executable, "-m", "elastic_emb.cli.main", "drain", "--endpoint", f"127.0.0.1:{port}",
-                            "--connect-timeout", "0.5"], capture_output=True, text=True, timeout=60,
-                           env={k: v for k, v in os.environ.items() if not k.startswith("PET_")})
+    drain = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_emb.cli.main",
+            "drain",
+            "--endpoint",
+            f"127.0.0.1:{port}",
+            "--connect-timeout",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PET_")},
+    )
     assert drain.returncode == 2
     assert f"127.0.0.1:{port}" in drain.stderr and "drain_failed" in drain.stderr
 
@@ -720,10 +945,18 @@ def test_drain_cli_reports_an_unreachable_rendezvous():
 def test_drain_target_reads_the_pod_environment():
     from elastic_emb.cli.drain import DrainError, DrainTarget
 
-    t = DrainTarget.from_env({"PET_RDZV_ENDPOINT": "etcd:2379", "PET_RDZV_ID": "job", "PET_RDZV_CONF": "a=1,inner=etcd-v2"})
+    t = DrainTarget.from_env(
+        {"PET_RDZV_ENDPOINT": "etcd:2379", "PET_RDZV_ID": "job", "PET_RDZV_CONF": "a=1,inner=etcd-v2"}
+    )
     assert (t.endpoint, t.run_id, t.inner) == ("etcd:2379", "job", "etcd-v2")
-    t = DrainTarget.from_env({"PET_RDZV_ENDPOINT": "x:1", "ELASTIC_EMB_RDZV_ENDPOINT": "y:2", "ELASTIC_EMB_RDZV_BACKEND": "c10d",
-                              "TORCHELASTIC_RUN_ID": "r"})
+    t = DrainTarget.from_env(
+        {
+            "PET_RDZV_ENDPOINT": "x:1",
+            "ELASTIC_EMB_RDZV_ENDPOINT": "y:2",
+            "ELASTIC_EMB_RDZV_BACKEND": "c10d",
+            "TORCHELASTIC_RUN_ID": "r",
+        }
+    )
     assert (t.endpoint, t.run_id, t.inner) == ("y:2", "r", "c10d")
     with pytest.raises(DrainError, match="PET_RDZV_ENDPOINT"):
         DrainTarget.from_env({})
@@ -755,7 +988,9 @@ def test_readme_deploy_section_matches_the_templates(rendered):
         assert f"sizeLimit: {shm}" in section and f"{c['resources']['limits']['memory']} memory limit" in section
         assert f"{R.EPHEMERAL[0]}-{R.EPHEMERAL[1]}" in section
         host, _, port = w.endpoint.rpartition(":")
-        assert f"{host}:{port}" in section or (w.inner.startswith("etcd") and host in section and port in section), w.endpoint
+        assert f"{host}:{port}" in section or (w.inner.startswith("etcd") and host in section and port in section), (
+            w.endpoint
+        )
 
 
 def test_drain_with_no_rendezvous_round_returns_at_once():

@@ -24,8 +24,9 @@ RANGES = [(0, 0), (1, 1), (3, 999), (1002, 1000), (2002, 1001), (3003, 3001), (6
 
 def _by_definition(b: bytes, chunk: int) -> int:
     """XXH3-64 of the XXH3-64s of each ``chunk`` bytes, 8 bytes little-endian each."""
-    return xxhash.xxh3_64_intdigest(b"".join(xxhash.xxh3_64_intdigest(b[i: i + chunk]).to_bytes(8, "little")
-                                             for i in range(0, len(b), chunk)))
+    return xxhash.xxh3_64_intdigest(
+        b"".join(xxhash.xxh3_64_intdigest(b[i : i + chunk]).to_bytes(8, "little") for i in range(0, len(b), chunk))
+    )
 
 
 @pytest.fixture
@@ -42,14 +43,14 @@ def test_parallel_streamed_and_defined_digests_agree(small_chunks):
     buf = np.frombuffer(os.urandom(40_000), dtype=np.uint8)
     rng = random.Random(7)
     for algorithm, define in (("crc32", lambda b: zlib.crc32(b)), ("xxh3_64", lambda b: _by_definition(b, 1000))):
-        want = [define(buf[o: o + n].tobytes()) for o, n in RANGES]
+        want = [define(buf[o : o + n].tobytes()) for o, n in RANGES]
         assert digest.digest_ranges(buf, RANGES, algorithm) == want, algorithm
         for (o, n), w in zip(RANGES, want):
             d = digest.Digest(algorithm)
             at = o
             while at < o + n:  # fed in uneven blocks, across chunk boundaries
                 step = rng.randint(1, 2500)
-                d.update(buf[at: min(at + step, o + n)])
+                d.update(buf[at : min(at + step, o + n)])
                 at += step
             assert d.value() == w, (algorithm, o, n)
     with pytest.raises(ValueError, match="outside the 40000-byte buffer"):
@@ -64,12 +65,12 @@ def test_chunks_are_checksummed_as_the_copy_lands(small_chunks):
     before its piece had landed, and every piece was awaited (the generator ran to its end)."""
     src = np.frombuffer(os.urandom(40_000), dtype=np.uint8)
     for algorithm, define in (("crc32", lambda b: zlib.crc32(b)), ("xxh3_64", lambda b: _by_definition(b, 1000))):
-        want = [define(src[o: o + n].tobytes()) for o, n in RANGES]
+        want = [define(src[o : o + n].tobytes()) for o, n in RANGES]
         buf, ended = np.zeros_like(src), []
 
         def landed(piece=3_333):
             for lo in range(0, src.size, piece):
-                buf[lo: lo + piece] = src[lo: lo + piece]
+                buf[lo : lo + piece] = src[lo : lo + piece]
                 yield min(lo + piece, src.size)
             ended.append(True)
 
@@ -81,8 +82,12 @@ def test_records_validate_the_algorithm_and_the_value():
     base = dict(name="weight", dtype="float32", row_shape=[4], offset=0, nbytes=16)
     assert TensorRecord(**base, crc32=5).algorithm == "crc32", "a manifest without the field means CRC32"
     assert TensorRecord(**base, crc32=(1 << 64) - 1, algorithm="xxh3_64").crc32 == (1 << 64) - 1
-    for bad in (dict(crc32=1 << 32), dict(crc32=1 << 64, algorithm="xxh3_64"), dict(crc32=-2),
-                dict(crc32=1, algorithm="md5")):
+    for bad in (
+        dict(crc32=1 << 32),
+        dict(crc32=1 << 64, algorithm="xxh3_64"),
+        dict(crc32=-2),
+        dict(crc32=1, algorithm="md5"),
+    ):
         with pytest.raises(ValidationError):
             TensorRecord(**base, **bad)
 
@@ -96,12 +101,31 @@ def test_restore_verifies_an_xxh3_record(tmp_path, small_chunks):
     raw = w.view(torch.uint8).reshape(-1).numpy()
     path = tmp_path / "rank0.bin"
     path.write_bytes(raw.tobytes())
-    tr = TensorRecord(name="weight", dtype="float32", row_shape=[4], offset=0, nbytes=raw.size,
-                      crc32=_by_definition(raw.tobytes(), 1000), algorithm="xxh3_64")
-    m = SnapshotManifest(step=1, generation=0, fingerprint="f", run_id="r", world_size=1, written_at=0.0, ep_size=1,
-                         source_rank=0, source_node="n", holder_node="n", replica=False, data_file="rank0.bin",
-                         data_bytes=raw.size, shards=[ShardRecord(table="t", num_rows=3000, start=0, stop=3000,
-                                                                  tensors=[tr])])
+    tr = TensorRecord(
+        name="weight",
+        dtype="float32",
+        row_shape=[4],
+        offset=0,
+        nbytes=raw.size,
+        crc32=_by_definition(raw.tobytes(), 1000),
+        algorithm="xxh3_64",
+    )
+    m = SnapshotManifest(
+        step=1,
+        generation=0,
+        fingerprint="f",
+        run_id="r",
+        world_size=1,
+        written_at=0.0,
+        ep_size=1,
+        source_rank=0,
+        source_node="n",
+        holder_node="n",
+        replica=False,
+        data_file="rank0.bin",
+        data_bytes=raw.size,
+        shards=[ShardRecord(table="t", num_rows=3000, start=0, stop=3000, tensors=[tr])],
+    )
     dst = torch.empty(10, 4)
     got = read_snapshot(path, m, fill={"t": [(5, 15, {"weight": dst})]})
     assert torch.equal(got["t"]["weight"], w) and torch.equal(dst, w[5:15])

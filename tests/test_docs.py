@@ -117,7 +117,8 @@ def test_every_repository_path_named_exists(path):
             found = _exists(token, REPO, PACKAGE, path.parent)
         else:
             found = _exists(token, REPO, path.parent, REPO / "docs") or (
-                token.endswith((".py", ".cpp", ".sh")) and token in _repo_file_names())
+                token.endswith((".py", ".cpp", ".sh")) and token in _repo_file_names()
+            )
         if not found:
             missing.append(f"{p.line(start)}: {token}")
     assert missing == [], "paths that do not exist:\n" + "\n".join(missing)

@@ -13,8 +13,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "elastic_emb"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES = 12  # "about ten": a summary line, a blank line, a short paragraph or a list
-EXEMPT_DECORATORS = {"property", "overload", "field_validator", "model_validator", "cached_property", "setter",
-                     "abstractmethod"}
+EXEMPT_DECORATORS = {
+    "property",
+    "overload",
+    "field_validator",
+    "model_validator",
+    "cached_property",
+    "setter",
+    "abstractmethod",
+}
 HISTORY = re.compile(r"\bissue \d+|\bfound by\b|see the module docstring|H200 run", re.IGNORECASE)
 
 
@@ -59,15 +66,20 @@ def missing_sections(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     doc = ast.get_docstring(node) or ""
     if not doc:
         return ["docstring"]
-    args = [a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs] if a.arg not in
-            ("self", "cls")]
+    args = [
+        a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs] if a.arg not in ("self", "cls")
+    ]
     if node.args.vararg:
         args.append(node.args.vararg.arg)
     if node.args.kwarg:
         args.append(node.args.kwarg.arg)
     own = list(_own_nodes(node))
-    returns = any(isinstance(n, ast.Return) and n.value is not None and not (
-        isinstance(n.value, ast.Constant) and n.value.value is None) for n in own)
+    returns = any(
+        isinstance(n, ast.Return)
+        and n.value is not None
+        and not (isinstance(n.value, ast.Constant) and n.value.value is None)
+        for n in own
+    )
     yields = any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in own)
     raises = any(isinstance(n, ast.Raise) and n.exc is not None for n in own)
     missing = []
@@ -88,7 +100,8 @@ def test_module_docstring_is_a_summary(path: Path):
     assert doc, f"{_rel(path)}: no module docstring"
     lines = len(doc.splitlines())
     assert lines <= MAX_MODULE_LINES, (
-        f"{_rel(path)}: module docstring of {lines} lines (at most {MAX_MODULE_LINES}): move the design to docs/")
+        f"{_rel(path)}: module docstring of {lines} lines (at most {MAX_MODULE_LINES}): move the design to docs/"
+    )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_rel)
@@ -99,8 +112,12 @@ def test_public_functions_document_args_returns_and_raises(path: Path):
 
 
 def test_no_history_in_code():
-    bad = [f"{_rel(p)}:{i}: {line.strip()}" for p in MODULES for i, line in enumerate(p.read_text().splitlines(), 1)
-           if HISTORY.search(line)]
+    bad = [
+        f"{_rel(p)}:{i}: {line.strip()}"
+        for p in MODULES
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
     assert bad == [], "history belongs in git, the design in docs/:\n" + "\n".join(bad)
 
 
@@ -108,7 +125,9 @@ def test_the_checker_sees_a_missing_section():
     """The rule itself: a function that takes an argument, returns and raises needs all three."""
     tree = ast.parse('def f(x):\n    """Do it."""\n    if x:\n        raise ValueError(x)\n    return x\n')
     assert missing_sections(tree.body[0]) == ["Args:", "Returns:", "Raises:"]
-    tree = ast.parse('def f(x):\n    """Do it.\n\n    Args:\n        x: it.\n\n    Returns:\n        x.\n\n'
-                     '    Raises:\n        ValueError: when x.\n    """\n    if x:\n        raise ValueError(x)\n'
-                     '    return x\n')
+    tree = ast.parse(
+        'def f(x):\n    """Do it.\n\n    Args:\n        x: it.\n\n    Returns:\n        x.\n\n'
+        '    Raises:\n        ValueError: when x.\n    """\n    if x:\n        raise ValueError(x)\n'
+        "    return x\n"
+    )
     assert missing_sections(tree.body[0]) == []

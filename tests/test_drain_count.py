@@ -49,9 +49,18 @@ def running_round(monkeypatch):
 
 def _start_watchers(port: int) -> list:
     """One running watcher per node of the round, ranks in NODES order (world size 2)."""
-    return [Watcher(RendezvousReader("c10d", f"127.0.0.1:{port}", RUN), round_=ROUND, rank=rank, world_size=2,
-                    node=f"{n.addr}_{n.pid}_{n.local_id}", agent_pid=os.getppid(), interval=0.02).start()
-            for rank, n in enumerate(NODES)]
+    return [
+        Watcher(
+            RendezvousReader("c10d", f"127.0.0.1:{port}", RUN),
+            round_=ROUND,
+            rank=rank,
+            world_size=2,
+            node=f"{n.addr}_{n.pid}_{n.local_id}",
+            agent_pid=os.getppid(),
+            interval=0.02,
+        ).start()
+        for rank, n in enumerate(NODES)
+    ]
 
 
 def test_a_deleted_drain_count_is_written_back_and_the_drain_waits_for_every_rank(running_round):
@@ -62,8 +71,9 @@ def test_a_deleted_drain_count_is_written_back_and_the_drain_waits_for_every_ran
         assert master.get(prefix + KEY_WORLD_SIZE) == b"2"
         master.delete_key(prefix + KEY_WORLD_SIZE)  # a store writer deletes the count
         result: dict = {}
-        client = threading.Thread(target=lambda: result.update(outcome=request_drain(target, timeout=WAIT, poll=0.02)),
-                                  daemon=True)
+        client = threading.Thread(
+            target=lambda: result.update(outcome=request_drain(target, timeout=WAIT, poll=0.02)), daemon=True
+        )
         t0 = time.monotonic()
         client.start()
         # Both ranks step as a training loop does, each asking after its step whether to stop.
@@ -103,8 +113,9 @@ def test_after_an_in_process_re_form_the_drain_counts_the_new_world(running_roun
             time.sleep(0.02)
         assert master.get(prefix + KEY_WORLD_SIZE) == b"1", "rank 0 did not write the new world's count"
         result: dict = {}
-        client = threading.Thread(target=lambda: result.update(outcome=request_drain(target, timeout=10, poll=0.02)),
-                                  daemon=True)
+        client = threading.Thread(
+            target=lambda: result.update(outcome=request_drain(target, timeout=10, poll=0.02)), daemon=True
+        )
         client.start()
         step = 0
         while not watchers[0].drain_requested(step) and step < 10_000:

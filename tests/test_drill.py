@@ -46,12 +46,16 @@ def test_gradients_are_independent_of_the_rank_slicing_and_match_torch_func():
         u, i = table[users], table[items % 4096]
         _, gd, gu, gi = m.sample_gradients(cfg, dense, u, i, labels)
         for world in (2, 3, 5, 8):
-            parts = [m.sample_gradients(cfg, dense, u[s], i[s], labels[s])
-                     for s in (m.rank_slice(cfg.batch, r, world) for r in range(world))]
+            parts = [
+                m.sample_gradients(cfg, dense, u[s], i[s], labels[s])
+                for s in (m.rank_slice(cfg.batch, r, world) for r in range(world))
+            ]
             for k, full in ((1, gd), (2, gu), (3, gi)):
                 assert torch.equal(torch.cat([p[k] for p in parts]), full), (step, world, k)
-        per_sample = vmap(grad(lambda d, uu, ii, yy: m.tower_loss(cfg, d, uu[None], ii[None], yy[None]).sum(),
-                               argnums=(0, 1, 2)), in_dims=(None, 0, 0, 0))
+        per_sample = vmap(
+            grad(lambda d, uu, ii, yy: m.tower_loss(cfg, d, uu[None], ii[None], yy[None]).sum(), argnums=(0, 1, 2)),
+            in_dims=(None, 0, 0, 0),
+        )
         fd, fu, fi = per_sample(dense.double(), u.double(), i.double(), labels)
         assert torch.equal(m.quantise(fd.reshape(len(labels), -1)[:, : cfg.dense_params]), gd)
         assert torch.equal(m.quantise(fu), gu) and torch.equal(m.quantise(fi), gi)
@@ -103,16 +107,19 @@ def test_scenario_file_yaml_and_json(tmp_path):
     assert PRESETS["gpu-2-1-2"].mode == "restart"  # not yet drilled in process on two GPUs
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({"faults": [{"kind": "join", "at_step": 5}, {"kind": "join", "at_step": 9}]}, "max_nodes=2"),
-    ({"initial_nodes": 2, "faults": [{"kind": "kill_node", "at_step": 5, "node": 3}]}, "node 3 is not live"),
-    ({"faults": [{"kind": "join", "at_step": 5, "at_time": 1.0}]}, "exactly one of at_step or at_time"),
-    ({"steps": 10, "faults": [{"kind": "join", "at_step": 10}]}, "training ends at step 9"),
-    ({"faults": [{"kind": "explode", "at_step": 1}]}, "kind"),
-    ({"initial_nodes": 1, "faults": [{"kind": "leave", "at_step": 3}]}, "min_nodes=1"),
-    ({"bogus": 1}, "bogus"),
-    ({"mode": "in_process", "rendezvous": "c10d"}, "mode='in_process' needs rendezvous='elastic_emb'"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"faults": [{"kind": "join", "at_step": 5}, {"kind": "join", "at_step": 9}]}, "max_nodes=2"),
+        ({"initial_nodes": 2, "faults": [{"kind": "kill_node", "at_step": 5, "node": 3}]}, "node 3 is not live"),
+        ({"faults": [{"kind": "join", "at_step": 5, "at_time": 1.0}]}, "exactly one of at_step or at_time"),
+        ({"steps": 10, "faults": [{"kind": "join", "at_step": 10}]}, "training ends at step 9"),
+        ({"faults": [{"kind": "explode", "at_step": 1}]}, "kind"),
+        ({"initial_nodes": 1, "faults": [{"kind": "leave", "at_step": 3}]}, "min_nodes=1"),
+        ({"bogus": 1}, "bogus"),
+        ({"mode": "in_process", "rendezvous": "c10d"}, "mode='in_process' needs rendezvous='elastic_emb'"),
+    ],
+)
 def test_invalid_scenarios_are_refused_naming_the_fault(tmp_path, data, needle):
     path = tmp_path / "bad.yaml"
     import yaml
@@ -194,7 +201,10 @@ def _run(name: str, tmp_path: Path, **update) -> tuple[dict, Path]:
 def _explain(report: dict, out: Path) -> str:
     """The failure message (evaluated only when an assertion fails): the error, the log tails, and
     a copy of the whole drill directory outside pytest's rotating tmp dirs, for a post-mortem."""
-    keep = Path(os.environ.get("ELASTIC_EMB_FAILED_DRILLS", "/tmp/elastic_emb-failed-drills")) / f"{out.name}-{os.getpid()}"
+    keep = (
+        Path(os.environ.get("ELASTIC_EMB_FAILED_DRILLS", "/tmp/elastic_emb-failed-drills"))
+        / f"{out.name}-{os.getpid()}"
+    )
     shutil.copytree(out, keep, dirs_exist_ok=True, ignore_dangling_symlinks=True)
     tails = [f"drill directory kept at {keep}"]
     for log in sorted((out / "logs").glob("*.log")):
@@ -270,10 +280,26 @@ def finished_run(tmp_path_factory):
     """A small real run (torchrun, 2 workers, 12 steps) whose output the tamper tests copy."""
     out = tmp_path_factory.mktemp("run")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_"))}
-    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_BACKEND="gloo", OMP_NUM_THREADS="1",
-               ELASTIC_EMB_STATE_DIR=str(out / "state"), ELASTIC_EMB_LOG_FORMAT="json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE),
-           "--steps", "12", "--out", str(out / "run"), "--checksums"]
+    env.update(
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        ELASTIC_EMB_BACKEND="gloo",
+        OMP_NUM_THREADS="1",
+        ELASTIC_EMB_STATE_DIR=str(out / "state"),
+        ELASTIC_EMB_LOG_FORMAT="json",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(EXAMPLE),
+        "--steps",
+        "12",
+        "--out",
+        str(out / "run"),
+        "--checksums",
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     return out / "run"
@@ -373,8 +399,20 @@ def test_a_fault_waits_until_every_rank_of_the_new_world_has_a_commit_of_it(tmp_
     drill.awaiting = (100, 0, 2, time.monotonic() + 60)  # rank 0's pid and generation at the fault; world 2
 
     def step(rank: int, step: int, committed: int, generation: int = 1, pid: int = 200) -> None:
-        drill._observe([{"event": "step", "t": time.time(), "step": step, "world": 2, "rank": rank,
-                         "generation": generation, "pid": pid + rank, "committed": committed}])
+        drill._observe(
+            [
+                {
+                    "event": "step",
+                    "t": time.time(),
+                    "step": step,
+                    "world": 2,
+                    "rank": rank,
+                    "generation": generation,
+                    "pid": pid + rank,
+                    "committed": committed,
+                }
+            ]
+        )
 
     step(0, 30, 29)  # the new world steps; its newest complete commit is the old world's (restored) step
     step(1, 30, 29)
@@ -438,8 +476,10 @@ def test_cli_mode_runs_any_preset_in_either_mode(tmp_path, monkeypatch):
             assert r.exit_code == 0, r.output
             assert (ran[-1].name, ran[-1].mode) == (name, mode)
             assert ran[-1].faults == PRESETS[name].faults
-    refused = runner.invoke(main, ["drill", "--scenario", "demo", "--mode", "in_process", "--rendezvous", "c10d",
-                                   "--out", str(tmp_path / "c")])
+    refused = runner.invoke(
+        main,
+        ["drill", "--scenario", "demo", "--mode", "in_process", "--rendezvous", "c10d", "--out", str(tmp_path / "c")],
+    )
     assert refused.exit_code == 2 and "needs the elastic_emb rendezvous" in refused.output
     assert len(ran) == 4
 
@@ -468,8 +508,16 @@ def test_a_worker_failing_before_its_first_step_is_named_in_the_drill_error(tmp_
     """The cause (the worker's last error line) is in the drill's own message, not only in a log."""
     script = tmp_path / "broken.py"
     script.write_text("import sys\nraise RuntimeError('model config missing: set MODEL_CONFIG')\n")
-    scenario = Scenario.model_validate({**PRESETS["scale-up"].model_dump(), "faults": (), "steps": 5,
-                                        "network": "loopback", "max_restarts": 0, "timeout": 120})
+    scenario = Scenario.model_validate(
+        {
+            **PRESETS["scale-up"].model_dump(),
+            "faults": (),
+            "steps": 5,
+            "network": "loopback",
+            "max_restarts": 0,
+            "timeout": 120,
+        }
+    )
     report = run_drill(scenario, tmp_path / "d", script=script, progress="lines", summary=False)
     assert report["ok"] is False
     assert "before the first committed step" in report["error"], report["error"]
@@ -581,8 +629,10 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
         assert _value(a, "elastic_emb_store_outages_total") == 0
     # Rank 0's restore time is the one the report shows (rounded there to ms).
     rank0 = next(w for w in workers if _value(w, "elastic_emb_rank") == 0)
-    assert abs(_value(rank0, "elastic_emb_resize_phase_seconds_sum", phase="restore") -
-               resize["phases"]["restore"]) <= 0.0006
+    assert (
+        abs(_value(rank0, "elastic_emb_resize_phase_seconds_sum", phase="restore") - resize["phases"]["restore"])
+        <= 0.0006
+    )
 
 
 @pytest.mark.slow
@@ -597,8 +647,13 @@ def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(wheel_d
     tests/test_wheel.py checks too): one launch of the preset for both."""
     assert PRESETS["demo"].mode == "in_process"
     up, demo = PRESETS["scale-up"], PRESETS["demo"]
-    assert (up.mode, up.initial_nodes, up.max_nodes, up.slow_delay, [f.kind for f in up.faults]) == \
-           (demo.mode, demo.initial_nodes, demo.max_nodes, demo.slow_delay, [f.kind for f in demo.faults][:1])
+    assert (up.mode, up.initial_nodes, up.max_nodes, up.slow_delay, [f.kind for f in up.faults]) == (
+        demo.mode,
+        demo.initial_nodes,
+        demo.max_nodes,
+        demo.slow_delay,
+        [f.kind for f in demo.faults][:1],
+    )
     out = wheel_demo.out
     assert wheel_demo.returncode == 0 and (out / "report.json").is_file(), wheel_demo.output[-6000:]
     assert not _leftovers(out), f"processes left behind: {_leftovers(out)}"
@@ -628,11 +683,20 @@ def test_demo_drill_in_process_mode_keeps_the_survivor_and_loses_nothing(wheel_d
 # EP8 restart paths across processes are tests/test_ep8.py's restart-kill flavour and
 # `elastic-emb drill --scenario torchrec|ep8|ep8-term|flapping|store-member-loss --mode restart`.
 RESTART_MIX = Scenario(
-    name="restart-mix", description="Restart mode: store-host-loss, worker-crash and node-loss in one drill.",
-    initial_nodes=1, max_nodes=2, store="etcd", network="loopback", mode="restart", steps=62, step_delay=0.05,
+    name="restart-mix",
+    description="Restart mode: store-host-loss, worker-crash and node-loss in one drill.",
+    initial_nodes=1,
+    max_nodes=2,
+    store="etcd",
+    network="loopback",
+    mode="restart",
+    steps=62,
+    step_delay=0.05,
     faults=(
-        Fault(kind="kill_store", at_step=6, duration=3.0), Fault(kind="join", at_step=18),
-        Fault(kind="crash_worker", at_step=32, node=1), Fault(kind="kill_node", at_step=46, node=1),
+        Fault(kind="kill_store", at_step=6, duration=3.0),
+        Fault(kind="join", at_step=18),
+        Fault(kind="crash_worker", at_step=32, node=1),
+        Fault(kind="kill_node", at_step=46, node=1),
     ),
 )
 
@@ -653,7 +717,10 @@ def test_restart_mode_drill_of_the_in_process_presets_loses_nothing(tmp_path):
     assert v["ok"] and v["step"] == RESTART_MIX.steps - 1 and v["step_checksums_checked"] >= RESTART_MIX.steps
     assert report["world_sizes"] == [1, 2, 2, 1], _explain(report, out)
     causes = [(r["cause"], r["mode"], r["steps_lost"]) for r in report["resizes"]]
-    assert causes == [("join node1", "restart", 0), ("crash_worker node1", "restart", 0),
-                      ("kill_node node1", "restart", 0)], causes
+    assert causes == [
+        ("join node1", "restart", 0),
+        ("crash_worker node1", "restart", 0),
+        ("kill_node node1", "restart", 0),
+    ], causes
     assert [f["kind"] for f in report["faults"]] == [f.kind for f in RESTART_MIX.faults], report["faults"]
     print(f"\nrestart mode mix: recoveries {[r['recovery_seconds'] for r in report['resizes']]} s")

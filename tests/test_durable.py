@@ -66,14 +66,18 @@ def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_wo
     durable = tmp_path / "durable"
     spec = {"out": str(out), "tables": TABLES, "config": {"durable_dir": str(durable), "durable_every": 3}}
     port = free_port()
-    envs = [torchrun_env(r, 2, port, extra={"ELASTIC_EMB_STATE_DIR": str(tmp_path / "nodes"), "LCW_SPEC": json.dumps(spec)})
-            for r in range(2)]
+    envs = [
+        torchrun_env(r, 2, port, extra={"ELASTIC_EMB_STATE_DIR": str(tmp_path / "nodes"), "LCW_SPEC": json.dumps(spec)})
+        for r in range(2)
+    ]
     results = run_ranks(WORKER, envs, 120)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} rc={r.returncode}\nstderr:{r.stderr[-4000:]}"
     for r in results:
         for s in r.value["seen"]:
-            assert s["in_flight"] and not s["files"], f"rank {r.rank}: {s}: the durable save did not run behind the step"
+            assert s["in_flight"] and not s["files"], (
+                f"rank {r.rank}: {s}: the durable save did not run behind the step"
+            )
             assert s["committed"] == s["step"], f"rank {r.rank}: {s}: the snapshot commit of the step was held up"
     # The checkpoint of step 3, read by plain DCP in one process (saved by two), bit for bit.
     import torch.distributed.checkpoint as dcp
@@ -85,7 +89,11 @@ def test_durable_save_runs_behind_the_steps_and_plain_dcp_loads_it_at_another_wo
             parts = want.setdefault(name, {})
             for key, t in [("weight", w), *slots.items()]:
                 parts.setdefault(key, []).append((start, t))
-    full = {f"{n}.{k}": torch.cat([t for _, t in sorted(ps, key=lambda p: p[0])]) for n, d in want.items() for k, ps in d.items()}
+    full = {
+        f"{n}.{k}": torch.cat([t for _, t in sorted(ps, key=lambda p: p[0])])
+        for n, d in want.items()
+        for k, ps in d.items()
+    }
     assert len(full) == 4 and all(len(full[f"{t['name']}.weight"]) == t["num_rows"] for t in TABLES), sorted(full)
     got = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
     dcp.load(got, checkpoint_id=ckpt, no_dist=True)
@@ -143,12 +151,26 @@ def test_a_durable_save_waiting_for_a_dead_rank_ends_when_it_is_given_up_on(tmp_
     out = tmp_path / "out"
     out.mkdir()
     durable = tmp_path / "durable"
-    spec = {"out": str(out), "tables": TABLES,
-            "config": {"durable_dir": str(durable), "durable_every": 3, "transfer_timeout": 600.0}}
+    spec = {
+        "out": str(out),
+        "tables": TABLES,
+        "config": {"durable_dir": str(durable), "durable_every": 3, "transfer_timeout": 600.0},
+    }
     port = free_port()
-    envs = [torchrun_env(r, 2, port, local_world_size=1, extra={
-        "ELASTIC_EMB_STATE_DIR": str(tmp_path / "nodes"), "ELASTIC_EMB_NODE_ID": "AB"[r], "LCW_SPEC": json.dumps(spec)})
-        for r in range(2)]
+    envs = [
+        torchrun_env(
+            r,
+            2,
+            port,
+            local_world_size=1,
+            extra={
+                "ELASTIC_EMB_STATE_DIR": str(tmp_path / "nodes"),
+                "ELASTIC_EMB_NODE_ID": "AB"[r],
+                "LCW_SPEC": json.dumps(spec),
+            },
+        )
+        for r in range(2)
+    ]
     survivor, lost = run_ranks(GONE_WORKER, envs, 120)
     assert lost.returncode == 0 and not lost.stdout.strip(), f"rank 1 rc={lost.returncode}\n{lost.stderr[-3000:]}"
     assert survivor.returncode == 0, f"rank 0 rc={survivor.returncode}\n{survivor.stderr[-4000:]}"

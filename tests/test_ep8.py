@@ -77,17 +77,31 @@ def run_scenario(tmp_path, phases: list[list[str]], hows: list[str]) -> tuple[di
     ports = [free_port()]
     for how in hows:  # a restarted world's new rank 0 hosts a new store
         ports.append(free_port() if how.startswith("restart") else ports[-1])
-    spec = {"out": str(out), "nodes": str(tmp_path / "nodes"), "tables": TABLES, "phases": phases, "until": until,
-            "how": hows, "ports": ports, "config": {"replication": 1}}
-    env = torchrun_env(0, 1, ports[0], extra={
-        "EP8_SPEC": json.dumps(spec), "ELASTIC_EMB_TRANSPORT": "p2p",
-        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
-    })
+    spec = {
+        "out": str(out),
+        "nodes": str(tmp_path / "nodes"),
+        "tables": TABLES,
+        "phases": phases,
+        "until": until,
+        "how": hows,
+        "ports": ports,
+        "config": {"replication": 1},
+    }
+    env = torchrun_env(
+        0,
+        1,
+        ports[0],
+        extra={
+            "EP8_SPEC": json.dumps(spec),
+            "ELASTIC_EMB_TRANSPORT": "p2p",
+            "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
+        },
+    )
     [r] = run_ranks("from tests.helpers import ep8_worker; ep8_worker.hub()", [env], timeout=160)
     logs = {p.name: p.read_text()[-3000:] for p in sorted(out.glob("log-*.txt"))}
     assert r.returncode == 0, f"hub rc={r.returncode}\n{r.stderr[-3000:]}\n{logs}"
     status = r.value["status"]
-    results = {p.stem[len("result-"):]: json.loads(p.read_text()) for p in out.glob("result-*.json")}
+    results = {p.stem[len("result-") :]: json.loads(p.read_text()) for p in out.glob("result-*.json")}
     return {"out": out, "until": until, "status": status, "logs": logs}, results
 
 
@@ -103,7 +117,9 @@ def check(run: dict, results: dict, phases: list[list[str]], hows: list[str]) ->
             if p not in phases[k + 1] and (hows[k] in ("kill", "term") or node_of(p) not in nodes_next):
                 victims[p] = -9 if "kill" in hows[k] else 0
     for p, st in status.items():
-        assert st == victims.get(p, 0), f"{what}: {p} exited {st}, expected {victims.get(p, 0)}\n{run['logs'].get(f'log-{p}.txt')}"
+        assert st == victims.get(p, 0), (
+            f"{what}: {p} exited {st}, expected {victims.get(p, 0)}\n{run['logs'].get(f'log-{p}.txt')}"
+        )
     assert len(status) == len({p for layout in phases for p in layout})
     # Bit-exact after every restore and every phase of training.
     for k in range(len(phases)):

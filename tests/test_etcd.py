@@ -75,9 +75,18 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     from elastic_emb.drill import Fault, Scenario, run_drill
 
     scenario = Scenario(
-        name="etcd-node0-loss", description="inner=etcd-v2; node 0 (the would-be c10d store host) dies at world 2.",
-        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v2", network="loopback", steps=40,
-        step_delay=0.05, faults=(Fault(kind="kill_node", at_step=10, node=0),), mode="restart",
+        name="etcd-node0-loss",
+        description="inner=etcd-v2; node 0 (the would-be c10d store host) dies at world 2.",
+        initial_nodes=2,
+        min_nodes=1,
+        max_nodes=2,
+        store="etcd",
+        etcd_api="v2",
+        network="loopback",
+        steps=40,
+        step_delay=0.05,
+        faults=(Fault(kind="kill_node", at_step=10, node=0),),
+        mode="restart",
     )
     report = run_drill(scenario, tmp_path / "drill", progress="lines", summary=False)
     assert report["ok"], (report.get("error"), report.get("verification"))
@@ -87,9 +96,11 @@ def test_etcd_v2_drill_loses_node_zero_while_etcd_survives_zero_loss(tmp_path):
     assert fault["kind"] == "kill_node" and fault["node"] == 0, fault
     (resize,) = [r for r in report["resizes"] if r["cause"] == "kill_node node0"]
     assert (resize["from_world"], resize["to_world"]) == (2, 1), resize
-    print(f"\ndrill tool, store=etcd: node0 SIGKILLed at world 2, world 1 stepping after {resize['recovery_seconds']} s, "
-          f"restored step {resize['restored_step']} from {resize['source_tiers']}; "
-          f"{report['verification']['rows_checked']} rows equal the replay")
+    print(
+        f"\ndrill tool, store=etcd: node0 SIGKILLed at world 2, world 1 stepping after {resize['recovery_seconds']} s, "
+        f"restored step {resize['restored_step']} from {resize['source_tiers']}; "
+        f"{report['verification']['rows_checked']} rows equal the replay"
+    )
 
 
 @pytest.mark.slow
@@ -105,12 +116,23 @@ def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
     from elastic_emb.drill import Fault, Scenario, run_drill
 
     scenario = Scenario(
-        name="etcd-v3-node0-loss", description="inner=etcd-v3: orphan report, join, loss of node 0.",
-        initial_nodes=2, min_nodes=1, max_nodes=2, store="etcd", etcd_api="v3", network="loopback", steps=110,
-        step_delay=0.05, mode="restart",  # the join drains the running world, then torch restarts it
+        name="etcd-v3-node0-loss",
+        description="inner=etcd-v3: orphan report, join, loss of node 0.",
+        initial_nodes=2,
+        min_nodes=1,
+        max_nodes=2,
+        store="etcd",
+        etcd_api="v3",
+        network="loopback",
+        steps=110,
+        step_delay=0.05,
+        mode="restart",  # the join drains the running world, then torch restarts it
         timeout=180,  # the drill's deadline (its error names the logs) before pytest's 240 s
-        faults=(Fault(kind="kill_agent", at_step=8, node=1), Fault(kind="join", at_step=35),
-                Fault(kind="kill_node", at_step=70, node=0)),
+        faults=(
+            Fault(kind="kill_agent", at_step=8, node=1),
+            Fault(kind="join", at_step=35),
+            Fault(kind="kill_node", at_step=70, node=0),
+        ),
     )
     out = tmp_path / "drill"
     report = run_drill(scenario, out, progress="lines", summary=False)
@@ -125,9 +147,11 @@ def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
     assert "replica" in report["resizes"][2]["source_tiers"], report["resizes"][2]
     assert report["orphans_alive_at_end"] == [], report["orphans_alive_at_end"]
     assert json.loads((out / "scenario.json").read_text())["etcd_api"] == "v3"
-    print(f"\ndrill tool, inner=etcd-v3: world sizes {report['world_sizes']}, recoveries "
-          f"{[r['recovery_seconds'] for r in report['resizes']]} s; {report['verification']['rows_checked']} rows "
-          f"equal the replay")
+    print(
+        f"\ndrill tool, inner=etcd-v3: world sizes {report['world_sizes']}, recoveries "
+        f"{[r['recovery_seconds'] for r in report['resizes']]} s; {report['verification']['rows_checked']} rows "
+        f"equal the replay"
+    )
 
 
 @pytest.mark.slow
@@ -158,12 +182,17 @@ def test_three_member_etcd_loses_its_leader_mid_join_zero_loss(tmp_path):
     assert kill["kind"] == "kill_store" and join["kind"] == "join", report["faults"]
     assert kill["member"] in (0, 1, 2), kill
     # The store never looked down to the agent: the survivors served every call.
-    agent = [json.loads(line) for line in (out / "logs" / "node0.log").read_text().splitlines()
-             if line.startswith('{"component": "rendezvous"')]
+    agent = [
+        json.loads(line)
+        for line in (out / "logs" / "node0.log").read_text().splitlines()
+        if line.startswith('{"component": "rendezvous"')
+    ]
     kinds = [e["event"] for e in agent]
     assert "store_outage_exceeded" not in kinds and "rendezvous_failed" not in kinds, kinds
-    print(f"\nstore-member-loss: member {kill['member']} (the leader) SIGKILLed mid-join; world "
-          f"{report['world_sizes']}; {report['verification']['rows_checked']} rows equal the replay")
+    print(
+        f"\nstore-member-loss: member {kill['member']} (the leader) SIGKILLed mid-join; world "
+        f"{report['world_sizes']}; {report['verification']['rows_checked']} rows equal the replay"
+    )
 
 
 # -- a store outage: ridden out within the bound, a clear error past it ----------------------------
@@ -180,16 +209,34 @@ def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
     from elastic_emb.rdzv.handler import create_handler
 
     monkeypatch.setattr(dr, "_delay", dr._delay)
-    for key in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", keys.ENV_GENERATION, keys.ENV_RDZV_BACKEND,
-                keys.ENV_RDZV_ENDPOINT, keys.ENV_NODE_ID, keys.ENV_MEMBERSHIP, keys.ENV_AGENT_PID, keys.ENV_DRAIN,
-                keys.ENV_WATCH_INTERVAL, keys.ENV_STORE_OUTAGE_TIMEOUT, "ELASTIC_EMB_ETCD_OPTIONS"):
+    for key in (
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        keys.ENV_GENERATION,
+        keys.ENV_RDZV_BACKEND,
+        keys.ENV_RDZV_ENDPOINT,
+        keys.ENV_NODE_ID,
+        keys.ENV_MEMBERSHIP,
+        keys.ENV_AGENT_PID,
+        keys.ENV_DRAIN,
+        keys.ENV_WATCH_INTERVAL,
+        keys.ENV_STORE_OUTAGE_TIMEOUT,
+        "ELASTIC_EMB_ETCD_OPTIONS",
+    ):
         monkeypatch.setenv(key, "")  # recorded with its value before (or none): the undo restores it
         monkeypatch.delenv(key)
     events = tmp_path / "rdzv.jsonl"
     params = RendezvousParameters(
-        backend="elastic_emb", endpoint=server.endpoint, run_id=f"outage{os.getpid()}", min_nodes=1, max_nodes=1,
-        inner=inner, event_file=str(events), keep_alive_interval="1", keep_alive_max_attempt="1",
-        read_timeout="5", **conf,
+        backend="elastic_emb",
+        endpoint=server.endpoint,
+        run_id=f"outage{os.getpid()}",
+        min_nodes=1,
+        max_nodes=1,
+        inner=inner,
+        event_file=str(events),
+        keep_alive_interval="1",
+        keep_alive_max_attempt="1",
+        read_timeout="5",
+        **conf,
     )
     handler = create_handler(params)
     handler.next_rendezvous()
@@ -252,8 +299,7 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
 
 
 @pytest.mark.slow
-def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bound(etcd_server, tmp_path,
-                                                                                    monkeypatch):
+def test_agent_fails_naming_endpoint_and_remedy_when_etcd_stays_down_past_the_bound(etcd_server, tmp_path, monkeypatch):
     """etcd stopped for longer than store_outage_timeout=2 s: the retries stop at the bound and
     StoreOutageError names the endpoint, the outage length and the remedy; later calls fail at once."""
     import time
@@ -312,8 +358,11 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
     assert [r["steps_lost"] for r in report["resizes"]] == [0], report["resizes"]
     assert [f["kind"] for f in report["faults"]] == ["kill_store", "join"], report["faults"]
 
-    agent = [json.loads(line) for line in (out / "logs" / "node0.log").read_text().splitlines()
-             if line.startswith('{"component": "rendezvous"')]
+    agent = [
+        json.loads(line)
+        for line in (out / "logs" / "node0.log").read_text().splitlines()
+        if line.startswith('{"component": "rendezvous"')
+    ]
     kinds = [e["event"] for e in agent]
     assert "store_unreachable" in kinds and "store_reachable" in kinds, kinds
     assert "store_outage_exceeded" not in kinds and "rendezvous_failed" not in kinds, kinds
@@ -323,11 +372,16 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
     t0, t1 = (datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp() for e in (down, back))
     # The first worker of node 0 kept committing steps while the store was unreachable.
     first = min((out / "run" / "events").glob("node0-*.jsonl"), key=lambda p: int(p.stem.split("-")[1]))
-    during = [e["step"] for e in map(json.loads, first.read_text().splitlines())
-              if e.get("event") == "step" and t0 < e["t"] < t1]
+    during = [
+        e["step"]
+        for e in map(json.loads, first.read_text().splitlines())
+        if e.get("event") == "step" and t0 < e["t"] < t1
+    ]
     assert len(during) >= 3, f"node 0 committed steps {during} during the outage {t0:.2f}..{t1:.2f}"
-    print(f"\nstore-host-loss: etcd unreachable {back['outage_s']} s, node 0 committed {len(during)} steps "
-          f"meanwhile; {report['verification']['rows_checked']} rows equal the replay")
+    print(
+        f"\nstore-host-loss: etcd unreachable {back['outage_s']} s, node 0 committed {len(during)} steps "
+        f"meanwhile; {report['verification']['rows_checked']} rows equal the replay"
+    )
 
 
 @pytest.mark.slow
@@ -344,8 +398,17 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
     evicted: list = []
     try:
         reader = RendezvousReader(inner, etcd_server.endpoint, handler._run_id)
-        watcher = Watcher(reader, round_=handler._round, rank=0, world_size=1, node=handler._node,
-                          agent_pid=os.getppid(), interval=0.05, store_outage_timeout=1.0, on_evicted=evicted.append)
+        watcher = Watcher(
+            reader,
+            round_=handler._round,
+            rank=0,
+            world_size=1,
+            node=handler._node,
+            agent_pid=os.getppid(),
+            interval=0.05,
+            store_outage_timeout=1.0,
+            on_evicted=evicted.append,
+        )
         with watcher:
             time.sleep(0.3)
             assert watcher.store_outage_s is None and watcher.events() == []

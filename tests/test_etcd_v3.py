@@ -228,8 +228,9 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
         v3.EtcdV3RendezvousBackend(v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint), "authed").get_state()
     secret.write_text("wrong\n")
     with pytest.raises(v3.EtcdV3Error, match="authentication failed|invalid"):
-        v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint, v3client.ClientOptions(user="root", password_file=str(secret))
-                                      ).get("x")
+        v3client.EtcdV3Client.from_endpoint(
+            etcd_server.endpoint, v3client.ClientOptions(user="root", password_file=str(secret))
+        ).get("x")
 
 
 @pytest.mark.slow
@@ -246,9 +247,29 @@ def test_tls_with_client_certificates(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (it makes the test's self-signed certificate)")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     tls = TLSFiles(cert=cert, key=key, ca=cert)  # self-signed: its own CA, and the client's certificate too
     with EtcdServer(tmp_path / "etcd", tls=tls) as server:
         assert server.url.startswith("https://")
@@ -360,8 +381,12 @@ def _one_shot_http_server(replies: int):
                         if not chunk:
                             break
                         rest += chunk
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                        + str(len(body)).encode()
+                        + b"\r\n\r\n"
+                        + body
+                    )
                     conn.recv(65536)  # the next request on this connection: closed unanswered
                 except OSError:
                     pass
@@ -388,7 +413,9 @@ def test_a_member_that_never_replies_fails_within_read_timeout():
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
-        client = v3client.EtcdV3Client([f"http://127.0.0.1:{silent.getsockname()[1]}"], v3client.ClientOptions(read_timeout=0.5))
+        client = v3client.EtcdV3Client(
+            [f"http://127.0.0.1:{silent.getsockname()[1]}"], v3client.ClientOptions(read_timeout=0.5)
+        )
         start = time.monotonic()
         with pytest.raises(v3client.EtcdV3ConnectionError, match="timed out"):
             client.get("k")

@@ -25,9 +25,20 @@ TABLE = TableSpec(name="t", num_rows=64, dim=4)
 
 
 def _topo(gen: int) -> Topology:
-    return Topology.build(run_id="firstbase", generation=gen, rank=0, world_size=1, local_rank=0,
-                          local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
-                          master_addr="127.0.0.1", master_port=1)
+    return Topology.build(
+        run_id="firstbase",
+        generation=gen,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
 
 
 def _factory(topology, store):

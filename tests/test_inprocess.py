@@ -84,10 +84,14 @@ def _two_nodes(tmp, agents, **kw) -> dict:
     ev = _resize_event(tmp, first["pid"], t_join)  # the running worker's event: every phase, its pid
     assert ev["new_world_size"] == 2 and ev["kind"] == "rebuild", ev
     last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 1)
-    print(f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
-          f"running worker's pause {t_first - last_before:.2f} s")
-    return {agents[0].pid: {"pid": first["pid"], "gen": reformed[0]["gen"]},
-            agents[1].pid: {"pid": joiner[0]["pid"], "gen": joiner[0]["gen"]}}
+    print(
+        f"\nin-process 1->2: join to first step {t_first - t_join:.2f} s (includes the joiner's torchrun start), "
+        f"running worker's pause {t_first - last_before:.2f} s"
+    )
+    return {
+        agents[0].pid: {"pid": first["pid"], "gen": reformed[0]["gen"]},
+        agents[1].pid: {"pid": joiner[0]["pid"], "gen": joiner[0]["gen"]},
+    }
 
 
 def _reformed(tmp, pid, after):
@@ -133,8 +137,12 @@ def test_two_to_one_survivor_reforms_in_process(inner, cluster, fault):
     assert rec["gen"] == survivor["gen"] + 1
     # The agent sees the node gone too (after a kill, at its heartbeat expiry: possibly after the
     # survivor re-formed on the roll call) and leaves the change to the workers: no new round.
-    wait_for(lambda: [e for e in events(tmp, "a") if e["event"] == "membership_changed" and e.get("mode") == "in_process"],
-             WAIT, "agent a to see the node gone", agents)
+    wait_for(
+        lambda: [e for e in events(tmp, "a") if e["event"] == "membership_changed" and e.get("mode") == "in_process"],
+        WAIT,
+        "agent a to see the node gone",
+        agents,
+    )
     time.sleep(0.5)
     ev = events(tmp, "a")
     assert not [e for e in ev if e["event"] == "rendezvous_round" and e["timestamp"] > _iso(t_kill)]
@@ -145,9 +153,11 @@ def test_two_to_one_survivor_reforms_in_process(inner, cluster, fault):
     assert len(logged) == 1 and logged[0]["first_step_s"] == ev["first_step_s"], logged
     last_before = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2)
     print("\nphases: " + ", ".join(f"{p[:-2]} {ev[p] * 1e3:.1f} ms" for p in PHASES))
-    print(f"\nin-process 2->1 ({fault}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
-          f"{t_first - last_before:.2f} s, re-form {rec['total_s']:.3f} s (rebuild), tiers {rec['tiers']}, "
-          f"after a failed collective: {rec['failed']}")
+    print(
+        f"\nin-process 2->1 ({fault}): fault to first step {t_first - t_kill:.2f} s, survivor pause "
+        f"{t_first - last_before:.2f} s, re-form {rec['total_s']:.3f} s (rebuild), tiers {rec['tiers']}, "
+        f"after a failed collective: {rec['failed']}"
+    )
 
 
 PHASES = ("detect_s", "drain_s", "decide_s", "agreement_s", "teardown_s", "construct_s", "restore_s", "first_step_s")
@@ -174,7 +184,7 @@ def _logged_resize_events(agent) -> list[dict]:
     for line in agent.output().splitlines():
         if '"lifecycle.resize"' in line:
             try:
-                out.append(json.loads(line[line.index("{"):]))
+                out.append(json.loads(line[line.index("{") :]))
             except ValueError:
                 pass
     return [e for e in out if e.get("event") == "lifecycle.resize"]
@@ -214,7 +224,9 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
     assert joiner["joined"] and joiner["rows_ok"] and joiner["restart_count"] == 1, joiner
     reformed = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_kill]
     assert {r["pid"] for r in reformed} == {survivor}, reformed
-    assert [(r["ws"], r["rank"]) for r in reformed] == [(1, 0), (2, 0)] and all(r["rows_ok"] for r in reformed), reformed
+    assert [(r["ws"], r["rank"]) for r in reformed] == [(1, 0), (2, 0)] and all(r["rows_ok"] for r in reformed), (
+        reformed
+    )
     assert joiner["gen"] == reformed[1]["gen"] == reformed[0]["gen"] + 1, (joiner, reformed)
     assert joiner["resume"] == reformed[1]["resume"], (joiner, reformed)  # the join loses and repeats nothing
     assert {r["pid"] for r in recs if r["ev"] == "commit" and r["t"] > t_back} == {survivor, joiner["pid"]}
@@ -223,11 +235,15 @@ def test_a_crashed_worker_rejoins_and_the_world_converges(cluster):
     assert rounds["a"] == [0] and rounds["b"] == [0, 0], rounds
     rejoin = [e["event"] for e in events(tmp, "b") if e["timestamp"] > _iso(t_kill)]
     # the survivors' decision without b comes before b's agent looks (rejoin_not_included) or after
-    assert rejoin[:3] in (["worker_failed_rejoining", "survivors_reformed", "joined_running_round"],
-                          ["worker_failed_rejoining", "rejoin_not_included", "joined_running_round"]), rejoin
+    assert rejoin[:3] in (
+        ["worker_failed_rejoining", "survivors_reformed", "joined_running_round"],
+        ["worker_failed_rejoining", "rejoin_not_included", "joined_running_round"],
+    ), rejoin
     t_one = first_commit_at(tmp, world_size=1, after=t_kill)
-    print(f"\nworker crash: survivor at world size 1 after {t_one - t_kill:.2f} s, the restarted worker included "
-          f"after {t_back - t_kill:.2f} s (includes its Python start)")
+    print(
+        f"\nworker crash: survivor at world size 1 after {t_one - t_kill:.2f} s, the restarted worker included "
+        f"after {t_back - t_kill:.2f} s (includes its Python start)"
+    )
 
 
 @pytest.mark.slow
@@ -282,8 +298,10 @@ def test_the_decider_dies_mid_decision_and_the_job_converges(cluster):
     assert rounds["a"] == [0, 1] and rounds["b"] == [0, 1], rounds  # one fallback, one new torch round
     gens = [e["generation"] for e in events(tmp, "a") if e["event"] == "rendezvous_round"]
     assert gens[0] == 0 and gens[1] == {r["gen"] for r in ready}.pop(), (gens, ready)
-    print(f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s at generation {gens[1]} "
-          f"(round 1); fallback requested: {bool(fell_back)}")
+    print(
+        f"\ndecider killed: world of two back after {t_back - t_kill:.2f} s at generation {gens[1]} "
+        f"(round 1); fallback requested: {bool(fell_back)}"
+    )
 
 
 def _steps_lost(recs, reformed) -> int:
@@ -291,8 +309,11 @@ def _steps_lost(recs, reformed) -> int:
     (``committed``: a commit in flight is not complete), minus the step it restored (``resume -
     1``; a step whose commit completed but whose log line was cut by the fault counts as kept:
     the rows, checked bit-exact, say it was)."""
-    before = [r.get("committed", r["step"]) for r in recs
-              if r["ev"] == "commit" and r["t"] < reformed["t"] and r["ws"] != reformed["ws"]]
+    before = [
+        r.get("committed", r["step"])
+        for r in recs
+        if r["ev"] == "commit" and r["t"] < reformed["t"] and r["ws"] != reformed["ws"]
+    ]
     return max(0, max(before) - (reformed["resume"] - 1))
 
 
@@ -345,7 +366,9 @@ def test_three_to_two_to_three_survivors_keep_their_processes(cluster, inner):
     d = ready[3]
     assert d["joined"] and d["rows_ok"] and d["ws"] == 3 and d["t"] > t_join, d
     for pid in (a, b):
-        reformed = [(r["ws"], r["rank"]) for r in recs if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > t_leave]
+        reformed = [
+            (r["ws"], r["rank"]) for r in recs if r["ev"] == "reformed" and r["pid"] == pid and r["t"] > t_leave
+        ]
         want_rank = 0 if pid == a else 1
         assert reformed == [(2, want_rank), (3, want_rank)], (pid, reformed)  # survivors keep their order
     changes = [r for r in recs if r["ev"] == "reformed" and r["t"] > t_leave]
@@ -362,8 +385,10 @@ def test_three_to_two_to_three_survivors_keep_their_processes(cluster, inner):
     t_first2 = first_commit_at(tmp, world_size=2, after=t_leave)
     t_first3 = first_commit_at(tmp, world_size=3, after=t_join)
     last_at2 = max(r["t"] for r in recs if r["ev"] == "commit" and r["ws"] == 2 and r["t"] < t_first3)
-    print(f"\nin-process 3->2->3 ({inner}): leave to first step {t_first2 - t_leave:.2f} s; "
-          f"join to first step {t_first3 - t_join:.2f} s, survivors' pause {t_first3 - last_at2:.2f} s")
+    print(
+        f"\nin-process 3->2->3 ({inner}): leave to first step {t_first2 - t_leave:.2f} s; "
+        f"join to first step {t_first3 - t_join:.2f} s, survivors' pause {t_first3 - last_at2:.2f} s"
+    )
 
 
 def _newest_ready(tmp, after) -> dict:
@@ -403,9 +428,12 @@ def test_a_joiner_dying_before_it_is_ready_and_the_job_converges(cluster):
     newest = _newest_ready(tmp, 0)
     assert newest[a.pid]["restart_count"] == 0 and newest[b.pid]["restart_count"] >= 1, newest
     kept = a.pid in {r["agent_pid"] for r in recs if r["ev"] == "ready"} and not any(
-        r["agent_pid"] == a.pid for r in recs if r["ev"] == "ready" and r["t"] > t_join)
-    print(f"\njoiner died before ready: world of two after {t_two - t_join:.2f} s from the join; "
-          f"a's worker kept its process: {kept}")
+        r["agent_pid"] == a.pid for r in recs if r["ev"] == "ready" and r["t"] > t_join
+    )
+    print(
+        f"\njoiner died before ready: world of two after {t_two - t_join:.2f} s from the join; "
+        f"a's worker kept its process: {kept}"
+    )
 
 
 @pytest.mark.slow
@@ -449,8 +477,10 @@ def test_a_second_node_lost_during_the_restore_and_the_job_converges(cluster):
     at_one = {r["pid"] for r in recs if r["ev"] == "commit" and r["t"] >= t_one}
     assert len(at_one) == 1 and at_one <= a_workers, (at_one, a_workers)  # a's worker alone trains on
     said = [e for e in events(tmp, "a") if e["event"] == "resize_fallback"]
-    print(f"\nsecond node lost mid-restore: world of one after {t_one - t_kill:.2f} s; fallback said: "
-          f"{[e.get('reason', '')[:120] for e in said]}")
+    print(
+        f"\nsecond node lost mid-restore: world of one after {t_one - t_kill:.2f} s; fallback said: "
+        f"{[e.get('reason', '')[:120] for e in said]}"
+    )
 
 
 def test_the_resize_event_waits_for_the_first_step(tmp_path):
@@ -473,9 +503,20 @@ def test_the_resize_event_waits_for_the_first_step(tmp_path):
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
 
     def topo(gen: int) -> Topology:
-        return Topology.build(run_id="firststep", generation=gen, rank=0, world_size=1, local_rank=0,
-                              local_world_size=1, node_rank=0, num_nodes=1, ep_size=1, backend="gloo",
-                              master_addr="127.0.0.1", master_port=1)
+        return Topology.build(
+            run_id="firststep",
+            generation=gen,
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            num_nodes=1,
+            ep_size=1,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=1,
+        )
 
     def factory(t, s):
         return MiniContext(t, s, tables=[TableSpec(name="t", num_rows=8, dim=2)])

@@ -31,29 +31,87 @@ WAIT = 120.0  # bound of every wait below (a loaded 2-core machine: a torchrun s
 STEPS = 30
 
 
-def _agent(out: Path, number: int, endpoint: str, env_extra: dict | None = None, max_restarts: int = 2,
-           resize: str = "in_process") -> subprocess.Popen:
+def _agent(
+    out: Path,
+    number: int,
+    endpoint: str,
+    env_extra: dict | None = None,
+    max_restarts: int = 2,
+    resize: str = "in_process",
+) -> subprocess.Popen:
     """One torchrun agent (stock ``torch.distributed.run``, ``--rdzv-backend=elastic_emb``, in process
     unless ``resize`` says otherwise) running the packaged example through ``tests/helpers/late_joiner.py``."""
     state = out / "state" / f"node{number}"
     state.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "ELASTIC_EMB_", "MASTER_"))}
-    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_NODE_ID=f"node{number}",
-               ELASTIC_EMB_STATE_DIR=str(state), ELASTIC_EMB_BACKEND="gloo", ELASTIC_EMB_LOG_FORMAT="json",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **(env_extra or {}))
-    conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
-            "keep_alive_max_attempt": 3, "read_timeout": 60, "is_host": "false", "resize": resize,
-            "event_file": str(out / f"events-node{number}.jsonl")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-           "--rdzv-backend=elastic_emb", f"--rdzv-endpoint={endpoint}", "--rdzv-id=late-joiner",
-           "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()), f"--max-restarts={max_restarts}",
-           "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(SCRIPT),
-           "--steps", str(STEPS), "--batch", "64", "--user-rows", "512", "--item-rows", "512", "--seed", "0",
-           "--step-delay", "0.05", "--out", str(out / "run"), "--checksums", "--slow-file", str(out / "slow"),
-           "--slow-delay", "0.5", "--drain-timeout", "60"]
+    env.update(
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        ELASTIC_EMB_NODE_ID=f"node{number}",
+        ELASTIC_EMB_STATE_DIR=str(state),
+        ELASTIC_EMB_BACKEND="gloo",
+        ELASTIC_EMB_LOG_FORMAT="json",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO),
+        **(env_extra or {}),
+    )
+    conf = {
+        "join_timeout": 90,
+        "last_call_timeout": 1,
+        "close_timeout": 5,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+        "read_timeout": 60,
+        "is_host": "false",
+        "resize": resize,
+        "event_file": str(out / f"events-node{number}.jsonl"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=elastic_emb",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=late-joiner",
+        "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        "--local-addr=127.0.0.1",
+        str(SCRIPT),
+        "--steps",
+        str(STEPS),
+        "--batch",
+        "64",
+        "--user-rows",
+        "512",
+        "--item-rows",
+        "512",
+        "--seed",
+        "0",
+        "--step-delay",
+        "0.05",
+        "--out",
+        str(out / "run"),
+        "--checksums",
+        "--slow-file",
+        str(out / "slow"),
+        "--slow-delay",
+        "0.5",
+        "--drain-timeout",
+        "60",
+    ]
     log = open(out / f"node{number}.log", "wb")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, cwd=str(out))
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=str(out),
+    )
     log.close()
     return proc
 
@@ -75,8 +133,10 @@ def _wait(pred, what: str, procs: dict, out: Path):
         if value:
             return value
         time.sleep(0.1)
-    logs = "\n".join(f"--- node{n} (rc {p.poll()}):\n{(out / f'node{n}.log').read_text(errors='replace')[-3000:]}"
-                     for n, p in procs.items())
+    logs = "\n".join(
+        f"--- node{n} (rc {p.poll()}):\n{(out / f'node{n}.log').read_text(errors='replace')[-3000:]}"
+        for n, p in procs.items()
+    )
     raise AssertionError(f"timed out after {WAIT:g} s waiting for {what}\n{logs}")
 
 
@@ -85,8 +145,12 @@ def cluster(tmp_path):
     procs: dict[int, subprocess.Popen] = {}
     port = free_port()
     store_log = open(tmp_path / "store.log", "wb")  # noqa: SIM115 - closed below
-    store = subprocess.Popen([sys.executable, "-m", "elastic_emb.drill.store_server", "--port", str(port),
-                              "--lifetime", "600"], stdout=store_log, stderr=subprocess.STDOUT, start_new_session=True)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "elastic_emb.drill.store_server", "--port", str(port), "--lifetime", "600"],
+        stdout=store_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     store_log.close()
     try:
         wait_listening("127.0.0.1", port, store, timeout=60.0)
@@ -117,8 +181,12 @@ def test_nodes_joining_a_job_that_finishes_first_exit_zero(cluster):
     procs[0] = _agent(out, 0, endpoint)
     _wait(lambda: [e for e in _progress(out, "node0") if e["event"] == "step"], "node0's first step", procs, out)
     procs[1] = _agent(out, 1, endpoint, {"LATE_JOINER_GATE": str(out / "run" / "final")})
-    _wait(lambda: [e for e in _events(out / "events-node1.jsonl") if e["event"] == "joined_running_round"],
-          "node1's agent to join the running round", procs, out)
+    _wait(
+        lambda: [e for e in _events(out / "events-node1.jsonl") if e["event"] == "joined_running_round"],
+        "node1's agent to join the running round",
+        procs,
+        out,
+    )
     (out / "slow").unlink()  # the world finishes now, before node1's worker even starts
     _wait(lambda: all(p.poll() is not None for p in procs.values()), "both agents to exit", procs, out)
     t_end = time.time()
@@ -134,21 +202,25 @@ def test_nodes_joining_a_job_that_finishes_first_exit_zero(cluster):
     assert marked, "node0's agent did not mark the job complete"
     # The joiner was never waited for: it saw the mark well before its --drain-timeout (60 s) ran out.
     final_t = max(e["t"] for e in world if e["event"] == "final")
-    assert finished[0]["t"] - final_t < 60.0, (finished[0]["t"] - final_t)
+    assert finished[0]["t"] - final_t < 60.0, finished[0]["t"] - final_t
 
     # A node that comes after the end: the rendezvous is closed, the job marked complete.
     procs[2] = _agent(out, 2, endpoint)
     _wait(lambda: procs[2].poll() is not None, "node2's agent to exit", procs, out)
     assert procs[2].returncode == 0, (out / "node2.log").read_text()[-3000:]
     late = [e for e in _events(out / "events-node2.jsonl") if e["event"] == "job_finished_before_join"]
-    ids = {e["node"] for n in (0, 1) for e in _events(out / f"events-node{n}.jsonl") if e["event"] == "rendezvous_round"}
+    ids = {
+        e["node"] for n in (0, 1) for e in _events(out / f"events-node{n}.jsonl") if e["event"] == "rendezvous_round"
+    }
     assert len(late) == 1 and json.loads(late[0]["mark"])["node"] in ids, (late, ids)
     assert not _progress(out, "node2"), "node2's agent started a worker"
 
     v = verify(out / "run", RECSYS)
     assert v["ok"] and v["step"] == STEPS - 1 and v["step_checksums_checked"] >= STEPS, v
-    print(f"\nlate joiner: its worker exited {finished[0]['t'] - final_t:.2f} s after the world's final tables; "
-          f"a node started after the end exited 0 in {time.time() - t_end:.1f} s")
+    print(
+        f"\nlate joiner: its worker exited {finished[0]['t'] - final_t:.2f} s after the world's final tables; "
+        f"a node started after the end exited 0 in {time.time() - t_end:.1f} s"
+    )
 
 
 @pytest.mark.slow
@@ -168,7 +240,8 @@ def test_a_node_after_the_end_of_a_restart_mode_job_exits_zero(cluster):
     assert procs[1].returncode == 0, (out / "node1.log").read_text()[-3000:]
     late = [e for e in _events(out / "events-node1.jsonl") if e["event"] == "job_finished_before_join"]
     assert len(late) == 1 and json.loads(late[0]["mark"])["node"] in {
-        e["node"] for e in _events(out / "events-node0.jsonl") if e["event"] == "rendezvous_round"}, late
+        e["node"] for e in _events(out / "events-node0.jsonl") if e["event"] == "rendezvous_round"
+    }, late
     assert not _progress(out, "node1"), "node1's agent started a worker"
 
 

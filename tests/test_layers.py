@@ -19,14 +19,33 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait", "elastic_emb.context.changes"),
     # the wire contract between the agent and the workers, and what both sides share
     ("elastic_emb.rdzv.keys",),
-    ("elastic_emb.rdzv.signing", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage", "elastic_emb.rdzv.conf",
-     "elastic_emb.rdzv.torch_compat", "elastic_emb.rdzv.etcd_v3", "elastic_emb.rdzv.etcd_v3_client",
-     "elastic_emb.rdzv.etcd_v2", "elastic_emb.rdzv.reader", "elastic_emb.rdzv.drain_acks"),
-    ("elastic_emb.context", "elastic_emb.state", "elastic_emb.adapters", "elastic_emb.watch.membership",
-     "elastic_emb.watch.selfstop"),
+    (
+        "elastic_emb.rdzv.signing",
+        "elastic_emb.rdzv.decode",
+        "elastic_emb.rdzv.outage",
+        "elastic_emb.rdzv.conf",
+        "elastic_emb.rdzv.torch_compat",
+        "elastic_emb.rdzv.etcd_v3",
+        "elastic_emb.rdzv.etcd_v3_client",
+        "elastic_emb.rdzv.etcd_v2",
+        "elastic_emb.rdzv.reader",
+        "elastic_emb.rdzv.drain_acks",
+    ),
+    (
+        "elastic_emb.context",
+        "elastic_emb.state",
+        "elastic_emb.adapters",
+        "elastic_emb.watch.membership",
+        "elastic_emb.watch.selfstop",
+    ),
     ("elastic_emb.watch", "elastic_emb.inprocess.rollcall"),
-    ("elastic_emb.cli.drain", "elastic_emb.rdzv.guarded", "elastic_emb.rdzv.liveness",
-     "elastic_emb.inprocess.interruptible", "elastic_emb.inprocess.joiners"),
+    (
+        "elastic_emb.cli.drain",
+        "elastic_emb.rdzv.guarded",
+        "elastic_emb.rdzv.liveness",
+        "elastic_emb.inprocess.interruptible",
+        "elastic_emb.inprocess.joiners",
+    ),
     ("elastic_emb.lifecycle.records", "elastic_emb.lifecycle.first_base", "elastic_emb.lifecycle.default_group"),
     ("elastic_emb.lifecycle.committer",),
     ("elastic_emb.lifecycle", "elastic_emb.rdzv"),
@@ -88,8 +107,9 @@ def layer_of(name: str) -> tuple[int, str] | None:
 
 
 def test_every_module_has_a_layer():
-    missing = [module_name(p) for p in PACKAGE.rglob("*.py")
-               if module_name(p) != FACADE and layer_of(module_name(p)) is None]
+    missing = [
+        module_name(p) for p in PACKAGE.rglob("*.py") if module_name(p) != FACADE and layer_of(module_name(p)) is None
+    ]
     assert missing == [], f"declare the layer of {missing} in tests/test_layers.py"
 
 

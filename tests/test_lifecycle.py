@@ -35,23 +35,34 @@ def layout_env(layout: list[str], rank: int, port: int, gen: int) -> dict:
     node = layout[rank]
     members = [r for r, n in enumerate(layout) if n == node]
     return {
-        "RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
-        "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
-        "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port,
+        "RANK": rank,
+        "WORLD_SIZE": len(layout),
+        "LOCAL_RANK": members.index(rank),
+        "LOCAL_WORLD_SIZE": len(members),
+        "GROUP_RANK": nodes.index(node),
+        "GROUP_WORLD_SIZE": len(nodes),
+        "ELASTIC_EMB_GENERATION": gen,
+        "MASTER_PORT": port,
     }
 
 
 def rank_env(tmp, layout, rank, port, gen, spec: dict, extra: dict | None = None) -> dict:
     base = {k: str(v) for k, v in layout_env(layout, rank, port, gen).items()}
     node = layout[rank]
-    env = torchrun_env(rank, len(layout), port, generation=gen, extra={
-        **base,
-        "ELASTIC_EMB_NODE_ID": node,
-        "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
-        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
-        "LCW_SPEC": json.dumps(spec),
-        **(extra or {}),
-    })
+    env = torchrun_env(
+        rank,
+        len(layout),
+        port,
+        generation=gen,
+        extra={
+            **base,
+            "ELASTIC_EMB_NODE_ID": node,
+            "ELASTIC_EMB_STATE_DIR": str(tmp / "nodes" / node),
+            "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
+            "LCW_SPEC": json.dumps(spec),
+            **(extra or {}),
+        },
+    )
     return env
 
 
@@ -66,8 +77,20 @@ def reference(steps: int, optimizer: str = "adagrad") -> tuple:
     from elastic_emb.topology import Topology
 
     port = free_port()
-    topo = Topology.build(run_id="reference", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    topo = Topology.build(
+        run_id="reference",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
     ctx = lw.make_factory({"tables": TABLES, "optimizer": optimizer})(topo, store)
     lw.integer_start(ctx)
@@ -120,7 +143,9 @@ def assert_bit_exact(got: dict, want: dict, what: str) -> None:
 
 def ok(results) -> list[dict]:
     for r in results:
-        assert r.returncode == 0, f"rank {r.rank} rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+        assert r.returncode == 0, (
+            f"rank {r.rank} rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+        )
     return [r.value for r in results]
 
 
@@ -138,8 +163,15 @@ CASES = {
 }
 
 
-def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer: str = "adagrad",
-                until: int = 2, config: dict | None = None) -> list[dict]:
+def _in_process(
+    tmp_path,
+    old: list[str],
+    new: list[str],
+    extra: dict,
+    optimizer: str = "adagrad",
+    until: int = 2,
+    config: dict | None = None,
+) -> list[dict]:
     """Old world trains steps 0-2; then in the same processes the new world is formed (leavers
     exit, joiners start), restores, trains steps 3-4. Checks every row and slot at each point."""
     out = tmp_path / "out"
@@ -149,12 +181,19 @@ def _in_process(tmp_path, old: list[str], new: list[str], extra: dict, optimizer
     for r in range(max(len(old), len(new))):
         if r < len(old):
             resize = {"env": layout_env(new, r, port, 1)} if r < len(new) else {"env": None}
-            spec = spec_of(out, train_until=until, resize=resize, then_until=until + 2, optimizer=optimizer,
-                           config=config or {})
+            spec = spec_of(
+                out, train_until=until, resize=resize, then_until=until + 2, optimizer=optimizer, config=config or {}
+            )
             envs.append(rank_env(tmp_path, old, r, port, 0, spec, extra))
         else:  # a joiner: starts in generation 1 once the old world finished phase 1
-            spec = spec_of(out, train_until=until + 2, joiner=True, wait_file=str(out / "phase1-g0-r0.pt"),
-                           optimizer=optimizer, config=config or {})
+            spec = spec_of(
+                out,
+                train_until=until + 2,
+                joiner=True,
+                wait_file=str(out / "phase1-g0-r0.pt"),
+                optimizer=optimizer,
+                config=config or {},
+            )
             envs.append(rank_env(tmp_path, new, r, port, 1, spec, extra))
     values = ok(run_ranks(lw.CODE, envs, timeout=120))
     what = f"{len(old)}->{len(new)}"
@@ -206,8 +245,10 @@ def test_scale_up_commits_uncommitted_progress_first(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA GPUs with NCCL (the lead runs it on the GPU machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs with NCCL (the lead runs it on the GPU machine)",
+)
 @pytest.mark.parametrize("case", ["2to1", "1to2"])
 def test_resize_in_process_nccl(tmp_path, case):
     """The same on NCCL, one GPU per rank on one node; SGD keeps integer rows exact on any device."""
@@ -262,8 +303,16 @@ def test_first_start_rows_are_the_same_whatever_the_world_size(tmp_path):
         out.mkdir()
         p = free_port()
         layout = ["A"] * world
-        values = ok(run_ranks(lw.CODE, [rank_env(tmp_path / f"w{world}", layout, r, p, 0, spec_of(out, seeded_start=True))
-                                        for r in range(world)], 90))
+        values = ok(
+            run_ranks(
+                lw.CODE,
+                [
+                    rank_env(tmp_path / f"w{world}", layout, r, p, 0, spec_of(out, seeded_start=True))
+                    for r in range(world)
+                ],
+                90,
+            )
+        )
         assert all(v["start_step"] == -1 and v["events"][0]["source_tiers"] == ["init"] for v in values)
         starts[world] = gather(out, "start", 0)
     for name, (w1, s1) in starts[1].items():
@@ -282,7 +331,9 @@ def test_kill_between_data_and_manifest_uses_previous_commit(tmp_path):
     out.mkdir()
     p0 = free_port()
     fault = {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@2"}
-    results = run_ranks(lw.CODE, [rank_env(tmp_path, layout, r, p0, 0, spec_of(out, train_until=3), fault) for r in range(2)], 90)
+    results = run_ranks(
+        lw.CODE, [rank_env(tmp_path, layout, r, p0, 0, spec_of(out, train_until=3), fault) for r in range(2)], 90
+    )
     # Both ranks are armed; the first to reach the point (after the replica exchange) is killed, and its
     # peer is killed there too, or fails in a collective with the dead rank first (exit 1). Never a clean exit.
     codes = [r.returncode for r in results]
@@ -293,7 +344,9 @@ def test_kill_between_data_and_manifest_uses_previous_commit(tmp_path):
     for d in step2:
         assert glob.glob(os.path.join(d, "*.bin")) and not glob.glob(os.path.join(d, "*.json")), os.listdir(d)
     p1 = free_port()
-    values = ok(run_ranks(lw.CODE, [rank_env(tmp_path, layout, r, p1, 1, spec_of(out, train_until=3)) for r in range(2)], 90))
+    values = ok(
+        run_ranks(lw.CODE, [rank_env(tmp_path, layout, r, p1, 1, spec_of(out, train_until=3)) for r in range(2)], 90)
+    )
     assert [v["start_step"] for v in values] == [1, 1]
     assert_bit_exact(gather(out, "start", 1), ref_after(1), "restored after the torn commit")
     assert_bit_exact(gather(out, "phase1", 1), ref_after(3), "trained on from step 2")
@@ -315,7 +368,11 @@ def test_lost_node_with_replication_loses_nothing(tmp_path):
     out.mkdir()
     _two_nodes_then_lose_b(tmp_path, out, {"replication": 1})
     p1 = free_port()
-    [v] = ok(run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=3, config={"replication": 1}))], 90))
+    [v] = ok(
+        run_ranks(
+            lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=3, config={"replication": 1}))], 90
+        )
+    )
     assert v["start_step"] == 2
     assert v["events"][0]["source_tiers"] == ["replica", "snapshot"]
     assert_bit_exact(gather(out, "start", 1), ref_after(2), "restored from A's own snapshot + B's replica")
@@ -338,8 +395,11 @@ def test_lost_node_without_replication_durable_then_error(tmp_path):
     sd = {f"{n}.weight": torch.empty_like(w) for n, (w, _) in want.items()}
     sd.update({f"{n}.{k}": torch.empty_like(v) for n, (_, slots) in want.items() for k, v in slots.items()})
     dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
-    assert_bit_exact({n: (sd[f"{n}.weight"], {k: sd[f"{n}.{k}"] for k in slots}) for n, (_, slots) in want.items()},
-                     want, "durable checkpoint read by plain DCP")
+    assert_bit_exact(
+        {n: (sd[f"{n}.weight"], {k: sd[f"{n}.{k}"] for k in slots}) for n, (_, slots) in want.items()},
+        want,
+        "durable checkpoint read by plain DCP",
+    )
     p1 = free_port()
     [v] = ok(run_ranks(lw.CODE, [rank_env(tmp_path, ["A"], 0, p1, 1, spec_of(out, train_until=2, config=config))], 90))
     ev = v["events"][0]
@@ -371,8 +431,15 @@ def test_minimal_context_resize_never_resets_across_sizes(tmp_path):
     for r in range(4):
         calls = str(tmp_path / f"calls{r}.jsonl")
         if r < 2:
-            spec = spec_of(out, context="mini", calls_file=calls, train_until=2, then_until=4,
-                           resize={"env": layout_env(new, r, port, 1)}, reform=layout_env(new, r, port, 2))
+            spec = spec_of(
+                out,
+                context="mini",
+                calls_file=calls,
+                train_until=2,
+                then_until=4,
+                resize={"env": layout_env(new, r, port, 1)},
+                reform=layout_env(new, r, port, 2),
+            )
         else:
             spec = spec_of(out, context="mini", calls_file=calls, train_until=2, resize={"env": None})
         envs.append(rank_env(tmp_path, old, r, port, 0, spec))

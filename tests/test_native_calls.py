@@ -19,8 +19,13 @@ ABORT = "terminate called without an active exception"
 
 
 def _run(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), mode, str(free_port())], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 @pytest.mark.slow
@@ -43,5 +48,6 @@ def test_a_polling_exchange_ends_at_exit_and_a_stuck_call_is_reported_after_the_
     assert 'exchange ended: "_CommAborted"' in out.stdout, out.stdout
     # Two calls were in flight at exit; the polling exchange (60 s timeout) ended when the exit
     # began, so only the 30 s wait was left when the 2 s grace ran out.
-    assert "elastic_emb: 1 background torch call(s) still running after the 2.0s exit grace" in out.stderr, \
-        out.stderr[-2000:]
+    assert "elastic_emb: 1 background torch call(s) still running after the 2.0s exit grace" in out.stderr, out.stderr[
+        -2000:
+    ]

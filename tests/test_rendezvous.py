@@ -130,7 +130,9 @@ def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     # Scale-down by SIGTERM while the workers run collectives.
     time.sleep(0.5)
     t_term = c.signal(signal.SIGTERM)
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents)
+    t_first = wait_for(
+        lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents
+    )
     gen4 = _gen_of(tmp, 2, t_term)
     _check_membership_restart(tmp, gen4, 2)
     print(f"\nSIGTERM (busy): fault to first step {t_first - t_term:.2f} s")
@@ -140,10 +142,14 @@ def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     orphan = next(r["pid"] for r in _ready(tmp, gen4) if r["agent_pid"] == b.pid)
     t_kill = b.signal(signal.SIGKILL)
     t_orphan = wait_for(lambda: (not _alive(orphan)) and time.time(), WAIT, "the orphan to stop", agents, pause=0.02)
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents)
+    t_first = wait_for(
+        lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents
+    )
     gen5 = _gen_of(tmp, 1, t_kill)
     _check_membership_restart(tmp, gen5, 1)
-    print(f"SIGKILL (busy): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s")
+    print(
+        f"SIGKILL (busy): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s"
+    )
     # The orphan never committed after its node left: every commit of gen4 precedes the
     # survivors' first step of gen5, and no record of the orphan follows its eviction.
     orphan_recs = [r for r in worker_records(tmp) if r["pid"] == orphan]
@@ -165,7 +171,13 @@ def test_busy_scale_up_with_drain_then_sigterm_and_sigkill(cluster):
     gens = sorted(per_gen)
     for g0, g1 in zip(gens, gens[1:]):
         resume = min(per_gen[g1])
-        assert max(complete[g0]) + 1 <= resume <= max(started[g0]) + 1, (g0, g1, per_gen[g0][-3:], started[g0][-3:], per_gen[g1][:3])
+        assert max(complete[g0]) + 1 <= resume <= max(started[g0]) + 1, (
+            g0,
+            g1,
+            per_gen[g0][-3:],
+            started[g0][-3:],
+            per_gen[g1][:3],
+        )
         assert per_gen[g1] == list(range(resume, max(per_gen[g1]) + 1))
     assert all(r["rows_ok"] for r in worker_records(tmp) if r["ev"] == "ready")
 
@@ -219,7 +231,9 @@ def test_idle_scale_down_and_drain_timeout(cluster):
     time.sleep(1.0)  # idle: the workers sit outside any collective
 
     t_term = c.signal(signal.SIGTERM)
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents)
+    t_first = wait_for(
+        lambda: first_commit_at(tmp, world_size=2, after=t_term), WAIT, "world size 2 after SIGTERM", agents
+    )
     _check_membership_restart(tmp, _gen_of(tmp, 2, t_term), 2)
     print(f"\nSIGTERM (idle): fault to first step {t_first - t_term:.2f} s")
     time.sleep(1.0)
@@ -228,9 +242,13 @@ def test_idle_scale_down_and_drain_timeout(cluster):
     orphan = next(r["pid"] for r in _ready(tmp, gen) if r["agent_pid"] == b.pid)
     t_kill = b.signal(signal.SIGKILL)
     t_orphan = wait_for(lambda: (not _alive(orphan)) and time.time(), WAIT, "the orphan to stop", agents, pause=0.02)
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents)
+    t_first = wait_for(
+        lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after SIGKILL", agents
+    )
     _check_membership_restart(tmp, _gen_of(tmp, 1, t_kill), 1)
-    print(f"SIGKILL (idle): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s")
+    print(
+        f"SIGKILL (idle): orphan stopped after {t_orphan - t_kill:.2f} s, fault to first step {t_first - t_kill:.2f} s"
+    )
 
     # A join while the workers idle: nobody commits, so the drain ends by its timeout.
     t_d = time.time()
@@ -263,7 +281,9 @@ def test_etcd_v2_inner_backend_scale_down(cluster):
         time.sleep(0.5)
         t_kill = b.signal(signal.SIGKILL)
         wait_for(lambda: not _alive(orphan), WAIT, "the orphan to stop (etcd-v2)", agents, pause=0.02)
-        t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 (etcd-v2)", agents)
+        t_first = wait_for(
+            lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 (etcd-v2)", agents
+        )
         print(f"\nSIGKILL (etcd-v2, busy): fault to first step {t_first - t_kill:.2f} s")
         ev = events(tmp, "a")
         rounds = [e for e in ev if e["event"] == "rendezvous_round"]
@@ -285,8 +305,11 @@ def test_watcher_alone_under_stock_c10d(cluster):
     """
     tmp, agents = cluster
     port = free_port()
-    kw = dict(backend="c10d", conf="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
-              extra_env={"ELASTIC_EMB_RDZV_ENDPOINT": f"127.0.0.1:{port}"})
+    kw = dict(
+        backend="c10d",
+        conf="keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
+        extra_env={"ELASTIC_EMB_RDZV_ENDPOINT": f"127.0.0.1:{port}"},
+    )
     agents.append(start_agent("a", tmp, port, **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1 (stock c10d)", agents)
     t_b = time.time()
@@ -306,11 +329,20 @@ def test_watcher_alone_under_stock_c10d(cluster):
     wait_for(lambda: not _alive(orphan), WAIT, "the orphan to stop (stock c10d)", agents, pause=0.02)
     t_orphan = time.time()
     departures = wait_for(
-        lambda: [r for r in worker_records(tmp) if r["ev"] == "membership" and r["pid"] == survivor
-                 and r["kind"] == "departure"], WAIT, "the survivor's watcher to see the departure", agents)
+        lambda: [
+            r
+            for r in worker_records(tmp)
+            if r["ev"] == "membership" and r["pid"] == survivor and r["kind"] == "departure"
+        ],
+        WAIT,
+        "the survivor's watcher to see the departure",
+        agents,
+    )
     assert departures[0]["nodes"] == [_node(b)]
-    print(f"\nstock c10d + watcher: orphan stopped {t_orphan - t_kill:.2f} s after SIGKILL, survivor saw the "
-          f"departure after {departures[0]['t'] - t_kill:.2f} s")
+    print(
+        f"\nstock c10d + watcher: orphan stopped {t_orphan - t_kill:.2f} s after SIGKILL, survivor saw the "
+        f"departure after {departures[0]['t'] - t_kill:.2f} s"
+    )
 
 
 @pytest.mark.slow
@@ -326,17 +358,23 @@ def test_hung_agent_is_declared_dead_and_its_worker_leaves(cluster):
     agents.append(start_agent("b", tmp, port, mode="idle"))
     wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_b), WAIT, "world size 2", agents)
     b = agents[1]
-    stuck = next(r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["agent_pid"] == b.pid)
+    stuck = next(
+        r["pid"] for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["agent_pid"] == b.pid
+    )
     time.sleep(0.5)
     t_stop = b.signal(signal.SIGSTOP)
     try:
-        t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_stop), WAIT, "world size 1 after SIGSTOP", agents)
+        t_first = wait_for(
+            lambda: first_commit_at(tmp, world_size=1, after=t_stop), WAIT, "world size 1 after SIGSTOP", agents
+        )
         wait_for(lambda: not _alive(stuck), WAIT, "the hung node's worker to stop", agents, pause=0.02)
         t_gone = time.time()
     finally:
         b.signal(signal.SIGCONT)
-    print(f"\nSIGSTOP (idle): survivor's first step after {t_first - t_stop:.2f} s, hung node's worker gone after "
-          f"{t_gone - t_stop:.2f} s")
+    print(
+        f"\nSIGSTOP (idle): survivor's first step after {t_first - t_stop:.2f} s, hung node's worker gone after "
+        f"{t_gone - t_stop:.2f} s"
+    )
     mine = [r for r in worker_records(tmp) if r["pid"] == stuck]
     assert any(r["ev"] == "evicted" or (r["ev"] == "membership" and r["kind"] == "evicted") for r in mine), mine[-5:]
     ev = events(tmp, "a")
@@ -352,8 +390,9 @@ def test_entry_point_registers_the_backend_and_conf_errors_name_the_key():
     from elastic_emb.rdzv.handler import ListenerConfig, create_handler
 
     assert rendezvous_handler_registry._registry["elastic_emb"] is create_handler
-    cfg = ListenerConfig.from_params({"inner": "etcd-v2", "drain": "0", "drain_timeout": "2.5", "timeout": 900,
-                                      "last_call_timeout": "1"})
+    cfg = ListenerConfig.from_params(
+        {"inner": "etcd-v2", "drain": "0", "drain_timeout": "2.5", "timeout": 900, "last_call_timeout": "1"}
+    )
     assert (cfg.inner, cfg.drain, cfg.drain_timeout) == ("etcd-v2", False, 2.5)
     with pytest.raises(ValueError, match=r"inner='zk'"):
         ListenerConfig.from_params({"inner": "zk"})
@@ -379,7 +418,9 @@ def test_whole_node_death_restarts_without_spending_budget(cluster):
     time.sleep(0.5)
     t_kill = b.signal(signal.SIGKILL)
     os.kill(victim, signal.SIGKILL)
-    t_first = wait_for(lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after the node died", agents)
+    t_first = wait_for(
+        lambda: first_commit_at(tmp, world_size=1, after=t_kill), WAIT, "world size 1 after the node died", agents
+    )
     gen3 = _gen_of(tmp, 1, t_kill)
     _check_membership_restart(tmp, gen3, 1)
     print(f"\nwhole node SIGKILL (busy): fault to first step {t_first - t_kill:.2f} s")
@@ -403,8 +444,15 @@ def _handler_on_loopback(monkeypatch, run_id: str, max_nodes: int):
     # create_handler changes the agent process (env, torch's poll pause): undone after the test.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setattr(dr, "_delay", dr._delay)
-    params = RendezvousParameters(backend="elastic_emb", endpoint=f"127.0.0.1:{free_port()}", run_id=run_id,
-                                  min_nodes=1, max_nodes=max_nodes, is_host="1", keep_alive_interval="1")
+    params = RendezvousParameters(
+        backend="elastic_emb",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=max_nodes,
+        is_host="1",
+        keep_alive_interval="1",
+    )
     return create_handler(params)
 
 

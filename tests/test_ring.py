@@ -35,9 +35,23 @@ def _landed_commit(tier: SnapshotTier, ring: SegmentRing, step: int, value: floa
     seg.host[: blob.numel()].copy_(blob)
     cdir = tier.node_dir / commit_dirname(step, "f" * 16)
     cdir.mkdir(parents=True)
-    m = SnapshotManifest(step=step, generation=0, fingerprint="f" * 16, run_id="unit", world_size=1, ep_size=1,
-                         source_rank=0, source_node="nodeA", holder_node="nodeA", replica=False, data_file="rank0.bin",
-                         data_bytes=int(blob.numel()), shards=records, written_at=time.time(), segment=seg.name)
+    m = SnapshotManifest(
+        step=step,
+        generation=0,
+        fingerprint="f" * 16,
+        run_id="unit",
+        world_size=1,
+        ep_size=1,
+        source_rank=0,
+        source_node="nodeA",
+        holder_node="nodeA",
+        replica=False,
+        data_file="rank0.bin",
+        data_bytes=int(blob.numel()),
+        shards=records,
+        written_at=time.time(),
+        segment=seg.name,
+    )
     write_atomic(cdir / "rank0.json", m.model_dump_json())
     ring.landed(seg, cdir / "rank0.json")
     seg.release()  # what the writer does after the write: a landed segment stays held
@@ -103,11 +117,14 @@ def test_untrusted_manifests_of_segments_are_refused(tmp_path):
 def test_sweep_removes_the_unnamed_segments_of_an_exited_process(tmp_path):
     log_dir = tmp_path / LOG_DIR
     log_dir.mkdir()
-    code = ("import sys; from pathlib import Path; from elastic_emb.state.ring import SegmentRing; "
-            "r = SegmentRing(Path(sys.argv[1]), 3, 4096, 0o600, register=False); "
-            "print(' '.join(s.name for s in r.segments))")  # exits without close: as a crash does
-    names = subprocess.run([sys.executable, "-c", code, str(log_dir)], check=True, capture_output=True, text=True,
-                           timeout=120).stdout.split()
+    code = (
+        "import sys; from pathlib import Path; from elastic_emb.state.ring import SegmentRing; "
+        "r = SegmentRing(Path(sys.argv[1]), 3, 4096, 0o600, register=False); "
+        "print(' '.join(s.name for s in r.segments))"
+    )  # exits without close: as a crash does
+    names = subprocess.run(
+        [sys.executable, "-c", code, str(log_dir)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout.split()
     assert len(names) == 3
     mine = SegmentRing(log_dir, 1, 4096, 0o600, register=False)  # alive: never swept
     try:

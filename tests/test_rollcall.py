@@ -205,9 +205,20 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
     peer_node = "127.0.0.1_2_0"
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), peer_node, str(n), str(timeout)])
     try:
-        topo = Topology(run_id="rc", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
-                        node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
-                        master_port=master.port)
+        topo = Topology(
+            run_id="rc",
+            generation=1,
+            rank=0,
+            world_size=2,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            num_nodes=2,
+            ep_size=2,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=master.port,
+        )
         group = Group.form(topo, master, torch.device("cpu"), timeout, False, LOG)
         master.wait(["posted"], timedelta(seconds=30))
         time.sleep(0.2)  # the peer is stopped
@@ -236,8 +247,10 @@ def test_a_collective_blocked_on_a_killed_peer_ends_at_the_liveness_probe_not_th
         ended = time.monotonic() - t0
         assert owner.found and not group.healthy
         assert ended < timeout / 2, f"the survivor left the collective after {ended:.1f} s (timeout {timeout:g} s)"
-        print(f"\nsurvivor out of the collective and the group released {ended:.2f} s after the wait began "
-              f"(the peer killed at 0.5 s; gloo's timeout {timeout:g} s)")
+        print(
+            f"\nsurvivor out of the collective and the group released {ended:.2f} s after the wait began "
+            f"(the peer killed at 0.5 s; gloo's timeout {timeout:g} s)"
+        )
     finally:
         if peer.poll() is None:
             peer.kill()
@@ -294,8 +307,11 @@ def test_a_waited_release_and_the_exit_after_an_abandoned_transfer_do_not_wait_f
     timeout, n = 30.0, 64 << 20
     master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), "127.0.0.1_2_0", str(n), str(timeout)])
-    survivor = subprocess.Popen([sys.executable, "-c", SURVIVOR, str(master.port), str(peer.pid), str(n), str(timeout)],
-                                stdout=subprocess.PIPE, text=True)
+    survivor = subprocess.Popen(
+        [sys.executable, "-c", SURVIVOR, str(master.port), str(peer.pid), str(n), str(timeout)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, _ = survivor.communicate(timeout=120)
         exited = time.time()
@@ -305,7 +321,8 @@ def test_a_waited_release_and_the_exit_after_an_abandoned_transfer_do_not_wait_f
         assert released < timeout / 2, f"release(abort=True) waited {released:.1f} s for the abandoned transfer"
         assert holding, "the abandoned transfer had ended before the release: the case was not exercised"
         assert exited - exit_at < timeout / 2, (
-            f"the survivor took {exited - exit_at:.1f} s to exit after its release (timeout {timeout:g} s)")
+            f"the survivor took {exited - exit_at:.1f} s to exit after its release (timeout {timeout:g} s)"
+        )
         print(f"\nrelease {released:.3f} s, exit {exited - exit_at:.2f} s (gloo's timeout {timeout:g} s)")
     finally:
         for p in (survivor, peer):

@@ -89,7 +89,10 @@ def test_plan_prefers_live_then_local_and_names_missing_rows():
 
 def test_replica_holders_are_on_other_nodes():
     # nodes: 0 -> ranks 0,1 ; 1 -> ranks 2,3 ; 2 -> rank 4
-    recs = [{"rank": r, "node_rank": n, "local_rank": lr} for r, (n, lr) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])]
+    recs = [
+        {"rank": r, "node_rank": n, "local_rank": lr}
+        for r, (n, lr) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
+    ]
     node_of = {r["rank"]: r["node_rank"] for r in recs}
     for r in range(5):
         hs = replica_holders(recs, r, 1)
@@ -137,8 +140,20 @@ def world1(tmp_path):
 
     def make():
         gen[0] += 1
-        topo = Topology.build(run_id="unit", generation=gen[0], rank=0, world_size=1, local_rank=0, local_world_size=1,
-                              node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
+        topo = Topology.build(
+            run_id="unit",
+            generation=gen[0],
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            num_nodes=1,
+            ep_size=1,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
         return topo, Comm(topo, store, None, timeout=30)
 
     return make
@@ -160,7 +175,9 @@ def test_snapshot_round_trip_and_torn_commit_is_invisible(tmp_path, world1):
     assert m.step == 0 and m.fingerprint == topo.fingerprint() and not m.replica
     assert [(s.table, s.start, s.stop) for s in m.shards] == [("t", 0, 40)]
     got = read_snapshot(path, m)
-    assert torch.equal(got["t"]["weight"], torch.full((40, 3), 7.0)) and torch.equal(got["t"]["acc"], torch.full((40,), 7.5))
+    assert torch.equal(got["t"]["weight"], torch.full((40, 3), 7.0)) and torch.equal(
+        got["t"]["acc"], torch.full((40,), 7.5)
+    )
     # A data file without its manifest (a crash in between) is not a commit.
     cdir = path.parent.with_name(path.parent.name.replace("000000000000", "000000000001"))
     cdir.mkdir()
@@ -256,8 +273,10 @@ def test_prune_counts_only_valid_manifests_that_cover_every_row(tmp_path, world1
     for step in range(5):
         _commit(tier, ctx, comm, step, float(step))
         tier.prune(comm)
+
     def names():
         return sorted(p.name.split("-")[1].lstrip("0") or "0" for p in tier.node_dir.glob("step-*"))
+
     assert names() == ["3", "4"]
     _commit(tier, ctx, comm, 5, 5.0)
     _shrink_manifest(tier.node_dir.glob("step-000000000005-*").__next__() / "rank0.json", 25)
@@ -320,8 +339,20 @@ def test_state_files_are_owner_only_and_ids_cannot_leave_the_root(tmp_path, worl
     assert stat.S_IMODE((tmp_path / "root").stat().st_mode) == 0o700
     for bad in ("../../x", "/abs", ".", "..", "a/b", ".hidden", "x" * 129, ""):
         with pytest.raises(TopologyError, match="run_id"):
-            Topology.build(run_id=bad, generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                           node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="h", master_port=1)
+            Topology.build(
+                run_id=bad,
+                generation=0,
+                rank=0,
+                world_size=1,
+                local_rank=0,
+                local_world_size=1,
+                node_rank=0,
+                num_nodes=1,
+                ep_size=1,
+                backend="gloo",
+                master_addr="h",
+                master_port=1,
+            )
         with pytest.raises(ValueError, match="not a plain name"):
             SnapshotTier(tmp_path / "root", bad, "nodeA")
         with pytest.raises(ValueError, match="not a plain name"):
@@ -395,7 +426,9 @@ def test_torn_commits_of_one_local_rank_never_cost_the_last_complete_commit(tmp_
     kill = {1: {"ELASTIC_EMB_FAULT": "snapshot_before_manifest@5"}}
     for gen in (0, 1):
         results = _lifecycle_run(tmp_path, ["A", "A"], gen, out, 7, extra=kill)
-        assert results[1].returncode == -9 and results[0].returncode != 0, [(r.returncode, r.stderr[-800:]) for r in results]
+        assert results[1].returncode == -9 and results[0].returncode != 0, [
+            (r.returncode, r.stderr[-800:]) for r in results
+        ]
     node = tmp_path / "nodes" / "A" / "test" / "A"
     assert len(list(node.glob("step-000000000004-*/rank1.json"))) == 1  # step 4 survived both crashes
     values = ok(_lifecycle_run(tmp_path, ["A", "A"], 2, out, 7))
@@ -497,7 +530,11 @@ def test_restore_from_a_read_only_state_directory(tmpfs, world1):
     topo2, comm2 = world1()
     ctx2 = TinyContext(topo2)
     report = restore(ctx2, comm2, snapshot=tier, durable=None)
-    assert report.step == 1 and torch.equal(ctx2.w, torch.full((40, 3), 2.0)) and torch.equal(ctx2.acc, torch.full((40,), 2.5))
+    assert (
+        report.step == 1
+        and torch.equal(ctx2.w, torch.full((40, 3), 2.0))
+        and torch.equal(ctx2.acc, torch.full((40,), 2.5))
+    )
     assert tier.prune(comm2, at_start=True) == []  # nothing to delete, and a read-only root does not fail it
     with pytest.raises(StorageError, match="Read-only file system"):
         _commit(tier, ctx2, comm2, 2, 3.0)
@@ -543,8 +580,20 @@ def test_base_and_deltas_restore_every_commit_exactly(tmp_path_factory, fold, wr
     tmp = tmp_path_factory.mktemp("chain")
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    topo = Topology.build(run_id="unit", generation=1, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    topo = Topology.build(
+        run_id="unit",
+        generation=1,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     comm = Comm(topo, store, None, timeout=30)
     tier = SnapshotTier(tmp, "unit", "nodeA", replication=0, keep=100, max_chain=3, fold_ratio=1e9, fold_max_deltas=3)
     tier.fold = fold
@@ -633,12 +682,24 @@ def test_fold_points_follow_the_bytes_the_deltas_hold(tmp_path, world1, monkeypa
     bases it replaces)."""
     from elastic_emb.state import compact
 
-    for cost, ratio, max_deltas, max_chain, every in ((0, 0.5, 1000, 1, 4), (32, 0.5, 1000, 1, 3), (0, 0.5, 2, 1, 2),
-                                                      (0, 0.5, 1000, 6, 6)):
+    for cost, ratio, max_deltas, max_chain, every in (
+        (0, 0.5, 1000, 1, 4),
+        (32, 0.5, 1000, 1, 3),
+        (0, 0.5, 2, 1, 2),
+        (0, 0.5, 1000, 6, 6),
+    ):
         monkeypatch.setattr(compact, "DELTA_FILE_COST", cost)
         topo, comm = world1()
-        tier = SnapshotTier(tmp_path / f"{cost}-{max_deltas}-{max_chain}", "unit", "nodeA", replication=0, keep=100,
-                            max_chain=max_chain, fold_ratio=ratio, fold_max_deltas=max_deltas)
+        tier = SnapshotTier(
+            tmp_path / f"{cost}-{max_deltas}-{max_chain}",
+            "unit",
+            "nodeA",
+            replication=0,
+            keep=100,
+            max_chain=max_chain,
+            fold_ratio=ratio,
+            fold_max_deltas=max_deltas,
+        )
         ctx = TrackingContext(topo)
         ctx.write(list(range(40)), 0.0)
         folded = []
@@ -698,8 +759,16 @@ def test_node_directory_stays_within_the_stated_bound_over_a_long_run(tmp_path, 
     max_dirs = 2 + window
     bound = 2 * base_bytes + window * delta_bytes
     topo, comm = world1()
-    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=keep, max_chain=max_chain, fold_ratio=1e9,
-                        fold_max_deltas=max_chain)
+    tier = SnapshotTier(
+        tmp_path,
+        "unit",
+        "nodeA",
+        replication=0,
+        keep=keep,
+        max_chain=max_chain,
+        fold_ratio=1e9,
+        fold_max_deltas=max_chain,
+    )
     tier.fold = fold
     ctx = TrackingContext(topo)
     gen = torch.Generator().manual_seed(17)
@@ -775,9 +844,17 @@ def _commit_in_flight_to_a_dead_peer(tmp_path, timeout: float, **a_spec):
     out.mkdir()
     port = free_port()
     config = {"async_commit": True, "transfer_timeout": timeout}
-    specs = [spec_of(out, train_until=2, then_until=4, config=config, **a_spec,
-                     resize={"env": layout_env(["A"], 0, port, 1), "abort": True}),
-             spec_of(out, train_until=2, config=config, resize={"env": None})]
+    specs = [
+        spec_of(
+            out,
+            train_until=2,
+            then_until=4,
+            config=config,
+            **a_spec,
+            resize={"env": layout_env(["A"], 0, port, 1), "abort": True},
+        ),
+        spec_of(out, train_until=2, config=config, resize={"env": None}),
+    ]
     kill = {"ELASTIC_EMB_FAULT": "snapshot_data_written@2"}
     envs = [rank_env(tmp_path, ["A", "B"], r, port, 0, specs[r], kill if r == 1 else None) for r in range(2)]
     a, b = run_ranks(lw.CODE, envs, 150)
@@ -829,8 +906,9 @@ def test_a_dead_peer_made_known_ends_the_wait_for_the_commit_in_flight(tmp_path)
     # error commit_failed (which stays for real failures).
     logged = [json.loads(line) for line in a.stderr.splitlines() if line.startswith("{")]
     aborted = [e for e in logged if e.get("event") == "commit_aborted"]
-    assert [(e["level"], e["step"], e["reason"]) for e in aborted] == [("warning", 2, "the test's peer is gone")], \
+    assert [(e["level"], e["step"], e["reason"]) for e in aborted] == [("warning", 2, "the test's peer is gone")], (
         a.stderr[-3000:]
+    )
     assert not [e for e in logged if "commit_failed" in str(e.get("event"))], a.stderr[-3000:]
     assert_bit_exact(gather(out, "resized", 1), ref_after(1), "restored after the interrupted commit")
     assert_bit_exact(gather(out, "final", 1), ref_after(4), "trained on alone")
@@ -868,11 +946,17 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
     ref = reference(32)  # every start is compared with the tables after the step it restored
     cfg = {"fold_max_deltas": 2, "fold_ratio": 1e6}
     nodes = {0: tmp_path / "nodes" / "A", 1: tmp_path / "nodes" / "B"}
-    commit_kills = [{r: "snapshot_data_written" for r in (0, 1)}, {r: "snapshot_replica_in_flight" for r in (0, 1)},
-                    {r: "snapshot_before_manifest" for r in (0, 1)},
-                    {0: "snapshot_manifest_partial", 1: "snapshot_before_manifest"}]
-    fold_kills = [{r: "fold_data_written" for r in (0, 1)}, {r: "fold_manifest_swapped" for r in (0, 1)},
-                  {0: "fold_manifest_swapped", 1: "fold_data_written"}]
+    commit_kills = [
+        {r: "snapshot_data_written" for r in (0, 1)},
+        {r: "snapshot_replica_in_flight" for r in (0, 1)},
+        {r: "snapshot_before_manifest" for r in (0, 1)},
+        {0: "snapshot_manifest_partial", 1: "snapshot_before_manifest"},
+    ]
+    fold_kills = [
+        {r: "fold_data_written" for r in (0, 1)},
+        {r: "fold_manifest_swapped" for r in (0, 1)},
+        {0: "fold_manifest_swapped", 1: "fold_data_written"},
+    ]
     restored = -1
     for gen, kill in enumerate(commit_kills + fold_kills):  # each start restores what the kill left, trains on
         # A start's first commit is a base (at restored + 1); the fold point comes 2 deltas later.
@@ -881,16 +965,20 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
         folding = gen >= len(commit_kills)
         # A fold runs beside the next commits; the writer waits for it at the next fold point
         # (point + 2), so training that far makes sure it reached its kill point.
-        results = _lifecycle_run(tmp_path, ["A", "B"], gen, out, point + 2 if folding else point, extra=extra,
-                                 config=cfg)
+        results = _lifecycle_run(
+            tmp_path, ["A", "B"], gen, out, point + 2 if folding else point, extra=extra, config=cfg
+        )
         codes = [r.returncode for r in results]
         if folding:  # folds are local: each rank reaches its own point
             assert codes == [-9, -9], (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
         else:  # each rank is killed at its point, or fails on the peer that was (a collective in progress)
             assert -9 in codes and 0 not in codes, (kill, [(r.returncode, r.stderr[-1500:]) for r in results])
         if gen:
-            assert_bit_exact(gather(out, "start", gen), ref[restored + 1],
-                             f"after the kill at {(commit_kills + fold_kills)[gen - 1]}")
+            assert_bit_exact(
+                gather(out, "start", gen),
+                ref[restored + 1],
+                f"after the kill at {(commit_kills + fold_kills)[gen - 1]}",
+            )
         for r, where in kill.items():
             parents = _parents(nodes[r], r)
             assert [parents.get(s, "absent") for s in (point - 1, point - 2)] == [point - 2, None], (kill, parents)
@@ -981,7 +1069,7 @@ def test_parallel_checksum_and_write_equal_zlib(tmp_path, monkeypatch):
     buf = np.frombuffer(os.urandom(100_000), dtype=np.uint8)
     ranges = [(0, 8000), (8064, 50_000), (60_000, 0), (60_032, 39_968)]
     got = crc.write_and_checksum(tmp_path / "f.bin", buf, ranges, lambda p: open(p, "w+b"))
-    assert got == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
+    assert got == [zlib.crc32(buf[o : o + n].tobytes()) for o, n in ranges]
     assert (tmp_path / "f.bin").read_bytes() == buf.tobytes()
 
 
@@ -1005,17 +1093,32 @@ def test_writer_checksums_of_landed_bytes_equal_zlib(monkeypatch):
     monkeypatch.setattr(crc, "CHUNK", 1000)
     try:
         buf = np.frombuffer(os.urandom(40_000), dtype=np.uint8)
-        ranges = [(0, 0), (1, 1), (3, 999), (1002, 1000), (2002, 1001), (3003, 3001), (6004, 0),
-                  (6005, 33_995)]
-        assert crc.checksum_ranges(buf, ranges) == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
-        records = [ShardRecord(table="t", num_rows=9, start=0, stop=9, tensors=[
-            TensorRecord(name=f"x{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
-            for i, (o, n) in enumerate(ranges[:4])]),
-            ShardRecord(table="u", num_rows=9, start=0, stop=9, tensors=[
-                TensorRecord(name=f"y{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
-                for i, (o, n) in enumerate(ranges[4:])])]
+        ranges = [(0, 0), (1, 1), (3, 999), (1002, 1000), (2002, 1001), (3003, 3001), (6004, 0), (6005, 33_995)]
+        assert crc.checksum_ranges(buf, ranges) == [zlib.crc32(buf[o : o + n].tobytes()) for o, n in ranges]
+        records = [
+            ShardRecord(
+                table="t",
+                num_rows=9,
+                start=0,
+                stop=9,
+                tensors=[
+                    TensorRecord(name=f"x{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
+                    for i, (o, n) in enumerate(ranges[:4])
+                ],
+            ),
+            ShardRecord(
+                table="u",
+                num_rows=9,
+                start=0,
+                stop=9,
+                tensors=[
+                    TensorRecord(name=f"y{i}", dtype="uint8", row_shape=[], offset=o, nbytes=n, crc32=PENDING_CRC)
+                    for i, (o, n) in enumerate(ranges[4:])
+                ],
+            ),
+        ]
         got = [tr.crc32 for rec in finished_records(records, buf) for tr in rec.tensors]
-        assert got == [zlib.crc32(buf[o: o + n].tobytes()) for o, n in ranges]
+        assert got == [zlib.crc32(buf[o : o + n].tobytes()) for o, n in ranges]
         with pytest.raises(ValueError, match="outside the 40000-byte buffer"):
             crc.checksum_ranges(buf, [(39_999, 2)])
     finally:

@@ -58,7 +58,9 @@ def test_a_pickle_payload_in_the_rendezvous_key_does_not_run_in_the_agent(cluste
     assert not os.path.exists(marker), "the payload ran in the agent"
     assert a.proc.returncode != 0
     refused = [e for e in events(tmp, "a") if e["event"] == "foreign_rendezvous_state"]
-    assert refused and refused[0]["key"] == "torch.rendezvous.rdzvtest" and "posix.system" in refused[0]["error"], refused
+    assert refused and refused[0]["key"] == "torch.rendezvous.rdzvtest" and "posix.system" in refused[0]["error"], (
+        refused
+    )
     assert "refusing the value of torch.rendezvous.rdzvtest before unpickling it" in a.output()
 
 
@@ -106,10 +108,16 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     target = DrainTarget(inner="c10d", endpoint=f"127.0.0.1:{port}", run_id="rdzvtest")
     signed_world = store.get(prefix + KEY_WORLD_SIZE)  # the watchers' count, signed
     assert signed_world.startswith(b"eesig1:") and signed_world.endswith(b":2") and store.add(prefix + KEY_ACKS, 0) == 0
-    for key, forged in ((KEY_WORLD_SIZE, "-2"), (KEY_WORLD_SIZE, "1"), (KEY_WORLD_SIZE, "9" * 30),
-                        (KEY_ACKS, str(2**63 - 1))):
+    for key, forged in (
+        (KEY_WORLD_SIZE, "-2"),
+        (KEY_WORLD_SIZE, "1"),
+        (KEY_WORLD_SIZE, "9" * 30),
+        (KEY_ACKS, str(2**63 - 1)),
+    ):
         store.set(prefix + key, forged)
-        with pytest.raises(DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*(unsigned|not a count in)"):
+        with pytest.raises(
+            DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*(unsigned|not a count in)"
+        ):
             request_drain(target, timeout=5)
         store.set(prefix + key, {KEY_WORLD_SIZE: signed_world, KEY_ACKS: "0"}[key])
     assert not store.check([prefix + KEY_DRAIN])  # nothing was asked of the workers
@@ -131,7 +139,10 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     drained = lambda: [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]  # noqa: E731
     wait_for(lambda: len(drained()) == 2, WAIT, "both workers' drained records", agents)
     assert {r["step"] for r in drained()} == {outcome.stop_step}, drained()
-    assert {e.get("key") for e in logged if e.get("event") == "control_key_rejected"} >= {prefix + "ack/0", prefix + "ack/1"}
+    assert {e.get("key") for e in logged if e.get("event") == "control_key_rejected"} >= {
+        prefix + "ack/0",
+        prefix + "ack/1",
+    }
     assert any(e.get("event") == "drain_acks_unverified" and e["claimed"] == 2 for e in logged), logged
 
 
@@ -161,8 +172,24 @@ def test_counts_read_from_the_store_are_bounded_non_negative_integers():
 
     for raw, value in ((0, 0), (7, 7), (b"2", 2), ("12", 12), (str(MAX_COUNT).encode(), MAX_COUNT)):
         assert count_value("k", raw) == value
-    for raw in (-1, b"-1", MAX_COUNT + 1, 2**63 - 1, -(2**63), b"", b" 3", b"3\n", b"0x10", b"1e3", "\u00b2", b"\xb2",
-                b"9" * 30, True, None, 1.5):
+    for raw in (
+        -1,
+        b"-1",
+        MAX_COUNT + 1,
+        2**63 - 1,
+        -(2**63),
+        b"",
+        b" 3",
+        b"3\n",
+        b"0x10",
+        b"1e3",
+        "\u00b2",
+        b"\xb2",
+        b"9" * 30,
+        True,
+        None,
+        1.5,
+    ):
         with pytest.raises(ValueError, match=r"^store key 'elastic_emb/r/round1/acks' holds .*, not a count in \[0, "):
             count_value("elastic_emb/r/round1/acks", raw)
 

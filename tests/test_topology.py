@@ -97,11 +97,22 @@ def test_record_is_frozen_strict_and_closed():
 topologies = st.integers(1, 64).flatmap(
     lambda ws: st.builds(
         lambda rank, gen, port, rid: Topology.build(
-            run_id=rid, generation=gen, rank=rank, world_size=ws, local_rank=0, local_world_size=1,
-            node_rank=rank, num_nodes=ws, ep_size=largest_power_of_two_at_most(ws), backend="gloo",
-            master_addr="127.0.0.1", master_port=port,
+            run_id=rid,
+            generation=gen,
+            rank=rank,
+            world_size=ws,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=rank,
+            num_nodes=ws,
+            ep_size=largest_power_of_two_at_most(ws),
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=port,
         ),
-        st.integers(0, ws - 1), st.integers(0, 10_000), st.integers(1, 65535),
+        st.integers(0, ws - 1),
+        st.integers(0, 10_000),
+        st.integers(1, 65535),
         st.text(alphabet="abcdefgh-0123456789", min_size=1, max_size=12),
     )
 )
@@ -128,8 +139,18 @@ def test_fingerprint_covers_shared_fields_only(t):
 def test_validators_accept_exactly_the_valid_records(ws, rank, ep, port):
     valid = 0 <= rank < ws and ep >= 1 and (ep & (ep - 1)) == 0 and ep <= ws and 1 <= port <= 65535
     kwargs = dict(
-        run_id="r", generation=0, rank=rank, world_size=ws, local_rank=0, local_world_size=1,
-        node_rank=0, num_nodes=1, ep_size=ep, backend="gloo", master_addr="h", master_port=port,
+        run_id="r",
+        generation=0,
+        rank=rank,
+        world_size=ws,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=ep,
+        backend="gloo",
+        master_addr="h",
+        master_port=port,
     )
     if valid:
         assert Topology.build(**kwargs).rank == rank
@@ -140,9 +161,18 @@ def test_validators_accept_exactly_the_valid_records(ws, rank, ep, port):
 
 def _record(rank, ws, **over):
     base = dict(
-        run_id="r", generation=1, rank=rank, world_size=ws, local_rank=rank, local_world_size=ws,
-        node_rank=0, num_nodes=1, ep_size=largest_power_of_two_at_most(ws), backend="gloo",
-        master_addr="h", master_port=1,
+        run_id="r",
+        generation=1,
+        rank=rank,
+        world_size=ws,
+        local_rank=rank,
+        local_world_size=ws,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=largest_power_of_two_at_most(ws),
+        backend="gloo",
+        master_addr="h",
+        master_port=1,
     )
     base.update(over)
     return base

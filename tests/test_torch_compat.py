@@ -68,9 +68,17 @@ def inner(monkeypatch):
     """torch's DynamicRendezvousHandler on a real c10d store, one node, after its first round."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setattr(dr, "_delay", dr._delay)  # shorten_rendezvous_polls patches it: undo after
-    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="compat",
-                                  min_nodes=1, max_nodes=2, is_host="1", last_call_timeout="1",
-                                  keep_alive_interval="1", keep_alive_max_attempt="3")
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id="compat",
+        min_nodes=1,
+        max_nodes=2,
+        is_host="1",
+        last_call_timeout="1",
+        keep_alive_interval="1",
+        keep_alive_max_attempt="3",
+    )
     backend, store = create_backend(params)
     handler = tc.create_inner_handler(store, backend, params)
     tc.shorten_rendezvous_polls(0.05)
@@ -176,8 +184,15 @@ def test_join_complete_round_adds_a_second_node_to_the_running_round(inner):
     of the complete round without a new round; a third finds no room (max_nodes=2)."""
     params = inner.test_params
     view = RendezvousView.of(tc.current_state(inner))
-    second_params = RendezvousParameters(backend="c10d", endpoint=params.endpoint, run_id="compat", min_nodes=1,
-                                         max_nodes=2, is_host="0", local_addr="127.0.0.2")
+    second_params = RendezvousParameters(
+        backend="c10d",
+        endpoint=params.endpoint,
+        run_id="compat",
+        min_nodes=1,
+        max_nodes=2,
+        is_host="0",
+        local_addr="127.0.0.2",
+    )
     backend, store = create_backend(second_params)
     second = tc.create_inner_handler(store, backend, second_params)
     assert tc.join_complete_round(second) == (1, 2)
@@ -189,9 +204,17 @@ def test_join_complete_round_adds_a_second_node_to_the_running_round(inner):
         round_store = tc.round_store(second)
         round_store.set("probe", b"x")  # the round's prefix store, as torch hands it to the agent
         assert tc.agent_store(second).get(f"torch.rendezvous.compat.{view.round}/probe") == b"x"
-        backend3, store3 = create_backend(RendezvousParameters(
-            backend="c10d", endpoint=params.endpoint, run_id="compat", min_nodes=1, max_nodes=2, is_host="0",
-            local_addr="127.0.0.3"))
+        backend3, store3 = create_backend(
+            RendezvousParameters(
+                backend="c10d",
+                endpoint=params.endpoint,
+                run_id="compat",
+                min_nodes=1,
+                max_nodes=2,
+                is_host="0",
+                local_addr="127.0.0.3",
+            )
+        )
         third = tc.create_inner_handler(store3, backend3, second_params)
         assert tc.join_complete_round(third) is None
     finally:

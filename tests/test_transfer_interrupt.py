@@ -54,13 +54,23 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
     from elastic_emb.topology import Topology
 
     timeout = 60.0  # also bounds the peer's start (a torch import) at load
-    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=timeout),
-                           use_libuv=True)
+    master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=timeout), use_libuv=True)
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(master.port), str(timeout)])
     try:
-        topo = Topology(run_id="tx", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
-                        node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
-                        master_port=master.port)
+        topo = Topology(
+            run_id="tx",
+            generation=1,
+            rank=0,
+            world_size=2,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            num_nodes=2,
+            ep_size=2,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=master.port,
+        )
         config = LifecycleConfig(state_dir=str(tmp_path), node_id="A", transfer_timeout=timeout)
         ctx = SimpleNamespace(process_group=None)  # the state layer forms a gloo group of its own
         committer = Committer(config, topo, master, lambda: ctx)
@@ -87,8 +97,10 @@ def test_a_point_to_point_transfer_from_a_stopped_peer_ends_at_the_interrupt(tmp
         committer.close_comm()  # the aborted group is released in the background
         later = time.monotonic() - t1
         assert later < timeout / 2, f"a later transfer and the release took {later:.1f} s"
-        print(f"\npoint-to-point transfer out of its wait {ended:.2f} s after it began (interrupted at 0.5 s; "
-              f"timeout {timeout:g} s); a later transfer and the release {later:.3f} s")
+        print(
+            f"\npoint-to-point transfer out of its wait {ended:.2f} s after it began (interrupted at 0.5 s; "
+            f"timeout {timeout:g} s); a later transfer and the release {later:.3f} s"
+        )
     finally:
         peer.send_signal(signal.SIGKILL)
         peer.wait(10)
@@ -108,9 +120,20 @@ def _three_rank_comms(store, port: int, generation: int, timeout: float):
 
     comms = []
     for rank in range(3):
-        topo = Topology(run_id="gone", generation=generation, rank=rank, world_size=3, local_rank=0,
-                        local_world_size=1, node_rank=rank, num_nodes=3, ep_size=2, backend="gloo",
-                        master_addr="127.0.0.1", master_port=port)
+        topo = Topology(
+            run_id="gone",
+            generation=generation,
+            rank=rank,
+            world_size=3,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=rank,
+            num_nodes=3,
+            ep_size=2,
+            backend="gloo",
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
         comms.append(Comm(topo, store, object(), timeout=timeout, purpose="commit", interruptible=True))
     return comms
 
@@ -197,11 +220,23 @@ def test_the_durable_threads_exchange_ends_when_its_peer_is_given_up_on(tmp_path
 
     timeout = 60.0
     master = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=timeout))
-    topo = Topology(run_id="dur", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
-                    node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1",
-                    master_port=master.port)
-    config = LifecycleConfig(state_dir=str(tmp_path / "shm"), node_id="A", transfer_timeout=timeout,
-                             durable_dir=str(tmp_path / "durable"))
+    topo = Topology(
+        run_id="dur",
+        generation=1,
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=2,
+        ep_size=2,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=master.port,
+    )
+    config = LifecycleConfig(
+        state_dir=str(tmp_path / "shm"), node_id="A", transfer_timeout=timeout, durable_dir=str(tmp_path / "durable")
+    )
     committer = Committer(config, topo, master, lambda: SimpleNamespace(process_group=None))
     comm = committer._durable_comm(object())  # DCP's group stands in: the exchanges use only the store
     waiting = _exchange_in_thread(comm, "durable-layout")  # rank 1 never publishes

@@ -130,8 +130,14 @@ def _watcher(port, node: _NodeDesc, rank: int, world: int, round_: int, evicted:
     reader = RendezvousReader("c10d", f"127.0.0.1:{port}", "wtest")
     kw.setdefault("agent_pid", os.getppid())
     return Watcher(
-        reader, round_=round_, rank=rank, world_size=world, node=f"{node.addr}_{node.pid}_{node.local_id}",
-        interval=0.02, on_evicted=evicted.append, **kw,
+        reader,
+        round_=round_,
+        rank=rank,
+        world_size=world,
+        node=f"{node.addr}_{node.pid}_{node.local_id}",
+        interval=0.02,
+        on_evicted=evicted.append,
+        **kw,
     )
 
 
@@ -267,7 +273,14 @@ def test_watcher_stop_is_bounded(rdzv_store):
     port, _, backend = rdzv_store
     a = _NodeDesc("127.0.0.1", 101, 0)
     _write(backend, _state(1, {a: 0}))
-    w = _watcher(port, a, 0, 1, 1, [], ).start()
+    w = _watcher(
+        port,
+        a,
+        0,
+        1,
+        1,
+        [],
+    ).start()
     t = time.monotonic()
     w.stop()
     assert time.monotonic() - t < 2.0
@@ -283,8 +296,19 @@ def test_rdzv_state_cli_prints_the_decoded_state(rdzv_store):
     a, w = _NodeDesc("127.0.0.1", 101, 0), _NodeDesc("127.0.0.1", 102, 0)
     _write(backend, _state(4, {a: 0}, wait=[w]))
     out = subprocess.run(
-        [sys.executable, "-m", "elastic_emb.cli.main", "rdzv-state", "--endpoint", f"127.0.0.1:{port}", "--run-id", "wtest"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "elastic_emb.cli.main",
+            "rdzv-state",
+            "--endpoint",
+            f"127.0.0.1:{port}",
+            "--run-id",
+            "wtest",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     view = json.loads(out.stdout.strip().splitlines()[-1])
@@ -335,10 +359,15 @@ def test_worker_side_imports_only_the_wire_contract_decoder_and_outage_tracker()
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         rdzv = {m for m in mods if m.startswith("elastic_emb.rdzv")}
-        allowed = {"elastic_emb.rdzv.keys", "elastic_emb.rdzv.decode", "elastic_emb.rdzv.outage",
-                   "elastic_emb.rdzv.signing", "elastic_emb.rdzv.reader",  # the store reader (imports the two below)
-                   "elastic_emb.rdzv.drain_acks",  # the drain's signed acknowledgements (keys and signing only)
-                   "elastic_emb.rdzv.etcd_v3",  # the inner=etcd-v3 client (torch's public interfaces only)
-                   "elastic_emb.rdzv.etcd_v2"}  # torch's public EtcdStore plus compare_set
+        allowed = {
+            "elastic_emb.rdzv.keys",
+            "elastic_emb.rdzv.decode",
+            "elastic_emb.rdzv.outage",
+            "elastic_emb.rdzv.signing",
+            "elastic_emb.rdzv.reader",  # the store reader (imports the two below)
+            "elastic_emb.rdzv.drain_acks",  # the drain's signed acknowledgements (keys and signing only)
+            "elastic_emb.rdzv.etcd_v3",  # the inner=etcd-v3 client (torch's public interfaces only)
+            "elastic_emb.rdzv.etcd_v2",
+        }  # torch's public EtcdStore plus compare_set
         assert rdzv <= allowed, (name, rdzv)
         assert "elastic_emb.rdzv.keys" in rdzv, name

@@ -20,9 +20,20 @@ def _context():
     from elastic_emb.context import EmbContext
 
     port = free_port()
-    topo = Topology.build(run_id="workers", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1",
-                          master_port=port)
+    topo = Topology.build(
+        run_id="workers",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
     return EmbContext(topo, store, tables=[rw.table_spec()], optimizer=rw.optimizer_spec(), seed=rw.SEED)
 

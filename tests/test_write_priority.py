@@ -120,8 +120,12 @@ def test_a_late_agent_with_a_slow_window_gets_into_the_wait_list(store, monkeypa
         inner = tc.create_inner_handler(client, backend_cls(client, "wp"), params)
         tc.set_cache_duration(inner, 0.1)
         priority = WritePriority(client, KEY, f"node{i}", Signer(None), 8.0, LOG)
-        tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, OutageGuard("test", 30.0, LOG), timedelta(seconds=8),
-                                                              log=LOG, priority=priority))
+        tc.wrap_state_backend(
+            inner,
+            lambda b: GuardedBackend(
+                b, OutageGuard("test", 30.0, LOG), timedelta(seconds=8), log=LOG, priority=priority
+            ),
+        )
         return inner
 
     running = [handler(i) for i in range(3)]

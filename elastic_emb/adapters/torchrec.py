@@ -32,7 +32,12 @@ DENSE_DIM = 16
 """Columns of the ``dense`` table (the replicated parameters, flattened)."""
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+_BITS = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
 
 log = get_logger("elastic_emb.adapters")
 
@@ -86,8 +91,16 @@ class TorchRecContext(ContextBase):
         ElasticEmbError: when torch.distributed's default group is already initialised.
     """
 
-    def __init__(self, topology: Topology, store, *, build: BuildFn, dense_table: str | None = "dense",
-                 timeout: float = 60.0, track_changes: bool = True) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        store,
+        *,
+        build: BuildFn,
+        dense_table: str | None = "dense",
+        timeout: float = 60.0,
+        track_changes: bool = True,
+    ) -> None:
         require_torchrec()
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
@@ -96,8 +109,7 @@ class TorchRecContext(ContextBase):
         self.topology = topology
         self.timeout = timeout
         self.owner_ranks = topology.world_size
-        self.device = (torch.device("cuda", topology.local_rank) if topology.backend == "nccl"
-                       else torch.device("cpu"))
+        self.device = torch.device("cuda", topology.local_rank) if topology.backend == "nccl" else torch.device("cpu")
         self._build_fn = build
         self._dense_name = dense_table
         self._closed = False
@@ -122,8 +134,10 @@ class TorchRecContext(ContextBase):
         env = ShardingEnv.from_process_group(self._groups.pg)
         model = self._build_fn(self.topology, env, self.device)
         if not isinstance(model, DistributedModelParallel):
-            raise TypeError(f"build() returned {type(model).__name__}; it must return the torchrec "
-                            f"DistributedModelParallel for the topology it is given")
+            raise TypeError(
+                f"build() returned {type(model).__name__}; it must return the torchrec "
+                f"DistributedModelParallel for the topology it is given"
+            )
         views, sharded = _sharded_tables(model, self.topology)
         self._views = views
         self._dense = [(n, p) for n, p in model.named_parameters() if n not in sharded] if self._dense_name else []
@@ -131,19 +145,23 @@ class TorchRecContext(ContextBase):
             raise ValueError(f"dense_table={self._dense_name!r} is also the name of a TorchRec table; pick another")
         self.tables: dict[str, TableSpec] = {}
         for name, v in views.items():
-            self.tables[name] = TableSpec(name=name, num_rows=v.num_rows, dim=v.weight.shape[1],
-                                          dtype=_dtype_name(v.weight.dtype, name))
+            self.tables[name] = TableSpec(
+                name=name, num_rows=v.num_rows, dim=v.weight.shape[1], dtype=_dtype_name(v.weight.dtype, name)
+            )
         if self._dense:
             dtypes = {p.dtype for _, p in self._dense}
             if len(dtypes) != 1:
-                raise ValueError(f"the replicated parameters mix dtypes {sorted(map(str, dtypes))}; the "
-                                 f"{self._dense_name!r} table needs one (or pass dense_table=None)")
+                raise ValueError(
+                    f"the replicated parameters mix dtypes {sorted(map(str, dtypes))}; the "
+                    f"{self._dense_name!r} table needs one (or pass dense_table=None)"
+                )
             total = sum(p.numel() for _, p in self._dense)
             rows = -(-total // DENSE_DIM)
             dtype = dtypes.pop()
             self._dense_flat = torch.zeros(rows * DENSE_DIM, dtype=dtype, device=self.device)
-            self.tables[self._dense_name] = TableSpec(name=self._dense_name, num_rows=rows, dim=DENSE_DIM,
-                                                      dtype=_dtype_name(dtype, self._dense_name))
+            self.tables[self._dense_name] = TableSpec(
+                name=self._dense_name, num_rows=rows, dim=DENSE_DIM, dtype=_dtype_name(dtype, self._dense_name)
+            )
         self._model = model
         self._changes, self._dense_seen = None, None
         if self._track:
@@ -159,15 +177,21 @@ class TorchRecContext(ContextBase):
             if not configs or not any(t in views for t in configs):
                 continue
             if not hasattr(module, "register_post_lookup_tracker_fn"):
-                log.info("torchrec.change_tracking_unavailable", module=type(module).__name__,
-                         reason="no register_post_lookup_tracker_fn (TorchRec < 1.8): full snapshots")
+                log.info(
+                    "torchrec.change_tracking_unavailable",
+                    module=type(module).__name__,
+                    reason="no register_post_lookup_tracker_fn (TorchRec < 1.8): full snapshots",
+                )
                 return
             features = {f: t for t, cfg in configs.items() if t in views for f in cfg.feature_names}
             hooked.append((module, features))
         tracked = {t for _, features in hooked for t in features.values()}
         if tracked != set(views):
-            log.info("torchrec.change_tracking_unavailable", untracked=sorted(set(views) - tracked),
-                     reason="tables outside every hooked module: full snapshots")
+            log.info(
+                "torchrec.change_tracking_unavailable",
+                untracked=sorted(set(views) - tracked),
+                reason="tables outside every hooked module: full snapshots",
+            )
             return
         local = {n: len(v.rows) for n, v in views.items()}
         if self._dense:
@@ -178,8 +202,7 @@ class TorchRecContext(ContextBase):
             self._flatten_dense()
             self._dense_seen = self._dense_view().weight.clone()
         for module, features in hooked:
-            module.register_post_lookup_tracker_fn(_LookupMarks(self._changes, features,
-                                                                module.post_lookup_tracker_fn))
+            module.register_post_lookup_tracker_fn(_LookupMarks(self._changes, features, module.post_lookup_tracker_fn))
         self.tracks_changes = True
 
     # -- the contract: state -----------------------------------------------------------------
@@ -237,8 +260,10 @@ class TorchRecContext(ContextBase):
             ContextClosed: after ``close()``.
         """
         self._check_open("export_shard")
-        return {n: ShardData(n, s.rows, s.weight.detach().clone(), {k: v.detach().clone() for k, v in s.slots.items()})
-                for n, s in self.shard_views().items()}
+        return {
+            n: ShardData(n, s.rows, s.weight.detach().clone(), {k: v.detach().clone() for k, v in s.slots.items()})
+            for n, s in self.shard_views().items()
+        }
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
         """Local: write this rank's rows; every row then counts as changed. The replicated
@@ -257,12 +282,17 @@ class TorchRecContext(ContextBase):
             raise ValueError(f"import_shard got tables {sorted(shards)}; this context has {sorted(views)}")
         for name, s in shards.items():
             v = views[name]
-            if (s.rows != v.rows or tuple(s.weight.shape) != tuple(v.weight.shape) or set(s.slots) != set(v.slots)
-                    or any(tuple(s.slots[k].shape) != tuple(v.slots[k].shape) for k in v.slots)):
+            if (
+                s.rows != v.rows
+                or tuple(s.weight.shape) != tuple(v.weight.shape)
+                or set(s.slots) != set(v.slots)
+                or any(tuple(s.slots[k].shape) != tuple(v.slots[k].shape) for k in v.slots)
+            ):
                 raise ValueError(
                     f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) shape {tuple(s.weight.shape)} slots "
                     f"{sorted(s.slots)} is not this rank's [{v.rows.start}, {v.rows.stop}) shape "
-                    f"{tuple(v.weight.shape)} slots {sorted(v.slots)}")
+                    f"{tuple(v.weight.shape)} slots {sorted(v.slots)}"
+                )
         with torch.no_grad():
             for name, s in shards.items():
                 v = views[name]
@@ -364,7 +394,7 @@ class TorchRecContext(ContextBase):
         offset = 0
         with torch.no_grad():
             for _, p in self._dense:
-                p.copy_(self._dense_flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(self._dense_flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self._dense_stale = False
 
@@ -372,13 +402,13 @@ class TorchRecContext(ContextBase):
         offset = 0
         with torch.no_grad():
             for _, p in self._dense:
-                self._dense_flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
+                self._dense_flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
 
     def _dense_view(self) -> ShardData:
         spec = self.tables[self._dense_name]
         rr = owned_range(spec.num_rows, self.topology.world_size, self.topology.rank)
-        return ShardData(self._dense_name, rr, self._dense_flat.view(spec.num_rows, DENSE_DIM)[rr.start: rr.stop])
+        return ShardData(self._dense_name, rr, self._dense_flat.view(spec.num_rows, DENSE_DIM)[rr.start : rr.stop])
 
     # -- the contract: communicator ------------------------------------------------------------
 
@@ -404,11 +434,15 @@ class TorchRecContext(ContextBase):
         if world_size != self.topology.world_size:
             raise WorldSizeChanged(self.topology.world_size, world_size)
         if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
-            raise ValueError(f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
-                             f"ep_size={self.topology.ep_size} backend={self.topology.backend}: construct a new context")
+            raise ValueError(
+                f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
+                f"ep_size={self.topology.ep_size} backend={self.topology.backend}: construct a new context"
+            )
         if topology.rank != rank or topology.world_size != world_size:
-            raise ValueError(f"reset(rank={rank}, world_size={world_size}) disagrees with the topology it was given "
-                             f"(rank {topology.rank} of {topology.world_size})")
+            raise ValueError(
+                f"reset(rank={rank}, world_size={world_size}) disagrees with the topology it was given "
+                f"(rank {topology.rank} of {topology.world_size})"
+            )
         old_rank = self.topology.rank
         saved = self.export_shard()
         dense = self._dense_flat.clone() if self._dense else None
@@ -424,7 +458,7 @@ class TorchRecContext(ContextBase):
                 self._dense_stale = True
                 offset = 0
                 for _, p in self._dense:
-                    p.copy_(dense[offset: offset + p.numel()].view_as(p))
+                    p.copy_(dense[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
                 self._dense_stale = False
         self._mark_all()  # a new DMP (and perhaps other rows): the next commit holds every row
@@ -436,7 +470,8 @@ class TorchRecContext(ContextBase):
         olds = [torch.zeros(1, dtype=torch.long) for _ in range(self.topology.world_size)]
         with self.guard():
             dist.all_gather(olds, torch.tensor([old_rank]), group=self._groups.pg, async_op=True).wait(
-                timedelta(seconds=self.timeout))
+                timedelta(seconds=self.timeout)
+            )
         olds = [int(t) for t in olds]
         src = olds.index(me)  # the process that held the rows of my new rank
         pairs = [(v.weight, saved[n].weight) for n, v in sorted(self._views.items())]
@@ -531,8 +566,13 @@ class _ProcessGroups:
             )
         self._forms += 1
         prefix = dist.PrefixStore(f"form{self._forms}/", generation_store(store, topology, "torchrec"))
-        dist.init_process_group(topology.backend, store=prefix, rank=topology.rank, world_size=topology.world_size,
-                                timeout=timedelta(seconds=self.timeout))
+        dist.init_process_group(
+            topology.backend,
+            store=prefix,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timedelta(seconds=self.timeout),
+        )
         self._world = dist.group.WORLD
         # TorchRec (and DDP) run on a group of their own: the default one stays free for the
         # lifecycle's durable checkpoints, whose asynchronous saves issue collectives from another
@@ -601,12 +641,15 @@ def _local(st, table: str, what: str, num_rows: int, rows: RowRange, trailing: t
     shards = st.local_shards()
     if not shards:
         if len(rows):
-            raise UnsupportedSharding(f"table {table!r}: {what} has no local shard on this rank, which should hold "
-                                      f"rows [{rows.start}, {rows.stop}) of {num_rows}")
+            raise UnsupportedSharding(
+                f"table {table!r}: {what} has no local shard on this rank, which should hold "
+                f"rows [{rows.start}, {rows.stop}) of {num_rows}"
+            )
         return torch.empty(0, *trailing, dtype=st.dtype)
     if len(shards) != 1:
-        raise UnsupportedSharding(f"table {table!r}: {what} has {len(shards)} local shards; row-wise sharding "
-                                  f"gives each rank one")
+        raise UnsupportedSharding(
+            f"table {table!r}: {what} has {len(shards)} local shards; row-wise sharding gives each rank one"
+        )
     off = shards[0].metadata.shard_offsets
     t = shards[0].tensor
     got = RowRange(off[0], off[0] + t.shape[0])
@@ -614,7 +657,8 @@ def _local(st, table: str, what: str, num_rows: int, rows: RowRange, trailing: t
         raise UnsupportedSharding(
             f"table {table!r}: {what} holds rows [{got.start}, {got.stop}) offsets {list(off)} shape {tuple(t.shape)} "
             f"on this rank; even row-wise sharding gives it rows [{rows.start}, {rows.stop}) with every column: "
-            f"shard it with row_wise() and no sizes_placement")
+            f"shard it with row_wise() and no sizes_placement"
+        )
     return t
 
 
@@ -641,24 +685,33 @@ def _read_sharded_tables(model, topology: Topology) -> tuple[dict[str, _TableVie
                 raise UnsupportedSharding(
                     f"table {table!r} (module {path!r}) is sharded {kind}; elastic_emb moves row-wise tables only: "
                     f"plan it with construct_module_sharding_plan(module, {{{table!r}: row_wise(compute_kernel='fused')}}, "
-                    f"world_size=..., device_type=...)")
+                    f"world_size=..., device_type=...)"
+                )
             if str(ps.compute_kernel) != "fused":
                 raise UnsupportedSharding(
                     f"table {table!r} (module {path!r}) uses the {ps.compute_kernel!r} kernel; elastic_emb needs "
                     f"'fused' (its optimizer state lives in fbgemm, where the adapter reads it): "
-                    f"row_wise(compute_kernel='fused')")
+                    f"row_wise(compute_kernel='fused')"
+                )
             prefix = f"{path}." if path else ""
-            keys = [k for k in (f"{prefix}embedding_bags.{table}.weight", f"{prefix}embeddings.{table}.weight")
-                    if k in state]
+            keys = [
+                k
+                for k in (f"{prefix}embedding_bags.{table}.weight", f"{prefix}embeddings.{table}.weight")
+                if k in state
+            ]
             if len(keys) != 1:
-                raise UnsupportedSharding(f"table {table!r} (module {path!r}): no weight "
-                                          f"{prefix}embedding_bags.{table}.weight or {prefix}embeddings.{table}.weight "
-                                          f"in the model's state dict")
+                raise UnsupportedSharding(
+                    f"table {table!r} (module {path!r}): no weight "
+                    f"{prefix}embedding_bags.{table}.weight or {prefix}embeddings.{table}.weight "
+                    f"in the model's state dict"
+                )
             key = keys[0]
             st = state[key]
             if not isinstance(st, ShardedTensor):
-                raise UnsupportedSharding(f"table {table!r}: state dict entry {key!r} is a {type(st).__name__}, not a "
-                                          f"ShardedTensor (build the ShardingEnv without output_dtensor)")
+                raise UnsupportedSharding(
+                    f"table {table!r}: state dict entry {key!r} is a {type(st).__name__}, not a "
+                    f"ShardedTensor (build the ShardingEnv without output_dtensor)"
+                )
             if table in views:
                 raise UnsupportedSharding(f"table name {table!r} appears in two sharded modules; names must be unique")
             num_rows, dim = st.size(0), st.size(1)
@@ -666,11 +719,12 @@ def _read_sharded_tables(model, topology: Topology) -> tuple[dict[str, _TableVie
             weight = _local(st, table, "the weight", num_rows, rows, (dim,))
             slots = {}
             for skey, sval in optim_state.get(key, {}).items():
-                slot = skey[len(table) + 1:] if skey.startswith(f"{table}.") else skey
+                slot = skey[len(table) + 1 :] if skey.startswith(f"{table}.") else skey
                 if not isinstance(sval, ShardedTensor) or sval.size(0) != num_rows:
                     raise UnsupportedSharding(
                         f"table {table!r}: optimizer state {skey!r} is not row-wise ({type(sval).__name__}); elastic_emb "
-                        f"carries row-wise optimizer state only (SGD, row-wise Adagrad, Adam's momenta)")
+                        f"carries row-wise optimizer state only (SGD, row-wise Adagrad, Adam's momenta)"
+                    )
                 slots[slot] = _local(sval, table, f"optimizer state {skey!r}", num_rows, rows, tuple(sval.size()[1:]))
             views[table] = _TableViews(num_rows, rows, weight, slots)
             sharded.add(key)

@@ -89,8 +89,9 @@ def _say(prog: str, message: str) -> None:
     click.echo(f"{prog}: error: {one_line(message)}", err=True)
 
 
-def run_command(command: click.Command, args: list[str] | None = None, prog_name: str | None = None,
-                **extra: Any) -> None:
+def run_command(
+    command: click.Command, args: list[str] | None = None, prog_name: str | None = None, **extra: Any
+) -> None:
     """Run a click command or group; turn every failure into one line and an exit code.
 
     Args:
@@ -127,8 +128,11 @@ def run_command(command: click.Command, args: list[str] | None = None, prog_name
     except Exception as exc:  # noqa: BLE001 - the last resort: reported in one line, stack on request
         if debug_enabled():
             raise
-        _say(_where(command, prog, argv), f"internal error {type(exc).__name__}: {exc} -- this is a bug; rerun with --debug "
-                                  f"(or {DEBUG_ENV}=1) for the stack and report it")
+        _say(
+            _where(command, prog, argv),
+            f"internal error {type(exc).__name__}: {exc} -- this is a bug; rerun with --debug "
+            f"(or {DEBUG_ENV}=1) for the stack and report it",
+        )
         sys.exit(EXIT_INTERNAL)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 

@@ -40,8 +40,14 @@ class DrainTarget(BaseModel):
     run_id: str = Field(min_length=1)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, *, endpoint: str | None = None,
-                 run_id: str | None = None, inner: str | None = None) -> "DrainTarget":
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        endpoint: str | None = None,
+        run_id: str | None = None,
+        inner: str | None = None,
+    ) -> "DrainTarget":
         """The target from explicit values first, then elastic_emb's variables, then torchrun's.
 
         Args:
@@ -103,8 +109,14 @@ def _conf_value(conf: str, key: str) -> str | None:
     return None
 
 
-def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0.05, reason: str = "prestop",
-                  connect_timeout: float = 5.0) -> DrainOutcome:
+def request_drain(
+    target: DrainTarget,
+    *,
+    timeout: float = 60.0,
+    poll: float = 0.05,
+    reason: str = "prestop",
+    connect_timeout: float = 5.0,
+) -> DrainOutcome:
     """Ask the workers of the running round to stop after a committed step; wait for their acks.
 
     Args:
@@ -139,9 +151,17 @@ def request_drain(target: DrainTarget, *, timeout: float = 60.0, poll: float = 0
             f"PET_RDZV_CONF inner=...)"
         ) from None
 
-    def done(outcome: str, round_: int | None, acks: int = 0, expected: int = 0, stop: int | None = None) -> DrainOutcome:
-        return DrainOutcome(outcome=outcome, round=round_, acks=acks, expected=expected, stop_step=stop,
-                            elapsed_s=round(time.monotonic() - start, 3))
+    def done(
+        outcome: str, round_: int | None, acks: int = 0, expected: int = 0, stop: int | None = None
+    ) -> DrainOutcome:
+        return DrainOutcome(
+            outcome=outcome,
+            round=round_,
+            acks=acks,
+            expected=expected,
+            stop_step=stop,
+            elapsed_s=round(time.monotonic() - start, 3),
+        )
 
     if state is None or not state.complete or state.closed:
         return done("no_running_round", None if state is None else state.round)

@@ -85,13 +85,18 @@ def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
     except socket.gaierror as exc:
-        raise UserError(f"{option} {endpoint}: cannot resolve host {host!r} ({exc.strerror}); fix the host name") from None
+        raise UserError(
+            f"{option} {endpoint}: cannot resolve host {host!r} ({exc.strerror}); fix the host name"
+        ) from None
     except ConnectionRefusedError:
-        raise UserError(f"nothing listens at {endpoint} ({option}): start the job (its rendezvous store) first, "
-                        f"or fix {option}") from None
+        raise UserError(
+            f"nothing listens at {endpoint} ({option}): start the job (its rendezvous store) first, or fix {option}"
+        ) from None
     except OSError as exc:
-        raise UserError(f"{endpoint} ({option}) is unreachable within {timeout:g} s ({exc.strerror or exc}); "
-                        f"check host, port and network, or raise --connect-timeout") from None
+        raise UserError(
+            f"{endpoint} ({option}) is unreachable within {timeout:g} s ({exc.strerror or exc}); "
+            f"check host, port and network, or raise --connect-timeout"
+        ) from None
     return host, int(port)
 
 
@@ -121,7 +126,10 @@ def agree_cmd(timeout: float) -> None:
         get_logger().error("agreement_failed", error=type(exc).__name__, message=str(exc))
         raise SystemExit(2) from None
     get_logger().info("topology_agreed", fingerprint=agreed.fingerprint())
-    print(json.dumps({"rank": agreed.rank, "agreed": json.loads(agreed.to_json()), "fingerprint": agreed.fingerprint()}), flush=True)
+    print(
+        json.dumps({"rank": agreed.rank, "agreed": json.loads(agreed.to_json()), "fingerprint": agreed.fingerprint()}),
+        flush=True,
+    )
 
 
 @main.command("agree-demo")
@@ -137,8 +145,18 @@ def agree_demo(nproc: int) -> None:
         SystemExit: always, with torchrun's exit code.
     """
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_EMB_LOG_FORMAT="json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "elastic_emb.cli.main", "agree", "--timeout", "30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "elastic_emb.cli.main",
+        "agree",
+        "--timeout",
+        "30",
+    ]
     click.echo("$ " + " ".join(cmd[2:]), err=True)
     raise SystemExit(subprocess.run(cmd, env=env, timeout=120).returncode)
 
@@ -160,11 +178,17 @@ def example_path() -> None:
 @main.command("rdzv-state")
 @click.option("--endpoint", required=True, help="The --rdzv-endpoint, HOST:PORT.")
 @click.option("--run-id", required=True, help="The --rdzv-id.")
-@click.option("--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default="c10d", help="The rendezvous state backend.")
+@click.option(
+    "--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default="c10d", help="The rendezvous state backend."
+)
 @click.option("--count", type=click.IntRange(1, 100000), default=1, help="Reads to print.")
 @click.option("--interval", type=click.FloatRange(min=0), default=1.0, help="Seconds between reads.")
-@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
-              help="Seconds to reach the rendezvous store.")
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    help="Seconds to reach the rendezvous store.",
+)
 def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: float, connect_timeout: float) -> None:
     """Print torch's rendezvous state as JSON (decoded with elastic_emb's restricted unpickler).
     \f
@@ -191,8 +215,10 @@ def rdzv_state(endpoint: str, run_id: str, inner: str, count: int, interval: flo
     try:
         raise SystemExit(print_state(endpoint, run_id, inner, interval, count))
     except (ConnectionError, TimeoutError, RuntimeError) as exc:  # torch's DistNetworkError, etcd's errors
-        raise UserError(f"rendezvous at {endpoint} (--endpoint, --inner {inner}) failed: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}; check --inner and that the job runs") from None
+        raise UserError(
+            f"rendezvous at {endpoint} (--endpoint, --inner {inner}) failed: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; check --inner and that the job runs"
+        ) from None
 
 
 def _need_etcd_client(what: str) -> None:
@@ -203,15 +229,35 @@ def _need_etcd_client(what: str) -> None:
 
 
 @main.command("drain")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-              help="Seconds to wait for every worker's acknowledgement (keep below the pod's terminationGracePeriodSeconds).")
-@click.option("--endpoint", default=None, help="Rendezvous HOST:PORT [default: ELASTIC_EMB_RDZV_ENDPOINT, else PET_RDZV_ENDPOINT].")
-@click.option("--run-id", default=None, help="Rendezvous run id [default: TORCHELASTIC_RUN_ID, else PET_RDZV_ID, else none].")
-@click.option("--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default=None,
-              help="Inner rendezvous backend [default: ELASTIC_EMB_RDZV_BACKEND, else inner= in PET_RDZV_CONF, else c10d].")
-@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
-              help="Seconds to reach the rendezvous store.")
-def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: str | None, connect_timeout: float) -> None:
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    help="Seconds to wait for every worker's acknowledgement (keep below the pod's terminationGracePeriodSeconds).",
+)
+@click.option(
+    "--endpoint",
+    default=None,
+    help="Rendezvous HOST:PORT [default: ELASTIC_EMB_RDZV_ENDPOINT, else PET_RDZV_ENDPOINT].",
+)
+@click.option(
+    "--run-id", default=None, help="Rendezvous run id [default: TORCHELASTIC_RUN_ID, else PET_RDZV_ID, else none]."
+)
+@click.option(
+    "--inner",
+    type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]),
+    default=None,
+    help="Inner rendezvous backend [default: ELASTIC_EMB_RDZV_BACKEND, else inner= in PET_RDZV_CONF, else c10d].",
+)
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    help="Seconds to reach the rendezvous store.",
+)
+def drain_cmd(
+    timeout: float, endpoint: str | None, run_id: str | None, inner: str | None, connect_timeout: float
+) -> None:
     """Ask the running workers to finish their step, commit, and acknowledge; wait (bounded).
 
     Meant as a pod's preStop hook: kubelet sends torchrun SIGTERM only after it returns. Prints
@@ -254,7 +300,9 @@ def drain_cmd(timeout: float, endpoint: str | None, run_id: str | None, inner: s
 
 
 @main.command("state")
-@click.option("--state-dir", default=None, help="Snapshot root [default: ELASTIC_EMB_STATE_DIR, else /dev/shm/elastic_emb].")
+@click.option(
+    "--state-dir", default=None, help="Snapshot root [default: ELASTIC_EMB_STATE_DIR, else /dev/shm/elastic_emb]."
+)
 @click.option("--run-id", default=None, help="Run id [default: TORCHELASTIC_RUN_ID, else none].")
 @click.option("--durable-dir", default=None, help="DCP root [default: ELASTIC_EMB_DURABLE_DIR, if set].")
 def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None) -> None:
@@ -283,16 +331,24 @@ def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None
     state_dir = state_dir or settings.state_dir
     run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     durable_dir = durable_dir or settings.durable_dir
-    source = "--state-dir" if given else ("ELASTIC_EMB_STATE_DIR" if os.environ.get("ELASTIC_EMB_STATE_DIR") else "the default")
+    source = (
+        "--state-dir"
+        if given
+        else ("ELASTIC_EMB_STATE_DIR" if os.environ.get("ELASTIC_EMB_STATE_DIR") else "the default")
+    )
     if not Path(state_dir).is_dir():
-        raise UserError(f"state directory {state_dir} (from {source}) does not exist; pass the job's --state-dir "
-                        f"(its ELASTIC_EMB_STATE_DIR), on a host that ran the job")
+        raise UserError(
+            f"state directory {state_dir} (from {source}) does not exist; pass the job's --state-dir "
+            f"(its ELASTIC_EMB_STATE_DIR), on a host that ran the job"
+        )
     if not (Path(state_dir) / run_id).is_dir():
         runs = sorted(p.name for p in Path(state_dir).iterdir() if p.is_dir())[:20]
         raise UserError(f"no run {run_id!r} under {state_dir} (--run-id); runs there: {', '.join(runs) or 'none'}")
     if durable_dir is not None and not Path(durable_dir).is_dir():
-        raise UserError(f"durable directory {durable_dir} (--durable-dir / ELASTIC_EMB_DURABLE_DIR) does not exist; "
-                        f"fix the path or leave it out")
+        raise UserError(
+            f"durable directory {durable_dir} (--durable-dir / ELASTIC_EMB_DURABLE_DIR) does not exist; "
+            f"fix the path or leave it out"
+        )
     click.echo(json.dumps(inspect_state(state_dir, run_id, durable_dir), indent=2))
 
 

@@ -146,8 +146,16 @@ class Arena:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_rank(cls, tables: Mapping[str, TableSpec], optimizer: OptimizerSpec, ep_size: int, rank: int,
-                 world_size: int, staging_rows_per_rank: int, device: torch.device) -> "Arena":
+    def for_rank(
+        cls,
+        tables: Mapping[str, TableSpec],
+        optimizer: OptimizerSpec,
+        ep_size: int,
+        rank: int,
+        world_size: int,
+        staging_rows_per_rank: int,
+        device: torch.device,
+    ) -> "Arena":
         """The arena of ``rank``: its owned rows of every table, slots for ``optimizer``
         (initialised), and staging for ``staging_rows_per_rank`` rows per peer each way.
 
@@ -217,12 +225,14 @@ class Arena:
             "resident_bytes": self.resident_bytes,
             "staging_bytes": self.staging.numel(),
             "total_bytes": self.nbytes,
-            "tables": {n: {"local_rows": w.shape[0], "rows": [owned[n].start, owned[n].stop]}
-                       for n, w in self.weights.items()},
+            "tables": {
+                n: {"local_rows": w.shape[0], "rows": [owned[n].start, owned[n].stop]} for n, w in self.weights.items()
+            },
         }
 
-    def check_import(self, shards: Mapping[str, ShardData], owned: Mapping[str, RowRange], rank: int,
-                     optimizer: OptimizerSpec) -> None:
+    def check_import(
+        self, shards: Mapping[str, ShardData], owned: Mapping[str, RowRange], rank: int, optimizer: OptimizerSpec
+    ) -> None:
         """Check that ``shards`` is exactly this arena's tables, ranges and shapes.
 
         Args:
@@ -237,7 +247,9 @@ class Arena:
         missing = sorted(set(self.weights) - set(shards))
         extra = sorted(set(shards) - set(self.weights))
         if missing or extra:
-            raise ValueError(f"import_shard: tables missing {missing}, unknown {extra}; expected {sorted(self.weights)}")
+            raise ValueError(
+                f"import_shard: tables missing {missing}, unknown {extra}; expected {sorted(self.weights)}"
+            )
         for name, shard in shards.items():
             want = owned[name]
             if shard.rows != want:
@@ -247,16 +259,22 @@ class Arena:
                     f"(elastic_emb.sharding.reshard_plan)"
                 )
             if tuple(shard.weight.shape) != tuple(self.weights[name].shape):
-                raise ValueError(f"import_shard: table {name!r} weight shape {tuple(shard.weight.shape)} != "
-                                 f"{tuple(self.weights[name].shape)}")
+                raise ValueError(
+                    f"import_shard: table {name!r} weight shape {tuple(shard.weight.shape)} != "
+                    f"{tuple(self.weights[name].shape)}"
+                )
             slot_names = set(self.slots[name])
             if set(shard.slots) != slot_names:
-                raise ValueError(f"import_shard: table {name!r} slots {sorted(shard.slots)} != {sorted(slot_names)} "
-                                 f"(optimizer {optimizer.kind!r})")
+                raise ValueError(
+                    f"import_shard: table {name!r} slots {sorted(shard.slots)} != {sorted(slot_names)} "
+                    f"(optimizer {optimizer.kind!r})"
+                )
             for slot, t in shard.slots.items():
                 if tuple(t.shape) != tuple(self.slots[name][slot].shape):
-                    raise ValueError(f"import_shard: table {name!r} slot {slot!r} shape {tuple(t.shape)} != "
-                                     f"{tuple(self.slots[name][slot].shape)}")
+                    raise ValueError(
+                        f"import_shard: table {name!r} slot {slot!r} shape {tuple(t.shape)} != "
+                        f"{tuple(self.slots[name][slot].shape)}"
+                    )
 
     def write(self, shards: Mapping[str, ShardData]) -> None:
         """Copy checked ``shards`` (:meth:`check_import`) into the arena.

@@ -52,8 +52,13 @@ class ChangeTracker:
         self._folded: dict[str, torch.Tensor] = {}  # tables whose lists grew past their rows: a mask
         self._all: set[str] = set()
 
-    def mark_rows(self, table: str, rows: torch.Tensor, keep: torch.Tensor | None = None,
-                  values: dict[str, torch.Tensor] | None = None) -> None:
+    def mark_rows(
+        self,
+        table: str,
+        rows: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        values: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Mark local ``rows`` of ``table`` as written. No host sync.
 
         The tracker keeps ``rows`` and ``values``: the caller must not change them afterwards.
@@ -150,8 +155,13 @@ class ChangeTracker:
                     parts.append(mask.nonzero().flatten())
                 else:  # every row or the dump number: no host sync for the count
                     parts.append(torch.where(mask, torch.arange(n + 1, device=self.device), n))
-            rows = (parts[0] if len(parts) == 1 else torch.cat(parts) if parts
-                    else torch.empty(0, dtype=torch.int64, device=self.device))
+            rows = (
+                parts[0]
+                if len(parts) == 1
+                else torch.cat(parts)
+                if parts
+                else torch.empty(0, dtype=torch.int64, device=self.device)
+            )
             if unique and rows.numel():
                 rows = torch.unique(rows)  # sorted
                 if int(rows[-1]) == n:

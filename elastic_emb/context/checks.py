@@ -191,8 +191,10 @@ class DeviceChecks:
                 return False
             t = self.timeout if timeout is None else timeout
             if not poll(check.copied.query, t):
-                raise CommunicationError(f"{check.what}: the device did not finish its checks within {t}s; "
-                                         f"the GPU is stuck or overloaded: close this context")
+                raise CommunicationError(
+                    f"{check.what}: the device did not finish its checks within {t}s; "
+                    f"the GPU is stuck or overloaded: close this context"
+                )
         self._pending.popleft()
         check.values = self._host_slots[check.slot].tolist()
         self._raise_if_bad(check)
@@ -232,7 +234,9 @@ class DeviceChecks:
                     f"{check.what}: {v[R_NONFINITE]} row(s) of table {spec.name!r} got NaN or infinite gradients; "
                     f"no row of that call was updated. Fix the loss (or clip gradients), or construct the "
                     f"context with nonfinite_gradients='skip' to update the other rows",
-                    spec.name, v[R_NONFINITE])
+                    spec.name,
+                    v[R_NONFINITE],
+                )
             self.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=v[R_NONFINITE])
 
 
@@ -243,8 +247,13 @@ class _HostRecords:
 
     def __init__(self, host: torch.Tensor) -> None:
         self.host = host  # kept alive with the CUDA tensor (which holds this object)
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "strides": None,
-                                         "data": (host.data_ptr(), False), "version": 2}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "<i8",
+            "strides": None,
+            "data": (host.data_ptr(), False),
+            "version": 2,
+        }
 
 
 def _mapped(host: torch.Tensor, device: torch.device) -> list[torch.Tensor] | None:

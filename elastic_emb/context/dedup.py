@@ -142,7 +142,9 @@ class Deduper:
         if graph is not None:
             uniq, inverse, hdr, xbuf, pos = graph.replay(checked)
         else:
-            uniq, inverse, hdr, xbuf, pos = self.compute(spec, checked, chunks, *self.inputs(spec, n, chunks, tag, block))
+            uniq, inverse, hdr, xbuf, pos = self.compute(
+                spec, checked, chunks, *self.inputs(spec, n, chunks, tag, block)
+            )
         if flag is not None:
             hdr[0, :, H_FLAGGED] = flag(inverse, n)
         sent, got, longest, flagged = self.exchange.exchange(hdr, chunks, what, tag, spec=spec, xbuf=xbuf)
@@ -204,8 +206,9 @@ class Deduper:
         key = (n, chunks, rows, dtype)
         if self._offsets is None or self._offsets[0] != key:
             bounds = [n * k // chunks for k in range(chunks + 1)]
-            off = torch.cat([torch.full((bounds[k + 1] - bounds[k],), k * rows, dtype=dtype)
-                             for k in range(chunks)]).to(self.device)
+            off = torch.cat(
+                [torch.full((bounds[k + 1] - bounds[k],), k * rows, dtype=dtype) for k in range(chunks)]
+            ).to(self.device)
             self._offsets = (key, off)
         return self._offsets[1]
 
@@ -289,8 +292,11 @@ class Deduper:
             capacity = self.key_capacity(spec, chunks, tag, block_bytes)
             if n > capacity:
                 capacity = 0  # this batch does not fit: header only (every rank learns it from the lengths)
-            layout = (elems, capacity,
-                      torch.arange(self.topology.world_size, device=self.device) * elems + header_words(dtype))
+            layout = (
+                elems,
+                capacity,
+                torch.arange(self.topology.world_size, device=self.device) * elems + header_words(dtype),
+            )
         want = self.want_bytes(spec, n, chunks, tag)
         # A lookup on CUDA also computes where each result row will come from: that needs this
         # rank's number and its shard's length. The CPU path places its own rows itself.
@@ -303,8 +309,19 @@ class Deduper:
 
     # -- the kernels ------------------------------------------------------------------------
 
-    def compute(self, spec: TableSpec, checked: torch.Tensor, chunks: int, offsets, bounds, template,
-                slots=None, layout=None, want: int = 0, mine=None):
+    def compute(
+        self,
+        spec: TableSpec,
+        checked: torch.Tensor,
+        chunks: int,
+        offsets,
+        bounds,
+        template,
+        slots=None,
+        layout=None,
+        want: int = 0,
+        mine=None,
+    ):
         """The device half of :meth:`dedup`: no host synchronisation, no allocation sized from
         data (so it can be captured in a CUDA graph).
 

@@ -123,8 +123,9 @@ class EmbContext(ContextBase):
             raise ValueError(f"pipeline_chunks={pipeline_chunks} must be in [1, {MAX_CHUNKS}]")
         self.pipeline_chunks = pipeline_chunks
         # NCCL: the exchanges' kernels go first when they compete with gathers for the GPU.
-        self.high_priority_stream = (topology.backend == "nccl" if high_priority_stream is None
-                                     else bool(high_priority_stream))
+        self.high_priority_stream = (
+            topology.backend == "nccl" if high_priority_stream is None else bool(high_priority_stream)
+        )
         _check_ep(topology, require_power_of_two)
         self.topology = topology
         self.tables: dict[str, TableSpec] = {t.name: t for t in tables}
@@ -148,14 +149,28 @@ class EmbContext(ContextBase):
         self._checks = DeviceChecks(self.device, self.timeout, self._log)
         self._wire()
         _OPEN.add(self)
-        self._log.info("context.constructed", world_size=topology.world_size, ep_size=topology.ep_size,
-                       backend=topology.backend, device=str(self.device), tables=len(self.tables),
-                       arena_bytes=self.arena_bytes, resident_bytes=self._arena.resident_bytes,
-                       seconds=round(time.monotonic() - started, 4))
+        self._log.info(
+            "context.constructed",
+            world_size=topology.world_size,
+            ep_size=topology.ep_size,
+            backend=topology.backend,
+            device=str(self.device),
+            tables=len(self.tables),
+            arena_bytes=self.arena_bytes,
+            resident_bytes=self._arena.resident_bytes,
+            seconds=round(time.monotonic() - started, 4),
+        )
 
     def _allocate(self, topology: Topology) -> Arena:
-        return Arena.for_rank(self.tables, self.optimizer, topology.ep_size, topology.rank, topology.world_size,
-                              self.staging_rows_per_rank, self.device)
+        return Arena.for_rank(
+            self.tables,
+            self.optimizer,
+            topology.ep_size,
+            topology.rank,
+            topology.world_size,
+            self.staging_rows_per_rank,
+            self.device,
+        )
 
     def _wire(self) -> None:
         """(Re)build the parts bound to the group and the arena."""
@@ -164,8 +179,9 @@ class EmbContext(ContextBase):
         self._dedup = Deduper(self._exchange, t, dev, self.capture_dedup, self._log)
         self._parts = OpParts(self._group, self._dedup, self._arena, t, dev, self.tables, self._checks)
         self._lookups = LookupEngine(self._parts, self.pipeline_chunks, self._log)
-        self._gradients = GradientRouter(self._parts, self.optimizer, self._lookups.settle, self._changes,
-                                         self.nonfinite_gradients)
+        self._gradients = GradientRouter(
+            self._parts, self.optimizer, self._lookups.settle, self._changes, self.nonfinite_gradients
+        )
 
     def _local_rows(self) -> dict[str, int]:
         return {name: len(self.owned(name)) for name in self.tables}
@@ -358,8 +374,14 @@ class EmbContext(ContextBase):
         # Form the new communicator before releasing the old one: an NCCL destroy immediately
         # followed by an init races (pytorch#119196), and a failed re-form leaves the old
         # context as it was.
-        new_group = Group.form(topology, store if store is not None else self._base_store, self.device,
-                               self.timeout, self.high_priority_stream, self._log)
+        new_group = Group.form(
+            topology,
+            store if store is not None else self._base_store,
+            self.device,
+            self.timeout,
+            self.high_priority_stream,
+            self._log,
+        )
         if was_healthy:
             self._lookups.drain()
         self._lookups.retire("reset")
@@ -373,8 +395,9 @@ class EmbContext(ContextBase):
         if moved:
             self._changes.resize(self._local_rows())  # this process now holds other rows: all changed
         self._wire()  # a new exchange block (every rank restarts with headers alone) and dedup graphs
-        self._log.info("context.reset", old_rank=old_rank, moved_bytes=moved,
-                       seconds=round(time.monotonic() - started, 4))
+        self._log.info(
+            "context.reset", old_rank=old_rank, moved_bytes=moved, seconds=round(time.monotonic() - started, 4)
+        )
 
     def _remap_rows(self, old_rank: int) -> int:
         """After a reset: move each process's resident arena to the process that now has its
@@ -441,9 +464,13 @@ class EmbContext(ContextBase):
         del arena
         if self.device.type == "cuda" and wait:
             torch.cuda.empty_cache()
-        self._log.info("context.closed", aborted=do_abort, released_bytes=arena_bytes,
-                       communicator="released" if wait or self.topology.backend == "gloo" else "releasing in background",
-                       seconds=round(time.monotonic() - started, 4))
+        self._log.info(
+            "context.closed",
+            aborted=do_abort,
+            released_bytes=arena_bytes,
+            communicator="released" if wait or self.topology.backend == "gloo" else "releasing in background",
+            seconds=round(time.monotonic() - started, 4),
+        )
 
     def __enter__(self) -> "EmbContext":
         self._check_open("__enter__")
@@ -477,9 +504,15 @@ class EmbContext(ContextBase):
         self._checks.raise_all()
         self._materialise()
         a = self._arena
-        return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name].clone(),
-                                slots={k: v.clone() for k, v in a.slots[name].items()})
-                for name in self.tables}
+        return {
+            name: ShardData(
+                table=name,
+                rows=self.owned(name),
+                weight=a.weights[name].clone(),
+                slots={k: v.clone() for k, v in a.slots[name].items()},
+            )
+            for name in self.tables
+        }
 
     def shard_views(self) -> dict[str, ShardData]:
         """This rank's rows and slots as the arena's own tensors: writable views, no copy.
@@ -498,8 +531,10 @@ class EmbContext(ContextBase):
         """
         self._check_open("shard_views")
         a = self._arena
-        return {name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name], slots=dict(a.slots[name]))
-                for name in self.tables}
+        return {
+            name: ShardData(table=name, rows=self.owned(name), weight=a.weights[name], slots=dict(a.slots[name]))
+            for name in self.tables
+        }
 
     def import_shard(self, shards: Mapping[str, ShardData]) -> None:
         """Overwrite this rank's rows with ``shards``. Local (no communication); every row then
@@ -644,8 +679,10 @@ class EmbContext(ContextBase):
     def __repr__(self) -> str:
         t = self.topology
         state = "closed" if self._closed else ("healthy" if self.healthy else "unhealthy")
-        return (f"EmbContext(rank={t.rank}, world_size={t.world_size}, ep_size={t.ep_size}, "
-                f"backend={t.backend!r}, tables={sorted(self.tables)}, {state})")
+        return (
+            f"EmbContext(rank={t.rank}, world_size={t.world_size}, ep_size={t.ep_size}, "
+            f"backend={t.backend!r}, tables={sorted(self.tables)}, {state})"
+        )
 
 
 def _check_ep(topology: Topology, require_power_of_two: bool) -> None:
@@ -676,8 +713,9 @@ def _pick_device(topology: Topology, device) -> torch.device:
     return dev
 
 
-def _checked_reset(current: Topology, rank: int, world_size: int, topology: Topology | None,
-                   require_power_of_two: bool) -> Topology:
+def _checked_reset(
+    current: Topology, rank: int, world_size: int, topology: Topology | None, require_power_of_two: bool
+) -> Topology:
     """The topology a ``reset(rank, world_size, topology=)`` moves to, or the error that forbids it."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -691,12 +729,16 @@ def _checked_reset(current: Topology, rank: int, world_size: int, topology: Topo
     if topology is None:
         topology = current.with_changes(rank=rank)
     if topology.rank != rank or topology.world_size != world_size:
-        raise ValueError(f"topology (rank={topology.rank}, world_size={topology.world_size}) does not match "
-                         f"reset(rank={rank}, world_size={world_size})")
+        raise ValueError(
+            f"topology (rank={topology.rank}, world_size={topology.world_size}) does not match "
+            f"reset(rank={rank}, world_size={world_size})"
+        )
     _check_ep(topology, require_power_of_two)
     if topology.ep_size != current.ep_size:
-        raise ValueError(f"ep_size changed from {current.ep_size} to {topology.ep_size}: the arena is laid "
-                         f"out for the old sharding; close this context and construct a new one")
+        raise ValueError(
+            f"ep_size changed from {current.ep_size} to {topology.ep_size}: the arena is laid "
+            f"out for the old sharding; close this context and construct a new one"
+        )
     if topology.backend != current.backend:
         raise ValueError(f"backend changed from {current.backend!r} to {topology.backend!r}: construct a new context")
     return topology

@@ -100,8 +100,10 @@ def range_error(spec: TableSpec, lo: int, hi: int) -> str | None:
     if lo >= 0 and hi < spec.num_rows:
         return None
     bad = lo if lo < 0 else hi
-    return (f"id {bad} is out of range for table {spec.name!r} of {spec.num_rows} rows "
-            f"(valid ids are 0..{spec.num_rows - 1})")
+    return (
+        f"id {bad} is out of range for table {spec.name!r} of {spec.num_rows} rows "
+        f"(valid ids are 0..{spec.num_rows - 1})"
+    )
 
 
 class HeaderExchange:
@@ -162,8 +164,15 @@ class HeaderExchange:
         self.group.wait(work, None, label)
         return hdr.reshape(-1).tolist()
 
-    def exchange(self, hdr: torch.Tensor, chunks: int, what: str, tag: int, spec: TableSpec | None = None,
-                 xbuf: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]], int, int]:
+    def exchange(
+        self,
+        hdr: torch.Tensor,
+        chunks: int,
+        what: str,
+        tag: int,
+        spec: TableSpec | None = None,
+        xbuf: torch.Tensor | None = None,
+    ) -> tuple[list[list[int]], list[list[int]], int, int]:
         """All-to-all of a header per peer (``hdr[0]``, see :meth:`template`); grows the block
         when a peer asks for more. Every error is raised before any id or row travels.
 
@@ -196,8 +205,10 @@ class HeaderExchange:
         else:  # one block per peer: the header, then (for a large lookup) its keys
             words = xbuf.view(torch.int64)
             if words.shape[2] * 8 != self.block_bytes:
-                raise RuntimeError(f"internal: {what} built a {words.shape[2] * 8}-byte block, the context "
-                                   f"exchanges {self.block_bytes}")
+                raise RuntimeError(
+                    f"internal: {what} built a {words.shape[2] * 8}-byte block, the context "
+                    f"exchanges {self.block_bytes}"
+                )
             splits = [words.shape[2]] * world
             work = self.group.alltoall(words[1].reshape(-1), words[0].reshape(-1), splits, splits)
             label = f"{what} count and id exchange"
@@ -253,8 +264,9 @@ class HeaderExchange:
         chunks = max(1, tag >> 40)
         xbuf = None
         if self.block_bytes:
-            xbuf = torch.zeros(2, self.topology.world_size, self.block_bytes // 8, dtype=torch.int64,
-                               device=self.device)
+            xbuf = torch.zeros(
+                2, self.topology.world_size, self.block_bytes // 8, dtype=torch.int64, device=self.device
+            )
             hdr = xbuf[:, :, :HEADER_WIDTH]
             hdr.copy_(self.template(tag))
         else:

@@ -38,8 +38,20 @@ _direct_launches = 0
 if triton is not None:
 
     @triton.jit
-    def _gather_rows_kernel(out_ptr, table_ptr, recv_ptr, pos_ptr, n, dim, table_rows, table_stride, recv_stride,
-                            out_stride, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_rows_kernel(
+        out_ptr,
+        table_ptr,
+        recv_ptr,
+        pos_ptr,
+        n,
+        dim,
+        table_rows,
+        table_stride,
+        recv_stride,
+        out_stride,
+        ROWS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # 64-bit offsets: n x dim may pass 2**31
         in_range = rows < n
         pos = tl.load(pos_ptr + rows, mask=in_range, other=0)
@@ -52,13 +64,26 @@ if triton is not None:
         t = tl.where(received, 0, pos + table_rows)
         a = tl.load(recv_ptr + r[:, None] * recv_stride + cols[None, :], mask=from_recv, other=0)
         b = tl.load(table_ptr + t[:, None] * table_stride + cols[None, :], mask=from_table, other=0)
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], tl.where(received[:, None], a, b),
-                 mask=in_range[:, None] & col_ok[None, :])
-
+        tl.store(
+            out_ptr + rows[:, None] * out_stride + cols[None, :],
+            tl.where(received[:, None], a, b),
+            mask=in_range[:, None] & col_ok[None, :],
+        )
 
     @triton.jit
-    def _gather_ids_kernel(out_ptr, table_ptr, ids_ptr, rec_ptr, n, dim, table_rows, table_stride, out_stride,
-                           ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_ids_kernel(
+        out_ptr,
+        table_ptr,
+        ids_ptr,
+        rec_ptr,
+        n,
+        dim,
+        table_rows,
+        table_stride,
+        out_stride,
+        ROWS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         in_range = rows < n
         ids = tl.load(ids_ptr + rows, mask=in_range, other=0)
@@ -75,8 +100,12 @@ if triton is not None:
 
 
 def _usable(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor) -> bool:
-    return (triton is not None and _kernel_failed is None and out.is_cuda
-            and all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == out.dtype for t in (out, table, received)))
+    return (
+        triton is not None
+        and _kernel_failed is None
+        and out.is_cuda
+        and all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == out.dtype for t in (out, table, received))
+    )
 
 
 def gather_rows(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -103,8 +132,20 @@ def gather_rows(out: torch.Tensor, table: torch.Tensor, received: torch.Tensor, 
         rows = max(1, min(64, 4096 // block_d))  # about 4K elements per program
         try:
             _gather_rows_kernel[(triton.cdiv(n, rows),)](
-                out, table, received if received.numel() else out, pos, n, dim, table.shape[0], table.stride(0),
-                received.stride(0), out.stride(0), ROWS=rows, BLOCK_D=block_d, num_warps=4)
+                out,
+                table,
+                received if received.numel() else out,
+                pos,
+                n,
+                dim,
+                table.shape[0],
+                table.stride(0),
+                received.stride(0),
+                out.stride(0),
+                ROWS=rows,
+                BLOCK_D=block_d,
+                num_warps=4,
+            )
             return out
         except Exception as exc:  # noqa: BLE001  (compile or launch failure: fall back, once, loudly)
             _kernel_failed = repr(exc)[:300]
@@ -136,8 +177,19 @@ def _specialization(args: tuple) -> tuple:
 
 def _args(out, table, ids, record) -> tuple:
     rows, block_d = _block(out.shape[1])
-    return (out, table, ids, record, ids.numel(), out.shape[1], table.shape[0], table.stride(0), out.stride(0), rows,
-            block_d)
+    return (
+        out,
+        table,
+        ids,
+        record,
+        ids.numel(),
+        out.shape[1],
+        table.shape[0],
+        table.stride(0),
+        out.stride(0),
+        rows,
+        block_d,
+    )
 
 
 def _launch_direct(args: tuple, stream=None) -> bool:
@@ -154,8 +206,16 @@ def _launch_direct(args: tuple, stream=None) -> bool:
         grid = (triton.cdiv(args[4], args[9]), 1, 1)
         hooks = _knobs.runtime
         meta = kernel.launch_metadata(grid, handle, *args)  # None unless a launch hook is set
-        kernel.run(*grid, handle, kernel.function, kernel.packed_metadata, meta, hooks.launch_enter_hook,
-                   hooks.launch_exit_hook, *args)
+        kernel.run(
+            *grid,
+            handle,
+            kernel.function,
+            kernel.packed_metadata,
+            meta,
+            hooks.launch_enter_hook,
+            hooks.launch_exit_hook,
+            *args,
+        )
         _direct_launches += 1
         return True
     except Exception as exc:  # noqa: BLE001  (another Triton's launcher: use Triton's own launch from now on)
@@ -164,8 +224,13 @@ def _launch_direct(args: tuple, stream=None) -> bool:
         return False
 
 
-def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record: torch.Tensor,
-               stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+def gather_ids(
+    out: torch.Tensor,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    record: torch.Tensor,
+    stream: "torch.cuda.Stream | None" = None,
+) -> torch.Tensor:
     """``out[i] = table[ids[i]]`` for ``ids`` in ``[0, len(table))``; an id outside reads row 0
     instead and is counted in ``record``. No host synchronisation.
 
@@ -195,8 +260,9 @@ def gather_ids(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, record
         try:
             if not _launch_direct(args):
                 key = _specialization(args)
-                _compiled[key] = _gather_ids_kernel[(triton.cdiv(n, rows),)](*args[:9], ROWS=rows, BLOCK_D=block_d,
-                                                                            num_warps=4)
+                _compiled[key] = _gather_ids_kernel[(triton.cdiv(n, rows),)](
+                    *args[:9], ROWS=rows, BLOCK_D=block_d, num_warps=4
+                )
             return out
         except Exception as exc:  # noqa: BLE001  (compile or launch failure: fall back, once, loudly)
             _kernel_failed = repr(exc)[:300]
@@ -220,5 +286,10 @@ def kernel_status() -> str:
         return "torch (no triton)"
     if _kernel_failed is not None:
         return f"torch (kernel failed: {_kernel_failed})"
-    return "triton" + (f" (direct launch failed: {_direct_failed})" if _direct_failed else
-                       " (direct launch)" if _direct_launches else "")
+    return "triton" + (
+        f" (direct launch failed: {_direct_failed})"
+        if _direct_failed
+        else " (direct launch)"
+        if _direct_launches
+        else ""
+    )

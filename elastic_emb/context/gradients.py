@@ -36,8 +36,9 @@ class GradientRouter:
         nonfinite: "raise" or "skip" (see :class:`~elastic_emb.context.emb.EmbContext`).
     """
 
-    def __init__(self, parts: OpParts, optimizer: OptimizerSpec, settle, tracker: ChangeTracker,
-                 nonfinite: str = "raise"):
+    def __init__(
+        self, parts: OpParts, optimizer: OptimizerSpec, settle, tracker: ChangeTracker, nonfinite: str = "raise"
+    ):
         self.parts = parts  # shared with the lookup engine (context/parts.py)
         self.optimizer = optimizer
         self._settle = settle  # called before rows are written (the lookup engine's settle)
@@ -86,24 +87,34 @@ class GradientRouter:
         g = grads.to(device=parts.device, dtype=spec.torch_dtype)
         d = parts.deduper.dedup(spec, ids, what, tag, 1, flag=lambda inverse, n: _nonfinite_rows(g, inverse, n))
         if d.flagged:
-            message = (f"{what}: {d.flagged} row(s) of table {spec.name!r} got NaN or infinite gradients "
-                       f"(counted on each sending rank)")
+            message = (
+                f"{what}: {d.flagged} row(s) of table {spec.name!r} got NaN or infinite gradients "
+                f"(counted on each sending rank)"
+            )
             if self.nonfinite == "raise":  # every rank read the same headers: all refuse alike
-                raise NonFiniteGradients(f"{message}; no row of that call was updated. Fix the loss (or clip "
-                                         f"gradients), or construct the context with nonfinite_gradients='skip'",
-                                         spec.name, d.flagged)
+                raise NonFiniteGradients(
+                    f"{message}; no row of that call was updated. Fix the loss (or clip "
+                    f"gradients), or construct the context with nonfinite_gradients='skip'",
+                    spec.name,
+                    d.flagged,
+                )
             parts.checks.log.warning("context.nonfinite_gradients_skipped", table=spec.name, rows=d.flagged)
         uniq = d.uniq[: d.n_unique]
         send_list, recv_list = [c[0] for c in d.sent], [c[0] for c in d.got]
         recv_ids = torch.empty(sum(recv_list), dtype=uniq.dtype, device=parts.device)
-        parts.group.wait(parts.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange",
-                         host=False)
+        parts.group.wait(
+            parts.group.alltoall(recv_ids, uniq, recv_list, send_list), None, f"{what} id exchange", host=False
+        )
         summed = torch.zeros(len(uniq), spec.dim, dtype=spec.torch_dtype, device=parts.device)
         if len(uniq):
             summed.index_add_(0, d.inverse, g)
         recv_grads = torch.empty(len(recv_ids), spec.dim, dtype=spec.torch_dtype, device=parts.device)
-        parts.group.wait(parts.group.alltoall(recv_grads, summed, recv_list, send_list), None,
-                         f"{what} gradient exchange", host=False)
+        parts.group.wait(
+            parts.group.alltoall(recv_grads, summed, recv_list, send_list),
+            None,
+            f"{what} gradient exchange",
+            host=False,
+        )
         if not len(recv_ids):
             return
         start = owned_range(spec.num_rows, parts.topology.ep_size, parts.topology.rank).start
@@ -119,8 +130,9 @@ class GradientRouter:
         self._settle()
         self.tracker.before_write()  # a commit capture still reading rows finishes first
         arena = self.parts.arena
-        values = optim.apply_rows(self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name],
-                                  rows, summed, keep)
+        values = optim.apply_rows(
+            self.optimizer, arena.padded_weights[spec.name], arena.padded_slots[spec.name], rows, summed, keep
+        )
         self.tracker.mark_rows(spec.name, rows, keep, values)
 
     def _apply_local(self, spec: TableSpec, ids, grads, what: str) -> None:

@@ -49,8 +49,9 @@ def apply_nccl_defaults() -> dict[str, str]:
             applied[key] = value
     if not _nccl_defaults_applied:
         _nccl_defaults_applied = True
-        log.info("context.nccl_env", set_by_elastic_emb=applied,
-                 effective={k: os.environ.get(k) for k in NCCL_DEFAULTS})
+        log.info(
+            "context.nccl_env", set_by_elastic_emb=applied, effective={k: os.environ.get(k) for k in NCCL_DEFAULTS}
+        )
     return applied
 
 
@@ -100,8 +101,15 @@ class Group:
         self._waits = WorkWaits(f"rank {topology.rank} (generation {topology.generation})")
 
     @classmethod
-    def form(cls, topology: Topology, store: dist.Store, device: torch.device, timeout: float,
-             high_priority_stream: bool, log_) -> "Group":
+    def form(
+        cls,
+        topology: Topology,
+        store: dist.Store,
+        device: torch.device,
+        timeout: float,
+        high_priority_stream: bool,
+        log_,
+    ) -> "Group":
         """A process group private to this construction or reset, connected and probed.
 
         Args:
@@ -173,10 +181,15 @@ class Group:
             # the live reshard would otherwise pay. Pay it in construction.
             ids = torch.arange(size, dtype=torch.int64, device=self.device)
             got = torch.empty_like(ids)
-            self.wait(self.pg.alltoall_base(got, ids, [1] * size, [1] * size, dist.AllToAllOptions()), None,
-                      "construction all-to-all probe")
+            self.wait(
+                self.pg.alltoall_base(got, ids, [1] * size, [1] * size, dist.AllToAllOptions()),
+                None,
+                "construction all-to-all probe",
+            )
             if got.tolist() != [rank] * size:
-                raise CommunicationError(f"construction all-to-all probe returned {got.tolist()}, expected {[rank] * size}")
+                raise CommunicationError(
+                    f"construction all-to-all probe returned {got.tolist()}, expected {[rank] * size}"
+                )
 
     # -- waiting ----------------------------------------------------------------------------
 
@@ -410,8 +423,9 @@ class Release:
                 if self.method == "shutdown" and self._call("abort"):
                     self.error += "; aborted instead"
             self.seconds = time.monotonic() - started
-            self._log.info("context.group_released", method=self.method, seconds=round(self.seconds, 4),
-                           error=self.error)
+            self._log.info(
+                "context.group_released", method=self.method, seconds=round(self.seconds, 4), error=self.error
+            )
         finally:
             self.released.set()
 
@@ -429,9 +443,14 @@ class Release:
         refs = [self.pg, self._keep]  # the last references, unless a holder elsewhere still has one
         self.pg = self._keep = None
         try:
-            hold_then_drop(refs, self._abandoned, self.timeout + 1.0,  # gloo fails them at its timeout
-                           lambda: self._log.warning("context.abandoned_work_pending", works=len(self._abandoned),
-                                                     timeout=self.timeout))
+            hold_then_drop(
+                refs,
+                self._abandoned,
+                self.timeout + 1.0,  # gloo fails them at its timeout
+                lambda: self._log.warning(
+                    "context.abandoned_work_pending", works=len(self._abandoned), timeout=self.timeout
+                ),
+            )
         finally:
             self.done.set()
 
@@ -474,8 +493,15 @@ def wait_releases(timeout: float | None = None, *, dropped: bool = True) -> list
         left = 2 * r.timeout + 1 if deadline is None else max(0.0, deadline - time.monotonic())
         (r.done if dropped else r.released).wait(left)
         finished = r.done.is_set()
-        out.append({"method": r.method, "seconds": r.seconds, "error": r.error, "done": finished,
-                    "released": r.released.is_set()})
+        out.append(
+            {
+                "method": r.method,
+                "seconds": r.seconds,
+                "error": r.error,
+                "done": finished,
+                "released": r.released.is_set(),
+            }
+        )
         if finished:
             with _RELEASES_LOCK:
                 if r in _RELEASES:

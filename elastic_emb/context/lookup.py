@@ -164,12 +164,18 @@ class LookupEngine:
             asked_rows = got_keys[0] if len(got_keys) == 1 else (torch.cat(got_keys) if got_keys else uniq[:0])
         else:
             # One id exchange for every piece: to peer p go its keys of piece 0, then of piece 1, ...
-            pieces = [uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
-                      for p in range(world) if p != me for k in range(chunks) if sent[p][k]]
+            pieces = [
+                uniq[base[k] + starts[p][k] : base[k] + starts[p][k] + sent[p][k]]
+                for p in range(world)
+                if p != me
+                for k in range(chunks)
+                if sent[p][k]
+            ]
             send_keys = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else uniq[:0])
             recv_keys = torch.empty(sum(out_tot), dtype=uniq.dtype, device=dev)
-            parts.group.wait(parts.group.alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange",
-                             host=False)
+            parts.group.wait(
+                parts.group.alltoall(recv_keys, send_keys, out_tot, in_tot), None, f"{what} id exchange", host=False
+            )
             # My row number of every key asked of me (piece k's keys are k * rows + id).
             asked_rows = (recv_keys.remainder(rows) if chunks > 1 else recv_keys) - start
 
@@ -184,15 +190,18 @@ class LookupEngine:
         # index_select.
         own_behind = dev.type != "cuda"
         n_recv = rbase[-1] + (sum(n_local) if own_behind else 0)
-        need = staging_need([((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
-                            + [((n_recv, spec.dim), spec.torch_dtype)])
+        need = staging_need(
+            [((n_serve[k], spec.dim), spec.torch_dtype) for k in range(chunks)]
+            + [((n_recv, spec.dim), spec.torch_dtype)]
+        )
         buf, leased = parts.arena.lease(need)
         staging = Staging(buf)
         got_rows = staging.take((n_recv, spec.dim), spec.torch_dtype)
         peer_at = [sum(out_tot[:p]) for p in range(world)]  # where peer p's keys start in asked_rows
         if own_behind:
-            pos = _own_rows_behind(uniq, inverse, d.n_unique, weight, got_rows, base, size, starts[me], n_local,
-                                   rbase, rows, start)
+            pos = _own_rows_behind(
+                uniq, inverse, d.n_unique, weight, got_rows, base, size, starts[me], n_local, rbase, rows, start
+            )
         if dev.type == "cuda":
             # Allocated on the caller's stream before the event the side stream waits on, so any
             # earlier user of its memory is done by then; the event also covers ``pos``.
@@ -210,8 +219,11 @@ class LookupEngine:
         try:
             for k in range(chunks):
                 serve = staging.take((n_serve[k], spec.dim), spec.torch_dtype)
-                asked = [asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
-                         for p in range(world) if p != me and got[p][k]]
+                asked = [
+                    asked_rows[peer_at[p] + sum(got[p][:k]) : peer_at[p] + sum(got[p][: k + 1])]
+                    for p in range(world)
+                    if p != me and got[p][k]
+                ]
                 if asked:
                     torch.index_select(weight, 0, asked[0] if len(asked) == 1 else torch.cat(asked), out=serve)
                 out_splits = [0 if p == me else sent[p][k] for p in range(world)]
@@ -223,15 +235,17 @@ class LookupEngine:
                 parts.arena.release()
             raise
         bounds = [n * k // chunks for k in range(chunks + 1)]
-        handle = LookupHandle(self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds,
-                              own_in_recv=own_behind)
+        handle = LookupHandle(
+            self, table, works, got_rows, pos, leased, keep=tuple(serves), bounds=bounds, own_in_recv=own_behind
+        )
         if dev.type == "cuda":
             handle._reorder_on_side_stream(ready, result)
         return handle
 
 
-def _own_rows_behind(uniq, inverse, n_unique: int, weight, got_rows, base, size, before, n_local, rbase, rows: int,
-                     start: int) -> torch.Tensor:
+def _own_rows_behind(
+    uniq, inverse, n_unique: int, weight, got_rows, base, size, before, n_local, rbase, rows: int, start: int
+) -> torch.Tensor:
     """CPU: gather my own unique rows into ``got_rows`` behind the received ones; return, per
     position of the batch, its row in ``got_rows``. Unique keys are in (piece, owner) order:
     in piece k those of owners before me, mine, then those of owners after me."""
@@ -243,8 +257,9 @@ def _own_rows_behind(uniq, inverse, n_unique: int, weight, got_rows, base, size,
             torch.arange(rbase[k], rbase[k] + bf, out=src[b : b + bf])
         if mine:
             torch.arange(own_at, own_at + mine, out=src[b + bf : b + bf + mine])
-            torch.index_select(weight, 0, uniq[b + bf : b + bf + mine] - (k * rows + start),
-                               out=got_rows[own_at : own_at + mine])
+            torch.index_select(
+                weight, 0, uniq[b + bf : b + bf + mine] - (k * rows + start), out=got_rows[own_at : own_at + mine]
+            )
             own_at += mine
         if size[k] > bf + mine:
             torch.arange(rbase[k] + bf, rbase[k + 1], out=src[b + bf + mine : b + size[k]])
@@ -271,8 +286,18 @@ class LookupHandle:
         own_in_recv: CPU: this rank's own rows were copied behind the received ones.
     """
 
-    def __init__(self, engine: LookupEngine, table: str, works, recv_rows, pos, leased: bool,
-                 keep: tuple = (), bounds: list[int] | None = None, own_in_recv: bool = False):
+    def __init__(
+        self,
+        engine: LookupEngine,
+        table: str,
+        works,
+        recv_rows,
+        pos,
+        leased: bool,
+        keep: tuple = (),
+        bounds: list[int] | None = None,
+        own_in_recv: bool = False,
+    ):
         self._engine = engine
         self._table = table
         self._works = works
@@ -360,8 +385,9 @@ class LookupHandle:
         if self._delivered:
             return self._result  # type: ignore[return-value]
         engine = self._engine
-        if engine.retired == "closed" or (engine.retired and self._result is None
-                                          and not (self._drained and self._queued is not None)):
+        if engine.retired == "closed" or (
+            engine.retired and self._result is None and not (self._drained and self._queued is not None)
+        ):
             # After close also for a one-rank world, whose rows were gathered at lookup time: a
             # handle not waited on before close() behaves the same whatever the world size. After
             # a reset, a CPU exchange of the old communicator was drained, never assembled.

@@ -24,14 +24,35 @@ if TYPE_CHECKING:
     from elastic_emb.drill.replay import LossDetected, verify
     from elastic_emb.drill.scenario import PRESETS, Fault, Scenario, chaos, load_scenario
 
-__all__ = ["Drill", "DrillError", "DrillResult", "EXAMPLE", "Fault", "LossDetected", "PRESETS", "Scenario",
-           "chaos", "load_scenario", "run_drill", "verify"]
+__all__ = [
+    "Drill",
+    "DrillError",
+    "DrillResult",
+    "EXAMPLE",
+    "Fault",
+    "LossDetected",
+    "PRESETS",
+    "Scenario",
+    "chaos",
+    "load_scenario",
+    "run_drill",
+    "verify",
+]
 
 # Loaded on first use: the orchestrator and the replay import torch (seconds), which the
 # command line must not pay for `--help`, `--list` or a one-line error.
-_LAZY = {"Drill": "orchestrator", "DrillError": "orchestrator", "DrillResult": "orchestrator",
-         "LossDetected": "replay", "verify": "replay", "PRESETS": "scenario", "Fault": "scenario",
-         "Scenario": "scenario", "chaos": "scenario", "load_scenario": "scenario"}
+_LAZY = {
+    "Drill": "orchestrator",
+    "DrillError": "orchestrator",
+    "DrillResult": "orchestrator",
+    "LossDetected": "replay",
+    "verify": "replay",
+    "PRESETS": "scenario",
+    "Fault": "scenario",
+    "Scenario": "scenario",
+    "chaos": "scenario",
+    "load_scenario": "scenario",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -53,9 +74,15 @@ class _Progress:
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("world {task.fields[world]}  faults {task.fields[faults]}"),
-                                TimeElapsedColumn(), console=console, transient=True)
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("world {task.fields[world]}  faults {task.fields[faults]}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
             self.task = self.bar.add_task(f"drill {scenario.name}", total=scenario.steps, world=0, faults=0)
 
     def __enter__(self):
@@ -71,8 +98,11 @@ class _Progress:
         if st.get("phase") == "verify":
             if self.bar:
                 self.bar.stop()
-            self.console.print(f"[drill {self.scenario.name}] verifying steps 0..{st['step']} against the "
-                               f"single-process replay, bit for bit", highlight=False)
+            self.console.print(
+                f"[drill {self.scenario.name}] verifying steps 0..{st['step']} against the "
+                f"single-process replay, bit for bit",
+                highlight=False,
+            )
             return
         if self.bar:
             self.bar.update(self.task, completed=st["step"] + 1, world=st["world"], faults=st["faults"])
@@ -80,14 +110,25 @@ class _Progress:
         state = (st["world"], st["faults"], st["nodes"])
         now = time.monotonic()
         if state != self.last_state or now - self.last_line >= 5.0:
-            self.console.print(f"[drill {self.scenario.name}] t={st['t']:6.1f}s step {st['step'] + 1}/{st['steps']} "
-                               f"world {st['world']} live nodes {st['nodes']} faults fired {st['faults']}",
-                               highlight=False, soft_wrap=True)
+            self.console.print(
+                f"[drill {self.scenario.name}] t={st['t']:6.1f}s step {st['step'] + 1}/{st['steps']} "
+                f"world {st['world']} live nodes {st['nodes']} faults fired {st['faults']}",
+                highlight=False,
+                soft_wrap=True,
+            )
             self.last_line, self.last_state = now, state
 
 
-def run_drill(scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE, console=None,
-              progress: str = "auto", summary: bool = True, metrics_port: int | None = None) -> dict:
+def run_drill(
+    scenario: Scenario,
+    out: Path | str,
+    *,
+    script: Path | str = EXAMPLE,
+    console=None,
+    progress: str = "auto",
+    summary: bool = True,
+    metrics_port: int | None = None,
+) -> dict:
     """Run ``scenario``, write the report into ``out`` and print its summary.
 
     Args:

@@ -47,8 +47,10 @@ def _resolve_out(out: str | None, name: str) -> Path:
     if path.exists() and not path.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory; name a new or empty directory")
     if not os.access(path if path.exists() else parent, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: {path if path.exists() else parent} is not writable; "
-                        f"choose a writable directory (or leave --out out: ./drill-{name} or a temporary directory)")
+        raise UserError(
+            f"--out {out}: {path if path.exists() else parent} is not writable; "
+            f"choose a writable directory (or leave --out out: ./drill-{name} or a temporary directory)"
+        )
     return path
 
 
@@ -86,23 +88,51 @@ def preset_help() -> str:
 
 
 @click.command("drill")
-@click.option("--scenario", "scenario_spec", default=None, metavar="NAME|chaos:SEED|FILE",
-              help=f"A preset ({preset_help()}), chaos:SEED, or a .yaml/.json scenario file.")
-@click.option("--out", default=None,
-              help="Directory for logs, tables and the report [default: ./drill-<scenario> if the current "
-                   "directory is writable, else a new temporary directory].")
-@click.option("--network", type=click.Choice(["auto", "loopback", "netns"]), default=None,
-              help="Override the scenario's network (netns: one namespace per node, needs root).")
-@click.option("--rendezvous", type=click.Choice(["elastic_emb", "c10d"]), default=None,
-              help="Override the scenario's torchrun --rdzv-backend.")
-@click.option("--mode", type=click.Choice(["restart", "in_process"]), default=None,
-              help="Override the scenario's resize mode: in_process (--rdzv-conf resize=in_process: the survivors "
-                   "re-form in their running processes; a scenario's default) or restart (the agents restart every "
-                   "worker; the default with --rendezvous c10d, and gpu-2-1-2's).")
-@click.option("--script", default=None,
-              help="Training script to drill [default: the packaged example, `elastic-emb example-path`].")
-@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
-              help="Progress bar on a terminal, plain lines otherwise.")
+@click.option(
+    "--scenario",
+    "scenario_spec",
+    default=None,
+    metavar="NAME|chaos:SEED|FILE",
+    help=f"A preset ({preset_help()}), chaos:SEED, or a .yaml/.json scenario file.",
+)
+@click.option(
+    "--out",
+    default=None,
+    help="Directory for logs, tables and the report [default: ./drill-<scenario> if the current "
+    "directory is writable, else a new temporary directory].",
+)
+@click.option(
+    "--network",
+    type=click.Choice(["auto", "loopback", "netns"]),
+    default=None,
+    help="Override the scenario's network (netns: one namespace per node, needs root).",
+)
+@click.option(
+    "--rendezvous",
+    type=click.Choice(["elastic_emb", "c10d"]),
+    default=None,
+    help="Override the scenario's torchrun --rdzv-backend.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["restart", "in_process"]),
+    default=None,
+    help="Override the scenario's resize mode: in_process (--rdzv-conf resize=in_process: the survivors "
+    "re-form in their running processes; a scenario's default) or restart (the agents restart every "
+    "worker; the default with --rendezvous c10d, and gpu-2-1-2's).",
+)
+@click.option(
+    "--script",
+    default=None,
+    help="Training script to drill [default: the packaged example, `elastic-emb example-path`].",
+)
+@click.option(
+    "--progress",
+    type=click.Choice(["auto", "bar", "lines"]),
+    default="auto",
+    show_default=True,
+    help="Progress bar on a terminal, plain lines otherwise.",
+)
 @click.option("--list", "list_presets", is_flag=True, help="List the presets and exit.")
 def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, list_presets) -> int:
     """Run a resize drill: real torchrun agents, real faults, tables checked bit for bit.
@@ -143,8 +173,11 @@ def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, l
         raise click.BadParameter(str(exc), param_hint="--scenario") from None
     update = {k: v for k, v in (("network", network), ("rendezvous", rendezvous), ("mode", mode)) if v}
     if rendezvous == "c10d" and mode == "in_process":
-        raise click.BadParameter("--mode in_process needs the elastic_emb rendezvous (stock c10d restarts every "
-                                 "worker); drop --rendezvous c10d or use --mode restart", param_hint="--mode")
+        raise click.BadParameter(
+            "--mode in_process needs the elastic_emb rendezvous (stock c10d restarts every "
+            "worker); drop --rendezvous c10d or use --mode restart",
+            param_hint="--mode",
+        )
     if rendezvous == "c10d" and scenario.mode == "in_process":
         update["mode"] = "restart"  # stock c10d restarts every worker: the preset's in-process mode cannot apply
     if update:
@@ -157,17 +190,27 @@ def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, l
     if script is not None:
         script_path = Path(script).expanduser()
         if not script_path.is_file():
-            raise UserError(f"--script {script}: no such file; name the training script to drill, or leave "
-                            f"--script out to drill the packaged example")
+            raise UserError(
+                f"--script {script}: no such file; name the training script to drill, or leave "
+                f"--script out to drill the packaged example"
+            )
     return _run(scenario, _resolve_out(out, scenario.name), script_path, progress)
 
 
 @click.command("demo")
-@click.option("--out", default=None,
-              help="Directory for the report [default: ./drill-demo if the current directory is writable, "
-                   "else a new temporary directory].")
-@click.option("--progress", type=click.Choice(["auto", "bar", "lines"]), default="auto", show_default=True,
-              help="Progress bar on a terminal, plain lines otherwise.")
+@click.option(
+    "--out",
+    default=None,
+    help="Directory for the report [default: ./drill-demo if the current directory is writable, "
+    "else a new temporary directory].",
+)
+@click.option(
+    "--progress",
+    type=click.Choice(["auto", "bar", "lines"]),
+    default="auto",
+    show_default=True,
+    help="Progress bar on a terminal, plain lines otherwise.",
+)
 def demo_cmd(out, progress) -> int:
     """A short drill on loopback with torch's embedded c10d store: 1 -> 2 -> 1 nodes, resized in
     process (``--rdzv-conf resize=in_process``: node 0's worker is never restarted).

@@ -63,14 +63,22 @@ def corrupt_newest_snapshot(state_dir: Path, *, table: str = "user", rows: int =
                     w = w.view(-1, *tr.row_shape)
                     n = min(rows, w.shape[0])
                     w[:n] += delta  # writes through into `blob`
-                    tr = tr.model_copy(update={"crc32": zlib.crc32(bytes(blob[tr.offset: tr.offset + tr.nbytes]))})
+                    tr = tr.model_copy(update={"crc32": zlib.crc32(bytes(blob[tr.offset : tr.offset + tr.nbytes]))})
                     if index is None:
                         hit = list(range(rec.start, rec.start + n))
                     else:
                         local = torch.frombuffer(blob, dtype=torch.int64, count=index.nbytes // 8, offset=index.offset)
                         hit = [rec.start + int(r) for r in local[:n]]
-                    changed.append({"table": table, "rows": [min(hit), max(hit) + 1], "row_list": hit, "step": step,
-                                    "file": str(data), "delta": delta})
+                    changed.append(
+                        {
+                            "table": table,
+                            "rows": [min(hit), max(hit) + 1],
+                            "row_list": hit,
+                            "step": step,
+                            "file": str(data),
+                            "delta": delta,
+                        }
+                    )
                 tensors.append(tr)
             shards.append(rec.model_copy(update={"tensors": tensors}))
         data.write_bytes(bytes(blob))

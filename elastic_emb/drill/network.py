@@ -96,13 +96,15 @@ class Network:
             RuntimeError: if the server exits before it listens.
             TimeoutError: if it does not listen within 30 seconds.
         """
-        return self._popen([python, "-m", "elastic_emb.drill.store_server", "--host", self.store_addr,
-                            "--port", str(port)], log_path)
+        return self._popen(
+            [python, "-m", "elastic_emb.drill.store_server", "--host", self.store_addr, "--port", str(port)], log_path
+        )
 
     def _popen(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
         with open(log_path, "ab") as logf:
-            p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         # Wait (bounded) until it listens, so agents never race its start.
         from elastic_emb.drill.store_server import wait_listening
 
@@ -250,8 +252,19 @@ class Netns(Network):
             RuntimeError: if the server exits before it listens.
             TimeoutError: if it does not listen within 30 seconds.
         """
-        cmd = ["ip", "netns", "exec", self.hub, python, "-m", "elastic_emb.drill.store_server",
-               "--host", self.store_addr, "--port", str(port)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.hub,
+            python,
+            "-m",
+            "elastic_emb.drill.store_server",
+            "--host",
+            self.store_addr,
+            "--port",
+            str(port),
+        ]
         return self._popen(cmd, log_path)
 
     def _pids(self, ns: str) -> list[int]:
@@ -347,7 +360,9 @@ def pick_network(choice: str, tag: str) -> Network:
         return Network()
     ok, why = netns_works()
     if choice == "netns" and not ok:
-        raise RuntimeError(f"network='netns' asked for, but namespaces do not work here ({why}); use network='loopback'")
+        raise RuntimeError(
+            f"network='netns' asked for, but namespaces do not work here ({why}); use network='loopback'"
+        )
     if not ok:
         log.info("drill_network_loopback", reason=why)
         return Network()

@@ -82,8 +82,15 @@ class FiredFault:
         Returns:
             Index, kind, trigger, node, seconds since ``t0``, committed step, and the detail.
         """
-        return {"index": self.index, "kind": self.fault.kind, "trigger": self.fault.when(), "node": self.node,
-                "t": round(self.t - t0, 3), "committed_step": self.step, **self.detail}
+        return {
+            "index": self.index,
+            "kind": self.fault.kind,
+            "trigger": self.fault.when(),
+            "node": self.node,
+            "t": round(self.t - t0, 3),
+            "committed_step": self.step,
+            **self.detail,
+        }
 
 
 class EventReader:
@@ -164,9 +171,16 @@ class Drill:
             ``metrics_port + n * (nproc_per_node + 1)``, its workers on the ports after it; None: off.
     """
 
-    def __init__(self, scenario: Scenario, out: Path | str, *, script: Path | str = EXAMPLE,
-                 on_progress: Callable[[dict], None] | None = None, python: str = sys.executable,
-                 metrics_port: int | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        out: Path | str,
+        *,
+        script: Path | str = EXAMPLE,
+        on_progress: Callable[[dict], None] | None = None,
+        python: str = sys.executable,
+        metrics_port: int | None = None,
+    ) -> None:
         self.scenario = scenario
         self.metrics_port = metrics_port
         self.out = Path(out).resolve()
@@ -243,22 +257,48 @@ class Drill:
         # starve an agent past 3 s between its join and its round's end, and torch would drop it as
         # dead before the first step.
         attempts = 3 if s.initial_nodes * s.nproc_per_node < 8 else 8
-        conf = {"join_timeout": 90, "last_call_timeout": 1, "close_timeout": 5, "keep_alive_interval": 1,
-                "keep_alive_max_attempt": attempts, "read_timeout": 60, **self.store_conf}
+        conf = {
+            "join_timeout": 90,
+            "last_call_timeout": 1,
+            "close_timeout": 5,
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": attempts,
+            "read_timeout": 60,
+            **self.store_conf,
+        }
         if s.store == "agent":
             conf["is_host"] = "true" if number == 0 else "false"
         if s.mode == "in_process":
             conf["resize"] = "in_process"
         return [
-            self.python, "-m", "torch.distributed.run",
-            f"--nnodes={s.min_nodes}:{s.max_nodes}", f"--nproc-per-node={s.nproc_per_node}",
-            f"--rdzv-backend={s.rendezvous}", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=drill-{s.name}",
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={s.min_nodes}:{s.max_nodes}",
+            f"--nproc-per-node={s.nproc_per_node}",
+            f"--rdzv-backend={s.rendezvous}",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id=drill-{s.name}",
             "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
-            f"--max-restarts={s.max_restarts}", "--monitor-interval=0.1",
+            f"--max-restarts={s.max_restarts}",
+            "--monitor-interval=0.1",
             f"--local-addr={self.network.node_addr(number)}",
-            str(self.script), "--steps", str(s.steps), "--batch", str(s.batch), "--seed", str(s.seed),
-            "--step-delay", str(s.step_delay), "--out", str(self.out / "run"), "--checksums",
-            "--slow-file", str(self.slow_file), "--slow-delay", str(s.slow_delay),
+            str(self.script),
+            "--steps",
+            str(s.steps),
+            "--batch",
+            str(s.batch),
+            "--seed",
+            str(s.seed),
+            "--step-delay",
+            str(s.step_delay),
+            "--out",
+            str(self.out / "run"),
+            "--checksums",
+            "--slow-file",
+            str(self.slow_file),
+            "--slow-delay",
+            str(s.slow_delay),
         ]
 
     def _gpu_env(self, number: int) -> dict:
@@ -271,8 +311,12 @@ class Drill:
             raise DrillError(f"backend='nccl' needs {n} GPU(s) per node; this machine has {count}: use backend='gloo'")
         # The lowest GPUs no live node holds: a joiner must not share a GPU with a survivor (NCCL
         # refuses a communicator with a duplicate GPU).
-        held = {d for k, devs in self.gpus.items() if k in self.nodes and self.nodes[k].exit_code is None
-                and self.nodes[k].state in ("running", "leaving") for d in devs}
+        held = {
+            d
+            for k, devs in self.gpus.items()
+            if k in self.nodes and self.nodes[k].exit_code is None and self.nodes[k].state in ("running", "leaving")
+            for d in devs
+        }
         free = [d for d in range(count) if d not in held]
         if len(free) < n:
             raise DrillError(f"node{number} needs {n} free GPU(s); live nodes hold {sorted(held)} of {count}")
@@ -289,20 +333,31 @@ class Drill:
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # FACTS item 1: the shared agent store deadlocks resizes
             ELASTIC_EMB_NODE_ID=f"node{number}",
             ELASTIC_EMB_STATE_DIR=str(state_dir),
-            ELASTIC_EMB_BACKEND=self.scenario.backend, ELASTIC_EMB_LOG_FORMAT="json", OMP_NUM_THREADS="1",
+            ELASTIC_EMB_BACKEND=self.scenario.backend,
+            ELASTIC_EMB_LOG_FORMAT="json",
+            OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
         if self.metrics_port is not None:
-            env.update(ELASTIC_EMB_METRICS_PORT=str(self.metrics_port + number * (self.scenario.nproc_per_node + 1)),
-                       ELASTIC_EMB_METRICS_ADDR="127.0.0.1")
+            env.update(
+                ELASTIC_EMB_METRICS_PORT=str(self.metrics_port + number * (self.scenario.nproc_per_node + 1)),
+                ELASTIC_EMB_METRICS_ADDR="127.0.0.1",
+            )
         env.update(self.network.node_env(number))
         if self.scenario.backend == "nccl":
             env.update(self._gpu_env(number))
         log_path = self.out / "logs" / f"node{number}.log"
         logf = open(log_path, "ab")
         cmd = self.network.wrap(self._agent_cmd(number), number)
-        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=str(self.out))
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(self.out),
+        )
         logf.close()
         node = Node(number, proc, log_path, time.time())
         self.nodes[number] = node
@@ -316,8 +371,11 @@ class Drill:
 
     def _workers(self, node: Node) -> list[int]:
         script = str(self.script)
-        return [p for p in procs.descendants(node.proc.pid) if script in procs.cmdline(p)
-                and "torch.distributed.run" not in procs.cmdline(p)]
+        return [
+            p
+            for p in procs.descendants(node.proc.pid)
+            if script in procs.cmdline(p) and "torch.distributed.run" not in procs.cmdline(p)
+        ]
 
     def _fire(self, index: int, fault: Fault) -> None:
         live = self._live()
@@ -330,7 +388,9 @@ class Drill:
             target = fault.node if fault.node is not None else Scenario.default_victim(live, fault.kind)
             node = self.nodes.get(target)
             if node is None or node.state != "running":
-                raise DrillError(f"fault #{index} {fault.kind} at {fault.when()}: node {target} is not running (live: {live})")
+                raise DrillError(
+                    f"fault #{index} {fault.kind} at {fault.when()}: node {target} is not running (live: {live})"
+                )
             if fault.kind == "leave":
                 node.state = "leaving"
                 os.kill(node.proc.pid, signal.SIGTERM)  # the agent forwards it to its workers
@@ -373,8 +433,11 @@ class Drill:
             # alone may be an earlier fault's re-form landing late (in restart mode on a loaded machine
             # a joiner's agent can be slow to start), which would end the slow-down before this
             # fault's node is in.
-            world = (len(self.history[index + 1]) * self.scenario.nproc_per_node
-                     if fault.kind in ("join", "leave", "kill_node", "kill_agent") else None)
+            world = (
+                len(self.history[index + 1]) * self.scenario.nproc_per_node
+                if fault.kind in ("join", "leave", "kill_node", "kill_agent")
+                else None
+            )
             self.awaiting = (self.rank0_pid, self.generation + int(rejoins), world, time.monotonic() + AWAIT_S)
         self.fired.append(FiredFault(index, fault, time.time(), self.max_step, target, detail))
         log.info("drill_fault", index=index, kind=fault.kind, node=target, step=self.max_step, **detail)
@@ -419,8 +482,14 @@ class Drill:
             if (new_world and world in (None, self.world) and committed) or given_up:
                 # A new incarnation is stepping and has committed (or we gave up waiting): full speed again.
                 if given_up:
-                    log.warning("drill_await_gave_up", seconds=AWAIT_S, world=self.world, expected_world=world,
-                                generation=self.generation, committed_ranks=sorted(self.committed_in.get(self.generation, ())))
+                    log.warning(
+                        "drill_await_gave_up",
+                        seconds=AWAIT_S,
+                        world=self.world,
+                        expected_world=world,
+                        generation=self.generation,
+                        committed_ranks=sorted(self.committed_in.get(self.generation, ())),
+                    )
                 self.awaiting = None
                 self.slow_file.unlink(missing_ok=True)
         for node in self.nodes.values():
@@ -456,7 +525,9 @@ class Drill:
         loopback_only = s.store == "etcd" or s.backend == "nccl"
         self.network = pick_network("loopback" if loopback_only and s.network == "auto" else s.network, self.out.name)
         if s.store == "etcd" and self.network.kind != "loopback":
-            raise DrillError("store='etcd' runs on loopback only (the test etcd listens on 127.0.0.1); set network: loopback")
+            raise DrillError(
+                "store='etcd' runs on loopback only (the test etcd listens on 127.0.0.1); set network: loopback"
+            )
         self.t0 = time.time()
         reader = EventReader(self.out / "run" / "events")
         error: str | None = None
@@ -495,13 +566,23 @@ class Drill:
                     if self._due(fault):
                         pending.remove(item)
                         self._fire(index, fault)
-                self.on_progress({"step": self.max_step, "steps": s.steps, "world": self.world,
-                                  "nodes": len(self._live()), "faults": len(self.fired), "t": time.time() - self.t0})
+                self.on_progress(
+                    {
+                        "step": self.max_step,
+                        "steps": s.steps,
+                        "world": self.world,
+                        "nodes": len(self._live()),
+                        "faults": len(self.fired),
+                        "t": time.time() - self.t0,
+                    }
+                )
                 if all(node.exit_code is not None for node in self.nodes.values()):
                     break
                 if time.monotonic() > deadline:
-                    error = (f"drill {s.name!r} timed out after {s.timeout:g}s at committed step {self.max_step} "
-                             f"of {s.steps}; live nodes {self._live()}; see {self.out / 'logs'}")
+                    error = (
+                        f"drill {s.name!r} timed out after {s.timeout:g}s at committed step {self.max_step} "
+                        f"of {s.steps}; live nodes {self._live()}; see {self.out / 'logs'}"
+                    )
                     break
                 time.sleep(0.1)
             self._observe(reader.poll())
@@ -509,18 +590,26 @@ class Drill:
             if error is None and failed:
                 when = " before the first committed step" if self.max_step < 0 else ""
                 error = f"agents failed{when}: " + "; ".join(
-                    f"{n.name} exit {n.exit_code}: {worker_error(n.log_path)} (log {n.log_path})" for n in failed)
+                    f"{n.name} exit {n.exit_code}: {worker_error(n.log_path)} (log {n.log_path})" for n in failed
+                )
             # A join that came after the end exits 0 (its worker or its agent saw the job marked
             # complete), but the drill did not resize: say so instead of passing.
-            self.late_joiners |= {n.name for n in self.nodes.values()
-                                  if "job_finished_before_join" in n.log_path.read_text(errors="replace")}
+            self.late_joiners |= {
+                n.name
+                for n in self.nodes.values()
+                if "job_finished_before_join" in n.log_path.read_text(errors="replace")
+            }
             if error is None and self.late_joiners:
-                error = (f"{sorted(self.late_joiners)} came after the job finished (the world ended before it could "
-                         f"include them; their agents exited 0): raise steps or slow_delay so that the join lands "
-                         f"during training")
+                error = (
+                    f"{sorted(self.late_joiners)} came after the job finished (the world ended before it could "
+                    f"include them; their agents exited 0): raise steps or slow_delay so that the join lands "
+                    f"during training"
+                )
             if error is None and pending:
-                error = (f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
-                         f"fired (last committed step {self.max_step}); raise steps or step_delay")
+                error = (
+                    f"training ended before faults {[f'#{i} {f.kind} at {f.when()}' for i, f in pending]} "
+                    f"fired (last committed step {self.max_step}); raise steps or step_delay"
+                )
         except DrillError as exc:
             error = str(exc)
         finally:
@@ -542,11 +631,20 @@ class Drill:
             except Exception as exc:  # noqa: BLE001 - reported, not swallowed
                 verification = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 error = error or verification["error"]
-        return DrillResult(scenario=s, out=self.out, ok=error is None and verification.get("ok", False),
-                           verification=verification, error=error, t0=self.t0, t_end=t_end,
-                           events=reader.events, faults=self.fired, nodes=list(self.nodes.values()),
-                           network=self.network.kind if self.network else "none",
-                           orphans_alive_at_end=self.orphans_alive)
+        return DrillResult(
+            scenario=s,
+            out=self.out,
+            ok=error is None and verification.get("ok", False),
+            verification=verification,
+            error=error,
+            t0=self.t0,
+            t_end=t_end,
+            events=reader.events,
+            faults=self.fired,
+            nodes=list(self.nodes.values()),
+            network=self.network.kind if self.network else "none",
+            orphans_alive_at_end=self.orphans_alive,
+        )
 
     def _cleanup(self) -> None:
         for node in self.nodes.values():
@@ -611,7 +709,7 @@ def worker_error(path: Path, limit: int = 500) -> str:
         if not line.startswith("Traceback (most recent call last)"):
             continue
         frame = ""
-        for follow in lines[i + 1:]:
+        for follow in lines[i + 1 :]:
             if follow.startswith(" "):
                 if follow.lstrip().startswith("File "):
                     frame = follow.strip()
@@ -622,8 +720,11 @@ def worker_error(path: Path, limit: int = 500) -> str:
     if found:
         return found[-1][:limit]
     noise = ("ChildFailedError", "error_file", "errors.html", "traceback :", "Failures:", "Root Cause", "=====")
-    hits = [ln.strip() for ln in lines
-            if re.search(r"error|can't open file|exception|killed", ln, re.IGNORECASE) and not any(n in ln for n in noise)]
+    hits = [
+        ln.strip()
+        for ln in lines
+        if re.search(r"error|can't open file|exception|killed", ln, re.IGNORECASE) and not any(n in ln for n in noise)
+    ]
     if hits:
         return " | ".join(hits[-3:])[-limit:]
     return " ".join(lines)[-limit:] or "<empty log>"

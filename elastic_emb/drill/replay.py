@@ -39,8 +39,10 @@ def load_script(path: Path | str = EXAMPLE) -> ModuleType:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"training script {path} not found; pass --script PATH, or leave it out to drill "
-                                f"the packaged example ({EXAMPLE})")
+        raise FileNotFoundError(
+            f"training script {path} not found; pass --script PATH, or leave it out to drill "
+            f"the packaged example ({EXAMPLE})"
+        )
     spec = importlib.util.spec_from_file_location(f"_drill_script_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses need the module registered
@@ -84,11 +86,15 @@ def gather_final(out: Path) -> FinalTables:
     for f, p in payloads:
         worlds.setdefault((p["generation"], p["world_size"]), []).append((f, p))
     # The newest world that wrote all of its ranks.
-    complete = [(max(p["time"] for _, p in v), k) for k, v in worlds.items() if {p["rank"] for _, p in v} >= set(range(k[1]))]
+    complete = [
+        (max(p["time"] for _, p in v), k) for k, v in worlds.items() if {p["rank"] for _, p in v} >= set(range(k[1]))
+    ]
     if not complete:
         raise LossDetected(
             f"no world wrote all of its final shards under {out / 'final'} "
-            f"(got {[(k, sorted(p['rank'] for _, p in v)) for k, v in worlds.items()]})", [])
+            f"(got {[(k, sorted(p['rank'] for _, p in v)) for k, v in worlds.items()]})",
+            [],
+        )
     _, key = max(complete)
     group = sorted(worlds[key], key=lambda fp: (fp[1]["rank"], fp[1]["time"]))
     # One file per rank (the newest, should a rank have written twice).
@@ -101,8 +107,14 @@ def gather_final(out: Path) -> FinalTables:
     tables: dict[str, torch.Tensor] = {}
     names = sorted({n for _, p in by_rank.values() for n in p["shards"]})
     for name in names:
-        parts = sorted(((p["shards"][name]["start"], p["shards"][name]["stop"], r, p["shards"][name]["weight"])
-                        for r, (_, p) in by_rank.items() if name in p["shards"]), key=lambda x: x[:2])
+        parts = sorted(
+            (
+                (p["shards"][name]["start"], p["shards"][name]["stop"], r, p["shards"][name]["weight"])
+                for r, (_, p) in by_rank.items()
+                if name in p["shards"]
+            ),
+            key=lambda x: x[:2],
+        )
         declared = {p["shards"][name].get("num_rows") for _, p in by_rank.values() if name in p["shards"]} - {None}
         if len(declared) > 1:
             findings.append({"table": name, "problem": f"ranks disagree on the table size: {sorted(declared)}"})
@@ -120,8 +132,14 @@ def gather_final(out: Path) -> FinalTables:
         tables[name] = full
     if findings:
         raise LossDetected("rows lost or duplicated across the final shards: " + _describe(findings), findings)
-    return FinalTables(step=steps.pop(), world_size=key[1], generation=key[0], config=config, tables=tables,
-                       files=[str(f) for f, _ in by_rank.values()])
+    return FinalTables(
+        step=steps.pop(),
+        world_size=key[1],
+        generation=key[0],
+        config=config,
+        tables=tables,
+        files=[str(f) for f, _ in by_rank.values()],
+    )
 
 
 def replay(script: ModuleType, cfg, last_step: int, *, keep_history: bool = True, on_step=None):
@@ -213,12 +231,19 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
             users, items, _ = script.global_batch(step + 1, cfg)
             for c in lookups[step + 1]:
                 mine = script.rank_slice(cfg.batch, c["rank"], c["world"])
-                want = script.lookup_checksum(tables["dense"][: cfg.dense_rows], tables["user"][users[mine]],
-                                              tables["item"][items[mine]])
+                want = script.lookup_checksum(
+                    tables["dense"][: cfg.dense_rows], tables["user"][users[mine]], tables["item"][items[mine]]
+                )
                 if want != c["crc"]:
-                    diverged["lookup"] = {"table": "dense+user+item", "problem": "looked-up rows differ from the replay",
-                                          "step": step + 1, "rank": c["rank"], "world_size": c["world"],
-                                          "node": c["node"], "pid": c["pid"]}
+                    diverged["lookup"] = {
+                        "table": "dense+user+item",
+                        "problem": "looked-up rows differ from the replay",
+                        "step": step + 1,
+                        "rank": c["rank"],
+                        "world_size": c["world"],
+                        "node": c["node"],
+                        "pid": c["pid"],
+                    }
                     break
         for c in checks.get(step, []):
             name, start, stop, crc = c["table"], c["start"], c["stop"], c["crc"]
@@ -226,10 +251,17 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
                 continue
             want = zlib.crc32(tables[name][start:stop].contiguous().view(torch.uint8).numpy())
             if want != crc:
-                diverged[name] = {"table": name, "problem": "first divergence from the replay", "step": step,
-                                  "rows": [[start, stop]], "rank": c["rank"], "world_size": c["world"],
-                                  "generation": c["generation"], "node": c["node"],
-                                  "process_restored_step": c["restored_step"]}
+                diverged[name] = {
+                    "table": name,
+                    "problem": "first divergence from the replay",
+                    "step": step,
+                    "rows": [[start, stop]],
+                    "rank": c["rank"],
+                    "world_size": c["world"],
+                    "generation": c["generation"],
+                    "node": c["node"],
+                    "process_restored_step": c["restored_step"],
+                }
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: threads only contend, and on a busy machine slow them down
@@ -247,7 +279,9 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
     for name, want in expected.items():
         got = final.tables.get(name)
         if got is None or got.shape != want.shape:
-            findings.append({"table": name, "problem": f"shape {None if got is None else tuple(got.shape)} != {tuple(want.shape)}"})
+            findings.append(
+                {"table": name, "problem": f"shape {None if got is None else tuple(got.shape)} != {tuple(want.shape)}"}
+            )
             continue
         rows_checked += want.shape[0]
         # Bit for bit: compare the raw bits, so -0.0 vs 0.0 and NaN payloads count too.
@@ -257,13 +291,22 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
             finding["max_abs_diff"] = float((got[row].double() - want[row].double()).abs().max())
             findings.append(finding)
         if len(bad) > max_named:
-            findings.append({"table": name, "problem": f"{len(bad) - max_named} more rows differ", "rows": _ranges(bad)})
+            findings.append(
+                {"table": name, "problem": f"{len(bad) - max_named} more rows differ", "rows": _ranges(bad)}
+            )
     if findings:
         raise LossDetected(
-            f"LOSS DETECTED after step {final.step} (world {final.world_size}): " + _describe(findings), findings)
-    return {"ok": True, "step": final.step, "world_size": final.world_size, "rows_checked": rows_checked,
-            "step_checksums_checked": sum(len(v) for k, v in checks.items() if k <= final.step),
-            "tables": {n: list(t.shape) for n, t in expected.items()}, "files": final.files}
+            f"LOSS DETECTED after step {final.step} (world {final.world_size}): " + _describe(findings), findings
+        )
+    return {
+        "ok": True,
+        "step": final.step,
+        "world_size": final.world_size,
+        "rows_checked": rows_checked,
+        "step_checksums_checked": sum(len(v) for k, v in checks.items() if k <= final.step),
+        "tables": {n: list(t.shape) for n, t in expected.items()},
+        "files": final.files,
+    }
 
 
 def _step_checksums(out: Path) -> dict[int, list[dict]]:
@@ -286,9 +329,18 @@ def _step_checksums(out: Path) -> dict[int, list[dict]]:
             for name, (start, stop, crc) in e["crc"].items():
                 if stop > start:
                     checks.setdefault(e["step"], []).append(
-                        {"table": name, "start": start, "stop": stop, "crc": crc, "rank": e.get("rank"),
-                         "world": e.get("world"), "generation": e.get("generation"), "node": e.get("node"),
-                         "restored_step": restored})
+                        {
+                            "table": name,
+                            "start": start,
+                            "stop": stop,
+                            "crc": crc,
+                            "rank": e.get("rank"),
+                            "world": e.get("world"),
+                            "generation": e.get("generation"),
+                            "node": e.get("node"),
+                            "restored_step": restored,
+                        }
+                    )
     return checks
 
 
@@ -302,8 +354,15 @@ def _lookup_checksums(out: Path) -> dict[int, list[dict]]:
             except ValueError:
                 continue
             if e.get("event") == "step" and e.get("lookup_crc") is not None:
-                found.setdefault(e["step"], []).append({"rank": e["rank"], "world": e["world"], "crc": e["lookup_crc"],
-                                                        "node": e.get("node"), "pid": e.get("pid")})
+                found.setdefault(e["step"], []).append(
+                    {
+                        "rank": e["rank"],
+                        "world": e["world"],
+                        "crc": e["lookup_crc"],
+                        "node": e.get("node"),
+                        "pid": e.get("pid"),
+                    }
+                )
     return found
 
 
@@ -320,10 +379,21 @@ def _diagnose(table: str, row: int, got: torch.Tensor, initial: torch.Tensor, hi
     if same:
         k = same[-1]
         missing = [s for s in touched if s > k]
-        return {"table": table, "row": row, "problem": "updates lost", "equals_replay_after_step": k,
-                "missing_steps": missing, "last_step": last}
-    return {"table": table, "row": row, "problem": "matches no replay state (corrupted or applied twice)",
-            "steps_touching_row": touched, "last_step": last}
+        return {
+            "table": table,
+            "row": row,
+            "problem": "updates lost",
+            "equals_replay_after_step": k,
+            "missing_steps": missing,
+            "last_step": last,
+        }
+    return {
+        "table": table,
+        "row": row,
+        "problem": "matches no replay state (corrupted or applied twice)",
+        "steps_touching_row": touched,
+        "last_step": last,
+    }
 
 
 def _ranges(rows: list[int]) -> list[list[int]]:
@@ -340,20 +410,28 @@ def _describe(findings: list[dict]) -> str:
     parts = []
     for f in findings[:12]:
         if f.get("problem") == "looked-up rows differ from the replay":
-            parts.append(f"rank {f['rank']} of world {f['world_size']} (on {f['node']}, pid {f['pid']}) looked up rows "
-                         f"in step {f['step']} that differ from the replay's")
+            parts.append(
+                f"rank {f['rank']} of world {f['world_size']} (on {f['node']}, pid {f['pid']}) looked up rows "
+                f"in step {f['step']} that differ from the replay's"
+            )
         elif f.get("problem") == "first divergence from the replay":
             start, stop = f["rows"][0]
-            parts.append(f"{f['table']} rows [{start}, {stop}) (rank {f['rank']} of world {f['world_size']} on "
-                         f"{f['node']}, a process that restored step {f['process_restored_step']}) first differ "
-                         f"from the replay right after step {f['step']}")
+            parts.append(
+                f"{f['table']} rows [{start}, {stop}) (rank {f['rank']} of world {f['world_size']} on "
+                f"{f['node']}, a process that restored step {f['process_restored_step']}) first differ "
+                f"from the replay right after step {f['step']}"
+            )
         elif "row" in f:
             if f["problem"] == "updates lost":
-                parts.append(f"{f['table']}[{f['row']}] equals the replay after step {f['equals_replay_after_step']}: "
-                             f"updates of steps {f['missing_steps']} lost")
+                parts.append(
+                    f"{f['table']}[{f['row']}] equals the replay after step {f['equals_replay_after_step']}: "
+                    f"updates of steps {f['missing_steps']} lost"
+                )
             else:
-                parts.append(f"{f['table']}[{f['row']}] {f['problem']}, off by up to {f.get('max_abs_diff', 0):.3g}; "
-                             f"steps touching it: {f['steps_touching_row'][-8:]}")
+                parts.append(
+                    f"{f['table']}[{f['row']}] {f['problem']}, off by up to {f.get('max_abs_diff', 0):.3g}; "
+                    f"steps touching it: {f['steps_touching_row'][-8:]}"
+                )
         else:
             rows = ", ".join(f"[{a}, {b})" for a, b in f.get("rows", []))
             parts.append(f"{f['table']}: {f['problem']} rows {rows}" if rows else f"{f['table']}: {f['problem']}")

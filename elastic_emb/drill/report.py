@@ -34,10 +34,19 @@ def segments(events: list[dict]) -> list[dict]:
     for e in sorted((e for e in events if e.get("rank") == 0), key=lambda e: e["t"]):
         if e["event"] in ("start", "resized"):
             in_process = e["event"] == "resized"
-            segs.append({"start_t": e["t"], "lifecycle_seconds": e.get("seconds" if in_process else "start_seconds"),
-                         "world": e["world"], "generation": e.get("generation"), "restored_step": e.get("restored_step"),
-                         "restore": e.get("restore") or {}, "node": e.get("node"), "steps": [],
-                         "mode": "in_process" if in_process else "restart"})
+            segs.append(
+                {
+                    "start_t": e["t"],
+                    "lifecycle_seconds": e.get("seconds" if in_process else "start_seconds"),
+                    "world": e["world"],
+                    "generation": e.get("generation"),
+                    "restored_step": e.get("restored_step"),
+                    "restore": e.get("restore") or {},
+                    "node": e.get("node"),
+                    "steps": [],
+                    "mode": "in_process" if in_process else "restart",
+                }
+            )
         elif e["event"] == "step" and segs:
             segs[-1]["steps"].append((e["t"], e["step"]))
             # complete when its line was written (lines without the field: synchronous commits)
@@ -64,12 +73,17 @@ def build_report(result: DrillResult) -> dict:
     crashed = None  # the crash_worker fault behind the previous resize: in process, its node rejoins next
     for i, seg in enumerate(segs):
         steps = seg["steps"]
-        entry = {"world": seg["world"], "generation": seg["generation"], "node_of_rank0": seg["node"],
-                 "t_start": round(seg["start_t"] - t0, 3),
-                 "t_first_step": round(steps[0][0] - t0, 3) if steps else None,
-                 "t_last_step": round(steps[-1][0] - t0, 3) if steps else None,
-                 "first_step": steps[0][1] if steps else None, "last_step": steps[-1][1] if steps else None,
-                 "restored_step": seg["restored_step"]}
+        entry = {
+            "world": seg["world"],
+            "generation": seg["generation"],
+            "node_of_rank0": seg["node"],
+            "t_start": round(seg["start_t"] - t0, 3),
+            "t_first_step": round(steps[0][0] - t0, 3) if steps else None,
+            "t_last_step": round(steps[-1][0] - t0, 3) if steps else None,
+            "first_step": steps[0][1] if steps else None,
+            "last_step": steps[-1][1] if steps else None,
+            "restored_step": seg["restored_step"],
+        }
         timeline.append(entry)
         if i > 0:
             prev = segs[i - 1]
@@ -87,27 +101,31 @@ def build_report(result: DrillResult) -> dict:
             else:
                 cause_name = "unplanned"
             crashed = fault if fault is not None and fault.fault.kind == "crash_worker" else None
-            resizes.append({
-                "from_world": prev["world"], "to_world": seg["world"],
-                "cause": cause_name,
-                "t": round(t_fault - t0, 3),
-                "restored_step": restored, "newest_committed_before": complete_max,
-                "newest_step_before": committed_max,
-                "steps_lost": max(0, complete_max - restored),
-                "steps_in_flight": max(0, committed_max - max(restored, complete_max)),
-                "source_tiers": restore.get("source_tiers") or [],
-                "fallback": restore.get("fallback"),
-                "phases": {
-                    "ran_on": round(max(0.0, prev_last_t - t_fault), 3),
-                    "restart": round(lc_begin - max(prev_last_t, t_fault), 3),
-                    "lifecycle": round(seg["lifecycle_seconds"] or 0.0, 3),
-                    "restore": round(float(restore.get("restore_s") or restore.get("seconds") or 0.0), 3),
-                    "first_step": round(steps[0][0] - seg["start_t"], 3) if steps else None,
-                },
-                "recovery_seconds": round(steps[0][0] - t_fault, 3) if steps else None,
-                "mode": seg["mode"],
-                "pause_seconds": round(steps[0][0] - prev_last_t, 3) if steps else None,
-            })
+            resizes.append(
+                {
+                    "from_world": prev["world"],
+                    "to_world": seg["world"],
+                    "cause": cause_name,
+                    "t": round(t_fault - t0, 3),
+                    "restored_step": restored,
+                    "newest_committed_before": complete_max,
+                    "newest_step_before": committed_max,
+                    "steps_lost": max(0, complete_max - restored),
+                    "steps_in_flight": max(0, committed_max - max(restored, complete_max)),
+                    "source_tiers": restore.get("source_tiers") or [],
+                    "fallback": restore.get("fallback"),
+                    "phases": {
+                        "ran_on": round(max(0.0, prev_last_t - t_fault), 3),
+                        "restart": round(lc_begin - max(prev_last_t, t_fault), 3),
+                        "lifecycle": round(seg["lifecycle_seconds"] or 0.0, 3),
+                        "restore": round(float(restore.get("restore_s") or restore.get("seconds") or 0.0), 3),
+                        "first_step": round(steps[0][0] - seg["start_t"], 3) if steps else None,
+                    },
+                    "recovery_seconds": round(steps[0][0] - t_fault, 3) if steps else None,
+                    "mode": seg["mode"],
+                    "pause_seconds": round(steps[0][0] - prev_last_t, 3) if steps else None,
+                }
+            )
         if steps:
             committed_max = max(committed_max, max(st for _, st in steps))
             complete_max = max(complete_max, seg.get("complete", -1))
@@ -124,18 +142,34 @@ def build_report(result: DrillResult) -> dict:
     for t in step_times:
         bins[int(t)] += 1
     throughput = [[i + 0.5, n * s.batch] for i, n in enumerate(bins)]
-    nodes = [{"node": n.name, "pid": n.proc.pid, "state": n.state, "exit_code": n.exit_code,
-              "t_start": round(n.started - t0, 3), "t_end": round(n.ended - t0, 3) if n.ended else None,
-              "log": str(n.log_path)} for n in result.nodes]
+    nodes = [
+        {
+            "node": n.name,
+            "pid": n.proc.pid,
+            "state": n.state,
+            "exit_code": n.exit_code,
+            "t_start": round(n.started - t0, 3),
+            "t_end": round(n.ended - t0, 3) if n.ended else None,
+            "log": str(n.log_path),
+        }
+        for n in result.nodes
+    ]
     return {
         "scenario": json.loads(s.model_dump_json()),
-        "ok": result.ok, "error": result.error, "network": result.network,
+        "ok": result.ok,
+        "error": result.error,
+        "network": result.network,
         "duration_seconds": round(result.t_end - t0, 3),
-        "steps_committed": committed_max + 1, "steps_planned": s.steps,
+        "steps_committed": committed_max + 1,
+        "steps_planned": s.steps,
         "world_sizes": [seg["world"] for seg in segs],
         "orphans_alive_at_end": result.orphans_alive_at_end,
-        "faults": faults, "segments": timeline, "resizes": resizes, "nodes": nodes,
-        "world_size_over_time": world_series, "throughput_samples_per_s": throughput,
+        "faults": faults,
+        "segments": timeline,
+        "resizes": resizes,
+        "nodes": nodes,
+        "world_size_over_time": world_series,
+        "throughput_samples_per_s": throughput,
         "verification": _jsonable(result.verification),
     }
 
@@ -195,16 +229,28 @@ def plot(report: dict, path: Path) -> None:
     for f in report["faults"]:
         for ax in (ax1, ax2):
             ax.axvline(f["t"], color="tab:red", linestyle="--", linewidth=1)
-        ax1.annotate(f"{f['kind']} node{f['node']}", (f["t"], ax1.get_ylim()[1]), textcoords="offset points",
-                     xytext=(3, -12), fontsize=8, color="tab:red")
+        ax1.annotate(
+            f"{f['kind']} node{f['node']}",
+            (f["t"], ax1.get_ylim()[1]),
+            textcoords="offset points",
+            xytext=(3, -12),
+            fontsize=8,
+            color="tab:red",
+        )
     for r in report["resizes"]:
         if r["recovery_seconds"] is not None:
             ax2.axvspan(r["t"], r["t"] + r["recovery_seconds"], color="tab:orange", alpha=0.15)
     verdict = "PASS: tables equal the replay bit for bit" if report["ok"] else "FAIL"
     s = report["scenario"]
     fig.suptitle(f"elastic_emb drill '{s['name']}' ({report['network']}): {verdict}", fontsize=11)
-    fig.text(0.01, 0.005, f"training is paced by the drill: {s['step_delay']:g} s per step, {s['slow_delay']:g} s while "
-             f"a resize is in flight; shaded: fault -> first step of the new world", fontsize=7, color="0.35")
+    fig.text(
+        0.01,
+        0.005,
+        f"training is paced by the drill: {s['step_delay']:g} s per step, {s['slow_delay']:g} s while "
+        f"a resize is in flight; shaded: fault -> first step of the new world",
+        fontsize=7,
+        color="0.35",
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -232,29 +278,51 @@ def summary_table(report: dict):
     head.add_row("drill", f"{s['name']}: {s['description']}")
     head.add_row("verdict", verdict)
     head.add_row("network", report["network"])
-    head.add_row("steps", f"{report['steps_committed']} committed of {report['steps_planned']}, global batch {s['batch']}")
+    head.add_row(
+        "steps", f"{report['steps_committed']} committed of {report['steps_planned']}, global batch {s['batch']}"
+    )
     head.add_row("world sizes", " -> ".join(str(w) for w in report["world_sizes"]) or "-")
     if v.get("ok"):
-        head.add_row("verification", f"{v['rows_checked']} rows of {len(v['tables'])} tables equal the replay after "
-                                     f"step {v['step']}, bit for bit; {v.get('step_checksums_checked', 0)} per-step shard checksums match")
+        head.add_row(
+            "verification",
+            f"{v['rows_checked']} rows of {len(v['tables'])} tables equal the replay after "
+            f"step {v['step']}, bit for bit; {v.get('step_checksums_checked', 0)} per-step shard checksums match",
+        )
     elif v:
         head.add_row("verification", Text(str(v.get("error", ""))[:600], style="red"))
     if report["error"] and not (v and not v.get("ok")):
         head.add_row("error", Text(report["error"][:600], style="red"))
     head.add_row("duration", f"{report['duration_seconds']:.1f} s")
     table = Table(title="resizes", title_justify="left", show_lines=False)
-    for col in ("t s", "cause", "world", "mode", "from step", "lost", "tiers", "restart s", "start s", "pause s",
-                "recovery s"):
+    for col in (
+        "t s",
+        "cause",
+        "world",
+        "mode",
+        "from step",
+        "lost",
+        "tiers",
+        "restart s",
+        "start s",
+        "pause s",
+        "recovery s",
+    ):
         table.add_column(col, justify="right" if col not in ("cause", "tiers") else "left", no_wrap=True)
     for r in report["resizes"]:
         pause = r.get("pause_seconds")
-        table.add_row(f"{r['t']:.1f}", r["cause"], f"{r['from_world']} -> {r['to_world']}", {"in_process": "in-proc"}.get(r.get("mode"), "restart"),
-                      str(r["restored_step"]),
-                      str(r["steps_lost"]) + (f" +{r['steps_in_flight']} in flight" if r.get("steps_in_flight") else ""),
-                      "+".join(r["source_tiers"]) or "-",
-                      f"{r['phases']['restart']:.2f}", f"{r['phases']['lifecycle']:.2f}",
-                      "-" if pause is None else f"{pause:.2f}",
-                      "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}")
+        table.add_row(
+            f"{r['t']:.1f}",
+            r["cause"],
+            f"{r['from_world']} -> {r['to_world']}",
+            {"in_process": "in-proc"}.get(r.get("mode"), "restart"),
+            str(r["restored_step"]),
+            str(r["steps_lost"]) + (f" +{r['steps_in_flight']} in flight" if r.get("steps_in_flight") else ""),
+            "+".join(r["source_tiers"]) or "-",
+            f"{r['phases']['restart']:.2f}",
+            f"{r['phases']['lifecycle']:.2f}",
+            "-" if pause is None else f"{pause:.2f}",
+            "-" if r["recovery_seconds"] is None else f"{r['recovery_seconds']:.2f}",
+        )
     paths = Text(f"report: {report['paths']['json']}\nplot:   {report['paths']['plot']}")
     return Group(head, table, paths)
 

@@ -68,34 +68,44 @@ class Scenario(BaseModel):
     steps: int = Field(default=60, ge=1, le=100_000, description="Training steps of the example (0..steps-1).")
     batch: int = Field(default=256, ge=8, le=65_536, description="GLOBAL batch per step, whatever the world size.")
     step_delay: float = Field(default=0.05, ge=0, le=10, description="Seconds each step sleeps, to pace the drill.")
-    slow_delay: float = Field(default=0.25, ge=0, le=10,
-                              description="Seconds per step while a resize is in flight (keeps a short run from ending first; "
-                              "in process the world trains on while a joiner starts: the presets with joins use 1.0).")
+    slow_delay: float = Field(
+        default=0.25,
+        ge=0,
+        le=10,
+        description="Seconds per step while a resize is in flight (keeps a short run from ending first; "
+        "in process the world trains on while a joiner starts: the presets with joins use 1.0).",
+    )
     seed: int = Field(default=0, ge=0)
     rendezvous: Literal["elastic_emb", "c10d"] = Field(
         default="elastic_emb", description="torchrun --rdzv-backend (elastic_emb: the project's backend)."
     )
     mode: Literal["restart", "in_process"] = Field(
-        default="in_process", description="How the world resizes: in_process (--rdzv-conf resize=in_process: the "
+        default="in_process",
+        description="How the world resizes: in_process (--rdzv-conf resize=in_process: the "
         "survivors re-form in their running processes; the default with rendezvous='elastic_emb') or restart (the "
-        "agents restart every worker; the default, and the only mode, with rendezvous='c10d').")
+        "agents restart every worker; the default, and the only mode, with rendezvous='c10d').",
+    )
     store: Literal["drill", "agent", "etcd"] = Field(
         default="drill",
         description="Who hosts the rendezvous store: the drill process (a TCPStore), the first agent "
         "(torch's embedded c10d store), or an etcd server the drill starts.",
     )
     etcd_api: Literal["v3", "v2"] = Field(
-        default="v3", description="store='etcd': the backend's inner rendezvous, etcd-v3 (default) or etcd-v2.")
+        default="v3", description="store='etcd': the backend's inner rendezvous, etcd-v3 (default) or etcd-v2."
+    )
     etcd_members: int = Field(default=1, ge=1, le=5, description="store='etcd': members of the local etcd cluster.")
     network: Literal["auto", "loopback", "netns"] = Field(
         default="auto", description="netns: one network namespace per node (needs root); auto: netns when it works."
     )
     backend: Literal["gloo", "nccl"] = Field(
-        default="gloo", description="Collective backend of the workers; nccl gives each node GPUs no live node holds.")
+        default="gloo", description="Collective backend of the workers; nccl gives each node GPUs no live node holds."
+    )
     faults: tuple[Fault, ...] = ()
     workload: Literal["recsys", "torchrec"] = Field(
-        default="recsys", description="The packaged training script: recsys (EmbContext) or torchrec (TorchRec DMP; "
-        "needs the torchrec extra).")
+        default="recsys",
+        description="The packaged training script: recsys (EmbContext) or torchrec (TorchRec DMP; "
+        "needs the torchrec extra).",
+    )
     expect_failure: bool = Field(default=False, description="True for drills that plant a loss on purpose.")
     timeout: float = Field(default=240.0, gt=0, le=3600, description="Hard limit for the whole drill, seconds.")
     max_restarts: int = Field(default=8, ge=0, le=100)
@@ -124,14 +134,19 @@ class Scenario(BaseModel):
         if self.mode == "in_process" and self.rendezvous != "elastic_emb":
             raise ValueError("mode='in_process' needs rendezvous='elastic_emb' (stock c10d restarts every worker)")
         if self.store == "etcd" and self.rendezvous != "elastic_emb":
-            raise ValueError("store='etcd' needs rendezvous='elastic_emb' (it drives etcd through the project's backend)")
+            raise ValueError(
+                "store='etcd' needs rendezvous='elastic_emb' (it drives etcd through the project's backend)"
+            )
         if self.etcd_members > 1 and (self.store != "etcd" or self.etcd_api != "v3"):
-            raise ValueError(f"etcd_members={self.etcd_members} needs store='etcd' and etcd_api='v3' (torch's etcd-v2 "
-                             f"client talks to one member)")
+            raise ValueError(
+                f"etcd_members={self.etcd_members} needs store='etcd' and etcd_api='v3' (torch's etcd-v2 "
+                f"client talks to one member)"
+            )
         for f in self.faults:
             if f.member is not None and f.member >= self.etcd_members:
-                raise ValueError(f"fault kill_store: member={f.member}, but the cluster has members "
-                                 f"0..{self.etcd_members - 1}")
+                raise ValueError(
+                    f"fault kill_store: member={f.member}, but the cluster has members 0..{self.etcd_members - 1}"
+                )
         steps = [f.at_step for f in self.faults if f.at_step is not None]
         if steps != sorted(steps):
             raise ValueError(f"step-triggered faults must be in step order, got steps {steps}")
@@ -142,8 +157,10 @@ class Scenario(BaseModel):
                     f"{self.steps - 1}; raise steps or move the fault earlier"
                 )
             if f.kind == "kill_store" and self.store != "etcd":
-                raise ValueError(f"fault 'kill_store' needs store='etcd' (got store={self.store!r}): only an etcd "
-                                 f"rendezvous store can die and come back; with torch's c10d store, kill node 0 instead")
+                raise ValueError(
+                    f"fault 'kill_store' needs store='etcd' (got store={self.store!r}): only an etcd "
+                    f"rendezvous store can die and come back; with torch's c10d store, kill node 0 instead"
+                )
         self.simulate()  # raises on a membership that leaves [min_nodes, max_nodes]
         return self
 
@@ -204,12 +221,22 @@ _STEP = dict(steps=70, step_delay=0.05)
 def _ep8(name: str, loss: str, story: str) -> Scenario:
     """Expert-parallel 8 on CPU (4 nodes x 2 ranks): nodes 1 and 3 lost by ``loss``, then two joins."""
     return Scenario(
-        name=name, description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
-        initial_nodes=4, min_nodes=2, max_nodes=4, nproc_per_node=2, steps=110, step_delay=0.05, timeout=600,
-        mode="in_process", slow_delay=1.0,  # joiners' agents start slowly on a loaded machine (as scale-up)
+        name=name,
+        description=f"Expert-parallel 8 on CPU: 4 nodes x 2 ranks; {story}",
+        initial_nodes=4,
+        min_nodes=2,
+        max_nodes=4,
+        nproc_per_node=2,
+        steps=110,
+        step_delay=0.05,
+        timeout=600,
+        mode="in_process",
+        slow_delay=1.0,  # joiners' agents start slowly on a loaded machine (as scale-up)
         faults=(
-            Fault(kind=loss, at_step=8, node=1), Fault(kind=loss, at_step=20, node=3),
-            Fault(kind="join", at_step=35), Fault(kind="join", at_step=50),
+            Fault(kind=loss, at_step=8, node=1),
+            Fault(kind=loss, at_step=20, node=3),
+            Fault(kind="join", at_step=35),
+            Fault(kind="join", at_step=50),
         ),
     )
 
@@ -220,90 +247,161 @@ PRESETS: dict[str, Scenario] = {
         Scenario(
             name="demo",
             description="1 -> 2 -> 1 nodes on loopback with torch's embedded c10d store, resized in process "
-                        "(the README's demo).",
+            "(the README's demo).",
             # slow_delay=1.0 as in scale-up (below): a joiner slow to import torch on a loaded
             # machine still joins while the world trains.
-            initial_nodes=1, max_nodes=2, store="agent", network="loopback", steps=90, step_delay=0.05,
-            mode="in_process", slow_delay=1.0,
+            initial_nodes=1,
+            max_nodes=2,
+            store="agent",
+            network="loopback",
+            steps=90,
+            step_delay=0.05,
+            mode="in_process",
+            slow_delay=1.0,
             faults=(Fault(kind="join", at_step=10), Fault(kind="leave", at_step=55)),
         ),
         Scenario(
-            name="scale-up", description="A second node joins a running 1-node job.",
+            name="scale-up",
+            description="A second node joins a running 1-node job.",
             # The joiner starts a process (imports torch) while the world trains on: on a loaded
             # machine that can outlast the remaining steps at 0.25 s each. A join that comes after
             # the end exits 0 (the job is marked complete) but resizes nothing, and the drill fails
             # saying so: the slow steps keep the join inside training. A slowed step ends as soon as
             # the join is due, so the pause reported is still the re-form's.
-            initial_nodes=1, max_nodes=2, faults=(Fault(kind="join", at_step=8),), mode="in_process", slow_delay=1.0,
+            initial_nodes=1,
+            max_nodes=2,
+            faults=(Fault(kind="join", at_step=8),),
+            mode="in_process",
+            slow_delay=1.0,
             **_STEP,
         ),
         Scenario(
-            name="scale-down", description="One of two nodes leaves gracefully (SIGTERM to its agent).",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="leave", at_step=8),), mode="in_process", **_STEP,
+            name="scale-down",
+            description="One of two nodes leaves gracefully (SIGTERM to its agent).",
+            initial_nodes=2,
+            max_nodes=2,
+            faults=(Fault(kind="leave", at_step=8),),
+            mode="in_process",
+            **_STEP,
         ),
         Scenario(
-            name="node-loss", description="One of two nodes dies at once (SIGKILL of its agent and workers).",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_node", at_step=8, node=1),), mode="in_process", **_STEP,
+            name="node-loss",
+            description="One of two nodes dies at once (SIGKILL of its agent and workers).",
+            initial_nodes=2,
+            max_nodes=2,
+            faults=(Fault(kind="kill_node", at_step=8, node=1),),
+            mode="in_process",
+            **_STEP,
         ),
         Scenario(
             name="agent-loss",
             description="One of two agents is SIGKILLed alone; its orphaned worker must leave by itself.",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="kill_agent", at_step=8, node=1),), mode="in_process", **_STEP,
+            initial_nodes=2,
+            max_nodes=2,
+            faults=(Fault(kind="kill_agent", at_step=8, node=1),),
+            mode="in_process",
+            **_STEP,
         ),
         Scenario(
             name="torchrec",
             description="TorchRec (the torchrec extra): 1 -> 2 nodes, then one dies (2 -> 1); tables equal a "
-                        "one-process TorchRec replay bit for bit.",
+            "one-process TorchRec replay bit for bit.",
             # Slow steps while a resize is in flight: a joiner's workers import TorchRec before they
             # join, which on a loaded machine can outlast the remaining steps.
-            workload="torchrec", initial_nodes=1, max_nodes=2, batch=64, steps=40, step_delay=0.1, slow_delay=1.5,
-            timeout=420, faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
+            workload="torchrec",
+            initial_nodes=1,
+            max_nodes=2,
+            batch=64,
+            steps=40,
+            step_delay=0.1,
+            slow_delay=1.5,
+            timeout=420,
+            faults=(Fault(kind="join", at_step=5), Fault(kind="kill_node", at_step=22, node=1)),
             mode="in_process",
         ),
         Scenario(
-            name="worker-crash", description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",
-            initial_nodes=2, max_nodes=2, faults=(Fault(kind="crash_worker", at_step=8, node=1),), mode="in_process",
+            name="worker-crash",
+            description="A worker of a 2-node job is SIGKILLed; its agent restarts it.",
+            initial_nodes=2,
+            max_nodes=2,
+            faults=(Fault(kind="crash_worker", at_step=8, node=1),),
+            mode="in_process",
             **_STEP,
         ),
         Scenario(
-            name="flapping", description="A node joins and leaves, twice.",
-            initial_nodes=1, max_nodes=2, steps=160, step_delay=0.05, mode="in_process",
+            name="flapping",
+            description="A node joins and leaves, twice.",
+            initial_nodes=1,
+            max_nodes=2,
+            steps=160,
+            step_delay=0.05,
+            mode="in_process",
             faults=(
-                Fault(kind="join", at_step=8), Fault(kind="leave", at_step=45),
-                Fault(kind="join", at_step=75), Fault(kind="kill_node", at_step=115),
+                Fault(kind="join", at_step=8),
+                Fault(kind="leave", at_step=45),
+                Fault(kind="join", at_step=75),
+                Fault(kind="kill_node", at_step=115),
             ),
         ),
         Scenario(
             name="store-host-loss",
             description="The etcd server holding the rendezvous state dies for 3 s while a node joins.",
             # slow_delay=1.0 as in scale-up: keeps the join inside training on a loaded machine.
-            initial_nodes=1, max_nodes=2, store="etcd", steps=100, step_delay=0.05, mode="in_process", slow_delay=1.0,
+            initial_nodes=1,
+            max_nodes=2,
+            store="etcd",
+            steps=100,
+            step_delay=0.05,
+            mode="in_process",
+            slow_delay=1.0,
             faults=(Fault(kind="kill_store", at_step=8, duration=3.0), Fault(kind="join", at_step=20)),
         ),
         Scenario(
             name="store-member-loss",
             description="A 3-member etcd cluster holds the rendezvous; its leader is SIGKILLed as a node joins "
-                        "and comes back 5 s later.",
-            initial_nodes=1, max_nodes=2, store="etcd", etcd_members=3, steps=100, step_delay=0.05, mode="in_process",
+            "and comes back 5 s later.",
+            initial_nodes=1,
+            max_nodes=2,
+            store="etcd",
+            etcd_members=3,
+            steps=100,
+            step_delay=0.05,
+            mode="in_process",
             faults=(Fault(kind="kill_store", at_step=15, duration=5.0), Fault(kind="join", at_step=15)),
         ),
         Scenario(
             name="gpu-2-1-2",
             description="GPU (nccl, one GPU per node): 2 nodes, one leaves, one joins, one dies, one joins.",
             # Restart mode until it has been drilled in process on two GPUs (`--mode in_process` runs it so).
-            initial_nodes=2, max_nodes=2, backend="nccl", network="loopback", steps=150, step_delay=0.05, mode="restart",
+            initial_nodes=2,
+            max_nodes=2,
+            backend="nccl",
+            network="loopback",
+            steps=150,
+            step_delay=0.05,
+            mode="restart",
             faults=(
-                Fault(kind="leave", at_step=10), Fault(kind="join", at_step=40),
-                Fault(kind="kill_node", at_step=75), Fault(kind="join", at_step=105),
+                Fault(kind="leave", at_step=10),
+                Fault(kind="join", at_step=40),
+                Fault(kind="kill_node", at_step=75),
+                Fault(kind="join", at_step=105),
             ),
         ),
-        _ep8("ep8", "kill_node", "nodes 1 and 3 SIGKILLed one after the other (8 -> 6 -> 4), then two nodes join "
-                                 "(4 -> 6 -> 8)."),
+        _ep8(
+            "ep8",
+            "kill_node",
+            "nodes 1 and 3 SIGKILLed one after the other (8 -> 6 -> 4), then two nodes join (4 -> 6 -> 8).",
+        ),
         _ep8("ep8-term", "leave", "SIGTERM flavour: nodes 1 and 3 leave (8 -> 6 -> 4), two nodes join (4 -> 6 -> 8)."),
         Scenario(
             name="corrupt-snapshot",
             description="Plants a loss (bytes of node 0's newest snapshot flipped, then a restart): the drill must fail.",
-            initial_nodes=1, max_nodes=2, steps=60, step_delay=0.05, expect_failure=True, mode="in_process",
+            initial_nodes=1,
+            max_nodes=2,
+            steps=60,
+            step_delay=0.05,
+            expect_failure=True,
+            mode="in_process",
             faults=(Fault(kind="corrupt", at_step=10, node=0), Fault(kind="join", at_step=11)),
         ),
     )
@@ -341,9 +439,15 @@ def chaos(seed: int, *, faults: int = 5, max_nodes: int = 3, steps_between: int 
     # torch): slowed steps of 1.0 s, as in the presets with joins, keep a join drawn late inside
     # training on a loaded machine.
     return Scenario(
-        name=f"chaos-{seed}", description=f"random chaos, seed {seed}: " + ", ".join(f.kind for f in drawn),
-        initial_nodes=1, max_nodes=max_nodes, steps=step + 20, step_delay=0.05, slow_delay=1.0,
-        faults=tuple(drawn), seed=seed,
+        name=f"chaos-{seed}",
+        description=f"random chaos, seed {seed}: " + ", ".join(f.kind for f in drawn),
+        initial_nodes=1,
+        max_nodes=max_nodes,
+        steps=step + 20,
+        step_delay=0.05,
+        slow_delay=1.0,
+        faults=tuple(drawn),
+        seed=seed,
     )
 
 
@@ -396,8 +500,10 @@ def load_scenario(spec: str) -> Scenario:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(exc, "problem", None) or type(exc).__name__
-            raise ValueError(f"scenario file {spec!r} is not valid YAML{where}: {problem}; fix the file "
-                             f"(examples/scenarios/rolling.yaml shows the format)") from None
+            raise ValueError(
+                f"scenario file {spec!r} is not valid YAML{where}: {problem}; fix the file "
+                f"(examples/scenarios/rolling.yaml shows the format)"
+            ) from None
     if not isinstance(data, dict):
         raise ValueError(f"scenario file {spec!r} must hold a mapping (name:, faults:, ...), got {type(data).__name__}")
     data.setdefault("name", path.stem)

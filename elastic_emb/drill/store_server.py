@@ -41,8 +41,11 @@ def wait_listening(host: str, port: int, proc: subprocess.Popen, *, timeout: flo
             except OSError:
                 pass
         else:
-            probe = subprocess.run(["ip", "netns", "exec", netns, "bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"],
-                                   capture_output=True, timeout=5)
+            probe = subprocess.run(
+                ["ip", "netns", "exec", netns, "bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"],
+                capture_output=True,
+                timeout=5,
+            )
             if probe.returncode == 0:
                 return
         time.sleep(0.05)
@@ -58,8 +61,9 @@ def main() -> None:
     args = p.parse_args()
     import torch.distributed as dist
 
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60), multi_tenant=True)
+    store = dist.TCPStore(
+        args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), multi_tenant=True
+    )
     print(f"store listening on {args.host}:{args.port}", flush=True)
     deadline = time.monotonic() + args.lifetime
     while time.monotonic() < deadline:

@@ -41,7 +41,7 @@ class Config:
 
     @property
     def lr(self) -> float:
-        return 2.0 ** self.lr_log2
+        return 2.0**self.lr_log2
 
     def rows(self, table: str) -> int:
         """Rows of a table.
@@ -65,11 +65,12 @@ def quantise(t: torch.Tensor, bits: int = GRAD_BITS) -> torch.Tensor:
     Returns:
         The rounded values, in ``t``'s dtype.
     """
-    scale = float(2 ** bits)
+    scale = float(2**bits)
     return torch.round(t.double() * scale).div(scale).to(t.dtype)
 
 
 # -- the model -------------------------------------------------------------------------------------
+
 
 class DLRM(torch.nn.Module):
     """Pooled embeddings -> MLP (float64) -> click logit.
@@ -85,8 +86,10 @@ class DLRM(torch.nn.Module):
         self.ebc = ebc
         self.world_size = world_size
         self.tower = torch.nn.Sequential(
-            torch.nn.Linear(len(TABLES) * cfg.dim, cfg.hidden, dtype=torch.float64), torch.nn.ReLU(),
-            torch.nn.Linear(cfg.hidden, 1, dtype=torch.float64))
+            torch.nn.Linear(len(TABLES) * cfg.dim, cfg.hidden, dtype=torch.float64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(cfg.hidden, 1, dtype=torch.float64),
+        )
 
     def forward(self, kjt) -> torch.Tensor:
         """The click logits of a batch.
@@ -128,14 +131,23 @@ def build(topology, env, device, cfg: Config):
     from torchrec.distributed.types import ShardingPlan
 
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=t, embedding_dim=cfg.dim, num_embeddings=cfg.rows(t), feature_names=[t])
-                for t in TABLES], device=torch.device("meta"))
+        tables=[
+            EmbeddingBagConfig(name=t, embedding_dim=cfg.dim, num_embeddings=cfg.rows(t), feature_names=[t])
+            for t in TABLES
+        ],
+        device=torch.device("meta"),
+    )
     torch.manual_seed(cfg.seed)  # the tower's first values (replaced by init_rows on a first start)
     model = DLRM(ebc, cfg, topology.world_size)
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": cfg.lr})
     # On the CPU the stock planner offers no row-wise plan: ask for it table by table.
-    plan = construct_module_sharding_plan(ebc, {t: row_wise(compute_kernel="fused") for t in TABLES},
-                                          world_size=topology.world_size, device_type=device.type, sharder=sharder)
+    plan = construct_module_sharding_plan(
+        ebc,
+        {t: row_wise(compute_kernel="fused") for t in TABLES},
+        world_size=topology.world_size,
+        device_type=device.type,
+        sharder=sharder,
+    )
     return DistributedModelParallel(model, env=env, device=device, plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
 
 
@@ -169,15 +181,16 @@ def first_start(ctx, cfg: Config) -> None:
     with torch.no_grad():
         for t in TABLES:
             v = views[t]
-            v.weight.copy_(init[t][v.rows.start: v.rows.stop])
+            v.weight.copy_(init[t][v.rows.start : v.rows.stop])
         d = views["dense"]
         flat = torch.zeros(ctx.tables["dense"].num_rows * DENSE_DIM, dtype=torch.float64)
         flat[: init["dense"].numel()] = init["dense"]
-        d.weight.copy_(flat.view(-1, DENSE_DIM)[d.rows.start: d.rows.stop])
+        d.weight.copy_(flat.view(-1, DENSE_DIM)[d.rows.start : d.rows.stop])
     ctx.mark_restored()  # collective: every rank's dense rows into the tower
 
 
 # -- data: a pure function of (seed, step) --------------------------------------------------------
+
 
 def global_batch(step: int, cfg: Config):
     """The whole step's samples, a function of seed and step.
@@ -218,8 +231,10 @@ def local_batch(step: int, cfg: Config, rank: int, world_size: int):
     from torchrec import KeyedJaggedTensor
 
     if cfg.batch % world_size:
-        raise ValueError(f"batch={cfg.batch} is not divisible by world size {world_size}: every rank needs the "
-                         f"same number of samples")
+        raise ValueError(
+            f"batch={cfg.batch} is not divisible by world size {world_size}: every rank needs the "
+            f"same number of samples"
+        )
     per = cfg.batch // world_size
     lo, hi = rank * per, (rank + 1) * per
     feats, labels = global_batch(step, cfg)
@@ -228,7 +243,7 @@ def local_batch(step: int, cfg: Config, rank: int, world_size: int):
         length, ids = feats[t]
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
         lengths.append(length[lo:hi])
-        values.append(ids[offsets[lo]: offsets[hi]])
+        values.append(ids[offsets[lo] : offsets[hi]])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(TABLES), values=torch.cat(values), lengths=torch.cat(lengths))
     return kjt, labels[lo:hi]
 
@@ -261,6 +276,7 @@ def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
 
 # -- the reference: the same steps in one process -------------------------------------------------
 
+
 def drill_replay(cfg: Config, last_step: int, *, on_step=None):
     """Steps ``0..last_step`` on one process (world size 1): the drill's reference for this workload.
 
@@ -283,8 +299,20 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
 
     if dist.is_initialized():
         raise RuntimeError("drill_replay forms a world of one: destroy the default process group first")
-    topo = Topology.build(run_id="replay", generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                          node_rank=0, num_nodes=1, ep_size=1, backend="gloo", master_addr="127.0.0.1", master_port=1)
+    topo = Topology.build(
+        run_id="replay",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
     ctx = TorchRecContext(topo, dist.HashStore(), build=functools.partial(build, cfg=cfg))
     try:
         first_start(ctx, cfg)
@@ -310,6 +338,7 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
 
 
 # -- the elastic training loop (examples/loop.py) --------------------------------------------------
+
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     """Parse the loop's options and the configuration's.
@@ -339,8 +368,13 @@ def main(argv=None) -> int:
     args, cfg = parse_args(argv)
     configure_logging()
     factory = functools.partial(TorchRecContext, build=functools.partial(build, cfg=cfg))
-    return run_elastic(factory, lambda ctx, step, fields: train_step(ctx, step, cfg), args, cfg,
-                       on_first_start=lambda ctx: first_start(ctx, cfg))
+    return run_elastic(
+        factory,
+        lambda ctx, step, fields: train_step(ctx, step, cfg),
+        args,
+        cfg,
+        on_first_start=lambda ctx: first_start(ctx, cfg),
+    )
 
 
 if __name__ == "__main__":

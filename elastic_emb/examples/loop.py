@@ -53,7 +53,10 @@ class Progress:
             event: the event's name (``start``, ``step``, ``resized``, ``final``, ...).
             fields: more keys of the line (values that JSON cannot hold are written as strings).
         """
-        self.file.write(json.dumps({"event": event, "t": time.time(), "node": self.node, "pid": os.getpid(), **fields}, default=str) + "\n")
+        self.file.write(
+            json.dumps({"event": event, "t": time.time(), "node": self.node, "pid": os.getpid(), **fields}, default=str)
+            + "\n"
+        )
 
 
 def record(obj) -> dict:
@@ -87,15 +90,29 @@ def write_final(lc, cfg, out: Path) -> Path:
     """
     topo = lc.context.topology
     shards = {
-        name: {"start": s.rows.start, "stop": s.rows.stop, "num_rows": lc.context.tables[name].num_rows,
-               "weight": s.weight.detach().cpu().clone()}
+        name: {
+            "start": s.rows.start,
+            "stop": s.rows.stop,
+            "num_rows": lc.context.tables[name].num_rows,
+            "weight": s.weight.detach().cpu().clone(),
+        }
         for name, s in lc.context.export_shard().items()
     }
     (out / "final").mkdir(parents=True, exist_ok=True)
     path = out / "final" / f"gen{topo.generation}-w{topo.world_size}-r{topo.rank}-{os.getpid()}.pt"
     tmp = path.with_suffix(".tmp")
-    torch.save({"step": lc.step, "generation": topo.generation, "world_size": topo.world_size, "rank": topo.rank,
-                "config": asdict(cfg), "time": time.time(), "shards": shards}, tmp)
+    torch.save(
+        {
+            "step": lc.step,
+            "generation": topo.generation,
+            "world_size": topo.world_size,
+            "rank": topo.rank,
+            "config": asdict(cfg),
+            "time": time.time(),
+            "shards": shards,
+        },
+        tmp,
+    )
     os.replace(tmp, path)
     return path
 
@@ -133,12 +150,20 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="Train steps 0..steps-1 (global count, across restarts).")
     p.add_argument("--out", type=Path, required=True, help="Directory for progress lines and the final tables.")
     p.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (paces drills).")
-    p.add_argument("--slow-file", type=Path, default=None,
-                   help="While this file exists, sleep --slow-delay per step instead (drills slow training down "
-                        "while a resize is in flight, so a short run cannot end before it lands).")
+    p.add_argument(
+        "--slow-file",
+        type=Path,
+        default=None,
+        help="While this file exists, sleep --slow-delay per step instead (drills slow training down "
+        "while a resize is in flight, so a short run cannot end before it lands).",
+    )
     p.add_argument("--slow-delay", type=float, default=0.25)
-    p.add_argument("--checksums", action="store_true", help="Add per-table CRC32s of this rank's rows to each step line.")
-    p.add_argument("--drain-timeout", type=float, default=120.0, help="Seconds to wait for the agent's restart when draining.")
+    p.add_argument(
+        "--checksums", action="store_true", help="Add per-table CRC32s of this rank's rows to each step line."
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=120.0, help="Seconds to wait for the agent's restart when draining."
+    )
     for field, default in asdict(cfg).items():
         p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
     return p
@@ -171,8 +196,9 @@ def _pace(delay: float, resize) -> None:
             return
 
 
-def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
-                on_first_start: Callable[[object], None] | None = None) -> int:
+def run_elastic(
+    factory, step_fn: StepFn, args: argparse.Namespace, cfg, *, on_first_start: Callable[[object], None] | None = None
+) -> int:
     """Train steps ``lc.next_step .. args.steps - 1`` elastically, committing each step.
 
     Starts (or, on a joining node in process, joins), steps and commits, re-forms in process or
@@ -228,8 +254,11 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
         except ResizeFallback:
             return 0 if _wait_for_sigterm(args.drain_timeout) else 3  # the agents restart everyone
     else:
-        store = interruptible_store(worker_store(Topology.from_env(), timeout=lc_config.agree_timeout), watcher) \
-            if in_process else None
+        store = (
+            interruptible_store(worker_store(Topology.from_env(), timeout=lc_config.agree_timeout), watcher)
+            if in_process
+            else None
+        )
         lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store)
         resize = InProcessResize(lc, watcher) if in_process else None
 
@@ -243,9 +272,18 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
             return None
         t = lc.topology
         bind_topology(t)
-        progress.write("resized", mode="in_process", rank=t.rank, world=t.world_size, generation=t.generation,
-                       restored_step=lc.step, failed=failed, seconds=event.total_s, last_step_t=t_last,
-                       restore=record(event))
+        progress.write(
+            "resized",
+            mode="in_process",
+            rank=t.rank,
+            world=t.world_size,
+            generation=t.generation,
+            restored_step=lc.step,
+            failed=failed,
+            seconds=event.total_s,
+            last_step_t=t_last,
+            restore=record(event),
+        )
         return t
 
     last_step_t = [time.time()]
@@ -254,9 +292,15 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
         bind_topology(topo)
         if lc.step == -1 and on_first_start is not None:
             on_first_start(lc.context)
-        progress.write("start", rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                       restored_step=lc.step, start_seconds=time.time() - started,
-                       restore=record(lc.events[-1] if lc.events else None))
+        progress.write(
+            "start",
+            rank=topo.rank,
+            world=topo.world_size,
+            generation=topo.generation,
+            restored_step=lc.step,
+            start_seconds=time.time() - started,
+            restore=record(lc.events[-1] if lc.events else None),
+        )
         while lc.next_step < args.steps:
             step = lc.next_step
             if resize is not None and resize.pending():
@@ -288,10 +332,19 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
             if resize is None:
                 report = lc.commit(step)
             last_step_t[0] = time.time()
-            progress.write("step", step=step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                           loss=round(float(loss), 6), seconds=time.time() - t0, commit=record(report),
-                           committed=lc.committed_step,  # complete; the step's own commit may be in flight
-                           crc=shard_checksums(lc.context) if args.checksums else None, **fields)
+            progress.write(
+                "step",
+                step=step,
+                rank=topo.rank,
+                world=topo.world_size,
+                generation=topo.generation,
+                loss=round(float(loss), 6),
+                seconds=time.time() - t0,
+                commit=record(report),
+                committed=lc.committed_step,  # complete; the step's own commit may be in flight
+                crc=shard_checksums(lc.context) if args.checksums else None,
+                **fields,
+            )
             # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
             delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
             if delay and not lc.draining:
@@ -312,8 +365,9 @@ def run_elastic(factory, step_fn: StepFn, args: argparse.Namespace, cfg, *,
             if topo is None:
                 return 0 if lc.wait_for_restart(args.drain_timeout) else 3
         path = write_final(lc, cfg, args.out)
-        progress.write("final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation,
-                       path=str(path))
+        progress.write(
+            "final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation, path=str(path)
+        )
         log.info("training_done", step=lc.step, final=str(path))
         return 0
     finally:

@@ -40,7 +40,7 @@ class Config:
 
     @property
     def lr(self) -> float:
-        return 2.0 ** self.lr_log2
+        return 2.0**self.lr_log2
 
     @property
     def dense_params(self) -> int:
@@ -57,7 +57,9 @@ class Config:
             ValueError: if ``batch`` exceeds ``2**(23 - GRAD_BITS)``.
         """
         if self.batch > 2 ** (24 - GRAD_BITS - 1):
-            raise ValueError(f"batch={self.batch} too large for exact fp32 gradient sums; keep it <= {2 ** (23 - GRAD_BITS)}")
+            raise ValueError(
+                f"batch={self.batch} too large for exact fp32 gradient sums; keep it <= {2 ** (23 - GRAD_BITS)}"
+            )
 
 
 def table_specs(cfg: Config):
@@ -93,6 +95,7 @@ def optimizer_spec(cfg: Config):
 
 
 # -- data: a pure function of (seed, step) ------------------------------------------------------
+
 
 def hash_ids(raw: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Hash raw 31-bit ids to table rows (multiplicative hashing; fits in int64 exactly).
@@ -143,6 +146,7 @@ def rank_slice(n: int, rank: int, world_size: int) -> slice:
 
 # -- the model: per-sample gradients on a dyadic grid --------------------------------------------
 
+
 def quantise(t: torch.Tensor) -> torch.Tensor:
     """Round onto the grid ``2**-GRAD_BITS`` and clamp to [-1, 1].
 
@@ -169,7 +173,7 @@ def unpack_dense(cfg: Config, dense: torch.Tensor):
     """
     p = dense.reshape(-1)[: cfg.dense_params].double()
     d, h = cfg.dim, cfg.hidden
-    return p[: 2 * d * h].view(h, 2 * d), p[2 * d * h: 2 * d * h + h], p[2 * d * h + h: 2 * d * h + 2 * h], p[-1]
+    return p[: 2 * d * h].view(h, 2 * d), p[2 * d * h : 2 * d * h + h], p[2 * d * h + h : 2 * d * h + 2 * h], p[-1]
 
 
 def tower_loss(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -220,7 +224,7 @@ def sample_gradients(cfg: Config, dense: torch.Tensor, u: torch.Tensor, i: torch
     g_w1 = (d_z[:, :, None] * x[:, None, :]).reshape(len(y), -1)  # per-sample outer products
     g_dense = torch.cat([g_w1, d_z, d_logit[:, None] * h, d_logit[:, None]], 1)
     g_x = d_z @ w1  # [n, 2*dim]
-    return loss, quantise(g_dense), quantise(g_x[:, : cfg.dim]), quantise(g_x[:, cfg.dim:])
+    return loss, quantise(g_dense), quantise(g_x[:, : cfg.dim]), quantise(g_x[:, cfg.dim :])
 
 
 def dense_gradient_rows(cfg: Config, g_dense: torch.Tensor) -> torch.Tensor:
@@ -287,6 +291,7 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
 
 # -- the elastic training loop (elastic_emb/examples/loop.py) --------------------------------------
 
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     """Parse the loop's options and the configuration's.
 
@@ -319,8 +324,9 @@ def main(argv=None) -> int:
     args, cfg = parse_args(argv)
     configure_logging()
     factory = functools.partial(EmbContext, tables=table_specs(cfg), optimizer=optimizer_spec(cfg), seed=cfg.seed)
-    return run_elastic(factory, lambda ctx, step, fields: train_step(ctx, step, cfg, fields if args.checksums else None),
-                       args, cfg)
+    return run_elastic(
+        factory, lambda ctx, step, fields: train_step(ctx, step, cfg, fields if args.checksums else None), args, cfg
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ class InterruptibleStore(ForwardingStore):
         pause = 0.001
         while not self._inner.check(keys):
             if self._interrupted():
-                raise _MemberGone(f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
-                                 f"rendezvous (the in-process resize re-forms without it)")
+                raise _MemberGone(
+                    f"store wait for {list(keys)[:4]} ended: a member of this generation left the "
+                    f"rendezvous (the in-process resize re-forms without it)"
+                )
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"store wait for {list(keys)[:4]} timed out after {limit:g} s")
             time.sleep(pause)

@@ -77,8 +77,11 @@ class JoinPlan:
         if value is None:
             return None
         plan = json.loads(value)
-        if (plan.get("generation") != generation or not isinstance(plan.get("after_step"), int)
-                or not isinstance(plan.get("joiners"), list)):
+        if (
+            plan.get("generation") != generation
+            or not isinstance(plan.get("after_step"), int)
+            or not isinstance(plan.get("joiners"), list)
+        ):
             raise ElasticEmbError(f"join plan under {key} is malformed: {value[:200]!r}")
         self._plan = plan
         return plan
@@ -101,8 +104,9 @@ class JoinPlan:
         raise_generations(self._reader.store, self._reader.run_id, plan["generation"])
         self._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
         self._plan = plan
-        log.info("resize.join_planned", generation=plan["generation"], after_step=plan["after_step"],
-                 joiners=plan["joiners"])
+        log.info(
+            "resize.join_planned", generation=plan["generation"], after_step=plan["after_step"], joiners=plan["joiners"]
+        )
         return plan
 
     def ready(self, members: tuple[str, ...], present: set[str]) -> list[str]:

@@ -84,8 +84,17 @@ class InProcessResize:
         ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
     """
 
-    def __init__(self, lifecycle, watcher, *, env: Mapping[str, str] | None = None, detect_timeout: float = 10.0,
-                 decide_timeout: float = 10.0, store_timeout: float = 30.0, rollcall_grace: float = 0.5) -> None:
+    def __init__(
+        self,
+        lifecycle,
+        watcher,
+        *,
+        env: Mapping[str, str] | None = None,
+        detect_timeout: float = 10.0,
+        decide_timeout: float = 10.0,
+        store_timeout: float = 30.0,
+        rollcall_grace: float = 0.5,
+    ) -> None:
         env = os.environ if env is None else env
         settings = config.load(env, "resize", "membership", "ep_size")
         self.lc = lifecycle
@@ -103,8 +112,10 @@ class InProcessResize:
         self._join = JoinPlan(watcher._reader, self._signer) if self.enabled else None
         self._seen: tuple[float, float] | None = None  # the change first seen: (when, that check's seconds)
         if self.enabled and watcher.node not in self.nodes:
-            raise ElasticEmbError(f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
-                                  f"launch with --rdzv-backend=elastic_emb")
+            raise ElasticEmbError(
+                f"this worker's node {watcher.node!r} is not in ELASTIC_EMB_MEMBERSHIP {self.nodes}: "
+                f"launch with --rdzv-backend=elastic_emb"
+            )
         if self.enabled:  # a peer's failed collective ends this generation's store waits at once
             watcher.watch_failures(self._rollcall(lifecycle.topology.generation + 1).failed_key)
             watcher.on_failure = self._abort_context
@@ -115,8 +126,16 @@ class InProcessResize:
             watch_neighbour(self, InProcessResize._probe_neighbour, log)
 
     @classmethod
-    def join(cls, factory, lifecycle_config, watcher, *, env: Mapping[str, str] | None = None,
-             timeout: float = 60.0, store_timeout: float = 30.0):
+    def join(
+        cls,
+        factory,
+        lifecycle_config,
+        watcher,
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        store_timeout: float = 30.0,
+    ):
         """Start a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``).
 
         Registers as ready, waits (bounded) until the running workers' decision includes this
@@ -167,15 +186,23 @@ class InProcessResize:
                 look_for_end = time.monotonic() + 0.1
                 done = read_mark(store, signer, reader.run_id, log)
                 if done is not None:
-                    log.info("resize.job_complete_before_join", node=me, mark=done,
-                             outcome="exit 0: the job finished before this node could join it")
-                    raise JobComplete(f"node {me}: the job finished before this node could join it "
-                                      f"(marked complete: {done}); nothing to do")
+                    log.info(
+                        "resize.job_complete_before_join",
+                        node=me,
+                        mark=done,
+                        outcome="exit 0: the job finished before this node could join it",
+                    )
+                    raise JobComplete(
+                        f"node {me}: the job finished before this node could join it "
+                        f"(marked complete: {done}); nothing to do"
+                    )
             if time.monotonic() >= deadline:
                 # Nobody includes us (no running worker left, or it died deciding): ask the agents
                 # for a restart-mode round, which starts a world with everyone.
-                exc = ElasticEmbError(f"node {me} registered to join the running world but was not included within "
-                                      f"{timeout:g} s (no running worker calls InProcessResize.pending(), or it died)")
+                exc = ElasticEmbError(
+                    f"node {me} registered to join the running world but was not included within "
+                    f"{timeout:g} s (no running worker calls InProcessResize.pending(), or it died)"
+                )
                 _request_fallback(watcher, signer, exc)
                 raise ResizeFallback(str(exc)) from exc
             time.sleep(0.005)  # the running workers' agreement waits for this worker: its pause
@@ -183,17 +210,32 @@ class InProcessResize:
         lws, local = int(env["LOCAL_WORLD_SIZE"]), int(env["LOCAL_RANK"])
         node_rank = nodes.index(me)
         rank, world = rank_of(node_rank, local, lws), len(nodes) * lws
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(node_rank), GROUP_WORLD_SIZE=str(len(nodes)),
-                   MASTER_ADDR=str(record["master_addr"]), MASTER_PORT=str(record["master_port"]),
-                   ELASTIC_EMB_GENERATION=str(record["generation"]))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            GROUP_RANK=str(node_rank),
+            GROUP_WORLD_SIZE=str(len(nodes)),
+            MASTER_ADDR=str(record["master_addr"]),
+            MASTER_PORT=str(record["master_port"]),
+            ELASTIC_EMB_GENERATION=str(record["generation"]),
+        )
         watcher.adopt(nodes, rank, world)
         world_store = InterruptibleStore(reader.world_store(store_timeout), WaitGuard(watcher))
-        lc = Lifecycle.start(factory, lifecycle_config, env=env, store=world_store, watcher=watcher,
-                             background_base=True)  # as the running workers' re-form (first_base.py)
+        lc = Lifecycle.start(
+            factory, lifecycle_config, env=env, store=world_store, watcher=watcher, background_base=True
+        )  # as the running workers' re-form (first_base.py)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
         resize._store = world_store
-        log.info("resize.joined", mode="in_process", node=me, generation=record["generation"], rank=rank,
-                 world_size=world, wait_s=round(time.perf_counter() - t0, 6), pid=os.getpid())
+        log.info(
+            "resize.joined",
+            mode="in_process",
+            node=me,
+            generation=record["generation"],
+            rank=rank,
+            world_size=world,
+            wait_s=round(time.perf_counter() - t0, 6),
+            pid=os.getpid(),
+        )
         return lc, resize
 
     def pending(self) -> bool:
@@ -312,8 +354,14 @@ class InProcessResize:
         raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
         roll = self._rollcall(old.generation + 1)
         roll.answer(self.watcher.node, old.local_rank)
-        return roll.absent(self.nodes, old.local_world_size, self._gone, self.rollcall_grace, self.watcher.prober,
-                           patience=self.detect_timeout)
+        return roll.absent(
+            self.nodes,
+            old.local_world_size,
+            self._gone,
+            self.rollcall_grace,
+            self.watcher.prober,
+            patience=self.detect_timeout,
+        )
 
     def join_due(self) -> bool:
         """At the end of training: whether a join plan asks to re-form after the step just taken.
@@ -389,8 +437,10 @@ class InProcessResize:
             # store guard calls them members: give up on what they have not sent (a drained node
             # sent all of it before it left, so a graceful resize still loses no step).
             lws = self.lc.topology.local_world_size
-            self.lc.give_up_on([rank_of(i, r, lws) for i, n in enumerate(self.nodes) if n in gone for r in range(lws)],
-                               f"nodes {list(gone)} left the rendezvous")
+            self.lc.give_up_on(
+                [rank_of(i, r, lws) for i, n in enumerate(self.nodes) if n in gone for r in range(lws)],
+                f"nodes {list(gone)} left the rendezvous",
+            )
             # a survivor whose probe saw the same departure first holds a roll call
             reader = self.watcher._reader
             raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
@@ -401,8 +451,10 @@ class InProcessResize:
             time.sleep(min(0.05, self.watcher.interval))
             gone = self._gone()
         if not gone and not joiners:
-            raise ElasticEmbError(f"a collective failed and no node of generation {self.lc.topology.generation} left "
-                                  f"the rendezvous within {self.detect_timeout:g} s: a real failure")
+            raise ElasticEmbError(
+                f"a collective failed and no node of generation {self.lc.topology.generation} left "
+                f"the rendezvous within {self.detect_timeout:g} s: a real failure"
+            )
         t1 = time.perf_counter()
         old = self.lc.topology
         try:
@@ -419,23 +471,46 @@ class InProcessResize:
             # lifecycle aborts the old context first and restores the newest commit, not these rows.
             # Detect: the check that first saw the change (none after a failed collective) plus the
             # wait here; drain: from that check to this step boundary.
-            phases = {"detect_s": (seen[1] if seen is not None else 0.0) + (t1 - t0),
-                      "drain_s": max(0.0, t0 - seen[0]) if seen is not None else 0.0, "decide_s": t2 - t1}
-            event = self.lc.on_membership_change(new, store=self._world_store(), rebuild=rebuild, abort=failed,
-                                                 mode="in_process", phases=phases, background_base=True)
+            phases = {
+                "detect_s": (seen[1] if seen is not None else 0.0) + (t1 - t0),
+                "drain_s": max(0.0, t0 - seen[0]) if seen is not None else 0.0,
+                "decide_s": t2 - t1,
+            }
+            event = self.lc.on_membership_change(
+                new,
+                store=self._world_store(),
+                rebuild=rebuild,
+                abort=failed,
+                mode="in_process",
+                phases=phases,
+                background_base=True,
+            )
         except Exception as exc:
             self._fall_back(exc)
-            raise ResizeFallback(f"in-process resize from generation {old.generation} failed ({type(exc).__name__}: "
-                                 f"{exc}); the agents restart the workers instead") from exc
+            raise ResizeFallback(
+                f"in-process resize from generation {old.generation} failed ({type(exc).__name__}: "
+                f"{exc}); the agents restart the workers instead"
+            ) from exc
         t3 = time.perf_counter()
         self.nodes = nodes
         self.neighbour_dead.clear()  # the new generation's neighbour is probed from now on
         self._join.included(nodes)
-        log.info("resize.in_process", mode="in_process", gone=list(gone), joined=list(joiners),
-                 old_generation=old.generation,
-                 new_generation=new.generation, old_world_size=old.world_size, new_world_size=new.world_size,
-                 rank=new.rank, pid=os.getpid(), detect_s=round(t1 - t0, 6), decide_s=round(t2 - t1, 6),
-                 rebuild_s=round(t3 - t2, 6), restored_step=event.restored_step)
+        log.info(
+            "resize.in_process",
+            mode="in_process",
+            gone=list(gone),
+            joined=list(joiners),
+            old_generation=old.generation,
+            new_generation=new.generation,
+            old_world_size=old.world_size,
+            new_world_size=new.world_size,
+            rank=new.rank,
+            pid=os.getpid(),
+            detect_s=round(t1 - t0, 6),
+            decide_s=round(t2 - t1, 6),
+            rebuild_s=round(t3 - t2, 6),
+            restored_step=event.restored_step,
+        )
         return event
 
     # -- the decision --------------------------------------------------------------------------
@@ -452,8 +527,14 @@ class InProcessResize:
         if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
             points.reached("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
             old = self.lc.topology
-            record = json.dumps({"generation": generation, "nodes": list(survivors) + list(joiners),
-                                 "master_addr": old.master_addr, "master_port": old.master_port})
+            record = json.dumps(
+                {
+                    "generation": generation,
+                    "nodes": list(survivors) + list(joiners),
+                    "master_addr": old.master_addr,
+                    "master_port": old.master_port,
+                }
+            )
             store.set(key, self._signer.sign(key, record))
             current = inproc_root(self.watcher._reader.run_id) + KEY_CURRENT
             store.set(current, self._signer.sign(current, record))  # where joiners look
@@ -470,25 +551,41 @@ class InProcessResize:
                     raise ElasticEmbError(f"node {me} is not in generation {generation}'s decision {nodes}")
                 return nodes
             if time.monotonic() >= deadline:
-                raise ElasticEmbError(f"no decision for generation {generation} under {key} within "
-                                      f"{self.decide_timeout:g} s (the decider, node {survivors[0]}, died or is stuck)")
+                raise ElasticEmbError(
+                    f"no decision for generation {generation} under {key} within "
+                    f"{self.decide_timeout:g} s (the decider, node {survivors[0]}, died or is stuck)"
+                )
             view = self.watcher.last_state
             if me != survivors[0] and view is not None and survivors[0] not in view.nodes:
                 # its worker died deciding and its agent left the round to rejoin (rdzv/rejoin.py):
                 # no decision can come; fall back now rather than after decide_timeout
-                raise ElasticEmbError(f"the decider of generation {generation}, node {survivors[0]}, left the "
-                                      f"rendezvous before publishing the decision under {key}")
+                raise ElasticEmbError(
+                    f"the decider of generation {generation}, node {survivors[0]}, left the "
+                    f"rendezvous before publishing the decision under {key}"
+                )
             time.sleep(pause)  # every survivor waits here: part of the pause
             pause = min(0.005, pause * 2)
 
     def _topology(self, old: Topology, nodes: tuple[str, ...]) -> Topology:
         lws = old.local_world_size
         world = len(nodes) * lws
-        ep = self._fixed_ep if self._fixed_ep is not None and self._fixed_ep <= world else largest_power_of_two_at_most(world)
+        ep = (
+            self._fixed_ep
+            if self._fixed_ep is not None and self._fixed_ep <= world
+            else largest_power_of_two_at_most(world)
+        )
         node_rank = nodes.index(self.watcher.node)
-        return Topology(**{**old.model_dump(), "generation": old.generation + 1, "world_size": world,
-                           "num_nodes": len(nodes), "node_rank": node_rank,
-                           "rank": rank_of(node_rank, old.local_rank, lws), "ep_size": ep})
+        return Topology(
+            **{
+                **old.model_dump(),
+                "generation": old.generation + 1,
+                "world_size": world,
+                "num_nodes": len(nodes),
+                "node_rank": node_rank,
+                "rank": rank_of(node_rank, old.local_rank, lws),
+                "ep_size": ep,
+            }
+        )
 
     def _world_store(self):
         if self._store is None:

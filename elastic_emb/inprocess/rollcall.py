@@ -147,8 +147,16 @@ class RollCall:
             return True
         return all(read_signed(self._store, self._signer, k, self._log) == node.encode() for k in keys)
 
-    def absent(self, nodes: Iterable[str], local_world_size: int, gone: Callable[[], Iterable[str]], grace: float,
-               prober: "Prober | None" = None, patience: float = 10.0, poll: float = 0.005) -> tuple[str, ...]:
+    def absent(
+        self,
+        nodes: Iterable[str],
+        local_world_size: int,
+        gone: Callable[[], Iterable[str]],
+        grace: float,
+        prober: "Prober | None" = None,
+        patience: float = 10.0,
+        poll: float = 0.005,
+    ) -> tuple[str, ...]:
         """The member nodes that are gone or did not answer the roll call.
 
         A node that has not answered is waited for: not at all once a worker of it refuses the

@@ -53,8 +53,9 @@ class Committer:
             :class:`~elastic_emb.errors.ElasticEmbError` when it has none.
     """
 
-    def __init__(self, config: LifecycleConfig, topology: Topology, store,
-                 context: Callable[[], ShardedContext]) -> None:
+    def __init__(
+        self, config: LifecycleConfig, topology: Topology, store, context: Callable[[], ShardedContext]
+    ) -> None:
         self.config = config
         self.topology = topology
         self.store = store
@@ -71,13 +72,25 @@ class Committer:
         self._dcomm: Comm | None = None  # the durable thread's communicator (_durable_comm)
         self._default_group = DefaultGroup()  # DCP's process group, for the durable tier
         self._interrupted: tuple[Topology, str] | None = None  # (generation, why): interrupt()
-        self.snapshot = SnapshotTier(config.state_dir, topology.run_id, config.node_id, replication=config.replication,
-                                     keep=config.keep, file_mode=config.file_mode, dir_mode=config.dir_mode,
-                                     max_chain=config.max_chain, fold_ratio=config.fold_ratio,
-                                     fold_max_deltas=config.fold_max_deltas, fold_timeout=config.transfer_timeout)
+        self.snapshot = SnapshotTier(
+            config.state_dir,
+            topology.run_id,
+            config.node_id,
+            replication=config.replication,
+            keep=config.keep,
+            file_mode=config.file_mode,
+            dir_mode=config.dir_mode,
+            max_chain=config.max_chain,
+            fold_ratio=config.fold_ratio,
+            fold_max_deltas=config.fold_max_deltas,
+            fold_timeout=config.transfer_timeout,
+        )
         self.snapshot.fold = self.snapshot.fold and config.fold
-        self.durable = (DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode,
-                                    dir_mode=config.dir_mode) if config.durable_dir else None)
+        self.durable = (
+            DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode, dir_mode=config.dir_mode)
+            if config.durable_dir
+            else None
+        )
 
     def enter(self, topology: Topology, store) -> None:
         """The lifecycle moved to a new generation (or re-formed the same one).
@@ -182,15 +195,24 @@ class Committer:
         """
         t0 = time.perf_counter()
         ctx = self._context()
-        durable_due = bool(self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0)
+        durable_due = bool(
+            self.durable is not None and self.config.durable_every and step % self.config.durable_every == 0
+        )
         changes = None
         # On CUDA, with the background writer, a delta is gathered on the GPU on a side stream
         # (elastic_emb.state.capture): no host sync, several commits in flight.
         asynchronous = self._async_for(ctx)
         background = background or asynchronous  # (the first base of a generation formed in process, too)
-        on_device = bool(asynchronous and self.config.incremental and ctx.tracks_changes
-                         and not durable_due and getattr(ctx, "device", None) is not None and ctx.device.type == "cuda"
-                         and hasattr(ctx, "take_changed_rows") and hasattr(ctx, "hold_writes"))
+        on_device = bool(
+            asynchronous
+            and self.config.incremental
+            and ctx.tracks_changes
+            and not durable_due
+            and getattr(ctx, "device", None) is not None
+            and ctx.device.type == "cuda"
+            and hasattr(ctx, "take_changed_rows")
+            and hasattr(ctx, "hold_writes")
+        )
         if self.config.incremental and ctx.tracks_changes:
             # The changed rows as row numbers where the context offers them (work per commit grows
             # with the rows written), else the contract's whole-shard masks.
@@ -213,9 +235,15 @@ class Committer:
                 self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
             if writer.in_flight is None:
                 self._before_in_flight = self.step
-            cap = self.snapshot.capture(step, shards, self.topology, num_rows, changes,
-                                        device=self._device if on_device else None,
-                                        hold=ctx.hold_writes if on_device else None)
+            cap = self.snapshot.capture(
+                step,
+                shards,
+                self.topology,
+                num_rows,
+                changes,
+                device=self._device if on_device else None,
+                hold=ctx.hold_writes if on_device else None,
+            )
             try:
                 writer.submit(cap)
             except BaseException:
@@ -233,13 +261,20 @@ class Committer:
             # durable tier's own (the context's and the writer's stay free for the steps).
             dcomm = self._durable_comm(group) if self.config.durable_async else comm
             durable_bytes, self._pending_durable = self.durable.commit(
-                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async)
+                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async
+            )
             tiers.append("durable")
         if not background:
             self.snapshot.prune(comm)  # the background writer prunes after each commit it completes
         self.step = step
-        report = CommitReport(step=step, tiers=tiers, bytes_snapshot=written, bytes_replicated=replicated,
-                              bytes_durable=durable_bytes, seconds=time.perf_counter() - t0)
+        report = CommitReport(
+            step=step,
+            tiers=tiers,
+            bytes_snapshot=written,
+            bytes_replicated=replicated,
+            bytes_durable=durable_bytes,
+            seconds=time.perf_counter() - t0,
+        )
         log.info("lifecycle.commit", **report.model_dump())
         metrics.commit(report)
         return report
@@ -266,9 +301,17 @@ class Committer:
         :meth:`give_up_on` and hold the checkpoint of a dead or departed rank for
         ``transfer_timeout``."""
         if self._dcomm is None or self._dcomm.topology is not self.topology or not self._dcomm.formed_on(group):
-            self._dcomm = self._made(Comm(self.topology, thread_store(self.store), group,
-                                          timeout=self.config.transfer_timeout, device="cpu", purpose="durable",
-                                          interruptible=True))
+            self._dcomm = self._made(
+                Comm(
+                    self.topology,
+                    thread_store(self.store),
+                    group,
+                    timeout=self.config.transfer_timeout,
+                    device="cpu",
+                    purpose="durable",
+                    interruptible=True,
+                )
+            )
         return self._dcomm
 
     @property
@@ -309,10 +352,15 @@ class Committer:
         # A context without a process group gets a communicator with a gloo group of its own, once
         # per generation (formed_on: that group stands for the context's None). A new one would
         # close the writer, waiting for the commits in flight, and form a gloo group per commit.
-        if self._comm is None or self._comm.topology is not self.topology or not self._comm.formed_on(ctx.process_group):
+        if (
+            self._comm is None
+            or self._comm.topology is not self.topology
+            or not self._comm.formed_on(ctx.process_group)
+        ):
             self.close_comm()
-            self._comm = self._made(Comm(self.topology, self.store, ctx.process_group,
-                                         timeout=self.config.transfer_timeout))
+            self._comm = self._made(
+                Comm(self.topology, self.store, ctx.process_group, timeout=self.config.transfer_timeout)
+            )
         return self._comm
 
     def _async_for(self, ctx) -> bool:
@@ -325,12 +373,21 @@ class Committer:
     def _writer_for(self) -> CommitWriter:
         if self._writer is None or self._writer.comm.topology is not self.topology:
             self.close_writer()
-            comm = self._made(Comm(self.topology, thread_store(self.store), None,
-                                   timeout=self.config.transfer_timeout, purpose="commit", interruptible=True))
+            comm = self._made(
+                Comm(
+                    self.topology,
+                    thread_store(self.store),
+                    None,
+                    timeout=self.config.transfer_timeout,
+                    purpose="commit",
+                    interruptible=True,
+                )
+            )
             self._writer = CommitWriter(self.snapshot, comm, self.config.transfer_timeout, depth=COMMIT_DEPTH)
             if not self._sigterm_installed:  # a SIGTERM first waits (bounded) for the commit in flight
                 self._sigterm_installed = finish_commit_on_sigterm(
-                    lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout))
+                    lambda: self._writer, min(SIGTERM_COMMIT_WAIT, self.config.transfer_timeout)
+                )
         return self._writer
 
     def interrupt(self, reason: str) -> None:
@@ -430,8 +487,11 @@ class Committer:
         self.close_comm()
         for writer in self._abandoned:  # out of their store waits (aborted) before the process exits
             if not writer.join(ABANDONED_JOIN):
-                log.warning("lifecycle.abandoned_writer_alive", seconds=ABANDONED_JOIN,
-                            remedy="its replica transfer to the dead peer runs to transfer_timeout")
+                log.warning(
+                    "lifecycle.abandoned_writer_alive",
+                    seconds=ABANDONED_JOIN,
+                    remedy="its replica transfer to the dead peer runs to transfer_timeout",
+                )
         self._abandoned = []
         uninstall_sigterm(self._sigterm_installed)
         self._sigterm_installed = None
@@ -449,7 +509,11 @@ def _commit_lost(exc: BaseException, **where) -> None:
     its communicator was aborted because a peer is known gone (:class:`_CommAborted`: expected, the
     re-form restores the newest complete commit), else ``lifecycle.commit_failed`` (error)."""
     if isinstance(exc, _CommAborted):
-        log.warning("lifecycle.commit_aborted", reason="a peer is gone: the communicator was aborted",
-                    error=str(exc)[:300], **where)
+        log.warning(
+            "lifecycle.commit_aborted",
+            reason="a peer is gone: the communicator was aborted",
+            error=str(exc)[:300],
+            **where,
+        )
     else:
         log.error("lifecycle.commit_failed", error=str(exc)[:500], **where)

@@ -57,8 +57,13 @@ class DefaultGroup:
             if self._generation == topology.generation:
                 return dist.group.WORLD
             dist.destroy_process_group()
-        dist.init_process_group("gloo", store=generation_store(store, topology, "dcp"), rank=topology.rank,
-                                world_size=topology.world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            store=generation_store(store, topology, "dcp"),
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         self._owned = True
         self._generation = topology.generation
         return dist.group.WORLD

@@ -91,8 +91,10 @@ class FirstBase:
         else:
             value = self._store.get(key)  # bounded by the store's timeout; a dead rank 0 interrupts it
             if value not in (b"0", b"1"):
-                raise ValueError(f"first-base verdict for step {step} is {value[:40]!r}, expected b'0' or b'1': "
-                                 f"a foreign writer shares this generation's store keys")
+                raise ValueError(
+                    f"first-base verdict for step {step} is {value[:40]!r}, expected b'0' or b'1': "
+                    f"a foreign writer shares this generation's store keys"
+                )
             defer = value == b"1"
         if defer and self.coalesced is None:
             self.coalesced = step

@@ -52,8 +52,15 @@ class Lifecycle:
         env: the worker's environment (not read by the constructor).
     """
 
-    def __init__(self, factory: ContextFactory, config: LifecycleConfig, topology: Topology, store,
-                 watcher=None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        factory: ContextFactory,
+        config: LifecycleConfig,
+        topology: Topology,
+        store,
+        watcher=None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.factory = factory
         self.config = config
         self.topology = topology
@@ -73,9 +80,16 @@ class Lifecycle:
     # -- start -------------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, factory: ContextFactory, config: LifecycleConfig | None = None, *,
-              env: Mapping[str, str] | None = None, store=None, watcher=None,
-              background_base: bool = False) -> "Lifecycle":
+    def start(
+        cls,
+        factory: ContextFactory,
+        config: LifecycleConfig | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        store=None,
+        watcher=None,
+        background_base: bool = False,
+    ) -> "Lifecycle":
         """Start a lifecycle: topology from the environment, agree, construct, restore.
 
         The restore takes the newest commit complete for every row across the node snapshots
@@ -225,12 +239,16 @@ class Lifecycle:
         """
         self._finish_resize(stepped=True)  # the first step after a resize ends here
         if step <= self.step:
-            raise ValueError(f"step={step} was already committed (last committed step {self.step}); "
-                             f"steps must increase: resume at lifecycle.next_step={self.next_step}")
+            raise ValueError(
+                f"step={step} was already committed (last committed step {self.step}); "
+                f"steps must increase: resume at lifecycle.next_step={self.next_step}"
+            )
         self._seen_step = max(self._seen_step, step)
         if self.watcher is not None and self.watcher.evicted:
-            raise ElasticEmbError(f"rank {self.topology.rank} was evicted from the job: it must not commit step "
-                                  f"{step}; exit and let the agent restart it")
+            raise ElasticEmbError(
+                f"rank {self.topology.rank} was evicted from the job: it must not commit step "
+                f"{step}; exit and let the agent restart it"
+            )
         drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
         due = force or drain or step % self.config.commit_every == 0
         report = self._committer.due(step, forced=force or drain) if due else None
@@ -243,9 +261,17 @@ class Lifecycle:
 
     # -- membership changes ------------------------------------------------------------------
 
-    def on_membership_change(self, new_topology: Topology, store=None, *, rebuild: bool = False,
-                             abort: bool = False, mode: str | None = None,
-                             phases: Mapping[str, float] | None = None, background_base: bool = False) -> ResizeEvent:
+    def on_membership_change(
+        self,
+        new_topology: Topology,
+        store=None,
+        *,
+        rebuild: bool = False,
+        abort: bool = False,
+        mode: str | None = None,
+        phases: Mapping[str, float] | None = None,
+        background_base: bool = False,
+    ) -> ResizeEvent:
         """Move to a new generation: ``reset`` at the same sizes, else commit, close, construct, restore.
 
         Same world and EP size with an open context: ``reset``. Otherwise the context is destroyed
@@ -285,8 +311,10 @@ class Lifecycle:
         if new_topology.run_id != old.run_id:
             raise ValueError(f"new topology is for run {new_topology.run_id!r}, this lifecycle for {old.run_id!r}")
         if new_topology.generation <= old.generation:
-            raise ValueError(f"new topology generation {new_topology.generation} must be > current "
-                             f"{old.generation}: each membership change is a new rendezvous round")
+            raise ValueError(
+                f"new topology generation {new_topology.generation} must be > current "
+                f"{old.generation}: each membership change is a new rendezvous round"
+            )
         if set(phases or {}) - set(CALLER_PHASES):
             raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
         self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
@@ -342,8 +370,9 @@ class Lifecycle:
         self._committer.close_comm()
         self._enter(new, store)
         self._committer.default_group()
-        report = RestoreReport(step=self.step, generation=new.generation, fingerprint=new.fingerprint(),
-                               source_tiers=["live"])
+        report = RestoreReport(
+            step=self.step, generation=new.generation, fingerprint=new.fingerprint(), source_tiers=["live"]
+        )
         return self._event("reset", old, 0.0, t1 - t0, t2 - t1, 0.0, t2 - t0, report, False)
 
     def _rebuild(self, new: Topology, store) -> ResizeEvent:
@@ -369,14 +398,19 @@ class Lifecycle:
             # A collective failed (a peer died mid-step): this rank's rows may hold part of a step
             # that was never committed, so they are not the state of any commit. Restore from the
             # committed tiers instead: restoring these rows could apply that step twice.
-            log.warning("lifecycle.live_rows_skipped", reason="context unhealthy: rows may hold a partial step",
-                        last_step=self._seen_step)
+            log.warning(
+                "lifecycle.live_rows_skipped",
+                reason="context unhealthy: rows may hold a partial step",
+                last_step=self._seen_step,
+            )
         else:
             try:
                 live = list(ctx.export_shard().values())
             except Exception as exc:
                 log.warning("lifecycle.export_failed", error=repr(exc)[:300])
-        live_commit = (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
+        live_commit = (
+            (self._seen_step, old.generation, old.fingerprint()) if live is not None and self._seen_step >= 0 else None
+        )
         self._committer.close_comm()
         # Ranks left: their ends of the communicator are gone without a destroy, and a destroy
         # waits for peers (NCCL); abort instead, on every survivor alike (docs/FACTS.md, NCCL).
@@ -403,9 +437,17 @@ class Lifecycle:
         ctx = self._require_context()
         comm = self._committer.comm_for(ctx)
         group = self._committer.default_group()
-        report = restore(ctx, comm, snapshot=self.snapshot, durable=self.durable, live=live,
-                         live_commit=live_commit, require_state=self.config.require_state,
-                         start_fresh=self.config.start_fresh, durable_group=group)
+        report = restore(
+            ctx,
+            comm,
+            snapshot=self.snapshot,
+            durable=self.durable,
+            live=live,
+            live_commit=live_commit,
+            require_state=self.config.require_state,
+            start_fresh=self.config.start_fresh,
+            durable_group=group,
+        )
         # Every rank of the new generation passes here (starters and rebuilders alike): the torn
         # commits of earlier generations will never complete, remove them.
         self.snapshot.prune(comm, at_start=True)
@@ -496,10 +538,30 @@ class Lifecycle:
         self._committer.enter(topology, store)
         bind_topology(topology)
 
-    def _event(self, kind, old: Topology | None, teardown, agreement, construct, restore_s, total,
-               report: RestoreReport, committed: bool) -> ResizeEvent:
-        event = ResizeEvent.of(kind, old, self.topology, teardown=teardown, agreement=agreement, construct=construct,
-                               restore_s=restore_s, total=total, report=report, committed=committed)
+    def _event(
+        self,
+        kind,
+        old: Topology | None,
+        teardown,
+        agreement,
+        construct,
+        restore_s,
+        total,
+        report: RestoreReport,
+        committed: bool,
+    ) -> ResizeEvent:
+        event = ResizeEvent.of(
+            kind,
+            old,
+            self.topology,
+            teardown=teardown,
+            agreement=agreement,
+            construct=construct,
+            restore_s=restore_s,
+            total=total,
+            report=report,
+            committed=committed,
+        )
         if kind == "start":  # a resize's event is logged after its first step (on_membership_change)
             log.info("lifecycle.start", **event.model_dump())
             metrics.resize(event, self.snapshot)

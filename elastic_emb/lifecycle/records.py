@@ -85,12 +85,14 @@ class LifecycleConfig(BaseModel):
         settings = config.load(env)
         durable = self.durable_dir or settings.durable_dir
         durable_every = self.durable_every or (self.commit_every if durable else 0)
-        return self.model_copy(update=dict(
-            state_dir=self.state_dir or settings.state_dir,
-            durable_dir=durable,
-            durable_every=durable_every,
-            node_id=self.node_id or node_id_from_env(env),
-        ))
+        return self.model_copy(
+            update=dict(
+                state_dir=self.state_dir or settings.state_dir,
+                durable_dir=durable,
+                durable_every=durable_every,
+                node_id=self.node_id or node_id_from_env(env),
+            )
+        )
 
 
 class CommitReport(BaseModel):
@@ -144,8 +146,20 @@ class ResizeEvent(BaseModel):
     first_step_s: float | None = Field(default=None, ge=0)
 
     @classmethod
-    def of(cls, kind: str, old, new, *, teardown: float, agreement: float, construct: float, restore_s: float,
-           total: float, report, committed: bool) -> "ResizeEvent":
+    def of(
+        cls,
+        kind: str,
+        old,
+        new,
+        *,
+        teardown: float,
+        agreement: float,
+        construct: float,
+        restore_s: float,
+        total: float,
+        report,
+        committed: bool,
+    ) -> "ResizeEvent":
         """The event of a change from topology ``old`` to ``new``.
 
         Args:
@@ -164,22 +178,35 @@ class ResizeEvent(BaseModel):
             The event, durations rounded to microseconds.
         """
         return cls(
-            kind=kind, old_world_size=old.world_size if old else None, new_world_size=new.world_size,
-            old_generation=old.generation if old else None, new_generation=new.generation, rank=new.rank,
-            teardown_s=round(teardown, 6), agreement_s=round(agreement, 6), construct_s=round(construct, 6),
-            restore_s=round(restore_s, 6), transfer_s=round(report.transfer_seconds, 6), total_s=round(total, 6),
+            kind=kind,
+            old_world_size=old.world_size if old else None,
+            new_world_size=new.world_size,
+            old_generation=old.generation if old else None,
+            new_generation=new.generation,
+            rank=new.rank,
+            teardown_s=round(teardown, 6),
+            agreement_s=round(agreement, 6),
+            construct_s=round(construct, 6),
+            restore_s=round(restore_s, 6),
+            transfer_s=round(report.transfer_seconds, 6),
+            total_s=round(total, 6),
             bytes_moved=report.bytes_moved,
-            bytes_local=report.bytes_local, source_tiers=list(report.source_tiers),
-            shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()}, restored_step=report.step,
-            committed_before=committed, fallback=report.fallback, transport=report.transport,
+            bytes_local=report.bytes_local,
+            source_tiers=list(report.source_tiers),
+            shard_tiers={t: [list(x) for x in v] for t, v in report.tiers.items()},
+            restored_step=report.step,
+            committed_before=committed,
+            fallback=report.fallback,
+            transport=report.transport,
         )
 
 
 CALLER_PHASES = ("detect_s", "drain_s", "decide_s")  # the phases before the lifecycle's own
 
 
-def completed_by_caller(event: ResizeEvent, aborted: float, mode: str | None,
-                         phases: Mapping[str, float] | None) -> ResizeEvent:
+def completed_by_caller(
+    event: ResizeEvent, aborted: float, mode: str | None, phases: Mapping[str, float] | None
+) -> ResizeEvent:
     """``event`` with the phases of the caller that drove the change (``on_membership_change``).
 
     Args:
@@ -195,6 +222,12 @@ def completed_by_caller(event: ResizeEvent, aborted: float, mode: str | None,
         pydantic.ValidationError: a phase is negative.
     """
     extra = {k: round(float(v), 6) for k, v in (phases or {}).items()}
-    return ResizeEvent.model_validate({**event.model_dump(), **extra, "mode": mode,  # validated: phases >= 0
-                                       "teardown_s": round(event.teardown_s + aborted, 6),
-                                       "total_s": round(event.total_s + aborted, 6)})
+    return ResizeEvent.model_validate(
+        {
+            **event.model_dump(),
+            **extra,
+            "mode": mode,  # validated: phases >= 0
+            "teardown_s": round(event.teardown_s + aborted, 6),
+            "total_s": round(event.total_s + aborted, 6),
+        }
+    )

@@ -31,8 +31,9 @@ class InnerBackend(NamedTuple):
 INNER_BACKENDS: dict[str, InnerBackend] = {}
 
 
-def register_inner(name: str, factory: str, state_key: str, requires: str = "",
-                   conf_keys: frozenset[str] = frozenset()) -> None:
+def register_inner(
+    name: str, factory: str, state_key: str, requires: str = "", conf_keys: frozenset[str] = frozenset()
+) -> None:
     """Make ``--rdzv-conf inner=NAME`` create its backend with ``factory``.
 
     Args:
@@ -46,22 +47,44 @@ def register_inner(name: str, factory: str, state_key: str, requires: str = "",
 
 
 register_inner("c10d", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:create_backend", C10D_STATE_KEY)
-register_inner("etcd-v2", "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
-               ETCD_STATE_KEY, requires="python-etcd")
+register_inner(
+    "etcd-v2",
+    "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend:create_backend",
+    ETCD_STATE_KEY,
+    requires="python-etcd",
+)
 # elastic_emb's own v3 backend; its keys are etcd_v3.CONF_KEYS (listed here: this module imports no torch).
-register_inner("etcd-v3", "elastic_emb.rdzv.etcd_v3:create_backend", ETCD_STATE_KEY,
-               conf_keys=frozenset({"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user",
-                                    "password_file", "ttl"}))
+register_inner(
+    "etcd-v3",
+    "elastic_emb.rdzv.etcd_v3:create_backend",
+    ETCD_STATE_KEY,
+    conf_keys=frozenset(
+        {"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password_file", "ttl"}
+    ),
+)
 
 
 # The --rdzv-conf keys torch's dynamic rendezvous and its c10d/etcd-v2 backends read (torch 2.11-2.14:
 # dynamic_rendezvous.create_handler, c10d_rendezvous_backend.create_backend,
 # etcd_rendezvous_backend.create_backend), plus `timeout`, which torchrun's launcher always adds.
-TORCH_CONF_KEYS = frozenset({
-    "timeout", "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
-    "keep_alive_max_attempt", "is_host", "read_timeout", "store_type", "protocol", "ssl_cert", "ssl_cert_key",
-    "ca_cert",
-})
+TORCH_CONF_KEYS = frozenset(
+    {
+        "timeout",
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "is_host",
+        "read_timeout",
+        "store_type",
+        "protocol",
+        "ssl_cert",
+        "ssl_cert_key",
+        "ca_cert",
+    }
+)
 
 
 def check_conf_keys(config: Mapping[str, Any]) -> None:
@@ -79,9 +102,11 @@ def check_conf_keys(config: Mapping[str, Any]) -> None:
     unknown = sorted(set(config) - ours - TORCH_CONF_KEYS)
     if unknown:
         given = ", ".join(f"{k}={config[k]}" for k in unknown)
-        raise ValueError(f"--rdzv-conf {given}: unknown key{'s' if len(unknown) > 1 else ''} for "
-                         f"--rdzv-backend=elastic_emb; valid keys: {', '.join(sorted(ours))} (elastic_emb) and "
-                         f"{', '.join(sorted(TORCH_CONF_KEYS))} (torch)")
+        raise ValueError(
+            f"--rdzv-conf {given}: unknown key{'s' if len(unknown) > 1 else ''} for "
+            f"--rdzv-backend=elastic_emb; valid keys: {', '.join(sorted(ours))} (elastic_emb) and "
+            f"{', '.join(sorted(TORCH_CONF_KEYS))} (torch)"
+        )
 
 
 class ListenerConfig(BaseModel):

@@ -152,8 +152,15 @@ class RendezvousView(BaseModel):
             raise UnsafeStateError(f"rendezvous state has an unexpected shape: {exc}") from None
 
     @classmethod
-    def of_nodes(cls, round_: int, nodes: tuple[str, ...], wait_list: tuple[str, ...] = (), *,
-                 complete: bool = True, closed: bool = False) -> "RendezvousView":
+    def of_nodes(
+        cls,
+        round_: int,
+        nodes: tuple[str, ...],
+        wait_list: tuple[str, ...] = (),
+        *,
+        complete: bool = True,
+        closed: bool = False,
+    ) -> "RendezvousView":
         """A view from node ids alone (rank = position; addr and pid from ``addr_pid_localid``
         when the id has that form, else the id and 0).
 
@@ -167,14 +174,20 @@ class RendezvousView(BaseModel):
         Returns:
             The view.
         """
+
         def part(i: int, n: str) -> Participant:
             bits = n.rsplit("_", 2)
             if len(bits) == 3 and bits[1].isdigit():
                 return Participant(node=n, addr=bits[0], pid=int(bits[1]), rank=i)
             return Participant(node=n, addr=n, pid=0, rank=i)
 
-        return cls(round=round_, complete=complete, closed=closed,
-                   participants=tuple(part(i, n) for i, n in enumerate(nodes)), wait_list=tuple(wait_list))
+        return cls(
+            round=round_,
+            complete=complete,
+            closed=closed,
+            participants=tuple(part(i, n) for i, n in enumerate(nodes)),
+            wait_list=tuple(wait_list),
+        )
 
 
 def decode_state(raw: bytes) -> RendezvousView:

@@ -15,8 +15,16 @@ from typing import Any
 from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_WORLD_SIZE, count_value
 from elastic_emb.rdzv.signing import Signer, read_signed
 
-__all__ = ["NO_WATCHERS_GRACE", "RESTORE_EVERY_S", "AckCounter", "ack_record", "keep_expected", "read_expected",
-           "write_ack", "write_expected"]
+__all__ = [
+    "NO_WATCHERS_GRACE",
+    "RESTORE_EVERY_S",
+    "AckCounter",
+    "ack_record",
+    "keep_expected",
+    "read_expected",
+    "write_ack",
+    "write_expected",
+]
 
 RESTORE_EVERY_S = 1.0  # rank 0's watcher checks the round's world_size this often at most
 NO_WATCHERS_GRACE = 5.0  # the preStop client's wait for a missing world_size before it answers "no watchers"
@@ -82,8 +90,10 @@ def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
     raw = store.get(key)
     value, reason = signer.verify(key, raw)
     if value is None:
-        raise ValueError(f"store key {key!r} holds {raw!r:.80}, {reason.replace('_', ' ')}: not written with the "
-                         f"job secret (check who can reach the rendezvous endpoint)")
+        raise ValueError(
+            f"store key {key!r} holds {raw!r:.80}, {reason.replace('_', ' ')}: not written with the "
+            f"job secret (check who can reach the rendezvous endpoint)"
+        )
     return count_value(key, value)
 
 
@@ -123,8 +133,11 @@ def _parse(value: bytes, round_: int, rank: int) -> tuple[int | None, str]:
         record = json.loads(value.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None, f"not an acknowledgement record: {value!r:.80}"
-    if not isinstance(record, dict) or set(record) != {"round", "rank", "step"} or not all(
-            type(record[k]) is int for k in record):
+    if (
+        not isinstance(record, dict)
+        or set(record) != {"round", "rank", "step"}
+        or not all(type(record[k]) is int for k in record)
+    ):
         return None, f"not an acknowledgement record: {value!r:.80}"
     if record["round"] != round_ or record["rank"] != rank:
         return None, f"names round {record['round']} rank {record['rank']}, not round {round_} rank {rank}"
@@ -192,10 +205,15 @@ class AckCounter:
         if claimed >= expected and verified < expected and not self._unverified_reported and self.log is not None:
             self._unverified_reported = True
             missing = [r for r in range(expected) if r not in self.steps]
-            self.log.warning("drain_acks_unverified", key=self.prefix + KEY_ACKS, claimed=claimed, verified=verified,
-                             missing_ranks=missing[:16],
-                             reason="the acks counter claims more acknowledgements than the per-rank keys show: "
-                             "waiting for the missing ranks (a foreign write, or acks still arriving)")
+            self.log.warning(
+                "drain_acks_unverified",
+                key=self.prefix + KEY_ACKS,
+                claimed=claimed,
+                verified=verified,
+                missing_ranks=missing[:16],
+                reason="the acks counter claims more acknowledgements than the per-rank keys show: "
+                "waiting for the missing ranks (a foreign write, or acks still arriving)",
+            )
         return verified
 
     def _verify(self, rank: int) -> None:
@@ -208,6 +226,10 @@ class AckCounter:
             self.steps[rank] = step
         elif key not in self._rejected and self.log is not None:
             self._rejected.add(key)
-            self.log.warning("drain_ack_rejected", key=key, reason=reason,
-                             remedy="an acknowledgement that is not this rank's for this round was written to the "
-                             "store: check who can reach the rendezvous endpoint")
+            self.log.warning(
+                "drain_ack_rejected",
+                key=key,
+                reason=reason,
+                remedy="an acknowledgement that is not this rank's for this round was written to the "
+                "store: check who can reach the rendezvous endpoint",
+            )

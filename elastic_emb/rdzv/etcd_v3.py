@@ -143,8 +143,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             current = self.get_state()
             return None if current is None else (*current, False)
         lease = self._lease_id()
-        written, new_rev, current = self._call(self._client.put_if, self._key, base64.b64encode(state),
-                                               mod_revision=revision, lease=lease)
+        written, new_rev, current = self._call(
+            self._client.put_if, self._key, base64.b64encode(state), mod_revision=revision, lease=lease
+        )
         if written:
             return state, new_rev, True
         return None if current is None else (*self._decode(current), False)
@@ -155,7 +156,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except (binascii.Error, ValueError) as exc:
             raise RendezvousStateError(
                 f"the rendezvous state under {self._key} is corrupt (not base64: {kv.value[:40]!r}); delete the key "
-                f"or use another --rdzv-id") from exc
+                f"or use another --rdzv-id"
+            ) from exc
 
     def _lease_id(self) -> int:
         """A lease with at least two thirds of ``ttl`` left (a fresh one every ttl/3)."""
@@ -256,13 +258,16 @@ class EtcdV3Store(Store):
         current = self.client.get(k)
         while True:
             base = 0 if current is None else int(current.value.decode() or 0)
-            written, _, now = self.client.put_if(k, str(base + int(num)),
-                                                 mod_revision=0 if current is None else current.mod_revision)
+            written, _, now = self.client.put_if(
+                k, str(base + int(num)), mod_revision=0 if current is None else current.mod_revision
+            )
             if written:
                 return base + int(num)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"add({key!r}) lost every compare-and-swap for {self.timeout}: the key is "
-                                   f"written faster than this client can update it")
+                raise TimeoutError(
+                    f"add({key!r}) lost every compare-and-swap for {self.timeout}: the key is "
+                    f"written faster than this client can update it"
+                )
             current = now
             time.sleep(random.uniform(0, 0.01))  # spread colliding writers
 
@@ -324,7 +329,9 @@ class EtcdV3Store(Store):
             LookupError: when not all keys are set within the bound.
         """
         if self._wait_get(keys, override_timeout or self.timeout) is None:
-            raise LookupError(f"keys {list(keys)!r} not all set in the etcd-v3 store within {override_timeout or self.timeout}")
+            raise LookupError(
+                f"keys {list(keys)!r} not all set in the etcd-v3 store within {override_timeout or self.timeout}"
+            )
 
     def num_keys(self) -> int:
         """The number of keys under the store's prefix.
@@ -332,8 +339,9 @@ class EtcdV3Store(Store):
         Returns:
             The count etcd reports.
         """
-        reply = self.client.call("kv/range", {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix)),
-                                              "count_only": True})
+        reply = self.client.call(
+            "kv/range", {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix)), "count_only": True}
+        )
         return int(reply.get("count", 0))
 
     def _wait_get(self, keys: Sequence[str], timeout: timedelta) -> list[bytes] | None:
@@ -385,8 +393,9 @@ def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     return backend, EtcdV3Store(client, STORE_PREFIX)
 
 
-def open_reader(endpoint: str, run_id: str, timeout: float, env: Mapping[str, str] | None = None
-                ) -> tuple[EtcdV3Store, EtcdV3RendezvousBackend]:
+def open_reader(
+    endpoint: str, run_id: str, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[EtcdV3Store, EtcdV3RendezvousBackend]:
     """For the worker side (watcher, drain hook, ``rdzv-state``): the round-key store and the state.
 
     The client options come from :data:`ENV_OPTIONS` (else ``PET_RDZV_CONF``, else the defaults),
@@ -407,4 +416,6 @@ def open_reader(endpoint: str, run_id: str, timeout: float, env: Mapping[str, st
     """
     options = ClientOptions.from_env(env).model_copy(update={"read_timeout": float(timeout)})
     client = EtcdV3Client.from_endpoint(endpoint, options)
-    return EtcdV3Store(client, STORE_PREFIX, timeout=timedelta(seconds=timeout)), EtcdV3RendezvousBackend(client, run_id)
+    return EtcdV3Store(client, STORE_PREFIX, timeout=timedelta(seconds=timeout)), EtcdV3RendezvousBackend(
+        client, run_id
+    )

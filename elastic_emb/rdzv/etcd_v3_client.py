@@ -29,8 +29,9 @@ from elastic_emb.errors import EtcdUnreachable, EtcdV3Error
 
 DEFAULT_PORT = 2379
 ENV_OPTIONS = "ELASTIC_EMB_ETCD_OPTIONS"  # JSON of ClientOptions minus secrets, agent -> workers
-CONF_KEYS = frozenset({"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password_file",
-                       "ttl"})
+CONF_KEYS = frozenset(
+    {"read_timeout", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password_file", "ttl"}
+)
 
 # gRPC status codes the gateway returns when a member cannot serve the call (try another one).
 _UNAVAILABLE, _DEADLINE_EXCEEDED, _UNAUTHENTICATED = 14, 4, 16
@@ -82,10 +83,14 @@ class ClientOptions(BaseModel):
             bad = "; ".join(f"{e['loc'][0]}={values.get(e['loc'][0])!r}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"invalid --rdzv-conf for inner=etcd-v3: {bad}") from None
         if (options.user is None) != (options.password_file is None):
-            raise ValueError("--rdzv-conf for inner=etcd-v3: give user and password_file together (etcd's token "
-                             f"authentication), got user={options.user!r}, password_file={options.password_file!r}")
+            raise ValueError(
+                "--rdzv-conf for inner=etcd-v3: give user and password_file together (etcd's token "
+                f"authentication), got user={options.user!r}, password_file={options.password_file!r}"
+            )
         if options.ssl_cert_key and not options.ssl_cert:
-            raise ValueError(f"--rdzv-conf ssl_cert_key={options.ssl_cert_key!r} needs ssl_cert (the client certificate)")
+            raise ValueError(
+                f"--rdzv-conf ssl_cert_key={options.ssl_cert_key!r} needs ssl_cert (the client certificate)"
+            )
         return options
 
     @classmethod
@@ -183,8 +188,12 @@ class KeyValue(BaseModel):
         Returns:
             The decoded key.
         """
-        return cls(key=_unb64(kv.get("key")), value=_unb64(kv.get("value")),
-                   create_revision=int(kv.get("create_revision", 0)), mod_revision=int(kv.get("mod_revision", 0)))
+        return cls(
+            key=_unb64(kv.get("key")),
+            value=_unb64(kv.get("value")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+        )
 
 
 class EtcdV3Client:
@@ -237,8 +246,10 @@ class EtcdV3Client:
             if o.ssl_cert:
                 ctx.load_cert_chain(o.ssl_cert, o.ssl_cert_key)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"etcd TLS files ca_cert={o.ca_cert!r} ssl_cert={o.ssl_cert!r} "
-                             f"ssl_cert_key={o.ssl_cert_key!r} cannot be loaded: {exc}") from None
+            raise ValueError(
+                f"etcd TLS files ca_cert={o.ca_cert!r} ssl_cert={o.ssl_cert!r} "
+                f"ssl_cert_key={o.ssl_cert_key!r} cannot be loaded: {exc}"
+            ) from None
         return ctx
 
     # -- transport ------------------------------------------------------------------------------
@@ -275,7 +286,8 @@ class EtcdV3Client:
             return reply
         raise EtcdV3ConnectionError(
             f"no etcd member could serve /v3/{path}: {'; '.join(errors)}. Check that etcd is running and reachable "
-            f"at the --rdzv-endpoint (members separated by ',')")
+            f"at the --rdzv-endpoint (members separated by ',')"
+        )
 
     def _call_one(self, url: str, path: str, body: Mapping[str, Any], *, retry_auth: bool = True) -> dict:
         if self.options.user and self._token is None and not path.startswith("auth/"):
@@ -340,8 +352,9 @@ class EtcdV3Client:
                 conn.close()
         parts = urllib.parse.urlsplit(url)
         if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.options.read_timeout,
-                                               context=self._ssl), False
+            return http.client.HTTPSConnection(
+                parts.hostname, parts.port, timeout=self.options.read_timeout, context=self._ssl
+            ), False
         return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.options.read_timeout), False
 
     def _checkin(self, url: str, conn: http.client.HTTPConnection) -> None:
@@ -357,8 +370,9 @@ class EtcdV3Client:
             password = open(path).read().rstrip("\r\n")  # noqa: SIM115 - a small secret file
         except OSError as exc:
             raise EtcdV3Error(f"--rdzv-conf password_file={path!r} cannot be read: {exc}") from None
-        reply = self._call_one(url, "auth/authenticate", {"name": self.options.user, "password": password},
-                               retry_auth=False)
+        reply = self._call_one(
+            url, "auth/authenticate", {"name": self.options.user, "password": password}, retry_auth=False
+        )
         token = reply.get("token")
         if not token:
             raise EtcdV3Error(f"etcd at {url} returned no auth token for user {self.options.user!r}")
@@ -422,8 +436,15 @@ class EtcdV3Client:
         """
         return int(self.call("kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
-    def put_if(self, key: bytes | str, value: bytes | str, *, mod_revision: int | None = None,
-               prev_value: bytes | None = None, lease: int = 0) -> tuple[bool, int, KeyValue | None]:
+    def put_if(
+        self,
+        key: bytes | str,
+        value: bytes | str,
+        *,
+        mod_revision: int | None = None,
+        prev_value: bytes | None = None,
+        lease: int = 0,
+    ) -> tuple[bool, int, KeyValue | None]:
         """Write ``value`` if the key's ``mod_revision`` is the given one (0: the key is absent) or
         its value is ``prev_value``, in one transaction with the read of the current value.
 
@@ -445,8 +466,14 @@ class EtcdV3Client:
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             put["lease"] = str(lease)
-        reply = self.call("kv/txn", {"compare": [compare], "success": [{"request_put": put}],
-                                     "failure": [{"request_range": {"key": _b64(key)}}]})
+        reply = self.call(
+            "kv/txn",
+            {
+                "compare": [compare],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": _b64(key)}}],
+            },
+        )
         revision = int(reply["header"]["revision"])
         if reply.get("succeeded"):
             return True, revision, None

@@ -81,7 +81,9 @@ class ExitBarrierStore(ForwardingStore):
                 self._inner.set(LAST_MEMBER, "<all members of now arrived>")
                 return None
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"exit barrier: members {list(members)} did not all arrive within {limit:g} s "
-                                   f"(arrived: {[n for n in members if self._inner.check([ARRIVED + n])]})")
+                raise TimeoutError(
+                    f"exit barrier: members {list(members)} did not all arrive within {limit:g} s "
+                    f"(arrived: {[n for n in members if self._inner.check([ARRIVED + n])]})"
+                )
             time.sleep(self._poll)
         return None

@@ -32,8 +32,13 @@ def foreign_state_error() -> type[ForeignStateError]:
     if not _FOREIGN_STATE_ERROR:
         from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-        _FOREIGN_STATE_ERROR.append(type("ForeignStateError", (ForeignStateError, RendezvousStateError), {
-            "__module__": __name__, "__doc__": ForeignStateError.__doc__}))
+        _FOREIGN_STATE_ERROR.append(
+            type(
+                "ForeignStateError",
+                (ForeignStateError, RendezvousStateError),
+                {"__module__": __name__, "__doc__": ForeignStateError.__doc__},
+            )
+        )
     return _FOREIGN_STATE_ERROR[0]
 
 
@@ -52,8 +57,16 @@ class GuardedBackend:
         priority: a :class:`~elastic_emb.rdzv.write_priority.WritePriority`, or None.
     """
 
-    def __init__(self, inner: Any, guard: OutageGuard, expiry: timedelta, *, key: str = "the rendezvous state",
-                 log: Any = None, priority: Any = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        guard: OutageGuard,
+        expiry: timedelta,
+        *,
+        key: str = "the rendezvous state",
+        log: Any = None,
+        priority: Any = None,
+    ) -> None:
         self._inner = inner
         self._priority = priority
         self._guard = guard

@@ -9,6 +9,7 @@ imports its rendezvous package.
 
 Design: ``docs/RDZV.md`` (section "The handler"); the ``--rdzv-conf`` keys: ``docs/CONFIG.md``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -122,10 +123,17 @@ class ElasticEmbRendezvousHandler:
         # secret fails here, at agent start, naming the variable.
         self._signer = Signer.from_env()
         # A node that keeps losing the state's compare-and-set gets a turn (rdzv/write_priority.py).
-        self._priority = WritePriority(tc.agent_store(inner), write_priority_key(self._run_id), self._node,
-                                       self._signer, expiry.total_seconds(), self._log)
-        tc.wrap_state_backend(inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log,
-                                                              priority=self._priority))
+        self._priority = WritePriority(
+            tc.agent_store(inner),
+            write_priority_key(self._run_id),
+            self._node,
+            self._signer,
+            expiry.total_seconds(),
+            self._log,
+        )
+        tc.wrap_state_backend(
+            inner, lambda b: GuardedBackend(b, guard, expiry, key=state_key, log=self._log, priority=self._priority)
+        )
         self._members: tuple[str, ...] = ()
         self._round: int | None = None
         self._generation = 0  # the generation the running round started at (_round_generation)
@@ -152,8 +160,10 @@ class ElasticEmbRendezvousHandler:
         interval = settings.keep_alive_interval.total_seconds()
         self._heartbeat_every = max(0.05, interval / 2)
         threading.Thread(
-            target=_heartbeat_loop, args=(weakref.ref(self), self._closed, self._heartbeat_every),
-            name="elastic_emb-heartbeat", daemon=True,
+            target=_heartbeat_loop,
+            args=(weakref.ref(self), self._closed, self._heartbeat_every),
+            name="elastic_emb-heartbeat",
+            daemon=True,
         ).start()
         # atexit: a SIGTERMed agent (torchrun raises SignalException and exits) leaves the
         # rendezvous instead of lingering until its heartbeat expires.
@@ -247,8 +257,13 @@ class ElasticEmbRendezvousHandler:
         self._expected_next = None
         early = None
         if expected:
-            early = self._tc.EarlyCompletion(self._inner, expected, -1 if previous_round is None else previous_round,
-                                             self._config.sync_interval, self._log)
+            early = self._tc.EarlyCompletion(
+                self._inner,
+                expected,
+                -1 if previous_round is None else previous_round,
+                self._config.sync_interval,
+                self._log,
+            )
         with self._rdzv_lock:  # no heartbeat of ours interleaves with torch's join operation
             try:
                 info = self._join_running_world(rejoin=previous_round is not None)
@@ -256,14 +271,22 @@ class ElasticEmbRendezvousHandler:
                     info = self._inner.next_rendezvous()
             except Exception as exc:
                 if closed_and_complete(
-                        exc, lambda: self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard),
-                        self._signer, self._run_id, self._log):
+                    exc,
+                    lambda: self._round_store or GuardedStore(self._tc.agent_store(self._inner), self._guard),
+                    self._signer,
+                    self._run_id,
+                    self._log,
+                ):
                     # torch's own way out (RendezvousGracefulExitError) makes its launcher crash on
                     # a None result (launch_agent calls is_failed() on it; torch 2.11-2.13); SystemExit(0) is what
                     # torchrun's @record turns into exit code 0.
                     raise SystemExit(0) from None
-                self._log.error("rendezvous_failed", previous_round=previous_round, error=f"{type(exc).__name__}: {exc}",
-                                duration_s=round(time.monotonic() - start, 3))
+                self._log.error(
+                    "rendezvous_failed",
+                    previous_round=previous_round,
+                    error=f"{type(exc).__name__}: {exc}",
+                    duration_s=round(time.monotonic() - start, 3),
+                )
                 raise
             finally:
                 if early is not None:
@@ -283,8 +306,12 @@ class ElasticEmbRendezvousHandler:
         else:  # restart mode: torch's barrier, and the mark a late node reads (rdzv/job_complete.py)
             from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
-            info = RendezvousInfo(CompletingStore(info.store, self._mark_job_complete), info.rank, info.world_size,
-                                  info.bootstrap_store_info)
+            info = RendezvousInfo(
+                CompletingStore(info.store, self._mark_job_complete),
+                info.rank,
+                info.world_size,
+                info.bootstrap_store_info,
+            )
         state = RendezvousView.of(self._tc.current_state(self._inner))
         members = state.nodes
         joins = [n for n in members if n not in previous]
@@ -314,9 +341,15 @@ class ElasticEmbRendezvousHandler:
             deaths=deaths,
             duration_s=round(time.monotonic() - start, 3),
         )
-        metrics.rendezvous_round(round_=state.round, world_size=len(members), joins=joins, deaths=deaths,
-                                 previous_world_size=None if previous_round is None else len(previous),
-                                 departures=[n for n in gone if n not in deaths], seconds=time.monotonic() - start)
+        metrics.rendezvous_round(
+            round_=state.round,
+            world_size=len(members),
+            joins=joins,
+            deaths=deaths,
+            previous_world_size=None if previous_round is None else len(previous),
+            departures=[n for n in gone if n not in deaths],
+            seconds=time.monotonic() - start,
+        )
         return info
 
     def _join_running_world(self, rejoin: bool):
@@ -330,9 +363,22 @@ class ElasticEmbRendezvousHandler:
         if self._config.resize != "in_process":
             return None
         tc = self._tc
-        if rejoin and (restart_requested or self._fallback_requested() or not leave_for_rejoin(
-                tc, self._inner, self._round_store, self._signer, run_id=self._run_id, round_=self._round,
-                generation=self._generation, node=self._node, was_joiner=was_joiner, log=self._log)):
+        if rejoin and (
+            restart_requested
+            or self._fallback_requested()
+            or not leave_for_rejoin(
+                tc,
+                self._inner,
+                self._round_store,
+                self._signer,
+                run_id=self._run_id,
+                round_=self._round,
+                generation=self._generation,
+                node=self._node,
+                was_joiner=was_joiner,
+                log=self._log,
+            )
+        ):
             return None
         joined = tc.join_complete_round(self._inner)
         if joined is None:
@@ -344,13 +390,21 @@ class ElasticEmbRendezvousHandler:
         store = tc.round_store(self._inner)
         self._joined_running = True
         self._log.info("joined_running_round", group_rank=rank, world_size=world, mode="in_process")
-        return RendezvousInfo(store, rank, world, RendezvousStoreInfo.build(rank, store, tc.this_node(self._inner).addr))
+        return RendezvousInfo(
+            store, rank, world, RendezvousStoreInfo.build(rank, store, tc.this_node(self._inner).addr)
+        )
 
     def _mark_job_complete(self) -> None:
         """At torch's exit barrier (every local worker succeeded): mark the job complete (rdzv/job_complete.py)."""
         try:
-            mark_complete(self._round_store, self._signer, self._run_id, node=self._node, round=self._round,
-                          generation=self._generation)
+            mark_complete(
+                self._round_store,
+                self._signer,
+                self._run_id,
+                node=self._node,
+                round=self._round,
+                generation=self._generation,
+            )
             self._log.info("job_complete_marked", round=self._round)
         except Exception as exc:  # joiners then wait their bound and fail, as without the mark
             reraise_signal(exc)
@@ -401,8 +455,11 @@ class ElasticEmbRendezvousHandler:
                     return max(waiting, 1)
                 if changed is None and set(view.nodes) - set(self._members):
                     # A node joined the running round in process: a member from now on.
-                    self._log.info("node_joined_running", round=self._round,
-                                   nodes=[n for n in view.nodes if n not in self._members])
+                    self._log.info(
+                        "node_joined_running",
+                        round=self._round,
+                        nodes=[n for n in view.nodes if n not in self._members],
+                    )
                     self._members = view.nodes
                 if changed is not None and self._workers_reform(changed):
                     changed = None
@@ -429,8 +486,12 @@ class ElasticEmbRendezvousHandler:
         survivors become the members this agent compares the next states with."""
         if changed["reason"] != "participant_gone" or changed["restarting"]:
             return False
-        self._log.info("membership_changed", round=self._round, mode="in_process",
-                       **{k: v for k, v in changed.items() if k != "expected"})
+        self._log.info(
+            "membership_changed",
+            round=self._round,
+            mode="in_process",
+            **{k: v for k, v in changed.items() if k != "expected"},
+        )
         self._members = tuple(changed["participants"])
         return True
 
@@ -505,7 +566,9 @@ class ElasticEmbRendezvousHandler:
             self._drain_started = now
             request = json.dumps({"round": self._round, "waiting": list(view.wait_list)})
             store.set(prefix + KEY_DRAIN, self._signer.sign(prefix + KEY_DRAIN, request))
-            self._log.info("drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout)
+            self._log.info(
+                "drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout
+            )
         if self._drain_acks is None or self._drain_acks.prefix != prefix:  # verified acks only (drain_acks.py)
             self._drain_acks = AckCounter(store, self._signer, prefix, self._round, self._log)
         last = now - self._drain_started >= self._config.drain_timeout
@@ -582,8 +645,6 @@ class ElasticEmbRendezvousHandler:
                 ENV_JOINER: "1" if self._joined_running else "0",
             }
         )
-
-
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:

@@ -94,7 +94,9 @@ def closed_and_complete(exc: BaseException, store: Callable[[], Any], signer: Si
         log.warning("job_complete_unreadable", error=repr(err)[:300])
         return False
     if mark is not None:
-        log.info("job_finished_before_join", mark=mark, outcome="exit 0: the job finished before this node could join it")
+        log.info(
+            "job_finished_before_join", mark=mark, outcome="exit 0: the job finished before this node could join it"
+        )
     return mark is not None
 
 

@@ -122,6 +122,7 @@ def round_prefix(run_id: str, round_: int) -> str:
     """
     return f"elastic_emb/{run_id}/round{round_}/"
 
+
 # The job's secret: when set, control values under round_prefix() are HMAC-signed (rdzv/signing.py).
 ENV_JOB_SECRET = "ELASTIC_EMB_JOB_SECRET"
 
@@ -152,6 +153,8 @@ def count_value(key: str, raw: object) -> int:
     else:
         value = -1
     if not 0 <= value <= MAX_COUNT:
-        raise ValueError(f"store key {key!r} holds {raw!r:.80}, not a count in [0, {MAX_COUNT}]: a foreign write "
-                         f"to the rendezvous store (check who can reach the endpoint, or use a new run id)")
+        raise ValueError(
+            f"store key {key!r} holds {raw!r:.80}, not a count in [0, {MAX_COUNT}]: a foreign write "
+            f"to the rendezvous store (check who can reach the endpoint, or use a new run id)"
+        )
     return value

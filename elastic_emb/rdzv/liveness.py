@@ -94,8 +94,15 @@ class Liveness:
             StoreOutageError: when the store stays unreachable past the outage bound.
         """
         if view.round != round_:
-            return {"reason": "round_advanced", "state_round": view.round, "departures": [], "deaths": [],
-                    "restarting": [], "participants": list(view.nodes), "expected": None}
+            return {
+                "reason": "round_advanced",
+                "state_round": view.round,
+                "departures": [],
+                "deaths": [],
+                "restarting": [],
+                "participants": list(view.nodes),
+                "expected": None,
+            }
         absent = [n for n in members if n not in view.nodes]
         if not absent:
             return None
@@ -145,8 +152,10 @@ class Liveness:
             if int(store.add(prefix + KEY_DEAD, 0)) == 0:
                 return []
             reported = [
-                n for n in members
-                if n not in self.dead and read_signed(store, self._signer, prefix + f"{KEY_DEAD}/{n}", self._log) is not None
+                n
+                for n in members
+                if n not in self.dead
+                and read_signed(store, self._signer, prefix + f"{KEY_DEAD}/{n}", self._log) is not None
             ]
         except StoreOutageError:
             raise

@@ -35,8 +35,13 @@ def torch_store_outage_error() -> type[StoreOutageError]:
     if not _TORCH_OUTAGE_ERROR:
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-        _TORCH_OUTAGE_ERROR.append(type("StoreOutageError", (StoreOutageError, RendezvousConnectionError), {
-            "__module__": __name__, "__doc__": StoreOutageError.__doc__}))
+        _TORCH_OUTAGE_ERROR.append(
+            type(
+                "StoreOutageError",
+                (StoreOutageError, RendezvousConnectionError),
+                {"__module__": __name__, "__doc__": StoreOutageError.__doc__},
+            )
+        )
     return _TORCH_OUTAGE_ERROR[0]
 
 
@@ -95,8 +100,7 @@ class OutageTracker:
         ValueError: when ``timeout`` is negative.
     """
 
-    def __init__(self, timeout: float, log: Any, *, clock: Callable[[], float] = time.monotonic,
-                 **fields: Any) -> None:
+    def __init__(self, timeout: float, log: Any, *, clock: Callable[[], float] = time.monotonic, **fields: Any) -> None:
         if timeout < 0:
             raise ValueError(f"store_outage_timeout={timeout!r} must be >= 0 seconds")
         self.timeout = timeout
@@ -148,9 +152,14 @@ class OutageTracker:
             self.log.warning("store_unreachable", op=op, error=repr(exc), bound_s=self.timeout, **self.fields)
         if report:
             self.log.error(
-                "store_outage_exceeded", op=op, outage_s=round(down, 3), bound_s=self.timeout, error=repr(exc),
+                "store_outage_exceeded",
+                op=op,
+                outage_s=round(down, 3),
+                bound_s=self.timeout,
+                error=repr(exc),
                 remedy="bring the rendezvous store back; the agent fails at this bound and stops its workers "
-                "(raise --rdzv-conf store_outage_timeout for longer outages)", **self.fields,
+                "(raise --rdzv-conf store_outage_timeout for longer outages)",
+                **self.fields,
             )
         return down
 
@@ -195,8 +204,17 @@ class OutageGuard:
         ValueError: when ``timeout`` is negative.
     """
 
-    def __init__(self, endpoint: str, timeout: float, log: Any, *, base: float = 0.05, cap: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, error: type[StoreOutageError] = StoreOutageError) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout: float,
+        log: Any,
+        *,
+        base: float = 0.05,
+        cap: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        error: type[StoreOutageError] = StoreOutageError,
+    ) -> None:
         self.endpoint = endpoint
         self.tracker = OutageTracker(timeout, log, clock=clock, endpoint=endpoint)
         self._error = error

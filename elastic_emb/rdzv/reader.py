@@ -41,8 +41,9 @@ class RendezvousReader:
         ValueError: when the endpoint is not ``HOST:PORT`` or the backend is unknown.
     """
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0,
-                 connect_timeout: float | None = None) -> None:
+    def __init__(
+        self, backend: str, endpoint: str, run_id: str, timeout: float = 2.0, connect_timeout: float | None = None
+    ) -> None:
         self.backend = backend
         self.run_id = run_id
         host, _, port = endpoint.rpartition(":")
@@ -53,7 +54,10 @@ class RendezvousReader:
             import torch.distributed as dist
 
             self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout, connect_timeout or 0.0)),
+                host,
+                int(port),
+                is_master=False,
+                timeout=timedelta(seconds=max(timeout, connect_timeout or 0.0)),
                 use_libuv=True,
             )
             self.store.set_timeout(timedelta(seconds=timeout))

@@ -38,9 +38,20 @@ def _current(store: Any, signer: Signer, run_id: str, floor: int, log: Any) -> t
     return generation, nodes
 
 
-def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id: str, round_: int, node: str,
-                     was_joiner: bool, log: Any, timeout: float = REJOIN_TIMEOUT_S,
-                     generation: int | None = None) -> bool:
+def leave_for_rejoin(
+    tc: Any,
+    inner: Any,
+    store: Any,
+    signer: Signer,
+    *,
+    run_id: str,
+    round_: int,
+    node: str,
+    was_joiner: bool,
+    log: Any,
+    timeout: float = REJOIN_TIMEOUT_S,
+    generation: int | None = None,
+) -> bool:
     """Leave the running round after this node's worker crashed and wait until the survivors
     re-formed without it.
 
@@ -91,8 +102,13 @@ def leave_for_rejoin(tc: Any, inner: Any, store: Any, signer: Signer, *, run_id:
     while time.monotonic() < deadline:
         now = _current(store, signer, run_id, floor, log)
         if now is not None and now[0] > newest and node not in now[1]:
-            log.info("survivors_reformed", round=round_, generation=now[0], nodes=now[1],
-                     wait_s=round(time.monotonic() - start, 3))
+            log.info(
+                "survivors_reformed",
+                round=round_,
+                generation=now[0],
+                nodes=now[1],
+                wait_s=round(time.monotonic() - start, 3),
+            )
             return True
         if read_signed(store, signer, fallback, log) is not None:
             why = "a worker asked for a restart (resize_fallback)"

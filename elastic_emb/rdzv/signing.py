@@ -101,7 +101,7 @@ class Signer:
             return data, ""
         if not data.startswith(_TAG):
             return None, "unsigned"
-        mac, sep, value = data[len(_TAG):].partition(b":")
+        mac, sep, value = data[len(_TAG) :].partition(b":")
         if not sep or not hmac.compare_digest(mac, self._mac(key, value)):
             return None, "bad_signature"
         return value, ""
@@ -125,7 +125,11 @@ def read_signed(store: Any, signer: Signer, key: str, log: Any = None) -> bytes 
     value, reason = signer.verify(key, store.get(key))
     if value is None and log is not None and key not in signer._rejected:
         signer._rejected.add(key)
-        log.warning("control_key_rejected", key=key, reason=reason,
-                    remedy="a value without the job secret's signature was written to the store: check who can "
-                    "reach the rendezvous endpoint")
+        log.warning(
+            "control_key_rejected",
+            key=key,
+            reason=reason,
+            remedy="a value without the job secret's signature was written to the store: check who can "
+            "reach the rendezvous endpoint",
+        )
     return value

@@ -27,7 +27,6 @@ from elastic_emb.rdzv.decode import dump_state, load_state, node_id
 SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
 
 
-
 def _fail(what: str) -> TorchCompatError:
     return TorchCompatError(
         f"torch {torch.__version__}: {what}; the elastic_emb rendezvous backend supports torch {SUPPORTED_TORCH}: "
@@ -37,8 +36,17 @@ def _fail(what: str) -> TorchCompatError:
 
 # -- the entry points the handler uses ---------------------------------------------------------
 
-_HANDLER_ATTRS = ("_state_holder", "_this_node", "_settings", "_heartbeat_lock", "_op_executor", "_store",
-                  "_stop_heartbeats", "_start_heartbeats", "_get_store")
+_HANDLER_ATTRS = (
+    "_state_holder",
+    "_this_node",
+    "_settings",
+    "_heartbeat_lock",
+    "_op_executor",
+    "_store",
+    "_stop_heartbeats",
+    "_start_heartbeats",
+    "_get_store",
+)
 
 
 def check_handler(inner: Any) -> None:
@@ -233,8 +241,13 @@ def join_complete_round(inner: Any, attempts: int = 10) -> tuple[int, int] | Non
         for _ in range(attempts):
             holder.sync()
             state = holder.state
-            if (not state.complete or state.closed or not state.participants or node in state.participants
-                    or len(state.participants) >= inner._settings.max_nodes):
+            if (
+                not state.complete
+                or state.closed
+                or not state.participants
+                or node in state.participants
+                or len(state.participants) >= inner._settings.max_nodes
+            ):
                 return None
             rank = len(state.participants)
             state.participants[node] = rank
@@ -482,17 +495,30 @@ def _check(cond: bool, what: str) -> None:
 
 
 def _verify() -> None:
-    for name in ("_RendezvousState", "_NodeDesc", "_BackendRendezvousStateHolder", "_DistributedRendezvousOpExecutor",
-                 "_RendezvousExitOp", "_Action", "_remove_participant_epilogue", "_delay", "create_handler",
-                 "RendezvousSettings", "RendezvousTimeout", "DynamicRendezvousHandler"):
+    for name in (
+        "_RendezvousState",
+        "_NodeDesc",
+        "_BackendRendezvousStateHolder",
+        "_DistributedRendezvousOpExecutor",
+        "_RendezvousExitOp",
+        "_Action",
+        "_remove_participant_epilogue",
+        "_delay",
+        "create_handler",
+        "RendezvousSettings",
+        "RendezvousTimeout",
+        "DynamicRendezvousHandler",
+    ):
         _check(hasattr(dr, name), f"dynamic_rendezvous has no {name}")
     for member in ("FINISH", "KEEP_ALIVE", "MARK_RENDEZVOUS_COMPLETE", "ERROR_TIMEOUT"):
         _check(hasattr(dr._Action, member), f"_Action has no member {member}")
     fresh = dr._RendezvousState()
     for field in ("round", "complete", "closed", "participants", "wait_list", "redundancy_list", "last_heartbeats"):
         _check(hasattr(fresh, field), f"_RendezvousState has no field {field!r}")
-    _check("_delay" in dr._DistributedRendezvousOpExecutor.run.__code__.co_names,
-           "_DistributedRendezvousOpExecutor.run no longer pauses through the module's _delay")
+    _check(
+        "_delay" in dr._DistributedRendezvousOpExecutor.run.__code__.co_names,
+        "_DistributedRendezvousOpExecutor.run no longer pauses through the module's _delay",
+    )
 
     node = dr._NodeDesc("compat-check", 1, 0)
     other = dr._NodeDesc("compat-check", 2, 0)
@@ -519,7 +545,8 @@ def _verify() -> None:
     try:
         dr._DistributedRendezvousOpExecutor(node, holder, settings_).run(
             lambda ctx, deadline: dr._Action.FINISH if ctx.node in ctx.state.last_heartbeats else dr._Action.KEEP_ALIVE,
-            time.monotonic() + 5.0)
+            time.monotonic() + 5.0,
+        )
     except Exception as exc:
         raise _fail(f"a keep-alive operation failed ({type(exc).__name__}: {exc})") from None
     _check(node in load_state(backend.bits).last_heartbeats, "a keep-alive operation does not write last_heartbeats")
@@ -528,7 +555,9 @@ def _verify() -> None:
     emptied = dr._RendezvousState()
     emptied.complete, emptied.round = True, 4
     dr._remove_participant_epilogue(emptied, settings_)
-    _check(emptied.round == 5 and not emptied.complete, "_remove_participant_epilogue does not advance an emptied round")
+    _check(
+        emptied.round == 5 and not emptied.complete, "_remove_participant_epilogue does not advance an emptied round"
+    )
     holder.mark_dirty()
     backend.token += 1  # another writer won: the next write must report has_set False
     _check(holder.sync() is False, "the state holder does not report a lost compare-and-set as has_set False")
@@ -536,4 +565,3 @@ def _verify() -> None:
 
 _verify()
 Action = dr._Action  # after the check: it names the members used
-

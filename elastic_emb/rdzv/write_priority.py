@@ -37,9 +37,20 @@ class WritePriority:
         sleep: the sleep function.
     """
 
-    def __init__(self, store: Any, key: str, node: str, signer: Signer, expiry_s: float, log: Any = None, *,
-                 starve_after: int = 3, poll: float = 0.05, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        store: Any,
+        key: str,
+        node: str,
+        signer: Signer,
+        expiry_s: float,
+        log: Any = None,
+        *,
+        starve_after: int = 3,
+        poll: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._store = store
         self._key = key
         self._node = node

@@ -45,8 +45,9 @@ class DeviceCapture:
         ValueError: if ``buffers`` is below 1 or ``piece_bytes`` is negative.
     """
 
-    def __init__(self, device: torch.device, buffers: int = 3, timeout: float = 300.0,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(
+        self, device: torch.device, buffers: int = 3, timeout: float = 300.0, piece_bytes: int = PIECE_BYTES
+    ) -> None:
         if buffers < 1:
             raise ValueError(f"buffers={buffers} must be >= 1 pinned buffers")
         if piece_bytes < 0:
@@ -72,8 +73,10 @@ class DeviceCapture:
             while not self._free and self._allocated >= self.buffers:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no pinned commit buffer came free in {self.timeout}s: the background "
-                                       f"writer is stuck (storage or a peer); check ELASTIC_EMB_STATE_DIR")
+                    raise TimeoutError(
+                        f"no pinned commit buffer came free in {self.timeout}s: the background "
+                        f"writer is stuck (storage or a peer); check ELASTIC_EMB_STATE_DIR"
+                    )
                 self._cv.wait(left)
             buf = self._free.pop() if self._free else None
             if buf is None:
@@ -93,8 +96,9 @@ class DeviceCapture:
             self._free.append(buf)
             self._cv.notify()
 
-    def capture(self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int],
-                hold, land=None) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object]:
+    def capture(
+        self, shards: dict[str, ShardData], rows: dict[str, torch.Tensor], num_rows: dict[str, int], hold, land=None
+    ) -> tuple[list[ShardRecord], torch.Tensor, torch.cuda.Event, object]:
         """Start capturing a delta: lay it out here, launch the gather and copy on the launcher.
 
         Args:
@@ -121,8 +125,10 @@ class DeviceCapture:
         for name in sorted(shards):
             sd, idx = shards[name], rows.get(name)
             if idx is None or idx.dtype != torch.int64 or idx.dim() != 1 or idx.device != self.device:
-                raise ValueError(f"rows[{name!r}] must be a 1-D int64 tensor on {self.device}, got "
-                                 f"{None if idx is None else (tuple(idx.shape), idx.dtype, str(idx.device))}")
+                raise ValueError(
+                    f"rows[{name!r}] must be a 1-D int64 tensor on {self.device}, got "
+                    f"{None if idx is None else (tuple(idx.shape), idx.dtype, str(idx.device))}"
+                )
             k = idx.numel()
             trs = []
             for tname, t in [(INDEX, None)] + tensor_items(sd):
@@ -134,8 +140,20 @@ class DeviceCapture:
                     shape = list(t.shape[1:])
                     dtype, row_b = str(t.dtype).removeprefix("torch."), t.element_size() * math.prod(shape)
                 # (model_construct: values computed here, no validation on the training thread)
-                trs.append((TensorRecord.model_construct(name=tname, dtype=dtype, row_shape=shape, offset=off,
-                                                         nbytes=k * row_b, crc32=PENDING_CRC, algorithm="crc32"), t))
+                trs.append(
+                    (
+                        TensorRecord.model_construct(
+                            name=tname,
+                            dtype=dtype,
+                            row_shape=shape,
+                            offset=off,
+                            nbytes=k * row_b,
+                            crc32=PENDING_CRC,
+                            algorithm="crc32",
+                        ),
+                        t,
+                    )
+                )
                 off += -(-k * row_b // ALIGN) * ALIGN
             vals = _written_values(written.get(name), trs, k, self.device)
             gathers = gathers or vals is None
@@ -144,9 +162,16 @@ class DeviceCapture:
         seg = land(total) if land is not None else None
         buf = seg if seg is not None else self._acquire(total)
         host = (seg.host if seg is not None else buf)[:total]
-        records = [ShardRecord.model_construct(table=name, num_rows=num_rows[name], start=sd.rows.start,
-                                               stop=sd.rows.stop, tensors=[tr for tr, _ in trs])
-                   for name, sd, _, trs, _ in layout]
+        records = [
+            ShardRecord.model_construct(
+                table=name,
+                num_rows=num_rows[name],
+                start=sd.rows.start,
+                stop=sd.rows.stop,
+                tensors=[tr for tr, _ in trs],
+            )
+            for name, sd, _, trs, _ in layout
+        ]
         job = _Job(self.timeout, host, total, layout)
         job.ready.record(torch.cuda.current_stream(self.device))  # the step's writes come first
         if gathers:  # (a capture of written values alone never reads the table)
@@ -190,7 +215,7 @@ class DeviceCapture:
                 n, k = len(sd.rows), idx.numel()
                 src = idx.clamp(max=max(n - 1, 0))  # skipped entries (== n) read row n - 1; restore skips them
                 for tr, t in trs:
-                    dst = staging[tr.offset: tr.offset + tr.nbytes]
+                    dst = staging[tr.offset : tr.offset + tr.nbytes]
                     if tr.name == INDEX:
                         dst.view(torch.int64).copy_(idx)
                     elif k and n:
@@ -206,7 +231,7 @@ class DeviceCapture:
             for _name, _sd, idx, trs, vals in job.layout:
                 for tr, _ in trs:
                     if vals is None:
-                        src = staging[tr.offset: tr.offset + tr.nbytes]
+                        src = staging[tr.offset : tr.offset + tr.nbytes]
                     else:
                         src = (idx if tr.name == INDEX else vals[tr.name]).reshape(-1).view(torch.uint8)
                     if tr.nbytes:
@@ -215,8 +240,9 @@ class DeviceCapture:
         job.set_read(read)
         job.set_copied(*self._copy(job.host, sources, read))
 
-    def _copy(self, host: torch.Tensor, sources: list[tuple[int, torch.Tensor]],
-              read: torch.cuda.Event) -> tuple[torch.cuda.Event, list[tuple[int, torch.cuda.Event]]]:
+    def _copy(
+        self, host: torch.Tensor, sources: list[tuple[int, torch.Tensor]], read: torch.cuda.Event
+    ) -> tuple[torch.cuda.Event, list[tuple[int, torch.cuda.Event]]]:
         """Copy each ``(offset, bytes)`` of ``sources`` (uint8 device tensors, in increasing
         offsets) into ``host`` at its offset, after ``read``; the event after which all of it is
         there, and per piece (the byte it ends at, the event after which it and every piece before
@@ -238,7 +264,7 @@ class DeviceCapture:
             n = source.numel()
             piece = min(self.piece_bytes or n, n) or 1
             end = off
-            for dst, src in zip(host[off: off + n].split(piece), source.split(piece)):
+            for dst, src in zip(host[off : off + n].split(piece), source.split(piece)):
                 st = side if i % 2 == 0 else other
                 if i:
                     st.wait_event(prev)
@@ -267,8 +293,13 @@ def _written_values(vals: dict | None, trs: list, k: int, device: torch.device) 
         return None
     for tr, t in trs[1:]:
         v = vals.get(tr.name)
-        if (v is None or v.device != device or v.dtype != t.dtype or tuple(v.shape) != (k, *tr.row_shape)
-                or not v.is_contiguous()):
+        if (
+            v is None
+            or v.device != device
+            or v.dtype != t.dtype
+            or tuple(v.shape) != (k, *tr.row_shape)
+            or not v.is_contiguous()
+        ):
             return None
     return vals
 
@@ -306,8 +337,10 @@ class _Job:
 
     def wait_launched(self, flag: threading.Event, what: str) -> None:
         if not flag.wait(self.timeout):
-            raise TimeoutError(f"the capture's {what} was not launched within {self.timeout}s: the capture launcher "
-                               f"thread is stuck (a CUDA call that does not return); check the GPU")
+            raise TimeoutError(
+                f"the capture's {what} was not launched within {self.timeout}s: the capture launcher "
+                f"thread is stuck (a CUDA call that does not return); check the GPU"
+            )
         if self.error is not None:
             raise RuntimeError(f"launching a commit's {what} on the GPU failed: {self.error}") from self.error
 
@@ -364,8 +397,9 @@ def record_ranges(records: list[ShardRecord]) -> list[tuple[int, int]]:
     return [(tr.offset, tr.nbytes) for rec in records for tr in rec.tensors]
 
 
-def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = None,
-                     algorithm: str = "crc32", landed=None) -> list[ShardRecord]:
+def finished_records(
+    records: list[ShardRecord], data, crcs: list[int] | None = None, algorithm: str = "crc32", landed=None
+) -> list[ShardRecord]:
     """The records of a GPU capture with the checksum of each tensor filled in.
 
     Args:
@@ -384,5 +418,11 @@ def finished_records(records: list[ShardRecord], data, crcs: list[int] | None = 
     if crcs is None:
         crcs = digest_ranges(data, record_ranges(records), algorithm, landed)
     it = iter(crcs)
-    return [rec.model_copy(update={"tensors": [tr.model_copy(update={"crc32": next(it), "algorithm": algorithm})
-                                               for tr in rec.tensors]}) for rec in records]
+    return [
+        rec.model_copy(
+            update={
+                "tensors": [tr.model_copy(update={"crc32": next(it), "algorithm": algorithm}) for tr in rec.tensors]
+            }
+        )
+        for rec in records
+    ]

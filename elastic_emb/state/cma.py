@@ -42,8 +42,14 @@ def _load_syscall():
     except (OSError, AttributeError):
         return None, None
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     return libc, fn
 
 
@@ -80,8 +86,14 @@ def identity() -> dict:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pass
-    return {"ok": _readv is not None, "pid": os.getpid(), "boot": _read_text("/proc/sys/kernel/random/boot_id"),
-            "host": socket.gethostname(), "pidns": pidns, "token": [ctypes.addressof(tok), tok.raw.hex()]}
+    return {
+        "ok": _readv is not None,
+        "pid": os.getpid(),
+        "boot": _read_text("/proc/sys/kernel/random/boot_id"),
+        "host": socket.gethostname(),
+        "pidns": pidns,
+        "token": [ctypes.addressof(tok), tok.raw.hex()],
+    }
 
 
 def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
@@ -193,8 +205,12 @@ def _note_fallback(peer: int, reason: str) -> None:
         log.debug("cma_fallback", peer=peer, reason=reason)
     else:
         _warned.add(key)
-        log.warning("cma_fallback", peer=peer, reason=reason, remedy="rows go over gloo p2p; ELASTIC_EMB_TRANSPORT=p2p "
-                    "skips the attempt")
+        log.warning(
+            "cma_fallback",
+            peer=peer,
+            reason=reason,
+            remedy="rows go over gloo p2p; ELASTIC_EMB_TRANSPORT=p2p skips the attempt",
+        )
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -217,7 +233,7 @@ def _touch(b: torch.Tensor) -> None:
             if lo > addr:
                 b[: lo - addr].zero_()
             if addr + n > hi:
-                b[hi - addr:].zero_()
+                b[hi - addr :].zero_()
             return
         _populate[0] = False  # EINVAL on kernels before 5.14: write per page from now on
     b[::PAGE].zero_()
@@ -235,8 +251,9 @@ def _yama_scope() -> int:
         return 0
 
 
-def transfer(comm, outgoing: dict[int, tuple[int, list[torch.Tensor]]],
-             incoming: dict[int, tuple[int, list[torch.Tensor]]]) -> set[tuple[int, int]]:
+def transfer(
+    comm, outgoing: dict[int, tuple[int, list[torch.Tensor]]], incoming: dict[int, tuple[int, list[torch.Tensor]]]
+) -> set[tuple[int, int]]:
     """Move row blocks between the ranks of ``comm`` by cross-memory attach (collective).
 
     Every rank must call it, even with nothing to move. Keys are shared by sender and receiver
@@ -305,15 +322,21 @@ def _pull_from(peer: dict, blocks: list[tuple[int, list[torch.Tensor]]], src: in
     for key, tensors in blocks:
         spans = peer["rows"].get(str(key))
         if spans is None or len(spans) != len(tensors):
-            raise RuntimeError(f"cma transport: rank {src} offers {spans!r} for block {key}, expected "
-                               f"{len(tensors)} tensors; the ranks computed different plans")
+            raise RuntimeError(
+                f"cma transport: rank {src} offers {spans!r} for block {key}, expected "
+                f"{len(tensors)} tensors; the ranks computed different plans"
+            )
         for t, (addr, nbytes) in zip(tensors, spans):
             if t.device.type != "cpu":
-                raise ValueError(f"cma transport: a destination tensor is on {t.device}, only CPU memory can be pulled into")
+                raise ValueError(
+                    f"cma transport: a destination tensor is on {t.device}, only CPU memory can be pulled into"
+                )
             want = t.numel() * t.element_size()
             if nbytes != want:
-                raise RuntimeError(f"cma transport: rank {src} offers {nbytes} bytes for block {key}, this rank "
-                                   f"expects {want}; the ranks computed different plans")
+                raise RuntimeError(
+                    f"cma transport: rank {src} offers {nbytes} bytes for block {key}, this rank "
+                    f"expects {want}; the ranks computed different plans"
+                )
             dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
             if dst is not t:
                 post.append((t, dst))

@@ -74,9 +74,17 @@ class Comm:
         ValueError: if ``ELASTIC_EMB_TRANSPORT`` names a CPU-only transport on a CUDA device.
     """
 
-    def __init__(self, topology: Topology, store, process_group=None, *, timeout: float = 300.0,
-                 device: torch.device | str | None = None, purpose: str = "state",
-                 interruptible: bool = False) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        store,
+        process_group=None,
+        *,
+        timeout: float = 300.0,
+        device: torch.device | str | None = None,
+        purpose: str = "state",
+        interruptible: bool = False,
+    ) -> None:
         import torch.distributed as dist
 
         from elastic_emb.store import generation_store
@@ -94,15 +102,21 @@ class Comm:
             process_group = dist.ProcessGroupGloo(pg_store, self.rank, self.size, timedelta(seconds=timeout))
         self.pg = process_group
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if topology.backend == "nccl" else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if topology.backend == "nccl" else torch.device("cpu")
+            )
         self.device = torch.device(device)
         # How rows travel (elastic_emb.state.transport): "cma" (CPU, pull from same-host senders'
         # memory, gloo p2p for any peer that cannot be read), "p2p" (CPU, gloo send/recv) or
         # "alltoall" (one collective over a packed buffer: the only safe way for NCCL).
-        self.transport = config.load(None, "transport").transport or ("cma" if self.device.type == "cpu" else "alltoall")
+        self.transport = config.load(None, "transport").transport or (
+            "cma" if self.device.type == "cpu" else "alltoall"
+        )
         if self.transport != "alltoall" and self.device.type != "cpu":
-            raise ValueError(f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
-                             f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)")
+            raise ValueError(
+                f"ELASTIC_EMB_TRANSPORT={self.transport!r}: use 'alltoall' (any device), or 'cma' or "
+                f"'p2p' on CPU only; unset it for the default ('cma' on CPU, 'alltoall' on CUDA)"
+            )
         self._op = 0
         self.interruptible = interruptible
         self._aborted = threading.Event()
@@ -155,16 +169,21 @@ class Comm:
         pause = POLL_FIRST
         while not self.store.check(keys):
             if self._aborted.wait(pause):
-                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
-                                  f"the communicator was aborted (a peer died)")
+                raise _CommAborted(
+                    f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                    f"the communicator was aborted (a peer died)"
+                )
             if exiting():
-                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
-                                  f"the process is exiting")
+                raise _CommAborted(
+                    f"state exchange {name!r} (generation {self.topology.generation}) abandoned: the process is exiting"
+                )
             gone, why = self._gone
             missing = [r for r in sorted(gone) if r < len(keys) and not self.store.check([keys[r]])]
             if missing:
-                raise _CommAborted(f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
-                                  f"ranks {missing} will never publish ({why})")
+                raise _CommAborted(
+                    f"state exchange {name!r} (generation {self.topology.generation}) abandoned: "
+                    f"ranks {missing} will never publish ({why})"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.timeout}s for {len(keys)} keys")
             pause = min(2 * pause, POLL_MAX)
@@ -190,8 +209,9 @@ class Comm:
             inp = torch.empty(0, dtype=torch.uint8, device=self.device)
         return self.all_to_all_flat(inp, in_splits, recv_sizes)
 
-    def all_to_all_flat(self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int],
-                        out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def all_to_all_flat(
+        self, inp: torch.Tensor, in_splits: list[int], recv_sizes: list[int], out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """One ``alltoall_base`` of a flat uint8 buffer; every rank calls it, even with nothing to move.
 
         Args:
@@ -255,13 +275,20 @@ class Comm:
                 abandoned = self._waits.take_abandoned()
                 if abandoned:  # interrupted or timed out: a thread holds the group until they end
                     bound = self.timeout + 1.0  # gloo fails them at its timeout
-                    pending = functools.partial(log.warning, "state_abandoned_work_pending", works=len(abandoned),
-                                                seconds=bound)
-                    threading.Thread(target=hold_then_drop, args=([self.pg], abandoned, bound, pending),
-                                     name="elastic_emb-comm-hold", daemon=True).start()
+                    pending = functools.partial(
+                        log.warning, "state_abandoned_work_pending", works=len(abandoned), seconds=bound
+                    )
+                    threading.Thread(
+                        target=hold_then_drop,
+                        args=([self.pg], abandoned, bound, pending),
+                        name="elastic_emb-comm-hold",
+                        daemon=True,
+                    ).start()
         if not ok:
-            raise RuntimeError(f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
-                               f"complete within {self.timeout}s; a peer died or is stuck: re-form the world")
+            raise RuntimeError(
+                f"{what} failed on rank {self.rank} (generation {self.topology.generation}): not "
+                f"complete within {self.timeout}s; a peer died or is stuck: re-form the world"
+            )
 
     def formed_on(self, process_group) -> bool:
         """Whether this communicator was made for ``process_group``.
@@ -337,4 +364,3 @@ def _release(pg, method: str) -> None:
         getattr(pg, method)()
     except Exception as exc:  # teardown of a broken world: report, do not mask the caller's error
         log.warning("state_comm_close_failed", method=method, error=repr(exc))
-

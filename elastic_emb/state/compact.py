@@ -93,8 +93,10 @@ class FoldWindow:
             and at least ``min_deltas`` deltas were counted.
         """
         opened = self.deltas * DELTA_FILE_COST
-        return self.deltas >= max_deltas or (self.deltas >= min_deltas and any(
-            b > 0 and d + opened >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes)))
+        return self.deltas >= max_deltas or (
+            self.deltas >= min_deltas
+            and any(b > 0 and d + opened >= ratio * b for d, b in zip(self.delta_bytes, self.base_bytes))
+        )
 
     def restart(self) -> None:
         """Start a new window at a fold point (the bases stay as they are)."""
@@ -141,25 +143,31 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int
     key = (m.source_rank, m.replica, m.commit)
     if chains is None:
         chains = resolve_chains(tier.manifests())[0]
-    chain = next((c for c in chains.values() if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key),
-                 None)
+    chain = next((c for c in chains.values() if (c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit) == key), None)
     if chain is None:
-        raise FileNotFoundError(f"{manifest_path}: the chain of {m.commit} is not complete in {tier.node_dir} "
-                                f"(a link is missing or was pruned); nothing folded")
+        raise FileNotFoundError(
+            f"{manifest_path}: the chain of {m.commit} is not complete in {tier.node_dir} "
+            f"(a link is missing or was pruned); nothing folded"
+        )
     tables = read_chain(chain, read_snapshot)  # verified, link by link
     if cancelled():
         raise _cancelled(manifest_path)
     records, parts, off = [], [], 0
     for rec in m.shards:  # the delta's table order: every table of the shard, as in a base
         got = tables[rec.table]
-        shard = ShardData(rec.table, RowRange(rec.start, rec.stop), got["weight"],
-                          {k: v for k, v in got.items() if k not in ("weight", INDEX)})
+        shard = ShardData(
+            rec.table,
+            RowRange(rec.start, rec.stop),
+            got["weight"],
+            {k: v for k, v in got.items() if k not in ("weight", INDEX)},
+        )
         trs = []
         for tname, t in tensor_items(shard):  # a base's order: weight, then the slots by name
             b = as_bytes(t.contiguous())
             spec = row_spec(t)
-            trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
-                                    crc32=-1))
+            trs.append(
+                TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()), crc32=-1)
+            )
             parts.append(b)
             off += int(b.numel())
         records.append(ShardRecord(table=rec.table, num_rows=rec.num_rows, start=rec.start, stop=rec.stop, tensors=trs))
@@ -177,8 +185,18 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int
     digests = [digest_ranges(b.numpy(), [(0, int(b.numel()))], FOLD_CHECKSUM)[0] for b in parts]
     records = finished_records(records, None, digests, algorithm=FOLD_CHECKSUM)
     points.reached("fold_data_written", m.step)
-    folded = m.model_copy(update=dict(parent=None, folded_from=m.parent, data_file=data_name, data_bytes=off,
-                                      shards=records, segment=None, segment_offset=0, written_at=time.time()))
+    folded = m.model_copy(
+        update=dict(
+            parent=None,
+            folded_from=m.parent,
+            data_file=data_name,
+            data_bytes=off,
+            shards=records,
+            segment=None,
+            segment_offset=0,
+            written_at=time.time(),
+        )
+    )
     old_data = manifest_path.with_name(m.data_file)
     with tier.fold_lock:  # prune deletes no directory meanwhile
         if cancelled():
@@ -191,8 +209,9 @@ def fold(tier, manifest_path: Path, cancelled=lambda: False, chains=None) -> int
         if not unchanged:
             path.unlink(missing_ok=True)
             return None
-        write_atomic(manifest_path, SnapshotManifest.model_validate(folded.model_dump()).model_dump_json(),
-                     tier.file_mode)
+        write_atomic(
+            manifest_path, SnapshotManifest.model_validate(folded.model_dump()).model_dump_json(), tier.file_mode
+        )
         points.reached("fold_manifest_swapped", m.step)
         if old_data != path:
             old_data.unlink(missing_ok=True)
@@ -234,12 +253,14 @@ class Compactor:
             while self._busy and (left := deadline - time.monotonic()) > 0:
                 self._cv.wait(left)
             if self._busy:
-                log.warning("fold_skipped", step=step, waited_s=self.timeout,
-                            reason="the previous fold is still running")
+                log.warning(
+                    "fold_skipped", step=step, waited_s=self.timeout, reason="the previous fold is still running"
+                )
                 return False
             self._busy = True
-            self._thread = threading.Thread(target=self._run, args=(step, list(manifests), self._epoch),
-                                            name="elastic_emb-compactor", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(step, list(manifests), self._epoch), name="elastic_emb-compactor", daemon=True
+            )
             self._thread.start()
         return True
 
@@ -260,13 +281,22 @@ class Compactor:
                         written, done = written + got, done + 1
             if done:
                 self.folded += 1
-                log.info("fold_complete", step=step, manifests=done, bytes=written,
-                         seconds=round(time.perf_counter() - t0, 6))
+                log.info(
+                    "fold_complete",
+                    step=step,
+                    manifests=done,
+                    bytes=written,
+                    seconds=round(time.perf_counter() - t0, 6),
+                )
         except _FoldCancelled:
             log.info("fold_cancelled", step=step, reason="stopped (a resize or the exit)")
         except Exception as exc:  # the chain stays as it was: restorable, only longer
-            log.warning("fold_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:400],
-                        remedy="nothing lost: the next fold point folds the longer chain")
+            log.warning(
+                "fold_failed",
+                step=step,
+                error=f"{type(exc).__name__}: {exc}"[:400],
+                remedy="nothing lost: the next fold point folds the longer chain",
+            )
         finally:
             with self._cv:
                 self._busy = False
@@ -319,4 +349,3 @@ def fold_targets(cdir: Path, rank: int, replicas_of: list[int]) -> list[Path]:
         The manifest paths.
     """
     return [cdir / f"rank{rank}.json"] + [cdir / f"rank{r}.replica.json" for r in replicas_of]
-

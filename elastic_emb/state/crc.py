@@ -108,8 +108,9 @@ def pool() -> ThreadPoolExecutor:
     """
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="elastic_emb-crc",
-                                   initializer=_lower_priority)
+        _pool = ThreadPoolExecutor(
+            max_workers=threads(), thread_name_prefix="elastic_emb-crc", initializer=_lower_priority
+        )
     return _pool
 
 
@@ -163,8 +164,10 @@ def checksum_ranges(buf: np.ndarray, ranges: list[tuple[int, int]]) -> list[int]
     jobs = _chunks(ranges)
     if len(jobs) <= 1:  # one chunk: a thread would only add its hand-over
         return _joined(ranges, jobs, [zlib.crc32(memoryview(buf[lo:hi])) for _, lo, hi in jobs])
-    crcs = [f.result() for f in [pool().submit(lambda lo, hi: zlib.crc32(memoryview(buf[lo:hi])), lo, hi)
-                                 for _, lo, hi in jobs]]
+    crcs = [
+        f.result()
+        for f in [pool().submit(lambda lo, hi: zlib.crc32(memoryview(buf[lo:hi])), lo, hi) for _, lo, hi in jobs]
+    ]
     return _joined(ranges, jobs, crcs)
 
 

@@ -53,16 +53,21 @@ def changed_index(name: str, change: torch.Tensor | None, n: int) -> torch.Tenso
             raise ValueError(f"take_changes()[{name!r}] must be a bool mask of shape ({n},), got {tuple(change.shape)}")
         return change.nonzero().flatten()
     if change.dtype != torch.int64 or change.dim() != 1:
-        raise ValueError(f"changes[{name!r}] must be a bool mask of shape ({n},) or a 1-D int64 tensor of local rows, "
-                         f"got {(tuple(change.shape), change.dtype)}")
+        raise ValueError(
+            f"changes[{name!r}] must be a bool mask of shape ({n},) or a 1-D int64 tensor of local rows, "
+            f"got {(tuple(change.shape), change.dtype)}"
+        )
     if change.numel() and (int(change[0]) < 0 or int(change[-1]) >= n or bool((change[1:] <= change[:-1]).any())):
-        raise ValueError(f"changes[{name!r}]: the changed rows must be distinct, sorted and within [0, {n}) "
-                         f"(take_changed_rows(unique=True) gives them so)")
+        raise ValueError(
+            f"changes[{name!r}]: the changed rows must be distinct, sorted and within [0, {n}) "
+            f"(take_changed_rows(unique=True) gives them so)"
+        )
     return change
 
 
-def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | None],
-               num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor, int]:
+def pack_delta(
+    shards: dict[str, ShardData], changes: dict[str, torch.Tensor | None], num_rows: dict[str, int]
+) -> tuple[list[ShardRecord], torch.Tensor, int]:
     """The changed rows of every table back to back in one byte buffer, with their records.
 
     Args:
@@ -89,12 +94,21 @@ def pack_delta(shards: dict[str, ShardData], changes: dict[str, torch.Tensor | N
         for tname, t in [(INDEX, idx.to(torch.int64))] + [(n, t[idx.to(t.device)]) for n, t in tensor_items(sd)]:
             b = as_bytes(t)
             spec = row_spec(t)
-            trs.append(TensorRecord(name=tname, dtype=spec[0], row_shape=spec[1], offset=off, nbytes=int(b.numel()),
-                                    crc32=crc32_of(b.numpy())))
+            trs.append(
+                TensorRecord(
+                    name=tname,
+                    dtype=spec[0],
+                    row_shape=spec[1],
+                    offset=off,
+                    nbytes=int(b.numel()),
+                    crc32=crc32_of(b.numpy()),
+                )
+            )
             parts.append(b)
             off += int(b.numel())
-        records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop,
-                                   tensors=trs))
+        records.append(
+            ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop, tensors=trs)
+        )
     blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return records, blob, total
 
@@ -142,8 +156,9 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
     return chains, gaps
 
 
-def read_chain(chain: list[tuple[Path, SnapshotManifest]], read, fill: dict | None = None,
-               materialize: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+def read_chain(
+    chain: list[tuple[Path, SnapshotManifest]], read, fill: dict | None = None, materialize: bool = True
+) -> dict[str, dict[str, torch.Tensor]]:
     """Materialize a shard from its base and deltas, in order, each verified before it is applied.
 
     The base is mapped copy-on-write, so applying the deltas never changes a committed file.

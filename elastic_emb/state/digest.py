@@ -128,16 +128,21 @@ def digest_ranges(buf: np.ndarray, ranges: list[tuple[int, int]], algorithm: str
         raise ValueError(f"checksum algorithm {algorithm!r} is not one of {ALGORITHMS}")
     crc.check_ranges(buf, ranges)
     xxh = _xxhash()
-    jobs = [(r, c, min(c + TREE_CHUNK, off + n)) for r, (off, n) in enumerate(ranges)
-            for c in range(off, off + n, TREE_CHUNK)]
+    jobs = [
+        (r, c, min(c + TREE_CHUNK, off + n))
+        for r, (off, n) in enumerate(ranges)
+        for c in range(off, off + n, TREE_CHUNK)
+    ]
     jobs.sort(key=lambda j: j[2])  # by the byte each chunk ends at: the order it lands in
+
     def run(lo, hi):
         return xxh.xxh3_64_intdigest(memoryview(buf[lo:hi]))
+
     futures = []
     for mark in landed or ():
         while len(futures) < len(jobs) and jobs[len(futures)][2] <= mark:
             futures.append(crc.pool().submit(run, *jobs[len(futures)][1:]))
-    futures += [crc.pool().submit(run, lo, hi) for _, lo, hi in jobs[len(futures):]]
+    futures += [crc.pool().submit(run, lo, hi) for _, lo, hi in jobs[len(futures) :]]
     per: list[list[int]] = [[] for _ in ranges]
     for (r, _, _), fut in zip(jobs, futures):
         per[r].append(fut.result())

@@ -55,8 +55,9 @@ class DurableTier:
         ValueError: if ``run_id`` is not a plain name.
     """
 
-    def __init__(self, root: str | os.PathLike, run_id: str, *, file_mode: int = FILE_MODE,
-                 dir_mode: int = DIR_MODE) -> None:
+    def __init__(
+        self, root: str | os.PathLike, run_id: str, *, file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE
+    ) -> None:
         self.base = Path(root)
         self.run_id = check_name(run_id, "run id")
         self.root = under(root, run_id)
@@ -88,8 +89,15 @@ class DurableTier:
                 out.append(m.model_copy(update={"checkpoint_dir": str(mpath.parent)}))
         return out
 
-    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
-               asynchronous: bool = False) -> tuple[int, Future | None]:
+    def commit(
+        self,
+        step: int,
+        shards: dict[str, ShardData],
+        comm: Comm,
+        num_rows: dict[str, int],
+        group,
+        asynchronous: bool = False,
+    ) -> tuple[int, Future | None]:
         """Save ``shards`` through DCP (collective).
 
         A checkpoint cut short by a crash has no manifest (rank 0 writes it last, once DCP
@@ -138,8 +146,9 @@ class DurableTier:
         threading.Thread(target=run, name=f"elastic_emb-durable-{step}", daemon=True).start()
         return nbytes, fut
 
-    def _save(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group,
-              copied) -> None:
+    def _save(
+        self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group, copied
+    ) -> None:
         """The whole save of one rank: world layout, CRC32s, DCP, and (rank 0) the manifest last."""
         import torch.distributed.checkpoint as dcp
 
@@ -152,8 +161,11 @@ class DurableTier:
         sd, specs = _dtensor_state_dict(world_shards, group, num_rows)
         cdir = self.root / commit_dirname(step, topo.fingerprint())
         make_dirs(self.base, cdir, self.dir_mode)
-        sums = {f"{name}.{tname}": [shard.rows.start, shard.rows.stop, checksum(t)]
-                for name, shard in world_shards.items() for tname, t in tensor_items(shard)}
+        sums = {
+            f"{name}.{tname}": [shard.rows.start, shard.rows.stop, checksum(t)]
+            for name, shard in world_shards.items()
+            for tname, t in tensor_items(shard)
+        }
         gathered = comm.exchange(f"durable{step}", sums)
         dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
         if topo.rank == 0:
@@ -161,17 +173,27 @@ class DurableTier:
             for r, s in enumerate(gathered):
                 for key, v in s.items():
                     checksums.setdefault(key, {})[str(r)] = v
-            manifest = DurableManifest(step=step, generation=topo.generation, fingerprint=topo.fingerprint(),
-                                       run_id=topo.run_id, world_size=topo.world_size, tables=dict(num_rows),
-                                       tensors=specs, checksums=checksums, checkpoint_dir=str(cdir), written_at=time.time())
+            manifest = DurableManifest(
+                step=step,
+                generation=topo.generation,
+                fingerprint=topo.fingerprint(),
+                run_id=topo.run_id,
+                world_size=topo.world_size,
+                tables=dict(num_rows),
+                tensors=specs,
+                checksums=checksums,
+                checkpoint_dir=str(cdir),
+                written_at=time.time(),
+            )
             for f in cdir.rglob("*"):  # DCP creates its files with the process's umask
                 os.chmod(f, self.dir_mode if f.is_dir() else self.file_mode)
             points.reached("durable_before_manifest", step)
             write_atomic(cdir / "elastic_emb_manifest.json", manifest.model_dump_json(), self.file_mode)
         comm.barrier(f"durable{step}-done")
 
-    def load(self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData],
-             num_rows: dict[str, int], group) -> dict[str, ShardData]:
+    def load(
+        self, manifest: DurableManifest, comm: Comm, template: dict[str, ShardData], num_rows: dict[str, int], group
+    ) -> dict[str, ShardData]:
         """Load a commit at this world size and verify every saved shard's CRC32 (collective).
 
         Each saved shard's CRC32 is combined from the parts the ranks now hold, whatever the world
@@ -197,13 +219,16 @@ class DurableTier:
         world = {}
         for name, spec in template.items():
             rows = owned_range(num_rows[name], comm.size, comm.rank)
-            world[name] = ShardData(name, rows, torch.zeros(len(rows), *spec.weight.shape[1:], dtype=spec.weight.dtype),
-                                    {k: torch.zeros(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in spec.slots.items()})
+            world[name] = ShardData(
+                name,
+                rows,
+                torch.zeros(len(rows), *spec.weight.shape[1:], dtype=spec.weight.dtype),
+                {k: torch.zeros(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in spec.slots.items()},
+            )
         sd, _ = _dtensor_state_dict(world, group, num_rows)
         dcp.load(sd, checkpoint_id=manifest.checkpoint_dir, process_group=group)
         self._verify(manifest, comm, world)
         return world
-
 
     @staticmethod
     def _verify(manifest: DurableManifest, comm: Comm, world: dict[str, ShardData]) -> None:
@@ -219,7 +244,7 @@ class DurableTier:
                 for saved_rank, (start, stop, _) in manifest.checksums.get(key, {}).items():
                     lo, hi = max(start, shard.rows.start), min(stop, shard.rows.stop)
                     if lo < hi:
-                        part = t[lo - shard.rows.start: hi - shard.rows.start]
+                        part = t[lo - shard.rows.start : hi - shard.rows.start]
                         mine.setdefault(key, []).append([saved_rank, lo, hi, checksum(part), (hi - lo) * rb])
         everyone = comm.exchange("durable-verify", mine)
         for key, saved in sorted(manifest.checksums.items()):
@@ -266,8 +291,9 @@ def _dtensor_state_dict(shards: dict[str, ShardData], group, num_rows: dict[str,
         for tname, t in tensor_items(shard):
             shape = (num_rows[name], *t.shape[1:])
             stride = torch.empty(shape, device="meta").stride()
-            sd[f"{name}.{tname}"] = DTensor.from_local(t.cpu(), mesh, [Shard(0)], run_check=False,
-                                                       shape=torch.Size(shape), stride=stride)
+            sd[f"{name}.{tname}"] = DTensor.from_local(
+                t.cpu(), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride
+            )
             specs[f"{name}.{tname}"] = row_spec(t)
     return sd, specs
 
@@ -287,6 +313,10 @@ def _to_world_layout(shards: dict[str, ShardData], comm: Comm, num_rows: dict[st
     template = {}
     for name, s in shards.items():
         rows = owned_range(num_rows[name], comm.size, comm.rank)
-        template[name] = ShardData(name, rows, torch.empty(len(rows), *s.weight.shape[1:], dtype=s.weight.dtype),
-                                   {k: torch.empty(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in s.slots.items()})
+        template[name] = ShardData(
+            name,
+            rows,
+            torch.empty(len(rows), *s.weight.shape[1:], dtype=s.weight.dtype),
+            {k: torch.empty(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in s.slots.items()},
+        )
     return move_rows(comm, pieces, template, num_rows, owners=comm.size)

@@ -44,8 +44,13 @@ class CommitId(NamedTuple):
         Raises:
             ValueError: if ``value`` is not three elements of types int, int, str.
         """
-        if (not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[0], int)
-                or not isinstance(value[1], int) or not isinstance(value[2], str)):
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 3
+            or not isinstance(value[0], int)
+            or not isinstance(value[1], int)
+            or not isinstance(value[2], str)
+        ):
             raise ValueError(f"commit id {value!r} must be [step:int, generation:int, fingerprint:str]")
         return cls(int(value[0]), int(value[1]), str(value[2]))
 
@@ -136,8 +141,6 @@ def checksum(t: torch.Tensor) -> int:
         The CRC32, as :func:`elastic_emb.state.crc.crc32_of` computes it.
     """
     return crc32_of(as_bytes(t).numpy())
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,8 +40,10 @@ def check_name(value: str, what: str) -> str:
             that does not start with a dot.
     """
     if not isinstance(value, str) or not _SAFE.fullmatch(value):
-        raise ValueError(f"{what} {value!r} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', "
-                         f"not starting with '.' (it becomes a directory name under the state root)")
+        raise ValueError(
+            f"{what} {value!r} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', "
+            f"not starting with '.' (it becomes a directory name under the state root)"
+        )
     return value
 
 

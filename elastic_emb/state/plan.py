@@ -56,8 +56,9 @@ class Assignment:
     tier: str
 
 
-def plan_assignments(inventories: list[list[Piece]], commit: CommitId, num_rows: dict[str, int], owners: int,
-                     specs: dict[str, list]) -> tuple[list[Assignment], list[tuple[str, int, int]]]:
+def plan_assignments(
+    inventories: list[list[Piece]], commit: CommitId, num_rows: dict[str, int], owners: int, specs: dict[str, list]
+) -> tuple[list[Assignment], list[tuple[str, int, int]]]:
     """Choose, for every row of every table in the ``owners`` layout, one rank that sends it.
 
     Preferred, in order: live memory over an own file over a replica, then the destination itself

@@ -84,10 +84,16 @@ class RestoreReport:
             A dict of every field, tuples as lists and times rounded to microseconds.
         """
         return {
-            "step": self.step, "generation": self.generation, "fingerprint": self.fingerprint,
-            "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()}, "source_tiers": self.source_tiers,
-            "bytes_moved": self.bytes_moved, "bytes_local": self.bytes_local, "fallback": self.fallback,
-            "seconds": round(self.seconds, 6), "transfer_seconds": round(self.transfer_seconds, 6),
+            "step": self.step,
+            "generation": self.generation,
+            "fingerprint": self.fingerprint,
+            "tiers": {t: [list(x) for x in v] for t, v in self.tiers.items()},
+            "source_tiers": self.source_tiers,
+            "bytes_moved": self.bytes_moved,
+            "bytes_local": self.bytes_local,
+            "fallback": self.fallback,
+            "seconds": round(self.seconds, 6),
+            "transfer_seconds": round(self.transfer_seconds, 6),
             "transport": self.transport,
         }
 
@@ -99,9 +105,17 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
         for shard in live or []:
             if len(shard.rows):
                 sources[len(pieces)] = shard
-                pieces.append(Piece(table=shard.table, start=shard.rows.start, stop=shard.rows.stop, tier="live",
-                                    commit=live_commit, handle=len(pieces),
-                                    spec=[row_spec(t) for _, t in tensor_items(shard)]))
+                pieces.append(
+                    Piece(
+                        table=shard.table,
+                        start=shard.rows.start,
+                        stop=shard.rows.stop,
+                        tier="live",
+                        commit=live_commit,
+                        handle=len(pieces),
+                        spec=[row_spec(t) for _, t in tensor_items(shard)],
+                    )
+                )
     manifests = snapshot.manifests() if snapshot else []
     chains, broken = resolve_chains(manifests)
     for path, m in manifests:
@@ -110,21 +124,42 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
         for rec in m.shards:
             if rec.stop > rec.start:
                 sources[len(pieces)] = FileSource(path, m, rec.table, tuple(chains[path]))
-                pieces.append(Piece(table=rec.table, start=rec.start, stop=rec.stop,
-                                    tier="replica" if m.replica else "snapshot", commit=m.commit, handle=len(pieces),
-                                    spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors if tr.name != INDEX],
-                                    num_rows=rec.num_rows,
-                                    file=f"{snapshot.node_id}/{path.parent.name}/{path.name}"))
-    inv = Inventory(pieces=pieces, durable=[m.commit for m in durable_ms],
-                    tables={name: (s.rows.start, s.rows.stop) for name, s in template.items()},
-                    specs=specs_of(template), node=snapshot.listing() if snapshot else None,
-                    gaps=[(m.commit, missing, [(r.table, r.start, r.stop) for r in m.shards]) for m, missing in broken])
+                pieces.append(
+                    Piece(
+                        table=rec.table,
+                        start=rec.start,
+                        stop=rec.stop,
+                        tier="replica" if m.replica else "snapshot",
+                        commit=m.commit,
+                        handle=len(pieces),
+                        spec=[(tr.dtype, tr.row_shape) for tr in rec.tensors if tr.name != INDEX],
+                        num_rows=rec.num_rows,
+                        file=f"{snapshot.node_id}/{path.parent.name}/{path.name}",
+                    )
+                )
+    inv = Inventory(
+        pieces=pieces,
+        durable=[m.commit for m in durable_ms],
+        tables={name: (s.rows.start, s.rows.stop) for name, s in template.items()},
+        specs=specs_of(template),
+        node=snapshot.listing() if snapshot else None,
+        gaps=[(m.commit, missing, [(r.table, r.start, r.stop) for r in m.shards]) for m, missing in broken],
+    )
     return inv, sources
 
 
-def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: DurableTier | None,
-            live: list[ShardData] | None = None, live_commit: tuple[int, int, str] | None = None,
-            require_state: bool = False, start_fresh: bool = False, durable_group=None) -> RestoreReport:
+def restore(
+    context,
+    comm: Comm,
+    *,
+    snapshot: SnapshotTier | None,
+    durable: DurableTier | None,
+    live: list[ShardData] | None = None,
+    live_commit: tuple[int, int, str] | None = None,
+    require_state: bool = False,
+    start_fresh: bool = False,
+    durable_group=None,
+) -> RestoreReport:
     """Bring ``context`` to the newest commit complete for every row across tiers (collective).
 
     Args:
@@ -167,8 +202,14 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
     rejected: dict[str, str] = {}  # file -> why (corrupt), the same on every rank
     files = {p.file for e in everyone for p in e.pieces if p.file}
     for attempt in range(len(files) + 1):  # every failed attempt rejects at least one more file
-        invs = [[p for p in e.pieces if p.file not in rejected and (p.num_rows or num_rows.get(p.table)) == num_rows.get(p.table)]
-                for e in everyone]
+        invs = [
+            [
+                p
+                for p in e.pieces
+                if p.file not in rejected and (p.num_rows or num_rows.get(p.table)) == num_rows.get(p.table)
+            ]
+            for e in everyone
+        ]
         durable_common = set.intersection(*[set(e.durable) for e in everyone]) if everyone else set()
         commits = sorted({p.commit for inv in invs for p in inv} | durable_common, reverse=True)
         chosen = None
@@ -188,14 +229,21 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
             if why is None or start_fresh:
                 if why is not None:
                     log.warning("restore_start_fresh", reason=str(why))
-                return RestoreReport(step=-1, generation=None, fingerprint=None,
-                                     tiers={t: [(s.rows.start, s.rows.stop, "init")] for t, s in template.items()},
-                                     source_tiers=["init"], fallback="start_fresh" if why is not None else None,
-                                     seconds=time.perf_counter() - t0)
+                return RestoreReport(
+                    step=-1,
+                    generation=None,
+                    fingerprint=None,
+                    tiers={t: [(s.rows.start, s.rows.stop, "init")] for t, s in template.items()},
+                    source_tiers=["init"],
+                    fallback="start_fresh" if why is not None else None,
+                    seconds=time.perf_counter() - t0,
+                )
             raise why
         notes = []
         if rejected:
-            notes.append("rejected corrupt snapshot files " + "; ".join(f"{f} ({r})" for f, r in sorted(rejected.items())))
+            notes.append(
+                "rejected corrupt snapshot files " + "; ".join(f"{f} ({r})" for f, r in sorted(rejected.items()))
+            )
         if first_missing is not None and first_missing[0] != chosen[1]:
             notes.append(f"{first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
         fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
@@ -204,13 +252,27 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
         if skipped:
             raise RestoreError(
                 f"the commit chain has a missing link: {skipped[-1][0]} is a delta on {skipped[-1][1]}, which no "
-                f"node holds, for rows " + ", ".join(f"{t}[{a}, {b})" for t, a, b in skipped[-1][2])
+                f"node holds, for rows "
+                + ", ".join(f"{t}[{a}, {b})" for t, a, b in skipped[-1][2])
                 + f"; restoring {cid} instead would silently drop the steps after it. Bring back the node directory "
-                  f"holding it, or delete the newer commits on purpose to restore {cid}",
-                [tuple(x) for x in skipped[-1][2]])
+                f"holding it, or delete the newer commits on purpose to restore {cid}",
+                [tuple(x) for x in skipped[-1][2]],
+            )
         if kind == "durable":
-            return _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place,
-                                    durable_group, fallback, t0)
+            return _restore_durable(
+                context,
+                comm,
+                durable,
+                durable_ms,
+                cid,
+                template,
+                num_rows,
+                owners,
+                in_place,
+                durable_group,
+                fallback,
+                t0,
+            )
         bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template)
         bad_all = comm.exchange(f"restore-bad{attempt}", bad_local)
         if any(bad_all):
@@ -233,35 +295,50 @@ def restore(context, comm: Comm, *, snapshot: SnapshotTier | None, durable: Dura
                 mine_tiers.setdefault(a.table, []).append((a.start, a.stop, a.tier))
                 if a.src == comm.rank:
                     local += (a.stop - a.start) * sum(row_bytes(s) for s in specs[a.table])
-        return RestoreReport(step=cid.step, generation=cid.generation, fingerprint=cid.fingerprint, tiers=mine_tiers,
-                             source_tiers=sorted({a.tier for a in plan}), bytes_moved=moved.bytes_sent,
-                             bytes_local=local, fallback=fallback, seconds=time.perf_counter() - t0,
-                             transfer_seconds=transfer_s, transport=moved.transport)
+        return RestoreReport(
+            step=cid.step,
+            generation=cid.generation,
+            fingerprint=cid.fingerprint,
+            tiers=mine_tiers,
+            source_tiers=sorted({a.tier for a in plan}),
+            bytes_moved=moved.bytes_sent,
+            bytes_local=local,
+            fallback=fallback,
+            seconds=time.perf_counter() - t0,
+            transfer_seconds=transfer_s,
+            transport=moved.transport,
+        )
     raise RestoreError(f"restore rejected every snapshot file it tried: {sorted(rejected)}")
 
 
-def _nothing_complete(everyone: list[Inventory], first_missing, rejected: dict[str, str], num_rows: dict[str, int],
-                      require_state: bool) -> RestoreError | None:
+def _nothing_complete(
+    everyone: list[Inventory], first_missing, rejected: dict[str, str], num_rows: dict[str, int], require_state: bool
+) -> RestoreError | None:
     """The error to raise when no commit is complete, or None when there is no state at all (a
     first start: the context keeps its initial rows)."""
     nodes = {e.node.node: e.node for e in everyone if e.node is not None}
     marked = sorted(n for n, listing in nodes.items() if listing.marker)
     held = {n: listing.dirs for n, listing in nodes.items() if listing.dirs}
-    bad = ("; corrupt files rejected: " + "; ".join(f"{f}: {r}" for f, r in sorted(rejected.items()))) if rejected else ""
+    bad = (
+        ("; corrupt files rejected: " + "; ".join(f"{f}: {r}" for f, r in sorted(rejected.items()))) if rejected else ""
+    )
     if first_missing is not None:
         cid, missing = first_missing
         return RestoreError(
             f"no commit is complete: the newest, step {cid.step} (generation {cid.generation}), lacks rows "
             + ", ".join(f"{t}[{a}, {b})" for t, a, b in missing)
             + f" in every tier (live, node snapshots, replicas, durable){bad}. Those rows were on lost nodes or in "
-              "corrupt files: bring back a node directory holding them, raise replication, configure a durable_dir, "
-              "or start over on purpose (LifecycleConfig.start_fresh)",
+            "corrupt files: bring back a node directory holding them, raise replication, configure a durable_dir, "
+            "or start over on purpose (LifecycleConfig.start_fresh)",
             missing,
         )
     if not (require_state or marked or held or rejected):
         return None
     whole = [(t, 0, n) for t, n in sorted(num_rows.items())]
-    what = ", ".join(f"{n}: {', '.join(d[-3:])}{' ...' if len(d) > 3 else ''}" for n, d in sorted(held.items())) or "nothing"
+    what = (
+        ", ".join(f"{n}: {', '.join(d[-3:])}{' ...' if len(d) > 3 else ''}" for n, d in sorted(held.items()))
+        or "nothing"
+    )
     return RestoreError(
         f"no complete commit in any tier, yet {'this run committed before (run marker on nodes ' + str(marked) + ')' if marked else 'state was required'}: "
         f"the node directories hold {what} without a valid manifest set{bad}; check that ELASTIC_EMB_STATE_DIR, "
@@ -289,14 +366,18 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
             continue
         shard = template[a.table]
         lo = a.start - shard.rows.start
-        dsts = {tname: t[lo: lo + (a.stop - a.start)] for tname, t in tensor_items(shard)}
+        dsts = {tname: t[lo : lo + (a.stop - a.start)] for tname, t in tensor_items(shard)}
         if all(t.device.type == "cpu" and t.is_contiguous() for t in dsts.values()):
             fills.setdefault(src.path, {}).setdefault(src.table, []).append(
-                (a.start - src.first_row, a.stop - src.first_row, dsts))
+                (a.start - src.first_row, a.stop - src.first_row, dsts)
+            )
             filled.add(i)
     # A chain is applied to its base's mapping only when some of its rows leave this rank.
-    sent = {sources[a.handle].path for i, a in enumerate(plan)
-            if a.src == comm.rank and i not in filled and isinstance(sources.get(a.handle), FileSource)}
+    sent = {
+        sources[a.handle].path
+        for i, a in enumerate(plan)
+        if a.src == comm.rank and i not in filled and isinstance(sources.get(a.handle), FileSource)
+    }
     # Every file this rank sends from is read (and verified) once; several files on threads of
     # their own (the checksums and the row copies release the GIL), e.g. a survivor's own shard
     # and the replica of a dead rank's, which a restore after a node kill reads both.
@@ -306,8 +387,9 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
         if isinstance(src, FileSource) and src.path not in reads:
             reads[src.path] = src
     if len(reads) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(reads), os.cpu_count() or 1),
-                                thread_name_prefix="elastic_emb-restore") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(len(reads), os.cpu_count() or 1), thread_name_prefix="elastic_emb-restore"
+        ) as pool:
             results = dict(zip(reads, pool.map(lambda src: _read_file(src, fills, sent), reads.values())))
     else:
         results = {path: _read_file(src, fills, sent) for path, src in reads.items()}
@@ -338,24 +420,32 @@ def _read_file(src: FileSource, fills: dict, sent: set) -> tuple[dict | None, Ex
     or (None, why it was rejected)."""
     try:
         if len(src.chain) > 1:
-            return read_chain(list(src.chain), read_snapshot, fill=fills.get(src.path),
-                              materialize=src.path in sent), None
+            return read_chain(
+                list(src.chain), read_snapshot, fill=fills.get(src.path), materialize=src.path in sent
+            ), None
         return read_snapshot(src.path, src.manifest, fill=fills.get(src.path)), None
     except (ChecksumMismatch, OSError, ValueError) as exc:
         return None, exc
 
 
-def _restore_durable(context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place, group,
-                     fallback, t0) -> RestoreReport:
+def _restore_durable(
+    context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place, group, fallback, t0
+) -> RestoreReport:
     m = next(m for m in durable_ms if m.commit == cid)
     world = durable.load(m, comm, template, num_rows, group)
     shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners)
     _finish(context, shards, in_place)
     log.warning("restore_from_durable", step=cid.step, reason=fallback)
-    return RestoreReport(step=cid.step, generation=cid.generation, fingerprint=cid.fingerprint,
-                         tiers={t: [(s.rows.start, s.rows.stop, "durable")] for t, s in shards.items()},
-                         source_tiers=["durable"], bytes_moved=sum(s.nbytes() for s in world.values()),
-                         fallback=fallback or "durable tier used", seconds=time.perf_counter() - t0)
+    return RestoreReport(
+        step=cid.step,
+        generation=cid.generation,
+        fingerprint=cid.fingerprint,
+        tiers={t: [(s.rows.start, s.rows.stop, "durable")] for t, s in shards.items()},
+        source_tiers=["durable"],
+        bytes_moved=sum(s.nbytes() for s in world.values()),
+        fallback=fallback or "durable tier used",
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _finish(context, shards: dict[str, ShardData], in_place: bool) -> None:
@@ -375,7 +465,9 @@ def _num_rows_from(everyone: list[Inventory]) -> dict[str, int]:
             out[name] = max(out.get(name, 0), stop)
     for name, n in out.items():
         if n < 1:
-            raise RestoreError(f"table {name!r}: no rank reports any rows; the context exported empty shards everywhere")
+            raise RestoreError(
+                f"table {name!r}: no rank reports any rows; the context exported empty shards everywhere"
+            )
     return out
 
 
@@ -403,18 +495,50 @@ def inspect_state(state_dir, run_id: str, durable_dir=None) -> dict:
     out = []
     for cid in sorted(found, reverse=True):
         num_rows = {rec.table: rec.num_rows for _, _, rec in found[cid]}
-        pieces = [Piece(table=rec.table, start=rec.start, stop=rec.stop, tier="replica" if m.replica else "snapshot",
-                        commit=cid, handle=i, spec=[(t.dtype, t.row_shape) for t in rec.tensors])
-                  for i, (_, m, rec) in enumerate(found[cid])]
+        pieces = [
+            Piece(
+                table=rec.table,
+                start=rec.start,
+                stop=rec.stop,
+                tier="replica" if m.replica else "snapshot",
+                commit=cid,
+                handle=i,
+                spec=[(t.dtype, t.row_shape) for t in rec.tensors],
+            )
+            for i, (_, m, rec) in enumerate(found[cid])
+        ]
         missing = missing_rows(pieces, num_rows)
-        out.append({"tier": "snapshot", "step": cid.step, "generation": cid.generation, "fingerprint": cid.fingerprint,
-                    "complete": not missing, "missing": [list(x) for x in missing], "tables": num_rows,
-                    "nodes": sorted({node for node, _, _ in found[cid]}),
-                    "shards": sorted({(m.source_rank, m.replica, node) for node, m, _ in found[cid]})})
+        out.append(
+            {
+                "tier": "snapshot",
+                "step": cid.step,
+                "generation": cid.generation,
+                "fingerprint": cid.fingerprint,
+                "complete": not missing,
+                "missing": [list(x) for x in missing],
+                "tables": num_rows,
+                "nodes": sorted({node for node, _, _ in found[cid]}),
+                "shards": sorted({(m.source_rank, m.replica, node) for node, m, _ in found[cid]}),
+            }
+        )
     if durable_dir is not None:
         for m in DurableTier(durable_dir, run_id).manifests():
-            out.append({"tier": "durable", "step": m.step, "generation": m.generation, "fingerprint": m.fingerprint,
-                        "complete": True, "missing": [], "tables": m.tables, "dir": m.checkpoint_dir})
+            out.append(
+                {
+                    "tier": "durable",
+                    "step": m.step,
+                    "generation": m.generation,
+                    "fingerprint": m.fingerprint,
+                    "complete": True,
+                    "missing": [],
+                    "tables": m.tables,
+                    "dir": m.checkpoint_dir,
+                }
+            )
     out.sort(key=lambda c: (c["step"], c["generation"]), reverse=True)
-    return {"run_id": run_id, "state_dir": str(state_dir), "durable_dir": str(durable_dir) if durable_dir else None,
-            "commits": out}
+    return {
+        "run_id": run_id,
+        "state_dir": str(state_dir),
+        "durable_dir": str(durable_dir) if durable_dir else None,
+        "commits": out,
+    }

@@ -104,8 +104,10 @@ class SegmentRing:
                     err = int(self._cudart.cudaHostRegister(seg.host.data_ptr(), self.size, 0))
                     if err != 0:
                         _clear_cuda_error()  # else torch's next CUDA call reports it as its own
-                        raise RuntimeError(f"cudaHostRegister of log segment {path} ({self.size} bytes) failed with "
-                                           f"CUDA error {err}: lower the ring size or raise the locked-memory limit")
+                        raise RuntimeError(
+                            f"cudaHostRegister of log segment {path} ({self.size} bytes) failed with "
+                            f"CUDA error {err}: lower the ring size or raise the locked-memory limit"
+                        )
                     self._registered.append(seg.host.data_ptr())
         except BaseException:
             self.close()
@@ -127,7 +129,7 @@ class SegmentRing:
         with self._cv:  # a free one first: checking whether held ones were pruned costs a stat each
             # From the one after the last taken: the oldest first, whose commit is the likeliest
             # pruned (one stat, not one per segment, on the training thread)
-            order = self.segments[self._next:] + self.segments[:self._next]
+            order = self.segments[self._next :] + self.segments[: self._next]
             for seg in order:
                 if seg.state == "free":
                     return self._take(seg)
@@ -168,8 +170,10 @@ class SegmentRing:
             The segments in flight or named by a manifest that still exists.
         """
         with self._cv:
-            return sum(s.state == "flight" or (s.state == "held" and s.manifest is not None and s.manifest.exists())
-                       for s in self.segments)
+            return sum(
+                s.state == "flight" or (s.state == "held" and s.manifest is not None and s.manifest.exists())
+                for s in self.segments
+            )
 
     def close(self) -> None:
         """Unregister and unmap; remove the segments no manifest names (the others stay for
@@ -213,8 +217,11 @@ def newest_per_segment(manifests: list) -> list:
     out = []
     for i, (path, m) in enumerate(manifests):
         if m.segment is not None and newest[m.segment] != i:
-            log.warning("snapshot_manifest_invalid", path=str(path), error=f"log segment {m.segment!r} is named by "
-                        f"a newer commit too; this one is not read")
+            log.warning(
+                "snapshot_manifest_invalid",
+                path=str(path),
+                error=f"log segment {m.segment!r} is named by a newer commit too; this one is not read",
+            )
             continue
         out.append((path, m))
     return out
@@ -290,7 +297,7 @@ def sweep_segments(node_dir: Path, referenced: set[str]) -> list[str]:
     d = Path(node_dir) / LOG_DIR
     removed = []
     for lock in sorted(d.glob("ring-*.lock")):
-        token = lock.name[len("ring-"): -len(".lock")]
+        token = lock.name[len("ring-") : -len(".lock")]
         try:
             fd = os.open(lock, os.O_RDWR)
         except OSError:

@@ -50,11 +50,21 @@ def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[
         trs = []
         for tname, t in tensor_items(sd):
             b = as_bytes(t)
-            trs.append(TensorRecord(name=tname, dtype=row_spec(t)[0], row_shape=row_spec(t)[1], offset=off,
-                                    nbytes=int(b.numel()), crc32=crc32_of(b.numpy())))
+            trs.append(
+                TensorRecord(
+                    name=tname,
+                    dtype=row_spec(t)[0],
+                    row_shape=row_spec(t)[1],
+                    offset=off,
+                    nbytes=int(b.numel()),
+                    crc32=crc32_of(b.numpy()),
+                )
+            )
             parts.append(b)
             off += int(b.numel())
-        records.append(ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop, tensors=trs))
+        records.append(
+            ShardRecord(table=name, num_rows=num_rows[name], start=sd.rows.start, stop=sd.rows.stop, tensors=trs)
+        )
     blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return records, blob
 
@@ -79,9 +89,12 @@ def write_blob(path: Path, blob: torch.Tensor, mode: int = FILE_MODE) -> None:
 VERIFY_CHUNK = 2 << 20
 
 
-def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
-                  fill: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] | None = None,
-                  ) -> dict[str, dict[str, torch.Tensor]]:
+def read_snapshot(
+    path: Path,
+    manifest: SnapshotManifest,
+    verify: bool = True,
+    fill: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
     """Load one shard file (or a log segment's range) and check every tensor's checksum.
 
     The file is mapped privately (copy-on-write), so it works on read-only storage and nothing done
@@ -108,27 +121,38 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
     at = manifest.segment_offset if manifest.segment is not None else 0
     if manifest.segment is not None:  # a log segment holds more than this commit: the range must lie in it
         if manifest.data_bytes < 0 or at + manifest.data_bytes > size:
-            raise ChecksumMismatch(f"{path}: the manifest's range [{at}, {at + manifest.data_bytes}) lies outside the "
-                                   f"log segment ({size} bytes); the commit is damaged or foreign: delete it")
+            raise ChecksumMismatch(
+                f"{path}: the manifest's range [{at}, {at + manifest.data_bytes}) lies outside the "
+                f"log segment ({size} bytes); the commit is damaged or foreign: delete it"
+            )
     elif size != manifest.data_bytes:
-        raise ChecksumMismatch(f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the file is "
-                               f"damaged or was replaced: delete {path.parent} to drop this commit")
+        raise ChecksumMismatch(
+            f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the file is "
+            f"damaged or was replaced: delete {path.parent} to drop this commit"
+        )
     # Map the file rather than read it: on /dev/shm the pages are already in memory, so the
     # checksum and the row copies read them in place (no read copy, no fresh pages).
     # Private (copy-on-write) mapping: the file is opened read-only, so restore works from a
     # read-only state directory, and nothing restore does can change a committed file.
-    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8) if size > 0 else torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        if size > 0
+        else torch.empty(0, dtype=torch.uint8)
+    )
     if manifest.segment is not None:
-        raw = raw[at: at + manifest.data_bytes]
+        raw = raw[at : at + manifest.data_bytes]
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in manifest.shards:
         tensors = {}
         for tr in rec.tensors:
-            b = raw[tr.offset: tr.offset + tr.nbytes]
+            b = raw[tr.offset : tr.offset + tr.nbytes]
             rb = row_bytes([tr.dtype, tr.row_shape])
             n = tr.nbytes // rb if rb else 0  # the shard's rows (a base) or the changed rows (a delta)
-            copies = [(lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
-                      for lo, hi, dsts in (fill or {}).get(rec.table, []) if tr.name in dsts]
+            copies = [
+                (lo * rb, dsts[tr.name].reshape(-1).view(torch.uint8))
+                for lo, hi, dsts in (fill or {}).get(rec.table, [])
+                if tr.name in dsts
+            ]
             if verify:
                 got = _crc_and_copy(b, copies, tr.algorithm)
                 if got != tr.crc32:
@@ -138,7 +162,7 @@ def read_snapshot(path: Path, manifest: SnapshotManifest, verify: bool = True,
                     )
             else:
                 for off, dst in copies:
-                    dst.copy_(b[off: off + dst.numel()])
+                    dst.copy_(b[off : off + dst.numel()])
             dtype = getattr(torch, tr.dtype)
             if (at + tr.offset) % torch.empty((), dtype=dtype).element_size():
                 b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
@@ -174,4 +198,4 @@ def _copy_block(b: torch.Tensor, copies: list[tuple[int, torch.Tensor]], c0: int
     for off, dst in copies:
         lo, hi = max(c0, off), min(c1, off + dst.numel())
         if lo < hi:
-            dst[lo - off: hi - off].copy_(b[lo:hi])
+            dst[lo - off : hi - off].copy_(b[lo:hi])

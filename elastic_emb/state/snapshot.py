@@ -140,9 +140,21 @@ class SnapshotTier:
         ValueError: if a parameter is out of range or an id is not a plain name.
     """
 
-    def __init__(self, root: str | os.PathLike, run_id: str, node_id: str, *, replication: int = 1, keep: int = 2,
-                 file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE, max_chain: int = 8,
-                 fold_ratio: float = 0.25, fold_max_deltas: int = 32, fold_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str,
+        node_id: str,
+        *,
+        replication: int = 1,
+        keep: int = 2,
+        file_mode: int = FILE_MODE,
+        dir_mode: int = DIR_MODE,
+        max_chain: int = 8,
+        fold_ratio: float = 0.25,
+        fold_max_deltas: int = 32,
+        fold_timeout: float = 300.0,
+    ) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
         if keep < 1:
@@ -224,9 +236,15 @@ class SnapshotTier:
                 raise RuntimeError(f"{d} is not on tmpfs: only memory-backed pages can be registered with CUDA")
             return SegmentRing(d, self._ring_count, size, self.file_mode)
         except (OSError, RuntimeError) as exc:
-            log.warning("log_ring_unavailable", dir=str(d), segments=self._ring_count, segment_bytes=size,
-                        error=str(exc)[:300], remedy="deltas are copied into files instead; put "
-                        "ELASTIC_EMB_STATE_DIR on /dev/shm (and raise ulimit -l) for the ring")
+            log.warning(
+                "log_ring_unavailable",
+                dir=str(d),
+                segments=self._ring_count,
+                segment_bytes=size,
+                error=str(exc)[:300],
+                remedy="deltas are copied into files instead; put "
+                "ELASTIC_EMB_STATE_DIR on /dev/shm (and raise ulimit -l) for the ring",
+            )
             self._ring_count = 0
             return None
 
@@ -241,8 +259,14 @@ class SnapshotTier:
 
     # -- commit ---------------------------------------------------------------------------------
 
-    def commit(self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int],
-               changes: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
+    def commit(
+        self,
+        step: int,
+        shards: dict[str, ShardData],
+        comm: Comm,
+        num_rows: dict[str, int],
+        changes: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[int, int]:
         """Capture and write a commit now (:meth:`write` of :meth:`capture`); collective.
 
         Args:
@@ -264,8 +288,16 @@ class SnapshotTier:
         """
         return self.write(self.capture(step, shards, comm.topology, num_rows, changes), comm)
 
-    def capture(self, step: int, shards: dict[str, ShardData], topology, num_rows: dict[str, int],
-                changes: dict[str, torch.Tensor] | None = None, device=None, hold=None) -> "Capture":
+    def capture(
+        self,
+        step: int,
+        shards: dict[str, ShardData],
+        topology,
+        num_rows: dict[str, int],
+        changes: dict[str, torch.Tensor] | None = None,
+        device=None,
+        hold=None,
+    ) -> "Capture":
         """Copy what a commit writes into a buffer of its own (local, not collective).
 
         Once it returns, the context may change its rows while :meth:`write` runs (e.g. in a
@@ -295,11 +327,16 @@ class SnapshotTier:
         chain = self._chain if self._chain and self._chain[0] == fp else None
         if device is not None:
             parent, length = None, 0
-            if changes is not None and chain is not None and chain[2] < self.max_chain and \
-                    all(changes.get(name) is not None for name in shards):
+            if (
+                changes is not None
+                and chain is not None
+                and chain[2] < self.max_chain
+                and all(changes.get(name) is not None for name in shards)
+            ):
                 parent, length = chain[1], chain[2] + 1
                 records, blob, copied, buf = device.capture(
-                    shards, changes, num_rows, hold, land=self._land if self._ring_count else None)
+                    shards, changes, num_rows, hold, land=self._land if self._ring_count else None
+                )
                 if self.spares is not None and not isinstance(buf, Segment):
                     self.spares.want(int(blob.numel()))
                 cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True)
@@ -370,22 +407,32 @@ class SnapshotTier:
                 landed = cap.copied.landed() if hasattr(cap.copied, "landed") else None
                 if landed is None:
                     cap.copied.synchronize()
-                records, error = finished_records(cap.records, seg.host.numpy(), algorithm=DELTA_CHECKSUM,
-                                                  landed=landed), None
+                records, error = (
+                    finished_records(cap.records, seg.host.numpy(), algorithm=DELTA_CHECKSUM, landed=landed),
+                    None,
+                )
             else:
                 cap.copied.synchronize()
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
             error = self._write(cdir, data_name, blob, written, step)
         points.reached("snapshot_data_written", step)
-        info = {"rank": topo.rank, "node_rank": topo.node_rank, "local_rank": topo.local_rank,
-                "node": self.node_id, "bytes": int(blob.numel()), "error": error,
-                "shards": [r.model_dump() for r in records]}
+        info = {
+            "rank": topo.rank,
+            "node_rank": topo.node_rank,
+            "local_rank": topo.local_rank,
+            "node": self.node_id,
+            "bytes": int(blob.numel()),
+            "error": error,
+            "shards": [r.model_dump() for r in records],
+        }
         info["parent"] = list(parent) if parent else None
         everyone = comm.exchange(f"snap{step}", info)
         if len({json.dumps(e["parent"]) for e in everyone}) != 1:  # cannot happen with one program on every rank
-            raise RuntimeError(f"commit of step {step}: ranks disagree on the parent commit "
-                               f"{[e['parent'] for e in everyone]}; every rank must pass the same kind of changes")
+            raise RuntimeError(
+                f"commit of step {step}: ranks disagree on the parent commit "
+                f"{[e['parent'] for e in everyone]}; every rank must pass the same kind of changes"
+            )
         self._abandon_if_failed(step, cdir, written, [e["error"] for e in everyone])
         # Replicas: who sends to whom follows from the gathered records alone.
         holders = {r["rank"]: replica_holders(everyone, r["rank"], self.replication) for r in everyone}
@@ -404,11 +451,27 @@ class SnapshotTier:
         if any(holders.values()):  # ... and only once every node has its data
             self._abandon_if_failed(step, cdir, written, comm.exchange(f"snap{step}-replicas", error))
         points.reached("snapshot_before_manifest", step)
-        base = dict(step=step, generation=topo.generation, fingerprint=topo.fingerprint(), run_id=topo.run_id,
-                    world_size=topo.world_size, ep_size=topo.ep_size, holder_node=self.node_id, parent=parent)
-        own = SnapshotManifest(**base, source_rank=topo.rank, source_node=self.node_id, replica=False,
-                               data_file=data_name, data_bytes=int(blob.numel()), shards=records, written_at=time.time(),
-                               segment=seg.name if seg is not None else None)
+        base = dict(
+            step=step,
+            generation=topo.generation,
+            fingerprint=topo.fingerprint(),
+            run_id=topo.run_id,
+            world_size=topo.world_size,
+            ep_size=topo.ep_size,
+            holder_node=self.node_id,
+            parent=parent,
+        )
+        own = SnapshotManifest(
+            **base,
+            source_rank=topo.rank,
+            source_node=self.node_id,
+            replica=False,
+            data_file=data_name,
+            data_bytes=int(blob.numel()),
+            shards=records,
+            written_at=time.time(),
+            segment=seg.name if seg is not None else None,
+        )
         try:
             if seg is not None:
                 make_dirs(self.root, cdir, self.dir_mode)
@@ -417,9 +480,16 @@ class SnapshotTier:
                 seg.ring.landed(seg, cdir / f"rank{topo.rank}.json")  # held while this manifest exists
             points.reached("snapshot_manifest_partial", step)
             for r in senders:
-                rep = SnapshotManifest(**base, source_rank=r, source_node=everyone[r]["node"], replica=True,
-                                       data_file=f"rank{r}.replica.bin", data_bytes=everyone[r]["bytes"],
-                                       shards=[ShardRecord(**s) for s in everyone[r]["shards"]], written_at=time.time())
+                rep = SnapshotManifest(
+                    **base,
+                    source_rank=r,
+                    source_node=everyone[r]["node"],
+                    replica=True,
+                    data_file=f"rank{r}.replica.bin",
+                    data_bytes=everyone[r]["bytes"],
+                    shards=[ShardRecord(**s) for s in everyone[r]["shards"]],
+                    written_at=time.time(),
+                )
                 self._write_text(cdir / f"rank{r}.replica.json", rep.model_dump_json(), written)
             self._mark_run(step, topo.generation)
         except OSError as exc:
@@ -454,8 +524,11 @@ class SnapshotTier:
             if spare is not None:  # pages allocated ahead: the copy below only copies
                 os.replace(spare, path)
             data = cap.blob.numpy()
-            opener = (lambda p: os.fdopen(os.open(p, os.O_RDWR), "r+b")) if spare is not None else \
-                (lambda p: open_new(p, self.file_mode, readable=True))
+            opener = (
+                (lambda p: os.fdopen(os.open(p, os.O_RDWR), "r+b"))
+                if spare is not None
+                else (lambda p: open_new(p, self.file_mode, readable=True))
+            )
             crcs = write_and_checksum(path, data, ranges, opener)  # each chunk checksummed while in cache
         except OSError as exc:
             return cap.records, storage_message(path, int(cap.blob.numel()), exc, cap.step)
@@ -485,8 +558,9 @@ class SnapshotTier:
             return
         self._remove(cdir, written)
         log.error("snapshot_commit_failed", step=step, ranks=[r for r, _ in failed], error=failed[0][1])
-        raise StorageError(f"rank {failed[0][0]}: {failed[0][1]}"
-                           + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
+        raise StorageError(
+            f"rank {failed[0][0]}: {failed[0][1]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
+        )
 
     @staticmethod
     def _remove(cdir: Path, written: list[Path]) -> None:
@@ -501,8 +575,9 @@ class SnapshotTier:
     def _mark_run(self, step: int, generation: int) -> None:
         path = self.node_dir / RUN_MARKER
         if not path.exists():
-            marker = RunMarker(run_id=self.run_id, node_id=self.node_id, first_step=step, generation=generation,
-                               written_at=time.time())
+            marker = RunMarker(
+                run_id=self.run_id, node_id=self.node_id, first_step=step, generation=generation, written_at=time.time()
+            )
             write_atomic(path, marker.model_dump_json(), self.file_mode)
 
     # -- reading ----------------------------------------------------------------------------------
@@ -540,8 +615,11 @@ class SnapshotTier:
                     log.warning("snapshot_manifest_invalid", path=str(mpath), error=repr(exc)[:300])
                     continue
                 if m.run_id != self.run_id:
-                    log.warning("snapshot_manifest_invalid", path=str(mpath), error=f"run id {m.run_id!r}, "
-                                f"expected {self.run_id!r}")
+                    log.warning(
+                        "snapshot_manifest_invalid",
+                        path=str(mpath),
+                        error=f"run id {m.run_id!r}, expected {self.run_id!r}",
+                    )
                     continue
                 seen[raw] = m
                 out.append((data, m))
@@ -622,16 +700,22 @@ class SnapshotTier:
         it and ``keep - 1`` of its own ancestors: the kept set only grew by this commit, and the
         one commit that left the newest ``keep`` stays, as a link of its chain. (A kill between
         its write and here changes nothing: a new process prunes in full first.)"""
-        return (written is not None and self._pruned_at is not None and written[1] == self._pruned_at
-                and written[2] >= self.keep)
+        return (
+            written is not None
+            and self._pruned_at is not None
+            and written[1] == self._pruned_at
+            and written[2] >= self.keep
+        )
 
     def _prune(self, comm: Comm, at_start: bool) -> tuple[list[str], CommitId | None]:
         """The full prune: (the directory names deleted, the newest complete commit or None)."""
         topo = comm.topology
         lead = topo.local_rank == 0
         listing = self.listing() if lead else None  # listed before the exchange: never a newer commit
-        everyone = [NodeListing.model_validate(x) if x else None
-                    for x in comm.exchange("prune", listing.model_dump(mode="json") if listing else None)]
+        everyone = [
+            NodeListing.model_validate(x) if x else None
+            for x in comm.exchange("prune", listing.model_dump(mode="json") if listing else None)
+        ]
         by_commit: dict[CommitId, list[tuple[str, int, int, int]]] = {}
         for e in everyone:
             for cid, table, start, stop, n in e.pieces if e else []:
@@ -717,6 +801,8 @@ def storage_message(path: Path, needed: int, exc: OSError, step: int) -> str:
     """
     free = free_bytes(path.parent if not path.is_dir() else path)
     reason = exc.strerror or str(exc)
-    return (f"cannot write {path} for the commit of step {step} ({reason}): needs {needed} bytes, "
-            f"{'unknown' if free is None else free} bytes free there; the partial commit is removed and older "
-            f"commits stay restorable: free space or make it writable, or point ELASTIC_EMB_STATE_DIR elsewhere")
+    return (
+        f"cannot write {path} for the commit of step {step} ({reason}): needs {needed} bytes, "
+        f"{'unknown' if free is None else free} bytes free there; the partial commit is removed and older "
+        f"commits stay restorable: free space or make it writable, or point ELASTIC_EMB_STATE_DIR elsewhere"
+    )

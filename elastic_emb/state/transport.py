@@ -131,7 +131,7 @@ class AllToAllTransport(Transport):
             for _, m in outgoing:
                 for t in m.tensors:
                     b = _flat(t.contiguous())
-                    inp[off: off + b.numel()].copy_(b)
+                    inp[off : off + b.numel()].copy_(b)
                     off += b.numel()
         got = comm.all_to_all_flat(inp, in_splits, recv_sizes, out=out)
         if out is None:
@@ -140,7 +140,7 @@ class AllToAllTransport(Transport):
                 buf = got[m.src]
                 for t in m.tensors:
                     n = t.numel() * t.element_size()
-                    seg = buf[offsets[m.src]: offsets[m.src] + n]
+                    seg = buf[offsets[m.src] : offsets[m.src] + n]
                     offsets[m.src] += n
                     if t.is_contiguous():
                         _flat(t).copy_(seg)
@@ -219,8 +219,9 @@ class CmaTransport(Transport):
             return Moved(0, self.name)  # every rank knows: all skip the offer and barrier exchanges
         outgoing, incoming = _mine(comm, moves)
         sent = sum(_nbytes(m.tensors) for _, m in outgoing)
-        fallback = cma.transfer(comm, {k: (m.dst, list(m.tensors)) for k, m in outgoing},
-                                {k: (m.src, list(m.tensors)) for k, m in incoming})
+        fallback = cma.transfer(
+            comm, {k: (m.dst, list(m.tensors)) for k, m in outgoing}, {k: (m.src, list(m.tensors)) for k, m in incoming}
+        )
         if not fallback:
             return Moved(sent, self.name)
         P2PTransport().move(comm, moves, only=fallback)
@@ -252,11 +253,17 @@ def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_sta
     lo = a.start - shard.rows.start
     slo, shi = a.start - src_start, a.stop - src_start
     for tname, t in tensor_items(shard):
-        t[lo: lo + (a.stop - a.start)].copy_(src[tname][slo:shi])
+        t[lo : lo + (a.stop - a.start)].copy_(src[tname][slo:shi])
 
 
-def execute_plan(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str, torch.Tensor]],
-                 starts: dict[int, int], template: dict[str, ShardData], done: set[int] | None = None) -> Moved:
+def execute_plan(
+    comm: Comm,
+    plan: list[Assignment],
+    handles: dict[int, dict[str, torch.Tensor]],
+    starts: dict[int, int],
+    template: dict[str, ShardData],
+    done: set[int] | None = None,
+) -> Moved:
     """Move the rows of a reshard plan by the communicator's transport (collective).
 
     Rows that stay on this rank are copied directly, never through the transport.
@@ -289,7 +296,7 @@ def execute_plan(comm: Comm, plan: list[Assignment], handles: dict[int, dict[str
         elif a.dst == me:
             shard = template[a.table]
             lo = a.start - shard.rows.start
-            moves.append(Move(a.src, a.dst, [t[lo: lo + (a.stop - a.start)] for _, t in tensor_items(shard)]))
+            moves.append(Move(a.src, a.dst, [t[lo : lo + (a.stop - a.start)] for _, t in tensor_items(shard)]))
         else:
             moves.append(Move(a.src, a.dst))
     return transport_for(comm).move(comm, moves)
@@ -306,8 +313,9 @@ class LivePiece:
 LIVE = CommitId(0, 0, "live")  # the commit tag of pieces that are simply "the rows held now"
 
 
-def move_rows(comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData], num_rows: dict[str, int],
-              owners: int) -> dict[str, ShardData]:
+def move_rows(
+    comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData], num_rows: dict[str, int], owners: int
+) -> dict[str, ShardData]:
     """Deliver to each rank its rows in a layout of ``owners`` owners, from rows held in memory.
 
     Collective: every rank's pieces are exchanged and planned alike, then moved.
@@ -325,11 +333,23 @@ def move_rows(comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData
     Raises:
         RestoreError: if some rows are held by no rank.
     """
-    inv = [Piece(table=p.table, start=p.shard.rows.start, stop=p.shard.rows.stop, tier="live", commit=LIVE,
-                 handle=i, spec=[row_spec(t) for _, t in tensor_items(p.shard)])
-           for i, p in enumerate(pieces) if len(p.shard.rows)]
-    everyone = [[Piece.model_validate(x) for x in e]
-                for e in comm.exchange("move-inv", [p.model_dump(mode="json") for p in inv])]
+    inv = [
+        Piece(
+            table=p.table,
+            start=p.shard.rows.start,
+            stop=p.shard.rows.stop,
+            tier="live",
+            commit=LIVE,
+            handle=i,
+            spec=[row_spec(t) for _, t in tensor_items(p.shard)],
+        )
+        for i, p in enumerate(pieces)
+        if len(p.shard.rows)
+    ]
+    everyone = [
+        [Piece.model_validate(x) for x in e]
+        for e in comm.exchange("move-inv", [p.model_dump(mode="json") for p in inv])
+    ]
     plan, missing = plan_assignments(everyone, LIVE, num_rows, owners, specs_of(template))
     if missing:
         raise RestoreError(f"row ranges held by no rank: {missing}", missing)

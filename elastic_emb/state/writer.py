@@ -112,8 +112,12 @@ class CommitWriter:
                     self.tier.prune(self.comm)
             except BaseException as exc:  # raised to the training thread by the next submit or wait
                 if self._abandoned:
-                    log.warning("commit_abandoned", step=cap.step, seconds=round(time.perf_counter() - t0, 6),
-                                error=None if isinstance(exc, _Abandoned) else str(exc)[:300])
+                    log.warning(
+                        "commit_abandoned",
+                        step=cap.step,
+                        seconds=round(time.perf_counter() - t0, 6),
+                        error=None if isinstance(exc, _Abandoned) else str(exc)[:300],
+                    )
                     cap.release()
                     with self._cv:
                         self._writing = None
@@ -137,8 +141,14 @@ class CommitWriter:
                 self._writing = None
                 self._cv.notify_all()
             metrics.replicated(replicated)
-            log.info("commit_complete", step=cap.step, bytes_snapshot=written, bytes_replicated=replicated,
-                     delta=cap.parent is not None, seconds=round(time.perf_counter() - t0, 6))
+            log.info(
+                "commit_complete",
+                step=cap.step,
+                bytes_snapshot=written,
+                bytes_replicated=replicated,
+                delta=cap.parent is not None,
+                seconds=round(time.perf_counter() - t0, 6),
+            )
 
     def _wait_until(self, ready, what: str, timeout: float | None = None) -> None:
         """Wait (at most ``timeout``) until ``ready()``; raise the error of a failed write first."""
@@ -154,9 +164,11 @@ class CommitWriter:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"waited {timeout}s for {what}: the commit of step {self._in_flight_locked()} "
-                                       f"is still being written (storage or a peer is stuck); raise transfer_timeout "
-                                       f"or check ELASTIC_EMB_STATE_DIR")
+                    raise TimeoutError(
+                        f"waited {timeout}s for {what}: the commit of step {self._in_flight_locked()} "
+                        f"is still being written (storage or a peer is stuck); raise transfer_timeout "
+                        f"or check ELASTIC_EMB_STATE_DIR"
+                    )
                 self._cv.wait(left)
 
     def _in_flight_locked(self) -> int | None:
@@ -208,8 +220,12 @@ class CommitWriter:
             cap.release()
         self.comm.abort()  # its store waits for the dead peer end now
         if oldest is not None:
-            log.warning("commits_abandoned", oldest_step=oldest, newest_complete=self.committed_step,
-                        reason="a peer died: the commits in flight cannot complete")
+            log.warning(
+                "commits_abandoned",
+                oldest_step=oldest,
+                newest_complete=self.committed_step,
+                reason="a peer died: the commits in flight cannot complete",
+            )
         return oldest
 
     def wait(self, timeout: float | None = None) -> int:

@@ -28,8 +28,18 @@ from elastic_emb.protocol import ShardData, ShardedContext, TableSpec, missing_a
 from elastic_emb.sharding import RowRange, owned_range
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
 
-CHECKS = ("members", "state", "export", "round_trip", "shard_views", "changes", "reset_refuses", "reset", "close",
-          "failed_collective")
+CHECKS = (
+    "members",
+    "state",
+    "export",
+    "round_trip",
+    "shard_views",
+    "changes",
+    "reset_refuses",
+    "reset",
+    "close",
+    "failed_collective",
+)
 
 
 class ConformanceFailure(ElasticEmbError, AssertionError):
@@ -80,8 +90,14 @@ class Report:
 # -- the parent: start one process per rank ---------------------------------------------------
 
 
-def run(target: str, *, world_size: int = 2, ep_size: int | None = None, timeout: float = 180.0,
-        env: Mapping[str, str] | None = None) -> Report:
+def run(
+    target: str,
+    *,
+    world_size: int = 2,
+    ep_size: int | None = None,
+    timeout: float = 180.0,
+    env: Mapping[str, str] | None = None,
+) -> Report:
     """Run the suite on ``world_size`` processes, one per rank, around a TCPStore this process holds.
 
     Args:
@@ -113,9 +129,27 @@ def run(target: str, *, world_size: int = 2, ep_size: int | None = None, timeout
     run_id = f"conformance-{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "elastic_emb.testing.conformance", "--target", target, "--rank", str(r),
-             "--world-size", str(world_size), "--ep-size", str(ep), "--port", str(store.port), "--run-id", run_id],
-            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "elastic_emb.testing.conformance",
+                "--target",
+                target,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(world_size),
+                "--ep-size",
+                str(ep),
+                "--port",
+                str(store.port),
+                "--run-id",
+                run_id,
+            ],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(world_size)
     ]
@@ -210,9 +244,19 @@ class _Rank:
         self.target = target
         self.store = dist.TCPStore("127.0.0.1", port, None, False, timeout=_td(60))
         self.topology = Topology.build(
-            run_id=run_id, generation=0, rank=rank, world_size=world_size, local_rank=rank,
-            local_world_size=world_size, node_rank=0, num_nodes=1, ep_size=ep_size, backend=target.backend,
-            master_addr="127.0.0.1", master_port=port)
+            run_id=run_id,
+            generation=0,
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank,
+            local_world_size=world_size,
+            node_rank=0,
+            num_nodes=1,
+            ep_size=ep_size,
+            backend=target.backend,
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
         self.ctx = target.factory(self.topology, self.store)
         self.expected: dict[str, ShardData] = {}
 
@@ -225,7 +269,9 @@ class _Rank:
         try:
             inspect.signature(self.ctx.reset).bind(0, 1, topology=self.topology, store=self.store)
         except TypeError as exc:
-            raise _CheckFailed(f"reset(rank, world_size, *, topology, store) does not fit its signature: {exc}") from None
+            raise _CheckFailed(
+                f"reset(rank, world_size, *, topology, store) does not fit its signature: {exc}"
+            ) from None
         try:
             inspect.signature(self.ctx.close).bind(abort=True, wait=False)
         except TypeError as exc:
@@ -237,9 +283,13 @@ class _Rank:
         _require(ctx.topology == self.topology, f"topology {ctx.topology!r} is not the one given")
         _require(isinstance(ctx.tables, Mapping) and len(ctx.tables) > 0, "tables must be a non-empty mapping")
         for name, spec in ctx.tables.items():
-            _require(isinstance(spec, TableSpec) and spec.name == name, f"tables[{name!r}] = {spec!r} is not its TableSpec")
-        _require(ctx.healthy is True and ctx.closed is False,
-                 f"a new context has healthy={ctx.healthy!r} closed={ctx.closed!r}; expected True, False")
+            _require(
+                isinstance(spec, TableSpec) and spec.name == name, f"tables[{name!r}] = {spec!r} is not its TableSpec"
+            )
+        _require(
+            ctx.healthy is True and ctx.closed is False,
+            f"a new context has healthy={ctx.healthy!r} closed={ctx.closed!r}; expected True, False",
+        )
         _require(isinstance(ctx.tracks_changes, bool), f"tracks_changes={ctx.tracks_changes!r} is not a bool")
         return f"{len(ctx.tables)} tables"
 
@@ -251,9 +301,11 @@ class _Rank:
             want = owned_range(spec.num_rows, row_owners(self.ctx), t.rank)
             _require(isinstance(s, ShardData) and s.table == name, f"{what}[{name!r}] is not a ShardData of that table")
             _require(s.rows == want, f"{what}[{name!r}] covers {s.rows}, rank {t.rank} owns {want}")
-            _require(tuple(s.weight.shape) == (len(want), spec.dim) and s.weight.dtype == spec.torch_dtype,
-                     f"{what}[{name!r}] weight {tuple(s.weight.shape)} {s.weight.dtype}, expected "
-                     f"{(len(want), spec.dim)} {spec.torch_dtype}")
+            _require(
+                tuple(s.weight.shape) == (len(want), spec.dim) and s.weight.dtype == spec.torch_dtype,
+                f"{what}[{name!r}] weight {tuple(s.weight.shape)} {s.weight.dtype}, expected "
+                f"{(len(want), spec.dim)} {spec.torch_dtype}",
+            )
 
     def export(self) -> str:
         first = self.ctx.export_shard()
@@ -263,8 +315,10 @@ class _Rank:
             s.weight.add_(1)
         again = self.ctx.export_shard()
         for n, w in before.items():
-            _require(_equal(again[n].weight, w), f"changing an exported tensor of {n!r} changed the context: "
-                                                 f"export_shard must return copies")
+            _require(
+                _equal(again[n].weight, w),
+                f"changing an exported tensor of {n!r} changed the context: export_shard must return copies",
+            )
         return f"rows {[len(s.rows) for s in again.values()]}"
 
     def _values(self, offset: int) -> dict[str, ShardData]:
@@ -274,9 +328,11 @@ class _Rank:
         out = {}
         for name, s in self.ctx.export_shard().items():
             rows = torch.arange(s.rows.start, s.rows.stop, dtype=torch.int64)
-            w = ((rows[:, None] * 7 + torch.arange(s.weight.shape[1])[None, :] * 3 + offset) % 61 - 30)
-            slots = {k: ((rows + offset) % 5 + 1).reshape(-1, *([1] * (v.dim() - 1))).expand_as(v).to(v.dtype).clone()
-                     for k, v in s.slots.items()}
+            w = (rows[:, None] * 7 + torch.arange(s.weight.shape[1])[None, :] * 3 + offset) % 61 - 30
+            slots = {
+                k: ((rows + offset) % 5 + 1).reshape(-1, *([1] * (v.dim() - 1))).expand_as(v).to(v.dtype).clone()
+                for k, v in s.slots.items()
+            }
             out[name] = ShardData(name, s.rows, w.to(s.weight.dtype).to(s.weight.device), slots)
         return out
 
@@ -284,8 +340,10 @@ class _Rank:
         got = self.ctx.export_shard()
         for n, want in self.expected.items():
             _require(_equal(got[n].weight, want.weight), f"{what}: table {n!r} rows differ from those imported")
-            _require(set(got[n].slots) == set(want.slots), f"{what}: table {n!r} slots {sorted(got[n].slots)} != "
-                                                           f"{sorted(want.slots)}")
+            _require(
+                set(got[n].slots) == set(want.slots),
+                f"{what}: table {n!r} slots {sorted(got[n].slots)} != {sorted(want.slots)}",
+            )
             for k in want.slots:
                 _require(_equal(got[n].slots[k], want.slots[k]), f"{what}: table {n!r} slot {k!r} differs")
 
@@ -332,8 +390,10 @@ class _Rank:
         for n, spec in self.ctx.tables.items():
             rows = len(owned_range(spec.num_rows, row_owners(self.ctx), self.topology.rank))
             for m in (imported[n], quiet[n]):
-                _require(isinstance(m, torch.Tensor) and m.dtype == torch.bool and tuple(m.shape) == (rows,),
-                         f"take_changes()[{n!r}] must be a bool tensor of shape ({rows},)")
+                _require(
+                    isinstance(m, torch.Tensor) and m.dtype == torch.bool and tuple(m.shape) == (rows,),
+                    f"take_changes()[{n!r}] must be a bool tensor of shape ({rows},)",
+                )
             _require(imported[n] is not quiet[n], f"take_changes() returned the same mask of {n!r} twice")
             _require(bool(imported[n].all()), f"import_shard wrote every row of {n!r}, take_changes() misses some")
             _require(not bool(quiet[n].any()), f"take_changes() marks rows of {n!r} that nothing wrote")
@@ -341,7 +401,7 @@ class _Rank:
             return "masks (no write hook)"
         for n, spec in self.ctx.tables.items():
             written = sorted({0, 1, spec.num_rows // 2, spec.num_rows - 1})
-            mine = torch.tensor(written[self.topology.rank:: self.topology.world_size], dtype=torch.int64)
+            mine = torch.tensor(written[self.topology.rank :: self.topology.world_size], dtype=torch.int64)
             self.target.write(self.ctx, n, mine)
             got = self.ctx.take_changes()[n].cpu()
             own = owned_range(spec.num_rows, row_owners(self.ctx), self.topology.rank)
@@ -349,8 +409,11 @@ class _Rank:
             for r in written:
                 if own.start <= r < own.stop:
                     want[r - own.start] = True
-            _require(torch.equal(got, want), f"after writing rows {written} of {n!r}, take_changes() marks local rows "
-                                             f"{got.nonzero().flatten().tolist()}, expected {want.nonzero().flatten().tolist()}")
+            _require(
+                torch.equal(got, want),
+                f"after writing rows {written} of {n!r}, take_changes() marks local rows "
+                f"{got.nonzero().flatten().tolist()}, expected {want.nonzero().flatten().tolist()}",
+            )
         self.expected = {n: s for n, s in self.ctx.export_shard().items()}
         return "exact"
 
@@ -358,13 +421,19 @@ class _Rank:
         t = self.topology
         bigger = t.with_changes(world_size=t.world_size + 1, generation=t.generation + 1)
         t0 = time.monotonic()
-        _expect(WorldSizeChanged, lambda: self.ctx.reset(t.rank, t.world_size + 1, topology=bigger, store=self.store),
-                f"reset to world size {t.world_size + 1} (built for {t.world_size})")
+        _expect(
+            WorldSizeChanged,
+            lambda: self.ctx.reset(t.rank, t.world_size + 1, topology=bigger, store=self.store),
+            f"reset to world size {t.world_size + 1} (built for {t.world_size})",
+        )
         other_ep = t.ep_size // 2 if t.ep_size > 1 else 2
         if other_ep <= t.world_size:
             changed = t.with_changes(ep_size=other_ep, generation=t.generation + 1)
-            _expect(ValueError, lambda: self.ctx.reset(t.rank, t.world_size, topology=changed, store=self.store),
-                    f"reset to ep_size {other_ep} (built for {t.ep_size})")
+            _expect(
+                ValueError,
+                lambda: self.ctx.reset(t.rank, t.world_size, topology=changed, store=self.store),
+                f"reset to ep_size {other_ep} (built for {t.ep_size})",
+            )
         seconds = time.monotonic() - t0
         _require(self.ctx.healthy and not self.ctx.closed, "a refused reset left the context unhealthy or closed")
         self._matches_expected("export after refused resets")
@@ -383,8 +452,10 @@ class _Rank:
     def close(self) -> str:
         ctx = self.ctx
         ctx.close(wait=False)
-        _require(ctx.closed is True and ctx.healthy is False,
-                 f"after close: closed={ctx.closed!r} healthy={ctx.healthy!r}; expected True, False")
+        _require(
+            ctx.closed is True and ctx.healthy is False,
+            f"after close: closed={ctx.closed!r} healthy={ctx.healthy!r}; expected True, False",
+        )
         ctx.close()
         ctx.close(abort=True)
         _expect(ContextClosed, ctx.export_shard, "export_shard after close")
@@ -403,8 +474,10 @@ class _Rank:
         t0 = time.monotonic()
         _expect(Exception, lambda: self.target.collective(ctx), "a collective whose peers aborted")
         failed = time.monotonic() - t0
-        _require(ctx.healthy is False and ctx.closed is False,
-                 f"after a failed collective: healthy={ctx.healthy!r} closed={ctx.closed!r}; expected False, False")
+        _require(
+            ctx.healthy is False and ctx.closed is False,
+            f"after a failed collective: healthy={ctx.healthy!r} closed={ctx.closed!r}; expected False, False",
+        )
         t1 = time.monotonic()
         ctx.close()
         _require(ctx.closed, "close() after a failed collective did not close")
@@ -469,9 +542,18 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         _emit("members", False, f"could not build the context: {type(exc).__name__}: {exc}", t0)
         return 1
-    checks = {"members": state.members, "state": state.state, "export": state.export, "round_trip": state.round_trip,
-              "shard_views": state.shard_views, "changes": state.changes, "reset_refuses": state.reset_refuses,
-              "reset": state.reset, "close": state.close, "failed_collective": state.failed_collective}
+    checks = {
+        "members": state.members,
+        "state": state.state,
+        "export": state.export,
+        "round_trip": state.round_trip,
+        "shard_views": state.shard_views,
+        "changes": state.changes,
+        "reset_refuses": state.reset_refuses,
+        "reset": state.reset,
+        "close": state.close,
+        "failed_collective": state.failed_collective,
+    }
     assert tuple(checks) == CHECKS
     for check, method in checks.items():
         t0 = time.monotonic()

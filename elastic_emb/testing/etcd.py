@@ -29,9 +29,9 @@ from elastic_emb.testing.ports import free_port
 ETCD_BINARY_ENV = "ELASTIC_EMB_ETCD"  # path of the etcd binary, when it is not `etcd` on PATH
 
 
-
 class EtcdUnavailable(ElasticEmbError, RuntimeError):
     """The etcd binary is not installed."""
+
 
 def etcd_binary() -> str | None:
     """Where the etcd binary is.
@@ -42,8 +42,16 @@ def etcd_binary() -> str | None:
     return config.load(None, "etcd").etcd or shutil.which("etcd")
 
 
-def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port: int, name: str = "drill",
-            initial_cluster: str | None = None, tls: "TLSFiles | None" = None) -> list[str]:
+def command(
+    binary: str,
+    data_dir: Path,
+    host: str,
+    client_port: int,
+    peer_port: int,
+    name: str = "drill",
+    initial_cluster: str | None = None,
+    tls: "TLSFiles | None" = None,
+) -> list[str]:
     """The etcd command line of one member listening on ``host`` only.
 
     The v2 API is enabled (torch's ``etcd-v2`` and python-etcd speak v2); fsync is off (a test store).
@@ -63,14 +71,40 @@ def command(binary: str, data_dir: Path, host: str, client_port: int, peer_port:
     """
     client = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://{host}:{peer_port}"
-    secure = [] if tls is None else ["--cert-file", str(tls.cert), "--key-file", str(tls.key),
-                                     "--client-cert-auth", "--trusted-ca-file", str(tls.ca)]
+    secure = (
+        []
+        if tls is None
+        else [
+            "--cert-file",
+            str(tls.cert),
+            "--key-file",
+            str(tls.key),
+            "--client-cert-auth",
+            "--trusted-ca-file",
+            str(tls.ca),
+        ]
+    )
     return [
-        binary, "--name", name, "--data-dir", str(data_dir),
-        "--listen-client-urls", client, "--advertise-client-urls", client,
-        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", initial_cluster or f"{name}={peer}", "--initial-cluster-state", "new",
-        "--enable-v2=true", "--log-level", "warn",
+        binary,
+        "--name",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        client,
+        "--advertise-client-urls",
+        client,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        initial_cluster or f"{name}={peer}",
+        "--initial-cluster-state",
+        "new",
+        "--enable-v2=true",
+        "--log-level",
+        "warn",
         # A test store: no fsync per write (the data dir is a temp dir) keeps it fast on a busy disk.
         "--unsafe-no-fsync",
         *secure,
@@ -113,8 +147,13 @@ def health(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None,
-                 context: ssl.SSLContext | None = None) -> float:
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen | None,
+    timeout: float,
+    log: Path | None = None,
+    context: ssl.SSLContext | None = None,
+) -> float:
     """Block until etcd at ``url`` is healthy.
 
     Args:
@@ -140,8 +179,10 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log: P
         if health(url, timeout=min(1.0, max(0.05, deadline - time.monotonic())), context=context):
             return time.monotonic() - start
         time.sleep(0.05)
-    raise TimeoutError(f"etcd at {url} was not healthy within {timeout}s (log {log}); raise start_timeout or "
-                       f"check that the ports are free")
+    raise TimeoutError(
+        f"etcd at {url} was not healthy within {timeout}s (log {log}); raise start_timeout or "
+        f"check that the ports are free"
+    )
 
 
 class EtcdServer:
@@ -163,9 +204,18 @@ class EtcdServer:
         ValueError: if ``host`` is not in 127.0.0.0/8.
     """
 
-    def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", start_timeout: float = 20.0,
-                 stop_timeout: float = 5.0, name: str = "drill", peer_port: int | None = None,
-                 initial_cluster: str | None = None, tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        start_timeout: float = 20.0,
+        stop_timeout: float = 5.0,
+        name: str = "drill",
+        peer_port: int | None = None,
+        initial_cluster: str | None = None,
+        tls: TLSFiles | None = None,
+    ) -> None:
         if not host.startswith("127."):
             raise ValueError(f"host={host!r}: the test etcd listens on loopback (127.0.0.0/8) only")
         self.data_dir = Path(data_dir)
@@ -215,9 +265,19 @@ class EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                command(binary, self.data_dir / "member", self.host, self.client_port, self.peer_port, self.name,
-                        self.initial_cluster, self.tls),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                command(
+                    binary,
+                    self.data_dir / "member",
+                    self.host,
+                    self.client_port,
+                    self.peer_port,
+                    self.name,
+                    self.initial_cluster,
+                    self.tls,
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the terminal is for the test runner, not etcd
             )
 
@@ -236,8 +296,9 @@ class EtcdServer:
             return self
         self.launch()
         try:
-            self.started_in = wait_healthy(self.url, self.proc, self.start_timeout, self.log_path,
-                                           self.tls.context() if self.tls else None)
+            self.started_in = wait_healthy(
+                self.url, self.proc, self.start_timeout, self.log_path, self.tls.context() if self.tls else None
+            )
         except BaseException:
             self.stop()
             raise
@@ -286,16 +347,32 @@ class EtcdCluster:
         ValueError: if ``size`` is not in 1..7.
     """
 
-    def __init__(self, data_dir: str | Path, size: int = 3, *, host: str = "127.0.0.1", start_timeout: float = 30.0,
-                 stop_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        start_timeout: float = 30.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
         if not 1 <= size <= 7:
             raise ValueError(f"size={size}: an etcd cluster for tests has 1 to 7 members (3 or 5 in production)")
         data_dir = Path(data_dir)
         peers = [free_port() for _ in range(size)]
         initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(peers))
-        self.members = [EtcdServer(data_dir / f"m{i}", host=host, start_timeout=start_timeout,
-                                   stop_timeout=stop_timeout, name=f"m{i}", peer_port=p, initial_cluster=initial)
-                        for i, p in enumerate(peers)]
+        self.members = [
+            EtcdServer(
+                data_dir / f"m{i}",
+                host=host,
+                start_timeout=start_timeout,
+                stop_timeout=stop_timeout,
+                name=f"m{i}",
+                peer_port=p,
+                initial_cluster=initial,
+            )
+            for i, p in enumerate(peers)
+        ]
         self.start_timeout = start_timeout
         self.started_in: float | None = None
         self.killed: list[int] = []

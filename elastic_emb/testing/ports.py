@@ -78,8 +78,10 @@ def _bind_wildcard(port: int = 0) -> socket.socket:
             if port and exc.errno == errno.EADDRINUSE:
                 raise  # taken: the caller tries another port
             errors.append(f"{addr}: {exc}")
-    raise OSError(f"cannot reserve a TCP port: binding port 0 failed on every wildcard address ({'; '.join(errors)}); "
-                  f"is networking available in this namespace?")
+    raise OSError(
+        f"cannot reserve a TCP port: binding port 0 failed on every wildcard address ({'; '.join(errors)}); "
+        f"is networking available in this namespace?"
+    )
 
 
 def reserve_port() -> PortReservation:
@@ -154,5 +156,8 @@ def free_ports(count: int, attempts: int = 100) -> int:
         with _held_lock:
             _held.extend(run)
         return run[0].port
-    raise OSError(errno.EADDRINUSE, f"cannot reserve {count} consecutive TCP ports in {attempts} attempts: the "
-                                    f"ports after each free one were taken; free some ports or ask for fewer")
+    raise OSError(
+        errno.EADDRINUSE,
+        f"cannot reserve {count} consecutive TCP ports in {attempts} attempts: the "
+        f"ports after each free one were taken; free some ports or ask for fewer",
+    )

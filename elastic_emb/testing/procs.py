@@ -55,9 +55,18 @@ class Result:
         raise AssertionError(f"rank {self.rank} printed no JSON (rc={self.returncode}); stderr:\n{self.stderr[-3000:]}")
 
 
-def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int | None = None,
-                 node_rank: int | None = None, num_nodes: int | None = None, run_id: str = "test",
-                 generation: int = 0, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def torchrun_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    local_world_size: int | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
+    run_id: str = "test",
+    generation: int = 0,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The environment torchrun would give ``rank``, on loopback, without the caller's own
     torchrun or elastic_emb variables.
 
@@ -79,12 +88,19 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
     lws = local_world_size or world_size
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
     env.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % lws), LOCAL_WORLD_SIZE=str(lws),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % lws),
+        LOCAL_WORLD_SIZE=str(lws),
         GROUP_RANK=str(rank // lws if node_rank is None else node_rank),
         GROUP_WORLD_SIZE=str(num_nodes or max(1, world_size // lws)),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
-        ELASTIC_EMB_GENERATION=str(generation), ELASTIC_EMB_BACKEND="gloo",
-        TORCHELASTIC_USE_AGENT_STORE="False", OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID=run_id,
+        ELASTIC_EMB_GENERATION=str(generation),
+        ELASTIC_EMB_BACKEND="gloo",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(p for p in (SOURCE_ROOT, os.environ.get("PYTHONPATH", "")) if p),
         ELASTIC_EMB_LOG_FORMAT="json",
     )
@@ -103,8 +119,9 @@ def start(argv: Sequence[str], env: Mapping[str, str] | None = None) -> subproce
         The started process.
     """
     argv = [sys.executable if i == 0 and a == "python" else a for i, a in enumerate(argv)]
-    return subprocess.Popen(argv, env=None if env is None else dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv, env=None if env is None else dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def run_ranks(code: str, envs: Sequence[Mapping[str, str]], timeout: float = 60.0) -> list[Result]:

@@ -43,8 +43,19 @@ from elastic_emb.watch.selfstop import agent_gone, stop_self
 StateView = RendezvousView  # another name for the view, importable from here
 # The reader's (rdzv/reader.py) and the event classification's (membership.py) names are
 # importable from here too.
-__all__ = ["ALLOWED_CLASSES", "EventKind", "MembershipEvent", "Participant", "RendezvousReader", "RendezvousView",
-           "StateView", "UnsafeStateError", "Watcher", "decode_state", "print_state"]
+__all__ = [
+    "ALLOWED_CLASSES",
+    "EventKind",
+    "MembershipEvent",
+    "Participant",
+    "RendezvousReader",
+    "RendezvousView",
+    "StateView",
+    "UnsafeStateError",
+    "Watcher",
+    "decode_state",
+    "print_state",
+]
 
 
 # -- the watcher --------------------------------------------------------------------------------
@@ -150,8 +161,18 @@ class Watcher:
         from elastic_emb.config import load, variable
 
         env = os.environ if env is None else env
-        settings = load(env, "rdzv_endpoint", "rdzv_backend", "agent_pid", "generation", "rdzv_round",
-                        "watch_interval", "drain", "store_outage_timeout", "rdzv_node")
+        settings = load(
+            env,
+            "rdzv_endpoint",
+            "rdzv_backend",
+            "agent_pid",
+            "generation",
+            "rdzv_round",
+            "watch_interval",
+            "drain",
+            "store_outage_timeout",
+            "rdzv_node",
+        )
         endpoint = settings.rdzv_endpoint
         if not endpoint:
             get_logger("elastic_emb.watch.watcher").info(
@@ -169,8 +190,11 @@ class Watcher:
         # The round: ELASTIC_EMB_RDZV_ROUND, else ELASTIC_EMB_GENERATION when set (a backend that
         # does not set the round passes it as the generation). Neither (no elastic_emb backend):
         # the round is learnt from the first complete state.
-        gen = settings.rdzv_round if settings.rdzv_round is not None else (
-            settings.generation if env.get(variable("generation")) else None)
+        gen = (
+            settings.rdzv_round
+            if settings.rdzv_round is not None
+            else (settings.generation if env.get(variable("generation")) else None)
+        )
         kwargs.setdefault("interval", settings.watch_interval)
         kwargs.setdefault("drain", settings.drain)
         kwargs.setdefault("store_outage_timeout", settings.store_outage_timeout)
@@ -419,8 +443,15 @@ class Watcher:
             time.sleep(0.005)
         raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
 
-    def _emit(self, kind: EventKind, *, nodes: tuple[str, ...] = (), state_round: int | None = None,
-              once: bool = True, before: Callable[[MembershipEvent], None] | None = None) -> MembershipEvent | None:
+    def _emit(
+        self,
+        kind: EventKind,
+        *,
+        nodes: tuple[str, ...] = (),
+        state_round: int | None = None,
+        once: bool = True,
+        before: Callable[[MembershipEvent], None] | None = None,
+    ) -> MembershipEvent | None:
         """Record an event (``once``: only the first of its kind and nodes); ``before`` runs with
         it before ``events()`` can return it."""
         with self._lock:
@@ -430,8 +461,12 @@ class Watcher:
                     return None
                 self._reported.add(key)
         event = MembershipEvent(
-            kind=kind, round=self.round if self.round is not None else -1, state_round=state_round,
-            nodes=nodes, participants=self._members, at=time.time(),
+            kind=kind,
+            round=self.round if self.round is not None else -1,
+            state_round=state_round,
+            nodes=nodes,
+            participants=self._members,
+            at=time.time(),
         )
         if before is not None:
             before(event)
@@ -451,7 +486,11 @@ class Watcher:
         if self.node is not None:
             return self.node
         host = {socket.getfqdn(), socket.gethostname()}
-        mine = [p.node for p in view.participants if p.pid == self.agent_pid and (p.addr in host or len(view.participants) == 1)]
+        mine = [
+            p.node
+            for p in view.participants
+            if p.pid == self.agent_pid and (p.addr in host or len(view.participants) == 1)
+        ]
         if not mine:  # loopback launches may use --local-addr; the pid alone then decides
             mine = [p.node for p in view.participants if p.pid == self.agent_pid]
         return mine[0] if len(mine) == 1 else None
@@ -508,11 +547,19 @@ class Watcher:
             self._log.debug("watch_store_error", op="world_size", error=repr(exc))
             return
         if replaced == b"":
-            self._log.warning("drain_count_restored", round=self.round, world_size=self.world_size,
-                              reason="the round's world_size key was missing: deleted by a store writer")
+            self._log.warning(
+                "drain_count_restored",
+                round=self.round,
+                world_size=self.world_size,
+                reason="the round's world_size key was missing: deleted by a store writer",
+            )
         elif replaced is not None:
-            self._log.info("drain_count_updated", round=self.round, world_size=self.world_size,
-                           was=replaced[:40].decode("ascii", "replace"))
+            self._log.info(
+                "drain_count_updated",
+                round=self.round,
+                world_size=self.world_size,
+                was=replaced[:40].decode("ascii", "replace"),
+            )
 
     def _eviction_confirmed(self) -> bool:
         """Whether to believe a state that leaves this node out. Without a job secret, yes: the
@@ -527,8 +574,12 @@ class Watcher:
         self._emit("departure", nodes=(self.node,), state_round=None)
         if not self._unconfirmed_reported:
             self._unconfirmed_reported = True
-            self._log.warning("eviction_unconfirmed", round=self.round, node=self.node,
-                              reason="the rendezvous state leaves this node out, but no agent signed its eviction")
+            self._log.warning(
+                "eviction_unconfirmed",
+                round=self.round,
+                node=self.node,
+                reason="the rendezvous state leaves this node out, but no agent signed its eviction",
+            )
         return False
 
     def _store_failed(self, exc: Exception) -> None:

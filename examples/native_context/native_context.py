@@ -56,8 +56,9 @@ def cache_dir() -> Path:
     source hash, so an edit or another torch rebuilds and nothing stale is loaded."""
     from elastic_emb import load_settings
 
-    root = load_settings(None, "native_cache").native_cache or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                          "elastic_emb", "native_context")
+    root = load_settings(None, "native_cache").native_cache or os.path.join(
+        os.path.expanduser("~"), ".cache", "elastic_emb", "native_context"
+    )
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{kind}-{digest}"
@@ -73,8 +74,13 @@ def build(verbose: bool = False):
         where.mkdir(parents=True, exist_ok=True)
         # torch's loader takes a file lock in the build directory: ranks starting at once wait for
         # one compile instead of racing.
-        _module = cpp_extension.load(name="elastic_emb_async_emb", sources=[str(SOURCE)], build_directory=str(where),
-                                     extra_cflags=["-O1"], verbose=verbose)
+        _module = cpp_extension.load(
+            name="elastic_emb_async_emb",
+            sources=[str(SOURCE)],
+            build_directory=str(where),
+            extra_cflags=["-O1"],
+            verbose=verbose,
+        )
     return _module
 
 
@@ -103,19 +109,28 @@ class NativeContext(ContextBase):
     def __init__(self, topology: Topology, store, *, tables: list[TableSpec], timeout: float = 60.0) -> None:
         for t in tables:
             if t.dtype != "float32":
-                raise ValueError(f"table {t.name!r}: dtype {t.dtype} is not supported by the native context; use float32")
+                raise ValueError(
+                    f"table {t.name!r}: dtype {t.dtype} is not supported by the native context; use float32"
+                )
         ext = build()
         self.topology = topology
         self.tables = {t.name: t for t in tables}
         self.timeout = timeout
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self._store = store
         self._forms = 0
         self._closed = False
         self._healthy = True
         # Rows start at zero (the native object's choice); on a first start, the caller fills them.
-        self._native = ext.AsyncEmbContext(topology.rank, topology.world_size, topology.ep_size,
-                                           [(t.name, t.num_rows, t.dim) for t in tables], str(self.device))
+        self._native = ext.AsyncEmbContext(
+            topology.rank,
+            topology.world_size,
+            topology.ep_size,
+            [(t.name, t.num_rows, t.dim) for t in tables],
+            str(self.device),
+        )
         self.process_group = self._form(topology, store)
 
     def _form(self, topology: Topology, store):
@@ -143,9 +158,11 @@ class NativeContext(ContextBase):
         except ValueError as exc:
             raise translate(exc) from exc
         if (topology.ep_size, topology.backend) != (self.topology.ep_size, self.topology.backend):
-            raise ValueError(f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
-                             f"ep_size={self.topology.ep_size} backend={self.topology.backend}: the native rows are laid "
-                             f"out for one EP size; close this context and construct a new one")
+            raise ValueError(
+                f"reset to ep_size={topology.ep_size} backend={topology.backend} from "
+                f"ep_size={self.topology.ep_size} backend={self.topology.backend}: the native rows are laid "
+                f"out for one EP size; close this context and construct a new one"
+            )
         self.process_group = self._form(topology, store)
         self.topology, self._store, self._healthy = topology, store, True
 
@@ -165,12 +182,16 @@ class NativeContext(ContextBase):
 
     def shard_views(self) -> dict[str, ShardData]:
         native = self._require()
-        return {n: ShardData(n, self.owned(n), native.weight(n), {"accumulator": native.accumulator(n)})
-                for n in self.tables}
+        return {
+            n: ShardData(n, self.owned(n), native.weight(n), {"accumulator": native.accumulator(n)})
+            for n in self.tables
+        }
 
     def export_shard(self) -> dict[str, ShardData]:
-        return {n: ShardData(n, s.rows, s.weight.clone(), {k: v.clone() for k, v in s.slots.items()})
-                for n, s in self.shard_views().items()}
+        return {
+            n: ShardData(n, s.rows, s.weight.clone(), {k: v.clone() for k, v in s.slots.items()})
+            for n, s in self.shard_views().items()
+        }
 
     def import_shard(self, shards) -> None:
         views = self.shard_views()
@@ -179,9 +200,11 @@ class NativeContext(ContextBase):
         for name, s in shards.items():
             v = views[name]
             if s.rows != v.rows or tuple(s.weight.shape) != tuple(v.weight.shape) or set(s.slots) != {"accumulator"}:
-                raise ValueError(f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) of shape "
-                                 f"{tuple(s.weight.shape)} with slots {sorted(s.slots)} is not this rank's "
-                                 f"[{v.rows.start}, {v.rows.stop}) of shape {tuple(v.weight.shape)} with ['accumulator']")
+                raise ValueError(
+                    f"table {name!r}: shard rows [{s.rows.start}, {s.rows.stop}) of shape "
+                    f"{tuple(s.weight.shape)} with slots {sorted(s.slots)} is not this rank's "
+                    f"[{v.rows.start}, {v.rows.stop}) of shape {tuple(v.weight.shape)} with ['accumulator']"
+                )
         for name, s in shards.items():
             v = views[name]
             v.weight.copy_(s.weight)

@@ -63,9 +63,15 @@ def native_factory(spec: dict):
 
 
 def dump(ctx, out: str, name: str) -> None:
-    data = {n: (s.rows.start, s.rows.stop, s.weight.detach().cpu().clone(),
-                {k: v.detach().cpu().clone() for k, v in s.slots.items()})
-            for n, s in ctx.export_shard().items()}
+    data = {
+        n: (
+            s.rows.start,
+            s.rows.stop,
+            s.weight.detach().cpu().clone(),
+            {k: v.detach().cpu().clone() for k, v in s.slots.items()},
+        )
+        for n, s in ctx.export_shard().items()
+    }
     torch.save(data, os.path.join(out, f"{name}-r{ctx.topology.rank}.pt"))
 
 
@@ -113,8 +119,9 @@ def main() -> None:
             if step in phase.get("dump_steps", ()):
                 dump(lc.context, spec["out"], f"{phase['dump']}{step}")
         if spec["context"] == "native":
-            result["counters"].append({**lc.context.native_counters(), "phase": i,
-                                       "world_size": lc.topology.world_size})
+            result["counters"].append(
+                {**lc.context.native_counters(), "phase": i, "world_size": lc.topology.world_size}
+            )
         if phase.get("dump"):
             dump(lc.context, spec["out"], phase["dump"])
     result["step"] = lc.step

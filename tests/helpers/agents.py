@@ -47,10 +47,24 @@ class Agent:
             return ""
 
 
-def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb", nnodes: str = "1:3",
-                run_id: str = "rdzvtest", conf: str = FAST_CONF, mode: str = "busy", step_s: float = 0.05,
-                inner: str = "c10d", drain: bool = True, drain_timeout: float = 10.0,
-                endpoint: str | None = None, worker: str = "plain", extra_env: dict | None = None) -> Agent:
+def start_agent(
+    name: str,
+    tmp: str,
+    port: int,
+    *,
+    backend: str = "elastic_emb",
+    nnodes: str = "1:3",
+    run_id: str = "rdzvtest",
+    conf: str = FAST_CONF,
+    mode: str = "busy",
+    step_s: float = 0.05,
+    inner: str = "c10d",
+    drain: bool = True,
+    drain_timeout: float = 10.0,
+    endpoint: str | None = None,
+    worker: str = "plain",
+    extra_env: dict | None = None,
+) -> Agent:
     """Start one torchrun agent (one worker per node) as a real subprocess.
 
     ``worker``: ``plain`` (an all_reduce per step) or ``lifecycle`` (elastic_emb's Lifecycle over
@@ -60,21 +74,39 @@ def start_agent(name: str, tmp: str, port: int, *, backend: str = "elastic_emb",
     rdzv_conf = conf
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_EMB_", "TORCHELASTIC_", "RDZV_TEST_"))}
     if backend == "elastic_emb":
-        rdzv_conf += (f",inner={inner},event_file={os.path.join(tmp, 'events-' + name + '.jsonl')}"
-                      f",drain={int(drain)},drain_timeout={drain_timeout}")
+        rdzv_conf += (
+            f",inner={inner},event_file={os.path.join(tmp, 'events-' + name + '.jsonl')}"
+            f",drain={int(drain)},drain_timeout={drain_timeout}"
+        )
     else:
         # The stock baseline needs this to survive a resize at all (FACTS item 1).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(
-        RDZV_TEST_LOG_DIR=log_dir, RDZV_TEST_MODE=mode, RDZV_TEST_STEP_S=str(step_s), PYTHONPATH=REPO,
-        ELASTIC_EMB_LOG_FORMAT="json", ELASTIC_EMB_BACKEND="gloo", OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1", RDZV_TEST_WORKER=worker, ELASTIC_EMB_STATE_DIR=os.path.join(tmp, "state"),
+        RDZV_TEST_LOG_DIR=log_dir,
+        RDZV_TEST_MODE=mode,
+        RDZV_TEST_STEP_S=str(step_s),
+        PYTHONPATH=REPO,
+        ELASTIC_EMB_LOG_FORMAT="json",
+        ELASTIC_EMB_BACKEND="gloo",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        RDZV_TEST_WORKER=worker,
+        ELASTIC_EMB_STATE_DIR=os.path.join(tmp, "state"),
     )
     env.update(extra_env or {})
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}", f"--rdzv-id={run_id}",
-        f"--rdzv-conf={rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rdzv_conf}",
+        "--max-restarts=3",
+        "--monitor-interval=0.1",
+        "--local-addr=127.0.0.1",
         WORKER,
     ]
     log_path = os.path.join(tmp, f"agent-{name}.log")

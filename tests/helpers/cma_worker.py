@@ -67,7 +67,9 @@ class Ctx(ContextBase):
 
     def __init__(self, topo: Topology):
         self.topology = topo
-        self.holders = {t: Holder(t, owned_range(n, topo.ep_size, topo.rank), fill=-7.0) for t, (n, _) in TABLES.items()}
+        self.holders = {
+            t: Holder(t, owned_range(n, topo.ep_size, topo.rank), fill=-7.0) for t, (n, _) in TABLES.items()
+        }
 
     def shard_views(self):
         return {t: h.shard() for t, h in self.holders.items()}
@@ -109,8 +111,15 @@ def sabotage(mode: str, comm) -> None:
         import sys
 
         victim = subprocess.Popen(
-            [sys.executable, "-c", "import ctypes, sys, time; b = ctypes.create_string_buffer(b'Z' * (8 << 20)); "
-             "print(ctypes.addressof(b), flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-c",
+                "import ctypes, sys, time; b = ctypes.create_string_buffer(b'Z' * (8 << 20)); "
+                "print(ctypes.addressof(b), flush=True); time.sleep(120)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         atexit.register(victim.kill)
         addr = int(victim.stdout.readline())
         real_exchange = comm.exchange
@@ -155,5 +164,15 @@ def main() -> None:
                 rows = (got != want).reshape(len(h.rows), -1).any(dim=1).nonzero().flatten()
                 bad.append([t, tname, [h.rows.start + int(r) for r in rows[:5]]])
     comm.close()
-    print(json.dumps({"rank": topo.rank, "transport": rep.transport, "bad": bad, "step": rep.step,
-                      "bytes_moved": rep.bytes_moved, "rows": {t: [h.rows.start, h.rows.stop] for t, h in ctx.holders.items()}}))
+    print(
+        json.dumps(
+            {
+                "rank": topo.rank,
+                "transport": rep.transport,
+                "bad": bad,
+                "step": rep.step,
+                "bytes_moved": rep.bytes_moved,
+                "rows": {t: [h.rows.start, h.rows.stop] for t, h in ctx.holders.items()},
+            }
+        )
+    )

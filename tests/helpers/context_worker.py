@@ -49,7 +49,11 @@ def check(name):
                 detail = fn(*a, **kw) or {}
                 results[name] = {"ok": True, **detail}
             except Exception as exc:  # recorded, and reported by the test with the traceback
-                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-2500:]}
+                results[name] = {
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "tb": traceback.format_exc()[-2500:],
+                }
             results[name]["seconds"] = round(time.monotonic() - t0, 3)
 
         return run
@@ -82,7 +86,9 @@ class Reference:
 
     def __init__(self, opt: OptimizerSpec):
         self.opt = opt
-        self.emb = {s.name: torch.nn.Embedding.from_pretrained(initial_table(s), freeze=False, sparse=True) for s in TABLES}
+        self.emb = {
+            s.name: torch.nn.Embedding.from_pretrained(initial_table(s), freeze=False, sparse=True) for s in TABLES
+        }
         self.acc = {s.name: torch.full((s.num_rows,), opt.initial_accumulator) for s in TABLES}
         if opt.kind == "sgd":
             self.sgd = torch.optim.SGD([e.weight for e in self.emb.values()], lr=opt.lr)
@@ -112,8 +118,10 @@ def import_full(ctx: EmbContext, full: dict[str, torch.Tensor], acc: dict[str, t
         r = ctx.owned(name)
         slots = {}
         if ctx.optimizer.kind == "adagrad":
-            slots["accumulator"] = (acc[name] if acc else torch.full((ctx.tables[name].num_rows,), ctx.optimizer.initial_accumulator))[r.start:r.stop].to(ctx.device)
-        shards[name] = ShardData(name, r, full[name][r.start:r.stop].to(ctx.device), slots)
+            slots["accumulator"] = (
+                acc[name] if acc else torch.full((ctx.tables[name].num_rows,), ctx.optimizer.initial_accumulator)
+            )[r.start : r.stop].to(ctx.device)
+        shards[name] = ShardData(name, r, full[name][r.start : r.stop].to(ctx.device), slots)
     ctx.import_shard(shards)
 
 
@@ -146,9 +154,11 @@ def train_and_compare(ctx: EmbContext, ref: Reference, t: Topology, label: str) 
             mismatches.append(f"{label} final table {spec.name}")
         shard = ctx.export_shard()[spec.name]
         r = owned_range(spec.num_rows, t.ep_size, t.rank)
-        if shard.rows != r or not torch.equal(shard.weight.cpu(), ref.weight(spec.name)[r.start:r.stop]):
+        if shard.rows != r or not torch.equal(shard.weight.cpu(), ref.weight(spec.name)[r.start : r.stop]):
             mismatches.append(f"{label} exported shard {spec.name}")
-        if ctx.optimizer.kind == "adagrad" and not torch.equal(shard.slots["accumulator"].cpu(), ref.acc[spec.name][r.start:r.stop]):
+        if ctx.optimizer.kind == "adagrad" and not torch.equal(
+            shard.slots["accumulator"].cpu(), ref.acc[spec.name][r.start : r.stop]
+        ):
             mismatches.append(f"{label} accumulator {spec.name}")
     expect(not mismatches, f"mismatches: {mismatches}")
     return {}
@@ -185,17 +195,20 @@ def main() -> None:
         # two in flight at once, gradients, and an invalid id inside a long batch.
         # 64 columns: wide enough rows that the ids ride in the count exchange (Deduper.fusable)
         wide = TableSpec(name="wide", num_rows=100_003, dim=64)
-        big = EmbContext(t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None,
-                         pipeline_chunks=3)
-        full = (torch.arange(wide.num_rows * wide.dim, dtype=torch.float32).reshape(wide.num_rows, wide.dim) % 1021)
+        big = EmbContext(
+            t, store, tables=[wide], optimizer=SGD, device=device, timeout=TIMEOUT, seed=None, pipeline_chunks=3
+        )
+        full = torch.arange(wide.num_rows * wide.dim, dtype=torch.float32).reshape(wide.num_rows, wide.dim) % 1021
         r = big.owned("wide")
-        big.import_shard({"wide": ShardData("wide", r, full[r.start:r.stop].to(big.device))})
+        big.import_shard({"wide": ShardData("wide", r, full[r.start : r.stop].to(big.device))})
         n = 40_000
 
         def ids_of(seed: int, who: int) -> torch.Tensor:
             g = torch.Generator().manual_seed(1000 * seed + who)
             hot = torch.randint(0, 50, (n // 4,), generator=g)  # heavy duplicates
-            return torch.cat([torch.randint(0, wide.num_rows, (n - n // 4,), generator=g), hot])[torch.randperm(n, generator=g)]
+            return torch.cat([torch.randint(0, wide.num_rows, (n - n // 4,), generator=g), hot])[
+                torch.randperm(n, generator=g)
+            ]
 
         for seed in range(3):
             ids = ids_of(seed, rank)
@@ -203,8 +216,10 @@ def main() -> None:
             expect(torch.equal(got, full[ids]), f"lookup {seed} of {n} ids differs from the table")
         a, b = ids_of(7, rank), ids_of(8, rank)
         ha, hb = big.lookup("wide", a.to(big.device)), big.lookup("wide", b.to(big.device))
-        expect(torch.equal(hb.wait().cpu(), full[b]) and torch.equal(ha.wait().cpu(), full[a]),
-               "two lookups in flight, waited in reverse order, differ from the table")
+        expect(
+            torch.equal(hb.wait().cpu(), full[b]) and torch.equal(ha.wait().cpu(), full[a]),
+            "two lookups in flight, waited in reverse order, differ from the table",
+        )
         # A prefetching loop: lookup k+1 (same length, so the same dedup graph) starts before
         # lookup k is waited on; the device-side result is kept and compared at the end.
         batches = [ids_of(40 + i, rank) for i in range(6)]
@@ -214,8 +229,10 @@ def main() -> None:
             kept.append(h.wait())
             h = nxt
         kept.append(h.wait())
-        expect(all(torch.equal(r.cpu(), full[x]) for r, x in zip(kept, batches)),
-               "a lookup started while another was in flight returned other rows")
+        expect(
+            all(torch.equal(r.cpu(), full[x]) for r, x in zip(kept, batches)),
+            "a lookup started while another was in flight returned other rows",
+        )
         for seed in (20, 21):
             ids = ids_of(seed, rank)
             big.apply_gradients("wide", ids.to(big.device), torch.ones(n, wide.dim, device=big.device))
@@ -244,15 +261,22 @@ def main() -> None:
         except PeerLookupError as exc:
             expect(rank != culprit and exc.ranks == [culprit], str(exc))
         ids = ids_of(31, rank)
-        expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after an invalid batch")
+        expect(
+            torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]),
+            "unusable after an invalid batch",
+        )
         # Per-rank batches of different lengths, in the large regime: every rank must still pick the
         # same exchange layout (a size mismatch aborts gloo and hangs NCCL). Lengths change from call
         # to call, grow past what earlier calls sized the layout for, and one rank passes none.
-        for step, lengths in enumerate([[40_000 - 997 * p for p in range(world)],
-                                        [20_000 + 5_000 * p for p in range(world)],
-                                        [60_000 if p == 0 else 17_000 for p in range(world)],
-                                        [0 if p == world - 1 else 30_000 for p in range(world)],
-                                        [45_000] * world]):
+        for step, lengths in enumerate(
+            [
+                [40_000 - 997 * p for p in range(world)],
+                [20_000 + 5_000 * p for p in range(world)],
+                [60_000 if p == 0 else 17_000 for p in range(world)],
+                [0 if p == world - 1 else 30_000 for p in range(world)],
+                [45_000] * world,
+            ]
+        ):
             g = torch.Generator().manual_seed(500 + 10 * step + rank)
             ids = torch.randint(0, wide.num_rows, (lengths[rank],), generator=g)
             got = big.lookup("wide", ids.to(big.device)).wait().cpu()
@@ -268,10 +292,14 @@ def main() -> None:
         except PeerLookupError as exc:
             expect(rank != culprit and exc.ranks == [culprit], str(exc))
         ids = ids_of(33, rank)
-        expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a cancelled batch")
+        expect(
+            torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]),
+            "unusable after a cancelled batch",
+        )
         if world > 1:
             # Ranks in different calls while the block carries ids: a clear error on every rank, no abort.
             from elastic_emb.context import CollectiveMismatch
+
             try:
                 if rank == 0:
                     big.apply_gradients("wide", ids.to(big.device), torch.zeros(n, wide.dim, device=big.device))
@@ -280,7 +308,9 @@ def main() -> None:
                 raise AssertionError("ranks in different calls were not told so")
             except CollectiveMismatch as exc:
                 expect("apply_gradients('wide')" in str(exc) and "lookup('wide')" in str(exc), str(exc))
-            expect(torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a mismatch")
+            expect(
+                torch.equal(big.lookup("wide", ids.to(big.device)).wait().cpu(), full[ids]), "unusable after a mismatch"
+            )
         dd, block = big._dedup, big._exchange.block_bytes
         captured = len(dd.graphs)
         # the ids travelled with the counts (one exchange) in these lookups
@@ -288,15 +318,20 @@ def main() -> None:
         fused = dd.key_capacity(wide, 3, tag, block) >= 60_000 and dd.fused_lookups >= 5
         expect(fused or world == 1, f"the count exchange block ({block} bytes) cannot carry a 60000-id lookup")
         narrow = TableSpec(name="wide", num_rows=100_003, dim=4)  # 16-byte rows: padding would cost more than rows
-        expect(not dd.want_bytes(narrow, n, 3, tag) and not dd.key_capacity(narrow, 3, tag, block),
-               "narrow rows must not take the fused exchange")
+        expect(
+            not dd.want_bytes(narrow, n, 3, tag) and not dd.key_capacity(narrow, 3, tag, block),
+            "narrow rows must not take the fused exchange",
+        )
         big.close()
         return {"graphs": captured, "capture_failed": dd.capture_failed, "fused": fused, "block_bytes": block}
 
     _large()
     grown = ctx.arena_report()["staging_bytes"]
-    results["staging_grown"] = {"ok": grown > results["arena"]["staging_bytes"],
-                                "before": results["arena"]["staging_bytes"], "after": grown}
+    results["staging_grown"] = {
+        "ok": grown > results["arena"]["staging_bytes"],
+        "before": results["arena"]["staging_bytes"],
+        "after": grown,
+    }
 
     @check("invalid_ids")
     def _invalid():
@@ -442,8 +477,10 @@ def main() -> None:
             expect(torch.equal(all_rows(ctx, s.name), ref_sgd.weight(s.name)), f"rows lost by remap ({s.name})")
             shard = ctx.export_shard()[s.name]
             r = owned_range(s.num_rows, t.ep_size, new_rank)
-            expect(shard.rows == r and torch.equal(shard.weight.cpu(), ref_sgd.weight(s.name)[r.start:r.stop]),
-                   f"shard of new rank {new_rank} wrong ({s.name})")
+            expect(
+                shard.rows == r and torch.equal(shard.weight.cpu(), ref_sgd.weight(s.name)[r.start : r.stop]),
+                f"shard of new rank {new_rank} wrong ({s.name})",
+            )
         ctx.reset(rank, world)  # back, so the rest of the run keeps the launch ranks
         expect(torch.equal(all_rows(ctx, "big"), ref_sgd.weight("big")), "rows lost by remap back")
         return {}
@@ -542,6 +579,7 @@ def main() -> None:
     _nonfinite_and_changes()
 
     if world >= 3:
+
         @check("non_power_of_two_ep_when_allowed")
         def _odd():
             odd = Topology.model_construct(**{**t.model_dump(), "ep_size": 3})
@@ -561,8 +599,10 @@ def main() -> None:
             from elastic_emb.context import init_rows
 
             for s in TABLES:
-                expect(torch.equal(all_rows(c, s.name), init_rows(s, 7, RowRange(0, s.num_rows))),
-                       f"initial rows of {s.name} differ from init_rows over the whole table")
+                expect(
+                    torch.equal(all_rows(c, s.name), init_rows(s, 7, RowRange(0, s.num_rows))),
+                    f"initial rows of {s.name} differ from init_rows over the whole table",
+                )
         finally:
             c.close()
         return {}
@@ -576,17 +616,27 @@ def main() -> None:
 
         gstore = generation_store(store, t, "dcp_world")
         if t.backend == "nccl":
-            dist.init_process_group("cpu:gloo,cuda:nccl", store=gstore, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=TIMEOUT), device_id=torch.device("cuda", t.local_rank))
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl",
+                store=gstore,
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=TIMEOUT),
+                device_id=torch.device("cuda", t.local_rank),
+            )
         else:
-            dist.init_process_group("gloo", store=gstore, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+            dist.init_process_group(
+                "gloo", store=gstore, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT)
+            )
         try:
             out = {}
             path = os.path.join(CFG["dir"], f"dcp_{CFG['tag']}")
             dcp.save(ada.state_dict(), checkpoint_id=path)
             if rank == 0:
-                torch.save({s.name: (ref_ada.weight(s.name).clone(), ref_ada.acc[s.name].clone()) for s in TABLES},
-                           os.path.join(CFG["dir"], f"ref_{CFG['tag']}.pt"))
+                torch.save(
+                    {s.name: (ref_ada.weight(s.name).clone(), ref_ada.acc[s.name].clone()) for s in TABLES},
+                    os.path.join(CFG["dir"], f"ref_{CFG['tag']}.pt"),
+                )
             if CFG.get("load_from"):
                 src = CFG["load_from"]
                 expected = torch.load(os.path.join(CFG["dir"], f"ref_{src}.pt"))
@@ -600,19 +650,25 @@ def main() -> None:
                         expect(torch.equal(all_rows(fresh, s.name), w), f"DCP-loaded {s.name} differs from run {src}")
                         r = fresh.owned(s.name)
                         got_acc = fresh.export_shard()[s.name].slots["accumulator"].cpu()
-                        expect(torch.equal(got_acc, acc[r.start:r.stop]), f"DCP-loaded accumulator of {s.name}")
+                        expect(torch.equal(got_acc, acc[r.start : r.stop]), f"DCP-loaded accumulator of {s.name}")
                 finally:
                     fresh.close()
                 out["loaded_from"] = src
                 # Plain DCP, no elastic_emb and no sharding: one process reads whole tensors.
                 if rank == 0:
-                    plain = {f"{s.name}.{k}": torch.empty(shape) for s in TABLES
-                             for k, shape in (("weight", (s.num_rows, s.dim)), ("accumulator", (s.num_rows,)))}
+                    plain = {
+                        f"{s.name}.{k}": torch.empty(shape)
+                        for s in TABLES
+                        for k, shape in (("weight", (s.num_rows, s.dim)), ("accumulator", (s.num_rows,)))
+                    }
                     dcp.load(plain, checkpoint_id=os.path.join(CFG["dir"], f"dcp_{src}"), no_dist=True)
                     for s in TABLES:
                         w, acc = expected[s.name]
-                        expect(torch.equal(plain[f"{s.name}.weight"], w) and torch.equal(plain[f"{s.name}.accumulator"], acc),
-                               f"plain DCP load of {s.name} from run {src} differs")
+                        expect(
+                            torch.equal(plain[f"{s.name}.weight"], w)
+                            and torch.equal(plain[f"{s.name}.accumulator"], acc),
+                            f"plain DCP load of {s.name} from run {src} differs",
+                        )
                     out["plain_load"] = True
             return out
         finally:
@@ -623,12 +679,18 @@ def main() -> None:
     # -- a context closed and constructed anew at another world size holds exactly the old rows --
     shrink = CFG.get("shrink_to")
     if shrink:
+
         @check("reconstruct_at_other_world_size")
         def _reconstruct():
             final = {s.name: (ref_ada.weight(s.name).clone(), ref_ada.acc[s.name].clone()) for s in TABLES}
             shards = ada.export_shard()
-            torch.save({k: (v.rows.start, v.rows.stop, v.weight.cpu(), {n: x.cpu() for n, x in v.slots.items()})
-                        for k, v in shards.items()}, os.path.join(CFG["dir"], f"shard_{CFG['tag']}_{rank}.pt"))
+            torch.save(
+                {
+                    k: (v.rows.start, v.rows.stop, v.weight.cpu(), {n: x.cpu() for n, x in v.slots.items()})
+                    for k, v in shards.items()
+                },
+                os.path.join(CFG["dir"], f"shard_{CFG['tag']}_{rank}.pt"),
+            )
             ada.close()
             store.add(f"test/{CFG['tag']}/exported", 1)
             if rank >= shrink:
@@ -637,8 +699,15 @@ def main() -> None:
             while int(store.add(f"test/{CFG['tag']}/exported", 0)) < world:
                 expect(time.monotonic() < deadline, "not every rank exported its shard")
                 time.sleep(0.01)
-            new_t = t.with_changes(world_size=shrink, generation=t.generation + 1, ep_size=1 << (shrink.bit_length() - 1),
-                                   local_world_size=shrink, num_nodes=1, node_rank=0, local_rank=rank)
+            new_t = t.with_changes(
+                world_size=shrink,
+                generation=t.generation + 1,
+                ep_size=1 << (shrink.bit_length() - 1),
+                local_world_size=shrink,
+                num_nodes=1,
+                node_rank=0,
+                local_rank=rank,
+            )
             old = {r: torch.load(os.path.join(CFG["dir"], f"shard_{CFG['tag']}_{r}.pt")) for r in range(world)}
             c = make(ADAGRAD, topo=new_t, seed=None)
             try:
@@ -652,15 +721,22 @@ def main() -> None:
                             continue
                         start, _, ow, oslots = old[tr.src][s.name]
                         a, b = tr.rows.start - start, tr.rows.stop - start
-                        w[tr.rows.start - mine.start:tr.rows.stop - mine.start] = ow[a:b]
-                        acc[tr.rows.start - mine.start:tr.rows.stop - mine.start] = oslots["accumulator"][a:b]
+                        w[tr.rows.start - mine.start : tr.rows.stop - mine.start] = ow[a:b]
+                        acc[tr.rows.start - mine.start : tr.rows.stop - mine.start] = oslots["accumulator"][a:b]
                     imported[s.name] = ShardData(s.name, mine, w.to(c.device), {"accumulator": acc.to(c.device)})
                 c.import_shard(imported)
                 for s in TABLES:
-                    expect(torch.equal(all_rows(c, s.name), final[s.name][0]), f"rows of {s.name} differ after re-construction")
+                    expect(
+                        torch.equal(all_rows(c, s.name), final[s.name][0]),
+                        f"rows of {s.name} differ after re-construction",
+                    )
                     r = c.owned(s.name)
-                    expect(torch.equal(c.export_shard()[s.name].slots["accumulator"].cpu(), final[s.name][1][r.start:r.stop]),
-                           f"accumulator of {s.name} differs after re-construction")
+                    expect(
+                        torch.equal(
+                            c.export_shard()[s.name].slots["accumulator"].cpu(), final[s.name][1][r.start : r.stop]
+                        ),
+                        f"accumulator of {s.name} differs after re-construction",
+                    )
                 # and it still trains like the reference
                 train_and_compare(c, ref_ada, new_t, "after-reconstruct")
             finally:

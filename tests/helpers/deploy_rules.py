@@ -91,8 +91,12 @@ def render_variant(workdir: Path, overlay: str, components: tuple[str, ...]) -> 
     root = Path(workdir) / ("-".join((overlay,) + components))
     root.mkdir(parents=True, exist_ok=True)
     rel = lambda p: str(Path(__import__("os").path.relpath(p, root)))  # noqa: E731
-    kust = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [rel(DEPLOY / overlay)], "components": [rel(DEPLOY / "components" / c) for c in components]}
+    kust = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [rel(DEPLOY / overlay)],
+        "components": [rel(DEPLOY / "components" / c) for c in components],
+    }
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kust))
     return render(root)
 
@@ -110,8 +114,12 @@ def core_schema_errors(resources: list[dict], versions: tuple[str, ...] = K8S_VE
             docs = [res]
             if res.get("kind") == "PyTorchJob":
                 docs = [
-                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name(res)}-{rtype.lower()}"},
-                     "template": spec.get("template")}
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{name(res)}-{rtype.lower()}"},
+                        "template": spec.get("template"),
+                    }
                     for rtype, spec in (res.get("spec", {}).get("pytorchReplicaSpecs") or {}).items()
                     if isinstance(spec, dict)
                 ]
@@ -204,8 +212,10 @@ def admission_errors(job: dict) -> list[str]:
     errors = []
     jname = name(job)
     if len(jname) > 63 or not DNS1035.match(jname):
-        errors.append(f"metadata.name {jname!r} must be a DNS-1035 label (lower-case alphanumerics and '-', "
-                      f"starting with a letter, at most 63 characters)")
+        errors.append(
+            f"metadata.name {jname!r} must be a DNS-1035 label (lower-case alphanumerics and '-', "
+            f"starting with a letter, at most 63 characters)"
+        )
     spec = job.get("spec") or {}
     specs = spec.get("pytorchReplicaSpecs") or {}
     ep = spec.get("elasticPolicy")
@@ -221,9 +231,13 @@ def admission_errors(job: dict) -> list[str]:
             if lo is not None and hi is not None and lo > hi:
                 errors.append(f"spec.elasticPolicy.minReplicas={lo} must be <= maxReplicas={hi}")
             if lo is not None and replicas < lo:
-                errors.append(f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be >= elasticPolicy.minReplicas={lo}")
+                errors.append(
+                    f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be >= elasticPolicy.minReplicas={lo}"
+                )
             if hi is not None and replicas > hi:
-                errors.append(f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be <= elasticPolicy.maxReplicas={hi}")
+                errors.append(
+                    f"spec.pytorchReplicaSpecs.Worker.replicas={replicas} must be <= elasticPolicy.maxReplicas={hi}"
+                )
     for rtype, rspec in specs.items():
         where = f"spec.pytorchReplicaSpecs.{rtype}"
         containers = ((rspec or {}).get("template") or {}).get("spec", {}).get("containers") or []
@@ -249,8 +263,14 @@ def admission_errors(job: dict) -> list[str]:
 # cross-check needs nothing outside the project.
 
 SDK_ROOT = "KubeflowOrgV1PyTorchJob"
-_SDK_SCALARS = {"int": "integer", "str": "string", "bool": "boolean", "float": "number", "datetime": "string",
-                "date": "string"}
+_SDK_SCALARS = {
+    "int": "integer",
+    "str": "string",
+    "bool": "boolean",
+    "float": "number",
+    "datetime": "string",
+    "date": "string",
+}
 
 
 def _sdk_class(type_name: str) -> Any:
@@ -263,7 +283,7 @@ def _sdk_class(type_name: str) -> Any:
 
 def _sdk_dict_value(type_name: str) -> str:
     """'dict(str, X)' -> 'X'."""
-    return type_name[len("dict("):-1].split(", ", 1)[1]
+    return type_name[len("dict(") : -1].split(", ", 1)[1]
 
 
 def sdk_json_type(type_name: str) -> str:
@@ -296,7 +316,7 @@ def sdk_path_type(path: str) -> str | None:
         if array:
             if not node.startswith("list["):
                 return None
-            node = node[len("list["):-1]
+            node = node[len("list[") : -1]
     return sdk_json_type(node)
 
 
@@ -312,7 +332,7 @@ def sdk_errors(job: dict) -> list[str]:
                 errors.append(f"SDK {where}: {value!r} is not an array")
                 return
             for i, item in enumerate(value):
-                check(item, type_name[len("list["):-1], f"{where}[{i}]")
+                check(item, type_name[len("list[") : -1], f"{where}[{i}]")
             return
         if type_name.startswith("dict("):
             if not isinstance(value, dict):
@@ -334,10 +354,12 @@ def sdk_errors(job: dict) -> list[str]:
                     check(item, cls.openapi_types[attrs[key]], f"{where}/{key}")
             return
         want = _SDK_SCALARS.get(type_name)
-        ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              "boolean": lambda v: isinstance(v, bool),
-              "string": lambda v: isinstance(v, str)}.get(want)
+        ok = {
+            "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "boolean": lambda v: isinstance(v, bool),
+            "string": lambda v: isinstance(v, str),
+        }.get(want)
         if ok is not None and not ok(value):
             errors.append(f"SDK {where}: {value!r} is not of type {want}")
 
@@ -495,34 +517,62 @@ def workload(resources: list[dict]) -> Workload:
         # The per-replica headless Services the operator creates (one per worker index).
         op_ports = [p for p in c.get("ports") or [] if p.get("name") == OPERATOR_PORT_NAME]
         services = [
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{jname}-worker-{i}"},
-             "spec": {"clusterIP": "None",
-                      "selector": dict(operator_labels, **{"training.kubeflow.org/replica-index": str(i)}),
-                      "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
-                                for p in op_ports]},
-             "_operator_made": True}
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": f"{jname}-worker-{i}"},
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": dict(operator_labels, **{"training.kubeflow.org/replica-index": str(i)}),
+                    "ports": [
+                        {"name": p["name"], "port": p["containerPort"], "targetPort": p["containerPort"]}
+                        for p in op_ports
+                    ],
+                },
+                "_operator_made": True,
+            }
             for i in range(replicas)
         ]
         conf = {c.get("key"): c.get("value") for c in ep.get("rdzvConf") or []}
         inner = conf.get("inner", "c10d")
-        return Workload(kind="PyTorchJob", name=jname, pod_template=tmpl, pod_labels=labels, replicas=replicas,
-                        min_nodes=ep.get("minReplicas", replicas), max_nodes=ep.get("maxReplicas", replicas),
-                        nproc=spec.get("nprocPerNode"), endpoint=f"{host}:{port}",
-                        endpoint_services=services + of_kind(resources, "Service"),
-                        rdzv_backend=ep.get("rdzvBackend"), inner=inner, rdzv_conf=conf)
+        return Workload(
+            kind="PyTorchJob",
+            name=jname,
+            pod_template=tmpl,
+            pod_labels=labels,
+            replicas=replicas,
+            min_nodes=ep.get("minReplicas", replicas),
+            max_nodes=ep.get("maxReplicas", replicas),
+            nproc=spec.get("nprocPerNode"),
+            endpoint=f"{host}:{port}",
+            endpoint_services=services + of_kind(resources, "Service"),
+            rdzv_backend=ep.get("rdzvBackend"),
+            inner=inner,
+            rdzv_conf=conf,
+        )
     spec = job["spec"]
     tmpl = spec["template"]
     c = _container(tmpl)
     lo, hi = _nnodes(_env_value(c, "PET_NNODES"))
     labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
-    labels.update({"batch.kubernetes.io/job-name": jname, "job-name": jname,
-                   "batch.kubernetes.io/job-completion-index": "0"})
-    return Workload(kind="Job", name=jname, pod_template=tmpl, pod_labels=labels,
-                    replicas=spec.get("parallelism", 1), min_nodes=lo, max_nodes=hi,
-                    nproc=_env_value(c, "PET_NPROC_PER_NODE"), endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
-                    endpoint_services=of_kind(resources, "Service"), rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"),
-                    inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d",
-                    rdzv_conf=_conf_items(_env_value(c, "PET_RDZV_CONF")))
+    labels.update(
+        {"batch.kubernetes.io/job-name": jname, "job-name": jname, "batch.kubernetes.io/job-completion-index": "0"}
+    )
+    return Workload(
+        kind="Job",
+        name=jname,
+        pod_template=tmpl,
+        pod_labels=labels,
+        replicas=spec.get("parallelism", 1),
+        min_nodes=lo,
+        max_nodes=hi,
+        nproc=_env_value(c, "PET_NPROC_PER_NODE"),
+        endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
+        endpoint_services=of_kind(resources, "Service"),
+        rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"),
+        inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d",
+        rdzv_conf=_conf_items(_env_value(c, "PET_RDZV_CONF")),
+    )
 
 
 def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
@@ -565,8 +615,9 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
     if w.inner in ("etcd-v2", "etcd-v3"):
         return _etcd_endpoint_errors(resources, w, host, port)
     if w.inner != "c10d":
-        return [f"{w.kind}/{w.name}: inner rendezvous {w.inner!r} must be c10d, etcd-v3 or etcd-v2 "
-                f"(an unexpanded $(VAR)?)"]
+        return [
+            f"{w.kind}/{w.name}: inner rendezvous {w.inner!r} must be c10d, etcd-v3 or etcd-v2 (an unexpanded $(VAR)?)"
+        ]
     c = _container(w.pod_template)
     pod_spec = w.pod_template.get("spec") or {}
     errors = []
@@ -579,20 +630,26 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
             errors.append(f"Job/{w.name}: rendezvous host {host!r} must start with pod 0's hostname {w.name}-0")
         svc_name = parts[1]
         if pod_spec.get("subdomain") != svc_name:
-            errors.append(f"Job/{w.name}: pod subdomain {pod_spec.get('subdomain')!r} must equal the endpoint's "
-                          f"service {svc_name!r}, or `{host}` does not resolve")
+            errors.append(
+                f"Job/{w.name}: pod subdomain {pod_spec.get('subdomain')!r} must equal the endpoint's "
+                f"service {svc_name!r}, or `{host}` does not resolve"
+            )
     else:
         svc_name = parts[0]
     svcs = [s for s in w.endpoint_services if name(s) == svc_name]
     if not svcs:
-        return errors + [f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} names Service {svc_name!r}, "
-                         f"which neither the rendering nor the operator provides "
-                         f"(have {[name(s) for s in w.endpoint_services]})"]
+        return errors + [
+            f"{w.kind}/{w.name}: rendezvous endpoint {w.endpoint!r} names Service {svc_name!r}, "
+            f"which neither the rendering nor the operator provides "
+            f"(have {[name(s) for s in w.endpoint_services]})"
+        ]
     svc = svcs[0]
     sspec = svc.get("spec") or {}
     if not _selects(sspec.get("selector"), w.pod_labels):
-        errors.append(f"Service/{svc_name}: selector {sspec.get('selector')} does not select the job's pod 0 "
-                      f"(labels {w.pod_labels})")
+        errors.append(
+            f"Service/{svc_name}: selector {sspec.get('selector')} does not select the job's pod 0 "
+            f"(labels {w.pod_labels})"
+        )
     if w.kind == "Job":
         if sspec.get("clusterIP") != "None":
             errors.append(f"Service/{svc_name}: must be headless (clusterIP: None) to give pods DNS names")
@@ -602,8 +659,10 @@ def rule_endpoint(resources: list[dict], w: Workload) -> list[str]:
     else:
         served = [p for p in sspec.get("ports") or [] if p.get("port") == port]
         if not served:
-            errors.append(f"{w.kind}/{w.name}: rendezvous port {port} is not the pytorch container's "
-                          f"{OPERATOR_PORT_NAME!r} port, so the operator's Service {svc_name} does not serve it")
+            errors.append(
+                f"{w.kind}/{w.name}: rendezvous port {port} is not the pytorch container's "
+                f"{OPERATOR_PORT_NAME!r} port, so the operator's Service {svc_name} does not serve it"
+            )
     if not any(p.get("containerPort") == port for p in c.get("ports") or []):
         errors.append(f"{w.kind}/{w.name}: container {CONTAINER!r} does not declare the rendezvous port {port}")
     return errors
@@ -626,11 +685,15 @@ def _etcd_endpoint_errors(resources: list[dict], w: Workload, host: str, port: i
     svc_name = host.split(".")[0]
     svcs = [s for s in of_kind(resources, "Service") if name(s) == svc_name]
     if not svcs:
-        return [f"{w.kind}/{w.name}: etcd endpoint {host}:{port} names Service {svc_name!r}, which is not in the rendering"]
+        return [
+            f"{w.kind}/{w.name}: etcd endpoint {host}:{port} names Service {svc_name!r}, which is not in the rendering"
+        ]
     svc = svcs[0]
     backing = store_pods(resources, svc)
     if not backing:
-        return [f"Service/{svc_name}: selector {(svc.get('spec') or {}).get('selector')} selects no pods of the rendering"]
+        return [
+            f"Service/{svc_name}: selector {(svc.get('spec') or {}).get('selector')} selects no pods of the rendering"
+        ]
     errors = []
     for res, tmpl in backing:
         containers = (tmpl.get("spec") or {}).get("containers") or []
@@ -640,9 +703,14 @@ def _etcd_endpoint_errors(resources: list[dict], w: Workload, host: str, port: i
             continue
         argv = etcds[0].get("command", []) + etcds[0].get("args", [])
         if w.inner == "etcd-v2" and "--enable-v2=true" not in argv:
-            errors.append(f"{res['kind']}/{name(res)}: etcd without --enable-v2=true: torch's etcd-v2 rendezvous needs the v2 API")
-        served = [p for p in (svc.get("spec") or {}).get("ports") or [] if p.get("port") == port
-                  and _port_number(etcds[0], p.get("targetPort", port)) == port]
+            errors.append(
+                f"{res['kind']}/{name(res)}: etcd without --enable-v2=true: torch's etcd-v2 rendezvous needs the v2 API"
+            )
+        served = [
+            p
+            for p in (svc.get("spec") or {}).get("ports") or []
+            if p.get("port") == port and _port_number(etcds[0], p.get("targetPort", port)) == port
+        ]
         if not served:
             errors.append(f"Service/{svc_name}: no port {port} reaching the etcd container's client port")
     return errors
@@ -659,15 +727,18 @@ def rule_replicas(resources: list[dict], w: Workload) -> list[str]:
         if spec.get("completionMode") != "Indexed":
             errors.append(f"Job/{w.name}: completionMode must be Indexed (pods need stable hostnames <job>-<i>)")
         if spec.get("completions") != w.replicas:
-            errors.append(f"Job/{w.name}: completions={spec.get('completions')} must equal parallelism={w.replicas} "
-                          f"(one index per node)")
+            errors.append(
+                f"Job/{w.name}: completions={spec.get('completions')} must equal parallelism={w.replicas} "
+                f"(one index per node)"
+            )
     for pdb in of_kind(resources, "PodDisruptionBudget"):
         if not _selects((pdb.get("spec") or {}).get("selector"), w.pod_labels):
             continue  # another component's budget (the etcd store's); rule_policies checks the job has one
         ma = (pdb.get("spec") or {}).get("minAvailable")
         if ma != w.min_nodes:
-            errors.append(f"PodDisruptionBudget/{name(pdb)}: minAvailable={ma!r} must equal the minimum node count "
-                          f"{w.min_nodes}")
+            errors.append(
+                f"PodDisruptionBudget/{name(pdb)}: minAvailable={ma!r} must equal the minimum node count {w.min_nodes}"
+            )
     return errors
 
 
@@ -693,8 +764,13 @@ def dockerfile_facts(dockerfile: Path = REPO / "Dockerfile") -> dict:
         if len(args) == 2:
             app_copies[args[1].rstrip("/")] = args[0].rstrip("/")
     users = [ln.split()[1] for ln in joined.splitlines() if ln.startswith("USER ")]
-    return {"installs_project": installs_project, "installs_torch": installs_torch, "path_has_venv": path_has_venv,
-            "copies": app_copies, "user": users[-1] if users else None}
+    return {
+        "installs_project": installs_project,
+        "installs_torch": installs_torch,
+        "path_has_venv": path_has_venv,
+        "copies": app_copies,
+        "user": users[-1] if users else None,
+    }
 
 
 def image_has_command(argv: list[str], facts: dict) -> str | None:
@@ -746,16 +822,20 @@ def rule_commands(resources: list[dict], w: Workload, facts: dict | None = None)
         src = None
         for dest, source in facts["copies"].items():
             if script.startswith(dest + "/"):
-                src = REPO / source / script[len(dest) + 1:]
+                src = REPO / source / script[len(dest) + 1 :]
         if src is None:
             errors.append(f"{w.kind}/{w.name}: script {script} is not under any directory the Dockerfile copies")
         elif not src.exists():
-            errors.append(f"{w.kind}/{w.name}: script {script} comes from {src.relative_to(REPO)}, which does not exist")
+            errors.append(
+                f"{w.kind}/{w.name}: script {script} comes from {src.relative_to(REPO)}, which does not exist"
+            )
     # The root filesystem is read-only: whatever the script writes must go to a mounted volume.
     mounts = [m.get("mountPath", "").rstrip("/") for m in c.get("volumeMounts") or []]
     for flag, value in zip(cmd, cmd[1:], strict=False):
         if flag == "--out" and not any(value == m or value.startswith(m + "/") for m in mounts):
-            errors.append(f"{w.kind}/{w.name}: --out {value} is not on a mounted volume (the root filesystem is read-only)")
+            errors.append(
+                f"{w.kind}/{w.name}: --out {value} is not on a mounted volume (the root filesystem is read-only)"
+            )
     pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
     if not pre:
         errors.append(f"{w.kind}/{w.name}: container {CONTAINER!r} has no preStop exec hook (the drain)")
@@ -783,8 +863,10 @@ def rule_grace(resources: list[dict], w: Workload) -> list[str]:
     grace = (w.pod_template.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
     need = drain_timeout(pre) + DRAIN_MARGIN_S
     if grace < need:
-        return [f"{w.kind}/{w.name}: terminationGracePeriodSeconds={grace} must be >= drain timeout + "
-                f"{DRAIN_MARGIN_S} s = {need:g} (kubelet kills the pod at the grace period, drain or not)"]
+        return [
+            f"{w.kind}/{w.name}: terminationGracePeriodSeconds={grace} must be >= drain timeout + "
+            f"{DRAIN_MARGIN_S} s = {need:g} (kubelet kills the pod at the grace period, drain or not)"
+        ]
     return []
 
 
@@ -811,12 +893,16 @@ def rule_volumes(resources: list[dict], w: Workload) -> list[str]:
     else:
         ed = shm.get("emptyDir") or {}
         if ed.get("medium") != "Memory" or not ed.get("sizeLimit"):
-            errors.append(f"{w.kind}/{w.name}: /dev/shm must be an emptyDir with medium Memory and a sizeLimit, got {shm}")
+            errors.append(
+                f"{w.kind}/{w.name}: /dev/shm must be an emptyDir with medium Memory and a sizeLimit, got {shm}"
+            )
         else:
             limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
             if limit is None or _quantity(ed["sizeLimit"]) >= _quantity(limit):
-                errors.append(f"{w.kind}/{w.name}: /dev/shm sizeLimit {ed['sizeLimit']} must be below the memory "
-                              f"limit {limit} (a Memory emptyDir counts against it)")
+                errors.append(
+                    f"{w.kind}/{w.name}: /dev/shm sizeLimit {ed['sizeLimit']} must be below the memory "
+                    f"limit {limit} (a Memory emptyDir counts against it)"
+                )
     state = _env_value(c, "ELASTIC_EMB_STATE_DIR")
     if not state or not (state == "/dev/shm" or state.startswith("/dev/shm/")):
         errors.append(f"{w.kind}/{w.name}: ELASTIC_EMB_STATE_DIR={state!r} must lie under /dev/shm")
@@ -824,8 +910,10 @@ def rule_volumes(resources: list[dict], w: Workload) -> list[str]:
     vol = vols.get(mounts.get(durable)) if durable else None
     claim = ((vol or {}).get("persistentVolumeClaim") or {}).get("claimName")
     if not claim:
-        errors.append(f"{w.kind}/{w.name}: ELASTIC_EMB_DURABLE_DIR={durable!r} must be the mount path of a "
-                      f"persistentVolumeClaim volume")
+        errors.append(
+            f"{w.kind}/{w.name}: ELASTIC_EMB_DURABLE_DIR={durable!r} must be the mount path of a "
+            f"persistentVolumeClaim volume"
+        )
     elif claim not in {name(p) for p in of_kind(resources, "PersistentVolumeClaim")}:
         errors.append(f"{w.kind}/{w.name}: PVC {claim!r} is not in the rendering")
     return errors
@@ -838,8 +926,10 @@ def rule_gpus(resources: list[dict], w: Workload) -> list[str]:
     asked = {k: (res.get(k) or {}).get("nvidia.com/gpu") for k in ("limits", "requests")}
     if _env_value(c, "ELASTIC_EMB_BACKEND") == "gloo":
         if any(v is not None for v in asked.values()):
-            return [f"{w.kind}/{w.name}: the CPU variant (ELASTIC_EMB_BACKEND=gloo) requests nvidia.com/gpu "
-                    f"{asked}: a CPU job must not hold GPUs (nor wait for nodes that have them)"]
+            return [
+                f"{w.kind}/{w.name}: the CPU variant (ELASTIC_EMB_BACKEND=gloo) requests nvidia.com/gpu "
+                f"{asked}: a CPU job must not hold GPUs (nor wait for nodes that have them)"
+            ]
         return []
     gpus = asked["limits"]
     if not isinstance(gpus, int) or gpus < 1:
@@ -891,8 +981,8 @@ def port_range(w: Workload) -> tuple[int, int] | None:
 
 
 def _is_dns_peer(peer: dict) -> bool:
-    ns = ((peer.get("namespaceSelector") or {}).get("matchLabels") or {})
-    pods = ((peer.get("podSelector") or {}).get("matchLabels") or {})
+    ns = (peer.get("namespaceSelector") or {}).get("matchLabels") or {}
+    pods = (peer.get("podSelector") or {}).get("matchLabels") or {}
     return ns == {"kubernetes.io/metadata.name": "kube-system"} and pods == {"k8s-app": "kube-dns"}
 
 
@@ -903,18 +993,26 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
     ephemeral range; egress only to the job's pods (same ports), the store's client port and DNS;
     with an etcd rendezvous the store's pods are isolated the same way."""
     errors = []
-    pdbs = [p for p in of_kind(resources, "PodDisruptionBudget") if _selects((p.get("spec") or {}).get("selector"), w.pod_labels)]
+    pdbs = [
+        p
+        for p in of_kind(resources, "PodDisruptionBudget")
+        if _selects((p.get("spec") or {}).get("selector"), w.pod_labels)
+    ]
     if not pdbs:
         errors.append("no PodDisruptionBudget in the rendering selects the job's pods")
     nps = of_kind(resources, "NetworkPolicy")
     job_nps = [n for n in nps if _selects((n.get("spec") or {}).get("podSelector"), w.pod_labels)]
     if not job_nps:
-        errors.append(f"no NetworkPolicy in the rendering selects the job's pods ({w.pod_labels}): "
-                      f"{[name(n) for n in nps] or 'none at all'}")
+        errors.append(
+            f"no NetworkPolicy in the rendering selects the job's pods ({w.pod_labels}): "
+            f"{[name(n) for n in nps] or 'none at all'}"
+        )
     port = int(w.endpoint.rpartition(":")[2]) if w.endpoint and w.endpoint.rpartition(":")[2].isdigit() else None
     job_label = JOB_NAME_LABELS[w.kind]
-    store_labels = [((t.get("metadata") or {}).get("labels") or {}) for _, t in
-                    [x for svc in of_kind(resources, "Service") for x in store_pods(resources, svc)]]
+    store_labels = [
+        ((t.get("metadata") or {}).get("labels") or {})
+        for _, t in [x for svc in of_kind(resources, "Service") for x in store_pods(resources, svc)]
+    ]
     for np_ in nps:
         spec = np_.get("spec") or {}
         selected = spec.get("podSelector") or {}
@@ -927,45 +1025,66 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
             if not peers:
                 errors.append(f"NetworkPolicy/{name(np_)}: an ingress rule without `from` admits every source")
             for peer in peers:
-                ok = set(peer) == {"podSelector"} and (_selects(peer["podSelector"], w.pod_labels)
-                                                        or _selects(peer["podSelector"], own))
+                ok = set(peer) == {"podSelector"} and (
+                    _selects(peer["podSelector"], w.pod_labels) or _selects(peer["podSelector"], own)
+                )
                 if not ok:
                     errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} is not (only) the job's own pods")
-                elif _selects(peer["podSelector"], w.pod_labels) and \
-                        (peer["podSelector"].get("matchLabels") or {}).get(job_label) != w.name:
-                    errors.append(f"NetworkPolicy/{name(np_)}: ingress peer {peer} admits the trainer pods by component "
-                                  f"labels alone; add {job_label}: {w.name} (set by the controller, unique to this job)")
+                elif (
+                    _selects(peer["podSelector"], w.pod_labels)
+                    and (peer["podSelector"].get("matchLabels") or {}).get(job_label) != w.name
+                ):
+                    errors.append(
+                        f"NetworkPolicy/{name(np_)}: ingress peer {peer} admits the trainer pods by component "
+                        f"labels alone; add {job_label}: {w.name} (set by the controller, unique to this job)"
+                    )
         for rule in spec.get("egress") or []:
             peers = rule.get("to") or []
             if not peers:
                 errors.append(f"NetworkPolicy/{name(np_)}: an egress rule without `to` reaches every destination")
             for peer in peers:
-                ok = _is_dns_peer(peer) or (set(peer) == {"podSelector"} and (
-                    _selects(peer["podSelector"], w.pod_labels) or _selects(peer["podSelector"], own)
-                    or any(_selects(peer["podSelector"], lb) for lb in store_labels)))
+                ok = _is_dns_peer(peer) or (
+                    set(peer) == {"podSelector"}
+                    and (
+                        _selects(peer["podSelector"], w.pod_labels)
+                        or _selects(peer["podSelector"], own)
+                        or any(_selects(peer["podSelector"], lb) for lb in store_labels)
+                    )
+                )
                 if not ok:
-                    errors.append(f"NetworkPolicy/{name(np_)}: egress peer {peer} is neither the job's pods, the "
-                                  f"rendezvous store nor DNS")
-        if not any(_is_dns_peer(p) and {"protocol": "UDP", "port": 53} in (r.get("ports") or [])
-                   for r in spec.get("egress") or [] for p in r.get("to") or []):
-            errors.append(f"NetworkPolicy/{name(np_)}: no egress to DNS (kube-dns, UDP 53): the pods could not "
-                          f"resolve the rendezvous endpoint")
+                    errors.append(
+                        f"NetworkPolicy/{name(np_)}: egress peer {peer} is neither the job's pods, the "
+                        f"rendezvous store nor DNS"
+                    )
+        if not any(
+            _is_dns_peer(p) and {"protocol": "UDP", "port": 53} in (r.get("ports") or [])
+            for r in spec.get("egress") or []
+            for p in r.get("to") or []
+        ):
+            errors.append(
+                f"NetworkPolicy/{name(np_)}: no egress to DNS (kube-dns, UDP 53): the pods could not "
+                f"resolve the rendezvous endpoint"
+            )
     span = port_range(w)
     if span is None:
         errors.append(f"{w.kind}/{w.name}: sysctl {PORT_RANGE_SYSCTL} is not two port numbers")
     for np_ in job_nps:
         spec = np_["spec"]
         if (spec.get("podSelector", {}).get("matchLabels") or {}).get(job_label) != w.name:
-            errors.append(f"NetworkPolicy/{name(np_)}: podSelector lacks {job_label}: {w.name}, the label the "
-                          f"controller sets on this job's pods (component labels alone match other jobs' pods)")
+            errors.append(
+                f"NetworkPolicy/{name(np_)}: podSelector lacks {job_label}: {w.name}, the label the "
+                f"controller sets on this job's pods (component labels alone match other jobs' pods)"
+            )
         for way, rules, key in (("ingress from", spec.get("ingress"), "from"), ("egress to", spec.get("egress"), "to")):
             open_ports = _rules_ports(rules or [], key, w.pod_labels)
             if w.inner == "c10d" and port is not None and not _covers(open_ports, port, port):
                 errors.append(f"NetworkPolicy/{name(np_)}: the rendezvous port {port} is not open {way} the job's pods")
             if span is not None and not _covers(open_ports, *span):
-                errors.append(f"NetworkPolicy/{name(np_)}: the pods' ephemeral range {span[0]}-{span[1]} "
-                              f"({PORT_RANGE_SYSCTL}: store on MASTER_PORT, gloo/NCCL sockets) is not open {way} "
-                              f"the job's pods")
+                errors.append(
+                    f"NetworkPolicy/{name(np_)}: the pods' ephemeral range {span[0]}-{span[1]} "
+                    f"({PORT_RANGE_SYSCTL}: store on MASTER_PORT, gloo/NCCL sockets) is not open {way} "
+                    f"the job's pods"
+                )
     if w.inner.startswith("etcd-") and port is not None and w.endpoint:
         svc_name = w.endpoint.rpartition(":")[0].split(".")[0]
         for svc in [s for s in of_kind(resources, "Service") if name(s) == svc_name]:
@@ -973,21 +1092,35 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
                 labels = (tmpl.get("metadata") or {}).get("labels") or {}
                 store_nps = [n for n in nps if _selects((n.get("spec") or {}).get("podSelector"), labels)]
                 if not store_nps:
-                    errors.append(f"{res['kind']}/{name(res)}: no NetworkPolicy isolates the rendezvous store's pods "
-                                  f"(anyone in the cluster could write the rendezvous state)")
+                    errors.append(
+                        f"{res['kind']}/{name(res)}: no NetworkPolicy isolates the rendezvous store's pods "
+                        f"(anyone in the cluster could write the rendezvous state)"
+                    )
                 elif not any(lo <= port <= hi for n in store_nps for lo, hi in _admitted(n["spec"], w.pod_labels)):
-                    errors.append(f"{res['kind']}/{name(res)}: the store's client port {port} is not open to the job's pods")
-                if not any(_covers(_rules_ports(n["spec"].get("egress") or [], "to", labels), port, port)
-                           for n in job_nps):
-                    errors.append(f"NetworkPolicy/elastic-emb: no egress from the job's pods to the store's client "
-                                  f"port {port}")
+                    errors.append(
+                        f"{res['kind']}/{name(res)}: the store's client port {port} is not open to the job's pods"
+                    )
+                if not any(
+                    _covers(_rules_ports(n["spec"].get("egress") or [], "to", labels), port, port) for n in job_nps
+                ):
+                    errors.append(
+                        f"NetworkPolicy/elastic-emb: no egress from the job's pods to the store's client port {port}"
+                    )
     return errors
 
 
 # What each inner backend accepts in --rdzv-conf, besides elastic_emb's own keys: torch's dynamic
 # rendezvous keys, then the backend's (torch's c10d and etcd-v2 create_backend; etcd_v3.CONF_KEYS).
-TORCH_DYNAMIC_KEYS = frozenset({"join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                                "keep_alive_interval", "keep_alive_max_attempt"})
+TORCH_DYNAMIC_KEYS = frozenset(
+    {
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+    }
+)
 BACKEND_KEYS = {
     "c10d": frozenset({"read_timeout", "is_host", "store_type", "timeout"}),
     "etcd-v2": frozenset({"read_timeout", "protocol", "ssl_cert", "ssl_cert_key", "ca_cert"}),
@@ -1010,8 +1143,11 @@ def rule_rdzv_conf(resources: list[dict], w: Workload) -> list[str]:
     from elastic_emb.rdzv.conf import ListenerConfig
 
     keys = accepted_conf_keys(w.inner)
-    errors = [f"{w.kind}/{w.name}: --rdzv-conf key {k!r} is not one inner={w.inner} accepts (have {sorted(keys)})"
-              for k in w.rdzv_conf if k not in keys]
+    errors = [
+        f"{w.kind}/{w.name}: --rdzv-conf key {k!r} is not one inner={w.inner} accepts (have {sorted(keys)})"
+        for k in w.rdzv_conf
+        if k not in keys
+    ]
     if errors:
         return errors
     try:
@@ -1037,30 +1173,39 @@ def rule_completion(resources: list[dict], w: Workload) -> list[str]:
         spec = next(j for j in of_kind(resources, "Job"))["spec"]
         rules = (spec.get("successPolicy") or {}).get("rules") or []
         if not any(r.get("succeededCount") == 1 and "succeededIndexes" not in r for r in rules):
-            errors.append(f"Job/{w.name}: no successPolicy rule `succeededCount: 1` (any index): with completions="
-                          f"{spec.get('completions')} a run that ends on fewer pods never completes (the other "
-                          f"indexes stay Pending)")
+            errors.append(
+                f"Job/{w.name}: no successPolicy rule `succeededCount: 1` (any index): with completions="
+                f"{spec.get('completions')} a run that ends on fewer pods never completes (the other "
+                f"indexes stay Pending)"
+            )
         restart = (w.pod_template.get("spec") or {}).get("restartPolicy")
         limit = spec.get("backoffLimit", 6)
         if restart == "OnFailure":
             if spec.get("podFailurePolicy") or spec.get("backoffLimitPerIndex") is not None:
                 errors.append(f"Job/{w.name}: podFailurePolicy/backoffLimitPerIndex need restartPolicy Never")
             if not isinstance(limit, int) or limit < need:
-                errors.append(f"Job/{w.name}: backoffLimit={limit!r} counts every agent restart under OnFailure; one "
-                              f"incident can restart all {w.max_nodes} agents, so it must be >= {INCIDENTS} x "
-                              f"maxNodes = {need} (params.restartBudget)")
+                errors.append(
+                    f"Job/{w.name}: backoffLimit={limit!r} counts every agent restart under OnFailure; one "
+                    f"incident can restart all {w.max_nodes} agents, so it must be >= {INCIDENTS} x "
+                    f"maxNodes = {need} (params.restartBudget)"
+                )
     else:
         job = next(j for j in of_kind(resources, "PyTorchJob"))
         run = job["spec"].get("runPolicy") or {}
         worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
         limit = run.get("backoffLimit")
         if worker.get("restartPolicy") in ("OnFailure", "Always", "ExitCode") and (
-                not isinstance(limit, int) or limit < need):
-            errors.append(f"PyTorchJob/{w.name}: runPolicy.backoffLimit={limit!r} counts every agent restart; it must "
-                          f"be >= {INCIDENTS} x maxNodes = {need} (params.restartBudget)")
+            not isinstance(limit, int) or limit < need
+        ):
+            errors.append(
+                f"PyTorchJob/{w.name}: runPolicy.backoffLimit={limit!r} counts every agent restart; it must "
+                f"be >= {INCIDENTS} x maxNodes = {need} (params.restartBudget)"
+            )
         if run.get("cleanPodPolicy") not in ("Running", "All"):
-            errors.append(f"PyTorchJob/{w.name}: runPolicy.cleanPodPolicy={run.get('cleanPodPolicy')!r} leaves the "
-                          f"pods still Pending or running once the job has finished: use Running")
+            errors.append(
+                f"PyTorchJob/{w.name}: runPolicy.cleanPodPolicy={run.get('cleanPodPolicy')!r} leaves the "
+                f"pods still Pending or running once the job has finished: use Running"
+            )
     return errors
 
 
@@ -1089,34 +1234,57 @@ def rule_store(resources: list[dict], w: Workload) -> list[str]:
         sname, replicas = name(sts), spec.get("replicas", 1)
         argv = list(etcd.get("command") or []) + list(etcd.get("args") or [])
         if not isinstance(replicas, int) or replicas < 3 or replicas % 2 == 0:
-            errors.append(f"StatefulSet/{sname}: replicas={replicas!r}: the store needs an odd number >= 3 of members "
-                          f"so that losing one node keeps a quorum (the single-member variant cannot survive it)")
+            errors.append(
+                f"StatefulSet/{sname}: replicas={replicas!r}: the store needs an odd number >= 3 of members "
+                f"so that losing one node keeps a quorum (the single-member variant cannot survive it)"
+            )
         cluster = _flag(argv, "--initial-cluster") or ""
         members = [m.partition("=") for m in cluster.split(",") if m]
         svc = spec.get("serviceName")
-        want = [(f"{sname}-{i}", f"http://{sname}-{i}.{svc}:2380") for i in range(replicas if isinstance(replicas, int) else 0)]
+        want = [
+            (f"{sname}-{i}", f"http://{sname}-{i}.{svc}:2380")
+            for i in range(replicas if isinstance(replicas, int) else 0)
+        ]
         if [(n, u) for n, _, u in members] != want:
-            errors.append(f"StatefulSet/{sname}: --initial-cluster={cluster!r} must name exactly its {replicas} pods "
-                          f"{[n for n, _ in want]} at their stable peer URLs under Service {svc!r}")
+            errors.append(
+                f"StatefulSet/{sname}: --initial-cluster={cluster!r} must name exactly its {replicas} pods "
+                f"{[n for n, _ in want]} at their stable peer URLs under Service {svc!r}"
+            )
         headless = [s for s in of_kind(resources, "Service") if name(s) == svc]
-        if not headless or (headless[0].get("spec") or {}).get("clusterIP") != "None" or \
-                not (headless[0].get("spec") or {}).get("publishNotReadyAddresses"):
-            errors.append(f"StatefulSet/{sname}: serviceName {svc!r} must be a headless Service with "
-                          f"publishNotReadyAddresses (members resolve each other before any is ready)")
+        if (
+            not headless
+            or (headless[0].get("spec") or {}).get("clusterIP") != "None"
+            or not (headless[0].get("spec") or {}).get("publishNotReadyAddresses")
+        ):
+            errors.append(
+                f"StatefulSet/{sname}: serviceName {svc!r} must be a headless Service with "
+                f"publishNotReadyAddresses (members resolve each other before any is ready)"
+            )
         if replicas != 1 and spec.get("podManagementPolicy") != "Parallel":
-            errors.append(f"StatefulSet/{sname}: podManagementPolicy must be Parallel: no member is ready before a "
-                          f"quorum exists, so an ordered start waits forever")
-        anti = (((tmpl.get("spec") or {}).get("affinity") or {}).get("podAntiAffinity") or {})
+            errors.append(
+                f"StatefulSet/{sname}: podManagementPolicy must be Parallel: no member is ready before a "
+                f"quorum exists, so an ordered start waits forever"
+            )
+        anti = ((tmpl.get("spec") or {}).get("affinity") or {}).get("podAntiAffinity") or {}
         labels = (tmpl.get("metadata") or {}).get("labels") or {}
-        if not any(t.get("topologyKey") == "kubernetes.io/hostname" and _selects(t.get("labelSelector"), labels)
-                   for t in anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []):
-            errors.append(f"StatefulSet/{sname}: no required podAntiAffinity on kubernetes.io/hostname: two members on "
-                          f"one node would both be lost with it")
+        if not any(
+            t.get("topologyKey") == "kubernetes.io/hostname" and _selects(t.get("labelSelector"), labels)
+            for t in anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []
+        ):
+            errors.append(
+                f"StatefulSet/{sname}: no required podAntiAffinity on kubernetes.io/hostname: two members on "
+                f"one node would both be lost with it"
+            )
         if _flag(argv, "--auto-compaction-retention") is None:
-            errors.append(f"StatefulSet/{sname}: no --auto-compaction-retention: every heartbeat writes a revision "
-                          f"and the uncompacted history fills etcd's quota")
-        pdbs = [p for p in of_kind(resources, "PodDisruptionBudget")
-                if _selects((p.get("spec") or {}).get("selector"), labels)]
+            errors.append(
+                f"StatefulSet/{sname}: no --auto-compaction-retention: every heartbeat writes a revision "
+                f"and the uncompacted history fills etcd's quota"
+            )
+        pdbs = [
+            p
+            for p in of_kind(resources, "PodDisruptionBudget")
+            if _selects((p.get("spec") or {}).get("selector"), labels)
+        ]
         if len(pdbs) != 1:
             errors.append(f"StatefulSet/{sname}: {len(pdbs)} PodDisruptionBudgets select its pods, want 1")
             continue
@@ -1127,11 +1295,15 @@ def rule_store(resources: list[dict], w: Workload) -> list[str]:
         else:
             allowed = replicas - pspec.get("minAvailable", replicas) if isinstance(replicas, int) else 0
         if not isinstance(allowed, int) or allowed < 1:
-            errors.append(f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed!r} disruptions of the store: a "
-                          f"`kubectl drain` of a member's node would block forever (use maxUnavailable: 1)")
+            errors.append(
+                f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed!r} disruptions of the store: a "
+                f"`kubectl drain` of a member's node would block forever (use maxUnavailable: 1)"
+            )
         elif isinstance(replicas, int) and replicas - allowed < quorum:
-            errors.append(f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed} of {replicas} members down at once, "
-                          f"below the quorum of {quorum}")
+            errors.append(
+                f"PodDisruptionBudget/{name(pdbs[0])}: allows {allowed} of {replicas} members down at once, "
+                f"below the quorum of {quorum}"
+            )
     return errors
 
 
@@ -1147,8 +1319,10 @@ def rule_secret(resources: list[dict], w: Workload) -> list[str]:
     if "value" in entries[-1] or not ref.get("name") or not ref.get("key"):
         return [f"{where}: ELASTIC_EMB_JOB_SECRET must come from a secretKeyRef (name and key), not a literal value"]
     if ref.get("optional"):
-        return [f"{where}: ELASTIC_EMB_JOB_SECRET's secretKeyRef must not be optional: a missing Secret would "
-                f"start the job unsigned"]
+        return [
+            f"{where}: ELASTIC_EMB_JOB_SECRET's secretKeyRef must not be optional: a missing Secret would "
+            f"start the job unsigned"
+        ]
     return []
 
 
@@ -1178,6 +1352,7 @@ def wiring_errors(resources: list[dict], only: str | None = None) -> list[str]:
 
 def hadolint(dockerfile: Path, config: Path = REPO / ".hadolint.yaml", timeout: float = 60.0) -> tuple[int, str]:
     exe = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
-    proc = subprocess.run([exe, "--no-color", "--config", str(config), str(dockerfile)],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [exe, "--no-color", "--config", str(config), str(dockerfile)], capture_output=True, text=True, timeout=timeout
+    )
     return proc.returncode, proc.stdout + proc.stderr

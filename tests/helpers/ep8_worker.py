@@ -60,9 +60,14 @@ def layout_env(layout: list[str], rank: int, port: int, gen: int, ep_size: int |
     node = node_of(layout[rank])
     members = [r for r, p in enumerate(layout) if node_of(p) == node]
     env = {
-        "RANK": rank, "WORLD_SIZE": len(layout), "LOCAL_RANK": members.index(rank),
-        "LOCAL_WORLD_SIZE": len(members), "GROUP_RANK": nodes.index(node), "GROUP_WORLD_SIZE": len(nodes),
-        "ELASTIC_EMB_GENERATION": gen, "MASTER_PORT": port,
+        "RANK": rank,
+        "WORLD_SIZE": len(layout),
+        "LOCAL_RANK": members.index(rank),
+        "LOCAL_WORLD_SIZE": len(members),
+        "GROUP_RANK": nodes.index(node),
+        "GROUP_WORLD_SIZE": len(nodes),
+        "ELASTIC_EMB_GENERATION": gen,
+        "MASTER_PORT": port,
     }
     if ep_size is not None:
         env["ELASTIC_EMB_EP_SIZE"] = ep_size
@@ -89,15 +94,15 @@ def _half_step(ctx, step: int, leaver: bool) -> str | None:
     names = list(ctx.tables)
     first, spec = names[0], ctx.tables[names[0]]
     ids, g = lw.global_batch(step, spec.num_rows)
-    mine = ids[t.rank:: t.world_size]
+    mine = ids[t.rank :: t.world_size]
     ctx.lookup(first, mine).wait(timeout=60)
-    ctx.apply_gradients(first, mine, g[t.rank:: t.world_size][:, None].expand(-1, spec.dim).contiguous())
+    ctx.apply_gradients(first, mine, g[t.rank :: t.world_size][:, None].expand(-1, spec.dim).contiguous())
     if leaver:
         return None
     second = ctx.tables[names[1]]
     ids2, _ = lw.global_batch(step, second.num_rows)
     try:
-        ctx.lookup(names[1], ids2[t.rank:: t.world_size]).wait(timeout=60)
+        ctx.lookup(names[1], ids2[t.rank :: t.world_size]).wait(timeout=60)
     except Exception as exc:  # expected: a peer was SIGKILLed inside this collective
         return type(exc).__name__
     raise AssertionError(f"rank {t.rank}: lookup of {names[1]!r} at step {step} succeeded with its peers SIGKILLed")

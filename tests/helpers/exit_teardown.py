@@ -36,8 +36,20 @@ def comm(interruptible: bool, timeout: float):
     from elastic_emb.state.comm import Comm
     from elastic_emb.topology import Topology
 
-    topo = Topology(run_id="exit", generation=1, rank=0, world_size=2, local_rank=0, local_world_size=1,
-                    node_rank=0, num_nodes=2, ep_size=2, backend="gloo", master_addr="127.0.0.1", master_port=port)
+    topo = Topology(
+        run_id="exit",
+        generation=1,
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=2,
+        ep_size=2,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     return Comm(topo, store, object(), timeout=timeout, purpose="commit", interruptible=interruptible)
 
 

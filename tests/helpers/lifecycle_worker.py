@@ -43,8 +43,9 @@ class MiniContext(ContextBase):
     """A minimal ShardedContext in plain torch: float64 tensors, a private gloo group, strict
     reset, shard views. It passes the conformance suite (tests/test_conformance.py)."""
 
-    def __init__(self, topology: Topology, store, *, tables, calls_file: str | None = None,
-                 timeout: float = 60.0) -> None:
+    def __init__(
+        self, topology: Topology, store, *, tables, calls_file: str | None = None, timeout: float = 60.0
+    ) -> None:
         self.topology = topology
         self.tables = {t.name: t for t in tables}
         self._store = store
@@ -122,8 +123,10 @@ class MiniContext(ContextBase):
         for n, s in shards.items():
             rr, w, a = self._rows[n]
             if s.rows != rr or s.weight.shape != w.shape or set(s.slots) != {"accumulator"}:
-                raise ValueError(f"import_shard: table {n!r} shard rows {s.rows} (shape {tuple(s.weight.shape)}) "
-                                 f"!= owned {rr} (shape {tuple(w.shape)})")
+                raise ValueError(
+                    f"import_shard: table {n!r} shard rows {s.rows} (shape {tuple(s.weight.shape)}) "
+                    f"!= owned {rr} (shape {tuple(w.shape)})"
+                )
         for n, s in shards.items():
             rr, w, a = self._rows[n]
             w.copy_(s.weight)
@@ -165,9 +168,9 @@ def train_step(ctx, step: int) -> None:
     dev = getattr(ctx, "device", torch.device("cpu"))
     for name, spec in ctx.tables.items():
         ids, g = global_batch(step, spec.num_rows)
-        mine = ids[t.rank:: t.world_size].to(dev)
+        mine = ids[t.rank :: t.world_size].to(dev)
         ctx.lookup(name, mine).wait(timeout=60)
-        grads = g[t.rank:: t.world_size][:, None].expand(-1, spec.dim).contiguous().to(dev)
+        grads = g[t.rank :: t.world_size][:, None].expand(-1, spec.dim).contiguous().to(dev)
         ctx.apply_gradients(name, mine, grads)
 
 
@@ -177,14 +180,21 @@ def integer_start(ctx) -> None:
     for _name, s in shards.items():
         s.weight.copy_(int_init(s.rows, s.weight.shape[1], s.weight.dtype))
         for _k, v in s.slots.items():
-            v.copy_((torch.arange(s.rows.start, s.rows.stop) % 3).to(v.dtype).reshape(-1, *([1] * (v.dim() - 1))).expand_as(v))
+            v.copy_(
+                (torch.arange(s.rows.start, s.rows.stop) % 3)
+                .to(v.dtype)
+                .reshape(-1, *([1] * (v.dim() - 1)))
+                .expand_as(v)
+            )
     ctx.import_shard(shards)
 
 
 def dump(ctx, out: str, phase: str) -> None:
     t = ctx.topology
-    data = {n: (s.rows.start, s.rows.stop, s.weight.cpu(), {k: v.cpu() for k, v in s.slots.items()})
-            for n, s in ctx.export_shard().items()}
+    data = {
+        n: (s.rows.start, s.rows.stop, s.weight.cpu(), {k: v.cpu() for k, v in s.slots.items()})
+        for n, s in ctx.export_shard().items()
+    }
     torch.save(data, os.path.join(out, f"{phase}-g{t.generation}-r{t.rank}.pt"))
 
 
@@ -262,8 +272,12 @@ def main() -> None:
             lc.wait_commit()
             result["interrupted"] = {"error": None, "seconds": time.monotonic() - t0}
         except Exception as exc:
-            result["interrupted"] = {"error": type(exc).__name__, "message": str(exc)[:300],
-                                     "seconds": time.monotonic() - t0, "committed": lc.committed_step}
+            result["interrupted"] = {
+                "error": type(exc).__name__,
+                "message": str(exc)[:300],
+                "seconds": time.monotonic() - t0,
+                "committed": lc.committed_step,
+            }
         timer.join()
     resize = spec.get("resize")
     if resize is not None:

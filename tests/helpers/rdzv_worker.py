@@ -56,8 +56,18 @@ def log(record: dict) -> None:
 def log_watch_events(watcher, gen: int, rank: int) -> None:
     if watcher is not None:
         for e in watcher.events():
-            log({"ev": "membership", "gen": gen, "rank": rank, "kind": e.kind, "nodes": list(e.nodes),
-                 "state_round": e.state_round, "watch_round": e.round, "watch_node": watcher.node})
+            log(
+                {
+                    "ev": "membership",
+                    "gen": gen,
+                    "rank": rank,
+                    "kind": e.kind,
+                    "nodes": list(e.nodes),
+                    "state_round": e.state_round,
+                    "watch_round": e.round,
+                    "watch_node": watcher.node,
+                }
+            )
 
 
 def look_once_more_on_sigterm(watcher, gen: int, rank: int) -> None:
@@ -107,7 +117,10 @@ def main() -> int:
     store = worker_store(topo, timeout=30.0)
     topo = agree(topo, store, timeout=30.0)
     dist.init_process_group(
-        "gloo", store=generation_store(store, topo, "pg"), rank=topo.rank, world_size=topo.world_size,
+        "gloo",
+        store=generation_store(store, topo, "pg"),
+        rank=topo.rank,
+        world_size=topo.world_size,
         timeout=timedelta(seconds=30),
     )
     watcher = Watcher.from_env()
@@ -118,9 +131,19 @@ def main() -> int:
     t = torch.tensor([last_committed()], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step = int(t.item()) + 1
-    log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": step,
-         "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
-         "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid()})
+    log(
+        {
+            "ev": "ready",
+            "gen": topo.generation,
+            "rank": topo.rank,
+            "ws": topo.world_size,
+            "resume": step,
+            "boot_s": time.time() - t_start,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+            "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"),
+            "agent_pid": os.getppid(),
+        }
+    )
     while step <= MAX_STEPS:
         if watcher is not None and watcher.evicted:
             log({"ev": "evicted", "gen": topo.generation, "rank": topo.rank})
@@ -262,10 +285,22 @@ def main_lifecycle() -> int:
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
     rows_ok = rows_match(shard, lc.step)
-    log({"ev": "ready", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "resume": lc.next_step,
-         "boot_s": time.time() - t_start, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
-         "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"), "agent_pid": os.getppid(), "rows_ok": rows_ok,
-         "rows": [shard.rows.start, shard.rows.stop], "joined": joined})
+    log(
+        {
+            "ev": "ready",
+            "gen": topo.generation,
+            "rank": topo.rank,
+            "ws": topo.world_size,
+            "resume": lc.next_step,
+            "boot_s": time.time() - t_start,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+            "node": os.environ.get("ELASTIC_EMB_RDZV_NODE"),
+            "agent_pid": os.getppid(),
+            "rows_ok": rows_ok,
+            "rows": [shard.rows.start, shard.rows.stop],
+            "joined": joined,
+        }
+    )
     if not rows_ok:
         raise RuntimeError(f"rank {topo.rank}: restored rows of step {lc.step} differ from the step-by-step replay")
 
@@ -281,9 +316,20 @@ def main_lifecycle() -> int:
         # the arena's own rows (restored in place), not a copy: the check is not part of the pause
         got = (lc.context.shard_views() if lc.step >= 0 else lc.context.export_shard())["t"]
         ok = rows_match(got, lc.step)
-        log({"ev": "reformed", "gen": t.generation, "rank": t.rank, "ws": t.world_size, "resume": lc.next_step,
-             "rows_ok": ok, "rows": [got.rows.start, got.rows.stop], "failed": failed,
-             "tiers": event.source_tiers, "total_s": event.total_s})
+        log(
+            {
+                "ev": "reformed",
+                "gen": t.generation,
+                "rank": t.rank,
+                "ws": t.world_size,
+                "resume": lc.next_step,
+                "rows_ok": ok,
+                "rows": [got.rows.start, got.rows.stop],
+                "failed": failed,
+                "tiers": event.source_tiers,
+                "total_s": event.total_s,
+            }
+        )
         if not ok:
             raise RuntimeError(f"rank {t.rank}: rows after the in-process resize differ from step {lc.step}")
         first_step_due[0] = True
@@ -301,8 +347,15 @@ def main_lifecycle() -> int:
             lc.commit(step)
         except Exception as exc:
             if resizer.enabled:
-                log({"ev": "collective_failed", "gen": topo.generation, "rank": topo.rank, "step": step,
-                     "error": f"{type(exc).__name__}: {exc}"[:300]})
+                log(
+                    {
+                        "ev": "collective_failed",
+                        "gen": topo.generation,
+                        "rank": topo.rank,
+                        "step": step,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                )
                 topo = reform(failed=True)
                 continue
             # A peer vanished mid-collective. If the membership changed, the agent is about to
@@ -312,13 +365,28 @@ def main_lifecycle() -> int:
                 time.sleep(30)
             raise
         # committed: the newest complete commit (this step's may still be in flight, async commits)
-        log({"ev": "commit", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step,
-             "committed": lc.committed_step})
+        log(
+            {
+                "ev": "commit",
+                "gen": topo.generation,
+                "rank": topo.rank,
+                "ws": topo.world_size,
+                "step": step,
+                "committed": lc.committed_step,
+            }
+        )
         if first_step_due[0]:
             first_step_due[0] = False
             ev = lc.events[-1].model_dump()
-            log({"ev": "resize_event", "gen": topo.generation, "rank": topo.rank, "event_pid": ev["pid"],
-                 **{k: v for k, v in ev.items() if k not in ("shard_tiers", "rank", "pid")}})
+            log(
+                {
+                    "ev": "resize_event",
+                    "gen": topo.generation,
+                    "rank": topo.rank,
+                    "event_pid": ev["pid"],
+                    **{k: v for k, v in ev.items() if k not in ("shard_tiers", "rank", "pid")},
+                }
+            )
         if lc.draining:
             log({"ev": "drained", "gen": topo.generation, "rank": topo.rank, "step": step})
             if lc.wait_for_restart(60):

@@ -43,18 +43,32 @@ def build(topology, env, device, tables=TABLES, dense: bool = False, planned: di
     from torchrec.distributed.types import ShardingPlan
 
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=t["name"], embedding_dim=t["dim"], num_embeddings=t["num_rows"],
-                                   feature_names=[f"f_{t['name']}"]) for t in tables],
-        device=torch.device("meta"))
+        tables=[
+            EmbeddingBagConfig(
+                name=t["name"], embedding_dim=t["dim"], num_embeddings=t["num_rows"], feature_names=[f"f_{t['name']}"]
+            )
+            for t in tables
+        ],
+        device=torch.device("meta"),
+    )
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8})
-    kinds = {"row_wise": lambda: row_wise(compute_kernel="fused"), "table_wise": lambda: table_wise(rank=0),
-             "dense_kernel": lambda: row_wise(compute_kernel="dense")}
-    plan = construct_module_sharding_plan(ebc, {t["name"]: kinds[(planned or {}).get(t["name"], "row_wise")]()
-                                                for t in tables},
-                                          world_size=topology.world_size, device_type=device.type, sharder=sharder)
-    return DistributedModelParallel(Pooled(ebc, dense), env=env, device=device, plan=ShardingPlan({"ebc": plan}),
-                                    sharders=[sharder])
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}
+    )
+    kinds = {
+        "row_wise": lambda: row_wise(compute_kernel="fused"),
+        "table_wise": lambda: table_wise(rank=0),
+        "dense_kernel": lambda: row_wise(compute_kernel="dense"),
+    }
+    plan = construct_module_sharding_plan(
+        ebc,
+        {t["name"]: kinds[(planned or {}).get(t["name"], "row_wise")]() for t in tables},
+        world_size=topology.world_size,
+        device_type=device.type,
+        sharder=sharder,
+    )
+    return DistributedModelParallel(
+        Pooled(ebc, dense), env=env, device=device, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+    )
 
 
 def factory(spec: dict | None = None, **kw):
@@ -63,8 +77,9 @@ def factory(spec: dict | None = None, **kw):
     from elastic_emb.adapters.torchrec import TorchRecContext
 
     set_gradient_division(False)
-    return functools.partial(TorchRecContext, build=functools.partial(build, dense=kw.get("dense", False)),
-                             timeout=kw.get("timeout", 60.0))
+    return functools.partial(
+        TorchRecContext, build=functools.partial(build, dense=kw.get("dense", False)), timeout=kw.get("timeout", 60.0)
+    )
 
 
 def global_batch(step: int, tables=TABLES):
@@ -88,9 +103,10 @@ def train_step(ctx, step: int, tables=TABLES) -> None:
     for length, ids in global_batch(step, tables):
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
         lengths.append(length[lo:hi])
-        values.append(ids[offsets[lo]: offsets[hi]])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{x['name']}" for x in tables], values=torch.cat(values),
-                                              lengths=torch.cat(lengths))
+        values.append(ids[offsets[lo] : offsets[hi]])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{x['name']}" for x in tables], values=torch.cat(values), lengths=torch.cat(lengths)
+    )
     dim = sum(x["dim"] for x in tables)
     samples = torch.arange(lo, hi)[:, None]
     cols = torch.arange(dim)[None, :]
@@ -132,7 +148,8 @@ def write_rows(ctx, table: str, ids) -> None:
         n = len(ids) if name == table else 0
         lengths.append(torch.tensor([1] * n + [0] * (per - n), dtype=torch.int64))
         values.append(torch.as_tensor(ids, dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64))
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t}" for t in tables], values=torch.cat(values),
-                                              lengths=torch.cat(lengths))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{t}" for t in tables], values=torch.cat(values), lengths=torch.cat(lengths)
+    )
     with ctx.guard():
         ctx.model(kjt.to(ctx.device)).sum().backward()

@@ -67,19 +67,26 @@ def build_and_run_demo(tmp: Path) -> WheelDemo:
     py = venv / "bin" / "python"
     site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     (site / "suite-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
-         timeout=300)
-    where = _run([str(py), "-c", "import elastic_emb, elastic_emb.examples as e; print(elastic_emb.__file__); "
-                                 "print(e.RECSYS)"]).stdout.split()
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        timeout=300,
+    )
+    where = _run(
+        [str(py), "-c", "import elastic_emb, elastic_emb.examples as e; print(elastic_emb.__file__); print(e.RECSYS)"]
+    ).stdout.split()
     cli = venv / "bin" / "elastic-emb"
     example_path = _run([str(cli), "example-path"]).stdout.strip()
 
     # 3. the demo, from a directory that is neither the checkout nor the venv
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k != "PYTHONPATH" and not k.startswith(("ELASTIC_EMB_", "TORCHELASTIC_", "PET_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTHONPATH" and not k.startswith(("ELASTIC_EMB_", "TORCHELASTIC_", "PET_"))
+    }
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
-    r = subprocess.run([str(cli), "demo", "--progress", "lines"], cwd=elsewhere, env=env, capture_output=True,
-                       text=True, timeout=500)
+    r = subprocess.run(
+        [str(cli), "demo", "--progress", "lines"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=500
+    )
     return WheelDemo(wheel, venv, where, example_path, elsewhere, r.returncode, r.stdout + r.stderr)
