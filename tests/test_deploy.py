@@ -1,11 +1,11 @@
 """The Kubernetes templates, the Dockerfile and the preStop drain, checked offline.
 
-Every manifest of deploy/ is rendered with ``kubectl kustomize`` and must pass: strict core
-schemas for every supported Kubernetes version, our PyTorchJob schema plus the training
-operator's admission rules (cross-checked against the operator's own API types, from its SDK on
-PyPI), and the wiring rules of tests/deploy_rules.py. Each rule also gets a planted error that
-must make it fail, so no rule passes by being unable to fail. The drain hook is run for real:
-torchrun with the elastic_emb backend, two workers running the real Watcher, and the CLI.
+Every manifest of deploy/ is rendered with ``kubectl kustomize`` (as shipped, with components,
+and under a ``namePrefix``) and must pass: strict core schemas for every supported Kubernetes
+version and the fields usable in the minimum one, our PyTorchJob and PodMonitor schemas plus the
+training operator's admission rules, and the wiring rules of tests/helpers/deploy_rules.py. Each
+rule has a planted error that must make it fail. The drain hook and a worker's metrics endpoint
+are run for real.
 """
 
 from __future__ import annotations
@@ -41,16 +41,21 @@ def _need_kubectl() -> None:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every overlay, and the variants a user makes with deploy/components ("overlay+component")."""
+    """Every overlay, the variants a user makes with deploy/components ("overlay+component"), and
+    each of them under a namePrefix of a user's kustomization ("team-a-/overlay+component")."""
     _need_kubectl()
     out = {o: R.render(o) for o in R.OVERLAYS}
     work = tmp_path_factory.mktemp("variants")
     for key in VARIANTS:
         overlay, *components = key.split("+")
         out[key] = R.render_variant(work, overlay, tuple(components))
+    for key in R.OVERLAYS + VARIANTS:
+        overlay, *components = key.split("+")
+        out[PREFIX + "/" + key] = R.render_variant(work, overlay, tuple(components), PREFIX)
     return out
 
 
+PREFIX = "team-a-"
 VARIANTS = (
     "indexed-job+cpu",
     "pytorchjob-etcd+cpu",
@@ -58,7 +63,11 @@ VARIANTS = (
     "pytorchjob-etcd+etcd-v2",
     "indexed-job+no-endport",
     "pytorchjob-etcd+no-endport",
+    "indexed-job+metrics",
+    "pytorchjob+metrics",
+    "indexed-job-etcd+metrics+cpu",
 )
+ALL = R.OVERLAYS + VARIANTS + tuple(PREFIX + "/" + k for k in R.OVERLAYS + VARIANTS)
 
 
 def pick(resources: list[dict], kind: str) -> dict:
@@ -113,15 +122,29 @@ def test_components_do_what_they_say(rendered):
         assert spec["ingress"][0]["ports"] == [{"protocol": "TCP"}] == spec["egress"][0]["ports"]
         assert spec["ingress"][0]["from"] == _np(rendered[v.split("+")[0]])["ingress"][0]["from"]
     for v in ("indexed-job-etcd+etcd-v2", "pytorchjob-etcd+etcd-v2"):
-        assert (
-            "--enable-v2=true"
-            in pick(rendered[v], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"]
-        )
+        etcd = pick(rendered[v], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+        assert "--enable-v2=true" in etcd["command"] and R.etcd_image_version(etcd["image"]) == (3, 5)
+    for v in ("indexed-job-etcd", "pytorchjob-etcd"):  # the v3 path runs etcd 3.6
+        etcd = pick(rendered[v], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+        assert R.etcd_image_version(etcd["image"]) == (3, 6) and "--enable-v2=true" not in etcd["command"]
+    # metrics: off in the overlays; the component turns them on, declares a port per process and
+    # adds the PodMonitor and the scraper's ingress rule.
+    for o in R.OVERLAYS:
+        assert R.metrics_ports(R.workload(rendered[o])) == {} and not R.of_kind(rendered[o], "PodMonitor")
+    for v in ("indexed-job+metrics", "pytorchjob+metrics"):
+        w = R.workload(rendered[v])
+        assert sorted(R.metrics_ports(w)) == list(range(9400, 9409))
+        assert sorted(R.scraped_ports(rendered[v], w)) == list(range(9400, 9409))
+        assert [p["name"] for p in container(w.pod_template)["ports"]][-9:] == ["metrics"] + [
+            f"metrics-w{r}" for r in range(8)
+        ]
+        assert _np(rendered[v])["ingress"][-1]["ports"] == [{"protocol": "TCP", "port": 9400, "endPort": 9408}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_pass_the_schemas_and_the_rules(rendered, variant):
-    assert R.core_schema_errors(rendered[variant], ("1.31.0", R.K8S_VERSIONS[-1])) == []
+    assert R.core_schema_errors(rendered[variant], (R.K8S_MIN, R.K8S_VERSIONS[-1])) == []
+    assert [e for pm in R.of_kind(rendered[variant], "PodMonitor") for e in R.podmonitor_schema_errors(pm)] == []
     assert R.wiring_errors(rendered[variant]) == []
 
 
@@ -141,6 +164,9 @@ def test_params_file_is_the_one_place(tmp_path):
         portRangeStart=40000,
         portRangeEnd=40999,
         restartBudget=175,
+        etcdCpu="2",
+        etcdMemory="3Gi",
+        etcdStorage="20Gi",
     )
     params_file.write_text(yaml.safe_dump(params))
     job = R.render(tree / "pytorchjob")
@@ -163,6 +189,13 @@ def test_params_file_is_the_one_place(tmp_path):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert pick(ij, "PodDisruptionBudget")["spec"]["minAvailable"] == 3
     assert jb["spec"]["backoffLimit"] == 175
+    for res in (job, ij):  # the pods' worker count, for the scrape configuration (a string)
+        assert R.workload(res).pod_meta["annotations"][R.WORKERS_ANNOTATION] == "2"
+    # The etcd members' sizes.
+    sts = pick(R.render(tree / "indexed-job-etcd"), "StatefulSet")["spec"]
+    etcd = sts["template"]["spec"]["containers"][0]["resources"]
+    assert etcd == {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert sts["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
     for res in (job, ij):
         # The pods' ephemeral range and the NetworkPolicy's range both follow the parameters.
         assert R.port_range(R.workload(res)) == (40000, 40999)
@@ -654,6 +687,132 @@ WIRING_PLANTS.update(
 )
 
 
+def _pod_annotations(res):
+    return pod_template(res)["metadata"]["annotations"]
+
+
+def _etcd(res):
+    return pick(res, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+
+
+def _etcd_argv_replace(res, old, new):
+    cmd = _etcd(res)["command"]
+    cmd[:] = [a.replace(old, new) for a in cmd]
+
+
+WIRING_PLANTS.update(
+    {
+        # names: under a namePrefix every reference must still resolve, to this job's resources
+        (PREFIX + "/indexed-job", "endpoint", "literal endpoint"): (
+            lambda r: _job_env(r, "PET_RDZV_ENDPOINT", "elastic-emb-0.elastic-emb:29400"),
+            "pod 0's hostname",
+        ),
+        (PREFIX + "/indexed-job-etcd", "store", "literal member names"): (
+            lambda r: _etcd_argv_replace(r, "$(SET)", "elastic-emb-etcd"),
+            "must name exactly its 3 pods",
+        ),
+        (PREFIX + "/pytorchjob-etcd", "store", "literal peer service"): (
+            lambda r: _etcd_argv_replace(r, "$(POD_NAME).$(PEER_SERVICE)", "$(POD_NAME).elastic-emb-etcd-peer"),
+            "--initial-advertise-peer-urls",
+        ),
+        (PREFIX + "/indexed-job", "references", "secret not the job's"): (
+            lambda r: _secret_entry(r)["valueFrom"]["secretKeyRef"].update(name="elastic-emb-job-secret"),
+            "'team-a-elastic-emb-job-secret'",
+        ),
+        (PREFIX + "/pytorchjob", "references", "selector without the job's name"): (
+            lambda r: pick(r, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(
+                {"app.kubernetes.io/instance": "elastic-emb"}
+            ),
+            "selects no pod",
+        ),
+        ("indexed-job-etcd", "references", "selector by component alone"): (
+            lambda r: _named(r, "PodDisruptionBudget", "elastic-emb-etcd")["spec"]["selector"]["matchLabels"].pop(
+                "app.kubernetes.io/instance"
+            ),
+            "has no label with the job's name",
+        ),
+        ("pytorchjob-etcd", "references", "resource of another instance"): (
+            lambda r: pick(r, "StatefulSet")["metadata"]["labels"].update({"app.kubernetes.io/instance": "other"}),
+            "is not the job's name",
+        ),
+        ("indexed-job-etcd", "references", "annotation names no Service"): (
+            lambda r: _pod_annotations(r).update({"elastic-emb.dev/rdzv-service": "etcd"}),
+            "names no Service",
+        ),
+        ("indexed-job", "references", "subdomain names no Service"): (
+            lambda r: pod_template(r)["spec"].update(subdomain="pods"),
+            "spec.subdomain 'pods' names no Service",
+        ),
+        ("pytorchjob", "references", "pvc not rendered"): (
+            lambda r: pod_template(r)["spec"]["volumes"][2]["persistentVolumeClaim"].update(claimName="ckpt"),
+            "PersistentVolumeClaim 'ckpt' is not in the rendering",
+        ),
+        # the etcd store: 3.6 for v3, 3.5 for v2; volumes go with the job and hold the quota; sized
+        ("pytorchjob-etcd", "store", "etcd 3.5 on the v3 path"): (
+            lambda r: _etcd(r).update(image="quay.io/coreos/etcd:v3.5.21"),
+            "etcd 3.6 or newer",
+        ),
+        ("pytorchjob-etcd+etcd-v2", "store", "etcd 3.6 for the v2 API"): (
+            lambda r: _etcd(r).update(image="quay.io/coreos/etcd:v3.6.16"),
+            "which etcd 3.6 removed",
+        ),
+        ("indexed-job-etcd", "store", "volumes outlive the job"): (
+            lambda r: pick(r, "StatefulSet")["spec"].pop("persistentVolumeClaimRetentionPolicy"),
+            "whenDeleted must be Delete",
+        ),
+        ("pytorchjob-etcd", "store", "volume below the quota"): (
+            lambda r: pick(r, "StatefulSet")["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"].update(
+                storage="1Gi"
+            ),
+            "below twice the backend quota",
+        ),
+        ("indexed-job-etcd", "store", "member without a memory limit"): (
+            lambda r: _etcd(r)["resources"].pop("limits"),
+            "limits.memory=None must be set",
+        ),
+        ("indexed-job-etcd", "store", "every member named 0"): (
+            lambda r: _etcd_argv_replace(r, "--name=$(POD_NAME)", "--name=$(SET)-0"),
+            "runs with --name=",
+        ),
+        # metrics: every port a pod opens is scraped, nothing else is, the scraper gets through
+        ("indexed-job", "metrics", "metrics on, no scrape configuration"): (
+            lambda r: _job_env(r, "ELASTIC_EMB_METRICS_PORT", "9400"),
+            "no scrape configuration names them",
+        ),
+        ("pytorchjob+metrics", "metrics", "agent port only (annotations)"): (
+            lambda r: (
+                r.remove(pick(r, "PodMonitor")),
+                _pod_annotations(r).update({"prometheus.io/scrape": "true", "prometheus.io/port": "9400"}),
+            ),
+            "metrics ports [9401, 9402, 9403, 9404, 9405, 9406, 9407, 9408]",
+        ),
+        ("indexed-job+metrics", "metrics", "fewer workers than the annotation says"): (
+            lambda r: (
+                _job_env(r, "PET_NPROC_PER_NODE", "4"),
+                container(pod_template(r))["resources"]["limits"].update({"nvidia.com/gpu": 4}),
+            ),
+            "scrapes port 9405",
+        ),
+        ("pytorchjob+metrics", "metrics", "annotation below the workers"): (
+            lambda r: _pod_annotations(r).update({R.WORKERS_ANNOTATION: "2"}),
+            "metrics ports [9403, 9404, 9405, 9406, 9407, 9408]",
+        ),
+        ("indexed-job+metrics", "metrics", "worker port not declared"): (
+            lambda r: container(pod_template(r))["ports"].pop(),
+            "metrics ports [9408] are not declared",
+        ),
+        ("pytorchjob+metrics", "metrics", "scraper kept out"): (
+            lambda r: _np(r)["ingress"].pop(),
+            "no ingress rule admits the scraper",
+        ),
+        ("indexed-job+metrics", "policies", "scraper on every port"): (
+            lambda r: _np(r)["ingress"][-1].update(ports=[{"protocol": "TCP"}]),
+            "is not (only) the job's own pods",
+        ),
+    }
+)
+
+
 def _etcd_flag(res, flag, change):
     """Change (or with ``change=None`` remove) ``flag=value`` in the etcd container's command."""
     cmd = pick(res, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -679,10 +838,203 @@ def test_every_wiring_rule_has_a_planted_error():
     assert {rule for _, rule, _ in WIRING_PLANTS} == set(R.WIRING_RULES)
 
 
+# -- names compose: a namePrefix gives a second job of the namespace its own everything ---------------
+
+
+@pytest.mark.parametrize("key", [PREFIX + "/" + k for k in R.OVERLAYS + VARIANTS])
+def test_prefixed_renderings_pass_every_check(rendered, key):
+    res = rendered[key]
+    w = R.workload(res)
+    assert w.name == PREFIX + "elastic-emb"
+    assert R.wiring_errors(res) == []
+    assert R.core_schema_errors(res, (R.K8S_MIN,)) == []
+    assert R.field_maturity_errors(res) == []
+
+
+def test_prefixed_names_reach_every_reference(rendered):
+    """What the pods compute at run time follows the prefix: the rendezvous endpoint, the etcd
+    members' names and peer URLs, the Secret, the PVC, the selectors' labels."""
+    ij, pj = rendered[PREFIX + "/indexed-job"], rendered[PREFIX + "/pytorchjob"]
+    job = "team-a-elastic-emb"
+    assert R.workload(ij).endpoint == f"{job}-0.{job}:29400"
+    assert R.workload(pj).endpoint == f"{job}-worker-0:29400"  # the operator's Service for worker 0
+    for key in ("indexed-job-etcd", "pytorchjob-etcd"):
+        res = rendered[PREFIX + "/" + key]
+        assert R.workload(res).endpoint == f"{job}-etcd:2379"
+        sts = pick(res, "StatefulSet")
+        argv = R.command_argv(_etcd(res), R._member_meta(sts, 1))
+        peers = ",".join(f"{job}-etcd-{i}=http://{job}-etcd-{i}.{job}-etcd-peer:2380" for i in range(3))
+        assert f"--initial-cluster={peers}" in argv and f"--initial-cluster-token={job}-etcd" in argv
+        assert f"--initial-advertise-peer-urls=http://{job}-etcd-1.{job}-etcd-peer:2380" in argv
+    for res in (ij, pj):
+        c = container(pod_template(res))
+        assert _secret_entry(res)["valueFrom"]["secretKeyRef"]["name"] == f"{job}-job-secret"
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod_template(res)["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
+        assert claims == [f"{job}-checkpoints"] and R.name(pick(res, "PersistentVolumeClaim")) == claims[0]
+        assert pick(res, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"][R.INSTANCE_LABEL] == job
+        assert c["name"] == "pytorch"
+    assert not any(r["kind"] == "Secret" for r in ij + pj)  # the Secret's stub never reaches the cluster
+
+
+def test_a_name_suffix_composes_too(tmp_path):
+    res = R.render_variant(tmp_path, "indexed-job-etcd", (), "team-a-", name_suffix="-v2")
+    w = R.workload(res)
+    assert w.name == "team-a-elastic-emb-v2" and w.endpoint == "team-a-elastic-emb-etcd-v2:2379"
+    assert _secret_entry(res)["valueFrom"]["secretKeyRef"]["name"] == "team-a-elastic-emb-job-secret-v2"
+    assert R.wiring_errors(res) == []
+
+
+@pytest.mark.parametrize("key", ["indexed-job", "pytorchjob-etcd", "indexed-job-etcd+metrics+cpu"])
+def test_two_jobs_share_a_namespace(rendered, tmp_path, key):
+    """A second and a third job in the namespace of the first, told apart by namePrefix only: no
+    name is shared, and no selector of one job picks a pod of another."""
+    overlay, *components = key.split("+")
+    team_b = R.render_variant(tmp_path, overlay, tuple(components), "team-b-")
+    assert R.namespace_clash_errors([rendered[key], rendered[PREFIX + "/" + key], team_b]) == []
+    # Planted: a selector that picks by the labels all jobs share, and a name without the prefix.
+    planted = copy.deepcopy(team_b)
+    pick_pdb = [p for p in R.of_kind(planted, "PodDisruptionBudget") if R.name(p) == "team-b-elastic-emb"][0]
+    pick_pdb["spec"]["selector"]["matchLabels"].pop(R.INSTANCE_LABEL)
+    errs = R.namespace_clash_errors([rendered[key], planted])
+    assert any("also selects pods of elastic-emb" in e for e in errs), errs
+    renamed = copy.deepcopy(team_b)
+    pick(renamed, "PersistentVolumeClaim")["metadata"]["name"] = "elastic-emb-checkpoints"
+    errs = R.namespace_clash_errors([rendered[key], renamed])
+    assert any("PersistentVolumeClaim/elastic-emb-checkpoints belongs to both" in e for e in errs), errs
+
+
+# -- one minimum Kubernetes version, checked against its API schema -----------------------------------
+
+
+def test_minimum_version_is_the_same_everywhere_it_is_written():
+    stated = R.version_statements()
+    files = {f for f, _, _ in stated}
+    assert {"README.md", "docs/KUBERNETES.md", str(R.VERSION_FILE.relative_to(R.REPO))} <= files, stated
+    minimum = R.K8S_MIN.rsplit(".", 1)[0]
+    assert [s_ for s_ in stated if s_[2] != minimum] == []
+    assert R.K8S_VERSIONS[0] == R.K8S_MIN
+    # The finder sees the forms a mention takes (the pre-fix kustomization comment among them).
+    assert [
+        m.group(1) for m in R._VERSION_MENTION.finditer("plain Kubernetes >= 1.27, or Kubernetes 1.30 or newer")
+    ] == [
+        "1.27",
+        "1.30",
+    ]
+
+
+@pytest.mark.parametrize("key", ALL)
+def test_every_field_is_usable_in_the_minimum_version(rendered, key):
+    assert R.field_maturity_errors(rendered[key]) == []
+
+
+def test_minimum_version_facts_from_the_schemas(rendered):
+    """The facts the minimum rests on, read from the schemas kubernetes-validate ships: the Indexed
+    Job's successPolicy is alpha in 1.30 (so 1.30 would not do), usable from 1.31; the etcd
+    StatefulSet's PVC retention policy is usable at the minimum too."""
+    before = f"1.{int(R.K8S_MIN.split('.')[1]) - 1}.0"
+    errs = R.field_maturity_errors(rendered["indexed-job-etcd"], before)
+    assert any("spec.successPolicy" in e and "alpha" in e for e in errs), errs
+    assert R.field_maturity_errors(rendered["indexed-job-etcd"], R.K8S_MIN) == []
+    # Planted: a field alpha at the minimum, and one the API does not have.
+    res = copy.deepcopy(rendered["indexed-job"])
+    pod_template(res)["spec"]["hostUsers"] = False
+    errs = R.field_maturity_errors(res)
+    assert any("spec.hostUsers" in e and "alpha" in e for e in errs), errs
+    res = copy.deepcopy(rendered["pytorchjob"])
+    pod_template(res)["spec"]["hostname2"] = "x"
+    errs = R.field_maturity_errors(res)
+    assert any("hostname2 does not exist" in e for e in errs), errs
+
+
+# -- the PodMonitor's own schema ------------------------------------------------------------------------
+
+PODMONITOR_PLANTS = {
+    "unknown field": (lambda m: m["spec"].update(podMetricEndpoints=[]), "podMetricEndpoints"),
+    "bad action": (lambda m: m["spec"]["podMetricsEndpoints"][1]["relabelings"][0].update(action="keepif"), "action"),
+    "regex that does not compile": (
+        lambda m: m["spec"]["podMetricsEndpoints"][1]["relabelings"][0].update(regex="[1-"),
+        "does not compile",
+    ),
+    "port name too long": (lambda m: m["spec"]["podMetricsEndpoints"][0].update(port="metrics-worker-10"), "port"),
+    "empty selector": (lambda m: m["spec"].update(selector={"matchLabels": {}}), "selector"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PODMONITOR_PLANTS))
+def test_podmonitor_schema_planted_error_fails(rendered, plant):
+    monitor = copy.deepcopy(pick(rendered["pytorchjob+metrics"], "PodMonitor"))
+    assert R.podmonitor_schema_errors(monitor) == []
+    mutate, needle = PODMONITOR_PLANTS[plant]
+    mutate(monitor)
+    errs = R.podmonitor_schema_errors(monitor)
+    assert any(needle in e for e in errs), errs
+
+
+# -- a worker's metrics, served for real on a port the scrape configuration names -----------------------
+
+METRICS_WORKER = r"""
+import sys
+from elastic_emb import metrics
+
+metrics.lookups("items", 7)          # a worker's value (a no-op unless this process serves metrics)
+print(metrics.serving(), flush=True)
+sys.stdin.read()                     # serve until the test closes stdin
+"""
+
+
+def test_worker_metrics_are_served_on_a_scraped_port(rendered, tmp_path):
+    """The worker of local rank 2 serves a value it recorded on ELASTIC_EMB_METRICS_PORT + 3; the
+    rendered metrics variant's PodMonitor scrapes that port (with the base port the test binds)."""
+    import urllib.request
+
+    from elastic_emb.testing.ports import free_port
+
+    rank = 2
+    for _ in range(20):  # a base port whose worker port is free too
+        base = free_port()
+        if base + 1 + rank < 65536:
+            break
+    res = copy.deepcopy(rendered["indexed-job+metrics"])
+    _job_env(res, "ELASTIC_EMB_METRICS_PORT", str(base))
+    c = container(pod_template(res))
+    ports = {p["name"]: p for p in c["ports"]}
+    ports["metrics"]["containerPort"] = base
+    for r in range(8):
+        ports[f"metrics-w{r}"]["containerPort"] = base + 1 + r
+    w = R.workload(res)
+    assert R.scraped_ports(res, w).keys() == R.metrics_ports(w).keys()
+    assert base + 1 + rank in R.scraped_ports(res, w)
+    script = tmp_path / "metrics_worker.py"
+    script.write_text(METRICS_WORKER)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(R.REPO),
+        ELASTIC_EMB_METRICS_PORT=str(base),
+        ELASTIC_EMB_METRICS_ADDR="127.0.0.1",
+        LOCAL_RANK=str(rank),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == f"('worker', {base + 1 + rank})", line
+        with urllib.request.urlopen(f"http://127.0.0.1:{base + 1 + rank}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        assert 'elastic_emb_lookups_total{table="items"} 7.0' in body.splitlines()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=20)
+
+
 def test_prestop_fails_when_the_image_does_not_install_the_project(rendered, tmp_path):
     text = (R.REPO / "Dockerfile").read_text()
     planted = tmp_path / "Dockerfile"
-    planted.write_text(text.replace('/src "python-etcd==0.4.5"', '"python-etcd==0.4.5"'))
+    planted.write_text(text.replace("--extra metrics /src", "--extra metrics"))
     facts = R.dockerfile_facts(planted)
     assert R.dockerfile_facts()["installs_project"] and not facts["installs_project"]
     errs = R.rule_commands(rendered["pytorchjob"], R.workload(rendered["pytorchjob"]), facts)

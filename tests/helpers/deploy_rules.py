@@ -22,7 +22,16 @@ assert on the exact rule a planted error breaks:
    variant; every ``--rdzv-conf`` key is one the backend accepts; the Job completes when training
    ends on any allowed number of pods and its restart budget covers 25 incidents; the etcd store
    has an odd number (>= 3) of members matching its --initial-cluster, one per node, and a
-   disruption budget that lets a drain take one member but never the quorum.
+   disruption budget that lets a drain take one member but never the quorum; every name a
+   resource refers to (Services, Secrets, PVCs, label selectors) exists in the rendering and
+   belongs to this job, so a ``namePrefix`` keeps two jobs of one namespace apart; every metrics
+   port a pod opens is scraped.
+4. :func:`field_maturity_errors`: every field the templates use exists in the minimum Kubernetes
+   version's schema (:data:`K8S_MIN`, stated in deploy/README.md) and is not alpha or off by
+   default there.
+
+Values the pods compute at run time (``$(VAR)`` in env and commands, the downward API) are
+resolved as the kubelet resolves them (:func:`pod_env`), for the names the controllers give.
 
 How the training operator turns a PyTorchJob into pods is modelled from its documented
 behaviour (v1.9): pods get the labels ``training.kubeflow.org/job-name``, ``replica-type``
@@ -34,6 +43,8 @@ behaviour (v1.9): pods get the labels ``training.kubeflow.org/job-name``, ``repl
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import shutil
@@ -49,9 +60,16 @@ DEPLOY = REPO / "deploy"
 OVERLAYS = ("pytorchjob", "indexed-job", "pytorchjob-etcd", "indexed-job-etcd")
 # Components a user adds to an overlay (rendered by the tests through render_variant).
 COMPONENTS = ("cpu", "no-endport", "etcd-v2")
-# Kubernetes versions the templates support: the Indexed Job's successPolicy is on by default
-# from 1.31 (beta; GA in 1.33); the newest is what kubernetes-validate knows.
-K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(31, 38))
+# Kubernetes versions the templates support: from the minimum stated in deploy/README.md (its one
+# source; version_statements() finds every other mention, which must agree) to the newest that
+# kubernetes-validate knows.
+VERSION_FILE = DEPLOY / "README.md"
+_MIN_RE = re.compile(r"Minimum: Kubernetes (1\.(\d+)) or newer")
+K8S_MIN = _MIN_RE.search(VERSION_FILE.read_text()).group(1) + ".0"
+K8S_NEWEST = "1.37.0"
+K8S_VERSIONS = tuple(f"1.{m}.0" for m in range(int(K8S_MIN.split(".")[1]), int(K8S_NEWEST.split(".")[1]) + 1))
+# Where the supported Kubernetes versions are written for users: each mention must name K8S_MIN.
+VERSION_DOCS = ("README.md", "docs/KUBERNETES.md")
 CONTAINER = "pytorch"  # the training operator's default container name; the templates use it everywhere
 OPERATOR_PORT_NAME = "pytorchjob-port"
 OPERATOR_DEFAULT_PORT = 23456
@@ -60,6 +78,13 @@ EPHEMERAL = (32768, 60999)  # Linux ip_local_port_range default: MASTER_PORT sto
 PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"
 INCIDENTS = 25  # whole-job incidents (every agent restarted once) the restart budget must cover
 JOB_NAME_LABELS = {"Job": "batch.kubernetes.io/job-name", "PyTorchJob": "training.kubeflow.org/job-name"}
+INSTANCE_LABEL = "app.kubernetes.io/instance"  # = the job's name on every resource and pod of the job
+BASE_NAME = "elastic-emb"  # the templates' job name, before a namePrefix/nameSuffix of the user's
+BASE_SECRET = "elastic-emb-job-secret"  # the job's Secret (created by hand), named like the job
+WORKERS_ANNOTATION = "elastic-emb.dev/workers-per-node"  # the pods' worker count, for the scrape config
+ETCD_V2_LAST_MINOR = (3, 5)  # etcd 3.6 removed the v2 API (and --enable-v2) torch's etcd-v2 needs
+ETCD_V3_MIN_MINOR = (3, 6)  # inner=etcd-v3 runs on the current etcd minor
+ETCD_DEFAULT_QUOTA = 2 * 2**30  # etcd's backend quota without --quota-backend-bytes
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -85,23 +110,39 @@ def render(overlay: str | Path, timeout: float = 60.0) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def render_variant(workdir: Path, overlay: str, components: tuple[str, ...]) -> list[dict]:
-    """An overlay with components of deploy/components added, as a user's kustomization would
-    (written under ``workdir``, which must be outside the repository's deploy/)."""
-    root = Path(workdir) / ("-".join((overlay,) + components))
+def render_variant(
+    workdir: Path,
+    overlay: str,
+    components: tuple[str, ...],
+    name_prefix: str | None = None,
+    deploy: Path = DEPLOY,
+    name_suffix: str | None = None,
+) -> list[dict]:
+    """An overlay with components of deploy/components added, and a ``namePrefix``/``nameSuffix``
+    if given, as a user's kustomization would (written under ``workdir``, outside deploy/)."""
+    tag = ((name_prefix or "") + "_" + (name_suffix or "")).strip("-_") or "plain"
+    root = Path(workdir) / "-".join((tag, overlay) + components)
     root.mkdir(parents=True, exist_ok=True)
-    rel = lambda p: str(Path(__import__("os").path.relpath(p, root)))  # noqa: E731
-    kust = {
+    rel = lambda p: str(Path(os.path.relpath(p, root)))  # noqa: E731
+    kust: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": [rel(DEPLOY / overlay)],
-        "components": [rel(DEPLOY / "components" / c) for c in components],
+        "resources": [rel(Path(deploy) / overlay)],
+        "components": [rel(Path(deploy) / "components" / c) for c in components],
     }
+    if name_prefix:
+        kust["namePrefix"] = name_prefix
+    if name_suffix:
+        kust["nameSuffix"] = name_suffix
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kust))
     return render(root)
 
 
 # -- layer 2a: core kinds through kubernetes-validate -------------------------------------------------
+
+
+# Custom resources kubernetes-validate has no schema for: each is checked by a schema of ours.
+CUSTOM_KINDS = ("PyTorchJob", "PodMonitor")
 
 
 def core_schema_errors(resources: list[dict], versions: tuple[str, ...] = K8S_VERSIONS) -> list[str]:
@@ -111,6 +152,8 @@ def core_schema_errors(resources: list[dict], versions: tuple[str, ...] = K8S_VE
     errors = []
     for version in versions:
         for res in resources:
+            if res.get("kind") == "PodMonitor":
+                continue  # podmonitor_schema_errors
             docs = [res]
             if res.get("kind") == "PyTorchJob":
                 docs = [
@@ -132,6 +175,100 @@ def core_schema_errors(resources: list[dict], versions: tuple[str, ...] = K8S_VE
                 except kv.SchemaNotFoundError as exc:
                     errors.append(f"k8s {version} has no schema for {doc.get('apiVersion')} {doc.get('kind')}: {exc}")
     return errors
+
+
+# -- layer 4: every field exists, and is usable, in the minimum Kubernetes version ----------------------
+
+# Field descriptions in the API schema say when a field is not generally usable yet: "alpha-level",
+# "which is alpha", "(disabled by default)". Beta fields that are on by default pass.
+_NOT_USABLE = re.compile(r"alpha-level|\bis alpha\b|which is alpha|disabled by default", re.IGNORECASE)
+
+
+def _schema_defs(version: str) -> dict:
+    import kubernetes_validate
+
+    root = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / f"v{version}-local"
+    if not root.is_dir():
+        raise ValueError(f"kubernetes-validate has no schema for Kubernetes {version}: install a version that has")
+    return json.loads((root / "_definitions.json").read_text())["$defs"]
+
+
+def _definition_for(defs: dict, api_version: str, kind: str) -> str | None:
+    group, _, version = api_version.rpartition("/")
+    for name_, schema in defs.items():
+        for gvk in schema.get("x-kubernetes-group-version-kind") or []:
+            if (gvk.get("group", ""), gvk.get("version"), gvk.get("kind")) == (group, version, kind):
+                return name_
+    return None
+
+
+def field_maturity_errors(resources: list[dict], version: str = K8S_MIN) -> list[str]:
+    """Fields of the core resources (and the PyTorchJob's pod templates) that Kubernetes ``version``
+    does not have, or has only as alpha or off by default (read from its API schema)."""
+    defs = _schema_defs(version)
+    errors: list[str] = []
+
+    def walk(value: Any, node: dict, where: str) -> None:
+        while "$ref" in node:
+            node = defs[node["$ref"].rsplit("/", 1)[1]]
+        if isinstance(value, dict) and "properties" in node:
+            for key, item in value.items():
+                prop = node["properties"].get(key)
+                if prop is None:
+                    errors.append(f"k8s {version}: {where}.{key} does not exist in this version's API")
+                    continue
+                hit = _NOT_USABLE.search(prop.get("description") or "")
+                if hit:
+                    errors.append(
+                        f"k8s {version}: {where}.{key} is not usable by default in this version "
+                        f"(its API description says {hit.group(0)!r}): raise the minimum in "
+                        f"{VERSION_FILE.relative_to(REPO)} or drop the field"
+                    )
+                walk(item, prop, f"{where}.{key}")
+        elif isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+            for key, item in value.items():
+                walk(item, node["additionalProperties"], f"{where}.{key}")
+        elif isinstance(value, list) and isinstance(node.get("items"), dict):
+            for i, item in enumerate(value):
+                walk(item, node["items"], f"{where}[{i}]")
+
+    for res in resources:
+        kind = res.get("kind")
+        if kind == "PyTorchJob":
+            for rtype, spec in ((res.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
+                walk(
+                    (spec or {}).get("template") or {},
+                    {"$ref": "#/$defs/io.k8s.api.core.v1.PodTemplateSpec"},
+                    f"PyTorchJob/{name(res)} {rtype}.template",
+                )
+            continue
+        if kind in CUSTOM_KINDS:
+            continue
+        definition = _definition_for(defs, str(res.get("apiVersion")), str(kind))
+        if definition is None:
+            errors.append(f"k8s {version} has no {res.get('apiVersion')} {kind}")
+            continue
+        walk({k: v for k, v in res.items() if k != "status"}, defs[definition], f"{kind}/{name(res)}")
+    return errors
+
+
+_VERSION_MENTION = re.compile(r"Kubernetes\s+(?:>=\s*)?(1\.\d+)")
+
+
+def version_statements() -> list[tuple[str, int, str]]:
+    """Every place README.md, docs/KUBERNETES.md and deploy/ name a Kubernetes version, as
+    (file, line, "1.NN"); each must be the minimum (K8S_MIN)."""
+    files = [REPO / f for f in VERSION_DOCS] + sorted(p for p in DEPLOY.rglob("*") if p.is_file())
+    found = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            for m in _VERSION_MENTION.finditer(line):
+                found.append((str(path.relative_to(REPO)), lineno, m.group(1)))
+    return found
 
 
 # -- layer 2b: our own PyTorchJob schema and the operator's admission rules ----------------------------
@@ -205,6 +342,82 @@ def pytorchjob_schema_errors(job: dict) -> list[str]:
     except ValidationError as exc:
         return [f"PyTorchJob/{name(job)} {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
     return []
+
+
+# The subset of the Prometheus Operator's monitoring.coreos.com/v1 PodMonitor this project writes
+# (field names and enums as in the operator's API types; anything else is rejected).
+
+
+class RelabelConfig(_Strict):
+    action: (
+        Literal[
+            "replace",
+            "keep",
+            "drop",
+            "hashmod",
+            "labelmap",
+            "labeldrop",
+            "labelkeep",
+            "lowercase",
+            "uppercase",
+            "keepequal",
+            "dropequal",
+        ]
+        | None
+    ) = None
+    sourceLabels: list[str] | None = None
+    separator: str | None = None
+    targetLabel: str | None = None
+    regex: str | None = None
+    replacement: str | None = None
+    modulus: int | None = Field(default=None, ge=1)
+
+
+class PodMetricsEndpoint(_Strict):
+    port: str | None = Field(default=None, min_length=1, max_length=15)
+    path: str | None = Field(default=None, pattern=r"^/")
+    scheme: Literal["http", "https"] | None = None
+    interval: str | None = Field(
+        default=None,
+        pattern=r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+    )
+    relabelings: list[RelabelConfig] | None = None
+
+
+class LabelSelector(_Strict):
+    matchLabels: dict[str, str] = Field(min_length=1)
+
+
+class PodMonitorSpec(_Strict):
+    selector: LabelSelector
+    podMetricsEndpoints: list[PodMetricsEndpoint] = Field(min_length=1)
+    jobLabel: str | None = None
+    podTargetLabels: list[str] | None = None
+
+
+class PodMonitor(_Strict):
+    """The subset of monitoring.coreos.com/v1 PodMonitor this project writes."""
+
+    apiVersion: Literal["monitoring.coreos.com/v1"]
+    kind: Literal["PodMonitor"]
+    metadata: ObjectMeta
+    spec: PodMonitorSpec
+
+
+def podmonitor_schema_errors(monitor: dict) -> list[str]:
+    """Schema findings for a PodMonitor, plus relabel regexes that do not compile."""
+    try:
+        PodMonitor.model_validate(monitor)
+    except ValidationError as exc:
+        return [f"PodMonitor/{name(monitor)} {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    errors = []
+    for i, ep in enumerate(monitor["spec"]["podMetricsEndpoints"]):
+        for j, rc in enumerate(ep.get("relabelings") or []):
+            try:
+                re.compile(rc.get("regex", "(.*)"))
+            except re.error as exc:
+                errors.append(f"PodMonitor/{name(monitor)} endpoint {i} relabeling {j}: regex does not compile: {exc}")
+    return errors
 
 
 def admission_errors(job: dict) -> list[str]:
@@ -433,6 +646,7 @@ class Workload(BaseModel):
     name: str
     pod_template: dict
     pod_labels: dict[str, str]  # template labels + the labels the controller adds (pod 0's)
+    pod_meta: dict  # pod 0's metadata as the downward API sees it: name, namespace, labels, annotations
     replicas: int
     min_nodes: int
     max_nodes: int
@@ -448,18 +662,66 @@ def _env(container: dict) -> dict[str, Any]:
     return {e.get("name"): e for e in container.get("env") or []}
 
 
-def _env_value(container: dict, key: str) -> str | None:
-    """The value the container sees, with ``$(VAR)`` expanded as the kubelet does: only from
-    variables defined earlier in the list; an unresolvable reference stays as written."""
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_FIELD_REF = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+
+
+def _expand(text: str, seen: dict[str, str]) -> str:
+    """``$(VAR)`` expanded from ``seen``, as the kubelet does; an unknown reference stays as written."""
+    return _VAR_REF.sub(lambda m: seen.get(m.group(1), m.group(0)), str(text))
+
+
+def _field_ref(path: str, meta: dict | None) -> str | None:
+    """A downward-API fieldRef's value for a pod with metadata ``meta`` (None: unknown here)."""
+    if meta is None:
+        return None
+    if path in ("metadata.name", "metadata.namespace"):
+        return meta.get(path.split(".", 1)[1])
+    m = _FIELD_REF.match(path)
+    if m:
+        return (meta.get(m.group(1)) or {}).get(m.group(2))
+    return None
+
+
+def pod_env(container: dict, meta: dict | None = None) -> dict[str, str]:
+    """The variables the container sees: values with ``$(VAR)`` expanded only from variables defined
+    earlier in the list (as the kubelet does), downward-API fieldRefs from ``meta``. Variables
+    whose value is unknown here (a Secret, an unknown fieldRef) are left out."""
     seen: dict[str, str] = {}
     for e in container.get("env") or []:
-        value = e.get("value")
-        if value is not None:
-            value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: seen.get(m.group(1), m.group(0)), str(value))
-            seen[e.get("name")] = value
-        if e.get("name") == key:
-            return value
-    return None
+        if e.get("value") is not None:
+            seen[e.get("name")] = _expand(e["value"], seen)
+        else:
+            ref = ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+            value = _field_ref(ref, meta) if ref else None
+            if value is not None:
+                seen[e.get("name")] = value
+            else:
+                seen.pop(e.get("name"), None)
+    return seen
+
+
+def command_argv(container: dict, meta: dict | None = None) -> list[str]:
+    """The container's command and args with ``$(VAR)`` expanded from its environment."""
+    env = pod_env(container, meta)
+    return [_expand(a, env) for a in list(container.get("command") or []) + list(container.get("args") or [])]
+
+
+def _env_value(container: dict, key: str, meta: dict | None = None) -> str | None:
+    """The value the container sees for ``key`` (see :func:`pod_env`), or None."""
+    return pod_env(container, meta).get(key)
+
+
+def _template_meta(tmpl: dict, name_: str, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    """A pod's metadata as its controller makes it from ``tmpl``: the template's labels and
+    annotations plus the controller's, under the pod name the controller gives."""
+    meta = tmpl.get("metadata") or {}
+    return {
+        "name": name_,
+        "namespace": "default",
+        "labels": dict(meta.get("labels") or {}, **labels),
+        "annotations": dict(meta.get("annotations") or {}, **(annotations or {})),
+    }
 
 
 def _conf_value(conf: str | None, key: str) -> str | None:
@@ -540,6 +802,7 @@ def workload(resources: list[dict]) -> Workload:
             name=jname,
             pod_template=tmpl,
             pod_labels=labels,
+            pod_meta=_template_meta(tmpl, f"{jname}-worker-0", labels),
             replicas=replicas,
             min_nodes=ep.get("minReplicas", replicas),
             max_nodes=ep.get("maxReplicas", replicas),
@@ -553,25 +816,28 @@ def workload(resources: list[dict]) -> Workload:
     spec = job["spec"]
     tmpl = spec["template"]
     c = _container(tmpl)
-    lo, hi = _nnodes(_env_value(c, "PET_NNODES"))
     labels = dict((tmpl.get("metadata") or {}).get("labels") or {})
     labels.update(
         {"batch.kubernetes.io/job-name": jname, "job-name": jname, "batch.kubernetes.io/job-completion-index": "0"}
     )
+    meta = _template_meta(tmpl, f"{jname}-0-x7k2p", labels, {"batch.kubernetes.io/job-completion-index": "0"})
+    env = pod_env(c, meta)
+    lo, hi = _nnodes(env.get("PET_NNODES"))
     return Workload(
         kind="Job",
         name=jname,
         pod_template=tmpl,
         pod_labels=labels,
+        pod_meta=meta,
         replicas=spec.get("parallelism", 1),
         min_nodes=lo,
         max_nodes=hi,
-        nproc=_env_value(c, "PET_NPROC_PER_NODE"),
-        endpoint=_env_value(c, "PET_RDZV_ENDPOINT"),
+        nproc=env.get("PET_NPROC_PER_NODE"),
+        endpoint=env.get("PET_RDZV_ENDPOINT"),
         endpoint_services=of_kind(resources, "Service"),
-        rdzv_backend=_env_value(c, "PET_RDZV_BACKEND"),
-        inner=_conf_value(_env_value(c, "PET_RDZV_CONF"), "inner") or "c10d",
-        rdzv_conf=_conf_items(_env_value(c, "PET_RDZV_CONF")),
+        rdzv_backend=env.get("PET_RDZV_BACKEND"),
+        inner=_conf_value(env.get("PET_RDZV_CONF"), "inner") or "c10d",
+        rdzv_conf=_conf_items(env.get("PET_RDZV_CONF")),
     )
 
 
@@ -871,7 +1137,7 @@ def rule_grace(resources: list[dict], w: Workload) -> list[str]:
 
 
 def _quantity(q: Any) -> float:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
     s = str(q)
     for u, f in units.items():
         if s.endswith(u):
@@ -960,6 +1226,22 @@ def _rules_ports(rules: list[dict], key: str, labels: dict[str, str]) -> list[tu
     return out
 
 
+def _rule_ranges(rule: dict) -> list[tuple[int, int]]:
+    """TCP port ranges one ingress or egress rule opens, whoever its peers are."""
+    ports = rule.get("ports")
+    if not ports:
+        return [(1, 65535)]
+    out = []
+    for p in ports:
+        if p.get("protocol", "TCP") != "TCP":
+            continue
+        if p.get("port") is None:
+            out.append((1, 65535))
+        elif isinstance(p.get("port"), int):
+            out.append((p["port"], p.get("endPort", p["port"])))
+    return out
+
+
 def _admitted(np_spec: dict, peer_labels: dict[str, str]) -> list[tuple[int, int]]:
     """Port ranges a NetworkPolicy opens to pods with ``peer_labels`` (ingress)."""
     return _rules_ports(np_spec.get("ingress") or [], "from", peer_labels)
@@ -991,8 +1273,13 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
     job-name label their controller sets (not only component labels any pod could copy); ingress
     only from the job's own pods (or the store's members), on the rendezvous port and the pods'
     ephemeral range; egress only to the job's pods (same ports), the store's client port and DNS;
-    with an etcd rendezvous the store's pods are isolated the same way."""
+    with an etcd rendezvous the store's pods are isolated the same way. The one other peer allowed
+    is a metrics scraper, named by namespace and pod labels, on the pods' metrics ports only."""
     errors = []
+    try:
+        metrics = metrics_ports(w)
+    except ValueError:
+        metrics = {}  # rule_metrics reports it
     pdbs = [
         p
         for p in of_kind(resources, "PodDisruptionBudget")
@@ -1022,6 +1309,8 @@ def rule_policies(resources: list[dict], w: Workload) -> list[str]:
             errors.append(f"NetworkPolicy/{name(np_)}: policyTypes {types} must include Ingress and Egress")
         for rule in spec.get("ingress") or []:
             peers = rule.get("from") or []
+            if _selects(selected, w.pod_labels) and _scraper_rule(rule, metrics):
+                continue  # the metrics scraper (deploy/components/metrics): named pods, metrics ports only
             if not peers:
                 errors.append(f"NetworkPolicy/{name(np_)}: an ingress rule without `from` admits every source")
             for peer in peers:
@@ -1216,11 +1505,29 @@ def _flag(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def etcd_image_version(image: str) -> tuple[int, int] | None:
+    """(major, minor) of an etcd image tag such as ``quay.io/coreos/etcd:v3.6.16``, or None."""
+    m = re.search(r":v?(\d+)\.(\d+)(?:\.\d+)?(?:[-+][\w.]*)?$", image or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _member_meta(sts: dict, i: int) -> dict:
+    """Member ``i``'s pod metadata: the StatefulSet names its pods <name>-<i>."""
+    tmpl = (sts.get("spec") or {}).get("template") or {}
+    sname = name(sts)
+    return _template_meta(
+        tmpl,
+        f"{sname}-{i}",
+        {"statefulset.kubernetes.io/pod-name": f"{sname}-{i}", "apps.kubernetes.io/pod-index": str(i)},
+    )
+
+
 def rule_store(resources: list[dict], w: Workload) -> list[str]:
     """With an etcd rendezvous: an odd number (>= 3) of members, exactly those of --initial-cluster
-    (the StatefulSet's stable names under its headless Service), started together, one per node,
-    compacting their history; a PodDisruptionBudget that lets a drain take one member at a time
-    but never the quorum."""
+    (the StatefulSet's stable names under its headless Service, as each member's command expands
+    them), started together, one per node, compacting their history; etcd 3.6 for the v3 API
+    (3.5 only for etcd-v2); volumes deleted with the StatefulSet and large enough for the backend
+    quota; a PodDisruptionBudget that lets a drain take one member at a time but never the quorum."""
     if not w.inner.startswith("etcd-"):
         return []
     errors = []
@@ -1232,7 +1539,9 @@ def rule_store(resources: list[dict], w: Workload) -> list[str]:
         if etcd is None:
             continue
         sname, replicas = name(sts), spec.get("replicas", 1)
-        argv = list(etcd.get("command") or []) + list(etcd.get("args") or [])
+        count = replicas if isinstance(replicas, int) else 0
+        argvs = [command_argv(etcd, _member_meta(sts, i)) for i in range(max(count, 1))]
+        argv = argvs[0]
         if not isinstance(replicas, int) or replicas < 3 or replicas % 2 == 0:
             errors.append(
                 f"StatefulSet/{sname}: replicas={replicas!r}: the store needs an odd number >= 3 of members "
@@ -1241,15 +1550,72 @@ def rule_store(resources: list[dict], w: Workload) -> list[str]:
         cluster = _flag(argv, "--initial-cluster") or ""
         members = [m.partition("=") for m in cluster.split(",") if m]
         svc = spec.get("serviceName")
-        want = [
-            (f"{sname}-{i}", f"http://{sname}-{i}.{svc}:2380")
-            for i in range(replicas if isinstance(replicas, int) else 0)
-        ]
+        want = [(f"{sname}-{i}", f"http://{sname}-{i}.{svc}:2380") for i in range(count)]
         if [(n, u) for n, _, u in members] != want:
             errors.append(
                 f"StatefulSet/{sname}: --initial-cluster={cluster!r} must name exactly its {replicas} pods "
                 f"{[n for n, _ in want]} at their stable peer URLs under Service {svc!r}"
             )
+        for i, member_argv in enumerate(argvs[: len(want)]):
+            mine = {
+                "--name": want[i][0],
+                "--initial-advertise-peer-urls": want[i][1],
+                "--advertise-client-urls": f"http://{want[i][0]}.{svc}:2379",
+                "--initial-cluster": cluster,
+                "--initial-cluster-token": _flag(argv, "--initial-cluster-token"),
+            }
+            for flag, value in mine.items():
+                if _flag(member_argv, flag) != value:
+                    errors.append(
+                        f"StatefulSet/{sname}: member {want[i][0]} runs with {flag}={_flag(member_argv, flag)!r}, "
+                        f"not {value!r} (its own name and URLs, and the same cluster and token as every member)"
+                    )
+        version = etcd_image_version(etcd.get("image", ""))
+        if version is None:
+            errors.append(
+                f"StatefulSet/{sname}: etcd image {etcd.get('image')!r} has no version tag (vMAJOR.MINOR.PATCH)"
+            )
+        elif w.inner == "etcd-v2" and version > ETCD_V2_LAST_MINOR:
+            errors.append(
+                f"StatefulSet/{sname}: inner=etcd-v2 needs the v2 API, which etcd {version[0]}.{version[1]} removed "
+                f"(with --enable-v2): use etcd {ETCD_V2_LAST_MINOR[0]}.{ETCD_V2_LAST_MINOR[1]} (deploy/components/etcd-v2)"
+            )
+        elif w.inner == "etcd-v3" and version < ETCD_V3_MIN_MINOR:
+            errors.append(
+                f"StatefulSet/{sname}: inner=etcd-v3 runs on etcd {ETCD_V3_MIN_MINOR[0]}.{ETCD_V3_MIN_MINOR[1]} or "
+                f"newer, not {etcd.get('image')} ({ETCD_V2_LAST_MINOR[0]}.{ETCD_V2_LAST_MINOR[1]} is for etcd-v2's "
+                f"v2 API only)"
+            )
+        if (spec.get("persistentVolumeClaimRetentionPolicy") or {}).get("whenDeleted") != "Delete":
+            errors.append(
+                f"StatefulSet/{sname}: persistentVolumeClaimRetentionPolicy.whenDeleted must be Delete, or the "
+                f"members' volumes outlive the job (and a new job with the same names would find the old "
+                f"cluster's data)"
+            )
+        quota = int(_flag(argv, "--quota-backend-bytes") or ETCD_DEFAULT_QUOTA)
+        for claim in spec.get("volumeClaimTemplates") or []:
+            size = ((claim.get("spec") or {}).get("resources") or {}).get("requests", {}).get("storage")
+            try:
+                ok = _quantity(size) >= 2 * quota
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                errors.append(
+                    f"StatefulSet/{sname}: volume {name(claim)!r} requests {size!r}, below twice the backend "
+                    f"quota ({quota} bytes): the database, its log and a snapshot copy must fit "
+                    f"(params.etcdStorage)"
+                )
+        res = etcd.get("resources") or {}
+        for kind_, key in (("requests", "cpu"), ("requests", "memory"), ("limits", "memory")):
+            value = (res.get(kind_) or {}).get(key)
+            try:
+                ok = value is not None and _quantity(value) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                errors.append(
+                    f"StatefulSet/{sname}: etcd {kind_}.{key}={value!r} must be set (params.etcdCpu, etcdMemory)"
+                )
         headless = [s for s in of_kind(resources, "Service") if name(s) == svc]
         if (
             not headless
@@ -1326,6 +1692,305 @@ def rule_secret(resources: list[dict], w: Workload) -> list[str]:
     return []
 
 
+# -- names: every reference resolves inside the rendering, to this job's own resources ---------------
+
+
+def pod_templates(resources: list[dict], w: Workload) -> list[tuple[str, dict, dict]]:
+    """(owner, pod template, pod 0's metadata) of every workload in the rendering, with the labels
+    and the name its controller gives the pods."""
+    out = [(f"{w.kind}/{w.name}", w.pod_template, w.pod_meta)]
+    for sts in of_kind(resources, "StatefulSet"):
+        tmpl = (sts.get("spec") or {}).get("template") or {}
+        out.append((f"StatefulSet/{name(sts)}", tmpl, _member_meta(sts, 0)))
+    return out
+
+
+def selectors(resources: list[dict]) -> list[tuple[str, dict]]:
+    """(where, selector) of every label selector in the rendering that picks pods of this namespace
+    (peers with a namespaceSelector pick pods elsewhere and are left out)."""
+    out = []
+    for res in resources:
+        kind, rname, spec = res.get("kind"), name(res), res.get("spec") or {}
+        where = f"{kind}/{rname}"
+        if kind == "Service" and spec.get("selector"):
+            out.append((f"{where} spec.selector", spec["selector"]))
+        if kind in ("PodDisruptionBudget", "StatefulSet", "PodMonitor") and spec.get("selector"):
+            out.append((f"{where} spec.selector", spec["selector"]))
+        if kind == "NetworkPolicy":
+            out.append((f"{where} spec.podSelector", spec.get("podSelector") or {}))
+            for way, key in (("ingress", "from"), ("egress", "to")):
+                for i, rule in enumerate(spec.get(way) or []):
+                    for j, peer in enumerate(rule.get(key) or []):
+                        if "podSelector" in peer and "namespaceSelector" not in peer:
+                            out.append((f"{where} {way}[{i}].{key}[{j}].podSelector", peer["podSelector"]))
+        if kind == "StatefulSet":
+            anti = (((spec.get("template") or {}).get("spec") or {}).get("affinity") or {}).get("podAntiAffinity") or {}
+            for i, term in enumerate(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []):
+                if term.get("labelSelector"):
+                    out.append((f"{where} podAntiAffinity[{i}].labelSelector", term["labelSelector"]))
+    return out
+
+
+def _pod_refs(tmpl: dict) -> list[tuple[str, str, str]]:
+    """(kind, name, where) of every Secret, ConfigMap and PVC a pod template names."""
+    spec = tmpl.get("spec") or {}
+    refs = []
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        for e in c.get("env") or []:
+            src = e.get("valueFrom") or {}
+            for key, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+                if (src.get(key) or {}).get("name"):
+                    refs.append((kind, src[key]["name"], f"container {c.get('name')} env {e.get('name')}"))
+        for e in c.get("envFrom") or []:
+            for key, kind in (("secretRef", "Secret"), ("configMapRef", "ConfigMap")):
+                if (e.get(key) or {}).get("name"):
+                    refs.append((kind, e[key]["name"], f"container {c.get('name')} envFrom"))
+    for v in spec.get("volumes") or []:
+        if (v.get("persistentVolumeClaim") or {}).get("claimName"):
+            refs.append(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"], f"volume {v.get('name')}"))
+        if (v.get("secret") or {}).get("secretName"):
+            refs.append(("Secret", v["secret"]["secretName"], f"volume {v.get('name')}"))
+        if (v.get("configMap") or {}).get("name"):
+            refs.append(("ConfigMap", v["configMap"]["name"], f"volume {v.get('name')}"))
+    return refs
+
+
+def job_secret_name(job: str) -> str:
+    """The Secret a job named ``job`` reads: the templates' name with the same prefix and suffix."""
+    if BASE_NAME in job:
+        pre, _, post = job.partition(BASE_NAME)
+        return f"{pre}{BASE_SECRET}{post}"
+    return f"{job}-job-secret"
+
+
+def rule_references(resources: list[dict], w: Workload) -> list[str]:
+    """Every name a resource refers to exists in the rendering, and every selector picks this job's
+    pods and only them: Secrets, ConfigMaps and PVCs of the pods (the job's Secret, created by
+    hand, is named like the job: elastic-emb-job-secret with the job's prefix and suffix); the Services named by pod annotations, subdomains and
+    serviceName; label selectors select a pod of the rendering and carry a label whose value is
+    the job's name (app.kubernetes.io/instance, or the controller's job-name label), which every
+    resource of the job carries too. With these, a namePrefix of your own gives a second job of
+    the namespace its own names and its own pods."""
+    errors = []
+    have = {(r.get("kind"), name(r)) for r in resources}
+    services = {name(s) for s in of_kind(resources, "Service")}
+    job_secret = job_secret_name(w.name)
+    templates = pod_templates(resources, w)
+    for owner, tmpl, meta in templates:
+        for kind, ref, where in _pod_refs(tmpl):
+            if kind == "Secret" and ref == job_secret:
+                continue  # created by hand (README: kubectl create secret generic elastic-emb-job-secret)
+            if (kind, ref) not in have:
+                hint = f" (the job's own Secret is {job_secret!r})" if kind == "Secret" else ""
+                errors.append(f"{owner} {where}: {kind} {ref!r} is not in the rendering{hint}")
+        annotations = meta.get("annotations") or {}
+        for key in ("elastic-emb.dev/rdzv-service", "elastic-emb.dev/peer-service"):
+            if key in annotations and annotations[key] not in services:
+                errors.append(f"{owner} annotation {key}={annotations[key]!r} names no Service of the rendering")
+        if "elastic-emb.dev/statefulset" in annotations and not owner.endswith(
+            "/" + annotations["elastic-emb.dev/statefulset"]
+        ):
+            errors.append(
+                f"{owner} annotation elastic-emb.dev/statefulset={annotations['elastic-emb.dev/statefulset']!r} "
+                f"is not its own StatefulSet's name"
+            )
+        subdomain = (tmpl.get("spec") or {}).get("subdomain")
+        if subdomain is not None and subdomain not in services:
+            errors.append(f"{owner} spec.subdomain {subdomain!r} names no Service of the rendering")
+    for sts in of_kind(resources, "StatefulSet"):
+        svc = (sts.get("spec") or {}).get("serviceName")
+        if svc not in services:
+            errors.append(f"StatefulSet/{name(sts)} serviceName {svc!r} names no Service of the rendering")
+    # The job's pods, the job's resources: all labelled with the job's name.
+    own_values = {w.name}
+    for res in resources:
+        value = ((res.get("metadata") or {}).get("labels") or {}).get(INSTANCE_LABEL)
+        if value is not None and value != w.name:
+            errors.append(
+                f"{res.get('kind')}/{name(res)}: label {INSTANCE_LABEL}={value!r} is not the job's name {w.name!r}"
+            )
+    for owner, _, meta in templates:
+        value = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+        if value != w.name:
+            errors.append(f"{owner} pods: label {INSTANCE_LABEL}={value!r} is not the job's name {w.name!r}")
+    job_keys = {INSTANCE_LABEL, JOB_NAME_LABELS[w.kind]}
+    for where, sel in selectors(resources):
+        if not any(_selects(sel, meta.get("labels") or {}) for _, _, meta in templates):
+            errors.append(f"{where} {sel} selects no pod of the rendering")
+        match = sel.get("matchLabels", sel if "matchExpressions" not in sel else {}) or {}
+        if not any(match.get(k) in own_values for k in job_keys):
+            errors.append(
+                f"{where} {sel} has no label with the job's name ({' or '.join(sorted(job_keys))}: {w.name}): "
+                f"it would pick another job's pods in the same namespace"
+            )
+    return errors
+
+
+def namespace_clash_errors(renders: list[list[dict]]) -> list[str]:
+    """Renderings applied to one namespace (jobs told apart by a namePrefix): no two have a resource
+    of the same kind and name, or read the same Secret, and no selector of one picks a pod of
+    another (its PDB, Services, NetworkPolicies, PodMonitor and etcd members act on its own pods)."""
+    errors = []
+    owners: dict[tuple, str] = {}
+    jobs = [workload(res) for res in renders]
+    pods = [[meta for _, _, meta in pod_templates(res, w)] for res, w in zip(renders, jobs, strict=True)]
+    for res, w in zip(renders, jobs, strict=True):
+        keys = {(r.get("kind"), name(r)) for r in res}
+        keys |= {
+            ("Secret", ref) for _, tmpl, _ in pod_templates(res, w) for k, ref, _ in _pod_refs(tmpl) if k == "Secret"
+        }
+        for key in sorted(keys, key=str):
+            if key in owners and owners[key] != w.name:
+                errors.append(f"{key[0]}/{key[1]} belongs to both {owners[key]} and {w.name}")
+            owners.setdefault(key, w.name)
+    for i, (res, w) in enumerate(zip(renders, jobs, strict=True)):
+        for where, sel in selectors(res):
+            for j, others in enumerate(pods):
+                if j != i and any(_selects(sel, m.get("labels") or {}) for m in others):
+                    errors.append(f"{w.name}: {where} {sel} also selects pods of {jobs[j].name}")
+    return errors
+
+
+# -- metrics: every port a pod opens is scraped, and reachable ---------------------------------------
+
+
+def metrics_ports(w: Workload) -> dict[int, str]:
+    """Port -> process for every metrics endpoint a pod of the job opens (elastic_emb.metrics: the
+    agent on ELASTIC_EMB_METRICS_PORT, the worker of local rank r on that + 1 + r); empty when off."""
+    env = pod_env(_container(w.pod_template), w.pod_meta)
+    base = env.get("ELASTIC_EMB_METRICS_PORT")
+    if base is None:
+        return {}
+    base_port = int(base)
+    ports = {base_port: "agent"}
+    for r in range(int(w.nproc or 0)):
+        ports[base_port + 1 + r] = f"worker local rank {r}"
+    return ports
+
+
+def _sanitize(label: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def _target_labels(meta: dict, container: dict, port: dict) -> dict[str, str]:
+    """The discovery labels Prometheus's kubernetes_sd (role pod) gives one declared container port."""
+    out = {
+        "__meta_kubernetes_pod_name": meta.get("name", ""),
+        "__meta_kubernetes_namespace": meta.get("namespace", ""),
+        "__meta_kubernetes_pod_container_name": container.get("name", ""),
+        "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+        "__meta_kubernetes_pod_container_port_number": str(port.get("containerPort", "")),
+        "__meta_kubernetes_pod_container_port_protocol": port.get("protocol", "TCP"),
+    }
+    for k, v in (meta.get("labels") or {}).items():
+        out[f"__meta_kubernetes_pod_label_{_sanitize(k)}"] = v
+    for k, v in (meta.get("annotations") or {}).items():
+        out[f"__meta_kubernetes_pod_annotation_{_sanitize(k)}"] = v
+    return out
+
+
+def _relabel_keeps(labels: dict[str, str], relabelings: list[dict]) -> bool:
+    """Whether keep/drop relabelings let a target through (regexes anchored, as Prometheus's are)."""
+    for rc in relabelings or []:
+        action = (rc.get("action") or "replace").lower()
+        if action not in ("keep", "drop"):
+            continue
+        value = (rc.get("separator") or ";").join(labels.get(s_, "") for s_ in rc.get("sourceLabels") or [])
+        hit = re.fullmatch(rc.get("regex", "(.*)"), value) is not None
+        if (action == "keep") != hit:
+            return False
+    return True
+
+
+def scraped_ports(resources: list[dict], w: Workload) -> dict[int, str]:
+    """Port -> what scrapes it, for every target a scrape configuration of the rendering makes on the
+    job's pod 0: PodMonitor endpoints (by declared port name, after their keep/drop relabelings)
+    and prometheus.io annotations (one port per pod)."""
+    c = _container(w.pod_template)
+    out: dict[int, str] = {}
+    for pm in of_kind(resources, "PodMonitor"):
+        spec = pm.get("spec") or {}
+        if not _selects(spec.get("selector"), w.pod_labels):
+            continue
+        for i, ep in enumerate(spec.get("podMetricsEndpoints") or []):
+            for port in c.get("ports") or []:
+                if ep.get("port") is not None and port.get("name") != ep["port"]:
+                    continue
+                if _relabel_keeps(_target_labels(w.pod_meta, c, port), ep.get("relabelings") or []):
+                    out[port["containerPort"]] = f"PodMonitor/{name(pm)} endpoint {i} ({ep.get('port')})"
+    annotations = w.pod_meta.get("annotations") or {}
+    if annotations.get("prometheus.io/scrape") == "true" and str(annotations.get("prometheus.io/port", "")).isdigit():
+        out[int(annotations["prometheus.io/port"])] = "the prometheus.io annotations"
+    return out
+
+
+def _scraper_rule(rule: dict, metrics: dict[int, str]) -> bool:
+    """An ingress rule that admits pods of another namespace (a Prometheus), named by labels, on
+    metrics ports only."""
+    peers = rule.get("from") or []
+    ports = rule.get("ports") or []
+    specific = all(
+        set(p) == {"namespaceSelector", "podSelector"}
+        and (p["namespaceSelector"].get("matchLabels") or {})
+        and (p["podSelector"].get("matchLabels") or {})
+        for p in peers
+    )
+    within = all(
+        isinstance(p.get("port"), int) and all(q in metrics for q in range(p["port"], p.get("endPort", p["port"]) + 1))
+        for p in ports
+    )
+    return bool(peers) and bool(ports) and bool(metrics) and specific and within
+
+
+def rule_metrics(resources: list[dict], w: Workload) -> list[str]:
+    """Every metrics port a pod opens is scraped (a PodMonitor endpoint per port, or annotations
+    naming the one port), no scrape target points at a port nothing listens on, and the job's
+    NetworkPolicy admits the scraper on each scraped port."""
+    errors = []
+    try:
+        opened = metrics_ports(w)
+    except ValueError as exc:
+        return [
+            f"{w.kind}/{w.name}: metrics ports cannot be computed ({exc}): ELASTIC_EMB_METRICS_PORT and the workers per node must be integers"
+        ]
+    scraped = scraped_ports(resources, w)
+    missing = {port: what for port, what in sorted(opened.items()) if port not in scraped}
+    if missing:
+        errors.append(
+            f"{w.kind}/{w.name}: metrics ports {sorted(missing)} ({', '.join(missing.values())}) are served but no "
+            f"scrape configuration names them (add deploy/components/metrics: a PodMonitor endpoint per port)"
+        )
+    for port, by in sorted(scraped.items()):
+        if port not in opened:
+            errors.append(
+                f"{by} scrapes port {port} of {w.kind}/{w.name}'s pods, where nothing serves metrics (a target "
+                f"always down; workers per node {w.nproc}, annotation {WORKERS_ANNOTATION})"
+            )
+    c = _container(w.pod_template)
+    undeclared = sorted(set(opened) - {p.get("containerPort") for p in c.get("ports") or []})
+    if undeclared:
+        errors.append(
+            f"{w.kind}/{w.name}: metrics ports {undeclared} are not declared on container {CONTAINER!r} (a "
+            f"PodMonitor finds a port by its declared name)"
+        )
+    job_nps = [
+        n
+        for n in of_kind(resources, "NetworkPolicy")
+        if _selects((n.get("spec") or {}).get("podSelector"), w.pod_labels)
+    ]
+    for port in sorted(set(scraped) & set(opened)):
+        if not any(
+            _scraper_rule(rule, opened) and _covers(_rule_ranges(rule), port, port)
+            for n in job_nps
+            for rule in n["spec"].get("ingress") or []
+        ):
+            errors.append(
+                f"NetworkPolicy: no ingress rule admits the scraper (a Prometheus in its namespace) on metrics port "
+                f"{port}: the scrape would time out"
+            )
+    return errors
+
+
 WIRING_RULES = {
     "endpoint": rule_endpoint,
     "replicas": rule_replicas,
@@ -1338,6 +2003,8 @@ WIRING_RULES = {
     "completion": rule_completion,
     "store": rule_store,
     "secret": rule_secret,
+    "references": rule_references,
+    "metrics": rule_metrics,
 }
 
 
