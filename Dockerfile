@@ -97,11 +97,12 @@ RUN set -eu; extra=""; for i in ${EXTRA_INDEXES}; do extra="${extra} --extra-ind
         --index-strategy unsafe-best-match "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md LICENSE /src/
 COPY elastic_emb/ /src/elastic_emb/
-# (the project with its [etcd] and [metrics] extras' packages, versions from the constraint file)
+# (the project with its [drill], [etcd-v2] and [metrics] extras, versions from the constraint file;
+# uv takes extras from a pyproject.toml requirements source)
 # hadolint ignore=SC2086
 RUN set -eu; extra=""; for i in ${EXTRA_INDEXES}; do extra="${extra} --extra-index-url ${i}"; done; \
     uv pip install --constraint /src/deploy/image-constraints.txt --index-url "${PYPI_INDEX}" ${extra} \
-        /src "python-etcd==0.4.5" "prometheus-client==0.26.0"
+        -r /src/pyproject.toml --extra drill --extra etcd-v2 --extra metrics /src
 
 # (DL3006 ignored on purpose: `base-${VARIANT}` names a stage above, whose images are tagged.)
 # hadolint ignore=DL3006

@@ -6,16 +6,22 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # every run lists its 30 slowest tests (CI logs show where the time goes)
 PYTEST_ARGS ?=
+# the whole suite in two workers, a file per worker at a time: most tests wait on agents, heartbeats
+# and timeouts, so two workers fill the two cores of a small machine
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: demo test check venv bench clean lint format image-check system-deps
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# torch first, a CPU build (scripts/install-torch.sh: a local wheel from pip's configuration, else
+# TORCH_INDEX, default PyTorch's CPU index); then the package with the extras the suite exercises and
+# the PEP 735 groups test and lint (pip >= 25.1 for --group).
+$(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --upgrade 'pip>=25.1'
+	TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' scripts/install-torch.sh $(PY)
+	$(PY) -m pip install -q -e '.[drill,metrics,etcd-v2]' --group test --group lint
 	touch $@
 
 # The optional TorchRec extra for its tests: torchrec with --no-deps (its metadata wants the CUDA
@@ -23,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 TORCHREC_SPEC ?= torchrec==1.8.0
 $(VENV)/.torchrec: $(VENV)/.installed
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[torchrec]'
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[torchrec]' --group torchrec-cpu
 	$(PY) -m pip install -q --no-deps -c $(VENV)/torch-constraint.txt "$(TORCHREC_SPEC)"
 	touch $@
 
@@ -37,7 +43,7 @@ system-deps:
 	@if [ -z "$(SKIP_SYSTEM_DEPS)" ]; then PYTHON="$(PYTHON)" .ci/system-deps; fi
 
 test: system-deps venv $(VENV)/.torchrec
-	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_WORKERS) --durations=30 $(PYTEST_ARGS)
 
 # The fast tier: no torchrun agents, no etcd, no drills (a test that starts one fails and says to
 # mark it slow). Needs no system packages beyond a compiler for the native example.

@@ -17,8 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from elastic_emb.errors import ConfigError
 
@@ -29,17 +28,17 @@ def _setting(default, meaning: str, set_by: Literal["user", "agent", "tests"] = 
     return Field(default, description=meaning, json_schema_extra={"set_by": set_by}, **constraints)
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """The ``ELASTIC_EMB_*`` variables (field ``state_dir`` is ``ELASTIC_EMB_STATE_DIR``).
 
     Frozen. Each field's description is its meaning; ``json_schema_extra["set_by"]`` says who
     sets it (``user``, ``agent`` for the elastic_emb rendezvous backend, or ``tests``). Build it
-    with :func:`load`.
+    with :func:`load`, which reads the environment: a plain model, since what ``load`` adds (a
+    given mapping, a subset of the variables, the check for undeclared names, one-line errors)
+    is what an environment source would have to be customised for.
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=PREFIX, case_sensitive=True, frozen=True, extra="forbid", env_ignore_empty=True
-    )
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     # -- set by the user ---------------------------------------------------------------------
     state_dir: str = _setting(
@@ -91,6 +90,13 @@ class Settings(BaseSettings):
         None,
         "where the example native context's compiled extension is cached; unset: `~/.cache/elastic_emb/native_context`",
         min_length=1,
+    )
+    progress_after: float = _setting(
+        2.0,
+        "seconds long work (restore, reshard, base write, durable save or load, drain) runs before it reports "
+        "progress: a `progress` event a second, and a bar on a terminal; 0: from the start",
+        ge=0,
+        le=86400,
     )
     # -- set by the elastic_emb rendezvous backend in every worker -------------------------------
     generation: int = _setting(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import structlog
@@ -87,6 +88,8 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [item for item in items if str(item.path) != NATIVE_TESTS] + native
     if not native or config.option.collectonly:
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one compile per run: the first xdist worker's
     global _native_build
     code = (
         f"import sys; sys.path.insert(0, {os.path.join(REPO, 'examples', 'native_context')!r}); "
@@ -117,9 +120,27 @@ def pytest_sessionfinish(session, exitstatus):
 def wheel_demo(tmp_path_factory):
     """The wheel built, installed into a fresh venv and its ``elastic-emb demo`` run, once per session
     (tests/helpers/wheel_demo.py): test_wheel and test_drill's demo test check the one run."""
-    from tests.helpers.wheel_demo import build_and_run_demo
+    import dataclasses
+    import json
 
-    return build_and_run_demo(tmp_path_factory.mktemp("wheel"))
+    from filelock import FileLock
+
+    from tests.helpers.wheel_demo import WheelDemo, build_and_run_demo
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build_and_run_demo(tmp_path_factory.mktemp("wheel"))
+    # Under pytest-xdist the two tests may run in different workers: the first builds and runs the
+    # demo under a lock in the run's shared temporary directory, the other reads what it recorded.
+    shared = tmp_path_factory.getbasetemp().parent
+    record = shared / "wheel_demo.json"
+    with FileLock(str(shared / "wheel_demo.lock"), timeout=1200):
+        if not record.is_file():
+            demo = build_and_run_demo(tmp_path_factory.mktemp("wheel"))
+            record.write_text(json.dumps(dataclasses.asdict(demo), default=str))
+        fields = json.loads(record.read_text())
+    for name in ("wheel", "venv", "elsewhere"):
+        fields[name] = Path(fields[name])
+    return WheelDemo(**fields)
 
 
 @pytest.fixture(autouse=True)

@@ -225,7 +225,7 @@ def _need_etcd_client(what: str) -> None:
     try:
         import etcd  # noqa: F401 - python-etcd
     except ImportError:
-        raise UserError(f"{what} needs the python-etcd package: pip install 'elastic-emb[etcd]'") from None
+        raise UserError(f"{what} needs the python-etcd package: pip install 'elastic-emb[etcd-v2]'") from None
 
 
 @main.command("drain")

@@ -1,7 +1,8 @@
 """The drill's command line: ``elastic-emb drill``, ``elastic-emb demo``, ``python -m elastic_emb.drill``.
 
 - :func:`drill_cmd`, :func:`demo_cmd`: the click commands (``elastic_emb.cli`` adds them to its group);
-- :func:`default_out`: where a drill writes when ``--out`` is not given.
+- :func:`default_out`: where a drill writes when ``--out`` is not given;
+- :func:`need_drill_extra`: the one-line stop when the ``[drill]`` extra is not installed.
 
 Every failure a user can cause becomes one :class:`~elastic_emb.cli.console.UserError` line.
 Design: ``docs/DRILLS.md`` (section "Command line").
@@ -9,6 +10,7 @@ Design: ``docs/DRILLS.md`` (section "Command line").
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +19,22 @@ import click
 from pydantic import ValidationError
 
 from elastic_emb.cli.console import EXIT_FAILED, EXIT_OK, UserError
+
+# The [drill] extra (pyproject.toml): the module each of its packages is imported as.
+DRILL_EXTRA = {"rich": "rich", "matplotlib": "matplotlib", "pyyaml": "yaml", "psutil": "psutil"}
+
+
+def need_drill_extra() -> None:
+    """Stop a drill command before it starts when a package of the ``[drill]`` extra is missing.
+
+    Raises:
+        UserError: naming the missing packages and the install command (exit code 2).
+    """
+    missing = [name for name, module in DRILL_EXTRA.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise UserError(
+            f"this command needs the drill extra (missing: {', '.join(missing)}): pip install 'elastic-emb[drill]'"
+        )
 
 
 def default_out(name: str) -> Path:
@@ -157,7 +175,8 @@ def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, l
         click.UsageError: if neither ``--scenario`` nor ``--list`` is given.
         click.BadParameter: if the scenario cannot be loaded, or the overrides make it invalid
             (``--mode in_process`` with ``--rendezvous c10d`` among them).
-        UserError: if ``--script`` is not a file, ``--out`` cannot be used, or the drill could not start.
+        UserError: if the drill extra is missing, ``--script`` is not a file, ``--out`` cannot be used,
+            or the drill could not start.
     """
     from elastic_emb.drill.scenario import PRESETS, load_scenario
 
@@ -167,6 +186,7 @@ def drill_cmd(scenario_spec, out, network, rendezvous, mode, script, progress, l
         return EXIT_OK
     if not scenario_spec:
         raise click.UsageError("--scenario is required (or --list to see the presets)")
+    need_drill_extra()
     try:
         scenario = load_scenario(scenario_spec)
     except ValueError as exc:
@@ -226,8 +246,9 @@ def demo_cmd(out, progress) -> int:
         The exit code: ``EXIT_OK`` on PASS, else ``EXIT_FAILED``.
 
     Raises:
-        UserError: if ``--out`` cannot be used or the drill could not start.
+        UserError: if the drill extra is missing, ``--out`` cannot be used or the drill could not start.
     """
     from elastic_emb.drill.scenario import PRESETS
 
+    need_drill_extra()
     return _run(PRESETS["demo"], _resolve_out(out, "demo"), None, progress)

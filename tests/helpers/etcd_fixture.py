@@ -32,7 +32,7 @@ def require_etcd() -> None:
     try:
         import etcd  # noqa: F401  python-etcd, for torch's etcd-v2 rendezvous
     except ImportError:
-        pytest.fail("python-etcd is not installed: pip install -e '.[test]'")
+        pytest.fail("python-etcd is not installed: pip install -e '.[etcd-v2]' (make venv installs it)")
 
 
 @pytest.fixture

@@ -1,17 +1,19 @@
 """The package as a user gets it, for tests/test_wheel.py and the demo test of tests/test_drill.py.
 
-:func:`build_and_run_demo` builds the wheel from a copy of what the sdist holds, installs it into
-a fresh venv outside the repository, and runs ``elastic-emb demo`` there from a directory that is
-neither the checkout nor the venv. The suite runs it once (the session fixture ``wheel_demo`` in
-tests/conftest.py): test_wheel checks the install and the demo's verdict, and test_drill's demo
-test checks the same demo drill's report and events (it ran its own launch of the preset before,
-a second 20 s drill of the same scenario).
+:func:`build_and_run_demo` builds the wheel from a copy of what the sdist holds, installs it with
+its ``[drill]`` extra into a fresh venv outside the repository, and runs ``elastic-emb demo`` there
+from a directory that is neither the checkout nor the venv. The suite runs it once (the session
+fixture ``wheel_demo`` in tests/conftest.py): test_wheel checks the install and the demo's
+verdict, and test_drill's demo test checks the same demo drill's report and events (it ran its own
+launch of the preset before, a second 20 s drill of the same scenario).
 
 To stay fast and offline-capable, the fresh venv reuses the suite's installed dependencies (torch
 is 700 MB) through a ``.pth`` line naming the suite's site-packages: the venv's own site-packages
 come first on ``sys.path`` and only they are scanned for ``.pth`` files, so the suite's editable
 install of elastic_emb (a ``.pth`` finder there) is inert and ``import elastic_emb`` can only find
-the wheel's copy, which test_wheel checks.
+the wheel's copy, which test_wheel checks. pip resolves the wheel's requirements and its
+``[drill]`` extra's against what that line makes visible, offline: a requirement the suite's venv
+does not satisfy fails the install.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return r
 
 
-def build_and_run_demo(tmp: Path) -> WheelDemo:
-    # 1. the wheel, built from a copy of what the sdist holds (the checkout stays untouched)
+def build_wheel(tmp: Path) -> Path:
+    """The wheel, built with ``pip wheel --no-deps`` from a copy of what the sdist holds (the
+    checkout stays untouched), under ``tmp``."""
     src = tmp / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -60,6 +63,12 @@ def build_and_run_demo(tmp: Path) -> WheelDemo:
     dist = tmp / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)], timeout=300)
     [wheel] = dist.glob("elastic_emb-*.whl")
+    return wheel
+
+
+def build_and_run_demo(tmp: Path) -> WheelDemo:
+    # 1. the wheel
+    wheel = build_wheel(tmp)
 
     # 2. a fresh venv outside the repository, the suite's dependencies reachable, the wheel installed
     venv = tmp / "venv"
@@ -68,7 +77,7 @@ def build_and_run_demo(tmp: Path) -> WheelDemo:
     site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     (site / "suite-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-index", "-q", f"{wheel}[drill]"],
         timeout=300,
     )
     where = _run(
