@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_emb.errors import DrainError
 from elastic_emb.events import get_logger
+from elastic_emb.progress import Progress
 from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE, AckCounter, read_expected
 
 # The drain protocol's keys under round_prefix(run_id, round): the wire contract (rdzv/keys.py);
@@ -184,16 +185,18 @@ def request_drain(
         request = json.dumps({"round": state.round, "reason": reason, "host": socket.gethostname()})
         store.set(prefix + KEY_DRAIN, signer.sign(prefix + KEY_DRAIN, request))
     deadline = start + timeout
-    while True:
-        last = time.monotonic() >= deadline
-        acks = _checked(target, counter.count, expected, final=last)
-        if acks >= expected:
-            value = read_signed(store, signer, prefix + KEY_STOP_STEP, log)
-            stop = int(value) if value is not None else None
-            return done("acknowledged", state.round, acks, expected, stop)
-        if last:
-            return done("timeout", state.round, acks, expected)
-        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+    with Progress("drain", expected, unit="acks", round=state.round) as progress:  # acknowledged k of n
+        while True:
+            last = time.monotonic() >= deadline
+            acks = _checked(target, counter.count, expected, final=last)
+            progress.advance(acks - progress.done)
+            if acks >= expected:
+                value = read_signed(store, signer, prefix + KEY_STOP_STEP, log)
+                stop = int(value) if value is not None else None
+                return done("acknowledged", state.round, acks, expected, stop)
+            if last:
+                return done("timeout", state.round, acks, expected)
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 def _checked(target: DrainTarget, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

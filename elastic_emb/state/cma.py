@@ -96,12 +96,17 @@ def identity() -> dict:
     }
 
 
-def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
+PULL_PIECE = 64 << 20  # bytes per system call when progress is reported (one advance per piece)
+
+
+def read_remote(pid: int, blocks: list[tuple[int, int, int]], progress=None) -> None:
     """Copy blocks of bytes out of another process's memory into this one's.
 
     Args:
         pid: the process to read.
         blocks: ``(local address, remote address, bytes)`` triples.
+        progress: a :class:`~elastic_emb.progress.Progress` advanced by the bytes of each piece
+            read (at most :data:`PULL_PIECE` per system call), or None (one call per block).
 
     Raises:
         _PullError: if ``process_vm_readv`` is unavailable, fails (with its errno), or reads nothing.
@@ -111,8 +116,9 @@ def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
     for local, remote, n in blocks:
         done = 0
         while done < n:
-            liov = _IOVec(local + done, n - done)
-            riov = _IOVec(remote + done, n - done)
+            want = n - done if progress is None else min(n - done, PULL_PIECE)
+            liov = _IOVec(local + done, want)
+            riov = _IOVec(remote + done, want)
             got = _readv(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
             if got < 0:
                 err = ctypes.get_errno()
@@ -122,6 +128,8 @@ def read_remote(pid: int, blocks: list[tuple[int, int, int]]) -> None:
             if got == 0:
                 raise _PullError(14, f"process_vm_readv from pid {pid}: read 0 of {n - done} bytes")  # EFAULT
             done += got
+            if progress is not None:
+                progress.advance(got)
 
 
 # Environment entries a worker of this job and launch has, set by its launcher at exec time.
@@ -252,7 +260,10 @@ def _yama_scope() -> int:
 
 
 def transfer(
-    comm, outgoing: dict[int, tuple[int, list[torch.Tensor]]], incoming: dict[int, tuple[int, list[torch.Tensor]]]
+    comm,
+    outgoing: dict[int, tuple[int, list[torch.Tensor]]],
+    incoming: dict[int, tuple[int, list[torch.Tensor]]],
+    progress=None,
 ) -> set[tuple[int, int]]:
     """Move row blocks between the ranks of ``comm`` by cross-memory attach (collective).
 
@@ -265,6 +276,7 @@ def transfer(
         outgoing: block key -> (destination rank, this rank's source tensors, on the CPU).
         incoming: block key -> (source rank, this rank's destination tensors, on the CPU, shaped
             as the sender's).
+        progress: a :class:`~elastic_emb.progress.Progress` advanced by the bytes pulled, or None.
 
     Returns:
         The ``(src, dst)`` pairs of the whole world whose blocks were not moved (any failure of
@@ -300,10 +312,12 @@ def transfer(
         for src in sorted(by_src):
             reason = _probe(me, everyone[src]["id"])
             if reason is None:
+                counted = _Counted(progress)
                 try:
-                    _pull_from(everyone[src], by_src[src], src)
+                    _pull_from(everyone[src], by_src[src], src, counted if progress is not None else None)
                 except _PullError as exc:
                     reason = f"pull failed: {exc.strerror or exc} (errno {exc.errno})"
+                    counted.take_back()  # the pair's blocks go over gloo and are counted there
             if reason is not None:
                 failed[src] = reason
                 _note_fallback(src, reason)
@@ -315,7 +329,24 @@ def transfer(
     return {(src, dst) for dst, srcs in enumerate(done) for src in srcs}
 
 
-def _pull_from(peer: dict, blocks: list[tuple[int, list[torch.Tensor]]], src: int) -> None:
+class _Counted:
+    """Forwards a pull's progress and remembers it, so a failed pull can take its bytes back."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+        self.n = 0
+
+    def advance(self, n: int) -> None:
+        self.n += n
+        self.progress.advance(n)
+
+    def take_back(self) -> None:
+        if self.progress is not None and self.n:
+            self.progress.advance(-self.n)
+        self.n = 0
+
+
+def _pull_from(peer: dict, blocks: list[tuple[int, list[torch.Tensor]]], src: int, progress=None) -> None:
     pid = int(peer["id"]["pid"])
     post: list[tuple[torch.Tensor, torch.Tensor]] = []
     reads: list[tuple[int, int, int]] = []
@@ -343,6 +374,6 @@ def _pull_from(peer: dict, blocks: list[tuple[int, list[torch.Tensor]]], src: in
             b = _flat(dst)
             _touch(b)
             reads.append((b.data_ptr(), int(addr), nbytes))
-    read_remote(pid, reads)
+    read_remote(pid, reads, progress)
     for t, dst in post:
         t.copy_(dst)

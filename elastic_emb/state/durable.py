@@ -21,6 +21,7 @@ import torch
 from elastic_emb.errors import ChecksumMismatch
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import native_call
+from elastic_emb.progress import Progress
 from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range
 from elastic_emb.state import points
@@ -125,7 +126,8 @@ class DurableTier:
         """
         nbytes = sum(s.nbytes() for s in shards.values())
         if not asynchronous:
-            self._save(step, shards, comm, num_rows, group, None)
+            with Progress("durable_save", nbytes, step=step) as progress:
+                self._save(step, shards, comm, num_rows, group, None, progress)
             return nbytes, None
         copied = None
         if any(t.is_cuda for s in shards.values() for _, t in tensor_items(s)):
@@ -135,8 +137,14 @@ class DurableTier:
 
         def run() -> None:
             try:
-                with native_call():  # DCP's writes and collectives: the exit waits for them (briefly)
-                    self._save(step, shards, comm, num_rows, group, copied)
+                with (
+                    native_call(),  # DCP's writes and collectives: the exit waits for them (briefly)
+                    # a thread of its own: the worker's bound fields are not in its context
+                    Progress(
+                        "durable_save", nbytes, step=step, rank=comm.topology.rank, generation=comm.topology.generation
+                    ) as progress,
+                ):
+                    self._save(step, shards, comm, num_rows, group, copied, progress)
             except BaseException as exc:  # reported by finish and by the future's waiter
                 log.error("durable_commit_failed", step=step, error=repr(exc)[:500])
                 fut.set_exception(exc)
@@ -147,9 +155,18 @@ class DurableTier:
         return nbytes, fut
 
     def _save(
-        self, step: int, shards: dict[str, ShardData], comm: Comm, num_rows: dict[str, int], group, copied
+        self,
+        step: int,
+        shards: dict[str, ShardData],
+        comm: Comm,
+        num_rows: dict[str, int],
+        group,
+        copied,
+        progress: Progress | None = None,
     ) -> None:
-        """The whole save of one rank: world layout, CRC32s, DCP, and (rank 0) the manifest last."""
+        """The whole save of one rank: world layout, CRC32s, DCP, and (rank 0) the manifest last.
+        ``progress`` counts this rank's bytes in the world layout once DCP has written them (DCP
+        writes them in one call)."""
         import torch.distributed.checkpoint as dcp
 
         points.reached("durable_saving", step)
@@ -158,6 +175,9 @@ class DurableTier:
         shards = {n: _on_cpu(s) for n, s in shards.items()}
         topo = comm.topology
         world_shards = _to_world_layout(shards, comm, num_rows)
+        world_bytes = sum(s.nbytes() for s in world_shards.values())
+        if progress is not None:
+            progress.total = world_bytes
         sd, specs = _dtensor_state_dict(world_shards, group, num_rows)
         cdir = self.root / commit_dirname(step, topo.fingerprint())
         make_dirs(self.base, cdir, self.dir_mode)
@@ -168,6 +188,8 @@ class DurableTier:
         }
         gathered = comm.exchange(f"durable{step}", sums)
         dcp.save(sd, checkpoint_id=str(cdir), process_group=group)
+        if progress is not None:
+            progress.advance(world_bytes)
         if topo.rank == 0:
             checksums: dict[str, dict[str, list]] = {}
             for r, s in enumerate(gathered):
@@ -226,8 +248,11 @@ class DurableTier:
                 {k: torch.zeros(len(rows), *v.shape[1:], dtype=v.dtype) for k, v in spec.slots.items()},
             )
         sd, _ = _dtensor_state_dict(world, group, num_rows)
-        dcp.load(sd, checkpoint_id=manifest.checkpoint_dir, process_group=group)
-        self._verify(manifest, comm, world)
+        nbytes = sum(s.nbytes() for s in world.values())
+        with Progress("durable_load", nbytes, step=manifest.step) as progress:  # DCP reads in one call
+            dcp.load(sd, checkpoint_id=manifest.checkpoint_dir, process_group=group)
+            progress.advance(nbytes)
+            self._verify(manifest, comm, world)
         return world
 
     @staticmethod

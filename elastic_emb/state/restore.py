@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.events import get_logger
+from elastic_emb.progress import Progress
 from elastic_emb.protocol import ShardData, row_owners
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
@@ -186,6 +187,26 @@ def restore(
             file tried was corrupt, or when no rank reports any row of a table.
         ChecksumMismatch: if the durable commit chosen fails its verification.
     """
+    # progress: bytes of this rank's new shards filled so far (``reshard`` when live rows are given)
+    with Progress("reshard" if live else "restore") as progress:
+        return _restore(
+            context,
+            comm,
+            progress,
+            snapshot=snapshot,
+            durable=durable,
+            live=live,
+            live_commit=live_commit,
+            require_state=require_state,
+            start_fresh=start_fresh,
+            durable_group=durable_group,
+        )
+
+
+def _restore(
+    context, comm, progress, *, snapshot, durable, live, live_commit, require_state, start_fresh, durable_group
+) -> RestoreReport:
+    """:func:`restore`, reporting the bytes of this rank's new shards filled to ``progress``."""
     t0 = time.perf_counter()
     # The new context's own shards give shapes and dtypes and receive the rows. A context that
     # offers ``shard_views()`` (its own storage, writable) is filled in place: no copy of the
@@ -193,6 +214,7 @@ def restore(
     views = context.shard_views()
     in_place = views is not None
     template = views if in_place else context.export_shard()
+    progress.total = sum(s.nbytes() for s in template.values())
     specs = specs_of(template)
     durable_ms = durable.manifests() if durable is not None and durable_group is not None else []
     mine, sources = _inventory(template, live, CommitId(*live_commit) if live_commit else None, snapshot, durable_ms)
@@ -272,18 +294,20 @@ def restore(
                 durable_group,
                 fallback,
                 t0,
+                progress,
             )
-        bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template)
+        bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template, progress)
         bad_all = comm.exchange(f"restore-bad{attempt}", bad_local)
         if any(bad_all):
             for r, bad in enumerate(bad_all):
                 for h, reason in bad:
                     rejected.setdefault(everyone[r].pieces[h].file, reason)
+            progress.reset()  # the next attempt fills every row again
             continue
         if fallback:
             log.warning("restore_fallback", step=cid.step, reason=fallback)
         tx = time.perf_counter()
-        moved = execute_plan(comm, plan, handles, starts, template, done=filled)
+        moved = execute_plan(comm, plan, handles, starts, template, done=filled, progress=progress)
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         transfer_s = time.perf_counter() - tx
@@ -348,9 +372,12 @@ def _nothing_complete(
     )
 
 
-def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object], template: dict[str, ShardData]):
+def _load_sources(
+    comm: Comm, plan: list[Assignment], sources: dict[int, object], template: dict[str, ShardData], progress=None
+):
     """Read (and verify) the files this rank sends from. Rows that stay on this rank and come from
-    a file are copied while the file is checked (one pass over its bytes, see read_snapshot).
+    a file are copied while the file is checked (one pass over its bytes, see read_snapshot); their
+    bytes advance ``progress`` once the file is verified.
 
     Returns ((handle, reason) of corrupt pieces, tensors per handle, first row per handle, indices of the
     plan's local assignments already filled)."""
@@ -390,9 +417,9 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
         with ThreadPoolExecutor(
             max_workers=min(len(reads), os.cpu_count() or 1), thread_name_prefix="elastic_emb-restore"
         ) as pool:
-            results = dict(zip(reads, pool.map(lambda src: _read_file(src, fills, sent), reads.values())))
+            results = dict(zip(reads, pool.map(lambda src: _read_file(src, fills, sent, progress), reads.values())))
     else:
-        results = {path: _read_file(src, fills, sent) for path, src in reads.items()}
+        results = {path: _read_file(src, fills, sent, progress) for path, src in reads.items()}
     for a in plan:
         if a.src != comm.rank or a.handle in handles:
             continue
@@ -415,25 +442,30 @@ def _load_sources(comm: Comm, plan: list[Assignment], sources: dict[int, object]
     return bad_local, handles, starts, filled
 
 
-def _read_file(src: FileSource, fills: dict, sent: set) -> tuple[dict | None, Exception | None]:
+def _read_file(src: FileSource, fills: dict, sent: set, progress=None) -> tuple[dict | None, Exception | None]:
     """One file (or delta chain) read and verified for :func:`_load_sources`: (its tensors, None)
-    or (None, why it was rejected)."""
+    or (None, why it was rejected). The rows it filled advance ``progress`` once it is verified."""
     try:
         if len(src.chain) > 1:
-            return read_chain(
-                list(src.chain), read_snapshot, fill=fills.get(src.path), materialize=src.path in sent
-            ), None
-        return read_snapshot(src.path, src.manifest, fill=fills.get(src.path)), None
+            out = read_chain(list(src.chain), read_snapshot, fill=fills.get(src.path), materialize=src.path in sent)
+        else:
+            out = read_snapshot(src.path, src.manifest, fill=fills.get(src.path))
     except (ChecksumMismatch, OSError, ValueError) as exc:
         return None, exc
+    if progress is not None:
+        filled = fills.get(src.path, {})
+        progress.advance(
+            sum(t.numel() * t.element_size() for fs in filled.values() for _, _, dsts in fs for t in dsts.values())
+        )
+    return out, None
 
 
 def _restore_durable(
-    context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place, group, fallback, t0
+    context, comm, durable, durable_ms, cid, template, num_rows, owners, in_place, group, fallback, t0, progress=None
 ) -> RestoreReport:
     m = next(m for m in durable_ms if m.commit == cid)
     world = durable.load(m, comm, template, num_rows, group)
-    shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners)
+    shards = move_rows(comm, [LivePiece(n, s) for n, s in world.items()], template, num_rows, owners, progress=progress)
     _finish(context, shards, in_place)
     log.warning("restore_from_durable", step=cid.step, reason=fallback)
     return RestoreReport(

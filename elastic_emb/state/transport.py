@@ -53,12 +53,14 @@ class Transport(ABC):
     name: str
 
     @abstractmethod
-    def move(self, comm: Comm, moves: list[Move]) -> Moved:
+    def move(self, comm: Comm, moves: list[Move], *, progress=None) -> Moved:
         """Move every block with ``src != dst``; blocks with ``src == dst`` are the caller's.
 
         Args:
             comm: the communicator of the world.
             moves: the shared move list, with this rank's tensors filled in.
+            progress: a :class:`~elastic_emb.progress.Progress` advanced by the bytes this rank
+                receives, or None.
 
         Returns:
             What this rank sent, and how.
@@ -88,7 +90,7 @@ class AllToAllTransport(Transport):
 
     name = "alltoall"
 
-    def move(self, comm: Comm, moves: list[Move]) -> Moved:
+    def move(self, comm: Comm, moves: list[Move], *, progress=None) -> Moved:
         """Pack this rank's outgoing blocks, run one all-to-all, and unpack what arrived.
 
         A rank that sends (or receives) a single block of a single contiguous tensor on the
@@ -97,6 +99,7 @@ class AllToAllTransport(Transport):
         Args:
             comm: the communicator of the world.
             moves: the shared move list, with this rank's tensors filled in.
+            progress: advanced by the bytes received, once the all-to-all is done; or None.
 
         Returns:
             The bytes this rank sent, and ``"alltoall"``.
@@ -148,6 +151,8 @@ class AllToAllTransport(Transport):
                         tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                         _flat(tmp).copy_(seg)
                         t.copy_(tmp)
+        if progress is not None:
+            progress.advance(sum(recv_sizes))
         return Moved(int(inp.numel()), self.name)
 
 
@@ -156,7 +161,7 @@ class P2PTransport(Transport):
 
     name = "p2p"
 
-    def move(self, comm: Comm, moves: list[Move], only: set[tuple[int, int]] | None = None) -> Moved:
+    def move(self, comm: Comm, moves: list[Move], only: set[tuple[int, int]] | None = None, *, progress=None) -> Moved:
         """Post every send and receive of this rank at once, then wait for all of them.
 
         Args:
@@ -164,6 +169,7 @@ class P2PTransport(Transport):
             moves: the shared move list, with this rank's tensors filled in.
             only: move just the blocks of these ``(src, dst)`` pairs (the cma transport's fallback);
                 None: every block.
+            progress: advanced by the bytes received, once every transfer is done; or None.
 
         Returns:
             The bytes this rank sent, and ``"p2p"``.
@@ -175,7 +181,7 @@ class P2PTransport(Transport):
         """
         outgoing, incoming = _mine(comm, moves)
         comm.check("point-to-point row transfer")  # aborted: post nothing that could only be abandoned
-        works, sent = [], 0
+        works, sent, received = [], 0, 0
         post: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, contiguous buffer received into)
         for k, m in sorted(outgoing + incoming):
             if only is not None and (m.src, m.dst) not in only:
@@ -190,10 +196,13 @@ class P2PTransport(Transport):
                         post.append((t, torch.empty(t.shape, dtype=t.dtype)))
                         t = post[-1][1]
                     works.append(comm.pg.recv([t], m.src, k * 64 + j))
+                    received += t.numel() * t.element_size()
         # bounded by the timeout; Comm.abort (a peer known gone) ends it at once (work_wait.py)
         comm.wait_works(works, f"point-to-point row transfer ({len(works)} sends and receives)")
         for dst, buf in post:
             dst.copy_(buf)
+        if progress is not None:
+            progress.advance(received)
         return Moved(sent, self.name)
 
 
@@ -202,12 +211,13 @@ class CmaTransport(Transport):
 
     name = "cma"
 
-    def move(self, comm: Comm, moves: list[Move]) -> Moved:
+    def move(self, comm: Comm, moves: list[Move], *, progress=None) -> Moved:
         """Pull same-host blocks by cross-memory attach, then move the rest over gloo p2p.
 
         Args:
             comm: the communicator of the world (CPU).
             moves: the shared move list, with this rank's tensors filled in.
+            progress: advanced by the bytes received, as each piece of a pull lands; or None.
 
         Returns:
             The bytes this rank sent, and ``"cma"``, ``"cma+p2p"`` (some pairs fell back) or
@@ -220,11 +230,14 @@ class CmaTransport(Transport):
         outgoing, incoming = _mine(comm, moves)
         sent = sum(_nbytes(m.tensors) for _, m in outgoing)
         fallback = cma.transfer(
-            comm, {k: (m.dst, list(m.tensors)) for k, m in outgoing}, {k: (m.src, list(m.tensors)) for k, m in incoming}
+            comm,
+            {k: (m.dst, list(m.tensors)) for k, m in outgoing},
+            {k: (m.src, list(m.tensors)) for k, m in incoming},
+            progress=progress,
         )
         if not fallback:
             return Moved(sent, self.name)
-        P2PTransport().move(comm, moves, only=fallback)
+        P2PTransport().move(comm, moves, progress=progress, only=fallback)
         pairs = {(m.src, m.dst) for m in moves if m.src != m.dst}
         return Moved(sent, "p2p" if pairs <= fallback else "cma+p2p")
 
@@ -249,11 +262,16 @@ def transport_for(comm: Comm) -> Transport:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_start: int) -> None:
+def _fill(shard: ShardData, a: Assignment, src: dict[str, torch.Tensor], src_start: int) -> int:
+    """Copy an assignment's rows that stay on this rank; the bytes copied."""
     lo = a.start - shard.rows.start
     slo, shi = a.start - src_start, a.stop - src_start
+    copied = 0
     for tname, t in tensor_items(shard):
-        t[lo : lo + (a.stop - a.start)].copy_(src[tname][slo:shi])
+        dst = t[lo : lo + (a.stop - a.start)]
+        dst.copy_(src[tname][slo:shi])
+        copied += dst.numel() * dst.element_size()
+    return copied
 
 
 def execute_plan(
@@ -263,6 +281,8 @@ def execute_plan(
     starts: dict[int, int],
     template: dict[str, ShardData],
     done: set[int] | None = None,
+    *,
+    progress=None,
 ) -> Moved:
     """Move the rows of a reshard plan by the communicator's transport (collective).
 
@@ -275,6 +295,8 @@ def execute_plan(
         starts: piece handle -> the piece's first row.
         template: table -> this rank's new shard, filled in place.
         done: indices (in ``plan``) of this rank's local assignments already copied.
+        progress: a :class:`~elastic_emb.progress.Progress` advanced by the bytes this rank's new
+            shard receives here (local copies and transfers), or None.
 
     Returns:
         What this rank sent, and how.
@@ -287,7 +309,9 @@ def execute_plan(
         if a.src == me and a.dst == me:
             # Rows staying on this rank: copy directly, never through the transport.
             if id(a) not in done_ids:
-                _fill(template[a.table], a, handles[a.handle], starts[a.handle])
+                copied = _fill(template[a.table], a, handles[a.handle], starts[a.handle])
+                if progress is not None:
+                    progress.advance(copied)
             moves.append(Move(a.src, a.dst))
         elif a.src == me:
             lo, hi = a.start - starts[a.handle], a.stop - starts[a.handle]
@@ -299,7 +323,7 @@ def execute_plan(
             moves.append(Move(a.src, a.dst, [t[lo : lo + (a.stop - a.start)] for _, t in tensor_items(shard)]))
         else:
             moves.append(Move(a.src, a.dst))
-    return transport_for(comm).move(comm, moves)
+    return transport_for(comm).move(comm, moves, progress=progress)
 
 
 @dataclass
@@ -314,7 +338,13 @@ LIVE = CommitId(0, 0, "live")  # the commit tag of pieces that are simply "the r
 
 
 def move_rows(
-    comm: Comm, pieces: list[LivePiece], template: dict[str, ShardData], num_rows: dict[str, int], owners: int
+    comm: Comm,
+    pieces: list[LivePiece],
+    template: dict[str, ShardData],
+    num_rows: dict[str, int],
+    owners: int,
+    *,
+    progress=None,
 ) -> dict[str, ShardData]:
     """Deliver to each rank its rows in a layout of ``owners`` owners, from rows held in memory.
 
@@ -326,6 +356,7 @@ def move_rows(
         template: table -> this rank's shard in the new layout, filled in place.
         num_rows: table -> rows in the table.
         owners: the number of row owners of the new layout.
+        progress: advanced by the bytes ``template`` receives (:func:`execute_plan`), or None.
 
     Returns:
         ``template``, filled.
@@ -355,7 +386,7 @@ def move_rows(
         raise RestoreError(f"row ranges held by no rank: {missing}", missing)
     handles = {i: dict(tensor_items(p.shard)) for i, p in enumerate(pieces)}
     starts = {i: p.shard.rows.start for i, p in enumerate(pieces)}
-    execute_plan(comm, plan, handles, starts, template)
+    execute_plan(comm, plan, handles, starts, template, progress=progress)
     return template
 
 

@@ -11,6 +11,7 @@ Design: ``docs/COMMIT.md`` (section "The background writer").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from elastic_emb import metrics
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import native_call
+from elastic_emb.progress import Progress
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.snapshot import Capture, SnapshotTier
 
@@ -105,8 +107,11 @@ class CommitWriter:
                 cap = self._writing = self._queue.popleft()
             t0 = time.perf_counter()
             try:
-                with native_call():  # device syncs, transfers, store calls: the exit waits for them
+                # native_call: device syncs, transfers, store calls: the exit waits for them
+                with native_call(), _base_progress(cap) as progress:
                     written, replicated = self.tier.write(cap, self.comm)
+                    if progress is not None:
+                        progress.advance(written)
                     if self._abandoned:  # a re-form is under way on a new communicator: prune nothing here
                         raise _Abandoned()
                     self.tier.prune(self.comm)
@@ -282,6 +287,20 @@ class CommitWriter:
             if thread is not None and self._count() == 0:
                 thread.join(self.timeout)
             self.comm.close()
+
+
+def _base_progress(cap: Capture):
+    """A base (every row of the shard) reports its write's progress; a delta does not."""
+    if cap.parent is not None:
+        return contextlib.nullcontext()
+    topo = cap.topology  # a thread of its own: the worker's bound fields are not in its context
+    return Progress(
+        "base_write",
+        cap.blob.numel() * cap.blob.element_size(),
+        step=cap.step,
+        rank=getattr(topo, "rank", None),
+        generation=getattr(topo, "generation", None),
+    )
 
 
 def finish_commit_on_sigterm(writer_of: Callable[[], "CommitWriter | None"], wait_s: float):
