@@ -68,6 +68,9 @@ _LAZY: dict[str, str] = {
     # membership and in-process resizes
     "Watcher": "elastic_emb.watch.watcher",
     "InProcessResize": "elastic_emb.inprocess.resize",
+    # the elastic training loop over both resize modes, and its seams
+    "run_elastic": "elastic_emb.lifecycle.loop",
+    "LoopHooks": "elastic_emb.lifecycle.loop",
     "interruptible_store": "elastic_emb.inprocess.interruptible",
     "worker_store": "elastic_emb.store",
     "generation_store": "elastic_emb.store",
@@ -120,6 +123,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from elastic_emb.events import bind_topology, configure_logging, get_logger
     from elastic_emb.inprocess.interruptible import interruptible_store
     from elastic_emb.inprocess.resize import InProcessResize
+    from elastic_emb.lifecycle.loop import LoopHooks, run_elastic
     from elastic_emb.lifecycle.manager import Lifecycle
     from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig, ResizeEvent
     from elastic_emb.protocol import ContextBase, OptimizerSpec, ShardData, ShardedContext, TableSpec

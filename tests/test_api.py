@@ -89,6 +89,8 @@ PUBLIC = {
     "agree",
     "Watcher",
     "InProcessResize",
+    "run_elastic",
+    "LoopHooks",
     "interruptible_store",
     "worker_store",
     "generation_store",

@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.errors",),
     ("elastic_emb.config",),
     ("elastic_emb.events", "elastic_emb.sharding", "elastic_emb.native_calls"),
-    ("elastic_emb.metrics", "elastic_emb.topology"),
+    ("elastic_emb.metrics", "elastic_emb.topology", "elastic_emb.progress"),
     ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait", "elastic_emb.context.changes"),
     # the wire contract between the agent and the workers, and what both sides share
     ("elastic_emb.rdzv.keys",),
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.lifecycle.committer",),
     ("elastic_emb.lifecycle", "elastic_emb.rdzv"),
     ("elastic_emb.inprocess",),
-    ("elastic_emb.testing",),
+    ("elastic_emb.lifecycle.loop", "elastic_emb.testing"),
     ("elastic_emb.examples",),
     ("elastic_emb.cli.console",),
     ("elastic_emb.drill",),

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from elastic_emb.examples.loop import loop_parser, run_elastic
+from elastic_emb.examples.loop import DrillHooks, loop_parser
 
 GRAD_BITS = 16  # gradient grid 2**-16
 INIT_BITS = 8  # initial values on the grid 2**-8, in [-0.5, 0.5)
@@ -337,7 +337,7 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
         ctx.close()
 
 
-# -- the elastic training loop (examples/loop.py) --------------------------------------------------
+# -- the elastic training loop (elastic_emb.run_elastic, with the drills' hooks) ------------------
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
@@ -354,26 +354,27 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
 
 
 def main(argv=None) -> int:
-    """Train with a ``TorchRecContext`` under :func:`~elastic_emb.examples.loop.run_elastic`.
+    """Train with a ``TorchRecContext`` under :func:`~elastic_emb.run_elastic`, with the drills' hooks.
 
     Args:
         argv: the command line; default ``sys.argv[1:]``.
 
     Returns:
-        The process exit code of :func:`~elastic_emb.examples.loop.run_elastic`.
+        The process exit code of :func:`~elastic_emb.run_elastic`.
     """
-    from elastic_emb import configure_logging
+    from elastic_emb import configure_logging, run_elastic
     from elastic_emb.adapters.torchrec import TorchRecContext
 
     args, cfg = parse_args(argv)
     configure_logging()
     factory = functools.partial(TorchRecContext, build=functools.partial(build, cfg=cfg))
+    hooks = DrillHooks(args, cfg, on_first_start=lambda ctx: first_start(ctx, cfg))
     return run_elastic(
         factory,
-        lambda ctx, step, fields: train_step(ctx, step, cfg),
-        args,
-        cfg,
-        on_first_start=lambda ctx: first_start(ctx, cfg),
+        lambda ctx, step: train_step(ctx, step, cfg),
+        steps=args.steps,
+        hooks=hooks,
+        drain_timeout=args.drain_timeout,
     )
 
 

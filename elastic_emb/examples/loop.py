@@ -1,12 +1,12 @@
-"""The elastic training loop the examples share: start, step, commit, and stop stepping to drain.
+"""The drills' side of the examples' training loop: hooks and options around ``run_elastic``.
 
-- :func:`run_elastic`: the loop a user writes; the two workloads (:mod:`~elastic_emb.examples.recsys`,
-  :mod:`~elastic_emb.examples.dlrm`) differ only in the context factory and the step;
-- :func:`loop_parser`: its command-line options;
-- :class:`Progress`, :func:`write_final`, :func:`shard_checksums`: the progress lines and the final
-  rows that the drills' report and replay read.
+- :class:`DrillHooks`: the :class:`~elastic_emb.LoopHooks` the drills need: progress lines,
+  pacing, per-step checksums and the final rows, which the drills' report and replay read;
+- :func:`loop_parser`: the examples' command-line options;
+- :class:`Progress`, :func:`write_final`, :func:`shard_checksums`: what the hooks write.
 
-Design: ``docs/DRILLS.md`` (section "The examples' loop").
+The loop itself is the public :func:`~elastic_emb.run_elastic`. Design: ``docs/DRILLS.md``
+(section "The examples' loop").
 """
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_emb import load_settings
-
-StepFn = Callable[[object, int, dict], "float | torch.Tensor"]
-"""``step(context, step, fields) -> loss``: one training step; ``fields`` takes extra keys for
-the step's progress line. The loss may be a one-element tensor: it is read after the step's
-commit, so that on a GPU the commit's host work overlaps the step's (``docs/TRAINING.md``)."""
+from elastic_emb import LoopHooks, load_settings
 
 
 class Progress:
@@ -169,110 +164,122 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
     return p
 
 
-def _wait_for_sigterm(timeout: float) -> bool:
-    """Block until SIGTERM (True) or ``timeout`` seconds (False): a joiner that was not included
-    waits for the agents' restart-mode round."""
-    import signal
-    import threading
+class DrillHooks(LoopHooks):
+    """The drills' hooks: one progress line per event, pacing, checksums, and the final rows.
 
-    got = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: got.set())
-    return got.wait(timeout)
-
-
-def _pace(delay: float, resize) -> None:
-    """Drill pacing: sleep ``delay`` after a step, in slices, and stop early once this world has a
-    reason to re-form (a departure this worker saw, or a join plan: ``InProcessResize``). A drill
-    slows training down while a resize is in flight, so that a short run cannot end first; the
-    re-form itself must not wait for the rest of a slowed step, or the pause a drill reports would
-    be the pacing, not the re-form."""
-    deadline = time.monotonic() + delay
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.05))
-        if resize is not None and (resize.departure_seen() or resize.join_due()):
-            return
-
-
-def run_elastic(
-    factory, step_fn: StepFn, args: argparse.Namespace, cfg, *, on_first_start: Callable[[object], None] | None = None
-) -> int:
-    """Train steps ``lc.next_step .. args.steps - 1`` elastically, committing each step.
-
-    Starts (or, on a joining node in process, joins), steps and commits, re-forms in process or
-    waits for the agent's restart when the world changes, and writes the final rows at the end.
-    The steps are in ``docs/DRILLS.md`` (section "The examples' loop").
+    The step function may add keys to the step's progress line through :attr:`fields` (the
+    recsys example adds ``lookup_crc``); they are written with the line and then cleared.
 
     Args:
-        factory: builds the context for an agreed topology (``Lifecycle.start``'s factory).
-        step_fn: one step (:data:`StepFn`).
-        args: an ``argparse.Namespace`` of :func:`loop_parser`'s options: ``steps``, ``out``,
-            ``step_delay``, ``slow_file``, ``slow_delay``, ``checksums``, ``drain_timeout``.
-        cfg: the workload's config dataclass (written into the final rows).
-        on_first_start: called with the context when no commit exists yet (a fresh job).
-
-    Returns:
-        The process exit code: 0 when done, drained or restarted for a new world, or when the job
-        completed before a joiner was included; 3 when the agent did not restart the worker within
-        ``args.drain_timeout``.
-
-    Raises:
-        Exception: a step's failure that no membership change explains, re-raised (restart mode),
-            or the re-form's ``ElasticEmbError`` when no departure explains it (in process).
+        args: an ``argparse.Namespace`` of :func:`loop_parser`'s options (``out``,
+            ``step_delay``, ``slow_file``, ``slow_delay``, ``checksums``).
+        cfg: the workload's config dataclass, written into the final rows.
+        on_first_start: called with the context when no commit exists yet (a fresh job), before
+            the ``start`` line.
     """
-    from elastic_emb import (
-        InProcessResize,
-        JobComplete,
-        Lifecycle,
-        LifecycleConfig,
-        ResizeFallback,
-        Topology,
-        Watcher,
-        bind_topology,
-        get_logger,
-        interruptible_store,
-        worker_store,
-    )
 
-    log = get_logger()
-    progress = Progress(args.out)
-    watcher = Watcher.from_env()
-    if watcher is not None:
-        watcher.start()
-    started = time.time()
-    lc_config = LifecycleConfig()
-    in_process = watcher is not None and load_settings(None, "resize").resize == "in_process"
-    if in_process and load_settings(None, "joiner").joiner:
-        try:  # this node joined a running world: wait (bounded) to be included, then start with it
-            lc, resize = InProcessResize.join(factory, lc_config, watcher, timeout=args.drain_timeout)
-        except JobComplete as exc:  # the world finished first: nothing to join, nothing lost
-            progress.write("job_complete_before_join", reason=str(exc)[:300])
-            watcher.stop()
-            return 0
-        except ResizeFallback:
-            return 0 if _wait_for_sigterm(args.drain_timeout) else 3  # the agents restart everyone
-    else:
-        store = (
-            interruptible_store(worker_store(Topology.from_env(), timeout=lc_config.agree_timeout), watcher)
-            if in_process
-            else None
-        )
-        lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store)
-        resize = InProcessResize(lc, watcher) if in_process else None
+    def __init__(self, args: argparse.Namespace, cfg, *, on_first_start: Callable[[object], None] | None = None):
+        self.args = args
+        self.cfg = cfg
+        self.progress = Progress(args.out)
+        self.on_first_start = on_first_start
+        self.fields: dict = {}
+        self.last_step_t = time.time()
 
-    def reform(step: int, failed: bool):
-        """Re-form in this process; None when it fell back to the agents' restart."""
-        t_last = last_step_t[0]
-        try:
-            event = resize.run(failed=failed)
-        except ResizeFallback:
-            progress.write("resize_fallback", step=step, rank=lc.topology.rank)
-            return None
+    def on_start(self, lc, *, seconds: float) -> None:
+        """Write the initial values on a fresh job, then the ``start`` line.
+
+        Args:
+            lc: the started lifecycle.
+            seconds: seconds the start took.
+        """
+        if lc.step == -1 and self.on_first_start is not None:
+            self.on_first_start(lc.context)
         t = lc.topology
-        bind_topology(t)
-        progress.write(
+        self.progress.write(
+            "start",
+            rank=t.rank,
+            world=t.world_size,
+            generation=t.generation,
+            restored_step=lc.step,
+            start_seconds=seconds,
+            restore=record(lc.events[-1] if lc.events else None),
+        )
+
+    def after_step(self, lc, step: int, loss: float | None, *, seconds: float, report) -> None:
+        """Write the ``step`` line: loss, commit report, newest complete commit, checksums.
+
+        Args:
+            lc: the lifecycle.
+            step: the step.
+            loss: the step's loss.
+            seconds: seconds the step and its commit took.
+            report: the commit's report, or None.
+        """
+        self.last_step_t = time.time()
+        t = lc.topology
+        fields, self.fields = self.fields, {}
+        self.progress.write(
+            "step",
+            step=step,
+            rank=t.rank,
+            world=t.world_size,
+            generation=t.generation,
+            loss=None if loss is None else round(loss, 6),
+            seconds=seconds,
+            commit=record(report),
+            committed=lc.committed_step,  # complete; the step's own commit may be in flight
+            crc=shard_checksums(lc.context) if self.args.checksums else None,
+            **fields,
+        )
+
+    def pace(self, lc, step: int, wake: Callable[[], bool]) -> None:
+        """Sleep ``--step-delay`` (``--slow-delay`` while ``--slow-file`` exists), in slices.
+
+        A drill slows training down while a resize is in flight, so that a short run cannot end
+        first; the sleep ends once ``wake()`` says a re-form or a drain is due, so the pause a
+        drill reports is the re-form's, not the pacing's. It comes after the step's line, so a
+        SIGTERM during it loses no record.
+
+        Args:
+            lc: the lifecycle.
+            step: the step just committed.
+            wake: the loop's reason to go on.
+        """
+        a = self.args
+        delay = a.slow_delay if a.slow_file and a.slow_file.exists() else a.step_delay
+        deadline = time.monotonic() + delay
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+            if wake():
+                return
+
+    def on_step_failed(self, lc, step: int, error: BaseException) -> None:
+        """Write a ``peer_lost`` line.
+
+        Args:
+            lc: the lifecycle.
+            step: the step that failed.
+            error: its error.
+        """
+        self.fields = {}
+        self.progress.write(
+            "peer_lost", step=step, rank=lc.topology.rank, error=f"{type(error).__name__}: {error}"[:300]
+        )
+
+    def on_resize(self, lc, event, *, failed: bool) -> None:
+        """Write a ``resized`` line: the new world, the restored step, the re-form's report.
+
+        Args:
+            lc: the lifecycle in its new generation.
+            event: the re-form's report.
+            failed: the re-form followed a failed step.
+        """
+        t = lc.topology
+        self.progress.write(
             "resized",
             mode="in_process",
             rank=t.rank,
@@ -281,96 +288,35 @@ def run_elastic(
             restored_step=lc.step,
             failed=failed,
             seconds=event.total_s,
-            last_step_t=t_last,
+            last_step_t=self.last_step_t,
             restore=record(event),
         )
-        return t
 
-    last_step_t = [time.time()]
-    try:
-        topo = lc.topology
-        bind_topology(topo)
-        if lc.step == -1 and on_first_start is not None:
-            on_first_start(lc.context)
-        progress.write(
-            "start",
-            rank=topo.rank,
-            world=topo.world_size,
-            generation=topo.generation,
-            restored_step=lc.step,
-            start_seconds=time.time() - started,
-            restore=record(lc.events[-1] if lc.events else None),
+    def on_stop(self, lc, reason: str, step: int) -> None:
+        """Write why the worker stops early: ``draining``, ``resize_fallback`` or
+        ``job_complete_before_join`` (a membership change already wrote ``peer_lost``).
+
+        Args:
+            lc: the lifecycle, or None for a joiner that never started.
+            reason: the loop's reason (``LoopHooks.on_stop``).
+            step: the newest step taken.
+        """
+        rank = lc.topology.rank if lc is not None else None
+        if reason == "drain":
+            self.progress.write("draining", step=step, rank=rank)
+        elif reason == "fallback":
+            self.progress.write("resize_fallback", step=step, rank=rank)
+        elif reason == "job_complete":
+            self.progress.write("job_complete_before_join", reason="the job finished before this node could join it")
+
+    def on_finish(self, lc) -> None:
+        """Write this rank's final rows (:func:`write_final`) and the ``final`` line.
+
+        Args:
+            lc: the lifecycle, in the world that ran the last step.
+        """
+        t = lc.topology
+        path = write_final(lc, self.cfg, self.args.out)
+        self.progress.write(
+            "final", step=lc.step, rank=t.rank, world=t.world_size, generation=t.generation, path=str(path)
         )
-        while lc.next_step < args.steps:
-            step = lc.next_step
-            if resize is not None and resize.pending():
-                topo = reform(step, failed=False)
-                if topo is None:
-                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-                continue
-            t0 = time.time()
-            fields: dict = {}
-            try:
-                loss = step_fn(lc.context, step, fields)
-                if resize is not None:  # in process, a commit whose peer died re-forms too
-                    report = lc.commit(step)
-            except Exception as exc:
-                if resize is not None:  # a peer died mid-step: re-form now (raises if nobody left)
-                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
-                    topo = reform(step, failed=True)
-                    if topo is None:
-                        return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-                    continue
-                # A peer died mid-step. If a membership change explains it, the agent is about to
-                # restart us into a new world (free of --max-restarts): wait for its SIGTERM rather
-                # than exit with a failure. Nothing of this step was committed; it will be redone.
-                if watcher is not None and watcher.membership_change_pending(timeout=2.0):
-                    progress.write("peer_lost", step=step, rank=topo.rank, error=f"{type(exc).__name__}: {exc}"[:300])
-                    log.warning("step_failed_membership_changed", step=step, error=type(exc).__name__)
-                    return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-                raise
-            if resize is None:
-                report = lc.commit(step)
-            last_step_t[0] = time.time()
-            progress.write(
-                "step",
-                step=step,
-                rank=topo.rank,
-                world=topo.world_size,
-                generation=topo.generation,
-                loss=round(float(loss), 6),
-                seconds=time.time() - t0,
-                commit=record(report),
-                committed=lc.committed_step,  # complete; the step's own commit may be in flight
-                crc=shard_checksums(lc.context) if args.checksums else None,
-                **fields,
-            )
-            # Pacing for drills, after the progress line: a SIGTERM during the sleep loses no record.
-            delay = args.slow_delay if args.slow_file and args.slow_file.exists() else args.step_delay
-            if delay and not lc.draining:
-                _pace(delay, resize)
-            if lc.draining:
-                # The agent is about to restart us for a new world: everything up to `step` is
-                # committed; stop stepping and wait (bounded) for its SIGTERM.
-                progress.write("draining", step=step, rank=topo.rank)
-                if lc.wait_for_restart(args.drain_timeout):
-                    log.info("drained_for_restart", step=step)
-                    return 0
-                log.error("drain_not_restarted", step=step, timeout=args.drain_timeout)
-                return 3
-        if resize is not None and (resize.departure_seen() or resize.join_due()):
-            # A joiner became ready just before the last step: include it now, so that the world
-            # that writes the final tables is the one the joiner's agent is part of.
-            topo = reform(lc.step + 1, failed=False)
-            if topo is None:
-                return 0 if lc.wait_for_restart(args.drain_timeout) else 3
-        path = write_final(lc, cfg, args.out)
-        progress.write(
-            "final", step=lc.step, rank=topo.rank, world=topo.world_size, generation=topo.generation, path=str(path)
-        )
-        log.info("training_done", step=lc.step, final=str(path))
-        return 0
-    finally:
-        lc.close()
-        if watcher is not None:
-            watcher.stop()

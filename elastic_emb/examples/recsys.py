@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from elastic_emb.examples.loop import loop_parser, run_elastic
+from elastic_emb.examples.loop import DrillHooks, loop_parser
 
 GRAD_BITS = 10  # gradient grid 2**-10; |per-sample grad| <= 1, so batch <= 2**13 keeps fp32 sums exact
 DENSE_DIM = 16  # parameters per row of the `dense` table
@@ -289,7 +289,7 @@ def train_step(ctx, step: int, cfg: Config, seen: dict | None = None) -> float:
     return loss / max(1, len(labels))
 
 
-# -- the elastic training loop (elastic_emb/examples/loop.py) --------------------------------------
+# -- the elastic training loop (elastic_emb.run_elastic, with the drills' hooks) ------------------
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
@@ -311,21 +311,26 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
 
 
 def main(argv=None) -> int:
-    """Train with an ``EmbContext`` under :func:`~elastic_emb.examples.loop.run_elastic`.
+    """Train with an ``EmbContext`` under :func:`~elastic_emb.run_elastic`, with the drills' hooks.
 
     Args:
         argv: the command line; default ``sys.argv[1:]``.
 
     Returns:
-        The process exit code of :func:`~elastic_emb.examples.loop.run_elastic`.
+        The process exit code of :func:`~elastic_emb.run_elastic`.
     """
-    from elastic_emb import EmbContext, configure_logging
+    from elastic_emb import EmbContext, configure_logging, run_elastic
 
     args, cfg = parse_args(argv)
     configure_logging()
     factory = functools.partial(EmbContext, tables=table_specs(cfg), optimizer=optimizer_spec(cfg), seed=cfg.seed)
+    hooks = DrillHooks(args, cfg)
     return run_elastic(
-        factory, lambda ctx, step, fields: train_step(ctx, step, cfg, fields if args.checksums else None), args, cfg
+        factory,
+        lambda ctx, step: train_step(ctx, step, cfg, hooks.fields if args.checksums else None),
+        steps=args.steps,
+        hooks=hooks,
+        drain_timeout=args.drain_timeout,
     )
 
 
