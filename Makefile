@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # and timeouts, so two workers fill the two cores of a small machine
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-.PHONY: demo test check venv bench clean lint format image-check system-deps
+.PHONY: demo test check compat venv bench clean lint format image-check system-deps
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,18 @@ test: system-deps venv $(VENV)/.torchrec
 # mark it slow). Needs no system packages beyond a compiler for the native example.
 check: venv $(VENV)/.torchrec
 	$(PY) -m pytest -m "not slow and not gpu" --fast-tier --durations=10 $(PYTEST_ARGS)
+
+# Another torch (CI: 2.14.1): the fast tier and one drill, in a venv of its own. The TorchRec adapter
+# is verified with the torch of `make test` only (its fbgemm build matches that torch).
+COMPAT_TORCH ?= torch==2.14.1
+COMPAT_VENV ?= .venv-compat
+COMPAT_INDEX ?= pip
+compat:
+	$(MAKE) venv VENV=$(COMPAT_VENV) TORCH_SPEC='$(COMPAT_TORCH)' TORCH_INDEX='$(COMPAT_INDEX)'
+	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -m "not slow and not gpu" --fast-tier --ignore tests/test_adapters_torchrec.py \
+		-n 2 --dist loadfile $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python -m pytest tests/test_drill.py -k "loses_nothing and scale-down" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

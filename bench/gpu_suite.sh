@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU suite (issue 8): everything elastic_emb measures on NCCL, in one call on the 2-GPU machine.
+# The GPU suite: everything elastic_emb measures on NCCL, in one call on the 2-GPU machine.
 #
-#   bench/gpu_suite.sh [STEP ...]      STEP in: env tests unit lifecycle lookup reshard teardown nccl drill
+#   bench/gpu_suite.sh [STEP ...]      STEP in: env tests unit lifecycle lookup reshard teardown nccl drill fast
 #                                      (default: all but lifecycle, which tests includes), or on ONE GPU:
 #                                      onegpu (tests/test_context_cuda.py, tests/test_commit_cuda.py, tests/test_capture_failure.py + the gather test) and lookup1
 #                                      (bench/lookup.py --device cuda --ranks 1)
 #
 # Run from the repository root on the device machine, with the wheels of the packages its image
 # lacks carried in .whl/ (pydantic, pydantic-core, annotated-types, typing-inspection,
-# typing-extensions, structlog, pydantic-settings, python-dotenv, xxhash). Writes one JSON per benchmark and a log to
+# typing-extensions, structlog, and setuptools >= 77, which builds the package's PEP 639 metadata). Writes one JSON per benchmark and a log to
 # $OUT (or out/gpu), and prints a short table at the end. Never changes GPU settings; keeps
 # NVLink multicast off.
 set -uo pipefail
@@ -24,8 +24,8 @@ if [ -d .whl ]; then
     # entry point, so `torchrun --rdzv-backend=elastic_emb` finds the backend).
     rm -rf /tmp/site && mkdir -p /tmp/site
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site  # before the build: it needs the carried setuptools
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
-    export PYTHONPATH=/tmp/site
 fi
 
 run() {  # run NAME TIMEOUT CMD...: bounded, logged, never stops the suite
@@ -49,8 +49,9 @@ for step in $steps; do
     drill) run drill 420 $PY -m elastic_emb.cli.main drill --scenario gpu-2-1-2 --out "$OUT/drill" ;;
     lifecycle) run lifecycle 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_lifecycle.py ;;
     onegpu) run onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_context_cuda.py tests/test_commit_cuda.py tests/test_capture_failure.py "tests/test_context.py::test_gather_rows_reads_each_row_from_its_source" ;;
+    fast) run fast 400 $PY -m pytest -q -p no:cacheprovider -n 8 -m "not slow and not gpu" --fast-tier ;;
     lookup1) run lookup1 300 $PY bench/lookup.py --device cuda --ranks 1 --runs 7 --iters 10 --out "$OUT/lookup_1gpu.json" ;;
-    *) echo "unknown step $step (use: env tests unit lifecycle lookup reshard teardown nccl drill onegpu lookup1)"; exit 2 ;;
+    *) echo "unknown step $step (use: env tests unit lifecycle lookup reshard teardown nccl drill fast onegpu lookup1)"; exit 2 ;;
     esac
 done
 grep -E '^(=== |ranks|table|scenario|healthy|broken|destroy|live|snapshot|dcp|lookup|gather|all_to_all|PASS|FAIL|zero)' "$OUT/suite.log" | tail -80

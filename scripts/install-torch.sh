@@ -5,7 +5,9 @@
 #
 # TORCH_SPEC    the requirement (default torch==2.13.0), e.g. 'torch>=2.11'
 # TORCH_INDEX   the index to take torch from when no local wheel fits
-#               (default https://download.pytorch.org/whl/cpu, PyTorch's CPU builds)
+#               (default https://download.pytorch.org/whl/cpu, PyTorch's CPU builds); "pip": the
+#               indexes pip's own configuration names, whatever build they hold (CI's torch
+#               compatibility run takes a CUDA build that also runs on the CPU from a local mirror)
 # TORCH_DRY_RUN 1: ask pip what it would install (--dry-run), install nothing
 #
 # In order: torch already installed and matching TORCH_SPEC, or a wheel that pip's own configuration
@@ -27,6 +29,12 @@ say() { printf 'install-torch: %s\n' "$*" >&2; }
 #    so this answers at once. torch's own dependencies (small) then come from the usual indexes.
 if "$PY" -m pip install -q --no-index --no-deps "${DRY[@]}" "$SPEC" 2>/dev/null; then
     say "$SPEC: installed or from a local wheel (pip's find-links)"
+    "$PY" -m pip install -q "${DRY[@]}" "$SPEC"
+    exit 0
+fi
+
+if [ "$INDEX" = pip ]; then
+    say "$SPEC from pip's configured indexes"
     "$PY" -m pip install -q "${DRY[@]}" "$SPEC"
     exit 0
 fi
