@@ -24,7 +24,7 @@ from elastic_emb.errors import ElasticEmbError, TorchCompatError
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.decode import dump_state, load_state, node_id
 
-SUPPORTED_TORCH = ">=2.11,<2.15"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
+SUPPORTED_TORCH = ">=2.11,<2.16"  # keep in step with pyproject.toml (tests/test_torch_compat.py checks)
 
 
 def _fail(what: str) -> TorchCompatError:
