@@ -244,8 +244,10 @@ SMOKES: dict[str, Smoke] = {
         ("--device", "cpu", "--mib", "4", "--threads", "2", "--runs", "1", "--json", OUT),
         ("copy_fresh_ms", "fallocate_ms", "copy_populated_ms", "fallocate_parallel_each_ms"),
     ),
+    # --timeout is the context's, which also bounds each rank's first construction, a wait for the
+    # other rank's process to get there (its torch import: seconds apart on a loaded machine)
     "teardown": Smoke(
-        ("--device", "cpu", "--runs", "1", "--rows", "4096", "--timeout", "5", "--out", OUT), ("teardown", "rebuild")
+        ("--device", "cpu", "--runs", "1", "--rows", "4096", "--timeout", "30", "--out", OUT), ("teardown", "rebuild")
     ),
 }
 WORKERS = 3  # benches at a time (they mostly wait; more would fight over two cores)

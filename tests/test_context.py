@@ -177,9 +177,10 @@ def test_peer_killed_fails_fast_and_close_aborts():
     assert res[0].returncode == 0, res[0].stderr[-3000:]
     v = res[0].value
     assert v["err"] and "rank 0" in v["err"], v
+    # bounds: half the context's 20 s timeout (what a hang would take), the margin for a loaded machine
     assert v["failed_after"] < 10, v
     assert v["healthy_after_error"] is False and v["closed"] is True, v
-    assert v["close_s"] < 5, v
+    assert v["close_s"] < 10, v
 
 
 PEER_ABSENT = r"""

@@ -114,7 +114,7 @@ def test_after_an_in_process_re_form_the_drain_counts_the_new_world(running_roun
         assert master.get(prefix + KEY_WORLD_SIZE) == b"1", "rank 0 did not write the new world's count"
         result: dict = {}
         client = threading.Thread(
-            target=lambda: result.update(outcome=request_drain(target, timeout=10, poll=0.02)), daemon=True
+            target=lambda: result.update(outcome=request_drain(target, timeout=WAIT, poll=0.02)), daemon=True
         )
         client.start()
         step = 0

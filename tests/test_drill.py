@@ -24,6 +24,7 @@ from elastic_emb.drill import PRESETS, LossDetected, Scenario, chaos, load_scena
 from elastic_emb.drill.network import netns_works
 from elastic_emb.drill.replay import EXAMPLE, load_script
 from elastic_emb.drill.scenario import Fault
+from tests.helpers.drill_report import merge_restart_retries
 
 REPO = Path(__file__).resolve().parents[1]
 NETNS_OK, NETNS_WHY = netns_works()
@@ -715,8 +716,11 @@ def test_restart_mode_drill_of_the_in_process_presets_loses_nothing(tmp_path):
     assert report["ok"], _explain(report, out)
     v = report["verification"]
     assert v["ok"] and v["step"] == RESTART_MIX.steps - 1 and v["step_checksums_checked"] >= RESTART_MIX.steps
-    assert report["world_sizes"] == [1, 2, 2, 1], _explain(report, out)
-    causes = [(r["cause"], r["mode"], r["steps_lost"]) for r in report["resizes"]]
+    # the join and the crashed worker's return each take one round, or two when a node comes after
+    # the round's last call (a loaded machine): merged here, nothing may be lost in either
+    worlds, resizes = merge_restart_retries(report)
+    assert worlds == [1, 2, 2, 1], _explain(report, out)
+    causes = [(r["cause"], r["mode"], r["steps_lost"]) for r in resizes]
     assert causes == [
         ("join node1", "restart", 0),
         ("crash_worker node1", "restart", 0),

@@ -15,6 +15,7 @@ import os
 import pytest
 
 from elastic_emb.testing.etcd import EtcdServer, command, health
+from tests.helpers.drill_report import merge_restart_retries
 from tests.helpers.etcd_fixture import (
     etcd_server,  # noqa: F401  (the fixture)
     require_etcd,
@@ -139,12 +140,15 @@ def test_etcd_v3_drill_orphans_join_and_node_zero_loss_zero_loss(tmp_path):
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((out / "logs").glob("*.log")))
     assert report["ok"], (report.get("error"), report.get("verification"), logs)
     assert report["verification"]["ok"] and report["verification"]["step"] == scenario.steps - 1
-    assert report["world_sizes"] == [2, 1, 2, 1], report["world_sizes"]
-    causes = [r["cause"] for r in report["resizes"]]
+    # the join takes one round, or two when a node comes after the round's last call (a loaded
+    # machine): merged here
+    worlds, resizes = merge_restart_retries(report)
+    assert worlds == [2, 1, 2, 1], report["world_sizes"]
+    causes = [r["cause"] for r in resizes]
     assert causes == ["kill_agent node1", "join node2", "kill_node node0"], causes
     # node 0's rows came back from their replicas on node 2: world 2 had committed (the drill holds the
     # kill back until every rank of world 2 has a commit of it complete).
-    assert "replica" in report["resizes"][2]["source_tiers"], report["resizes"][2]
+    assert "replica" in resizes[2]["source_tiers"], resizes[2]
     assert report["orphans_alive_at_end"] == [], report["orphans_alive_at_end"]
     assert json.loads((out / "scenario.json").read_text())["etcd_api"] == "v3"
     print(
@@ -234,7 +238,10 @@ def _agent_handler(server, tmp_path, monkeypatch, inner="etcd-v2", **conf):
         inner=inner,
         event_file=str(events),
         keep_alive_interval="1",
-        keep_alive_max_attempt="1",
+        # heartbeat expiry 2 s: shorter than the outages below (2.5 s and more), so only the credit
+        # keeps a node alive through them, and still four beats (every 0.5 s) long: a beat that a
+        # loaded machine delays by a few hundred ms does not expire the node by itself
+        keep_alive_max_attempt="2",
         read_timeout="5",
         **conf,
     )
@@ -261,7 +268,7 @@ def _close(handler) -> None:
 def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_path, monkeypatch, inner):
     """etcd SIGKILLed for 2.5 s, bound 20 s: num_nodes_waiting (what torch's agent polls while its
     workers train) blocks through the outage and then answers 0, with no membership change, although
-    the outage outlasted the heartbeat expiry (1 s x 1): the heartbeats were credited."""
+    the outage outlasted the heartbeat expiry (1 s x 2): the heartbeats were credited."""
     import threading
     import time
 
@@ -273,8 +280,8 @@ def test_agent_rides_out_an_etcd_outage_shorter_than_the_bound(etcd_server, tmp_
         me = node_id(handler._inner._this_node)
         assert handler.num_nodes_waiting() == 0
         etcd_server.kill()
+        start = time.monotonic()  # before the timer starts: etcd is back 2.5 s after this at the earliest
         restart.start()
-        start = time.monotonic()
         assert handler.num_nodes_waiting() == 0
         took = time.monotonic() - start
         restart.join(30)
@@ -388,7 +395,7 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
 @pytest.mark.parametrize("inner", ["etcd-v2", "etcd-v3"])
 def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server, tmp_path, monkeypatch, inner):
     """A worker's watcher during an etcd outage: no departure, eviction or round change is inferred;
-    past its bound (1 s here) it says so (store_outage_exceeded), and when etcd is back the outage
+    past its bound (3 s here) it says so (store_outage_exceeded), and when etcd is back the outage
     ends (store_outage_s None) with the membership unchanged."""
     import time
 
@@ -406,21 +413,24 @@ def test_watcher_treats_an_etcd_outage_as_unknown_for_a_bounded_time(etcd_server
             node=handler._node,
             agent_pid=os.getppid(),
             interval=0.05,
-            store_outage_timeout=1.0,
+            store_outage_timeout=3.0,
             on_evicted=evicted.append,
         )
         with watcher:
             time.sleep(0.3)
             assert watcher.store_outage_s is None and watcher.events() == []
             etcd_server.kill()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30.0
+            while watcher.store_outage_s is None and time.monotonic() < deadline:  # its first failed read
+                time.sleep(0.01)
+            # seen at once (within a poll of ours): well inside the 3 s bound
             assert watcher.store_outage_s is not None and not watcher.store_outage_exceeded
             assert watcher.drain_requested(5) is False  # unknown: no drain can be seen
             assert watcher.membership_change_pending(timeout=0.3) is False
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + 30.0
             while not watcher.store_outage_exceeded and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert watcher.store_outage_exceeded and watcher.store_outage_s >= 1.0
+            assert watcher.store_outage_exceeded and watcher.store_outage_s >= 3.0
             assert not watcher.evicted and evicted == [] and watcher.events() == []
             etcd_server.start()
             deadline = time.monotonic() + 20.0

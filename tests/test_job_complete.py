@@ -29,6 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "helpers" / "late_joiner.py"
 WAIT = 120.0  # bound of every wait below (a loaded 2-core machine: a torchrun start takes 3-10 s)
 STEPS = 30
+# Seconds per step while the slow file exists: the world's remaining steps then outlast WAIT, so it
+# cannot finish before the joiner's agent is in its round however long that agent takes to start
+# (the wait for it fails first, naming it). Removing the file ends the slow pace after one step.
+SLOW_DELAY = 5.0
 
 
 def _agent(
@@ -98,7 +102,7 @@ def _agent(
         "--slow-file",
         str(out / "slow"),
         "--slow-delay",
-        "0.5",
+        str(SLOW_DELAY),
         "--drain-timeout",
         "60",
     ]

@@ -193,8 +193,12 @@ def test_an_exchange_missing_a_gone_rank_ends_and_one_it_completed_still_complet
     assert isinstance(other["out"].get("error"), _CommAborted), other["out"]
     # 2. rank 1 published its part before it left (a drain); rank 2 publishes after the give-up.
     c0, c1, c2 = _three_rank_comms(store, port, 2, timeout)
+    keys = store.num_keys()
     first = _exchange_in_thread(c1, "snap11")  # publishes, then waits for the others
-    time.sleep(0.2)
+    deadline = time.monotonic() + timeout / 2
+    while store.num_keys() == keys and time.monotonic() < deadline:  # its part is in the store (its first write)
+        time.sleep(0.01)
+    assert store.num_keys() > keys, "rank 1 never published its part"
     later = _exchange_in_thread(c0, "snap11")
     c0.give_up_on([1], "node B left the rendezvous")
     time.sleep(0.3)

@@ -141,7 +141,7 @@ def _watcher(port, node: _NodeDesc, rank: int, world: int, round_: int, evicted:
     )
 
 
-def _wait_events(w: Watcher, kinds: set[str], timeout: float = 5.0) -> list[MembershipEvent]:
+def _wait_events(w: Watcher, kinds: set[str], timeout: float = 30.0) -> list[MembershipEvent]:
     seen: list[MembershipEvent] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -273,18 +273,15 @@ def test_watcher_stop_is_bounded(rdzv_store):
     port, _, backend = rdzv_store
     a = _NodeDesc("127.0.0.1", 101, 0)
     _write(backend, _state(1, {a: 0}))
-    w = _watcher(
-        port,
-        a,
-        0,
-        1,
-        1,
-        [],
-    ).start()
-    t = time.monotonic()
-    w.stop()
-    assert time.monotonic() - t < 2.0
-    assert not any(t.name == "elastic_emb-watch" and t.is_alive() for t in threading.enumerate())
+    earlier = {x for x in threading.enumerate() if x.name == "elastic_emb-watch"}  # other tests' (stopping)
+    w = _watcher(port, a, 0, 1, 1, []).start()
+    t0 = time.monotonic()
+    w.stop(timeout=30.0)
+    # its thread ended (not just the join timing out) at its next wake (every 0.02 s); half the
+    # join's bound is the margin for a loaded machine
+    mine = [x for x in threading.enumerate() if x.name == "elastic_emb-watch" and x not in earlier]
+    assert not [x for x in mine if x.is_alive()], mine
+    assert time.monotonic() - t0 < 15.0
 
 
 def test_rdzv_state_cli_prints_the_decoded_state(rdzv_store):

@@ -116,7 +116,9 @@ def test_a_late_agent_with_a_slow_window_gets_into_the_wait_list(store, monkeypa
 
     def handler(i, backend_cls=C10dRendezvousBackend):
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), use_libuv=True)
-        params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "wp", 2, 4, local_addr=f"10.0.0.{i}", **conf)
+        # min_nodes 3: the round waits for all three running agents (with 2 it could complete at
+        # its last call without a third that a loaded machine delayed, which then sat in the wait list)
+        params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "wp", 3, 4, local_addr=f"10.0.0.{i}", **conf)
         inner = tc.create_inner_handler(client, backend_cls(client, "wp"), params)
         tc.set_cache_duration(inner, 0.1)
         priority = WritePriority(client, KEY, f"node{i}", Signer(None), 8.0, LOG)

@@ -79,13 +79,14 @@ def look_once_more_on_sigterm(watcher, gen: int, rank: int) -> None:
     arrives. Without this last look, a join is seen only if the watcher's 0.1 s poll catches the
     wait list and the main loop logs it before the SIGTERM, which comes 0.1 to ~1 s after the
     joiner entered the wait list (the agent's 1 s state cache): a race that a stall loses. The
-    look is bounded (2 s; torch waits 30 s before SIGKILL). The elastic_emb backend needs none:
-    it drains first, and its SIGTERM timings are what bench/resize.py measures.
+    look is bounded (10 s, generous for a loaded machine: it ends as soon as the watcher's thread
+    reports the join; torch waits 30 s before SIGKILL). The elastic_emb backend needs none: it
+    drains first, and its SIGTERM timings are what bench/resize.py measures.
     """
 
     def on_sigterm(signum, frame):
         try:
-            watcher.membership_change_pending(timeout=2.0)
+            watcher.membership_change_pending(timeout=10.0)
             log_watch_events(watcher, gen, rank)
             log({"ev": "sigterm", "gen": gen, "rank": rank})
         finally:
@@ -360,7 +361,10 @@ def main_lifecycle() -> int:
                 continue
             # A peer vanished mid-collective. If the membership changed, the agent is about to
             # restart us: wait for its SIGTERM rather than fail (a failure spends restart budget).
-            if watcher is not None and watcher.membership_change_pending(timeout=3.0):
+            # The change may show only a while after the collective failed (a SIGTERMed agent
+            # leaves at its exit, after stopping its workers; a dead one's heartbeat expires):
+            # the bound is generous for a loaded machine, and the wait ends as soon as it shows.
+            if watcher is not None and watcher.membership_change_pending(timeout=30.0):
                 log({"ev": "collective_failed_membership", "gen": topo.generation, "rank": topo.rank, "step": step})
                 time.sleep(30)
             raise
