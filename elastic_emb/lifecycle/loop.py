@@ -34,6 +34,11 @@ from elastic_emb.watch.watcher import Watcher
 if TYPE_CHECKING:
     from elastic_emb.protocol import ShardedContext
 
+# How long a failed step waits for the membership change that would explain it: a SIGTERMed agent's
+# "left" mark comes only after it stopped its workers, and a dead node shows at its heartbeat expiry;
+# a loaded machine adds seconds to both. A real failure is re-raised this much later, no more.
+MEMBERSHIP_WAIT_S = 15.0
+
 log = get_logger("elastic_emb.lifecycle.loop")
 
 EXIT_OK = 0
@@ -242,7 +247,7 @@ class _Loop:
                 # Restart mode: when a membership change explains the failure, the agent is about
                 # to restart this worker into the new world (free of --max-restarts): wait for it
                 # rather than fail. Nothing of this step was committed; it runs again.
-                if self.watcher is not None and self.watcher.membership_change_pending(timeout=2.0):
+                if self.watcher is not None and self.watcher.membership_change_pending(timeout=MEMBERSHIP_WAIT_S):
                     log.warning("loop.step_failed_membership_changed", step=step, error=type(exc).__name__)
                     hooks.on_step_failed(lc, step, exc)
                     return self._stop("membership")
