@@ -16,7 +16,7 @@
   the start of the session, niced, and its tests run last: on a clean machine the compile (18 s
   of one core, the module's whole set-up) then overlaps the other tests, which leave a core idle
   much of the time (they wait on torchrun agents, heartbeats and sleeps). The tests themselves
-  still call ``build()``, which waits for that compile (torch's lock in the build directory) or
+  still call ``build()``, which waits for that compile (a flock in the build directory) or
   loads what it left in the cache; a failed background compile is redone and reported there.
 """
 
@@ -107,8 +107,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # Never kill it: a compile stopped hard would leave torch's lock file in the build directory,
-    # and every later build() would wait on it. It ends on its own (or with the session's Ctrl-C).
+    # Let it finish rather than kill it: a compile stopped hard leaves a half-written build
+    # directory for the next build() to redo. It ends on its own (or with the session's Ctrl-C).
     if _native_build is not None and _native_build.poll() is None:
         try:
             _native_build.wait(timeout=600)

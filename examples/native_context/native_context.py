@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,23 +65,54 @@ def cache_dir() -> Path:
     return Path(root) / f"torch{torch.__version__.replace('+', '_')}-{kind}-{digest}"
 
 
+BUILD_TIMEOUT_S = 600.0  # a compile takes well under a minute; another one's lock is waited for this long
+
+
 def build(verbose: bool = False):
-    """Compile (first time on this machine) or load (every later time) the extension module."""
+    """Compile (first time on this machine) or load (every later time) the extension module.
+
+    Args:
+        verbose: show the compiler's output.
+
+    Returns:
+        The loaded extension module.
+
+    Raises:
+        TimeoutError: another process held the build lock for longer than ``BUILD_TIMEOUT_S``.
+    """
     global _module
     if _module is None:
+        import fcntl
+
         from torch.utils import cpp_extension
 
         where = cache_dir()
         where.mkdir(parents=True, exist_ok=True)
-        # torch's loader takes a file lock in the build directory: ranks starting at once wait for
-        # one compile instead of racing.
-        _module = cpp_extension.load(
-            name="elastic_emb_async_emb",
-            sources=[str(SOURCE)],
-            build_directory=str(where),
-            extra_cflags=["-O1"],
-            verbose=verbose,
-        )
+        # Processes starting at once wait for one compile instead of racing. The kernel's lock,
+        # not torch's lock file: a compile killed midway leaves torch's file behind, and every later
+        # load would wait on it forever; a flock ends with its process. Holding it, any torch lock
+        # file left in the directory is stale.
+        with open(where / "build.flock", "w") as guard:
+            deadline = time.monotonic() + BUILD_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"another process has compiled in {where} for over {BUILD_TIMEOUT_S:.0f} s; "
+                            f"stop it, or remove {where} and retry"
+                        ) from None
+                    time.sleep(0.2)
+            (where / "lock").unlink(missing_ok=True)
+            _module = cpp_extension.load(
+                name="elastic_emb_async_emb",
+                sources=[str(SOURCE)],
+                build_directory=str(where),
+                extra_cflags=["-O1"],
+                verbose=verbose,
+            )
     return _module
 
 
