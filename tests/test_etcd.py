@@ -362,11 +362,9 @@ def test_store_host_loss_drill_trains_through_an_etcd_outage_zero_loss(tmp_path)
     # what must hold is one node, then two, never fewer, and every row equal to the replay (above).
     sizes = [w for i, w in enumerate(report["world_sizes"]) if i == 0 or w != report["world_sizes"][i - 1]]
     assert sizes == [1, 2], report["world_sizes"]
-    # Every re-form, the one at world 1 that the outage may cost included, loses nothing, and
-    # exactly one changes the world: the join, 1 -> 2.
-    assert all(r["steps_lost"] == 0 for r in report["resizes"]), report["resizes"]
-    changes = [(r["from_world"], r["to_world"]) for r in report["resizes"] if r["from_world"] != r["to_world"]]
-    assert changes == [(1, 2)], report["resizes"]
+    # One re-form, the join, losing nothing: the outage itself costs none (a worker that read the
+    # store between steps crashed on the outage, and its restart showed here as a second re-form).
+    assert [r["steps_lost"] for r in report["resizes"]] == [0], report["resizes"]
     assert [f["kind"] for f in report["faults"]] == ["kill_store", "join"], report["faults"]
 
     agent = [

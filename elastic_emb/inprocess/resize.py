@@ -292,9 +292,10 @@ class InProcessResize:
         :meth:`pending`.
 
         Returns:
-            True when the plan is published (False when in-process resize is off).
+            True when the plan is published (False when in-process resize is off, or while the
+            store is unreachable: the outage is the watcher's to count, as at a step boundary).
         """
-        return self.enabled and self._read_plan() is not None
+        return self.enabled and self._current_plan(publish=False) is not None
 
     def _probe_neighbour(self) -> None:
         """A tick of the neighbour probe (``rollcall.watch_neighbour``, local rank 0 only): a
