@@ -12,15 +12,10 @@ import threading
 import pytest
 import structlog
 import torch
-import torch.distributed as dist
 
 from elastic_emb.progress import BAR_WIDTH, Progress
-from elastic_emb.protocol import ContextBase, ShardData
-from elastic_emb.sharding import owned_range
 from elastic_emb.state import SnapshotTier, restore
-from elastic_emb.state.comm import Comm
-from elastic_emb.testing.ports import free_port
-from elastic_emb.topology import Topology
+from tests.test_state import TinyContext, world1  # noqa: F401 - the restore harness and its fixture
 
 
 class Clock:
@@ -305,58 +300,6 @@ def test_the_shared_thread_reports_on_its_own():
 
 
 # -- one real restore ------------------------------------------------------------------------------
-
-
-class TinyContext(ContextBase):
-    """One table of 40 rows in plain tensors (no shard_views: restore imports a filled copy)."""
-
-    owner_ranks = None
-
-    def __init__(self, topology, n=40):
-        self.topology = topology
-        self.rows = owned_range(n, topology.ep_size, topology.rank)
-        self.w = torch.zeros(len(self.rows), 3)
-        self.acc = torch.zeros(len(self.rows))
-
-    def export_shard(self):
-        return {"t": ShardData("t", self.rows, self.w.clone(), {"acc": self.acc.clone()})}
-
-    def import_shard(self, shards):
-        self.w.copy_(shards["t"].weight)
-        self.acc.copy_(shards["t"].slots["acc"])
-
-    def reset(self, rank, world_size):
-        raise AssertionError("not used")
-
-    def close(self):
-        pass
-
-
-@pytest.fixture
-def world1():
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    gen = [0]
-
-    def make():
-        gen[0] += 1
-        topo = Topology.build(
-            run_id="unit",
-            generation=gen[0],
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            local_world_size=1,
-            node_rank=0,
-            num_nodes=1,
-            ep_size=1,
-            backend="gloo",
-            master_addr="127.0.0.1",
-            master_port=port,
-        )
-        return topo, Comm(topo, store, None, timeout=30)
-
-    return make
 
 
 def test_a_real_restore_and_reshard_report_every_byte_they_fill(tmp_path, world1, monkeypatch):
