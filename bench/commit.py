@@ -176,10 +176,9 @@ def worker(args) -> None:
                         rec[mb][key].append(v)
         results[mode] = rec
         for tier in tiers.values():
-            tier.cancel_fold()
-        for mb in sizes:
-            shutil.rmtree(Path(args.state_dir) / f"{mode}-{mb}", ignore_errors=True)
-        comm.barrier(f"{mode}-cleaned")
+            if not tier.cancel_fold():
+                raise SystemExit(f"rank {topo.rank}: a fold of {mode} still runs after 10 s")
+        remove_tiers(comm, args.state_dir, [f"{mode}-{mb}" for mb in sizes], mode)
 
     # Restore: per size, a base + the longest chain (two fold windows) in one tier and a full base
     # of the same rows in another; restores from the two alternate, each into a fresh context
@@ -229,9 +228,7 @@ def worker(args) -> None:
                         f"committed rows (step {rep_.step})"
                     )
         results["restore"][str(mb)] = {**times, "deltas": longest}
-        for name in (f"chain-{mb}", f"full-{mb}"):
-            shutil.rmtree(Path(args.state_dir) / name, ignore_errors=True)
-        comm.barrier(f"restore-{mb}-cleaned")
+        remove_tiers(comm, args.state_dir, [f"chain-{mb}", f"full-{mb}"], f"restore-{mb}")
     if "scaling" in phases:
         results["scaling"] = scaling(args, sizes, rows_of, Ctx, tier_for, comm)
     results["shard_bytes"] = {
@@ -239,6 +236,17 @@ def worker(args) -> None:
     }
     comm.close()
     print(json.dumps({"rank": topo.rank, "results": results}), flush=True)
+
+
+def remove_tiers(comm, state_dir: str, names: list[str], phase: str) -> None:
+    """Delete a phase's tiers once every rank is done with them. The tiers' directories are shared
+    by the ranks of this host: a rank that deleted them as soon as its own last commit or restore
+    returned would pull them from under a slower rank still writing or reading there."""
+    comm.barrier(f"{phase}-done")
+    if comm.rank == 0:
+        for name in names:
+            shutil.rmtree(Path(state_dir) / name, ignore_errors=True)  # `none` writes no tier
+    comm.barrier(f"{phase}-cleaned")
 
 
 def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
@@ -267,9 +275,7 @@ def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
                 rec[mb]["wall_s"].append(t1 - t0)
                 rec[mb]["cpu_s"].append(c1 - c0)
                 rec[mb]["base"].append(step % (args.scaling_max_chain + 1) == 0)
-    for mb in sizes:
-        shutil.rmtree(Path(args.state_dir) / f"scaling-{mb}", ignore_errors=True)
-    comm.barrier("scaling-cleaned")
+    remove_tiers(comm, args.state_dir, [f"scaling-{mb}" for mb in sizes], "scaling")
     return {str(mb): v for mb, v in rec.items()}
 
 

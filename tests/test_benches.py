@@ -342,20 +342,9 @@ def runs(request, tmp_path_factory) -> dict[str, Future]:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-# A known defect, not a race of this test: in 2 of 4 runs of the suite (two xdist workers) rank 1
-# of bench/commit.py stopped after its last incremental commit and never reached the next barrier
-# (rank 0: "ranks [1] did not publish within 120s"). Not diagnosed yet; the other benches, and the
-# commit tests of tests/test_state.py, are unaffected. Remove the mark once it is found.
-COMMIT_HANG = "bench/commit.py: rank 1 intermittently stuck after its last incremental commit (under investigation)"
-PARAMS = [
-    pytest.param(n, marks=pytest.mark.xfail(strict=False, reason=COMMIT_HANG)) if n == "commit" else n
-    for n in sorted(SMOKES)
-]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", sorted(SMOKES))
 def test_bench_runs_and_reports(name, runs, tmp_path):
     smoke = SMOKES[name]
     reason = _missing(smoke)
