@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -165,8 +167,25 @@ def kill_all(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill every process still running and reap it; its reader thread (:func:`collect`) drains
+    its pipes, so nothing here reads them."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def collect(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> list[dict]:
     """Each rank's result, the last line it printed, parsed as JSON, within one deadline.
+
+    Every rank's output is read at once (one thread each), so the rank that fails first is the one
+    reported: a rank that dies leaves the others waiting in a collective until their own timeout,
+    and reporting them instead would name a waiter, not the cause.
 
     Args:
         procs: the rank processes, in rank order, their stdout and stderr piped as text.
@@ -178,19 +197,31 @@ def collect(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> lis
 
     Raises:
         RuntimeError: a rank exited non-zero, printed nothing, or did not finish in time; every
-            rank is killed first, and the message carries the failed rank's stderr tail.
+            rank is killed first, and the message carries the first failed rank's stderr tail.
     """
-    out = []
-    deadline = time.monotonic() + timeout
-    for rank, p in enumerate(procs):
+    ended: queue.Queue[tuple[int, str, str]] = queue.Queue()
+
+    def read(rank: int, p: subprocess.Popen) -> None:
         try:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_all(procs)
-            raise RuntimeError(f"{what}: rank {rank} did not finish within {timeout}s") from None
+            so, se = p.communicate()
+        except (ValueError, OSError) as exc:  # its pipes closed under it: report it as failed
+            so, se = "", f"its output could not be read: {exc}"
+        ended.put((rank, so or "", se or ""))
+
+    for rank, p in enumerate(procs):
+        threading.Thread(target=read, args=(rank, p), name=f"collect-{rank}", daemon=True).start()
+    out: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        try:
+            rank, so, se = ended.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            waiting = [r for r in range(len(procs)) if r not in out]
+            _stop(procs)
+            raise RuntimeError(f"{what}: ranks {waiting} did not finish within {timeout}s") from None
         lines = so.strip().splitlines()
-        if p.returncode != 0 or not lines:
-            kill_all(procs)
-            raise RuntimeError(f"{what}: rank {rank} failed (rc={p.returncode}):\n{se[-4000:]}")
-        out.append(json.loads(lines[-1]))
-    return out
+        if procs[rank].returncode != 0 or not lines:
+            _stop(procs)
+            raise RuntimeError(f"{what}: rank {rank} failed (rc={procs[rank].returncode}):\n{se[-4000:]}")
+        out[rank] = json.loads(lines[-1])
+    return [out[r] for r in range(len(procs))]
