@@ -80,7 +80,10 @@ class Settings(BaseModel):
         le=65535,
     )
     metrics_addr: str = _setting("0.0.0.0", "the address the metrics endpoints bind", min_length=1)
-    debug: bool = _setting(False, "1: the CLI shows Python and C++ stacks on errors")
+    debug: bool = _setting(
+        False,
+        "1: the CLI shows Python and C++ stacks on errors, and the rendezvous backend the stack of a refused `--rdzv-conf`",
+    )
     nonfinite_gradients: Literal["raise", "skip"] = _setting(
         "raise",
         "NaN/inf gradients in `apply_gradients`: `raise` refuses the call (no row changes), `skip` "

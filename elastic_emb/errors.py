@@ -105,6 +105,23 @@ class ConfigError(ElasticEmbError, ValueError):
     """An ``ELASTIC_EMB_*`` environment variable has a bad value or is unknown (elastic_emb.config)."""
 
 
+class RendezvousConfigError(SystemExit, ConfigError):
+    """A ``--rdzv-conf`` value or the ``--rdzv-id`` is refused before the agent builds anything.
+
+    A ``ValueError`` for callers; a ``SystemExit`` too, so that torchrun (whose ``@record``
+    re-raises a non-zero ``SystemExit``) prints its one-line message and exits 1 without a stack.
+
+    Args:
+        message: one line naming the key, the value and the remedy.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # The exit status: a SystemExit whose code is a string prints it and exits 1 (None would
+        # exit 0, silently).
+        self.code = message
+
+
 # -- rendezvous, watcher and drain ---------------------------------------------------------------
 
 

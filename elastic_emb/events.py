@@ -11,7 +11,6 @@ Design: ``docs/CORE.md`` (section "Events and logs").
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from typing import Any
@@ -86,8 +85,7 @@ class _Tee:
     def __init__(self, path: str | None) -> None:
         self._lock = threading.Lock()
         self._file = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if path:  # its directory must exist: a mistyped path must not create directories
             self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the process
 
     def msg(self, message: str) -> None:
@@ -110,15 +108,15 @@ def event_logger(path: str | None, **bound: Any):
     and level: every event is written, as JSON.
 
     Args:
-        path: a file to append every line to as well (its directory is created); None: stderr
-            only.
+        path: a file to append every line to as well (created; its directory must exist);
+            None: stderr only.
         bound: fields bound to every event.
 
     Returns:
         A bound structlog logger.
 
     Raises:
-        OSError: if the directory of ``path`` cannot be created or the file cannot be opened.
+        OSError: if the file cannot be opened (its directory does not exist, or no permission).
     """
     return structlog.wrap_logger(_Tee(path), processors=_processors(structlog.processors.JSONRenderer())).bind(**bound)
 

@@ -29,6 +29,7 @@ from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE, AckCounter, read_expe
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_STOP_STEP, round_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.state.paths import check_name
 
 
 class DrainTarget(BaseModel):
@@ -63,7 +64,8 @@ class DrainTarget(BaseModel):
             The target.
 
         Raises:
-            DrainError: no endpoint is known, or the inner backend is not supported.
+            DrainError: no endpoint is known, the inner backend is not supported, or the run id is
+                not a plain name.
             ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
         """
         from elastic_emb.config import load
@@ -80,6 +82,10 @@ class DrainTarget(BaseModel):
         run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("PET_RDZV_ID") or "none"
         if inner not in ("c10d", "etcd-v2", "etcd-v3"):
             raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d, etcd-v2 or etcd-v3")
+        try:
+            check_name(run_id, "run id")
+        except ValueError as exc:
+            raise DrainError(f"{exc}; pass the job's --rdzv-id as --run-id") from None
         return cls(inner=inner, endpoint=endpoint, run_id=run_id)
 
 

@@ -177,7 +177,7 @@ def example_path() -> None:
 
 @main.command("rdzv-state")
 @click.option("--endpoint", required=True, help="The --rdzv-endpoint, HOST:PORT.")
-@click.option("--run-id", required=True, help="The --rdzv-id.")
+@click.option("--run-id", required=True, callback=lambda ctx, param, value: _plain_run_id(value), help="The --rdzv-id.")
 @click.option(
     "--inner", type=click.Choice(["c10d", "etcd-v2", "etcd-v3"]), default="c10d", help="The rendezvous state backend."
 )
@@ -299,6 +299,26 @@ def drain_cmd(
     raise SystemExit(0 if result.ok else 3)
 
 
+def _plain_run_id(value: str | None) -> str | None:
+    """``value`` if it is None or a plain name (a run id names store keys and a directory).
+
+    Raises:
+        click.BadParameter: naming the value and the names allowed (exit 2).
+    """
+    from elastic_emb.state.paths import check_name
+
+    if value is not None:
+        try:
+            check_name(value, "run id")
+        except ValueError:
+            shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
+            raise click.BadParameter(
+                f"{shown} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', not starting with '.'",
+                param_hint="--run-id",
+            ) from None
+    return value
+
+
 @main.command("state")
 @click.option(
     "--state-dir", default=None, help="Snapshot root [default: ELASTIC_EMB_STATE_DIR, else /dev/shm/elastic_emb]."
@@ -329,7 +349,7 @@ def state_cmd(state_dir: str | None, run_id: str | None, durable_dir: str | None
         raise UserError(f"{exc}; fix the variable or pass --state-dir/--durable-dir") from None
     given = state_dir is not None
     state_dir = state_dir or settings.state_dir
-    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    run_id = _plain_run_id(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "none")
     durable_dir = durable_dir or settings.durable_dir
     source = (
         "--state-dir"

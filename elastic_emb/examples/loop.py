@@ -142,9 +142,14 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
         The parser.
     """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="Train steps 0..steps-1 (global count, across restarts).")
+    p.add_argument(
+        "--steps",
+        type=_int_in(1, 2**40),
+        default=100,
+        help="Train steps 0..steps-1 (global count, across restarts).",
+    )
     p.add_argument("--out", type=Path, required=True, help="Directory for progress lines and the final tables.")
-    p.add_argument("--step-delay", type=float, default=0.0, help="Seconds to sleep per step (paces drills).")
+    p.add_argument("--step-delay", type=_seconds, default=0.0, help="Seconds to sleep per step (paces drills).")
     p.add_argument(
         "--slow-file",
         type=Path,
@@ -152,16 +157,50 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
         help="While this file exists, sleep --slow-delay per step instead (drills slow training down "
         "while a resize is in flight, so a short run cannot end before it lands).",
     )
-    p.add_argument("--slow-delay", type=float, default=0.25)
+    p.add_argument("--slow-delay", type=_seconds, default=0.25)
     p.add_argument(
         "--checksums", action="store_true", help="Add per-table CRC32s of this rank's rows to each step line."
     )
     p.add_argument(
-        "--drain-timeout", type=float, default=120.0, help="Seconds to wait for the agent's restart when draining."
+        "--drain-timeout",
+        type=_seconds,
+        default=120.0,
+        help="Seconds to wait for the agent's restart when draining.",
     )
     for field, default in asdict(cfg).items():
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
+        lo, hi = _CONFIG_RANGES.get(field, (1, 2**31 - 1))  # sizes and counts: at least one
+        p.add_argument("--" + field.replace("_", "-"), type=_int_in(lo, hi), default=default)
     return p
+
+
+# The workload options that are not sizes: their ranges (every other option is a size, >= 1).
+_CONFIG_RANGES = {"seed": (0, 2**63 - 1), "lr_log2": (-40, 0)}
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``[lo, hi]``, else a one-line usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: finite seconds in ``[0, 86400]``, else a one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value <= 86400.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 86400] seconds")
+    return value
 
 
 class DrillHooks(LoopHooks):

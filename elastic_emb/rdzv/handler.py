@@ -25,7 +25,7 @@ from typing import Any
 from elastic_emb import metrics
 from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
-from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig
+from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
@@ -680,11 +680,13 @@ def create_handler(params: Any) -> ElasticEmbRendezvousHandler:
         The handler.
 
     Raises:
-        ValueError: for an invalid ``--rdzv-conf``.
+        RendezvousConfigError: for an invalid ``--rdzv-conf`` or ``--rdzv-id`` (a ``ValueError``, and
+            a ``SystemExit`` that torchrun prints as one line).
         RuntimeError: when the inner backend's module cannot be imported, naming what to install.
         StoreOutageError: when the store stays unreachable past ``store_outage_timeout``.
         TorchCompatError: when the installed torch lacks what the backend uses.
     """
+    check_run_id(params.run_id)
     config = ListenerConfig.from_params(params.config)
     # Before torch builds anything: the inner handler reads it in next_rendezvous, the agent in
     # _start_workers.
