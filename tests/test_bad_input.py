@@ -173,3 +173,19 @@ def test_torchrun_stops_on_bad_input_with_one_line_and_no_stack(case, tmp_path):
     last = ran.stderr.strip().splitlines()[-1]
     assert last.startswith("elastic_emb rendezvous: ") and message in last, ran.stderr[-3000:]
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("digits", ["\u00b2", "\u0661\u0662", "\uff11\uff12"])  # superscript, Arabic-Indic, fullwidth
+def test_numbers_read_from_input_are_ascii_digits_only(digits):
+    # str.isdigit() is true for these, and int() then fails (or reads a non-ASCII number): each
+    # parser refuses them as it refuses any other malformed value, without a raw exception
+    from elastic_emb.cli.console import UserError
+    from elastic_emb.cli.main import probe_endpoint
+    from elastic_emb.rdzv.etcd_v3 import _token
+    from elastic_emb.rdzv.etcd_v3_client import parse_endpoints
+
+    assert _token(digits) is None and _token(digits.encode()) is None
+    with pytest.raises(ValueError, match=r"must be HOST:PORT"):
+        parse_endpoints(f"127.0.0.1:{digits}")
+    with pytest.raises(UserError, match=r"write HOST:PORT"):
+        probe_endpoint(f"127.0.0.1:{digits}", "--endpoint", 1.0)

@@ -79,7 +79,7 @@ def probe_endpoint(endpoint: str, option: str, timeout: float) -> tuple[str, int
         raise UserError("; ".join(errors) or f"{option} {endpoint!r}: write HOST:PORT[,HOST:PORT...]")
     host, sep, port = endpoint.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise UserError(f"{option} {endpoint!r}: write HOST:PORT, e.g. 127.0.0.1:29400")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):

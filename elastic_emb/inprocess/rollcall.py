@@ -286,7 +286,7 @@ class Prober:
                 return None
             value = read_signed(self._store, self._signer, key, self._log)
             host, _, port = (value or b"").decode().rpartition(":")
-            if not host or not port.isdigit() or host != node.rsplit("_", 2)[0]:
+            if not host or not (port.isascii() and port.isdigit()) or host != node.rsplit("_", 2)[0]:
                 self._log.warning("liveness_address_rejected", node=node, value=(value or b"")[:80])
                 return None
             self._addrs[(node, local_rank)] = (host, int(port))

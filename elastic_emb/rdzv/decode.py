@@ -177,7 +177,7 @@ class RendezvousView(BaseModel):
 
         def part(i: int, n: str) -> Participant:
             bits = n.rsplit("_", 2)
-            if len(bits) == 3 and bits[1].isdigit():
+            if len(bits) == 3 and (bits[1].isascii() and bits[1].isdigit()):
                 return Participant(node=n, addr=bits[0], pid=int(bits[1]), rank=i)
             return Participant(node=n, addr=n, pid=0, rank=i)
 

@@ -63,7 +63,7 @@ def _token(token: Any) -> int | None:
         return token if token > 0 else None
     if isinstance(token, (str, bytes)):
         text = token.decode(errors="replace") if isinstance(token, bytes) else token
-        return int(text) if text.isdigit() and int(text) > 0 else None
+        return int(text) if (text.isascii() and text.isdigit()) and int(text) > 0 else None
     return None
 
 

@@ -152,7 +152,7 @@ def parse_endpoints(endpoint: str, protocol: str = "http") -> list[str]:
         else:
             host, sep, port = part.partition(":")
             port = port if sep else str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"etcd endpoint {part!r} (in {endpoint!r}) must be HOST:PORT; separate members with ','")
         urls.append(f"{protocol}://{host}:{port}")
     if not urls:

@@ -47,7 +47,7 @@ class RendezvousReader:
         self.backend = backend
         self.run_id = run_id
         host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not (port.isascii() and port.isdigit()):
             raise ValueError(f"{ENV_RDZV_ENDPOINT}={endpoint!r} must be HOST:PORT")
         self.endpoint = endpoint
         if backend == "c10d":

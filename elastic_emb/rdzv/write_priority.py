@@ -82,7 +82,7 @@ class WritePriority:
         if not value or len(value) > MAX_CLAIM_BYTES or now - self._seen[1] > self.stale_after:
             return None
         node, _, losses = value.decode("utf-8", "replace").rpartition(" ")
-        return node if node and losses.isdigit() else None
+        return node if node and (losses.isascii() and losses.isdigit()) else None
 
     def before_write(self) -> None:
         """Wait while another node's live claim stands, at most ``yield_max`` seconds. The

@@ -120,7 +120,7 @@ def remove_dead_spares(node_dir: Path) -> None:
     """
     for d in Path(node_dir).glob(".spare-*"):
         pid = d.name.removeprefix(".spare-")
-        if not pid.isdigit():
+        if not (pid.isascii() and pid.isdigit()):
             continue
         try:
             os.kill(int(pid), 0)
