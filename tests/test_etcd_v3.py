@@ -116,6 +116,24 @@ def test_state_key_is_leased_for_ttl(etcd_server):
 
 
 @pytest.mark.slow
+def test_a_lease_etcd_no_longer_has_is_replaced_at_the_next_write(etcd_server):
+    # as after etcd restarts with an empty data directory: the backend's lease is gone, and
+    # every write attached to it fails until the lease is renewed (ttl/3 later), unless replaced
+    backend, _ = _backend(etcd_server, run_id="revoked", ttl="600")
+    _, token, written = backend.set_state(b"first")
+    assert written
+    client = v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint)
+    key = base64.b64encode(v3.state_key("revoked").encode()).decode()
+    old_lease = int(client.call("kv/range", {"key": key})["kvs"][0]["lease"])
+    client.call("lease/revoke", {"ID": str(old_lease)})  # deletes the key attached to it, too
+    assert backend.get_state() is None
+    assert backend.set_state(b"second", None)[2]  # written, under a new lease
+    kv = client.call("kv/range", {"key": key})["kvs"][0]
+    assert base64.b64decode(kv["value"]) == base64.b64encode(b"second")
+    assert int(kv["lease"]) not in (0, old_lease)
+
+
+@pytest.mark.slow
 def test_store_set_get_add_check_wait_compare_delete(etcd_server):
     _, store = _backend(etcd_server)
     store.set_timeout(timedelta(seconds=2))

@@ -55,6 +55,10 @@ def state_key(run_id: str) -> str:
     return STATE_PREFIX + run_id
 
 
+# etcd's answer to a write attached to a lease it does not have (gRPC NOT_FOUND).
+LEASE_GONE = "requested lease not found"
+
+
 def _token(token: Any) -> int | None:
     """A token this backend issued (a positive revision), or None for anything else."""
     if isinstance(token, bool):
@@ -142,10 +146,19 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if revision is None:  # not a token this backend issued: nothing is written
             current = self.get_state()
             return None if current is None else (*current, False)
-        lease = self._lease_id()
-        written, new_rev, current = self._call(
-            self._client.put_if, self._key, base64.b64encode(state), mod_revision=revision, lease=lease
-        )
+        try:
+            written, new_rev, current = self._client.put_if(
+                self._key, base64.b64encode(state), mod_revision=revision, lease=self._lease_id()
+            )
+        except EtcdV3Error as exc:
+            if LEASE_GONE not in str(exc):
+                raise RendezvousConnectionError(f"etcd refused a rendezvous call: {exc}") from exc
+            # etcd no longer has the lease (its data was wiped, or the lease was revoked): the
+            # lease kept here would fail every write until its renewal at ttl/3. Take a new one now.
+            self._lease = None
+            written, new_rev, current = self._call(
+                self._client.put_if, self._key, base64.b64encode(state), mod_revision=revision, lease=self._lease_id()
+            )
         if written:
             return state, new_rev, True
         return None if current is None else (*self._decode(current), False)
