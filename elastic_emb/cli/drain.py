@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +30,7 @@ from elastic_emb.rdzv.drain_acks import NO_WATCHERS_GRACE, AckCounter, read_expe
 # tests/test_deploy.py runs this client against real watchers.
 from elastic_emb.rdzv.keys import KEY_DRAIN, KEY_STOP_STEP, round_prefix
 from elastic_emb.rdzv.signing import Signer, read_signed
-from elastic_emb.state.paths import check_name
+from elastic_emb.topology import SAFE_NAME
 
 
 class DrainTarget(BaseModel):
@@ -82,10 +83,11 @@ class DrainTarget(BaseModel):
         run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("PET_RDZV_ID") or "none"
         if inner not in ("c10d", "etcd-v2", "etcd-v3"):
             raise DrainError(f"inner rendezvous backend {inner!r} is not supported: use c10d, etcd-v2 or etcd-v3")
-        try:
-            check_name(run_id, "run id")
-        except ValueError as exc:
-            raise DrainError(f"{exc}; pass the job's --rdzv-id as --run-id") from None
+        if not re.fullmatch(SAFE_NAME, run_id):
+            raise DrainError(
+                f"run id {run_id[:80]!r} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', not "
+                "starting with '.'; pass the job's --rdzv-id as --run-id"
+            )
         return cls(inner=inner, endpoint=endpoint, run_id=run_id)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -305,17 +306,14 @@ def _plain_run_id(value: str | None) -> str | None:
     Raises:
         click.BadParameter: naming the value and the names allowed (exit 2).
     """
-    from elastic_emb.state.paths import check_name
+    from elastic_emb.topology import SAFE_NAME  # not state.paths: that imports torch before quiet_torch
 
-    if value is not None:
-        try:
-            check_name(value, "run id")
-        except ValueError:
-            shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
-            raise click.BadParameter(
-                f"{shown} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', not starting with '.'",
-                param_hint="--run-id",
-            ) from None
+    if value is not None and not re.fullmatch(SAFE_NAME, value):
+        shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
+        raise click.BadParameter(
+            f"{shown} is not a plain name: use 1-128 letters, digits, '_', '-' or '.', not starting with '.'",
+            param_hint="--run-id",
+        )
     return value
 
 
