@@ -327,14 +327,20 @@ def netns_works() -> tuple[bool, str]:
     """
     if os.geteuid() != 0:
         return False, "not root"
-    tag = f"eeprobe{os.getpid() % 100000}"
+    # Unique per process, whole: two test workers probe at once, and their pids often differ in
+    # the last digit only. The veth's outer end lives in the root namespace, whose interface
+    # names are at most 15 characters ("eep" + a pid of at most 7 digits + "a").
+    tag, outer = f"eeprobe{os.getpid()}", f"eep{os.getpid()}a"
     try:
+        # names with this pid that exist now are a killed probe's (an earlier process of this pid)
+        _ip("link", "del", outer, check=False)
+        _ip("netns", "del", tag, check=False)
         _ip("netns", "add", tag)
         try:
-            _ip("link", "add", f"{tag[:11]}a", "type", "veth", "peer", "name", "eth0", "netns", tag)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", tag)
             _ip("-n", tag, "link", "set", "lo", "up")
             _ip("-n", tag, "addr", "add", "10.254.0.2/24", "dev", "eth0")
-            _ip("link", "del", f"{tag[:11]}a", check=False)
+            _ip("link", "del", outer, check=False)
         finally:
             _ip("netns", "del", tag, check=False)
         return True, "ok"
