@@ -56,12 +56,22 @@ torch.zeros(1, device=dev); torch.cuda.synchronize()
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 def barrier(name):
-    store.add(name, 1)
     deadline = time.monotonic() + 60
-    while int(store.add(name, 0)) < 2:
-        if time.monotonic() > deadline:
-            raise TimeoutError(name)
-        time.sleep(0.0005)
+
+    def wait(key, count):
+        while int(store.add(key, 0)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"barrier {name} timed out")
+            time.sleep(0.0005)
+
+    store.add(name, 1)
+    wait(name, 2)
+    # Rank 0 hosts the store: it returns only once the peer has stopped polling this barrier, so
+    # that rank 0 exiting next never resets the peer's connection mid-poll.
+    if rank == 0:
+        wait(name + "/seen", 1)
+    else:
+        store.add(name + "/seen", 1)
 
 def build(gen):
     opts = dist.ProcessGroupNCCL.Options()

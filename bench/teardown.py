@@ -60,12 +60,22 @@ def topo(gen):
                           master_addr="127.0.0.1", master_port=port)
 
 def barrier(name):
-    store.add(name, 1)
     deadline = time.monotonic() + 60
-    while int(store.add(name, 0)) < 2:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name} timed out")
-        time.sleep(0.001)
+
+    def wait(key, count):
+        while int(store.add(key, 0)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"barrier {name} timed out")
+            time.sleep(0.001)
+
+    store.add(name, 1)
+    wait(name, 2)
+    # Rank 0 hosts the store: it returns only once the peer has stopped polling this barrier, so
+    # that rank 0 exiting next never resets the peer's connection mid-poll.
+    if rank == 0:
+        wait(name + "/seen", 1)
+    else:
+        store.add(name + "/seen", 1)
 
 ids = torch.randint(0, rows, (1 << 16,), device=device)
 t0 = time.perf_counter()
