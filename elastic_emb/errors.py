@@ -160,17 +160,20 @@ class EtcdUnreachable(ElasticEmbError, ConnectionError):
 
 
 class EtcdV3Error(ElasticEmbError, RuntimeError):
-    """etcd answered the call with an error (bad request, permission denied, ...), or the client
-    could not authenticate (an unreadable password file, no token returned).
+    """etcd answered the call with a refusal (bad credentials, permission denied, a lost lease, a
+    bad request), or the client could not authenticate (an unreadable password file, no token).
+    A refusal is an answer, not an outage: it is never retried as one.
 
     Args:
-        message: the call and etcd's answer.
-        code: kept as ``code``: the error code etcd returned, if any.
+        message: the call, etcd's answer and the remedy.
+        code: kept as ``code``: the gRPC status code etcd returned, if any.
+        kind: kept as ``kind``: ``"authentication"``, ``"permission"``, ``"lease"`` or ``"request"``.
     """
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None, kind: str = "request") -> None:
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
 
 class ResizeFallback(ElasticEmbError, RuntimeError):

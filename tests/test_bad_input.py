@@ -135,11 +135,9 @@ TORCHRUN_CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(TORCHRUN_CASES))
-def test_torchrun_stops_on_bad_input_with_one_line_and_no_stack(case, tmp_path):
-    conf, run_id, message = TORCHRUN_CASES[case]
-    conf = conf.format(tmp=tmp_path)
+def _torchrun_refusal(conf, run_id, endpoint, cwd):
+    """Stock torchrun with ``--rdzv-backend=elastic_emb``: the last line of its stderr, once it
+    exited 1 with no stack."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "ELASTIC_EMB_DEBUG"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SOURCE_ROOT, env.get("PYTHONPATH")) if p)  # this checkout
     ran = subprocess.run(
@@ -150,7 +148,7 @@ def test_torchrun_stops_on_bad_input_with_one_line_and_no_stack(case, tmp_path):
             "--nnodes=1",
             "--nproc-per-node=1",
             "--rdzv-backend=elastic_emb",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}",
             f"--rdzv-conf={conf}",
             "--local-addr=127.0.0.1",
@@ -162,12 +160,19 @@ def test_torchrun_stops_on_bad_input_with_one_line_and_no_stack(case, tmp_path):
         text=True,
         timeout=240,
         env=env,
-        cwd=tmp_path,
+        cwd=cwd,
     )
     assert ran.returncode == 1, (ran.returncode, ran.stderr[-3000:])
     assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
-    last = ran.stderr.strip().splitlines()[-1]
-    assert last.startswith("elastic_emb rendezvous: ") and message in last, ran.stderr[-3000:]
+    return ran.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(TORCHRUN_CASES))
+def test_torchrun_stops_on_bad_input_with_one_line_and_no_stack(case, tmp_path):
+    conf, run_id, message = TORCHRUN_CASES[case]
+    last = _torchrun_refusal(conf.format(tmp=tmp_path), run_id, f"127.0.0.1:{free_port()}", tmp_path)
+    assert last.startswith("elastic_emb rendezvous: ") and message in last, last
     assert not (tmp_path / "nope").exists()
 
 

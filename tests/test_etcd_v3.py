@@ -18,6 +18,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import structlog
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 
 from elastic_emb.rdzv import etcd_v3 as v3
@@ -242,13 +243,94 @@ def test_token_authentication_with_a_password_file(etcd_server, tmp_path):
     store.set("k", b"v")
     assert store.get("k") == b"v"
     # Without credentials etcd refuses: a clear error, not a hang.
-    with pytest.raises(RendezvousConnectionError, match="refused"):
+    with pytest.raises(v3.EtcdRefusedError, match="refused") as info:
         v3.EtcdV3RendezvousBackend(v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint), "authed").get_state()
+    assert info.value.kind == "authentication"
     secret.write_text("wrong\n")
     with pytest.raises(v3.EtcdV3Error, match="authentication failed|invalid"):
         v3client.EtcdV3Client.from_endpoint(
             etcd_server.endpoint, v3client.ClientOptions(user="root", password_file=str(secret))
         ).get("x")
+
+
+def _enable_auth_with_a_reader(url):
+    """etcd with authentication on: user root (all keys, password rootpw) and user reader (password
+    readerpw), who may only read the rendezvous state's prefix."""
+    state = base64.b64encode(v3.STATE_PREFIX.encode()).decode()
+    end = base64.b64encode(v3._prefix_end(v3.STATE_PREFIX)).decode()
+    for name, password in (("root", "rootpw"), ("reader", "readerpw")):
+        _post(url, "auth/role/add", {"name": name})
+        _post(url, "auth/user/add", {"name": name, "password": password})
+        _post(url, "auth/user/grant", {"user": name, "role": name})
+    _post(url, "auth/role/grant", {"name": "reader", "perm": {"permType": "READ", "key": state, "range_end": end}})
+    _post(url, "auth/enable", {})
+
+
+@pytest.mark.slow
+def test_etcd_refusals_are_named_by_kind_and_never_retried_as_an_outage(etcd_server, tmp_path):
+    """A refusal is an answer: the outage guard passes it on at the first call (a connection error
+    it would retry for store_outage_timeout), named authentication or permission with its remedy;
+    at the agent's start it is a one-line configuration error."""
+    from elastic_emb import RendezvousConfigError
+    from elastic_emb.rdzv.outage import OutageGuard, is_connection_error
+
+    _enable_auth_with_a_reader(etcd_server.url)
+    (tmp_path / "reader").write_text("readerpw\n")
+    (tmp_path / "wrong").write_text("nope\n")
+
+    def client(**options):
+        return v3client.EtcdV3Client.from_endpoint(etcd_server.endpoint, v3client.ClientOptions(**options))
+
+    no_user = v3.EtcdV3RendezvousBackend(client(), "job")
+    wrong = v3.EtcdV3RendezvousBackend(client(user="root", password_file=str(tmp_path / "wrong")), "job")
+    reader = v3.EtcdV3RendezvousBackend(client(user="reader", password_file=str(tmp_path / "reader")), "job")
+    assert reader.get_state() is None  # reading is allowed
+    cases = [
+        (no_user.get_state, "authentication", "user name is empty"),
+        (wrong.get_state, "authentication", "authentication failed"),
+        (lambda: reader.set_state(b"s"), "permission", "permission denied"),
+    ]
+    guard = OutageGuard(etcd_server.endpoint, 30.0, structlog.get_logger("test"))
+    for call, kind, answer in cases:
+        calls = []
+
+        def counted(call=call):
+            calls.append(1)
+            return call()
+
+        with pytest.raises(v3.EtcdRefusedError) as info:
+            guard.call("state", counted)
+        exc = info.value
+        assert calls == [1], f"a {kind} refusal was retried {len(calls)} times"
+        assert not is_connection_error(exc) and not isinstance(exc, RendezvousConnectionError)
+        assert exc.kind == kind and f"({kind})" in str(exc) and answer in str(exc), str(exc)
+        assert v3client.REMEDIES[kind] in str(exc) and "\n" not in str(exc)
+    assert guard.down_for is None and guard.outages == 0  # no outage was ever recorded
+
+    params = SimpleNamespace(
+        endpoint=etcd_server.endpoint,
+        run_id="job",
+        config={"user": "root", "password_file": str(tmp_path / "wrong")},
+    )
+    with pytest.raises(RendezvousConfigError) as start:
+        v3.create_backend(params)
+    line = str(start.value)
+    assert line.startswith("elastic_emb rendezvous: inner=etcd-v3: etcd refused") and "\n" not in line
+    assert "(authentication)" in line and "password_file" in line, line
+
+
+@pytest.mark.slow
+def test_torchrun_stops_on_an_etcd_refusal_in_one_line_naming_it_not_as_an_outage(etcd_server, tmp_path):
+    # etcd with authentication on and a wrong password: before, the refusal was retried as an
+    # outage for store_outage_timeout and reported as "unreachable"
+    from tests.test_bad_input import _torchrun_refusal
+
+    _enable_auth_with_a_reader(etcd_server.url)
+    (tmp_path / "password").write_text("wrong\n")
+    conf = f"inner=etcd-v3,user=root,password_file={tmp_path / 'password'}"
+    last = _torchrun_refusal(conf, "job", etcd_server.endpoint, tmp_path)
+    assert last.startswith("elastic_emb rendezvous: inner=etcd-v3: etcd refused"), last
+    assert "(authentication)" in last and "authentication failed" in last and "unreachable" not in last, last
 
 
 @pytest.mark.slow

@@ -20,10 +20,11 @@ from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic_emb.errors import EtcdV3Error
+from elastic_emb.rdzv.conf import config_error
 
 # The transport and its options.
 from elastic_emb.rdzv.etcd_v3_client import (
@@ -55,8 +56,20 @@ def state_key(run_id: str) -> str:
     return STATE_PREFIX + run_id
 
 
-# etcd's answer to a write attached to a lease it does not have (gRPC NOT_FOUND).
-LEASE_GONE = "requested lease not found"
+class EtcdRefusedError(EtcdV3Error, RendezvousError):
+    """:class:`~elastic_emb.errors.EtcdV3Error` that is also torch's ``RendezvousError`` (not its
+    ``RendezvousConnectionError``): etcd refused a rendezvous call. The outage guard does not retry
+    it, and torch's keep-alive timer logs it instead of dying on it.
+
+    Args:
+        message: the call, etcd's answer and the remedy.
+        code: etcd's gRPC status code.
+        kind: ``"authentication"``, ``"permission"``, ``"lease"`` or ``"request"``.
+    """
+
+
+def _refused(exc: EtcdV3Error) -> EtcdRefusedError:
+    return EtcdRefusedError(str(exc), exc.code, exc.kind)
 
 
 def _token(token: Any) -> int | None:
@@ -106,7 +119,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
         Raises:
             EtcdV3ConnectionError: when no etcd member can serve the read.
-            RendezvousConnectionError: when etcd refuses the read.
+            EtcdRefusedError: when etcd refuses the read.
         """
         kv = self._call(self._client.get, self._key)
         return None if kv is None else kv.value
@@ -120,7 +133,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         Raises:
             RendezvousStateError: when the stored value is not base64.
             EtcdV3ConnectionError: when no etcd member can serve the read.
-            RendezvousConnectionError: when etcd refuses the read.
+            EtcdRefusedError: when etcd refuses the read.
         """
         kv = self._call(self._client.get, self._key)
         return None if kv is None else self._decode(kv)
@@ -140,7 +153,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         Raises:
             RendezvousStateError: when the current value is not base64.
             EtcdV3ConnectionError: when no etcd member can serve the call.
-            RendezvousConnectionError: when etcd refuses the call.
+            EtcdRefusedError: when etcd refuses the call (a lost lease is replaced once first).
         """
         revision = 0 if token is None else _token(token)
         if revision is None:  # not a token this backend issued: nothing is written
@@ -151,8 +164,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 self._key, base64.b64encode(state), mod_revision=revision, lease=self._lease_id()
             )
         except EtcdV3Error as exc:
-            if LEASE_GONE not in str(exc):
-                raise RendezvousConnectionError(f"etcd refused a rendezvous call: {exc}") from exc
+            if exc.kind != "lease":
+                raise _refused(exc) from exc
             # etcd no longer has the lease (its data was wiped, or the lease was revoked): the
             # lease kept here would fail every write until its renewal at ttl/3. Take a new one now.
             self._lease = None
@@ -185,7 +198,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except EtcdV3ConnectionError:
             raise
         except EtcdV3Error as exc:
-            raise RendezvousConnectionError(f"etcd refused a rendezvous call: {exc}") from exc
+            raise _refused(exc) from exc
 
 
 # -- the c10d store -----------------------------------------------------------------------------
@@ -385,7 +398,8 @@ def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     """The backend and store of ``inner=etcd-v3`` (the factory in ``conf.INNER_BACKENDS``).
 
     Connects once (a range of the state key), so a wrong endpoint or credentials fail here, and
-    puts the non-secret client options into :data:`ENV_OPTIONS` for the workers' watchers.
+    puts the non-secret client options into :data:`ENV_OPTIONS` for the workers' watchers. A
+    refusal here (credentials, permission) is a configuration error: one line, no retry.
 
     Args:
         params: torchrun's ``RendezvousParameters`` (endpoint, run id, ``--rdzv-conf``).
@@ -396,12 +410,16 @@ def create_backend(params: Any) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     Raises:
         ValueError: for invalid client options or an invalid endpoint.
         EtcdV3ConnectionError: when no etcd member answers.
-        RendezvousConnectionError: when etcd refuses the first read (e.g. bad credentials).
+        RendezvousConfigError: when etcd refuses the first read (credentials, permission), naming
+            the kind of refusal and the remedy (a plain ``ValueError`` with ``ELASTIC_EMB_DEBUG``).
     """
     options = ClientOptions.from_conf(dict(params.config))
     client = EtcdV3Client.from_endpoint(params.endpoint, options)
     backend = EtcdV3RendezvousBackend(client, params.run_id, ttl=options.ttl)
-    backend.raw_state()  # fail fast (EtcdV3ConnectionError) when no member answers
+    try:
+        backend.raw_state()  # fail fast (EtcdV3ConnectionError) when no member answers
+    except EtcdRefusedError as exc:
+        raise config_error(f"inner=etcd-v3: {exc}") from None
     os.environ[ENV_OPTIONS] = options.to_env()
     return backend, EtcdV3Store(client, STORE_PREFIX)
 

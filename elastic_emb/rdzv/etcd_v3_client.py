@@ -35,6 +35,19 @@ CONF_KEYS = frozenset(
 
 # gRPC status codes the gateway returns when a member cannot serve the call (try another one).
 _UNAVAILABLE, _DEADLINE_EXCEEDED, _UNAUTHENTICATED = 14, 4, 16
+_NOT_FOUND, _PERMISSION_DENIED = 5, 7
+# etcd's answers (3.4/3.5) to a call without valid credentials; some come as INVALID_ARGUMENT.
+_AUTH_MESSAGES = ("user name is empty", "authentication failed", "invalid auth token", "user name not found")
+LEASE_GONE = "requested lease not found"  # a write attached to a lease etcd does not have (NOT_FOUND)
+# What to do about each kind of refusal (one clause, appended to the error's line).
+REMEDIES = {
+    "authentication": "etcd has authentication on: give --rdzv-conf user=NAME,password_file=PATH of an etcd user "
+    "whose password is that file's first line",
+    "permission": "grant the --rdzv-conf user read-write on the prefix /torch/elastic/ "
+    "(etcdctl role grant-permission ROLE --prefix=true readwrite /torch/elastic/)",
+    "lease": "etcd no longer has the lease (its data was wiped, or the lease revoked): a new one is taken",
+    "request": "etcd refused the request itself; check the etcd version (3.4 or newer) and its logs",
+}
 _MEMBER_DOWN_MESSAGES = ("no leader", "leader changed", "timed out", "not capable", "too many requests")
 MAX_IDLE = 4  # idle keep-alive connections kept per member
 # a reused connection failing with one of these read no reply: the member had closed it
@@ -127,6 +140,25 @@ class ClientOptions(BaseModel):
             JSON of the options that are set (``password_file`` names a file, not the secret).
         """
         return self.model_dump_json(exclude_none=True)
+
+
+def refusal_kind(code: Any, message: str) -> str:
+    """What an etcd refusal is about.
+
+    Args:
+        code: the gRPC status code of etcd's answer.
+        message: etcd's message.
+
+    Returns:
+        ``"authentication"``, ``"permission"``, ``"lease"`` or ``"request"`` (anything else).
+    """
+    if code == _UNAUTHENTICATED or any(m in message for m in _AUTH_MESSAGES):
+        return "authentication"
+    if code == _PERMISSION_DENIED or "permission denied" in message:
+        return "permission"
+    if LEASE_GONE in message or (code == _NOT_FOUND and "lease" in message):
+        return "lease"
+    return "request"
 
 
 def parse_endpoints(endpoint: str, protocol: str = "http") -> list[str]:
@@ -311,7 +343,10 @@ class EtcdV3Client:
                     return self._call_one(url, path, body, retry_auth=False)
             if code in (_UNAVAILABLE, _DEADLINE_EXCEEDED) or any(m in message for m in _MEMBER_DOWN_MESSAGES):
                 raise _MemberDown(f"etcd: {message} (code {code})")
-            raise EtcdV3Error(f"etcd refused /v3/{path} at {url}: {message} (code {code})", code)
+            kind = refusal_kind(code, message)
+            raise EtcdV3Error(
+                f"etcd refused /v3/{path} at {url} ({kind}): {message} (code {code}); {REMEDIES[kind]}", code, kind
+            )
         return reply
 
     def _post(self, url: str, target: str, data: bytes, headers: Mapping[str, str]) -> bytes:
@@ -369,13 +404,21 @@ class EtcdV3Client:
         try:
             password = open(path).read().rstrip("\r\n")  # noqa: SIM115 - a small secret file
         except OSError as exc:
-            raise EtcdV3Error(f"--rdzv-conf password_file={path!r} cannot be read: {exc}") from None
+            raise EtcdV3Error(
+                f"--rdzv-conf password_file={path!r} cannot be read ({type(exc).__name__}); give a file this user "
+                "can read whose first line is the etcd password",
+                kind="authentication",
+            ) from None
         reply = self._call_one(
             url, "auth/authenticate", {"name": self.options.user, "password": password}, retry_auth=False
         )
         token = reply.get("token")
         if not token:
-            raise EtcdV3Error(f"etcd at {url} returned no auth token for user {self.options.user!r}")
+            raise EtcdV3Error(
+                f"etcd at {url} returned no auth token for --rdzv-conf user={self.options.user!r}; "
+                f"{REMEDIES['authentication']}",
+                kind="authentication",
+            )
         self._token = str(token)
 
     # -- key-value calls ------------------------------------------------------------------------
