@@ -73,6 +73,13 @@ class Settings(BaseModel):
         "secret that signs the rendezvous control keys (the same on every "
         "node, e.g. `openssl rand -hex 32`); unset: unsigned",
     )
+    job_fingerprint: str | None = _setting(
+        None,
+        "what makes this node's job the job (the same on every node, e.g. a config hash); an agent whose "
+        "value differs from the running job's is refused; unset: the worker command and a digest of its script",
+        min_length=1,
+        max_length=1024,
+    )
     metrics_port: int | None = _setting(
         None,
         "serve Prometheus `/metrics` on this port (agent; worker of local rank r: port + 1 + r); unset: off",

@@ -25,9 +25,10 @@ from typing import Any
 from elastic_emb import metrics
 from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
-from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id
+from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id, config_error
 from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
+from elastic_emb.rdzv.fingerprint import JobFingerprint, check_fingerprint, live
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
 from elastic_emb.rdzv.job_complete import (
     CompletingExitBarrierStore,
@@ -118,6 +119,7 @@ class ElasticEmbRendezvousHandler:
         guard.bind_log(self._log)  # from here on its events name this node
         self._guard = guard
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        self._expiry_s = expiry.total_seconds()
         state_key = INNER_BACKENDS[config.inner].state_key.format(run_id=self._run_id)
         # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
         # secret fails here, at agent start, naming the variable.
@@ -151,6 +153,7 @@ class ElasticEmbRendezvousHandler:
         self._lock = threading.Lock()
         self._rdzv_lock = threading.Lock()
         self._left = False
+        self._refused = False  # refused at the first rendezvous: never close the others' rendezvous
         self._closed = threading.Event()
         # torch's keep-alive timer fires every keep_alive_interval and writes only a heartbeat
         # older than that, and its first tick comes a full interval after a round completes: a
@@ -220,6 +223,13 @@ class ElasticEmbRendezvousHandler:
             self._log.warning("shutdown_declined", reason="agent_signalled", signal=str(signalled)[:200])
             self._leave("agent_exit")
             return False
+        if self._refused:
+            # This agent was refused before it joined (another job runs under the run id): closing
+            # the rendezvous, as torch's launcher asks of every failed agent, would end that job.
+            self._log.warning("shutdown_declined", reason="refused_before_joining")
+            self._left = True
+            self._closed.set()
+            return False
         self._left = True
         self._closed.set()  # a closed rendezvous needs no leave
         return self._inner.shutdown()
@@ -249,10 +259,14 @@ class ElasticEmbRendezvousHandler:
             SystemExit: with code 0 when the rendezvous is closed because the job finished.
             RendezvousError: torch's error (closed, timed out, ...) when the rendezvous fails
                 otherwise, after a ``rendezvous_failed`` event.
+            RendezvousConfigError: at the first rendezvous, when a live job runs under this run
+                id with another job fingerprint (``rdzv/fingerprint.py``), naming the difference.
         """
         start = time.monotonic()
         previous = self._members
         previous_round = self._round
+        if previous_round is None:
+            self._check_job()
         expected = self._expected_next
         self._expected_next = None
         early = None
@@ -351,6 +365,36 @@ class ElasticEmbRendezvousHandler:
             seconds=time.monotonic() - start,
         )
         return info
+
+    def _check_job(self) -> None:
+        """Before this agent's first join: refuse a running job that is not ours (one run id, one job)."""
+        mine = JobFingerprint.of_agent(self._config.resize)
+        if mine is None:
+            self._log.info(
+                "job_fingerprint_skipped", reason="not torchrun's command line, no ELASTIC_EMB_JOB_FINGERPRINT"
+            )
+            return
+        store = GuardedStore(self._tc.agent_store(self._inner), self._guard)
+        try:
+            check_fingerprint(
+                store, self._signer, self._run_id, mine, self._live_nodes, self._log, expiry_s=self._expiry_s
+            )
+        except ValueError as exc:
+            self._log.error("job_fingerprint_refused", error=str(exc))
+            self._refused = True
+            raise config_error(str(exc)) from None
+        except StoreOutageError:
+            raise
+        except Exception as exc:  # the join that follows meets the same store and reports it
+            reraise_signal(exc)
+            self._log.warning("job_fingerprint_unchecked", error=repr(exc)[:300])
+
+    def _live_nodes(self) -> list[str]:
+        """The nodes of torch's state (participants and wait list) whose heartbeat is fresh."""
+        self._inner.num_nodes_waiting()  # syncs torch's state
+        state = self._tc.current_state(self._inner)
+        view = RendezvousView.of(state)
+        return live(self._tc.heartbeats(state), [*view.nodes, *view.wait_list], self._expiry_s, self._node)
 
     def _join_running_world(self, rejoin: bool):
         """``resize=in_process``: the agent's first rendezvous joins a running round as one more

@@ -110,6 +110,18 @@ def write_priority_key(run_id: str) -> str:
     return f"elastic_emb/{run_id}/state_write_priority"
 
 
+def fingerprint_key(run_id: str) -> str:
+    """Store key of the running job's fingerprint (``rdzv/fingerprint.py``) [control].
+
+    Args:
+        run_id: the rendezvous run id.
+
+    Returns:
+        The key.
+    """
+    return f"elastic_emb/{run_id}/job_fingerprint"
+
+
 def round_prefix(run_id: str, round_: int) -> str:
     """Store key prefix of elastic_emb's keys for one rendezvous round (drain, deaths, leaves).
 

@@ -64,11 +64,14 @@ def start_agent(
     endpoint: str | None = None,
     worker: str = "plain",
     extra_env: dict | None = None,
+    worker_args: tuple[str, ...] = (),
 ) -> Agent:
     """Start one torchrun agent (one worker per node) as a real subprocess.
 
     ``worker``: ``plain`` (an all_reduce per step) or ``lifecycle`` (elastic_emb's Lifecycle over
-    an EmbContext, rows verified at every start); see tests/helpers/rdzv_worker.py."""
+    an EmbContext, rows verified at every start); see tests/helpers/rdzv_worker.py.
+    ``worker_args``: appended to the worker's command line (the worker ignores them; they are
+    part of the job's fingerprint)."""
     log_dir = os.path.join(tmp, "workers")
     os.makedirs(log_dir, exist_ok=True)
     rdzv_conf = conf
@@ -108,6 +111,7 @@ def start_agent(
         "--monitor-interval=0.1",
         "--local-addr=127.0.0.1",
         WORKER,
+        *worker_args,
     ]
     log_path = os.path.join(tmp, f"agent-{name}.log")
     out = open(log_path, "w")  # noqa: SIM115 - closed with the process
