@@ -2,7 +2,8 @@
 
 - :func:`write_expected`, :func:`keep_expected`, :func:`read_expected`: the signed count to expect;
 - :func:`write_ack`: a stopped worker's signed ``{round, rank, step}`` record, then the ``acks`` hint;
-- :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to look).
+- :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to look);
+- :func:`agree_stop_step`: the ranks agree on the last step with one compare-and-set of a signed value.
 
 Design: ``docs/RDZV.md`` (section "The drain").
 """
@@ -10,16 +11,18 @@ Design: ``docs/RDZV.md`` (section "The drain").
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_WORLD_SIZE, count_value
-from elastic_emb.rdzv.signing import Signer, read_signed
+from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_STOP_STEP, KEY_WORLD_SIZE, count_value
+from elastic_emb.rdzv.signing import Signer, read_signed, report_rejected
 
 __all__ = [
     "NO_WATCHERS_GRACE",
     "RESTORE_EVERY_S",
     "AckCounter",
     "ack_record",
+    "agree_stop_step",
     "keep_expected",
     "read_expected",
     "write_ack",
@@ -28,6 +31,55 @@ __all__ = [
 
 RESTORE_EVERY_S = 1.0  # rank 0's watcher checks the round's world_size this often at most
 NO_WATCHERS_GRACE = 5.0  # the preStop client's wait for a missing world_size before it answers "no watchers"
+
+
+STOP_STEP_TIMEOUT = 10.0  # seconds agree_stop_step keeps replacing values it cannot trust
+MAX_STEP = 1 << 62  # a stop step above this is not one
+
+
+def agree_stop_step(store: Any, signer: Signer, prefix: str, proposal: int, log: Any = None) -> int:
+    """The round's last step, the same for every rank: the first valid value written wins.
+
+    One compare-and-set writes ``proposal`` (signed) only where no value is; a rank that finds a
+    valid value takes it. A value it cannot trust (unsigned or badly signed with a secret, not a
+    step) is replaced by the same compare-and-set on exactly that value, so a store writer who
+    plants one cannot stall the drain, and there is no claim counter to forge or to leave claimed
+    by a rank that died before writing.
+
+    Args:
+        store: the rendezvous store of the round keys.
+        signer: the job's control-key signer.
+        prefix: the round's key prefix (``keys.round_prefix``).
+        proposal: this rank's stop step (its current step + 1).
+        log: a structlog logger for ``control_key_rejected`` events, or None.
+
+    Returns:
+        The agreed stop step.
+
+    Raises:
+        TimeoutError: when values that cannot be trusted keep replacing this rank's for
+            :data:`STOP_STEP_TIMEOUT` seconds (a store writer rewriting the key in a loop).
+    """
+    key = prefix + KEY_STOP_STEP
+    mine = signer.sign(key, str(proposal))
+    expected = b""
+    deadline = time.monotonic() + STOP_STEP_TIMEOUT
+    while True:
+        current = store.compare_set(key, expected, mine)
+        current = current.encode() if isinstance(current, str) else bytes(current)
+        value, reason = signer.verify(key, current)
+        text = value.decode("ascii", errors="replace") if value is not None else ""
+        if text.isascii() and text.isdigit() and int(text) <= MAX_STEP:
+            return int(text)
+        report_rejected(signer, key, reason or "not a step", log)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"drain of round prefix {prefix!r}: {key} was rewritten with values that are not signed stop steps "
+                f"for {STOP_STEP_TIMEOUT:g} s; find what writes to the rendezvous store (set ELASTIC_EMB_JOB_SECRET)"
+            )
+        # Replace exactly the value read; when it matched nothing (the key is gone), create it.
+        expected = b"" if current == expected else current
+        time.sleep(0.005)
 
 
 def write_expected(store: Any, signer: Signer, prefix: str, world_size: int) -> None:

@@ -634,9 +634,9 @@ class ElasticEmbRendezvousHandler:
             outcome = "timeout"
         if outcome is None:
             return 0
-        stop_step = None
+        stop_step = None  # for the event only; a value that is not a step (a store writer's) stays None
         value = read_signed(store, self._signer, prefix + KEY_STOP_STEP, self._log)
-        if value is not None:
+        if value is not None and value.isascii() and value.isdigit() and len(value) <= 19:
             stop_step = int(value)
         self._drain_done = True
         self._log.info(

@@ -123,13 +123,27 @@ def read_signed(store: Any, signer: Signer, key: str, log: Any = None) -> bytes 
     if not store.check([key]):
         return None
     value, reason = signer.verify(key, store.get(key))
-    if value is None and log is not None and key not in signer._rejected:
-        signer._rejected.add(key)
-        log.warning(
-            "control_key_rejected",
-            key=key,
-            reason=reason,
-            remedy="a value without the job secret's signature was written to the store: check who can "
-            "reach the rendezvous endpoint",
-        )
+    if value is None:
+        report_rejected(signer, key, reason, log)
     return value
+
+
+def report_rejected(signer: Signer, key: str, reason: str, log: Any) -> None:
+    """Log ``control_key_rejected`` for ``key``, once per key and signer.
+
+    Args:
+        signer: the job's control-key signer (it remembers the keys reported).
+        key: the store key whose value was refused.
+        reason: why (``unsigned``, ``bad_signature``, ``not a step``, ...).
+        log: a structlog logger, or None (nothing is reported).
+    """
+    if log is None or key in signer._rejected:
+        return
+    signer._rejected.add(key)
+    log.warning(
+        "control_key_rejected",
+        key=key,
+        reason=reason,
+        remedy="a value without the job secret's signature, or not of its kind, was written to the store: "
+        "check who can reach the rendezvous endpoint",
+    )

@@ -24,14 +24,12 @@ from elastic_emb.native_calls import exiting, native_call
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
-from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, keep_expected, write_ack, write_expected
+from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, agree_stop_step, keep_expected, write_ack, write_expected
 from elastic_emb.rdzv.keys import (
     ENV_RDZV_ENDPOINT,
     KEY_DEAD,
     KEY_DRAIN,
     KEY_EVICTED,
-    KEY_STOP_CLAIM,
-    KEY_STOP_STEP,
     round_prefix,
 )
 from elastic_emb.rdzv.outage import OutageTracker, is_connection_error
@@ -304,7 +302,7 @@ class Watcher:
         if step is None:
             return True
         if self._stop_step is None:
-            self._stop_step = self._agree_stop_step(step)
+            self._stop_step = agree_stop_step(self._reader.store, self._signer, self._prefix(), step + 1, self._log)
         return step >= self._stop_step
 
     def membership_change_pending(self, timeout: float = 2.0) -> bool:
@@ -428,20 +426,6 @@ class Watcher:
             return False
         self._store_back()
         return found
-
-    def _agree_stop_step(self, step: int) -> int:
-        store = self._reader.store
-        key = self._prefix() + KEY_STOP_STEP
-        if int(store.add(self._prefix() + KEY_STOP_CLAIM, 1)) == 1:
-            store.set(key, self._signer.sign(key, str(step + 1)))
-            return step + 1
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:  # the claimer sets it right after claiming
-            value = read_signed(store, self._signer, key, self._log)
-            if value is not None:
-                return int(value)
-            time.sleep(0.005)
-        raise TimeoutError(f"drain of round {self.round}: no stop step under {key} within 10 s; the claiming rank died")
 
     def _emit(
         self,
