@@ -141,11 +141,6 @@ class DrainError(ElasticEmbError, RuntimeError):
     """The drain request could not be made (bad settings, rendezvous store unreachable)."""
 
 
-class ForeignStateError(UnsafeStateError):
-    """The rendezvous state in the store is not torch's state (the agent refused it before torch
-    unpickled it). The agent raises a subclass that is also torch's ``RendezvousStateError``."""
-
-
 class SecretError(ElasticEmbError, ValueError):
     """The job secret (``ELASTIC_EMB_JOB_SECRET``) is set but unusable."""
 

@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import structlog
 import torch.distributed as dist
 
 from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_ACKS, KEY_DEAD, KEY_DRAIN, KEY_WORLD_SIZE, round_prefix
@@ -43,25 +44,47 @@ class _Payload:
         return (os.system, (f"touch {self.path}",))
 
 
+def _complete_round_without_participants() -> bytes:
+    """torch's own state class, pickled as torch never writes it: complete, nobody in it."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    state = dr._RendezvousState()
+    state.round, state.complete = 3, True
+    return pickle.dumps(state)
+
+
 @pytest.mark.slow
-def test_a_pickle_payload_in_the_rendezvous_key_does_not_run_in_the_agent(cluster):
+@pytest.mark.parametrize("forgery", ["pickle_payload", "complete_round_without_participants"])
+def test_a_forged_rendezvous_state_never_runs_and_the_next_honest_round_replaces_it(cluster, forgery):
+    """A code-running pickle, or a well-formed state that would leave every agent waiting for a
+    round nobody finishes: the agents replace it with a new round and the job re-forms, rows intact."""
     tmp, agents = cluster
     port = free_port()
-    agents.append(start_agent("a", tmp, port, nnodes="1:2"))
-    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    agents.append(start_agent("a", tmp, port, nnodes="1:2", worker="lifecycle"))
+    agents.append(start_agent("b", tmp, port, nnodes="1:2", worker="lifecycle"))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=0), WAIT, "world size 2", agents)
     marker = os.path.join(tmp, "pwned")
-    payload = pickle.dumps(_Payload(marker))
-    assert b"system" in payload  # a real code-running pickle: pickle.loads(payload) would create marker
+    if forgery == "pickle_payload":
+        payload = pickle.dumps(_Payload(marker))
+        assert b"system" in payload  # a real code-running pickle: pickle.loads(payload) would create marker
+    else:
+        payload = _complete_round_without_participants()
+    t_forge = time.time()
     _attacker(port).set(C10D_STATE_KEY.format(run_id="rdzvtest"), base64.b64encode(payload))
-    a = agents[0]
-    wait_for(lambda: a.proc.poll() is not None, WAIT, "the agent to refuse the state and stop", agents)
+    # The job re-forms at world size 2 and commits again; every restored row checked bit for bit.
+    def ready() -> list[dict]:
+        return [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["t"] > t_forge]
+
+    wait_for(lambda: len(ready()) >= 2, WAIT, "the job to re-form", agents)
+    t_ready = max(r["t"] for r in ready())
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_ready), WAIT, "a commit after the re-form", agents)
+    assert all(r["rows_ok"] for r in ready()), ready()
+    assert all(a.proc.poll() is None for a in agents), "an agent stopped"
     assert not os.path.exists(marker), "the payload ran in the agent"
-    assert a.proc.returncode != 0
-    refused = [e for e in events(tmp, "a") if e["event"] == "foreign_rendezvous_state"]
-    assert refused and refused[0]["key"] == "torch.rendezvous.rdzvtest" and "posix.system" in refused[0]["error"], (
-        refused
-    )
-    assert "refusing the value of torch.rendezvous.rdzvtest before unpickling it" in a.output()
+    replaced = [e for name in ("a", "b") for e in events(tmp, name) if e["event"] == "foreign_rendezvous_state"]
+    assert replaced and {e["key"] for e in replaced} == {"torch.rendezvous.rdzvtest"}, replaced
+    reason = "posix.system" if forgery == "pickle_payload" else "a complete round without participants"
+    assert all(reason in e["error"] and e["replaced_by_round"] >= 1 for e in replaced), replaced
 
 
 @pytest.mark.slow
@@ -125,6 +148,10 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     # Forged acknowledgements in range (the counter at the expected 2, each rank's key written
     # without the secret) do not end the drain: the same request, signed (the preStop client),
     # returns only once both workers acknowledged themselves, after committing the agreed step.
+    # A planted stop step (unsigned) and the old protocol's claim counter, pre-set: the workers
+    # replace the one and ignore the other, and still agree on one step.
+    store.set(prefix + "stop_step", "3")
+    store.add(prefix + "stop_claim", 20)
     store.set(prefix + KEY_ACKS, "2")
     for rank in (0, 1):
         store.set(prefix + f"ack/{rank}", json.dumps({"round": round_, "rank": rank, "step": 0}))
@@ -138,7 +165,8 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     assert outcome.outcome == "acknowledged" and outcome.acks == 2 and outcome.stop_step is not None, outcome
     drained = lambda: [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_forge]  # noqa: E731
     wait_for(lambda: len(drained()) == 2, WAIT, "both workers' drained records", agents)
-    assert {r["step"] for r in drained()} == {outcome.stop_step}, drained()
+    assert {r["step"] for r in drained()} == {outcome.stop_step} and outcome.stop_step != 3, drained()
+    assert prefix + "stop_step" in agents[0].output() + agents[1].output()  # the watchers' control_key_rejected
     assert {e.get("key") for e in logged if e.get("event") == "control_key_rejected"} >= {
         prefix + "ack/0",
         prefix + "ack/1",
@@ -230,3 +258,59 @@ def test_drain_acks_count_only_each_ranks_own_signed_record_of_the_round():
     store.set(prefix + KEY_WORLD_SIZE, "1")  # unsigned: refused by name
     with pytest.raises(ValueError, match=rf"store key '{prefix}world_size' holds b'1', unsigned"):
         read_expected(store, signer, prefix)
+
+
+@pytest.fixture
+def round_store():
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10), use_libuv=True)
+    yield server
+    del server
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_the_stop_step_is_the_first_valid_value_and_a_planted_one_is_replaced(round_store, secret):
+    from structlog.testing import capture_logs
+
+    from elastic_emb.rdzv.drain_acks import agree_stop_step
+    from elastic_emb.rdzv.signing import Signer
+
+    signer = Signer(secret.encode() if secret else None)
+    prefix = round_prefix("job", 1)
+    key = prefix + "stop_step"
+    assert agree_stop_step(round_store, signer, prefix, 41) == 41
+    assert agree_stop_step(round_store, signer, prefix, 57) == 41  # a later rank takes the first value
+    # Planted values: not a step (without a secret too), or unsigned with one. The pre-set claim
+    # counter of the old protocol is meaningless now.
+    round_store.add(prefix + "stop_claim", 7)
+    planted = ["\u00b2", "-3", "9" * 40, "step"] + (["3"] if secret else [])
+    for i, value in enumerate(planted):
+        round_store.set(key, value)
+        with capture_logs() as logged:
+            assert agree_stop_step(round_store, signer, prefix, 100 + i, log=structlog.get_logger()) == 100 + i
+        assert agree_stop_step(round_store, signer, prefix, 200) == 100 + i
+        signer._rejected.clear()
+        assert [e["key"] for e in logged if e["event"] == "control_key_rejected"] == [key], logged
+
+
+def test_ranks_proposing_at_once_agree_on_one_stop_step(round_store):
+    import threading
+
+    from elastic_emb.rdzv.drain_acks import agree_stop_step
+    from elastic_emb.rdzv.signing import Signer
+
+    signer = Signer(SECRET.encode())
+    prefix = round_prefix("job", 2)
+    round_store.set(prefix + "stop_step", "5")  # planted before the drain: unsigned
+    got: list[int] = []
+    clients = [
+        dist.TCPStore("127.0.0.1", round_store.port, is_master=False, timeout=timedelta(seconds=10)) for _ in range(8)
+    ]
+    threads = [
+        threading.Thread(target=lambda c=c, k=k: got.append(agree_stop_step(c, signer, prefix, 10 + k)))
+        for k, c in enumerate(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(got) == 8 and len(set(got)) == 1 and got[0] in range(10, 18), got

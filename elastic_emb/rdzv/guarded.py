@@ -1,8 +1,9 @@
 """The agent's view of the store: every call under the :class:`~elastic_emb.rdzv.outage.OutageGuard`.
 
 - :class:`GuardedBackend`: torch's state backend with every state validated by the restricted
-  decoder before torch unpickles it, fair writes (:class:`~elastic_emb.rdzv.write_priority.WritePriority`)
-  and the heartbeats credited for a store outage;
+  decoder before torch unpickles it (a state that is not torch's is replaced by an empty next
+  round), fair writes (:class:`~elastic_emb.rdzv.write_priority.WritePriority`) and the heartbeats
+  credited for a store outage;
 - :class:`GuardedStore`: the round-key store (``set``/``get``/``add``/``check``).
 
 Design: ``docs/RDZV.md`` (section "The agent's store").
@@ -14,32 +15,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from elastic_emb.errors import ForeignStateError
-from elastic_emb.rdzv.decode import UnsafeStateError, load_state
+from elastic_emb.rdzv.decode import RendezvousView, UnsafeStateError, load_state
 from elastic_emb.rdzv.outage import OutageGuard
-
-_FOREIGN_STATE_ERROR: list[type] = []
-
-
-def foreign_state_error() -> type[ForeignStateError]:
-    """ForeignStateError that is also torch's ``RendezvousStateError`` (what torch's agent expects
-    from a corrupt state); built on first use, since this module may be imported while torch's
-    rendezvous package is importing.
-
-    Returns:
-        The combined error class (the same one on every call).
-    """
-    if not _FOREIGN_STATE_ERROR:
-        from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-
-        _FOREIGN_STATE_ERROR.append(
-            type(
-                "ForeignStateError",
-                (ForeignStateError, RendezvousStateError),
-                {"__module__": __name__, "__doc__": ForeignStateError.__doc__},
-            )
-        )
-    return _FOREIGN_STATE_ERROR[0]
 
 
 class GuardedBackend:
@@ -75,6 +52,8 @@ class GuardedBackend:
         self._log = log
         self._shifted_outages = 0
         self._shift_until = 0.0
+        self._last_round = -1  # the newest round of a valid state this agent saw
+        self.replaced = 0  # states that were not torch's, replaced by an empty next round
 
     @property
     def name(self) -> str:
@@ -86,12 +65,15 @@ class GuardedBackend:
     def get_state(self):
         """The inner backend's ``get_state``, validated and credited for the last outage.
 
+        A value that is not torch's state (a class outside the state's own, bytes that do not
+        decode, a complete round without participants, which torch never writes) is never
+        unpickled by torch: an empty state of the next round stands in for it, with the stored
+        value's token, so the next write (an honest round) replaces it.
+
         Returns:
             ``(pickled state, token)``, or None when no state exists.
 
         Raises:
-            ForeignStateError: (also torch's ``RendezvousStateError``) when the state names a
-                class outside the state's own, or does not decode.
             StoreOutageError: when the store stays unreachable past the guard's bound.
         """
         result = self._guard.call("get_state", self._inner.get_state)
@@ -108,10 +90,10 @@ class GuardedBackend:
             token: the token of the state the caller read.
 
         Returns:
-            ``(pickled state, token, has_set)`` as torch's backend returns it, or None.
+            ``(pickled state, token, has_set)`` as torch's backend returns it (a state that is not
+            torch's replaced as by :meth:`get_state`), or None.
 
         Raises:
-            ForeignStateError: when the state returned names a class outside the state's own.
             StoreOutageError: when the store stays unreachable past the guard's bound.
         """
         if self._priority is not None:
@@ -126,15 +108,30 @@ class GuardedBackend:
 
     def _checked(self, bits: bytes) -> bytes:
         try:
-            load_state(bits)
+            view = RendezvousView.of(load_state(bits))
         except UnsafeStateError as exc:
-            if self._log is not None:
-                self._log.error("foreign_rendezvous_state", key=self._key, error=str(exc))
-            raise foreign_state_error()(
-                f"refusing the value of {self._key} before unpickling it: {exc}. Remove the key (the agents "
-                f"re-create the state) and restrict who can write to the rendezvous store"
-            ) from None
+            return self._replaced(str(exc))
+        if view.complete and not view.participants:
+            return self._replaced("a complete round without participants, which torch never writes")
+        self._last_round = max(self._last_round, view.round)
         return self._credit_outage(bits)
+
+    def _replaced(self, why: str) -> bytes:
+        """An empty state of the round after the newest valid one seen, in place of a foreign value."""
+        from elastic_emb.rdzv import torch_compat
+
+        round_ = self._last_round + 1
+        self.replaced += 1
+        if self._log is not None:
+            self._log.error(
+                "foreign_rendezvous_state",
+                key=self._key,
+                error=why,
+                replaced_by_round=round_,
+                remedy="something other than torch wrote the rendezvous state; the agents replace it with a new "
+                "round. Restrict who can write to the rendezvous store",
+            )
+        return torch_compat.fresh_state(round_)
 
     def _credit_outage(self, bits: bytes) -> bytes:
         guard = self._guard

@@ -358,6 +358,21 @@ def credit_heartbeats(bits: bytes, began: datetime, length: float, expiry: timed
     return dump_state(state) if changed else bits
 
 
+def fresh_state(round_: int) -> bytes:
+    """A pickled empty ``_RendezvousState`` at ``round_`` (not complete, no nodes): what replaces
+    a state that is not torch's, so that the next honest round overwrites it.
+
+    Args:
+        round_: the round of the new state.
+
+    Returns:
+        The pickle bytes, as torch's state holder writes them.
+    """
+    state = dr._RendezvousState()
+    state.round = int(round_)
+    return dump_state(state)
+
+
 _PATCHED_DELAY: dict[str, Any] = {}
 
 
