@@ -155,6 +155,13 @@ class Settings(BaseModel):
         "be included by the running workers instead of starting a world",
         "agent",
     )
+    drain_count_file: str | None = _setting(
+        None,
+        "the file in the agent's private directory where the watchers write the drain's count for their agent "
+        "(a copy of the round's world_size that no store writer can delete)",
+        "agent",
+        min_length=1,
+    )
     resize: Literal["restart", "in_process"] = _setting(
         "restart",
         "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "

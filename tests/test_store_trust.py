@@ -71,6 +71,7 @@ def test_a_forged_rendezvous_state_never_runs_and_the_next_honest_round_replaces
         payload = _complete_round_without_participants()
     t_forge = time.time()
     _attacker(port).set(C10D_STATE_KEY.format(run_id="rdzvtest"), base64.b64encode(payload))
+
     # The job re-forms at world size 2 and commits again; every restored row checked bit for bit.
     def ready() -> list[dict]:
         return [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 2 and r["t"] > t_forge]
@@ -314,3 +315,54 @@ def test_ranks_proposing_at_once_agree_on_one_stop_step(round_store):
     for t in threads:
         t.join(timeout=30)
     assert len(got) == 8 and len(set(got)) == 1 and got[0] in range(10, 18), got
+
+
+@pytest.mark.slow
+def test_a_store_writer_deleting_the_drain_count_in_a_loop_does_not_end_the_drain_early(cluster):
+    """A loop deleting the round's world_size made every drain end at once ("no watchers") before
+    any commit: the agents read the count their own watchers wrote to a file instead."""
+    import threading
+
+    tmp, agents = cluster
+    port = free_port()
+    env = {"ELASTIC_EMB_JOB_SECRET": SECRET}
+    kw = dict(extra_env=env, drain_timeout=60.0, nnodes="1:3")
+    agents.append(start_agent("a", tmp, port, **kw))
+    agents.append(start_agent("b", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=0), WAIT, "world size 2", agents)
+    round_ = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"][-1]["round"]
+    key = round_prefix("rdzvtest", round_) + KEY_WORLD_SIZE
+    stop = threading.Event()
+
+    def delete_in_a_loop() -> None:
+        store = _attacker(port)
+        deadline = time.monotonic() + 120.0
+        while not stop.is_set() and time.monotonic() < deadline:
+            store.delete_key(key)
+            time.sleep(0.0005)
+
+    deleter = threading.Thread(target=delete_in_a_loop, daemon=True)
+    deleter.start()
+    try:
+        time.sleep(1.0)  # the key is gone now, save for the instants after rank 0 restores it
+        t_c = time.time()
+        agents.append(start_agent("c", tmp, port, **kw))
+        wait_for(lambda: first_commit_at(tmp, world_size=3, after=t_c), WAIT, "world size 3", agents)
+    finally:
+        stop.set()
+        deleter.join(timeout=10)
+    finished = [
+        {k: e[k] for k in ("node", "round", "outcome", "expected", "stop_step")}
+        for name in ("a", "b")
+        for e in events(tmp, name)
+        if e["event"] == "drain_finished" and e["timestamp"] > _iso(t_c)
+    ]
+    assert finished and {e["outcome"] for e in finished} == {"acknowledged"}, finished
+    assert {e["round"] for e in finished} == {round_}, finished
+    assert {e["expected"] for e in finished} == {2}, finished
+    # Both workers stopped after the same committed step, and the world of three resumed after it.
+    drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_c]
+    stop_steps = {e["stop_step"] for e in finished}
+    assert len(drained) == 2 and {r["step"] for r in drained} == stop_steps, (drained, finished)
+    resumed = {r["resume"] for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 3}
+    assert resumed == {next(iter(stop_steps)) + 1}, resumed

@@ -1,6 +1,8 @@
 """The drain's acknowledgements: one signed key per rank, counted only when it verifies.
 
 - :func:`write_expected`, :func:`keep_expected`, :func:`read_expected`: the signed count to expect;
+- :func:`write_local_count`, :func:`read_local_count`: the same count from a node's watchers to
+  their own agent through a file, which a store writer cannot delete;
 - :func:`write_ack`: a stopped worker's signed ``{round, rank, step}`` record, then the ``acks`` hint;
 - :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to look);
 - :func:`agree_stop_step`: the ranks agree on the last step with one compare-and-set of a signed value.
@@ -11,6 +13,8 @@ Design: ``docs/RDZV.md`` (section "The drain").
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from typing import Any
 
@@ -25,8 +29,10 @@ __all__ = [
     "agree_stop_step",
     "keep_expected",
     "read_expected",
+    "read_local_count",
     "write_ack",
     "write_expected",
+    "write_local_count",
 ]
 
 RESTORE_EVERY_S = 1.0  # rank 0's watcher checks the round's world_size this often at most
@@ -147,6 +153,64 @@ def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
             f"job secret (check who can reach the rendezvous endpoint)"
         )
     return count_value(key, value)
+
+
+def write_local_count(path: str, round_: int, world_size: int) -> None:
+    """A watcher tells its own agent the round's count, off the store (write a new file, then
+    rename it over ``path``; neither step follows a link planted at either name).
+
+    Args:
+        path: the agent's count file (``ELASTIC_EMB_DRAIN_COUNT_FILE``).
+        round_: the rendezvous round.
+        world_size: the number of ranks that will acknowledge.
+
+    Raises:
+        OSError: when the file cannot be written.
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"
+    data = json.dumps({"round": int(round_), "world_size": int(world_size)}).encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:  # left by a process of this pid that died between open and rename
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_local_count(path: str | None, round_: int) -> int | None:
+    """The agent: the count its workers wrote for ``round_``.
+
+    Args:
+        path: the count file, or None (no workers were started with one).
+        round_: the round being drained.
+
+    Returns:
+        The count, or None when there is no file, it is not a regular file, of another round, or
+        not a count.
+    """
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        record = json.loads(os.read(fd, 256))
+        count = record["world_size"]
+        if record["round"] != round_ or type(count) is not int:
+            return None
+        return count_value(path, count) or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def ack_record(round_: int, rank: int, step: int) -> str:

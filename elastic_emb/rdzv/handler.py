@@ -16,6 +16,7 @@ import atexit
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id, config_error
 from elastic_emb.rdzv.decode import RendezvousView, node_id
-from elastic_emb.rdzv.drain_acks import AckCounter, read_expected
+from elastic_emb.rdzv.drain_acks import AckCounter, read_expected, read_local_count
 from elastic_emb.rdzv.fingerprint import JobFingerprint, check_fingerprint, live
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
 from elastic_emb.rdzv.job_complete import (
@@ -41,6 +42,7 @@ from elastic_emb.rdzv.keys import (
     DISABLE_SHARED_STORE,
     ENV_AGENT_PID,
     ENV_DRAIN,
+    ENV_DRAIN_COUNT_FILE,
     ENV_GENERATION,
     ENV_JOINER,
     ENV_MEMBERSHIP,
@@ -154,6 +156,7 @@ class ElasticEmbRendezvousHandler:
         self._rdzv_lock = threading.Lock()
         self._left = False
         self._refused = False  # refused at the first rendezvous: never close the others' rendezvous
+        self._count_file: str | None = None  # where this agent's workers write the drain's count
         self._closed = threading.Event()
         # torch's keep-alive timer fires every keep_alive_interval and writes only a heartbeat
         # older than that, and its first tick comes a full interval after a round completes: a
@@ -617,7 +620,15 @@ class ElasticEmbRendezvousHandler:
             self._drain_acks = AckCounter(store, self._signer, prefix, self._round, self._log)
         last = now - self._drain_started >= self._config.drain_timeout
         try:
-            expected = read_expected(store, self._signer, prefix) or 0  # untrusted, like every key
+            try:
+                expected = read_expected(store, self._signer, prefix) or 0  # untrusted, like every key
+            except ValueError as exc:  # not written with the secret, or not a count: the local copy below
+                self._log.warning("drain_count_unreadable", round=self._round, error=str(exc)[:300])
+                expected = 0
+            if expected == 0:
+                # Missing from the store: no watchers, or a store writer deleted it. This node's
+                # watchers also wrote it to a file only they and this agent share.
+                expected = read_local_count(self._count_file, self._round) or 0
             acks = self._drain_acks.count(expected, final=last) if expected > 0 else 0
         except StoreOutageError:
             raise
@@ -673,6 +684,12 @@ class ElasticEmbRendezvousHandler:
 
     def _export_env(self, state: RendezvousView) -> None:
         """torchrun starts the workers with a copy of the agent's os.environ."""
+        if self._count_file is None:
+            # One small file per agent, named by its pid (a killed agent's is replaced by the next
+            # agent of that pid); the workers write it without following links (drain_acks.py).
+            self._count_file = os.path.join(tempfile.gettempdir(), f"elastic_emb-drain-count-{os.getpid()}.json")
+            _remove_quietly(self._count_file)
+            atexit.register(_remove_quietly, self._count_file)
         os.environ.update(
             {
                 ENV_GENERATION: str(self._generation),
@@ -687,8 +704,16 @@ class ElasticEmbRendezvousHandler:
                 ENV_STORE_OUTAGE_TIMEOUT: str(self._config.store_outage_timeout),
                 ENV_RESIZE: self._config.resize,
                 ENV_JOINER: "1" if self._joined_running else "0",
+                ENV_DRAIN_COUNT_FILE: self._count_file,
             }
         )
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:

@@ -26,6 +26,9 @@ ENV_STORE_OUTAGE_TIMEOUT = "ELASTIC_EMB_STORE_OUTAGE_TIMEOUT"
 ENV_RESIZE = "ELASTIC_EMB_RESIZE"  # restart | in_process (--rdzv-conf resize=)
 ENV_ROUND = "ELASTIC_EMB_RDZV_ROUND"  # the torch round (the generation may be higher: in-process mode)
 ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in process (inprocess/resize.py)
+# The file in the agent's private directory where its workers' watchers write the drain's count
+# (rdzv/drain_acks.py): the agent's copy of the round's world_size, out of a store writer's reach.
+ENV_DRAIN_COUNT_FILE = "ELASTIC_EMB_DRAIN_COUNT_FILE"
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 

@@ -65,10 +65,11 @@ class RendezvousReader:
             self._client = None
         elif backend == "etcd-v2":
             import etcd  # python-etcd
-            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+            from elastic_emb.rdzv.etcd_v2 import CasEtcdStore  # the drain's stop step needs compare_set
 
             self._client = etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout)))
-            self.store = EtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
+            self.store = CasEtcdStore(self._client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timeout))
             self._state_key = ETCD_STATE_KEY.format(run_id=run_id)
         elif backend == "etcd-v3":
             from elastic_emb.rdzv.etcd_v3 import open_reader

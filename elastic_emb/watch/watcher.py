@@ -24,7 +24,14 @@ from elastic_emb.native_calls import exiting, native_call
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
-from elastic_emb.rdzv.drain_acks import RESTORE_EVERY_S, agree_stop_step, keep_expected, write_ack, write_expected
+from elastic_emb.rdzv.drain_acks import (
+    RESTORE_EVERY_S,
+    agree_stop_step,
+    keep_expected,
+    write_ack,
+    write_expected,
+    write_local_count,
+)
 from elastic_emb.rdzv.keys import (
     ENV_RDZV_ENDPOINT,
     KEY_DEAD,
@@ -102,6 +109,7 @@ class Watcher:
         on_evicted: Callable[[MembershipEvent], None] | None = None,
         signer: Signer | None = None,
         store_outage_timeout: float = 30.0,
+        count_file: str | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval={interval!r} must be > 0 seconds")
@@ -131,6 +139,8 @@ class Watcher:
         self._stop_step: int | None = None
         self._acked = False
         self._restore_due = float("inf")  # rank 0 keeps the round's world_size key, once start() wrote it
+        self._count_file = count_file  # the agent's copy of the count (drain_acks.write_local_count)
+        self._count_written: tuple[int, int] | None = None  # (round, world size) last written there
         self._members: tuple[str, ...] = ()
         self._reported: set[tuple[str, tuple[str, ...]]] = set()
         self.last_state: RendezvousView | None = None
@@ -170,6 +180,7 @@ class Watcher:
             "drain",
             "store_outage_timeout",
             "rdzv_node",
+            "drain_count_file",
         )
         endpoint = settings.rdzv_endpoint
         if not endpoint:
@@ -197,6 +208,7 @@ class Watcher:
         kwargs.setdefault("drain", settings.drain)
         kwargs.setdefault("store_outage_timeout", settings.store_outage_timeout)
         kwargs.setdefault("signer", Signer.from_env(env))
+        kwargs.setdefault("count_file", settings.drain_count_file)
         return cls(
             reader,
             round_=gen,
@@ -513,11 +525,22 @@ class Watcher:
             return
         if self.rank == 0 and time.monotonic() >= self._restore_due:
             self._keep_drain_count()
+        if self._count_file and self._count_written != (self.round, self.world_size):
+            self._tell_agent_count()
         for change in classify(view, round_=self.round, members=self._members, node=self.node):
             if change.kind != "evicted":
                 self._emit(change.kind, nodes=change.nodes, state_round=change.state_round)
             elif self._eviction_confirmed():
                 self._evict("evicted", nodes=change.nodes, state_round=change.state_round)
+
+    def _tell_agent_count(self) -> None:
+        """Every rank: the round's count into the agent's file, once per (round, world size); the
+        agent falls back to it when the store's world_size is missing (a store writer deleted it)."""
+        self._count_written = (self.round, self.world_size)
+        try:
+            write_local_count(self._count_file, self.round, self.world_size)
+        except OSError as exc:  # the store's key still serves; the agent then has no fallback
+            self._log.warning("drain_count_file_failed", path=self._count_file, error=repr(exc))
 
     def _keep_drain_count(self) -> None:
         """Rank 0: the round's ``world_size`` says this world's size (``rdzv/drain_acks.py``):

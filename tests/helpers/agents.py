@@ -95,6 +95,7 @@ def start_agent(
         PYTHONUNBUFFERED="1",
         RDZV_TEST_WORKER=worker,
         ELASTIC_EMB_STATE_DIR=os.path.join(tmp, "state"),
+        TMPDIR=tmp,  # what a SIGKILLed agent leaves there (its drain-count file, torch's logs) stays in the test's dir
     )
     env.update(extra_env or {})
     cmd = [
