@@ -121,7 +121,9 @@ class ElasticEmbRendezvousHandler:
         guard.bind_log(self._log)  # from here on its events name this node
         self._guard = guard
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
-        self._expiry_s = expiry.total_seconds()
+        # A running job's node counts as alive for the fingerprint check twice as long as torch
+        # keeps it (10 s at least): a loaded node's heartbeat may lag, and a refusal is cheap.
+        self._job_alive_s = max(2 * expiry.total_seconds(), 10.0)
         state_key = INNER_BACKENDS[config.inner].state_key.format(run_id=self._run_id)
         # Control keys are signed with the job's secret when it has one (rdzv/signing.py); a bad
         # secret fails here, at agent start, naming the variable.
@@ -380,7 +382,7 @@ class ElasticEmbRendezvousHandler:
         store = GuardedStore(self._tc.agent_store(self._inner), self._guard)
         try:
             check_fingerprint(
-                store, self._signer, self._run_id, mine, self._live_nodes, self._log, expiry_s=self._expiry_s
+                store, self._signer, self._run_id, mine, self._live_nodes, self._log, expiry_s=self._job_alive_s
             )
         except ValueError as exc:
             self._log.error("job_fingerprint_refused", error=str(exc))
@@ -397,7 +399,7 @@ class ElasticEmbRendezvousHandler:
         self._inner.num_nodes_waiting()  # syncs torch's state
         state = self._tc.current_state(self._inner)
         view = RendezvousView.of(state)
-        return live(self._tc.heartbeats(state), [*view.nodes, *view.wait_list], self._expiry_s, self._node)
+        return live(self._tc.heartbeats(state), [*view.nodes, *view.wait_list], self._job_alive_s, self._node)
 
     def _join_running_world(self, rejoin: bool):
         """``resize=in_process``: the agent's first rendezvous joins a running round as one more
