@@ -55,7 +55,11 @@ check: venv $(VENV)/.torchrec
 COMPAT_TORCH ?= torch==2.14.1
 COMPAT_VENV ?= .venv-compat
 COMPAT_INDEX ?= pip
+# torch 2.14.1 from CI's mirror is a CUDA build (about 6 GiB in the venv): a disk too full for it stops
+# the target at once, saying how much is free, instead of pip failing halfway with ENOSPC.
+COMPAT_DISK_GIB ?= 7
 compat:
+	@test -f $(COMPAT_VENV)/.installed || $(PYTHON) scripts/check-disk.py $(COMPAT_DISK_GIB) "$(COMPAT_TORCH) in $(COMPAT_VENV)"
 	$(MAKE) venv VENV=$(COMPAT_VENV) TORCH_SPEC='$(COMPAT_TORCH)' TORCH_INDEX='$(COMPAT_INDEX)'
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -m "not slow and not gpu" --fast-tier --ignore tests/test_adapters_torchrec.py \
