@@ -153,6 +153,9 @@ def _make(prom, registry, role: str) -> dict[str, Any]:
             ),
             steps_lost=prom.Counter("elastic_emb_steps_lost", "Committed steps a new world had to redo.", **r),
             commits=prom.Counter("elastic_emb_commits", "Commits written.", **r),
+            commits_failed=prom.Counter(
+                "elastic_emb_commits_failed", "Commits the state directory refused, skipped.", ["reason"], **r
+            ),
             commit_seconds=prom.Histogram(
                 "elastic_emb_commit_seconds", "Commit latency.", buckets=_COMMIT_BUCKETS, **r
             ),
@@ -223,6 +226,18 @@ def commit(report: Any) -> None:
         if n:
             m["commit_bytes"].labels(tier=tier).inc(n)
     m["step"].set(report.step)
+
+
+def commit_failed(reason: str) -> None:
+    """Record a commit the state directory refused and training went on without (a no-op unless
+    this is a worker serving metrics).
+
+    Args:
+        reason: a short label, e.g. ``"no_space"`` or ``"read_only"``.
+    """
+    m = _of("worker")
+    if m is not None:
+        m["commits_failed"].labels(reason=reason).inc()
 
 
 def replicated(nbytes: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -59,4 +60,35 @@ def test_one_communicator_and_one_writer_per_generation_for_a_context_without_a_
     assert all(m == made[0] for m in made), "the communicator or the writer was made again within a generation"
     assert made[0][0].formed_on(None) and not made[0][0].formed_on(made[0][0].pg)
     assert lc.wait_commit() == 5
+    lc.close()
+
+
+def test_a_step_the_cadence_does_not_commit_is_taken_not_committed(tmp_path):
+    # commit_every=2: next_step used to stay at an uncommitted step, so a loop over next_step ran it forever
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+    config = LifecycleConfig(state_dir=str(tmp_path), node_id="n0", commit_every=2, async_commit=False).resolved({})
+    topo = Topology.build(
+        run_id="cadence",
+        generation=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        ep_size=1,
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
+    lc = Lifecycle(_factory, config, topo, store)
+    lc.context = _factory(topo, store)
+    seen = []
+    while lc.next_step < 5:
+        step = lc.next_step
+        lc.commit(step)
+        seen.append((step, lc.step, lc.committed_step))
+    assert seen == [(0, 0, 0), (1, 1, 0), (2, 2, 2), (3, 3, 2), (4, 4, 4)]
+    with pytest.raises(ValueError, match="step=3 was already taken"):
+        lc.commit(3)
     lc.close()

@@ -205,7 +205,9 @@ def _in_process(
     for v in survivors:
         ev = v["events"][-1]
         every = (config or {}).get("commit_every", 1)
-        assert ev["restored_step"] == until and v["step"] == (until + 2) // every * every  # last committed
+        # the last step taken, and the last one the cadence committed
+        assert ev["restored_step"] == until and v["step"] == until + 2
+        assert v["committed"] == (until + 2) // every * every
         if ev["kind"] == "rebuild":  # the old ranks: destroy + construct, never reset
             assert ev["old_world_size"] == len(old) and ev["new_world_size"] == len(new)
             assert "live" in ev["source_tiers"], ev

@@ -33,6 +33,7 @@ from elastic_emb.state import (
 from elastic_emb.state.snapshot import FOLD_CHAIN_LIMIT
 from elastic_emb.testing.ports import free_port
 from elastic_emb.topology import Topology
+from tests.helpers.tmpfs import fill, mounted_tmpfs
 
 SPEC = [["float32", [3]], ["float32", []]]  # weight [rows, 3] + one per-row slot
 
@@ -468,24 +469,11 @@ def test_one_corrupt_file_on_a_four_rank_node_restores_the_older_commit(tmp_path
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    import os
-    import subprocess
-
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN); this test fills and remounts one")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (a container without CAP_SYS_ADMIN?): {res.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "256k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_full_storage_fails_the_commit_in_one_line_and_keeps_older_commits(tmpfs, world1):
-    import os
 
     from elastic_emb.errors import StorageError
 
@@ -494,14 +482,7 @@ def test_full_storage_fails_the_commit_in_one_line_and_keeps_older_commits(tmpfs
     ctx = TinyContext(topo)
     _commit(tier, ctx, comm, 0, 1.0)
     filler = tmpfs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:  # fill the filesystem to the last block (bounded: it holds 256 KiB)
-        for _ in range(1000):
-            os.write(fd, b"\0" * 1024)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fill(filler, most=1 << 20)  # to the last block (it holds 256 KiB)
     with pytest.raises(StorageError) as info:
         _commit(tier, ctx, comm, 1, 2.0)
     msg = str(info.value)

@@ -12,6 +12,7 @@ Design: ``docs/LIFECYCLE.md``.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.errors import ElasticEmbError
+from elastic_emb.errors import ElasticEmbError, StorageError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.lifecycle import first_base
 from elastic_emb.lifecycle.committer import Committer
@@ -36,6 +37,20 @@ from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
 
 log = get_logger("elastic_emb.lifecycle.manager")
+
+
+# A StorageError's message carries the writing rank's strerror (the message crosses ranks, its
+# errno does not): the metric's reason label, by that text.
+_STORAGE_REASONS = (
+    (os.strerror(errno.ENOSPC), "no_space"),
+    (os.strerror(errno.EDQUOT), "quota"),
+    (os.strerror(errno.EROFS), "read_only"),
+)
+
+
+def _storage_reason(exc: StorageError) -> str:
+    text = str(exc)
+    return next((label for strerror, label in _STORAGE_REASONS if strerror in text), "storage")
 
 
 class Lifecycle:
@@ -68,6 +83,7 @@ class Lifecycle:
         self.watcher = watcher
         self.context: ShardedContext | None = None
         self._seen_step = -1
+        self._skipped_commits = 0  # commits the state directory refused (storage_errors="skip")
         self.draining = False
         self.events: list[ResizeEvent] = []
         self._sigterm = threading.Event()
@@ -140,7 +156,6 @@ class Lifecycle:
             raise
         t4 = time.perf_counter()
         lc.step = report.step
-        lc._seen_step = report.step
         if background_base and first_base.wanted(lc.context.tables, topology.world_size):
             lc._committer.first_base = FirstBase(store, topology)
         event = lc._event("start", None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
@@ -156,13 +171,16 @@ class Lifecycle:
 
     @property
     def step(self) -> int:
-        """The last step training finished that the lifecycle took (committed, in flight, or
-        coalesced in a first-base window); -1 before the first."""
-        return self._committer.step
+        """The last step training finished that the lifecycle took: committed, in flight,
+        coalesced in a first-base window, not due (``commit_every``) or skipped
+        (``storage_errors``); -1 before the first. :attr:`committed_step` says which is complete."""
+        return max(self._committer.step, self._seen_step)
 
     @step.setter
     def step(self, value: int) -> None:
+        # a restore: the state is that commit's, whatever was taken before it
         self._committer.step = value
+        self._seen_step = value
 
     @property
     def committed_step(self) -> int:
@@ -240,7 +258,7 @@ class Lifecycle:
         self._finish_resize(stepped=True)  # the first step after a resize ends here
         if step <= self.step:
             raise ValueError(
-                f"step={step} was already committed (last committed step {self.step}); "
+                f"step={step} was already taken (last step {self.step}, committed {self.committed_step}); "
                 f"steps must increase: resume at lifecycle.next_step={self.next_step}"
             )
         self._seen_step = max(self._seen_step, step)
@@ -251,13 +269,41 @@ class Lifecycle:
             )
         drain = bool(self.watcher is not None and self.watcher.drain_requested(step))
         due = force or drain or step % self.config.commit_every == 0
-        report = self._committer.due(step, forced=force or drain) if due else None
+        report = None
+        try:
+            report = self._committer.due(step, forced=force or drain) if due else None
+            if drain:
+                self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
+        except StorageError as exc:
+            if self.config.storage_errors == "raise":
+                raise
+            self._commit_skipped(step, exc)
+            report = None
         if drain:
-            self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
-            self.watcher.ack_drain(step)
+            # the newest complete commit: the step itself, unless the state directory refused it
+            self.watcher.ack_drain(self.committed_step)
             self.draining = True
-            log.info("lifecycle.draining", step=step)
+            log.info("lifecycle.draining", step=step, committed_step=self.committed_step)
         return report
+
+    def _commit_skipped(self, step: int, exc: StorageError) -> None:
+        """A commit the state directory refused: training goes on (``storage_errors="skip"``).
+
+        :attr:`step` stays ``step`` (the rows hold it) while :attr:`committed_step` stays the
+        newest complete commit; the snapshot tier's chain is broken, so the next commit that
+        succeeds is a full base: the rows this one would have written are in it."""
+        self._skipped_commits += 1
+        reason = _storage_reason(exc)
+        metrics.commit_failed(reason)
+        log.warning(
+            "lifecycle.commit_skipped",
+            step=step,
+            committed_step=self.committed_step,
+            reason=reason,
+            skipped=self._skipped_commits,
+            error=str(exc)[:300],
+            remedy="free space in (or remount read-write) the state directory; commits resume by themselves",
+        )
 
     # -- membership changes ------------------------------------------------------------------
 
@@ -387,7 +433,7 @@ class Lifecycle:
         # A commit is collective over the old world: only when nobody left (leavers commit before
         # they go, on a drain; ranks that died cannot). Otherwise restore takes the newest commit
         # complete across tiers, and the survivors' newer live rows wait for the next commit.
-        if healthy and self._seen_step > self.step and new.world_size >= old.world_size:
+        if healthy and self._seen_step > self._committer.step and new.world_size >= old.world_size:
             try:
                 self._committer.commit(self._seen_step)
                 committed = True
@@ -427,7 +473,6 @@ class Lifecycle:
         report = self._restore(live=live, live_commit=live_commit)
         t4 = time.perf_counter()
         self.step = report.step
-        self._seen_step = report.step
         return self._event("rebuild", old, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, committed)
 
     # -- restore -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -55,6 +56,11 @@ class LifecycleConfig(BaseModel):
     fold_max_deltas: int = Field(default=32, ge=1)
     max_chain: int = Field(default=8, ge=0)  # deltas on a captured base before the next (folding: least between folds)
     start_fresh: bool = False  # this run committed before but no commit is complete: start over instead of failing
+    # A commit the state directory refuses (StorageError: a full disk, a read-only mount): "skip"
+    # logs lifecycle.commit_skipped, counts it (elastic_emb_commits_failed) and training goes on,
+    # committed_step unchanged; the next commit that succeeds is a full base, so no row is missed.
+    # "raise": commit() raises the StorageError (the worker exits and its agent restarts it).
+    storage_errors: Literal["skip", "raise"] = "skip"
     file_mode: int = Field(default=0o600, ge=0, le=0o777)  # of the files the state tiers write
     dir_mode: int = Field(default=0o700, ge=0, le=0o777)  # of the directories they create
 

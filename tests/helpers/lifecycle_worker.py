@@ -298,6 +298,8 @@ def main() -> None:
             result["events"].append(ev.model_dump())
         dump(lc.context, out, "final")
     result["step"] = lc.step
+    lc.wait_commit()  # the commit in flight completes, so committed_step is the cadence's last
+    result["committed"] = lc.committed_step
     lc.close()
     print(json.dumps(result), flush=True)
 
