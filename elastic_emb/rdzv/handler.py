@@ -65,6 +65,7 @@ from elastic_emb.rdzv.keys import (
     write_priority_key,
 )
 from elastic_emb.rdzv.liveness import Liveness
+from elastic_emb.rdzv.localfile import remove_quietly
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
 from elastic_emb.rdzv.signing import Signer, read_signed
@@ -690,8 +691,8 @@ class ElasticEmbRendezvousHandler:
             # One small file per agent, named by its pid (a killed agent's is replaced by the next
             # agent of that pid); the workers write it without following links (drain_acks.py).
             self._count_file = os.path.join(tempfile.gettempdir(), f"elastic_emb-drain-count-{os.getpid()}.json")
-            _remove_quietly(self._count_file)
-            atexit.register(_remove_quietly, self._count_file)
+            remove_quietly(self._count_file)
+            atexit.register(remove_quietly, self._count_file)
         os.environ.update(
             {
                 ENV_GENERATION: str(self._generation),
@@ -709,13 +710,6 @@ class ElasticEmbRendezvousHandler:
                 ENV_DRAIN_COUNT_FILE: self._count_file,
             }
         )
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:
