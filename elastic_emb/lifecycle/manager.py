@@ -34,6 +34,7 @@ from elastic_emb.lifecycle.records import (
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
 from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
+from elastic_emb.watch import heartbeat
 
 log = get_logger("elastic_emb.lifecycle.manager")
 
@@ -238,6 +239,7 @@ class Lifecycle:
                 raised when this commit waits for it.
         """
         self._finish_resize(stepped=True)  # the first step after a resize ends here
+        heartbeat.beat()  # the agent's hang watchdog: this worker makes progress (rdzv/hang.py)
         if step <= self.step:
             raise ValueError(
                 f"step={step} was already committed (last committed step {self.step}); "
@@ -255,6 +257,7 @@ class Lifecycle:
         if drain:
             self.wait_commit()  # a drain acknowledges a complete commit, never one in flight
             self.watcher.ack_drain(step)
+            heartbeat.pause()  # a drained worker idles until its agent stops it
             self.draining = True
             log.info("lifecycle.draining", step=step)
         return report
@@ -491,6 +494,7 @@ class Lifecycle:
         """
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        heartbeat.pause()  # waiting for the agent on purpose
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
@@ -517,6 +521,7 @@ class Lifecycle:
                 commit is not complete.
         """
         self._finish_resize(stepped=False)
+        heartbeat.pause()  # what follows (the last commits, the exit barrier) is not a step
         failed = self._committer.close()  # the commits in flight complete first: a graceful end loses no step
         if self.context is not None:
             self.context.close()

@@ -31,6 +31,7 @@ from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.drain_acks import AckCounter, read_expected, read_local_count
 from elastic_emb.rdzv.fingerprint import JobFingerprint, check_fingerprint, live
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
+from elastic_emb.rdzv.hang import HangWatchdog
 from elastic_emb.rdzv.job_complete import (
     CompletingExitBarrierStore,
     CompletingStore,
@@ -47,6 +48,7 @@ from elastic_emb.rdzv.keys import (
     ENV_JOINER,
     ENV_MEMBERSHIP,
     ENV_NODE_ID,
+    ENV_PROGRESS_FILE,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
     ENV_RESIZE,
@@ -160,6 +162,8 @@ class ElasticEmbRendezvousHandler:
         self._left = False
         self._refused = False  # refused at the first rendezvous: never close the others' rendezvous
         self._count_file: str | None = None  # where this agent's workers write the drain's count
+        self._progress_prefix: str | None = None  # where they show progress (rdzv/hang.py)
+        self._watchdog: HangWatchdog | None = None
         self._closed = threading.Event()
         # torch's keep-alive timer fires every keep_alive_interval and writes only a heartbeat
         # older than that, and its first tick comes a full interval after a round completes: a
@@ -234,10 +238,10 @@ class ElasticEmbRendezvousHandler:
             # the rendezvous, as torch's launcher asks of every failed agent, would end that job.
             self._log.warning("shutdown_declined", reason="refused_before_joining")
             self._left = True
-            self._closed.set()
+            self._close_threads()
             return False
         self._left = True
-        self._closed.set()  # a closed rendezvous needs no leave
+        self._close_threads()  # a closed rendezvous needs no leave
         return self._inner.shutdown()
 
     @property
@@ -371,6 +375,12 @@ class ElasticEmbRendezvousHandler:
             seconds=time.monotonic() - start,
         )
         return info
+
+    def _close_threads(self) -> None:
+        """The heartbeat loop and the hang watchdog end (the agent leaves or closes the rendezvous)."""
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     def _check_job(self) -> None:
         """Before this agent's first join: refuse a running job that is not ours (one run id, one job)."""
@@ -585,7 +595,7 @@ class ElasticEmbRendezvousHandler:
         if self._left or self._round is None:
             return
         self._left = True
-        self._closed.set()
+        self._close_threads()
         self._guard.closing.set()  # at exit, an unreachable store is not waited for
         start = time.monotonic()
         tc = self._tc
@@ -693,6 +703,10 @@ class ElasticEmbRendezvousHandler:
             self._count_file = os.path.join(tempfile.gettempdir(), f"elastic_emb-drain-count-{os.getpid()}.json")
             remove_quietly(self._count_file)
             atexit.register(remove_quietly, self._count_file)
+        if self._progress_prefix is None:
+            self._progress_prefix = os.path.join(tempfile.gettempdir(), f"elastic_emb-progress-{os.getpid()}")
+            if self._config.hang_timeout > 0:
+                self._watchdog = HangWatchdog(self._progress_prefix, self._config.hang_timeout, self._log).start()
         os.environ.update(
             {
                 ENV_GENERATION: str(self._generation),
@@ -708,6 +722,7 @@ class ElasticEmbRendezvousHandler:
                 ENV_RESIZE: self._config.resize,
                 ENV_JOINER: "1" if self._joined_running else "0",
                 ENV_DRAIN_COUNT_FILE: self._count_file,
+                ENV_PROGRESS_FILE: self._progress_prefix,
             }
         )
 
