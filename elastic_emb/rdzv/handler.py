@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_emb import metrics
+from elastic_emb.config import load
 from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id, config_error
@@ -70,6 +72,7 @@ from elastic_emb.rdzv.liveness import Liveness
 from elastic_emb.rdzv.localfile import remove_quietly
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
+from elastic_emb.rdzv.round_start import RoundStartStore
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.rdzv.write_priority import WritePriority
 
@@ -161,6 +164,7 @@ class ElasticEmbRendezvousHandler:
         self._rdzv_lock = threading.Lock()
         self._left = False
         self._refused = False  # refused at the first rendezvous: never close the others' rendezvous
+        self._fault = load(None, "fault").fault  # tests and drills: a named point where this agent dies
         self._count_file: str | None = None  # where this agent's workers write the drain's count
         self._progress_prefix: str | None = None  # where they show progress (rdzv/hang.py)
         self._watchdog: HangWatchdog | None = None
@@ -330,8 +334,11 @@ class ElasticEmbRendezvousHandler:
         else:  # restart mode: torch's barrier, and the mark a late node reads (rdzv/job_complete.py)
             from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
+            # torch's agents exchange their role records next; a member lost before it writes
+            # its own must cost a re-form, not the survivors' agents (rdzv/round_start.py)
+            store = RoundStartStore(info.store, info.rank, info.world_size, self._lost_members, self._log)
             info = RendezvousInfo(
-                CompletingStore(info.store, self._mark_job_complete),
+                CompletingStore(store, self._mark_job_complete),
                 info.rank,
                 info.world_size,
                 info.bootstrap_store_info,
@@ -365,6 +372,8 @@ class ElasticEmbRendezvousHandler:
             deaths=deaths,
             duration_s=round(time.monotonic() - start, 3),
         )
+        if self._fault == "agent_round_complete":  # tests: a node lost right after its round
+            os.kill(os.getpid(), signal.SIGKILL)
         metrics.rendezvous_round(
             round_=state.round,
             world_size=len(members),
@@ -469,6 +478,21 @@ class ElasticEmbRendezvousHandler:
         except Exception as exc:  # joiners then wait their bound and fail, as without the mark
             reraise_signal(exc)
             self._log.warning("job_complete_mark_failed", round=self._round, error=repr(exc)[:300])
+
+    def _lost_members(self) -> list[int]:
+        """The group ranks of the running round's members that are gone from torch's state (their
+        heartbeat expired, or they left), all of them when the state moved to another round."""
+        try:
+            with self._lock:
+                self._inner.num_nodes_waiting()  # syncs torch's state, which drops the dead
+                view = RendezvousView.of(self._tc.current_state(self._inner))
+                members, round_ = self._members, self._round
+        except Exception as exc:  # unknown is not lost: the read waits on, to its bound
+            reraise_signal(exc)
+            return []
+        if view.round != round_:
+            return list(range(len(members)))
+        return [i for i, n in enumerate(members) if n not in view.nodes]
 
     def _members_now(self) -> tuple[str, ...]:
         """The participants of torch's state now (synced, reported-dead nodes evicted): whom the
