@@ -32,6 +32,7 @@ from elastic_emb.lifecycle.records import (
     completed_by_caller,
 )
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
+from elastic_emb.rdzv.signing import signed_store
 from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
 from elastic_emb.watch import heartbeat
@@ -65,6 +66,7 @@ class Lifecycle:
         self.factory = factory
         self.config = config
         self.topology = topology
+        self._env = env  # where the job secret is read (signed_store), as at start
         self.store = store
         self.watcher = watcher
         self.context: ShardedContext | None = None
@@ -128,6 +130,7 @@ class Lifecycle:
             from elastic_emb.store import worker_store
 
             store = worker_store(topology, timeout=config.agree_timeout, env=env)
+        store = signed_store(store, env)  # with a job secret, every value the workers exchange is signed
         lc = cls(factory, config, topology, store, watcher=watcher, env=env)
         t1 = time.perf_counter()
         try:
@@ -321,6 +324,7 @@ class Lifecycle:
         if set(phases or {}) - set(CALLER_PHASES):
             raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
         self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
+        store = signed_store(store, self._env)
         self._committer.first_base = None  # a window still open ends here: the live rows or the restore cover it
         t0 = time.perf_counter()
         ctx = self.context
