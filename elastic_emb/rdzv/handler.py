@@ -26,6 +26,7 @@ from typing import Any
 
 from elastic_emb import metrics
 from elastic_emb.config import load
+from elastic_emb.errors import ConfigError
 from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id, config_error
@@ -393,7 +394,10 @@ class ElasticEmbRendezvousHandler:
 
     def _check_job(self) -> None:
         """Before this agent's first join: refuse a running job that is not ours (one run id, one job)."""
-        mine = JobFingerprint.of_agent(self._config.resize)
+        try:
+            mine = JobFingerprint.of_agent(self._config.resize)
+        except ConfigError as exc:  # a malformed ELASTIC_EMB_JOB_FINGERPRINT: one line, exit 1
+            raise config_error(str(exc)) from None
         if mine is None:
             self._log.info(
                 "job_fingerprint_skipped", reason="not torchrun's command line, no ELASTIC_EMB_JOB_FINGERPRINT"
