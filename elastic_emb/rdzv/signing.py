@@ -183,7 +183,7 @@ class SignedStore(ForwardingStore):
             key: the key.
             value: the value (str or bytes).
         """
-        return self._inner.set(key, self._signer.sign(str(key), value))
+        self._inner.set(key, self._signer.sign(str(key), value))
 
     def get(self, key):
         """The verified value of ``key``, waiting for it up to the store's timeout.
@@ -222,7 +222,7 @@ class SignedStore(ForwardingStore):
             values: their values.
         """
         keys = list(keys)
-        return self._inner.multi_set(keys, [self._signer.sign(str(k), v) for k, v in zip(keys, values)])
+        self._inner.multi_set(keys, [self._signer.sign(str(k), v) for k, v in zip(keys, values)])
 
     def compare_set(self, key, expected, desired):
         """``compare_set`` on signed values (signing is deterministic, so equal values compare equal).
