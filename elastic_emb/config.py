@@ -162,6 +162,13 @@ class Settings(BaseModel):
         "agent",
         min_length=1,
     )
+    progress_file: str | None = _setting(
+        None,
+        "the prefix of the files where each worker shows its agent's hang watchdog that it makes progress "
+        "(`<prefix>-<local rank>.json`)",
+        "agent",
+        min_length=1,
+    )
     resize: Literal["restart", "in_process"] = _setting(
         "restart",
         "how the workers follow a membership change: `restart` (the agent restarts them) or `in_process` "

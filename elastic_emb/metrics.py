@@ -138,6 +138,7 @@ def _make(prom, registry, role: str) -> dict[str, Any]:
             rdzv_seconds=prom.Histogram(
                 "elastic_emb_rendezvous_seconds", "Seconds in next_rendezvous.", buckets=_PHASE_BUCKETS, **r
             ),
+            hung=prom.Counter("elastic_emb_workers_hung", "Workers this agent's hang watchdog killed.", **r),
         )
     else:
         m.update(
@@ -322,6 +323,13 @@ def store_outage(seconds: float) -> None:
     if m is not None:
         m["outages"].inc()
         m["outage_seconds"].observe(seconds)
+
+
+def worker_hung() -> None:
+    """Record a worker the agent's hang watchdog killed (a no-op when metrics are off)."""
+    m = _of("agent")
+    if m is not None:
+        m["hung"].inc()
 
 
 def serving() -> tuple[str, int] | None:

@@ -313,6 +313,19 @@ def _release_bar(p: Progress) -> None:
 # -- the shared reporting thread -------------------------------------------------------------------
 
 
+_ON_ADVANCE: list[Callable[[], None]] = []  # called by the ticker when open work advanced (set_on_advance)
+
+
+def set_on_advance(fn: Callable[[], None] | None) -> None:
+    """Have the ticker call ``fn`` after a tick in which some open work advanced (at most every
+    ``TICK_S``): the worker's progress heartbeat, so that long work that advances counts as progress.
+
+    Args:
+        fn: the callable (it must not raise), or None to stop.
+    """
+    _ON_ADVANCE[:] = [] if fn is None else [fn]
+
+
 class _Ticker:
     """One daemon thread ticking every open reporter; it runs only while some reporter is open."""
 
@@ -343,8 +356,17 @@ class _Ticker:
                 if not open_now:
                     self._thread = None
                     return
+            advanced = False
             for p in open_now:
+                done = p.done
+                if done != getattr(p, "_done_at_tick", 0):
+                    p._done_at_tick, advanced = done, True
                 p.tick()
+            if advanced and _ON_ADVANCE:
+                try:
+                    _ON_ADVANCE[0]()
+                except Exception:  # reporting never raises
+                    pass
         with self._lock:
             self._thread = None
 

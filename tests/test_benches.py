@@ -159,6 +159,11 @@ SMOKES: dict[str, Smoke] = {
     "etcd_calls": Smoke(
         ("--runs", "1", "--calls", "5", "--out", OUT), ("samples", "medians", "ratios_to_urllib"), needs=("etcd",)
     ),
+    "hang": Smoke(
+        ("--runs", "1", "--modes", "restart", "--hang-timeout", "3", "--no-baseline", "--cap", "90", "--out", OUT),
+        ("args", "raw", "summary"),
+        timeout=300.0,
+    ),
     "lookup": Smoke(
         (
             "--ranks",

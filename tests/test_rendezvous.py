@@ -625,3 +625,32 @@ def test_liveness_forgets_heartbeats_of_nodes_no_longer_members():
     change = lv.change(4, ("A", "C"), HashStore(), RendezvousView.of_nodes(4, ("A",)))
     assert (change["deaths"], change["restarting"]) == (["C"], [])  # no fresh beat: dead
     assert lv.dead == {"C"}
+
+
+@pytest.mark.slow
+def test_a_flapping_node_costs_the_survivor_a_reform_never_its_agent(cluster):
+    """Restart mode. A node that dies right after its round completed, before its agent wrote
+    torch's role record (the fault point ``agent_round_complete``), left the survivor's agent
+    waiting 60 s for that record and then failing, the job dead. Three such nodes in a row: the
+    survivor stands in for the lost record, restarts into a round of its own, and goes on."""
+    tmp, agents = cluster
+    port = free_port()
+    kw = dict(worker="lifecycle", nnodes="1:2", conf=JOIN_CONF, drain_timeout=30.0)
+    agents.append(start_agent("a", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    for cycle in range(3):
+        flapper = start_agent(f"f{cycle}", tmp, port, extra_env={"ELASTIC_EMB_FAULT": "agent_round_complete"}, **kw)
+        agents.append(flapper)
+        wait_for(lambda f=flapper: f.proc.poll() is not None, WAIT, f"flapping node {cycle} to die", agents)
+        assert flapper.proc.returncode == -signal.SIGKILL, flapper.output()[-2000:]
+        t_dead = time.time()
+        wait_for(
+            lambda t=t_dead: first_commit_at(tmp, world_size=1, after=t), WAIT, f"a alone after flap {cycle}", agents
+        )
+        assert agents[0].proc.poll() is None, agents[0].output()[-3000:]
+    lost = [e for e in events(tmp, "a") if e["event"] == "round_member_lost"]
+    assert len(lost) == 3, lost
+    # every restart of a's worker restored its rows bit for bit (the stand-in worlds start no step)
+    ready = [r for r in worker_records(tmp) if r["ev"] == "ready"]
+    assert ready and all(r["rows_ok"] for r in ready), ready
+    assert {r["ws"] for r in ready if r["ev"] == "ready"} <= {1, 2}

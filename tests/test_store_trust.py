@@ -326,7 +326,9 @@ def test_a_store_writer_deleting_the_drain_count_in_a_loop_does_not_end_the_drai
     tmp, agents = cluster
     port = free_port()
     env = {"ELASTIC_EMB_JOB_SECRET": SECRET}
-    kw = dict(extra_env=env, drain_timeout=60.0, nnodes="1:3")
+    # the lifecycle worker: with the secret, everything the workers exchange (agreement, restore
+    # inventories, gloo's addresses) goes through the signed store too
+    kw = dict(extra_env=env, drain_timeout=60.0, nnodes="1:3", worker="lifecycle")
     agents.append(start_agent("a", tmp, port, **kw))
     agents.append(start_agent("b", tmp, port, **kw))
     wait_for(lambda: first_commit_at(tmp, world_size=2, after=0), WAIT, "world size 2", agents)
@@ -364,5 +366,34 @@ def test_a_store_writer_deleting_the_drain_count_in_a_loop_does_not_end_the_drai
     drained = [r for r in worker_records(tmp) if r["ev"] == "drained" and r["t"] > t_c]
     stop_steps = {e["stop_step"] for e in finished}
     assert len(drained) == 2 and {r["step"] for r in drained} == stop_steps, (drained, finished)
-    resumed = {r["resume"] for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 3}
-    assert resumed == {next(iter(stop_steps)) + 1}, resumed
+    ready = [r for r in worker_records(tmp) if r["ev"] == "ready" and r["ws"] == 3]
+    assert {r["resume"] for r in ready} == {next(iter(stop_steps)) + 1}, ready
+    assert len(ready) == 3 and all(r["rows_ok"] for r in ready), ready
+
+
+def test_the_workers_store_signs_every_value_and_refuses_a_forged_one(round_store):
+    """With a job secret the workers' store (MASTER_ADDR:MASTER_PORT) holds only signed values: a
+    store writer can neither forge an agreement verdict or an inventory nor move a value."""
+    from elastic_emb import UnsafeStateError
+    from elastic_emb.rdzv.signing import SignedStore, signed_store
+
+    assert signed_store(round_store, {}) is round_store  # no secret: the store as it is
+    store = signed_store(round_store, {"ELASTIC_EMB_JOB_SECRET": SECRET})
+    assert isinstance(store, SignedStore) and signed_store(store, {"ELASTIC_EMB_JOB_SECRET": SECRET}) is store
+    store.set("verdict", b"agreed")
+    assert store.get("verdict") == b"agreed" and round_store.get("verdict").startswith(b"eesig1:")
+    store.multi_set(["a", "b"], [b"1", b"2"])
+    assert store.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert store.compare_set("c", "", b"x") == b"x"  # created
+    assert store.compare_set("c", b"x", b"y") == b"y"  # swapped
+    assert store.compare_set("c", b"x", b"z") == b"y"  # lost: the current value, verified
+    assert store.add("n", 2) == 2  # counters pass as they are
+    round_store.set("verdict", b'{"message": "forged mismatch"}')
+    with pytest.raises(UnsafeStateError, match="store key 'verdict' holds a value unsigned"):
+        store.get("verdict")
+    round_store.set("a", round_store.get("b"))  # a signed value moved to another key
+    with pytest.raises(UnsafeStateError, match="store key 'a' holds a value bad signature"):
+        store.multi_get(["a"])
+    round_store.set("c", b"planted")
+    with pytest.raises(UnsafeStateError, match="'c'"):
+        store.compare_set("c", b"y", b"w")

@@ -40,6 +40,7 @@ from elastic_emb.rdzv.outage import is_connection_error
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
+from elastic_emb.watch import heartbeat
 
 log = get_logger("elastic_emb.inprocess.resize")
 
@@ -427,6 +428,7 @@ class InProcessResize:
         """
         if not self.enabled:
             raise ElasticEmbError("in-process resize is off: launch with --rdzv-conf resize=in_process")
+        heartbeat.pause()  # a re-form's waits are bounded by their own timeouts; the next commit re-arms it
         t0 = time.perf_counter()
         seen, self._seen = self._seen, None
         failed = failed or self.watcher.failure_seen or self.neighbour_dead.is_set()

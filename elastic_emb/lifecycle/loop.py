@@ -29,6 +29,7 @@ from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig, ResizeE
 from elastic_emb.protocol import ContextFactory
 from elastic_emb.store import worker_store
 from elastic_emb.topology import Topology
+from elastic_emb.watch import heartbeat
 from elastic_emb.watch.watcher import Watcher
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ class _Loop:
                 # Restart mode: when a membership change explains the failure, the agent is about
                 # to restart this worker into the new world (free of --max-restarts): wait for it
                 # rather than fail. Nothing of this step was committed; it runs again.
+                heartbeat.pause()  # the wait below is bounded; the agent's restart follows, or the error
                 if self.watcher is not None and self.watcher.membership_change_pending(timeout=MEMBERSHIP_WAIT_S):
                     log.warning("loop.step_failed_membership_changed", step=step, error=type(exc).__name__)
                     hooks.on_step_failed(lc, step, exc)

@@ -33,8 +33,10 @@ from elastic_emb.lifecycle.records import (
     completed_by_caller,
 )
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
+from elastic_emb.rdzv.signing import signed_store
 from elastic_emb.state import RestoreReport, points, restore
 from elastic_emb.topology import Topology, agree
+from elastic_emb.watch import heartbeat
 
 log = get_logger("elastic_emb.lifecycle.manager")
 
@@ -79,6 +81,7 @@ class Lifecycle:
         self.factory = factory
         self.config = config
         self.topology = topology
+        self._env = env  # where the job secret is read (signed_store), as at start
         self.store = store
         self.watcher = watcher
         self.context: ShardedContext | None = None
@@ -143,6 +146,7 @@ class Lifecycle:
             from elastic_emb.store import worker_store
 
             store = worker_store(topology, timeout=config.agree_timeout, env=env)
+        store = signed_store(store, env)  # with a job secret, every value the workers exchange is signed
         lc = cls(factory, config, topology, store, watcher=watcher, env=env)
         t1 = time.perf_counter()
         try:
@@ -256,6 +260,7 @@ class Lifecycle:
                 raised when this commit waits for it.
         """
         self._finish_resize(stepped=True)  # the first step after a resize ends here
+        heartbeat.beat()  # the agent's hang watchdog: this worker makes progress (rdzv/hang.py)
         if step <= self.step:
             raise ValueError(
                 f"step={step} was already taken (last step {self.step}, committed {self.committed_step}); "
@@ -282,6 +287,7 @@ class Lifecycle:
         if drain:
             # the newest complete commit: the step itself, unless the state directory refused it
             self.watcher.ack_drain(self.committed_step)
+            heartbeat.pause()  # a drained worker idles until its agent stops it
             self.draining = True
             log.info("lifecycle.draining", step=step, committed_step=self.committed_step)
         return report
@@ -364,6 +370,7 @@ class Lifecycle:
         if set(phases or {}) - set(CALLER_PHASES):
             raise ValueError(f"phases {sorted(phases)} must be among {CALLER_PHASES}")
         self._finish_resize(stepped=False)  # a resize with no step since the last: log that one as it is
+        store = signed_store(store, self._env)
         self._committer.first_base = None  # a window still open ends here: the live rows or the restore cover it
         t0 = time.perf_counter()
         ctx = self.context
@@ -536,6 +543,7 @@ class Lifecycle:
         """
         if timeout <= 0:
             raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+        heartbeat.pause()  # waiting for the agent on purpose
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, lambda *_: self._sigterm.set())
@@ -562,6 +570,7 @@ class Lifecycle:
                 commit is not complete.
         """
         self._finish_resize(stepped=False)
+        heartbeat.pause()  # what follows (the last commits, the exit barrier) is not a step
         failed = self._committer.close()  # the commits in flight complete first: a graceful end loses no step
         if self.context is not None:
             self.context.close()

@@ -220,6 +220,9 @@ class ListenerConfig(BaseModel):
     watch_interval: float = Field(default=0.1, gt=0.0, le=10.0, allow_inf_nan=False)
     store_outage_timeout: float = Field(default=30.0, ge=0.0, le=3600.0, allow_inf_nan=False)
     resize: Literal["restart", "in_process"] = "restart"
+    # seconds a worker may go without progress (a step, or long work advancing) before its agent
+    # kills it as hung; 0: no watchdog
+    hang_timeout: float = Field(default=15.0, ge=0.0, le=86400.0, allow_inf_nan=False)
 
     @field_validator("inner")
     @classmethod

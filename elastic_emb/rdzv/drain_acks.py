@@ -13,12 +13,11 @@ Design: ``docs/RDZV.md`` (section "The drain").
 from __future__ import annotations
 
 import json
-import os
-import stat
 import time
 from typing import Any
 
 from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_STOP_STEP, KEY_WORLD_SIZE, count_value
+from elastic_emb.rdzv.localfile import read_regular, write_replacing
 from elastic_emb.rdzv.signing import Signer, read_signed, report_rejected
 
 __all__ = [
@@ -156,8 +155,7 @@ def read_expected(store: Any, signer: Signer, prefix: str) -> int | None:
 
 
 def write_local_count(path: str, round_: int, world_size: int) -> None:
-    """A watcher tells its own agent the round's count, off the store (write a new file, then
-    rename it over ``path``; neither step follows a link planted at either name).
+    """A watcher tells its own agent the round's count, off the store (``localfile.write_replacing``).
 
     Args:
         path: the agent's count file (``ELASTIC_EMB_DRAIN_COUNT_FILE``).
@@ -167,19 +165,7 @@ def write_local_count(path: str, round_: int, world_size: int) -> None:
     Raises:
         OSError: when the file cannot be written.
     """
-    tmp = f"{path}.{os.getpid()}.tmp"
-    data = json.dumps({"round": int(round_), "world_size": int(world_size)}).encode()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(tmp, flags, 0o600)
-    except FileExistsError:  # left by a process of this pid that died between open and rename
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_replacing(path, json.dumps({"round": int(round_), "world_size": int(world_size)}).encode())
 
 
 def read_local_count(path: str | None, round_: int) -> int | None:
@@ -193,24 +179,17 @@ def read_local_count(path: str | None, round_: int) -> int | None:
         The count, or None when there is no file, it is not a regular file, of another round, or
         not a count.
     """
-    if not path:
+    found = read_regular(path) if path else None
+    if found is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        record = json.loads(os.read(fd, 256))
+        record = json.loads(found[0])
         count = record["world_size"]
         if record["round"] != round_ or type(count) is not int:
             return None
         return count_value(path, count) or None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
-    finally:
-        os.close(fd)
 
 
 def ack_record(round_: int, rank: int, step: int) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_emb import metrics
+from elastic_emb.config import load
+from elastic_emb.errors import ConfigError
 from elastic_emb.events import event_logger
 from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.rdzv.conf import INNER_BACKENDS, ListenerConfig, check_run_id, config_error
@@ -31,6 +34,7 @@ from elastic_emb.rdzv.decode import RendezvousView, node_id
 from elastic_emb.rdzv.drain_acks import AckCounter, read_expected, read_local_count
 from elastic_emb.rdzv.fingerprint import JobFingerprint, check_fingerprint, live
 from elastic_emb.rdzv.guarded import GuardedBackend, GuardedStore
+from elastic_emb.rdzv.hang import HangWatchdog
 from elastic_emb.rdzv.job_complete import (
     CompletingExitBarrierStore,
     CompletingStore,
@@ -47,6 +51,7 @@ from elastic_emb.rdzv.keys import (
     ENV_JOINER,
     ENV_MEMBERSHIP,
     ENV_NODE_ID,
+    ENV_PROGRESS_FILE,
     ENV_RDZV_BACKEND,
     ENV_RDZV_ENDPOINT,
     ENV_RESIZE,
@@ -65,8 +70,10 @@ from elastic_emb.rdzv.keys import (
     write_priority_key,
 )
 from elastic_emb.rdzv.liveness import Liveness
+from elastic_emb.rdzv.localfile import remove_quietly
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
+from elastic_emb.rdzv.round_start import RoundStartStore
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.rdzv.write_priority import WritePriority
 
@@ -158,7 +165,10 @@ class ElasticEmbRendezvousHandler:
         self._rdzv_lock = threading.Lock()
         self._left = False
         self._refused = False  # refused at the first rendezvous: never close the others' rendezvous
+        self._fault = load(None, "fault").fault  # tests and drills: a named point where this agent dies
         self._count_file: str | None = None  # where this agent's workers write the drain's count
+        self._progress_prefix: str | None = None  # where they show progress (rdzv/hang.py)
+        self._watchdog: HangWatchdog | None = None
         self._closed = threading.Event()
         # torch's keep-alive timer fires every keep_alive_interval and writes only a heartbeat
         # older than that, and its first tick comes a full interval after a round completes: a
@@ -233,10 +243,10 @@ class ElasticEmbRendezvousHandler:
             # the rendezvous, as torch's launcher asks of every failed agent, would end that job.
             self._log.warning("shutdown_declined", reason="refused_before_joining")
             self._left = True
-            self._closed.set()
+            self._close_threads()
             return False
         self._left = True
-        self._closed.set()  # a closed rendezvous needs no leave
+        self._close_threads()  # a closed rendezvous needs no leave
         return self._inner.shutdown()
 
     @property
@@ -325,8 +335,11 @@ class ElasticEmbRendezvousHandler:
         else:  # restart mode: torch's barrier, and the mark a late node reads (rdzv/job_complete.py)
             from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
+            # torch's agents exchange their role records next; a member lost before it writes
+            # its own must cost a re-form, not the survivors' agents (rdzv/round_start.py)
+            store = RoundStartStore(info.store, info.rank, info.world_size, self._lost_members, self._log)
             info = RendezvousInfo(
-                CompletingStore(info.store, self._mark_job_complete),
+                CompletingStore(store, self._mark_job_complete),
                 info.rank,
                 info.world_size,
                 info.bootstrap_store_info,
@@ -360,6 +373,8 @@ class ElasticEmbRendezvousHandler:
             deaths=deaths,
             duration_s=round(time.monotonic() - start, 3),
         )
+        if self._fault == "agent_round_complete":  # tests: a node lost right after its round
+            os.kill(os.getpid(), signal.SIGKILL)
         metrics.rendezvous_round(
             round_=state.round,
             world_size=len(members),
@@ -371,9 +386,18 @@ class ElasticEmbRendezvousHandler:
         )
         return info
 
+    def _close_threads(self) -> None:
+        """The heartbeat loop and the hang watchdog end (the agent leaves or closes the rendezvous)."""
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
     def _check_job(self) -> None:
         """Before this agent's first join: refuse a running job that is not ours (one run id, one job)."""
-        mine = JobFingerprint.of_agent(self._config.resize)
+        try:
+            mine = JobFingerprint.of_agent(self._config.resize)
+        except ConfigError as exc:  # a malformed ELASTIC_EMB_JOB_FINGERPRINT: one line, exit 1
+            raise config_error(str(exc)) from None
         if mine is None:
             self._log.info(
                 "job_fingerprint_skipped", reason="not torchrun's command line, no ELASTIC_EMB_JOB_FINGERPRINT"
@@ -458,6 +482,21 @@ class ElasticEmbRendezvousHandler:
         except Exception as exc:  # joiners then wait their bound and fail, as without the mark
             reraise_signal(exc)
             self._log.warning("job_complete_mark_failed", round=self._round, error=repr(exc)[:300])
+
+    def _lost_members(self) -> list[int]:
+        """The group ranks of the running round's members that are gone from torch's state (their
+        heartbeat expired, or they left), all of them when the state moved to another round."""
+        try:
+            with self._lock:
+                self._inner.num_nodes_waiting()  # syncs torch's state, which drops the dead
+                view = RendezvousView.of(self._tc.current_state(self._inner))
+                members, round_ = self._members, self._round
+        except Exception as exc:  # unknown is not lost: the read waits on, to its bound
+            reraise_signal(exc)
+            return []
+        if view.round != round_:
+            return list(range(len(members)))
+        return [i for i, n in enumerate(members) if n not in view.nodes]
 
     def _members_now(self) -> tuple[str, ...]:
         """The participants of torch's state now (synced, reported-dead nodes evicted): whom the
@@ -584,7 +623,7 @@ class ElasticEmbRendezvousHandler:
         if self._left or self._round is None:
             return
         self._left = True
-        self._closed.set()
+        self._close_threads()
         self._guard.closing.set()  # at exit, an unreachable store is not waited for
         start = time.monotonic()
         tc = self._tc
@@ -690,8 +729,12 @@ class ElasticEmbRendezvousHandler:
             # One small file per agent, named by its pid (a killed agent's is replaced by the next
             # agent of that pid); the workers write it without following links (drain_acks.py).
             self._count_file = os.path.join(tempfile.gettempdir(), f"elastic_emb-drain-count-{os.getpid()}.json")
-            _remove_quietly(self._count_file)
-            atexit.register(_remove_quietly, self._count_file)
+            remove_quietly(self._count_file)
+            atexit.register(remove_quietly, self._count_file)
+        if self._progress_prefix is None:
+            self._progress_prefix = os.path.join(tempfile.gettempdir(), f"elastic_emb-progress-{os.getpid()}")
+            if self._config.hang_timeout > 0:
+                self._watchdog = HangWatchdog(self._progress_prefix, self._config.hang_timeout, self._log).start()
         os.environ.update(
             {
                 ENV_GENERATION: str(self._generation),
@@ -707,15 +750,9 @@ class ElasticEmbRendezvousHandler:
                 ENV_RESIZE: self._config.resize,
                 ENV_JOINER: "1" if self._joined_running else "0",
                 ENV_DRAIN_COUNT_FILE: self._count_file,
+                ENV_PROGRESS_FILE: self._progress_prefix,
             }
         )
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _heartbeat_loop(ref: "weakref.ref[ElasticEmbRendezvousHandler]", closed: threading.Event, every: float) -> None:

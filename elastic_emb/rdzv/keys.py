@@ -29,6 +29,9 @@ ENV_JOINER = "ELASTIC_EMB_JOINER"  # 1: the node joined a running world in proce
 # The file in the agent's private directory where its workers' watchers write the drain's count
 # (rdzv/drain_acks.py): the agent's copy of the round's world_size, out of a store writer's reach.
 ENV_DRAIN_COUNT_FILE = "ELASTIC_EMB_DRAIN_COUNT_FILE"
+# The prefix of the files where each local worker shows its agent that it makes progress
+# (watch/heartbeat.py; the agent's watchdog: rdzv/hang.py): <prefix>-<local rank>.json.
+ENV_PROGRESS_FILE = "ELASTIC_EMB_PROGRESS_FILE"
 # torch's own switch; the backend always sets it to 1 (a shared agent store deadlocks a scale-up).
 DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 

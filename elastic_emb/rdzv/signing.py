@@ -15,8 +15,9 @@ import hmac
 from collections.abc import Mapping
 from typing import Any
 
-from elastic_emb.errors import SecretError
+from elastic_emb.errors import SecretError, UnsafeStateError
 from elastic_emb.rdzv.keys import ENV_JOB_SECRET
+from elastic_emb.store import ForwardingStore
 
 _TAG = b"eesig1:"
 MIN_SECRET_BYTES = 16
@@ -147,3 +148,115 @@ def report_rejected(signer: Signer, key: str, reason: str, log: Any) -> None:
         remedy="a value without the job secret's signature, or not of its kind, was written to the store: "
         "check who can reach the rendezvous endpoint",
     )
+
+
+class SignedStore(ForwardingStore):
+    """The workers' store with every value signed with the job's secret (``signed_store``).
+
+    ``set``, ``multi_set`` and ``compare_set`` write signed values; ``get``, ``multi_get`` and
+    ``compare_set`` return a value only when it verifies, and raise naming the key otherwise, so a
+    store writer can neither forge an agreement verdict or a restore inventory nor move a value to
+    another key. Counters (``add``) cannot be signed: they pass as they are.
+
+    Args:
+        inner: the store.
+        signer: a signer with the job's secret.
+    """
+
+    def __init__(self, inner: Any, signer: Signer) -> None:
+        super().__init__(inner)
+        self._signer = signer
+
+    def _checked(self, key: Any, raw: Any) -> bytes:
+        value, reason = self._signer.verify(str(key), raw)
+        if value is None:
+            raise UnsafeStateError(
+                f"store key {str(key)!r} holds a value {reason.replace('_', ' ')} ({bytes(raw)[:40]!r}): not written "
+                "by this job's workers; keep MASTER_ADDR:MASTER_PORT reachable only from the job"
+            )
+        return value
+
+    def set(self, key, value):
+        """Set ``key`` to ``value``, signed.
+
+        Args:
+            key: the key.
+            value: the value (str or bytes).
+        """
+        self._inner.set(key, self._signer.sign(str(key), value))
+
+    def get(self, key):
+        """The verified value of ``key``, waiting for it up to the store's timeout.
+
+        Args:
+            key: the key.
+
+        Returns:
+            The value, without its signature.
+
+        Raises:
+            UnsafeStateError: when the value is unsigned or badly signed.
+        """
+        return self._checked(key, self._inner.get(key))
+
+    def multi_get(self, keys):
+        """The verified values of several keys.
+
+        Args:
+            keys: the keys.
+
+        Returns:
+            Their values, in order.
+
+        Raises:
+            UnsafeStateError: when a value is unsigned or badly signed.
+        """
+        keys = list(keys)
+        return [self._checked(k, v) for k, v in zip(keys, self._inner.multi_get(keys))]
+
+    def multi_set(self, keys, values):
+        """Set several keys, each value signed.
+
+        Args:
+            keys: the keys.
+            values: their values.
+        """
+        keys = list(keys)
+        self._inner.multi_set(keys, [self._signer.sign(str(k), v) for k, v in zip(keys, values)])
+
+    def compare_set(self, key, expected, desired):
+        """``compare_set`` on signed values (signing is deterministic, so equal values compare equal).
+
+        Args:
+            key: the key.
+            expected: the value the key must hold; empty for a missing key.
+            desired: the value to write.
+
+        Returns:
+            The value the key holds afterwards, verified.
+
+        Raises:
+            UnsafeStateError: when that value is unsigned or badly signed.
+        """
+        signed_expected = self._signer.sign(str(key), expected) if expected not in ("", b"") else b""
+        return self._checked(key, self._inner.compare_set(key, signed_expected, self._signer.sign(str(key), desired)))
+
+
+def signed_store(store: Any, env: Mapping[str, str] | None = None) -> Any:
+    """``store`` with its values signed when the job has a secret (``ELASTIC_EMB_JOB_SECRET``).
+
+    Args:
+        store: the workers' store.
+        env: the environment to read the secret from (default: ``os.environ``).
+
+    Returns:
+        A :class:`SignedStore` over ``store``, or ``store`` itself without a secret (or when it is
+        one already).
+
+    Raises:
+        SecretError: when the secret is set but too short.
+    """
+    if store is None or isinstance(store, SignedStore):
+        return store
+    signer = Signer.from_env(env)
+    return SignedStore(store, signer) if signer.enabled else store

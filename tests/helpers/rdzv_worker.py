@@ -38,6 +38,7 @@ import torch.distributed as dist
 from elastic_emb.rdzv.keys import ENV_AGENT_PID
 from elastic_emb.store import generation_store, worker_store
 from elastic_emb.topology import Topology, agree
+from elastic_emb.watch import heartbeat
 from elastic_emb.watch.watcher import Watcher
 
 LOG_DIR = os.environ.get("RDZV_TEST_LOG_DIR", "")  # required by main() and main_lifecycle()
@@ -364,6 +365,7 @@ def main_lifecycle() -> int:
             # The change may show only a while after the collective failed (a SIGTERMed agent
             # leaves at its exit, after stopping its workers; a dead one's heartbeat expires):
             # the bound is generous for a loaded machine, and the wait ends as soon as it shows.
+            heartbeat.pause()  # waiting on purpose for the agent's restart
             if watcher is not None and watcher.membership_change_pending(timeout=30.0):
                 log({"ev": "collective_failed_membership", "gen": topo.generation, "rank": topo.rank, "step": step})
                 time.sleep(30)
@@ -402,7 +404,9 @@ def main_lifecycle() -> int:
             return 3
         if MODE == "idle":
             # idle: no collective until a change; in process, the next generation takes one step
-            # (a join plan names the step to take first), then idles again
+            # (a join plan names the step to take first), then idles again. Idling on purpose:
+            # the agent's hang watchdog is disarmed until the next commit.
+            heartbeat.pause()
             deadline = time.monotonic() + 600
             while resizer.enabled and not (resizer.pending() or resizer.planned()) and time.monotonic() < deadline:
                 if watcher.evicted:
@@ -413,6 +417,7 @@ def main_lifecycle() -> int:
                 break
             continue
         time.sleep(STEP_S)
+    heartbeat.pause()
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # idle: no collectives, wait for a restart or an eviction
         if watcher is not None and watcher.evicted:
