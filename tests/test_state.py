@@ -1135,3 +1135,59 @@ def test_spare_files_are_allocated_ahead_taken_and_removed(tmp_path):
     assert spares.take(10**9) is None, "no file that large was wanted"
     spares.close()
     assert not (tmp_path / ".spare-1").exists()
+
+
+# -- lineage: two histories of one run are refused, not merged ------------------------------------
+
+
+def test_a_start_from_the_seed_chooses_a_lineage_that_every_commit_records(tmp_path, world1):
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=3)
+    report = restore(TinyContext(topo), comm, snapshot=tier, durable=None)
+    assert report.step == -1 and len(report.lineage) == 32
+    tier.lineage = report.lineage
+    ctx = TinyContext(topo)
+    _commit(tier, ctx, comm, 0, 1.0)
+    _commit(tier, ctx, comm, 1, 2.0)
+    assert {m.lineage for _, m in tier.manifests()} == {report.lineage}
+    topo2, comm2 = world1()
+    again = restore(TinyContext(topo2), comm2, snapshot=tier, durable=None)
+    assert (again.step, again.lineage) == (1, report.lineage)
+
+
+def test_two_histories_of_one_run_are_refused_naming_both_unless_starting_over(tmp_path, world1):
+    from elastic_emb.state.lineage import new_lineage
+
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=5)
+    ctx = TinyContext(topo)
+    old, new = new_lineage(), new_lineage()
+    tier.lineage = old
+    _commit(tier, ctx, comm, 3, 1.0)
+    _commit(tier, ctx, comm, 4, 2.0)
+    # the same run id started over from the seed beside it (a wiped store, an empty node) and trained on
+    tier.break_chain()
+    tier.lineage = new
+    _commit(tier, ctx, comm, 7, 5.0)
+    topo2, comm2 = world1()
+    with pytest.raises(RestoreError) as info:
+        restore(TinyContext(topo2), comm2, snapshot=tier, durable=None)
+    msg = str(info.value)
+    assert "\n" not in msg and "two histories" in msg
+    assert f"step 7 (generation {topo.generation}, lineage {new[:8]}" in msg
+    assert f"step 4 (generation {topo.generation}, lineage {old[:8]}" in msg and "start_fresh" in msg
+    topo3, comm3 = world1()
+    ctx3 = TinyContext(topo3)
+    report = restore(ctx3, comm3, snapshot=tier, durable=None, start_fresh=True)
+    assert (report.step, report.lineage) == (7, new) and torch.equal(ctx3.w, torch.full((40, 3), 5.0))
+
+
+def test_commits_written_before_lineages_restore_and_get_one(tmp_path, world1):
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0)
+    ctx = TinyContext(topo)
+    _commit(tier, ctx, comm, 0, 1.0)  # tier.lineage None: a manifest of an earlier version
+    assert [m.lineage for _, m in tier.manifests()] == [None]
+    topo2, comm2 = world1()
+    report = restore(TinyContext(topo2), comm2, snapshot=tier, durable=None)
+    assert report.step == 0 and len(report.lineage) == 32

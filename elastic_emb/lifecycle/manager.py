@@ -499,7 +499,12 @@ class Lifecycle:
             require_state=self.config.require_state,
             start_fresh=self.config.start_fresh,
             durable_group=group,
+            lineage=self.snapshot.lineage,  # the history the live rows belong to
         )
+        # the commits from here on belong to the history restored (state/lineage.py)
+        self.snapshot.lineage = report.lineage
+        if self.durable is not None:
+            self.durable.lineage = report.lineage
         # Every rank of the new generation passes here (starters and rebuilders alike): the torn
         # commits of earlier generations will never complete, remove them.
         self.snapshot.prune(comm, at_start=True)

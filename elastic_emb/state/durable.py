@@ -64,6 +64,7 @@ class DurableTier:
         self.root = under(root, run_id)
         self.file_mode = file_mode
         self.dir_mode = dir_mode
+        self.lineage: str | None = None  # the run's history, recorded in every manifest (set after a restore)
 
     def manifests(self) -> list[DurableManifest]:
         """The valid manifests of complete checkpoints (with DCP's ``.metadata``), newest last.
@@ -206,6 +207,7 @@ class DurableTier:
                 checksums=checksums,
                 checkpoint_dir=str(cdir),
                 written_at=time.time(),
+                lineage=self.lineage,
             )
             for f in cdir.rglob("*"):  # DCP creates its files with the process's umask
                 os.chmod(f, self.dir_mode if f.is_dir() else self.file_mode)

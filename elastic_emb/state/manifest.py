@@ -180,6 +180,9 @@ class ShardRecord(BaseModel):
     tensors: list[TensorRecord]
 
 
+LINEAGE_PATTERN = r"^[0-9a-f]{32}$"  # a uuid4's hex
+
+
 class CommitRecord(BaseModel):
     """What every manifest of either tier says about its commit."""
 
@@ -191,6 +194,10 @@ class CommitRecord(BaseModel):
     run_id: str
     world_size: int
     written_at: float
+    # The history this commit belongs to: chosen when the run starts from the seed, kept by every
+    # restore after. Two lineages among one run's commits are two histories (a run started over
+    # beside its own state); None: written before lineages were recorded.
+    lineage: str | None = Field(default=None, pattern=LINEAGE_PATTERN)
 
     @property
     def commit(self) -> CommitId:

@@ -27,6 +27,8 @@ from elastic_emb.protocol import ShardData, row_owners
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.delta import INDEX, read_chain, resolve_chains
 from elastic_emb.state.durable import DurableTier
+from elastic_emb.state.lineage import check as check_lineage
+from elastic_emb.state.lineage import new_lineage
 from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, row_spec, specs_of, tensor_items
 from elastic_emb.state.plan import Assignment, Piece, missing_rows, plan_assignments
 from elastic_emb.state.shardfile import read_snapshot
@@ -46,6 +48,7 @@ class Inventory(BaseModel):
     specs: dict[str, list[tuple[str, list[int]]]]
     node: NodeListing | None = None  # what this rank's node directory holds (the marker, torn dirs)
     gaps: list[tuple[CommitId, CommitId, list[tuple[str, int, int]]]] = []  # (delta, missing parent, its rows)
+    lineages: list[tuple[CommitId, str, str]] = []  # (commit, its lineage, node id / "durable" / "live")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class RestoreReport:
     seconds: float = 0.0
     transfer_seconds: float = 0.0  # the row exchange alone (device synchronized)
     transport: str | None = None  # how rows moved between ranks: cma, p2p, cma+p2p (some pairs fell back), alltoall
+    lineage: str | None = None  # the history restored (state/lineage.py); a new one for a start from the seed
 
     def as_dict(self) -> dict:
         """The report as JSON-able values (for events and the CLI).
@@ -96,11 +100,15 @@ class RestoreReport:
             "seconds": round(self.seconds, 6),
             "transfer_seconds": round(self.transfer_seconds, 6),
             "transport": self.transport,
+            "lineage": self.lineage,
         }
 
 
-def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inventory, dict[int, object]]:
+def _inventory(template, live, live_commit, snapshot, durable_ms, live_lineage) -> tuple[Inventory, dict[int, object]]:
     pieces: list[Piece] = []
+    lineages: set[tuple[CommitId, str, str]] = set()
+    if live_commit is not None and live_lineage is not None and live:
+        lineages.add((live_commit, live_lineage, "live"))
     sources: dict[int, object] = {}
     if live_commit is not None:
         for shard in live or []:
@@ -120,6 +128,8 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
     manifests = snapshot.manifests() if snapshot else []
     chains, broken = resolve_chains(manifests)
     for path, m in manifests:
+        if m.lineage is not None:
+            lineages.add((m.commit, m.lineage, snapshot.node_id))
         if path not in chains:
             continue  # a delta whose chain back to its base is broken (reported as a gap)
         for rec in m.shards:
@@ -145,6 +155,7 @@ def _inventory(template, live, live_commit, snapshot, durable_ms) -> tuple[Inven
         specs=specs_of(template),
         node=snapshot.listing() if snapshot else None,
         gaps=[(m.commit, missing, [(r.table, r.start, r.stop) for r in m.shards]) for m, missing in broken],
+        lineages=sorted(lineages | {(m.commit, m.lineage, "durable") for m in durable_ms if m.lineage is not None}),
     )
     return inv, sources
 
@@ -160,6 +171,7 @@ def restore(
     require_state: bool = False,
     start_fresh: bool = False,
     durable_group=None,
+    lineage: str | None = None,
 ) -> RestoreReport:
     """Bring ``context`` to the newest commit complete for every row across tiers (collective).
 
@@ -176,6 +188,8 @@ def restore(
             rows instead (an explicit choice to start over).
         durable_group: the registered process group DCP loads with; None: the durable tier is not
             read.
+        lineage: the history ``live`` belongs to (``RestoreReport.lineage`` of the restore that
+            made it), or None.
 
     Returns:
         What was restored: the commit (step -1 with none), where each row came from, bytes moved.
@@ -184,7 +198,8 @@ def restore(
         RestoreError: when state exists but no commit is complete, when a node holds the run marker
             (this run committed before) but no commit is left, when ``require_state`` and there is
             none, when a chain link newer than the chosen commit is missing, when every snapshot
-            file tried was corrupt, or when no rank reports any row of a table.
+            file tried was corrupt, when no rank reports any row of a table, or when the ranks hold
+            commits of two histories (two lineages, ``state/lineage.py``) and ``start_fresh`` is off.
         ChecksumMismatch: if the durable commit chosen fails its verification.
     """
     # progress: bytes of this rank's new shards filled so far (``reshard`` when live rows are given)
@@ -200,11 +215,12 @@ def restore(
             require_state=require_state,
             start_fresh=start_fresh,
             durable_group=durable_group,
+            lineage=lineage,
         )
 
 
 def _restore(
-    context, comm, progress, *, snapshot, durable, live, live_commit, require_state, start_fresh, durable_group
+    context, comm, progress, *, snapshot, durable, live, live_commit, require_state, start_fresh, durable_group, lineage
 ) -> RestoreReport:
     """:func:`restore`, reporting the bytes of this rank's new shards filled to ``progress``."""
     t0 = time.perf_counter()
@@ -217,7 +233,9 @@ def _restore(
     progress.total = sum(s.nbytes() for s in template.values())
     specs = specs_of(template)
     durable_ms = durable.manifests() if durable is not None and durable_group is not None else []
-    mine, sources = _inventory(template, live, CommitId(*live_commit) if live_commit else None, snapshot, durable_ms)
+    mine, sources = _inventory(
+        template, live, CommitId(*live_commit) if live_commit else None, snapshot, durable_ms, lineage
+    )
     everyone = [Inventory.model_validate(e) for e in comm.exchange("restore-inv", mine.model_dump(mode="json"))]
     num_rows = _num_rows_from(everyone)
     owners = row_owners(context)  # the context's layout: ep_size, or its framework's (e.g. TorchRec's)
@@ -252,6 +270,7 @@ def _restore(
                 if why is not None:
                     log.warning("restore_start_fresh", reason=str(why))
                 return RestoreReport(
+                    lineage=_agreed_new_lineage(comm),
                     step=-1,
                     generation=None,
                     fingerprint=None,
@@ -270,6 +289,9 @@ def _restore(
             notes.append(f"{first_missing[0]} lacked rows {first_missing[1][:8]} in live/snapshot tiers")
         fallback = ("; ".join(notes) + f"; used {chosen[0]} commit {chosen[1]}") if notes else None
         kind, cid, plan = chosen
+        held = [(c, lin, where) for e in everyone for c, lin, where in e.lineages]
+        lineage = check_lineage(held, cid, run_id=comm.topology.run_id, start_fresh=start_fresh)
+        lineage = lineage or _agreed_new_lineage(comm)  # commits written before lineages were recorded
         skipped = sorted({(c, miss, tuple(rows)) for e in everyone for c, miss, rows in e.gaps if c > cid})
         if skipped:
             raise RestoreError(
@@ -281,7 +303,7 @@ def _restore(
                 [tuple(x) for x in skipped[-1][2]],
             )
         if kind == "durable":
-            return _restore_durable(
+            report = _restore_durable(
                 context,
                 comm,
                 durable,
@@ -296,6 +318,8 @@ def _restore(
                 t0,
                 progress,
             )
+            report.lineage = lineage
+            return report
         bad_local, handles, starts, filled = _load_sources(comm, plan, sources, template, progress)
         bad_all = comm.exchange(f"restore-bad{attempt}", bad_local)
         if any(bad_all):
@@ -331,8 +355,14 @@ def _restore(
             seconds=time.perf_counter() - t0,
             transfer_seconds=transfer_s,
             transport=moved.transport,
+            lineage=lineage,
         )
     raise RestoreError(f"restore rejected every snapshot file it tried: {sorted(rejected)}")
+
+
+def _agreed_new_lineage(comm: Comm) -> str:
+    """A new lineage, the same on every rank (rank 0's proposal)."""
+    return comm.exchange("restore-lineage", new_lineage())[0]
 
 
 def _nothing_complete(

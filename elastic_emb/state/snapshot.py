@@ -171,6 +171,7 @@ class SnapshotTier:
         self.max_chain = max_chain
         # (fingerprint, last complete commit of this tier in that generation, deltas since its base)
         self._chain: tuple[str, CommitId, int] | None = None
+        self.lineage: str | None = None  # the run's history, recorded in every manifest (set after a restore)
         self.spares: SpareFiles | None = None  # files allocated ahead for GPU captures
         self.ring: SegmentRing | None = None  # log segments the GPU copies deltas into
         self._ring_count = 0  # enable_ring: the ring is made at the first GPU delta (sized by it)
@@ -460,6 +461,7 @@ class SnapshotTier:
             ep_size=topo.ep_size,
             holder_node=self.node_id,
             parent=parent,
+            lineage=self.lineage,
         )
         own = SnapshotManifest(
             **base,
