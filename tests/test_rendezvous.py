@@ -361,11 +361,15 @@ def test_etcd_v2_inner_backend_scale_down(cluster):
         assert sizes == [1] * (len(sizes) - 2) + [2, 1] and len(sizes) >= 3, sizes
         assert rounds[-1]["deaths"] == [_node(b)]
         # one drain for each round of a alone that b's join ended (a, its only member, reports it):
-        # acknowledged by a's running worker, or none to ask when it ended before that worker started
+        # acknowledged by a's running worker, or none to ask when it ended before that worker started.
+        # A round of a alone that ended before b started was not ended by a join (a worker of a that
+        # failed at its start, restarted by torch: seen once in CI, cause not kept) and has no drain.
         ready = {r["gen"] for r in worker_records(tmp) if r["ev"] == "ready"}
         drains = [(e["round"], e["outcome"]) for e in ev if e["event"] == "drain_finished"]
-        want = [(e["round"], "acknowledged" if e["round"] in ready else "no_watchers") for e in rounds[:-2]]
-        assert drains == want and drains[0][1] == "acknowledged", (drains, rounds)
+        ended_by_join = [e for e, after in zip(rounds[:-2], rounds[1:-1]) if _t(after) > t_b]
+        want = [(e["round"], "acknowledged" if e["round"] in ready else "no_watchers") for e in ended_by_join]
+        why = (drains, [(e["round"], e["world_size"], e["timestamp"]) for e in rounds], t_b, a.output()[-3000:])
+        assert drains == want and drains and drains[0][1] == "acknowledged", why
 
 
 @pytest.mark.slow
