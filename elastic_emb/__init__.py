@@ -74,6 +74,8 @@ _LAZY: dict[str, str] = {
     "interruptible_store": "elastic_emb.inprocess.interruptible",
     "worker_store": "elastic_emb.store",
     "generation_store": "elastic_emb.store",
+    # where each rank's data goes on after a resize
+    "ElasticSampler": "elastic_emb.data",
     # settings and logs
     "Settings": "elastic_emb.config",
     "load_settings": "elastic_emb.config:load",

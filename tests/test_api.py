@@ -99,6 +99,7 @@ PUBLIC = {
     "configure_logging",
     "get_logger",
     "bind_topology",
+    "ElasticSampler",
     "__version__",
 }
 
