@@ -136,6 +136,7 @@ class InProcessResize:
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
         store_timeout: float = 30.0,
+        app_state=None,
     ):
         """Start a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``).
 
@@ -150,6 +151,8 @@ class InProcessResize:
             env: the environment to read; None reads ``os.environ``.
             timeout: seconds to wait to be included.
             store_timeout: the timeout of the new generation's store client.
+            app_state: the job's app-state objects, as for :meth:`Lifecycle.start`: a joiner
+                receives their state from a running worker.
 
         Returns:
             ``(lifecycle, resize)``: the started lifecycle and this worker's
@@ -223,7 +226,13 @@ class InProcessResize:
         watcher.adopt(nodes, rank, world)
         world_store = InterruptibleStore(reader.world_store(store_timeout), WaitGuard(watcher))
         lc = Lifecycle.start(
-            factory, lifecycle_config, env=env, store=world_store, watcher=watcher, background_base=True
+            factory,
+            lifecycle_config,
+            env=env,
+            store=world_store,
+            watcher=watcher,
+            background_base=True,
+            app_state=app_state,
         )  # as the running workers' re-form (first_base.py)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
         resize._store = world_store

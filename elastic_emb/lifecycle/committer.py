@@ -11,6 +11,7 @@ Design: ``docs/LIFECYCLE.md`` (section "Commits").
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from elastic_emb.lifecycle.first_base import FirstBase
 from elastic_emb.lifecycle.records import CommitReport, LifecycleConfig
 from elastic_emb.protocol import ShardedContext
 from elastic_emb.state import Comm, DurableTier, SnapshotTier
+from elastic_emb.state import app as app_state
 from elastic_emb.state.capture import DeviceCapture
 from elastic_emb.state.comm import thread_store
 from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
@@ -61,6 +63,7 @@ class Committer:
         self.store = store
         self._context = context
         self.step = -1  # the last step taken: committed, in flight, or coalesced in a first-base window
+        self.app_state: dict = {}  # the job's app-state objects (state/app.py), committed with the tables
         self.first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
         self._comm: Comm | None = None
         self._writer: CommitWriter | None = None
@@ -224,6 +227,9 @@ class Committer:
         shards = views if views is not None else ctx.export_shard()
         comm = self.comm_for(ctx)
         num_rows = {name: int(spec.num_rows) for name, spec in ctx.tables.items()}
+        # The app state is replicated: one copy per node, by its first rank; copied here (the next
+        # step changes it), serialized and written by the writer, before the commit's manifest.
+        app = app_state.capture(self.app_state) if self.app_state and self.topology.local_rank == 0 else None
         if background:
             writer = self._writer_for()
             if not on_device:
@@ -244,6 +250,8 @@ class Committer:
                 device=self._device if on_device else None,
                 hold=ctx.hold_writes if on_device else None,
             )
+            if app is not None:
+                cap = dataclasses.replace(cap, app=app)
             try:
                 writer.submit(cap)
             except BaseException:
@@ -251,7 +259,7 @@ class Committer:
                 raise
             written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
         else:
-            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes)
+            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes, app=app)
         tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
         if durable_due:

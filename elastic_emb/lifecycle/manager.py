@@ -34,7 +34,7 @@ from elastic_emb.lifecycle.records import (
 )
 from elastic_emb.protocol import ContextFactory, ShardData, ShardedContext, check_context
 from elastic_emb.rdzv.signing import signed_store
-from elastic_emb.state import RestoreReport, points, restore
+from elastic_emb.state import RestoreReport, app, points, restore
 from elastic_emb.topology import Topology, agree
 from elastic_emb.watch import heartbeat
 
@@ -67,6 +67,8 @@ class Lifecycle:
         store: the current generation's store.
         watcher: the worker's :class:`~elastic_emb.watch.watcher.Watcher`, or None.
         env: the worker's environment (not read by the constructor).
+        app_state: the rest of the training state, committed and restored with the tables (see
+            :meth:`start`).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Lifecycle:
         store,
         watcher=None,
         env: Mapping[str, str] | None = None,
+        app_state: Mapping | None = None,
     ) -> None:
         self.factory = factory
         self.config = config
@@ -95,6 +98,8 @@ class Lifecycle:
         self._committer = Committer(config, topology, store, self._require_context)
         self.snapshot = self._committer.snapshot
         self.durable = self._committer.durable
+        self.app_state = app.check_app_state(app_state)
+        self._committer.app_state = self.app_state
 
     # -- start -------------------------------------------------------------------------------
 
@@ -108,6 +113,7 @@ class Lifecycle:
         store=None,
         watcher=None,
         background_base: bool = False,
+        app_state: Mapping | None = None,
     ) -> "Lifecycle":
         """Start a lifecycle: topology from the environment, agree, construct, restore.
 
@@ -124,19 +130,28 @@ class Lifecycle:
             watcher: the worker's :class:`~elastic_emb.watch.watcher.Watcher`, or None.
             background_base: this worker joins a generation formed in process, whose running
                 workers may write its first base in the background: so does it, by the same rule.
+            app_state: the rest of the training state, as name -> object with ``state_dict()`` and
+                ``load_state_dict()`` (DCP's ``Stateful``: an ``nn.Module``, an optimizer, a
+                scheduler, an :class:`~elastic_emb.data.ElasticSampler`), the same names on every
+                rank. Replicated state: every rank holds the same values. Each commit includes it
+                (one copy per node) and every restore loads it, from the node's commit or from a
+                peer (:mod:`elastic_emb.state.app`).
 
         Returns:
             The started lifecycle; its ``start`` event is ``events[0]``.
 
         Raises:
-            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed.
+            ConfigError: an ``ELASTIC_EMB_*`` variable is malformed, or an ``app_state`` object
+                lacks ``state_dict`` or ``load_state_dict``.
             TopologyError: a torchrun variable is missing or malformed.
             TopologyDisagreement: the ranks do not hold the same topology.
             AgreementTimeout: some ranks did not arrive within ``agree_timeout``.
             ContractViolation: the factory's context lacks a member of ``ShardedContext``.
             RestoreError: state exists but no commit is complete (and ``start_fresh`` is off), or
-                ``require_state`` is set and there is no state.
+                ``require_state`` is set and there is no state, or the app state of the restored
+                step is missing or refused by its object (the message names it).
         """
+        app.check_app_state(app_state)  # before anything is built: a bad object is the caller's error
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()
@@ -147,7 +162,7 @@ class Lifecycle:
 
             store = worker_store(topology, timeout=config.agree_timeout, env=env)
         store = signed_store(store, env)  # with a job secret, every value the workers exchange is signed
-        lc = cls(factory, config, topology, store, watcher=watcher, env=env)
+        lc = cls(factory, config, topology, store, watcher=watcher, env=env, app_state=app_state)
         t1 = time.perf_counter()
         try:
             agree(topology, store, timeout=config.agree_timeout)
@@ -501,6 +516,20 @@ class Lifecycle:
             durable_group=group,
             lineage=self.snapshot.lineage,  # the history the live rows belong to
         )
+        # the rest of the training state, at the tables' step: kept by a survivor whose live rows
+        # are that step, else read from this node's commit or received from a rank that has it
+        app_live = live is not None and live_commit is not None and report.step == live_commit[0]
+        source = app.restore(
+            self.app_state,
+            comm,
+            self.snapshot,
+            report.step,
+            live=app_live,
+            lineage=report.lineage,
+            start_fresh=self.config.start_fresh,
+        )
+        if self.app_state:
+            log.info("lifecycle.app_state_restored", step=report.step, source=source, names=list(self.app_state))
         # the commits from here on belong to the history restored (state/lineage.py)
         self.snapshot.lineage = report.lineage
         if self.durable is not None:

@@ -17,7 +17,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from elastic_emb.errors import StorageError
 from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
+from elastic_emb.state import app as app_state
 from elastic_emb.state import points
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.comm import Comm
@@ -109,6 +110,7 @@ class Capture:
     buffer: object = None
     speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
     fold: bool = False  # folding was on when it was captured (compact.py): it may be a fold point
+    app: dict | None = None  # the job's app state of this step (state/app.py capture), written beside the shard
 
     def release(self) -> None:
         """The buffer of a GPU capture is no longer needed (written, or dropped): a log segment is
@@ -267,6 +269,7 @@ class SnapshotTier:
         comm: Comm,
         num_rows: dict[str, int],
         changes: dict[str, torch.Tensor] | None = None,
+        app: dict | None = None,
     ) -> tuple[int, int]:
         """Capture and write a commit now (:meth:`write` of :meth:`capture`); collective.
 
@@ -278,6 +281,8 @@ class SnapshotTier:
             changes: the context's ``take_changes()`` (the same choice on every rank): write a
                 delta of those rows on the previous commit of this generation, unless the chain is
                 at its bound or there is none yet (then a full base); None: a full base.
+            app: the job's app state of this step (:func:`elastic_emb.state.app.capture`), written
+                beside this rank's shard; None: none.
 
         Returns:
             ``(bytes written for this rank's own shard, bytes received as replicas)``.
@@ -287,7 +292,8 @@ class SnapshotTier:
                 storage); each rank then removes what it wrote of this commit, so the older commits
                 stay the newest complete ones.
         """
-        return self.write(self.capture(step, shards, comm.topology, num_rows, changes), comm)
+        cap = self.capture(step, shards, comm.topology, num_rows, changes)
+        return self.write(cap if app is None else replace(cap, app=app), comm)
 
     def capture(
         self,
@@ -417,6 +423,20 @@ class SnapshotTier:
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
             error = self._write(cdir, data_name, blob, written, step)
+        app_meta = {}
+        if cap.app is not None and error is None:  # serialized here, off the training thread
+            app_blob = app_state.to_bytes(cap.app)
+            app_meta = {
+                "app_file": app_state.APP_FILE,
+                "app_bytes": len(app_blob),
+                "app_crc": app_state.crc32(app_blob),
+            }
+            payload = (
+                torch.frombuffer(bytearray(app_blob), dtype=torch.uint8)
+                if app_blob
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            error = self._write(cdir, app_state.APP_FILE, payload, written, step)
         points.reached("snapshot_data_written", step)
         info = {
             "rank": topo.rank,
@@ -473,6 +493,7 @@ class SnapshotTier:
             shards=records,
             written_at=time.time(),
             segment=seg.name if seg is not None else None,
+            **app_meta,
         )
         try:
             if seg is not None:

@@ -272,17 +272,30 @@ def main_lifecycle() -> int:
     from elastic_emb.topology import Topology
 
     lc_config = LifecycleConfig(agree_timeout=30.0, transfer_timeout=10.0)
+    # RDZV_TEST_DENSE=1: a dense part with Adam, a schedule and a sampler, as app state (dense_part.py)
+    dense = None
+    if os.environ.get("RDZV_TEST_DENSE") == "1":
+        from tests.helpers.dense_part import DensePart, replay
+
+        dense = DensePart()
+    app_state = dense.objects() if dense is not None else None
+
+    def dense_record() -> dict:
+        if dense is None:
+            return {}
+        return {"dense_ok": dense.digest() == replay(lc.step), "cursor": dense.sampler.cursor}
+
     joined = settings.load(None, "joiner").joiner
     if joined:  # this node joined a running world in process: wait to be included, then start
         try:
-            lc, resizer = InProcessResize.join(factory, lc_config, watcher, timeout=20.0)
+            lc, resizer = InProcessResize.join(factory, lc_config, watcher, timeout=20.0, app_state=app_state)
         except ResizeFallback:
             log({"ev": "resize_fallback", "gen": -1, "rank": -1})
             time.sleep(60)  # the agents restart everyone (restart mode); their SIGTERM ends us
             return 3
     else:
         store = interruptible_store(worker_store(Topology.from_env(), timeout=30.0), watcher)
-        lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store)
+        lc = Lifecycle.start(factory, lc_config, watcher=watcher, store=store, app_state=app_state)
         resizer = InProcessResize(lc, watcher)
     topo = lc.topology
     shard = lc.context.export_shard()["t"]
@@ -301,6 +314,7 @@ def main_lifecycle() -> int:
             "rows_ok": rows_ok,
             "rows": [shard.rows.start, shard.rows.stop],
             "joined": joined,
+            **dense_record(),
         }
     )
     if not rows_ok:
@@ -330,6 +344,7 @@ def main_lifecycle() -> int:
                 "failed": failed,
                 "tiers": event.source_tiers,
                 "total_s": event.total_s,
+                **dense_record(),
             }
         )
         if not ok:
@@ -346,6 +361,9 @@ def main_lifecycle() -> int:
         log({"ev": "start", "gen": topo.generation, "rank": topo.rank, "ws": topo.world_size, "step": step})
         try:
             train_step(lc.context, step, topo.rank)
+            samples = None
+            if dense is not None:
+                samples = dense.train(step, topo.rank, topo.world_size, lc.context.process_group)
             lc.commit(step)
         except Exception as exc:
             if resizer.enabled:
@@ -379,6 +397,7 @@ def main_lifecycle() -> int:
                 "ws": topo.world_size,
                 "step": step,
                 "committed": lc.committed_step,
+                **({"samples": samples, "cursor": dense.sampler.cursor} if dense is not None else {}),
             }
         )
         if first_step_due[0]:
