@@ -452,6 +452,9 @@ def agree(topology: Topology, store, timeout: float = 60.0) -> Topology:
 
     slot = store.add(f"{base}/arrivals", 1) - 1
     store.set(f"{base}/slot/{slot}", topology.to_json())
+    from elastic_emb.state import points  # here: the state package imports this module
+
+    points.reached("topology_agreeing", topology.generation)  # tests: a rank lost inside the agreement
     if slot == 0:
         verdict = _decide(topology, record, store, base, start + timeout * 0.9)
         store.set(f"{base}/verdict", json.dumps(verdict))

@@ -658,3 +658,109 @@ def test_a_flapping_node_costs_the_survivor_a_reform_never_its_agent(cluster):
     ready = [r for r in worker_records(tmp) if r["ev"] == "ready"]
     assert ready and all(r["rows_ok"] for r in ready), ready
     assert {r["ws"] for r in ready if r["ev"] == "ready"} <= {1, 2}
+
+
+def _check_survivor_reformed(tmp: str, survivor: Agent, t_dead: float, what: str, agents: list[Agent]) -> float:
+    """After a node died at ``t_dead``: the survivor's agent still runs, its worker came back by a
+    membership restart (no restart budget spent) with its newest commit, rows bit for bit, and
+    trained on (a commit after the restart). Returns the seconds from the death to that commit."""
+    mine = [r for r in worker_records(tmp) if r.get("agent_pid") == survivor.pid]
+    pids = {r["pid"] for r in mine}
+    before = [r for r in worker_records(tmp) if r["pid"] in pids and r["ev"] == "commit" and r["t"] <= t_dead]
+    newest = max((r["committed"] for r in before if r["committed"] is not None), default=-1)
+
+    def trained_on():
+        recs = worker_records(tmp)
+        ready = [r for r in recs if r["ev"] == "ready" and r["agent_pid"] == survivor.pid and r["t"] > t_dead]
+        if not ready:
+            return None
+        pid = ready[0]["pid"]
+        commits = [r for r in recs if r["ev"] == "commit" and r["pid"] == pid]
+        return (ready[0], commits[0]) if commits else None
+
+    ready, commit = wait_for(trained_on, WAIT, f"the survivor to commit again after {what}", agents)
+    assert survivor.proc.poll() is None, survivor.output()[-3000:]
+    assert ready["rows_ok"] and ready["restart_count"] == 0, ready
+    assert ready["resume"] > newest, (ready, newest)  # its newest complete commit came back (or a newer one)
+    return commit["t"] - t_dead
+
+
+def _kill_workers_of(tmp: str, agent: Agent) -> None:
+    """SIGKILL the workers an agent started (its node is lost with them, not just its agent)."""
+    for pid in {r["pid"] for r in worker_records(tmp) if r.get("agent_pid") == agent.pid}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_member_lost_mid_drain_costs_the_survivor_a_reform_never_its_agent(cluster):
+    """Restart mode, a drain for a joiner in progress: a member (the fault point
+    ``agent_drain_started``: its agent dies right after it requested the drain, before the round
+    after it; the test then kills its worker) is lost three times in a row, each time while the
+    next flapping node waits to join. The survivor's agent never exits; its worker comes back
+    with its newest commit, rows bit for bit, without spending restart budget, and trains on in a
+    world with the joiner."""
+    tmp, agents = cluster
+    port = free_port()
+    # max 3 nodes: torch puts a node that comes to a full round in its redundancy list (no drain)
+    kw = dict(worker="lifecycle", nnodes="1:3", conf=JOIN_CONF, drain_timeout=30.0)
+    a = start_agent("a", tmp, port, **kw)
+    agents.append(a)
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    fault = {"ELASTIC_EMB_FAULT": "agent_drain_started"}
+    t = time.time()
+    prev = start_agent("f0", tmp, port, extra_env=fault, **kw)  # a drains for it; it is no member yet
+    agents.append(prev)
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=t), WAIT, "world size 2 with f0", agents)
+    took = []
+    for cycle in range(1, 4):
+        nxt = start_agent(f"f{cycle}", tmp, port, extra_env=fault, **kw)  # its join drains a and prev
+        agents.append(nxt)
+        wait_for(lambda p=prev: p.proc.poll() is not None, WAIT, f"f{cycle - 1} to die mid-drain", agents)
+        t_dead = time.time()
+        _kill_workers_of(tmp, prev)
+        assert prev.proc.returncode == -signal.SIGKILL, prev.output()[-2000:]
+        drains = [e for e in events(tmp, prev.name) if e["event"] == "drain_requested"]
+        assert drains and [e for e in events(tmp, prev.name) if e["event"] == "faultpoint_kill"], drains
+        took.append(_check_survivor_reformed(tmp, a, t_dead, f"f{cycle - 1} died mid-drain", agents))
+        prev = nxt
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=time.time()), WAIT, "world size 2 at the end", agents)
+    print(f"\nmember lost mid-drain: survivor's next commit {', '.join(f'{s:.1f}' for s in took)} s after each death")
+    assert all(r["rows_ok"] for r in worker_records(tmp) if r["ev"] == "ready")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_node_lost_in_the_round_start_barriers_costs_the_survivor_a_reform_never_its_agent(cluster):
+    """Restart mode. A joining node dies after its round completed, inside the barriers before
+    training: right after its agent wrote torch's role record (``agent_role_info_written``),
+    right after it read its assigned ranks (``agent_ranks_assigned``: the survivor's workers start
+    in a world with a dead peer), and with its worker inside the workers' topology agreement
+    (``topology_agreeing``: the worker kills its agent and itself). Each time the survivor's
+    agent never exits; its worker comes back with its newest commit, rows bit for bit, without
+    spending restart budget, and trains on."""
+    tmp, agents = cluster
+    port = free_port()
+    kw = dict(worker="lifecycle", nnodes="1:2", conf=JOIN_CONF, drain_timeout=30.0)
+    a = start_agent("a", tmp, port, **kw)
+    agents.append(a)
+    wait_for(lambda: first_commit_at(tmp, world_size=1, after=0), WAIT, "world size 1", agents)
+    faults = [
+        {"ELASTIC_EMB_FAULT": "agent_role_info_written"},
+        {"ELASTIC_EMB_FAULT": "agent_ranks_assigned"},
+        {"RDZV_TEST_NODE_FAULT": "topology_agreeing"},
+    ]
+    took = []
+    for cycle, fault in enumerate(faults):
+        flapper = start_agent(f"f{cycle}", tmp, port, extra_env=fault, **kw)
+        agents.append(flapper)
+        wait_for(lambda f=flapper: f.proc.poll() is not None, WAIT, f"flapping node {cycle} to die", agents)
+        t_dead = time.time()
+        _kill_workers_of(tmp, flapper)  # none started, or the node fault took them: a no-op
+        assert flapper.proc.returncode == -signal.SIGKILL, flapper.output()[-2000:]
+        took.append(_check_survivor_reformed(tmp, a, t_dead, f"{fault} ", agents))
+    print(f"\nnode lost in the round-start barriers: survivor's next commit {took} s after each death")
+    assert all(r["rows_ok"] for r in worker_records(tmp) if r["ev"] == "ready")

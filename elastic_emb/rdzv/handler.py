@@ -337,7 +337,9 @@ class ElasticEmbRendezvousHandler:
 
             # torch's agents exchange their role records next; a member lost before it writes
             # its own must cost a re-form, not the survivors' agents (rdzv/round_start.py)
-            store = RoundStartStore(info.store, info.rank, info.world_size, self._lost_members, self._log)
+            store = RoundStartStore(
+                info.store, info.rank, info.world_size, self._lost_members, self._log, reached=self._fault_point
+            )
             info = RendezvousInfo(
                 CompletingStore(store, self._mark_job_complete),
                 info.rank,
@@ -373,8 +375,7 @@ class ElasticEmbRendezvousHandler:
             deaths=deaths,
             duration_s=round(time.monotonic() - start, 3),
         )
-        if self._fault == "agent_round_complete":  # tests: a node lost right after its round
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._fault_point("agent_round_complete")  # tests: a node lost right after its round
         metrics.rendezvous_round(
             round_=state.round,
             world_size=len(members),
@@ -385,6 +386,13 @@ class ElasticEmbRendezvousHandler:
             seconds=time.monotonic() - start,
         )
         return info
+
+    def _fault_point(self, point: str) -> None:
+        """Tests and drills: SIGKILL this agent at ``point`` when ``ELASTIC_EMB_FAULT`` names it (a node
+        lost there; its workers, if any, are orphaned). The points: ``docs/RDZV.md`` ("Flapping nodes: a member lost mid-round")."""
+        if self._fault == point:
+            self._log.warning("faultpoint_kill", point=point, round=self._round, pid=os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _close_threads(self) -> None:
         """The heartbeat loop and the hang watchdog end (the agent leaves or closes the rendezvous)."""
@@ -657,6 +665,7 @@ class ElasticEmbRendezvousHandler:
             self._log.info(
                 "drain_requested", round=self._round, waiting=list(view.wait_list), timeout_s=self._config.drain_timeout
             )
+            self._fault_point("agent_drain_started")  # tests: a member lost mid-drain
         if self._drain_acks is None or self._drain_acks.prefix != prefix:  # verified acks only (drain_acks.py)
             self._drain_acks = AckCounter(store, self._signer, prefix, self._round, self._log)
         last = now - self._drain_started >= self._config.drain_timeout

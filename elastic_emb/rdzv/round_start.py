@@ -7,7 +7,7 @@ waiting out that timeout and then failing, the job dead. :class:`RoundStartStore
 and, once the handler says a member of the round is gone, stands in for its missing records with
 this agent's own role and size: the workers start in a world that the very next membership check
 replaces (a membership restart, not a failure), so the survivors re-form within the heartbeat
-expiry. Design: ``docs/RDZV.md`` ("A member lost before its workers start").
+expiry. Design: ``docs/RDZV.md`` ("Flapping nodes: a member lost mid-round"), with the bound.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class RoundStartStore(ForwardingStore):
         lost: returns the group ranks of the round's members known gone (empty while all live).
         log: a structlog logger (``round_member_lost``).
         timeout: how long a read waits at most when nobody is lost (torch's own bound).
+        reached: called with ``agent_role_info_written`` once this agent's role record is in the
+            store and with ``agent_ranks_assigned`` once it read its ranks (the handler's fault
+            points, for the tests).
     """
 
     def __init__(
@@ -45,13 +48,26 @@ class RoundStartStore(ForwardingStore):
         lost: Callable[[], list[int]],
         log: Any,
         timeout: float = 60.0,
+        reached: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(inner)
+        self._reached = reached or (lambda point: None)
         self._rank = group_rank
         self._world = group_world_size
         self._lost = lost
         self._log = log
         self._timeout = timeout
+
+    def set(self, key, value):
+        """torch's ``set``; after this agent's own role record, the fault point ``agent_role_info_written``.
+
+        Args:
+            key: the key.
+            value: its value.
+        """
+        self._inner.set(key, value)
+        if str(key) == f"{ROLE_INFO}{self._rank}":
+            self._reached("agent_role_info_written")
 
     def multi_get(self, keys):
         """torch's group rank 0 gathers every role record; a lost member's is stood in for.
@@ -88,12 +104,16 @@ class RoundStartStore(ForwardingStore):
             Its value; for a gatherer that is gone, ranks computed as if every node ran this
             agent's number of workers (the world is replaced at the next membership check).
         """
-        if str(key) == f"{ASSIGNED_RANKS}{self._rank}" and self._wait([key]):
-            if not self._inner.check([key]):
-                lws = json.loads(self._inner.get(f"{ROLE_INFO}{self._rank}"))["local_world_size"]
-                base, total = self._rank * lws, self._world * lws
-                return json.dumps([base, total, base, total]).encode()
-        return self._inner.get(key)
+        if str(key) != f"{ASSIGNED_RANKS}{self._rank}":
+            return self._inner.get(key)
+        if self._wait([key]) and not self._inner.check([key]):
+            lws = json.loads(self._inner.get(f"{ROLE_INFO}{self._rank}"))["local_world_size"]
+            base, total = self._rank * lws, self._world * lws
+            value = json.dumps([base, total, base, total]).encode()
+        else:
+            value = self._inner.get(key)
+        self._reached("agent_ranks_assigned")
+        return value
 
     def _wait(self, keys: list) -> list[int]:
         """Wait for ``keys`` in slices; the lost members' group ranks when some are gone first

@@ -20,7 +20,9 @@ context for rows hit 10 times).
 
 Environment: ``RDZV_TEST_LOG_DIR`` (where the per-rank logs go), ``RDZV_TEST_MODE`` (``busy``:
 step continuously; ``idle``: one step per generation, then sleep), ``RDZV_TEST_STEP_S`` (sleep
-per step, default 0.05), ``RDZV_TEST_MAX_STEPS`` (stop after this step, default 100000).
+per step, default 0.05), ``RDZV_TEST_MAX_STEPS`` (stop after this step, default 100000),
+``RDZV_TEST_NODE_FAULT`` (a fault point where the worker kills its agent and itself:
+:func:`kill_node_at`).
 """
 
 from __future__ import annotations
@@ -446,6 +448,21 @@ def main_lifecycle() -> int:
     return 0
 
 
+def kill_node_at(point: str) -> None:
+    """``RDZV_TEST_NODE_FAULT=<point>``: at that fault point (``elastic_emb.state.points``) this
+    worker SIGKILLs its agent, then itself: the whole node is lost there (no orphan is left to
+    report it; the survivors learn it from the heartbeat expiry)."""
+    from elastic_emb.state import points
+
+    def hook(reached: str, step: int | None) -> None:
+        if reached == point:
+            log({"ev": "node_fault", "point": point, "step": step, "agent_pid": os.getppid()})
+            os.kill(int(os.environ.get(ENV_AGENT_PID, os.getppid())), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    points.set_hook(hook)
+
+
 if __name__ == "__main__":
     # The agent's SIGTERM ends the generation: every step is already committed, so let the
     # kernel's default action end the process at once. A Python-level handler would run only
@@ -456,4 +473,6 @@ if __name__ == "__main__":
     from elastic_emb.testing.faults import arm_from_env
 
     arm_from_env()  # ELASTIC_EMB_FAULT, when a test sets it
+    if os.environ.get("RDZV_TEST_NODE_FAULT"):
+        kill_node_at(os.environ["RDZV_TEST_NODE_FAULT"])
     sys.exit(main_lifecycle() if os.environ.get("RDZV_TEST_WORKER") == "lifecycle" else main())
