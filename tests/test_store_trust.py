@@ -246,10 +246,15 @@ def test_drain_acks_count_only_each_ranks_own_signed_record_of_the_round():
     write_ack(store, signer, prefix, 7, 0, 5)
     write_ack(store, signer, prefix, 7, 1, 5)
     assert counter.count(3) == 3 and counter.steps == {0: 5, 1: 5, 2: 5}
-    # Without the forged counter the hint stays below the count until the last look.
-    fresh, prefix8 = AckCounter(store, signer, round_prefix("acktest", 8), 8), round_prefix("acktest", 8)
+    # A record written without raising the counter (a store writer holding it at 0) is read at the
+    # last look, or once verify_every passed since the previous look; never sooner.
+    prefix8 = round_prefix("acktest", 8)
+    fresh, periodic = (AckCounter(store, signer, prefix8, 8, verify_every=every) for every in (3600.0, 0.2))
+    assert fresh.count(1) == 0 and periodic.count(1) == 0  # the first look: nothing yet
     store.set(prefix8 + "ack/0", signer.sign(prefix8 + "ack/0", ack_record(8, 0, 1)))
     assert fresh.count(1) == 0 and fresh.count(1, final=True) == 1
+    time.sleep(0.25)
+    assert periodic.count(1) == 1
     # Without a secret the record is all there is: one naming another rank or round is not counted.
     prefix9 = round_prefix("acktest", 9)
     store.set(prefix9 + "ack/0", ack_record(9, 1, 5))
