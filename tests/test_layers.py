@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "elastic_emb.rdzv.etcd_v2",
         "elastic_emb.rdzv.reader",
         "elastic_emb.rdzv.drain_acks",
+        "elastic_emb.rdzv.signed_cas",
     ),
     (
         "elastic_emb.context",

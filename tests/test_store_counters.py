@@ -142,3 +142,79 @@ def test_liveness_reads_signed_dead_reports_whatever_the_dead_counter_holds(stor
             time.sleep(0.02)
         assert found == ["b"] and live.dead == {"b"}, forged
         assert _alive(store)
+
+
+def test_the_generation_mark_is_signed_raised_by_compare_and_set_and_a_forged_one_replaced(store):
+    """The in-process generations' high-water mark (was a counter a writer could lower or poison):
+    only a signed value counts, a raise never lowers it, and a foreign value is replaced."""
+    from elastic_emb.inprocess.joiners import raise_generations
+    from elastic_emb.rdzv.keys import KEY_GENERATION_MARK, inproc_root
+    from elastic_emb.rdzv.signed_cas import read_mark
+    from elastic_emb.rdzv.signing import Signer
+
+    signer = Signer(SECRET.encode())
+    key = inproc_root("gen") + KEY_GENERATION_MARK
+    assert read_mark(store, signer, key) == 0
+    raise_generations(store, "gen", 7, signer)
+    raise_generations(store, "gen", 5, signer)  # lower: left at 7
+    assert read_mark(store, signer, key) == 7
+    for forged in [*FORGED, b"999999", signer.sign(key + "x", "999999")]:  # unsigned, or moved from another key
+        store.set(key, forged)
+        assert read_mark(store, signer, key) == 0 and _alive(store)  # never raises the generation
+        raise_generations(store, "gen", 9, signer)
+        assert read_mark(store, signer, key) == 9, forged  # replaced
+    store.delete_key(key)
+    raise_generations(store, "gen", 3, signer)
+    assert read_mark(store, signer, key) == 3
+
+
+def test_the_decision_is_the_first_valid_signed_claim_and_a_planted_one_is_replaced(store):
+    """The decider claimed with a counter (the first add == 1 decides): a pre-set counter made
+    nobody decide. Now the decision key itself is claimed by compare-and-set of a signed value."""
+    import threading
+
+    from elastic_emb.rdzv.signed_cas import claim_signed
+    from elastic_emb.rdzv.signing import Signer, read_signed
+
+    signer = Signer(SECRET.encode())
+    key = "elastic_emb/r/inproc/gen4/decision"
+    for planted in [None, *FORGED, signer.sign("elsewhere", '{"nodes": ["x"]}')]:
+        store.delete_key(key) if planted is None else store.set(key, planted)
+        assert claim_signed(store, signer, key, '{"nodes": ["a"]}', timeout=5.0)
+        assert read_signed(store, signer, key) == b'{"nodes": ["a"]}', planted
+        assert not claim_signed(store, signer, key, '{"nodes": ["b"]}')  # a second decider loses
+        assert read_signed(store, signer, key) == b'{"nodes": ["a"]}'
+    # Deciders at once (survivors that disagree on who decides): exactly one wins.
+    store.delete_key(key)
+    won: list[str] = []
+    threads = [
+        threading.Thread(target=lambda n=n: claim_signed(store, signer, key, n) and won.append(n)) for n in "abcd"
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(won) == 1 and read_signed(store, signer, key) == won[0].encode(), won
+
+
+def test_joiners_are_re_derived_from_signed_registrations_of_present_nodes(store):
+    """No joiners counter: a present non-member counts once its signed registration verifies."""
+    from types import SimpleNamespace
+
+    from elastic_emb.inprocess.joiners import JoinPlan
+    from elastic_emb.rdzv.keys import KEY_JOINER, inproc_root
+    from elastic_emb.rdzv.signing import Signer
+
+    signer = Signer(SECRET.encode())
+    plan = JoinPlan(SimpleNamespace(store=store, run_id="join"), signer)
+    root = inproc_root("join")
+    store.set(root + "joiners", b"garbage")  # the retired counter, poisoned: nobody reads it
+    assert plan.ready(("a", "b"), ["a", "b", "c"]) == []  # c present, not registered yet
+    store.set(root + KEY_JOINER + "c", b"c")  # unsigned
+    store.set(root + KEY_JOINER + "d", signer.sign(root + KEY_JOINER + "c", "d"))  # moved
+    assert plan.ready(("a", "b"), ["a", "b", "c", "d"]) == []
+    for n in ("d", "c"):
+        store.set(root + KEY_JOINER + n, signer.sign(root + KEY_JOINER + n, n))
+    store.set(root + KEY_JOINER + "e", signer.sign(root + KEY_JOINER + "e", "e"))  # registered, not present
+    assert plan.ready(("a", "b"), ["a", "b", "c", "d"]) == ["c", "d"]  # the state's order
+    assert plan.ready(("a", "b"), ["a", "b", "d"]) == ["d"] and _alive(store)
