@@ -1,18 +1,14 @@
 """Counters in an untrusted store, read and raised without the store's own ``add``.
 
-A store writer can put any bytes under a counter's key. ``TCPStore.add`` on a value that is not a
-decimal integer makes the server drop the client's connection (its ``stoll`` fails), and every
-later call of that client fails: one forged value would cut the reader (an agent, a watcher) off
-the rendezvous. So no counter the job acts on is read or raised with ``add``:
+``TCPStore.add`` on a value that is not a decimal integer makes the server drop the client's
+connection, so one forged value would cut the reader off the rendezvous. Instead:
 
-- :func:`peek`: a key's value without waiting and without parsing it in the server (a
-  ``compare_set`` whose expected value no writer of the job ever stores);
-- :func:`read_count`: a counter's value, or None when it is absent or not a count;
-- :func:`increment`: raise a counter by compare-and-set, refusing a value that is not a count.
+- :func:`peek`: a value without waiting or parsing it in the server (a sentinel ``compare_set``);
+- :func:`read_count`: a counter's value, or None when it is not a count;
+- :func:`increment`: raise a counter by compare-and-set, refusing a value that is not a count
+  (over a ``SignedStore`` the counter is signed too).
 
-Over a :class:`~elastic_emb.rdzv.signing.SignedStore` (the workers' store with a secret) the
-compare-and-set signs and verifies, so the counter is signed too. What each counter of the job may
-still decide: ``docs/OPERATIONS.md`` (section "Trust model").
+What each counter may still decide: ``docs/OPERATIONS.md`` (section "Trust model").
 """
 
 from __future__ import annotations
