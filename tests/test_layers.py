@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.metrics", "elastic_emb.topology", "elastic_emb.progress"),
     ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait", "elastic_emb.context.changes"),
     # the wire contract between the agent and the workers, and what both sides share
-    ("elastic_emb.rdzv.keys", "elastic_emb.rdzv.localfile"),
+    ("elastic_emb.rdzv.keys", "elastic_emb.rdzv.localfile", "elastic_emb.rdzv.counters"),
     (
         "elastic_emb.rdzv.signing",
         "elastic_emb.rdzv.decode",
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "elastic_emb.rdzv.etcd_v2",
         "elastic_emb.rdzv.reader",
         "elastic_emb.rdzv.drain_acks",
+        "elastic_emb.rdzv.signed_cas",
     ),
     (
         "elastic_emb.context",

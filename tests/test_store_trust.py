@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import pickle
+import signal
 import time
 from datetime import timedelta
 
@@ -17,10 +18,20 @@ import torch.distributed as dist
 
 from elastic_emb.rdzv.keys import C10D_STATE_KEY, KEY_ACKS, KEY_DEAD, KEY_DRAIN, KEY_WORLD_SIZE, round_prefix
 from elastic_emb.testing.ports import free_port
-from tests.helpers.agents import Agent, events, first_commit_at, kill_all, start_agent, wait_for, worker_records
+from tests.helpers.agents import (
+    FAST_CONF,
+    Agent,
+    events,
+    first_commit_at,
+    kill_all,
+    start_agent,
+    wait_for,
+    worker_records,
+)
 
 WAIT = 60.0
 SECRET = "0123456789abcdef0123456789abcdef"
+_INPROC_CONF = FAST_CONF + ",resize=in_process"
 
 
 @pytest.fixture
@@ -123,8 +134,9 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
     logs = agents[0].output() + agents[1].output()
     assert "control_key_rejected" in logs and prefix + KEY_DRAIN in logs  # the watchers said so too
 
-    # Foreign counts (an unsigned world_size, negative or not; an acks counter wrapped past int64)
-    # are refused by name before the preStop client asks anything.
+    # Foreign counts (an unsigned world_size, negative or not) are refused by name before the
+    # preStop client asks anything. (A foreign acks counter no longer refuses a drain: it is only
+    # a hint, test_store_counters.py.)
     from elastic_emb.cli.drain import DrainError, DrainTarget, request_drain
 
     monkeypatch.setenv("ELASTIC_EMB_JOB_SECRET", SECRET)
@@ -136,14 +148,13 @@ def test_forged_drain_and_dead_reports_are_ignored_with_a_secret_and_a_signed_dr
         (KEY_WORLD_SIZE, "-2"),
         (KEY_WORLD_SIZE, "1"),
         (KEY_WORLD_SIZE, "9" * 30),
-        (KEY_ACKS, str(2**63 - 1)),
     ):
         store.set(prefix + key, forged)
         with pytest.raises(
             DrainError, match=rf"store key '{prefix + key}' holds .*{forged[:20]}.*(unsigned|not a count in)"
         ):
             request_drain(target, timeout=5)
-        store.set(prefix + key, {KEY_WORLD_SIZE: signed_world, KEY_ACKS: "0"}[key])
+        store.set(prefix + key, signed_world)
     assert not store.check([prefix + KEY_DRAIN])  # nothing was asked of the workers
 
     # Forged acknowledgements in range (the counter at the expected 2, each rank's key written
@@ -246,10 +257,15 @@ def test_drain_acks_count_only_each_ranks_own_signed_record_of_the_round():
     write_ack(store, signer, prefix, 7, 0, 5)
     write_ack(store, signer, prefix, 7, 1, 5)
     assert counter.count(3) == 3 and counter.steps == {0: 5, 1: 5, 2: 5}
-    # Without the forged counter the hint stays below the count until the last look.
-    fresh, prefix8 = AckCounter(store, signer, round_prefix("acktest", 8), 8), round_prefix("acktest", 8)
+    # A record written without raising the counter (a store writer holding it at 0) is read at the
+    # last look, or once verify_every passed since the previous look; never sooner.
+    prefix8 = round_prefix("acktest", 8)
+    fresh, periodic = (AckCounter(store, signer, prefix8, 8, verify_every=every) for every in (3600.0, 0.2))
+    assert fresh.count(1) == 0 and periodic.count(1) == 0  # the first look: nothing yet
     store.set(prefix8 + "ack/0", signer.sign(prefix8 + "ack/0", ack_record(8, 0, 1)))
     assert fresh.count(1) == 0 and fresh.count(1, final=True) == 1
+    time.sleep(0.25)
+    assert periodic.count(1) == 1
     # Without a secret the record is all there is: one naming another rank or round is not counted.
     prefix9 = round_prefix("acktest", 9)
     store.set(prefix9 + "ack/0", ack_record(9, 1, 5))
@@ -397,3 +413,72 @@ def test_the_workers_store_signs_every_value_and_refuses_a_forged_one(round_stor
     round_store.set("c", b"planted")
     with pytest.raises(UnsafeStateError, match="'c'"):
         store.compare_set("c", b"y", b"w")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_store_writer_forging_every_counter_during_in_process_resizes_stops_nothing(cluster):
+    """With the secret, a hostile writer holds every counter of the rendezvous store at values that
+    are not counts (TCPStore drops the connection of a client whose add meets one: the agents read
+    dead and acks every poll), pre-sets the retired decider and joiners counters, and plants
+    unsigned decisions and a generation mark, while c joins a world of two in process and leaves
+    again. The job goes on: no agent stops, and every start and re-form restores rows bit-exact."""
+    import threading
+
+    from elastic_emb.rdzv.keys import KEY_GENERATION_MARK, inproc_prefix, inproc_root
+
+    tmp, agents = cluster
+    port = free_port()
+    kw = dict(extra_env={"ELASTIC_EMB_JOB_SECRET": SECRET}, worker="lifecycle", conf=_INPROC_CONF)
+    agents.append(start_agent("a", tmp, port, **kw))
+    agents.append(start_agent("b", tmp, port, **kw))
+    wait_for(lambda: first_commit_at(tmp, world_size=2, after=0), WAIT, "world size 2", agents)
+    round_ = [e for e in events(tmp, "a") if e["event"] == "rendezvous_round"][-1]["round"]
+    root = inproc_root("rdzvtest")
+    attacker = _attacker(port)
+    planted = [inproc_prefix("rdzvtest", g) + "decision" for g in range(60)]
+    for key in planted:  # once, before any re-form: the decider replaces the one of its generation
+        attacker.set(key, json.dumps({"generation": 0, "nodes": ["forged"], "master_addr": "x", "master_port": 1}))
+    for g in range(60):
+        attacker.set(inproc_prefix("rdzvtest", g) + "decider", "1000")  # the old claim, pre-set
+    held = [root + "joiners", root + "generations", root + KEY_GENERATION_MARK] + [
+        round_prefix("rdzvtest", r) + k for r in range(round_ + 10) for k in (KEY_DEAD, KEY_ACKS)
+    ]
+    stop = threading.Event()
+
+    def forge_in_a_loop() -> None:
+        store = _attacker(port)
+        values = [b"garbage", b"-7", b"9" * 20, b"0", b""]
+        deadline, i = time.monotonic() + 240.0, 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            for key in held:
+                store.set(key, values[i % len(values)])
+            i += 1
+            time.sleep(0.01)
+
+    forger = threading.Thread(target=forge_in_a_loop, daemon=True)
+    t_forge = time.time()
+    forger.start()
+    try:
+        time.sleep(1.0)  # several agent polls with the counters forged
+        t_c = time.time()
+        agents.append(start_agent("c", tmp, port, **kw))
+        wait_for(lambda: first_commit_at(tmp, world_size=3, after=t_c), WAIT, "world size 3 (c joined)", agents)
+        t_leave = agents[2].signal(signal.SIGTERM)
+        wait_for(lambda: first_commit_at(tmp, world_size=2, after=t_leave), WAIT, "world size 2 (c left)", agents)
+        t_back = first_commit_at(tmp, world_size=2, after=t_leave)
+
+        def steps_after() -> int:
+            return len([r for r in worker_records(tmp) if r["ev"] == "commit" and r["ws"] == 2 and r["t"] > t_back])
+
+        wait_for(lambda: steps_after() >= 20, WAIT, "10 more steps per rank at world size 2", agents)
+    finally:
+        stop.set()
+        forger.join(timeout=10)
+    assert all(a.proc.poll() is None for a in agents[:2]), "an agent stopped"
+    recs = worker_records(tmp)
+    starts = [r for r in recs if r["ev"] in ("ready", "reformed") and r["t"] > t_forge]
+    assert {r["ws"] for r in starts} >= {2, 3}, starts  # the world grew and shrank, in process or not
+    assert starts and all(r["rows_ok"] for r in starts), starts
+    logs = agents[0].output() + agents[1].output()
+    assert "control_key_rejected" in logs and "Broken pipe" not in logs, logs[-3000:]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from elastic_emb.errors import CommunicationError, TransferInterrupted
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import native_call
+from elastic_emb.rdzv.counters import increment
 from elastic_emb.store import generation_store
 from elastic_emb.topology import Topology
 from elastic_emb.work_wait import WorkWaits, hold_then_drop
@@ -130,7 +131,7 @@ class Group:
         """
         started = time.monotonic()
         gen_store = generation_store(store, topology, "ctx")
-        instance = int(gen_store.add(f"instances/rank{topology.rank}", 1))
+        instance = increment(gen_store, f"instances/rank{topology.rank}")  # signed with a secret: rdzv/counters.py
         pg_store = dist.PrefixStore(f"pg{instance}/", gen_store)
         td = timedelta(seconds=timeout)
         rank, size = topology.rank, topology.world_size

@@ -15,14 +15,13 @@ import json
 from elastic_emb.errors import ElasticEmbError
 from elastic_emb.events import get_logger
 from elastic_emb.rdzv.keys import (
-    KEY_GENERATIONS,
+    KEY_GENERATION_MARK,
     KEY_JOINER,
-    KEY_JOINERS,
     KEY_PLAN,
-    count_value,
     inproc_prefix,
     inproc_root,
 )
+from elastic_emb.rdzv.signed_cas import raise_mark
 from elastic_emb.rdzv.signing import Signer, read_signed
 
 log = get_logger("elastic_emb.inprocess.resize")
@@ -41,9 +40,6 @@ class JoinPlan:
     def __init__(self, reader, signer: Signer) -> None:
         self._reader = reader
         self._signer = signer
-        self._seen = 0  # joiner registrations counted
-        self._slots: list[int] = []  # counted registrations not written yet (read again)
-        self._error = ""  # the last foreign joiners count reported
         self.joiners: list[str] = []  # registered joiners not yet in the world, in order
         self._plan: dict | None = None  # the next generation's plan to include joiners, once read
 
@@ -101,7 +97,7 @@ class JoinPlan:
         """
         key = self.key(generation)
         plan = {"generation": generation, "after_step": after_step, "joiners": list(joiners)}
-        raise_generations(self._reader.store, self._reader.run_id, plan["generation"])
+        raise_generations(self._reader.store, self._reader.run_id, plan["generation"], self._signer)
         self._reader.store.set(key, self._signer.sign(key, json.dumps(plan)))
         self._plan = plan
         log.info(
@@ -109,44 +105,35 @@ class JoinPlan:
         )
         return plan
 
-    def ready(self, members: tuple[str, ...], present: set[str]) -> list[str]:
+    def ready(self, members: tuple[str, ...], present) -> list[str]:
         """The registered joiners that are ready to be included.
 
-        Reads the registrations counted since the last call; a foreign count is reported once and
-        ignored, and a registration counted but not written yet is read again next time.
+        Re-derived at each call from signed records and torch's state, with no counter: a node
+        whose agent is a participant of the rendezvous (``present``), not a member, counts once its
+        signed registration (``joiner/<node>``, value the node id) verifies. A store writer can
+        neither register a node (unsigned) nor hide one beyond deleting its key (the joiner then
+        times out and asks for a restart-mode round, which includes it).
 
         Args:
             members: the current generation's nodes (never joiners).
-            present: the nodes whose agents are participants of the rendezvous.
+            present: the nodes whose agents are participants of the rendezvous, in the state's
+                order (a set is taken sorted).
 
         Returns:
-            The joiners, in registration order, that are not members and whose agent is present.
+            The joiners, in the order they were first read, that are not members and whose agent
+            is present.
         """
         store = self._reader.store
         root = inproc_root(self._reader.run_id)
-        try:  # untrusted (a foreign count would make this loop run to it)
-            count = count_value(root + KEY_JOINERS, store.add(root + KEY_JOINERS, 0))
-        except ValueError as exc:
-            if str(exc) != self._error:  # once per foreign value, not at every step
-                self._error = str(exc)
-                log.warning("resize.joiners_unreadable", error=str(exc))
-            count = self._seen
-        while self._seen < count:
-            self._seen += 1
-            self._slots.append(self._seen)
-        unwritten = []
-        for index in self._slots:
-            key = root + KEY_JOINER + str(index)
-            if not store.check([key]):
-                # counted, not written yet (a joiner adds, then sets): read it at a later boundary,
-                # or the registration is lost and the joiner waits for nothing
-                unwritten.append(index)
+        order = sorted(present) if isinstance(present, (set, frozenset)) else list(present)
+        for node in order:
+            if node in members or node in self.joiners:
                 continue
-            value = read_signed(store, self._signer, key, log)
-            if value is not None and value.decode() not in members and value.decode() not in self.joiners:
-                self.joiners.append(value.decode())
-        self._slots = unwritten
-        return [n for n in self.joiners if n in present]
+            key = root + KEY_JOINER + node
+            value = read_signed(store, self._signer, key, log)  # absent: not registered yet, read again
+            if value is not None and value.decode("utf-8", "replace") == node:
+                self.joiners.append(node)
+        return [n for n in self.joiners if n in set(order)]
 
     def included(self, nodes: tuple[str, ...]) -> None:
         """A new generation formed: its joiners are in, its plan is spent.
@@ -158,22 +145,23 @@ class JoinPlan:
         self._plan = None
 
 
-def raise_generations(store, run_id: str, generation: int) -> None:
-    """Raise the run's in-process high-water mark (``KEY_GENERATIONS``) to at least ``generation``.
+def raise_generations(store, run_id: str, generation: int, signer: Signer) -> None:
+    """Raise the run's in-process high-water mark (``KEY_GENERATION_MARK``) to at least ``generation``.
 
     Call it before writing any key of that generation: the agents start a torch round at
-    ``round + mark``, so a round after a fallback never reuses this generation. Two raisers at
-    once may overshoot; a higher mark only makes later generations larger, never equal.
+    ``round + mark``, so a round after a fallback never reuses this generation. The mark is a
+    signed value raised by compare-and-set (``rdzv/signed_cas.py``), not a counter: a store
+    writer cannot raise it, and a value of theirs is replaced. Two raisers at once end at the
+    higher value.
 
     Args:
         store: the rendezvous store.
         run_id: the run.
         generation: the generation about to be written.
+        signer: the job's control-key signer.
 
     Raises:
-        ValueError: the mark in the store is not a valid count (a foreign value).
+        ElasticEmbError: every compare-and-set lost for 10 s (a writer replacing it in a loop):
+            the re-form fails and the agents start a restart-mode round.
     """
-    key = inproc_root(run_id) + KEY_GENERATIONS
-    now = count_value(key, store.add(key, 0))
-    if now < generation:
-        store.add(key, generation - now)
+    raise_mark(store, signer, inproc_root(run_id) + KEY_GENERATION_MARK, generation, log=log)

@@ -27,16 +27,15 @@ from elastic_emb.inprocess.rollcall import Prober, RollCall, next_node, watch_ne
 from elastic_emb.rdzv.job_complete import read_mark
 from elastic_emb.rdzv.keys import (
     KEY_CURRENT,
-    KEY_DECIDER,
     KEY_DECISION,
     KEY_FALLBACK,
     KEY_JOINER,
-    KEY_JOINERS,
     inproc_prefix,
     inproc_root,
     round_prefix,
 )
 from elastic_emb.rdzv.outage import is_connection_error
+from elastic_emb.rdzv.signed_cas import claim_signed
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.state import points
 from elastic_emb.topology import Topology, largest_power_of_two_at_most
@@ -174,10 +173,9 @@ class InProcessResize:
         root = inproc_root(reader.run_id)
         me = watcher.node
         points.reached("resize_joiner_registering", int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
-        index = int(store.add(root + KEY_JOINERS, 1))
-        key = root + KEY_JOINER + str(index)
+        key = root + KEY_JOINER + me  # signed, under this node's id: no counter (joiners.py)
         store.set(key, signer.sign(key, me))
-        log.info("resize.joiner_ready", node=me, index=index)
+        log.info("resize.joiner_ready", node=me, key=key)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         look_for_end = 0.0
@@ -362,7 +360,7 @@ class InProcessResize:
         if ctx is not None and not ctx.closed:
             ctx.close(abort=True, wait=False)
         reader = self.watcher._reader
-        raise_generations(reader.store, reader.run_id, old.generation + 1)  # before any key of it
+        raise_generations(reader.store, reader.run_id, old.generation + 1, self._signer)  # before any key of it
         roll = self._rollcall(old.generation + 1)
         roll.answer(self.watcher.node, old.local_rank)
         return roll.absent(
@@ -403,7 +401,7 @@ class InProcessResize:
 
     def _ready_joiners(self) -> list[str]:
         view = self.watcher.last_state
-        return self._join.ready(self.nodes, set(view.nodes) if view is not None else set())
+        return self._join.ready(self.nodes, list(view.nodes) if view is not None else [])
 
     def _gone(self) -> tuple[str, ...]:
         # A node in the wait list is restarting (its worker crashed and its agent rejoins): that
@@ -455,7 +453,9 @@ class InProcessResize:
             )
             # a survivor whose probe saw the same departure first holds a roll call
             reader = self.watcher._reader
-            raise_generations(reader.store, reader.run_id, self.lc.topology.generation + 1)  # before any key of it
+            raise_generations(
+                reader.store, reader.run_id, self.lc.topology.generation + 1, self._signer
+            )  # before any key of it
             self._rollcall(self.lc.topology.generation + 1).present(self.watcher.node, self.lc.topology.local_rank)
         plan = None if failed else self._read_plan()
         joiners = [str(n) for n in plan["joiners"]] if plan is not None else []
@@ -535,8 +535,7 @@ class InProcessResize:
         key = prefix + KEY_DECISION
         me = self.watcher.node
         if me == survivors[0] and self.lc.topology.local_rank == 0:
-            raise_generations(store, self.watcher._reader.run_id, generation)  # before any key of it
-        if me == survivors[0] and self.lc.topology.local_rank == 0 and int(store.add(prefix + KEY_DECIDER, 1)) == 1:
+            raise_generations(store, self.watcher._reader.run_id, generation, self._signer)  # before any key of it
             points.reached("resize_decider_claimed", generation)  # tests: the decider dies mid-decision
             old = self.lc.topology
             record = json.dumps(
@@ -547,9 +546,9 @@ class InProcessResize:
                     "master_port": old.master_port,
                 }
             )
-            store.set(key, self._signer.sign(key, record))
-            current = inproc_root(self.watcher._reader.run_id) + KEY_CURRENT
-            store.set(current, self._signer.sign(current, record))  # where joiners look
+            if claim_signed(store, self._signer, key, record, self.decide_timeout, log):
+                current = inproc_root(self.watcher._reader.run_id) + KEY_CURRENT
+                store.set(current, self._signer.sign(current, record))  # where joiners look
         deadline = time.monotonic() + self.decide_timeout
         pause = 0.001
         while True:

@@ -4,7 +4,9 @@
 - :func:`write_local_count`, :func:`read_local_count`: the same count from a node's watchers to
   their own agent through a file, which a store writer cannot delete;
 - :func:`write_ack`: a stopped worker's signed ``{round, rank, step}`` record, then the ``acks`` hint;
-- :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to look);
+- :class:`AckCounter`: counts the ranks whose record verifies (the ``acks`` counter only says when to
+  look early: the missing ranks' records are read at least every :data:`VERIFY_EVERY_S` whatever
+  it holds, so a counter held low or forged delays nothing by more than that);
 - :func:`agree_stop_step`: the ranks agree on the last step with one compare-and-set of a signed value.
 
 Design: ``docs/RDZV.md`` (section "The drain").
@@ -16,6 +18,7 @@ import json
 import time
 from typing import Any
 
+from elastic_emb.rdzv.counters import increment, read_count
 from elastic_emb.rdzv.keys import KEY_ACK, KEY_ACKS, KEY_STOP_STEP, KEY_WORLD_SIZE, count_value
 from elastic_emb.rdzv.localfile import read_regular, write_replacing
 from elastic_emb.rdzv.signing import Signer, read_signed, report_rejected
@@ -23,6 +26,7 @@ from elastic_emb.rdzv.signing import Signer, read_signed, report_rejected
 __all__ = [
     "NO_WATCHERS_GRACE",
     "RESTORE_EVERY_S",
+    "VERIFY_EVERY_S",
     "AckCounter",
     "ack_record",
     "agree_stop_step",
@@ -35,6 +39,7 @@ __all__ = [
 ]
 
 RESTORE_EVERY_S = 1.0  # rank 0's watcher checks the round's world_size this often at most
+VERIFY_EVERY_S = 1.0  # the missing ranks' acknowledgements are read this often at least, whatever the hint
 NO_WATCHERS_GRACE = 5.0  # the preStop client's wait for a missing world_size before it answers "no watchers"
 
 
@@ -209,6 +214,10 @@ def ack_record(round_: int, rank: int, step: int) -> str:
 def write_ack(store: Any, signer: Signer, prefix: str, round_: int, rank: int, step: int) -> None:
     """A worker acknowledges: it committed ``step`` and stopped (its key first, then the hint).
 
+    The hint is raised by compare-and-set (``rdzv/counters.py``), never by ``add``: a forged value
+    there would make the store drop this worker's connection. A hint that cannot be raised (a
+    foreign value) is left: the agent reads the records anyway.
+
     Args:
         store: the rendezvous store of the round keys.
         signer: the job's control-key signer.
@@ -219,7 +228,10 @@ def write_ack(store: Any, signer: Signer, prefix: str, round_: int, rank: int, s
     """
     key = prefix + KEY_ACK + str(int(rank))
     store.set(key, signer.sign(key, ack_record(round_, rank, step)))
-    store.add(prefix + KEY_ACKS, 1)
+    try:
+        increment(store, prefix + KEY_ACKS)
+    except (ValueError, RuntimeError):  # a foreign value, or raced away: only a hint
+        pass
 
 
 def _parse(value: bytes, round_: int, rank: int) -> tuple[int | None, str]:
@@ -244,8 +256,15 @@ def _parse(value: bytes, round_: int, rank: int) -> tuple[int | None, str]:
 class AckCounter:
     """Counts the verified acknowledgements of one round's drain.
 
-    Rejected keys are reported once each (``control_key_rejected``, ``drain_ack_rejected``), and a
-    counter that claims more than the keys show once (``drain_acks_unverified``).
+    The missing ranks' keys are read when the ``acks`` hint claims enough, when it changed since
+    the last look (every acknowledgement changes it after its key was written), at the last look,
+    and at least every ``verify_every`` seconds whatever it holds: a store writer holding the
+    counter at 0, deleting it, or writing anything there delays the count by ``verify_every`` at
+    most, and a counter forged high only makes the keys be read sooner.
+
+    Rejected keys are reported once each (``control_key_rejected``, ``drain_ack_rejected``), a
+    counter that claims more than the keys show once (``drain_acks_unverified``), and a counter
+    that is not a count once (``drain_acks_hint_foreign``).
 
     Args:
         store: the rendezvous store of the round keys.
@@ -253,30 +272,51 @@ class AckCounter:
         prefix: the round's key prefix.
         round_: the round being drained (a record naming another round does not count).
         log: a structlog logger for the rejection events, or None.
+        verify_every: seconds between two reads of the missing ranks' keys at most.
     """
 
-    def __init__(self, store: Any, signer: Signer, prefix: str, round_: int, log: Any = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        signer: Signer,
+        prefix: str,
+        round_: int,
+        log: Any = None,
+        verify_every: float = VERIFY_EVERY_S,
+    ) -> None:
         self.store, self.signer, self.prefix, self.round, self.log = store, signer, prefix, round_, log
+        self.verify_every = verify_every
         self.steps: dict[int, int] = {}  # rank -> the step it stopped after (verified)
         self._rejected: set[str] = set()
         self._unverified_reported = False
+        self._foreign_reported = False
+        self._last_hint: int | None = 0  # the hint at the last look
+        self._last_look = float("-inf")  # time.monotonic() of the last look
 
-    def hint(self) -> int:
-        """The ``acks`` counter, untrusted: a hint of when to look.
+    def hint(self) -> int | None:
+        """The ``acks`` counter, untrusted: a hint of when to look (read without ``add``).
 
         Returns:
-            The counter's value.
-
-        Raises:
-            ValueError: when the counter holds anything outside ``[0, MAX_COUNT]``.
+            The counter's value (0 when absent), or None when it holds anything but a count in
+            ``[0, MAX_COUNT]`` (reported once, ``drain_acks_hint_foreign``).
         """
-        return count_value(self.prefix + KEY_ACKS, self.store.add(self.prefix + KEY_ACKS, 0))
+        claimed = read_count(self.store, self.prefix + KEY_ACKS)
+        if claimed is None and not self._foreign_reported and self.log is not None:
+            self._foreign_reported = True
+            self.log.warning(
+                "drain_acks_hint_foreign",
+                key=self.prefix + KEY_ACKS,
+                reason="the acks counter holds a value that is not a count (a foreign write): the "
+                f"acknowledgements are read every {self.verify_every:g} s instead",
+            )
+        return claimed
 
     def count(self, expected: int, *, final: bool = False) -> int:
         """The ranks of ``0 .. expected-1`` whose acknowledgement verifies.
 
-        Reads their keys only when the ``acks`` hint claims ``expected`` or ``final`` is set;
-        otherwise answers what was verified before.
+        Reads the missing ranks' keys when the ``acks`` hint claims ``expected`` or changed since
+        the last look, when ``final`` is set, or when ``verify_every`` seconds passed since the
+        last look; otherwise answers what was verified before.
 
         Args:
             expected: the acknowledgements the drain needs.
@@ -284,20 +324,30 @@ class AckCounter:
 
         Returns:
             The number of verified acknowledgements.
-
-        Raises:
-            ValueError: when the ``acks`` counter is not a count in ``[0, MAX_COUNT]``.
         """
         if len(self.steps) >= expected:
             return len(self.steps)
         claimed = self.hint()
-        if claimed < expected and not final:
+        now = time.monotonic()
+        look = (
+            final
+            or (claimed is not None and (claimed >= expected or claimed != self._last_hint))
+            or now - self._last_look >= self.verify_every
+        )
+        if not look:
             return len(self.steps)
+        self._last_hint, self._last_look = claimed, now
         for rank in range(expected):
             if rank not in self.steps:
                 self._verify(rank)
         verified = sum(1 for rank in self.steps if rank < expected)
-        if claimed >= expected and verified < expected and not self._unverified_reported and self.log is not None:
+        if (
+            claimed is not None
+            and claimed >= expected
+            and verified < expected
+            and not self._unverified_reported
+            and self.log is not None
+        ):
             self._unverified_reported = True
             missing = [r for r in range(expected) if r not in self.steps]
             self.log.warning(

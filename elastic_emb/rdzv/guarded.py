@@ -198,6 +198,19 @@ class GuardedStore:
         """
         return self._guard.call("store.add", self._inner.add, key, amount)
 
+    def compare_set(self, key: str, expected: Any, desired: Any) -> Any:
+        """``inner.compare_set`` under the guard (``rdzv/counters.py`` reads counters with it).
+
+        Args:
+            key: the store key.
+            expected: the value required for the swap (empty: the key is absent).
+            desired: the new value.
+
+        Returns:
+            The value the key holds afterwards.
+        """
+        return self._guard.call("store.compare_set", self._inner.compare_set, key, expected, desired)
+
     def check(self, keys: list[str]) -> bool:
         """``inner.check`` under the guard.
 

@@ -60,11 +60,10 @@ from elastic_emb.rdzv.keys import (
     ENV_WATCH_INTERVAL,
     KEY_DRAIN,
     KEY_FALLBACK,
-    KEY_GENERATIONS,
+    KEY_GENERATION_MARK,
     KEY_LEFT,
     KEY_ROUND_GENERATION,
     KEY_STOP_STEP,
-    count_value,
     inproc_root,
     round_prefix,
     write_priority_key,
@@ -74,6 +73,7 @@ from elastic_emb.rdzv.localfile import remove_quietly
 from elastic_emb.rdzv.outage import OutageGuard, StoreOutageError, reraise_signal, torch_store_outage_error
 from elastic_emb.rdzv.rejoin import leave_for_rejoin
 from elastic_emb.rdzv.round_start import RoundStartStore
+from elastic_emb.rdzv.signed_cas import parse_mark, read_mark
 from elastic_emb.rdzv.signing import Signer, read_signed
 from elastic_emb.rdzv.write_priority import WritePriority
 
@@ -716,7 +716,7 @@ class ElasticEmbRendezvousHandler:
     def _round_generation(self, round_: int) -> int:
         """The generation the workers of round ``round_`` start at: the round itself in restart
         mode; in ``resize=in_process`` mode the round plus the in-process high-water mark
-        (``KEY_GENERATIONS``, raised by every in-process re-form before it writes a key of its
+        (``KEY_GENERATION_MARK``, signed, raised by every in-process re-form before it writes a key of its
         generation), so a round after a fallback never reuses a generation that the workers
         formed in process with another membership. Every agent that completed the round reads
         the same mark (the workers that could raise it are stopped, the new ones not started);
@@ -726,9 +726,11 @@ class ElasticEmbRendezvousHandler:
         key = round_prefix(self._run_id, round_) + KEY_ROUND_GENERATION
         if self._joined_running:
             value = read_signed(self._round_store, self._signer, key, self._log)
-            return count_value(key, value) if value is not None else round_
-        key_mark = inproc_root(self._run_id) + KEY_GENERATIONS
-        generation = round_ + count_value(key_mark, self._round_store.add(key_mark, 0))
+            generation = parse_mark(value)
+            return generation if generation is not None else round_
+        key_mark = inproc_root(self._run_id) + KEY_GENERATION_MARK
+        # signed, read without add; absent or forged reads as 0 (reported): rdzv/signed_cas.py
+        generation = round_ + read_mark(self._round_store, self._signer, key_mark, self._log)
         self._round_store.set(key, self._signer.sign(key, str(generation)))
         return generation
 

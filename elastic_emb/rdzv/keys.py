@@ -67,14 +67,13 @@ def inproc_prefix(run_id: str, generation: int) -> str:
     return f"elastic_emb/{run_id}/inproc/gen{generation}/"
 
 
-KEY_DECISION = "decision"  # the decider -> every worker: the new generation's nodes [control]
-KEY_DECIDER = "decider"  # counter: the first claimer decides
+KEY_DECISION = "decision"  # the decider -> every worker: the new generation's nodes; the first valid one wins [control]
 KEY_PLAN = "plan"  # the decider -> every worker: include these joiners after this step [control]
 
 
 def inproc_root(run_id: str) -> str:
     """Store key prefix of the in-process world of a run: the current generation's record
-    (``current``), the joiners' registry (``joiners`` counter, ``joiner/<i>`` node ids), the
+    (``current``), the joiners' registrations (``joiner/<node id>``), the
     job-complete mark and the generations' high-water mark.
 
     Args:
@@ -87,16 +86,16 @@ def inproc_root(run_id: str) -> str:
 
 
 KEY_CURRENT = "current"  # the newest decided generation: {generation, nodes, master_addr, master_port} [control]
-KEY_JOINERS = "joiners"  # counter of joiners registered
-KEY_JOINER = "joiner/"  # + index: a joiner's node id [control]
+KEY_JOINER = "joiner/"  # + node id: that joiner's registration, its node id [control]
 # agents -> joiners: the job finished (an agent's workers all succeeded, it entered torch's exit
 # barrier); no world will include a joiner any more, so a joiner still starting exits 0 [control]
 KEY_COMPLETE = "complete"
-# Counter under inproc_root(): at least the highest generation an in-process re-form wrote keys
-# for (raised before any such key). A torch round r then starts at generation r + this counter, so
-# a generation is never reused for another membership after a fallback (the topology agreement
-# and the in-process keys are scoped by generation).
-KEY_GENERATIONS = "generations"
+# Under inproc_root(): at least the highest generation an in-process re-form wrote keys for, a
+# signed decimal raised by compare-and-set before any such key (rdzv/signed_cas.py). A torch round r
+# then starts at generation r + this mark, so a generation is never reused for another membership
+# after a fallback (the topology agreement and the in-process keys are scoped by generation).
+# (It replaced the "generations" counter, which a store writer could lower.) [control]
+KEY_GENERATION_MARK = "generation_mark"
 # Under round_prefix(): the generation the round started at (what an agent joining the running
 # round reads; the others compute it).
 KEY_ROUND_GENERATION = "generation"

@@ -15,10 +15,16 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from elastic_emb.rdzv.counters import read_count
 from elastic_emb.rdzv.decode import RendezvousView
 from elastic_emb.rdzv.keys import KEY_DEAD, KEY_EVICTED, KEY_LEFT, round_prefix
 from elastic_emb.rdzv.outage import StoreOutageError, reraise_signal
 from elastic_emb.rdzv.signing import Signer, read_signed
+
+# The members' signed dead reports are read at least this often, whatever the ``dead`` counter (a
+# hint of when to read them early) holds: a store writer who holds it at 0 or deletes it delays a
+# report's effect by this much at most (torch's heartbeat expiry still finds the dead too).
+DEAD_VERIFY_EVERY_S = 5.0
 
 
 class Liveness:
@@ -30,10 +36,23 @@ class Liveness:
         signer: the job's control-key signer; with no secret, no eviction marks are written.
         expiry_s: torch's heartbeat expiry (``keep_alive_interval x keep_alive_max_attempt``).
         log: the handler's structlog logger.
+        verify_every: seconds between two reads of the members' dead reports at most, whatever
+            the ``dead`` counter holds.
     """
 
-    def __init__(self, run_id: str, node: str, signer: Signer, expiry_s: float, log: Any) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        node: str,
+        signer: Signer,
+        expiry_s: float,
+        log: Any,
+        verify_every: float = DEAD_VERIFY_EVERY_S,
+    ) -> None:
         self._run_id = run_id
+        self._verify_every = verify_every
+        self._dead_hint: tuple[int, int | None] = (-1, 0)  # (round, the dead counter) at the last read
+        self._dead_read = float("-inf")  # time.monotonic() of the last read of the reports
         self._node = node
         self._signer = signer
         self._expiry_s = expiry_s
@@ -135,6 +154,11 @@ class Liveness:
         keys); they count as known dead from now on. The report is faster than torch's heartbeat
         expiry, and certain: the reporter saw its own agent vanish.
 
+        The reports are read when the ``dead`` counter (read without ``add``: ``rdzv/counters.py``)
+        changed since the last read, and at least every ``verify_every`` seconds whatever it
+        holds: a forged counter (held at 0, deleted, not a count, high) neither hides a report for
+        longer nor makes one: only a signed report counts.
+
         Args:
             round_: the running round.
             members: its members.
@@ -149,8 +173,11 @@ class Liveness:
         """
         prefix = round_prefix(self._run_id, round_)
         try:
-            if int(store.add(prefix + KEY_DEAD, 0)) == 0:
+            hint = (round_, read_count(store, prefix + KEY_DEAD))
+            now = time.monotonic()
+            if hint == self._dead_hint and now - self._dead_read < self._verify_every:
                 return []
+            self._dead_hint, self._dead_read = hint, now
             reported = [
                 n
                 for n in members

@@ -24,6 +24,7 @@ from elastic_emb import config
 from elastic_emb.errors import _CommAborted, _MemberGone
 from elastic_emb.events import get_logger
 from elastic_emb.native_calls import exiting, native_call
+from elastic_emb.rdzv.counters import increment
 from elastic_emb.topology import Topology
 from elastic_emb.work_wait import WorkWaits, hold_then_drop
 
@@ -94,7 +95,10 @@ class Comm:
         self.size = topology.world_size
         self.timeout = timeout
         gen_store = generation_store(store, topology, purpose)
-        self.instance = int(gen_store.add(f"instances/rank{self.rank}", 1))
+        # this rank's count of communicators of the generation and purpose: every rank counts its
+        # own, so their n-th pair up. By compare-and-set, never add (rdzv/counters.py): signed with
+        # the job's secret (SignedStore), and a forged value fails the construction naming its key
+        self.instance = increment(gen_store, f"instances/rank{self.rank}")
         self.store = dist.PrefixStore(f"c{self.instance}/", gen_store)
         self._own_pg = process_group is None
         if process_group is None:

@@ -23,6 +23,7 @@ from elastic_emb.native_calls import exiting, native_call
 # The worker side imports the wire contract (keys), the shared decoder and view (decode), the
 # shared outage tracker (outage) and the store reader (reader) from the rendezvous package; never
 # the agent-side handler.
+from elastic_emb.rdzv.counters import increment
 from elastic_emb.rdzv.decode import ALLOWED_CLASSES, Participant, RendezvousView, UnsafeStateError, decode_state
 from elastic_emb.rdzv.drain_acks import (
     RESTORE_EVERY_S,
@@ -608,7 +609,7 @@ class Watcher:
                 store = self._reader.store
                 key = self._prefix() + f"{KEY_DEAD}/{self.node}"
                 store.set(key, self._signer.sign(key, str(os.getpid())))
-                store.add(self._prefix() + KEY_DEAD, 1)
+                increment(store, self._prefix() + KEY_DEAD)  # a hint: never add (rdzv/counters.py)
             except Exception as exc:
                 self._log.warning("watch_store_error", op="report_dead", error=repr(exc))
         self._evict("agent_lost", nodes=(self.node or "",), state_round=None)
