@@ -1,16 +1,121 @@
-"""A store that lost the rendezvous state (etcd wiped) does not send the job's rounds back to 0.
+"""A wiped etcd does not trade the job's committed history for a branch from the seed.
 
-:class:`~elastic_emb.rdzv.guarded.GuardedBackend` driven by an in-memory backend that loses its state.
+Real torchrun agents on ``inner=etcd-v3`` against a real etcd on loopback, the lifecycle worker
+(rows checked bit for bit against the step-by-step replay at every start), each node with a state
+directory of its own. Node a trains alone, node b joins (round 1), both commit at world size 2.
+Then etcd is SIGKILLed, its data directory deleted, and a fresh etcd started on the same client
+port: the rendezvous state, its lease and every round key are gone. The agents do not exit: they
+find the state gone (``rendezvous_state_lost``), re-form at a round never used before, and the
+workers restore the job's own newest commit (never the seed), same lineage, rows bit for bit.
+A node c started afterwards with an empty directory joins that history.
+
+The unit test below it drives :class:`~elastic_emb.rdzv.guarded.GuardedBackend` with an
+in-memory backend that loses its state.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from datetime import timedelta
+
+import pytest
 
 from elastic_emb.rdzv import torch_compat
 from elastic_emb.rdzv.decode import RendezvousView, load_state
 from elastic_emb.rdzv.guarded import GuardedBackend
 from elastic_emb.rdzv.outage import OutageGuard
+from elastic_emb.state.snapshot import SnapshotTier
+from tests.helpers.agents import Agent, events, kill_all, start_agent, wait_for, worker_records
+from tests.helpers.etcd_fixture import etcd_server  # noqa: F401  (the fixture)
+
+RUN_ID = "rdzvtest"  # start_agent's default run id
+WAIT = 120.0  # generous for a loaded 2-core machine; each wait ends as soon as its condition holds
+
+
+def _node(tmp: str, node: str) -> dict:
+    return {"ELASTIC_EMB_STATE_DIR": os.path.join(tmp, f"state-{node}"), "ELASTIC_EMB_NODE_ID": node}
+
+
+def _records(tmp: str, ev: str, after: float) -> list[dict]:
+    return [r for r in worker_records(tmp) if r["ev"] == ev and r["t"] > after]
+
+
+def _committed_by(tmp: str, after: float, ws: int, least: int) -> set[int]:
+    return {r["rank"] for r in _records(tmp, "commit", after) if r["ws"] == ws and r["committed"] >= least}
+
+
+def _lineages(tmp: str, nodes: str) -> set[str | None]:
+    return {m.lineage for n in nodes for _, m in SnapshotTier(os.path.join(tmp, f"state-{n}"), RUN_ID, n).manifests()}
+
+
+def _rounds(tmp: str, nodes: str) -> list[dict]:
+    return [e for n in nodes for e in events(tmp, n) if e["event"] == "rendezvous_round"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    agents: list[Agent] = []
+    yield str(tmp_path), agents
+    kill_all(agents, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_wiped_etcd_keeps_the_running_jobs_history(etcd_server, cluster):  # noqa: F811
+    tmp, agents = cluster
+    kw = dict(worker="lifecycle", nnodes="1:3", inner="etcd-v3", endpoint=etcd_server.endpoint)
+    t0 = time.time()
+    agents.append(start_agent("a", tmp, 0, extra_env=_node(tmp, "a"), **kw))
+    wait_for(lambda: _committed_by(tmp, t0, 1, 2), WAIT, "a committed alone", agents)
+    agents.append(start_agent("b", tmp, 0, extra_env=_node(tmp, "b"), **kw))
+    wait_for(lambda: _committed_by(tmp, t0, 2, 3) == {0, 1}, WAIT, "a and b committed at world size 2", agents)
+
+    # the wipe: etcd SIGKILLed, its data directory deleted, a fresh etcd on the same client port
+    etcd_server.kill()
+    before = max(r["committed"] for r in _records(tmp, "commit", t0))  # every rank's newest complete commit
+    lineage = _lineages(tmp, "ab")
+    last_round = max(e["round"] for e in _rounds(tmp, "ab"))
+    assert len(lineage) == 1 and None not in lineage and last_round >= 1, (lineage, last_round)
+    shutil.rmtree(etcd_server.data_dir / "member")
+    endpoint = etcd_server.endpoint
+    etcd_server.start()
+    assert etcd_server.endpoint == endpoint
+    t1 = time.time()
+
+    # the job re-forms at world size 2 from its own history: no agent ends, nothing from the seed
+    # (the workers started before the wipe train on meanwhile: their collectives do not go through etcd)
+    wait_for(
+        lambda: {r["rank"] for r in _records(tmp, "ready", t1) if r["ws"] == 2} == {0, 1},
+        WAIT,
+        "a and b re-formed at world size 2 after the wipe",
+        agents,
+    )
+    t_ready = max(r["t"] for r in _records(tmp, "ready", t1))
+    wait_for(lambda: _committed_by(tmp, t_ready, 2, 0) == {0, 1}, WAIT, "a and b training after the wipe", agents)
+    assert all(a.proc.poll() is None for a in agents), [(a.name, a.proc.poll()) for a in agents]
+    # every start after the wipe restored a commit at least as new as the newest one before it
+    for r in _records(tmp, "ready", t1):
+        assert r["resume"] > before and r["rows_ok"], (before, r)
+    lost = [e for n in "ab" for e in events(tmp, n) if e["event"] == "rendezvous_state_lost"]
+    assert lost and all(e["last_round"] >= last_round for e in lost), lost
+    # round numbers (and the generations of restart mode, the round itself) never go back
+    for n in "ab":
+        rounds = [e["round"] for e in _rounds(tmp, n)]
+        assert rounds == sorted(rounds) and rounds[-1] > last_round, (n, last_round, rounds)
+    assert _lineages(tmp, "ab") == lineage
+
+    # a node started after the wipe with an empty directory joins the history, from its newest commit
+    t2 = time.time()
+    agents.append(start_agent("c", tmp, 0, extra_env=_node(tmp, "c"), **kw))
+    newest = max(r["committed"] for r in _records(tmp, "commit", t1))
+    wait_for(lambda: _committed_by(tmp, t2, 3, newest + 1) == {0, 1, 2}, WAIT, "a, b and c training", agents)
+    ready = _records(tmp, "ready", t2)
+    assert ready and all(r["resume"] > newest and r["rows_ok"] and r["ws"] == 3 for r in ready), (newest, ready)
+    assert all(a.proc.poll() is None for a in agents), [(a.name, a.proc.poll()) for a in agents]
+    assert _lineages(tmp, "abc") == lineage
+
 
 # -- GuardedBackend with a backend that loses its state ------------------------------------------
 
