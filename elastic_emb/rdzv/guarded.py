@@ -2,7 +2,7 @@
 
 - :class:`GuardedBackend`: torch's state backend with every state validated by the restricted
   decoder before torch unpickles it (a state that is not torch's is replaced by an empty next
-  round), fair writes (:class:`~elastic_emb.rdzv.write_priority.WritePriority`) and the heartbeats
+  round; so is a state the store lost, so that rounds never go back), fair writes (:class:`~elastic_emb.rdzv.write_priority.WritePriority`) and the heartbeats
   credited for a store outage;
 - :class:`GuardedStore`: the round-key store (``set``/``get``/``add``/``check``).
 
@@ -54,6 +54,8 @@ class GuardedBackend:
         self._shift_until = 0.0
         self._last_round = -1  # the newest round of a valid state this agent saw
         self.replaced = 0  # states that were not torch's, replaced by an empty next round
+        self.lost = 0  # times the store was found without the state of a round this agent saw
+        self._lost_reported = -1  # the newest round seen when the last loss was logged
 
     @property
     def name(self) -> str:
@@ -70,15 +72,21 @@ class GuardedBackend:
         unpickled by torch: an empty state of the next round stands in for it, with the stored
         value's token, so the next write (an honest round) replaces it.
 
+        A store that lost the state of a round this agent saw (etcd's data wiped, the key deleted)
+        answers no state, or a state of an older round that a node which never saw the history
+        created since: an empty state of the round after the newest one seen stands in for it
+        (``rendezvous_state_lost``), with no token or the stored value's, so the next write
+        re-forms the job at a round number never used before instead of at round 0.
+
         Returns:
-            ``(pickled state, token)``, or None when no state exists.
+            ``(pickled state, token)``, or None when no state exists and this agent saw none.
 
         Raises:
             StoreOutageError: when the store stays unreachable past the guard's bound.
         """
         result = self._guard.call("get_state", self._inner.get_state)
         if result is None:
-            return None
+            return None if self._last_round < 0 else (self._lost("no state"), None)
         bits, token = result
         return self._checked(bits), token
 
@@ -100,7 +108,7 @@ class GuardedBackend:
             self._guard.call("write_priority", self._priority.before_write)
         result = self._guard.call("set_state", self._inner.set_state, state, token)
         if result is None:
-            return None
+            return None if self._last_round < 0 else (self._lost("no state"), None, False)
         bits, token, has_set = result
         if self._priority is not None:
             self._guard.call("write_priority", self._priority.after_write, bool(has_set))
@@ -113,8 +121,31 @@ class GuardedBackend:
             return self._replaced(str(exc))
         if view.complete and not view.participants:
             return self._replaced("a complete round without participants, which torch never writes")
+        if view.round < self._last_round:  # torch's rounds only go up: the store lost the newer ones
+            return self._lost(f"round {view.round}, created since by a node that did not see round {self._last_round}")
         self._last_round = max(self._last_round, view.round)
         return self._credit_outage(bits)
+
+    def _lost(self, found: str) -> bytes:
+        """An empty state of the round after the newest one seen, in place of a state the store lost."""
+        from elastic_emb.rdzv import torch_compat
+
+        round_ = self._last_round + 1
+        if self._lost_reported != self._last_round:  # once per loss, not at every poll until a write
+            self._lost_reported = self._last_round
+            self.lost += 1
+            if self._log is not None:
+                self._log.warning(
+                    "rendezvous_state_lost",
+                    key=self._key,
+                    last_round=self._last_round,
+                    found=found,
+                    replaced_by_round=round_,
+                    remedy="the rendezvous store lost the job's state (etcd restarted with an empty data directory, "
+                    "or the key was deleted); the agents re-form the job at a new round and the workers restore "
+                    "its newest commit. Give etcd persistent storage (three members or more)",
+                )
+        return torch_compat.fresh_state(round_)
 
     def _replaced(self, why: str) -> bytes:
         """An empty state of the round after the newest valid one seen, in place of a foreign value."""
