@@ -388,29 +388,37 @@ def test_a_store_writer_deleting_the_drain_count_in_a_loop_does_not_end_the_drai
 
 
 def test_the_workers_store_signs_every_value_and_refuses_a_forged_one(round_store):
-    """With a job secret the workers' store (MASTER_ADDR:MASTER_PORT) holds only signed values: a
-    store writer can neither forge an agreement verdict or an inventory nor move a value."""
+    """With a job secret the workers' store (MASTER_ADDR:MASTER_PORT) holds only signed values,
+    under a prefix derived from the secret: a store writer can neither forge an agreement verdict
+    or an inventory nor move a value, and without the secret it cannot even name the keys (the
+    counters included, which no signature covers)."""
     from elastic_emb import UnsafeStateError
-    from elastic_emb.rdzv.signing import SignedStore, signed_store
+    from elastic_emb.rdzv.signing import SignedStore, Signer, signed_store
 
     assert signed_store(round_store, {}) is round_store  # no secret: the store as it is
     store = signed_store(round_store, {"ELASTIC_EMB_JOB_SECRET": SECRET})
     assert isinstance(store, SignedStore) and signed_store(store, {"ELASTIC_EMB_JOB_SECRET": SECRET}) is store
+    prefix = Signer(SECRET.encode()).key_prefix() + "/"  # (a PrefixStore joins with "/")
+    assert prefix != Signer(b"another secret of enough bytes").key_prefix()
     store.set("verdict", b"agreed")
-    assert store.get("verdict") == b"agreed" and round_store.get("verdict").startswith(b"eesig1:")
+    assert store.get("verdict") == b"agreed" and round_store.get(prefix + "verdict").startswith(b"eesig1:")
+    assert not round_store.check(["verdict"])  # the plain name holds nothing a writer could spoil
     store.multi_set(["a", "b"], [b"1", b"2"])
     assert store.multi_get(["a", "b"]) == [b"1", b"2"]
     assert store.compare_set("c", "", b"x") == b"x"  # created
     assert store.compare_set("c", b"x", b"y") == b"y"  # swapped
     assert store.compare_set("c", b"x", b"z") == b"y"  # lost: the current value, verified
-    assert store.add("n", 2) == 2  # counters pass as they are
-    round_store.set("verdict", b'{"message": "forged mismatch"}')
+    assert store.add("n", 2) == 2 and round_store.add(prefix + "n", 0) == 2  # a counter, under the prefix
+    round_store.set("n", b"garbage")  # a writer without the secret spoils a name nobody uses
+    assert store.add("n", 1) == 3
+    # a writer who knew the prefix still cannot forge or move a value
+    round_store.set(prefix + "verdict", b'{"message": "forged mismatch"}')
     with pytest.raises(UnsafeStateError, match="store key 'verdict' holds a value unsigned"):
         store.get("verdict")
-    round_store.set("a", round_store.get("b"))  # a signed value moved to another key
+    round_store.set(prefix + "a", round_store.get(prefix + "b"))  # a signed value moved to another key
     with pytest.raises(UnsafeStateError, match="store key 'a' holds a value bad signature"):
         store.multi_get(["a"])
-    round_store.set("c", b"planted")
+    round_store.set(prefix + "c", b"planted")
     with pytest.raises(UnsafeStateError, match="'c'"):
         store.compare_set("c", b"y", b"w")
 

@@ -15,6 +15,8 @@ import hmac
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from elastic_emb.errors import SecretError, UnsafeStateError
 from elastic_emb.rdzv.keys import ENV_JOB_SECRET
 from elastic_emb.store import ForwardingStore
@@ -41,6 +43,21 @@ class Signer:
             )
         self._secret = secret
         self._rejected: set[str] = set()  # keys already reported: one event per key
+
+    def key_prefix(self) -> str:
+        """The prefix :func:`signed_store` puts the workers' keys under: derived from the secret,
+        so nobody without it can name them.
+
+        Returns:
+            ``"k<24 hex digits>"`` (a ``PrefixStore`` adds the ``/``).
+
+        Raises:
+            SecretError: when the job has no secret.
+        """
+        if self._secret is None:
+            raise SecretError(f"no {ENV_JOB_SECRET}: a key prefix needs the job's secret")
+        digest = hmac.new(self._secret, b"elastic_emb workers' store keys", hashlib.sha256).hexdigest()
+        return f"k{digest[:24]}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Signer":
@@ -259,4 +276,9 @@ def signed_store(store: Any, env: Mapping[str, str] | None = None) -> Any:
     if store is None or isinstance(store, SignedStore):
         return store
     signer = Signer.from_env(env)
-    return SignedStore(store, signer) if signer.enabled else store
+    if not signer.enabled:
+        return store
+    # Every key also goes under a prefix derived from the secret: a store writer without it cannot
+    # name the workers' keys (a TCPStore cannot list them), so it cannot plant or spoil even the
+    # counters (``add``), which no signature covers.
+    return SignedStore(dist.PrefixStore(signer.key_prefix(), store), signer)
