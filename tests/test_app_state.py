@@ -172,3 +172,24 @@ def test_the_first_start_keeps_the_objects_as_built(world):
     lc = start(dense.objects())
     assert lc.step == -1 and _equal(_state(dense), built)
     lc.close()
+
+
+def test_the_disk_holds_the_app_state_of_the_newest_commits_only(world):
+    # a chain keeps its base and deltas for their rows; their app state is never restored
+    from elastic_emb.state.snapshot import APP_SLACK
+
+    start, state_dir = world
+    dense = Dense()
+    lc = start(dense.objects(), async_commit=False, keep=2, max_chain=8)
+    for step in range(20):
+        dense.step(step)
+        lc.context.apply_gradients("t", torch.tensor([step]), -torch.ones(1, 4))
+        lc.commit(step)
+    steps = sorted(int(p.parent.name.split("-")[1]) for p in state_dir.rglob(app.APP_FILE))
+    # the newest (a restore's choice is among them), at most keep + APP_SLACK of them
+    assert steps == list(range(20 - len(steps), 20)) and 2 <= len(steps) <= 2 + APP_SLACK, steps
+    assert len(list(state_dir.rglob("step-*"))) > len(steps)  # the chains' older commits stay, without it
+    lc.close()
+    fresh = Dense()
+    start(fresh.objects()).close()
+    assert fresh.sampler.cursor == 20 * 2

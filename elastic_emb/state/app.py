@@ -11,6 +11,7 @@ peer's bytes over the state communicator. Design: ``docs/TRAINING.md``, "The res
 from __future__ import annotations
 
 import io
+import os
 import re
 import zlib
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ import torch
 from elastic_emb.errors import ConfigError, RestoreError
 from elastic_emb.events import get_logger
 from elastic_emb.state.manifest import commit_dirname
+from elastic_emb.state.paths import open_new
 
 log = get_logger("elastic_emb.state")
 
@@ -146,6 +148,44 @@ def _on_cpu(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_on_cpu(v) for v in value)
     return value
+
+
+class _Counting:
+    """A file's writer that keeps the CRC32 and the size of what went through it."""
+
+    def __init__(self, f) -> None:
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_file(path, state: Mapping[str, Any], mode: int) -> tuple[int, int]:
+    """Serialize captured app state straight into a new file (no copy of it in memory) and fsync.
+
+    Args:
+        path: the file (created or truncated).
+        state: what :func:`capture` returned.
+        mode: the file's permissions.
+
+    Returns:
+        ``(bytes written, CRC32)``, for the manifest.
+
+    Raises:
+        OSError: the file could not be written (full or read-only storage).
+    """
+    with open_new(path, mode) as f:
+        out = _Counting(f)
+        torch.save(_on_cpu(state), out)
+        f.flush()
+        os.fsync(f.fileno())
+    return out.size, out.crc & 0xFFFFFFFF
 
 
 def crc32(data: bytes | memoryview) -> int:

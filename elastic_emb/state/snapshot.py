@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,6 +91,11 @@ class NodeListing(BaseModel):
     dirs: list[str]
     pieces: list[tuple[CommitId, str, int, int, int]]
     parents: list[tuple[CommitId, CommitId]] = []  # (delta commit, the commit it changes)
+
+
+# Commits after the newest complete one that a rank may have written (in flight, or failed and
+# abandoned): the app state of this many commits beyond ``keep`` stays on disk.
+APP_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ class SnapshotTier:
         self.ring: SegmentRing | None = None  # log segments the GPU copies deltas into
         self._ring_count = 0  # enable_ring: the ring is made at the first GPU delta (sized by it)
         self._parsed: dict[bytes, SnapshotManifest] = {}  # manifests() parses each file's bytes once
+        self._app_dirs: deque[Path] = deque()  # the commit directories this rank wrote app state into
         # What prune needs to know to skip itself (see _prune_frees_nothing): the newest commit this
         # tier wrote (its id, parent, deltas since its base), and the commit a prune last left as
         # the newest complete one with nothing else deletable (None: the next prune is a full one).
@@ -425,18 +432,7 @@ class SnapshotTier:
             error = self._write(cdir, data_name, blob, written, step)
         app_meta = {}
         if cap.app is not None and error is None:  # serialized here, off the training thread
-            app_blob = app_state.to_bytes(cap.app)
-            app_meta = {
-                "app_file": app_state.APP_FILE,
-                "app_bytes": len(app_blob),
-                "app_crc": app_state.crc32(app_blob),
-            }
-            payload = (
-                torch.frombuffer(bytearray(app_blob), dtype=torch.uint8)
-                if app_blob
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            error = self._write(cdir, app_state.APP_FILE, payload, written, step)
+            app_meta, error = self._write_app(cdir, cap.app, written, step)
         points.reached("snapshot_data_written", step)
         info = {
             "rank": topo.rank,
@@ -521,6 +517,13 @@ class SnapshotTier:
         if not cap.speculative:
             self._chain = (topo.fingerprint(), CommitId(step, topo.generation, topo.fingerprint()), cap.chain_length)
         self._written = (CommitId(step, topo.generation, topo.fingerprint()), parent, cap.chain_length)
+        if app_meta:
+            # The newest complete commit is among this rank's last few (at most APP_SLACK in flight
+            # or failed after it), so the app state of older ones is never restored: drop it now,
+            # whether or not a prune runs (a chain keeps its commits' rows, not their app state).
+            self._app_dirs.append(cdir)
+            while len(self._app_dirs) > self.keep + APP_SLACK:
+                self._drop_app_state(self._app_dirs.popleft())
         sizes = [int(e["bytes"]) for e in everyone]  # (every rank's, exchanged: the same window everywhere)
         if parent is None:
             self._window = FoldWindow.after_base(sizes)
@@ -570,6 +573,17 @@ class SnapshotTier:
         except OSError as exc:
             return storage_message(path, int(blob.numel()), exc, step)
         return None
+
+    def _write_app(self, cdir: Path, state: dict, written: list[Path], step: int) -> tuple[dict, str | None]:
+        """Write a commit's app state; its manifest fields, and None or the one-line reason it failed."""
+        path = cdir / app_state.APP_FILE
+        try:
+            make_dirs(self.root, cdir, self.dir_mode)
+            written.append(path)
+            size, crc = app_state.write_file(path, state, self.file_mode)
+        except OSError as exc:
+            return {}, storage_message(path, 0, exc, step)
+        return {"app_file": app_state.APP_FILE, "app_bytes": size, "app_crc": crc}, None
 
     def _write_text(self, path: Path, text: str, written: list[Path]) -> None:
         written.append(path)
@@ -702,6 +716,16 @@ class SnapshotTier:
             self.compactor.request(*fold_due)
         return deleted
 
+    @staticmethod
+    def _drop_app_state(cdir: Path) -> None:
+        """Remove a commit's app state once it is only a link in a newer commit's chain: a restore
+        reads the app state of the commit it restores, so the disk holds it ``keep`` times, not
+        once per commit of every kept chain."""
+        try:
+            (cdir / app_state.APP_FILE).unlink(missing_ok=True)
+        except OSError as exc:  # read-only storage: the file stays, nothing depends on its removal
+            log.warning("snapshot_prune_failed", dir=str(cdir), error=str(exc))
+
     def cancel_fold(self, timeout: float = 10.0) -> bool:
         """Cancel the fold under way, if any (a resize restores next, or the process exits).
 
@@ -747,6 +771,7 @@ class SnapshotTier:
         if not complete or listing is None:  # (every rank has the same answer; local rank 0 deletes)
             return [], complete[0] if complete else None
         kept = set(complete[: self.keep])
+        restorable = set(kept)  # the commits a restore picks: their app state is kept with them
         parent_of = {c: p for e in everyone if e for c, p in e.parents}
         for c in list(kept):  # a kept delta keeps its chain back to the base
             while c in parent_of and parent_of[c] not in kept:
@@ -759,6 +784,8 @@ class SnapshotTier:
         for name in listing.dirs:
             cid = commit_of.get(name)
             if cid in kept:
+                if cid not in restorable:  # kept for its rows (a chain's base or delta), not restored as itself
+                    self._drop_app_state(self.node_dir / name)
                 continue
             newer = cid > newest if cid is not None else step_of_dirname(name) >= newest.step
             if newer and not (at_start and not name.endswith(f"-{current}")):
