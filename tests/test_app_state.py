@@ -193,3 +193,24 @@ def test_the_disk_holds_the_app_state_of_the_newest_commits_only(world):
     fresh = Dense()
     start(fresh.objects()).close()
     assert fresh.sampler.cursor == 20 * 2
+
+
+def test_with_the_node_directory_lost_the_durable_tier_restores_the_app_state(world, tmp_path):
+    import shutil
+
+    start, state_dir = world
+    dense = Dense()
+    durable = dict(durable_dir=str(tmp_path / "durable"), durable_every=2, durable_async=False)
+    lc = start(dense.objects(), **durable)
+    states = {}
+    for step in range(4):
+        dense.step(step)
+        states[step] = _state(dense)
+        lc.context.apply_gradients("t", torch.tensor([step]), -torch.ones(1, 4))
+        lc.commit(step)
+    lc.close()
+    shutil.rmtree(state_dir)  # the node's snapshots are gone: the newest durable checkpoint is step 2
+    fresh = Dense()
+    lc2 = start(fresh.objects(), **durable)
+    assert lc2.step == 2 and _equal(_state(fresh), states[2])
+    lc2.close()

@@ -269,7 +269,13 @@ class Committer:
             # durable tier's own (the context's and the writer's stay free for the steps).
             dcomm = self._durable_comm(group) if self.config.durable_async else comm
             durable_bytes, self._pending_durable = self.durable.commit(
-                step, shards, dcomm, num_rows, group, asynchronous=self.config.durable_async
+                step,
+                shards,
+                dcomm,
+                num_rows,
+                group,
+                asynchronous=self.config.durable_async,
+                app=app if self.topology.rank == 0 else None,
             )
             tiers.append("durable")
         if not background:

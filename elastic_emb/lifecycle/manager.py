@@ -527,6 +527,7 @@ class Lifecycle:
             live=app_live,
             lineage=report.lineage,
             start_fresh=self.config.start_fresh,
+            durable=self.durable,
         )
         if self.app_state:
             log.info("lifecycle.app_state_restored", step=report.step, source=source, names=list(self.app_state))

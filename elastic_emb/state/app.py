@@ -4,8 +4,9 @@ Replicated objects that follow DCP's ``Stateful`` convention, passed to
 :meth:`~elastic_emb.Lifecycle.start` as ``app_state``. A commit copies their state dicts on the
 training thread (:func:`capture`); the commit's writer serializes them into ``app.pt`` in the
 commit's directory (one per node) before the manifest, which records its size and CRC32. A restore
-(:func:`restore`) brings every rank to the tables' step: live objects, the node's file, or a
-peer's bytes over the state communicator. Design: ``docs/TRAINING.md``, "The rest of the training state".
+(:func:`restore`) brings every rank to the tables' step: live objects, the node's file, the
+durable tier's copy (rank 0's), or a peer's bytes over the state communicator.
+Design: ``docs/TRAINING.md``, section "The rest of the training state".
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import zlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -300,6 +302,28 @@ def committed_file(snapshot, step: int, lineage: str | None) -> bytes | None:
     return None
 
 
+def durable_file(durable, step: int, lineage: str | None) -> bytes | None:
+    """The verified app bytes of ``step`` in the durable tier, if any.
+
+    Args:
+        durable: the :class:`~elastic_emb.state.DurableTier`, or None.
+        step: the restored step.
+        lineage: the restored history; a checkpoint of another is never read.
+
+    Returns:
+        The bytes, or None.
+    """
+    if durable is None:
+        return None
+    for m in durable.manifests():
+        if m.step != step or m.app_file is None or (lineage is not None and m.lineage not in (None, lineage)):
+            continue
+        data = read_file(Path(m.checkpoint_dir) / m.app_file, m.app_bytes, m.app_crc)
+        if data is not None:
+            return data
+    return None
+
+
 def restore(
     objects: Mapping[str, Stateful],
     comm,
@@ -309,6 +333,7 @@ def restore(
     live: bool,
     lineage: str | None,
     start_fresh: bool = False,
+    durable=None,
 ) -> str:
     """Bring every rank's app-state objects to the restored step ``step`` (collective).
 
@@ -321,6 +346,7 @@ def restore(
         lineage: the restored history.
         start_fresh: with no copy of ``step`` anywhere, keep the objects as they are (logged)
             instead of raising.
+        durable: the durable tier, read when this node's snapshots lack ``step``'s app state.
 
     Returns:
         Where this rank's state came from: ``"none"``, ``"live"``, ``"file"`` or ``"peer"``.
@@ -333,6 +359,8 @@ def restore(
     data = None
     if step >= 0 and names and not live:
         data = committed_file(snapshot, step, lineage)
+        if data is None:
+            data = durable_file(durable, step, lineage)
     offer = {"names": names, "live": bool(live and names), "file": data is not None}
     everyone = comm.exchange(f"app-offer-{step}", offer)
     if any(sorted(e["names"]) != sorted(names) for e in everyone):

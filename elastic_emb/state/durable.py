@@ -24,6 +24,7 @@ from elastic_emb.native_calls import native_call
 from elastic_emb.progress import Progress
 from elastic_emb.protocol import ShardData
 from elastic_emb.sharding import owned_range
+from elastic_emb.state import app as app_state
 from elastic_emb.state import points
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.crc import crc32_combine
@@ -99,6 +100,7 @@ class DurableTier:
         num_rows: dict[str, int],
         group,
         asynchronous: bool = False,
+        app: dict | None = None,
     ) -> tuple[int, Future | None]:
         """Save ``shards`` through DCP (collective).
 
@@ -116,6 +118,8 @@ class DurableTier:
                 DTensor accept no other).
             asynchronous: run everything after the capture (the move to the world layout, the
                 CRC32s, the DCP save, the manifest) in a background thread, so the step goes on.
+            app: rank 0's copy of the job's app state (:func:`elastic_emb.state.app.capture`),
+                written beside DCP's files before the manifest; None: none.
 
         Returns:
             ``(bytes this rank hands over, future or None)``: wait on the future (it holds the
@@ -128,7 +132,7 @@ class DurableTier:
         nbytes = sum(s.nbytes() for s in shards.values())
         if not asynchronous:
             with Progress("durable_save", nbytes, step=step) as progress:
-                self._save(step, shards, comm, num_rows, group, None, progress)
+                self._save(step, shards, comm, num_rows, group, None, progress, app)
             return nbytes, None
         copied = None
         if any(t.is_cuda for s in shards.values() for _, t in tensor_items(s)):
@@ -145,7 +149,7 @@ class DurableTier:
                         "durable_save", nbytes, step=step, rank=comm.topology.rank, generation=comm.topology.generation
                     ) as progress,
                 ):
-                    self._save(step, shards, comm, num_rows, group, copied, progress)
+                    self._save(step, shards, comm, num_rows, group, copied, progress, app)
             except BaseException as exc:  # reported by finish and by the future's waiter
                 log.error("durable_commit_failed", step=step, error=repr(exc)[:500])
                 fut.set_exception(exc)
@@ -164,6 +168,7 @@ class DurableTier:
         group,
         copied,
         progress: Progress | None = None,
+        app: dict | None = None,
     ) -> None:
         """The whole save of one rank: world layout, CRC32s, DCP, and (rank 0) the manifest last.
         ``progress`` counts this rank's bytes in the world layout once DCP has written them (DCP
@@ -192,6 +197,10 @@ class DurableTier:
         if progress is not None:
             progress.advance(world_bytes)
         if topo.rank == 0:
+            app_meta = {}
+            if app is not None:  # replicated: rank 0's copy, beside DCP's files
+                size, crc = app_state.write_file(cdir / app_state.APP_FILE, app, self.file_mode)
+                app_meta = {"app_file": app_state.APP_FILE, "app_bytes": size, "app_crc": crc}
             checksums: dict[str, dict[str, list]] = {}
             for r, s in enumerate(gathered):
                 for key, v in s.items():
@@ -208,6 +217,7 @@ class DurableTier:
                 checkpoint_dir=str(cdir),
                 written_at=time.time(),
                 lineage=self.lineage,
+                **app_meta,
             )
             for f in cdir.rglob("*"):  # DCP creates its files with the process's umask
                 os.chmod(f, self.dir_mode if f.is_dir() else self.file_mode)

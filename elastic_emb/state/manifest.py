@@ -198,6 +198,11 @@ class CommitRecord(BaseModel):
     # restore after. Two lineages among one run's commits are two histories (a run started over
     # beside its own state); None: written before lineages were recorded.
     lineage: str | None = Field(default=None, pattern=LINEAGE_PATTERN)
+    # The job's app state of this step (elastic_emb.state.app): always ``app.pt`` in the commit's
+    # directory, written by the node's first rank (snapshot) or by rank 0 (durable); None: none here.
+    app_file: Literal["app.pt"] | None = None
+    app_bytes: int = Field(default=0, ge=0)
+    app_crc: int = Field(default=0, ge=0, le=0xFFFFFFFF)
 
     @property
     def commit(self) -> CommitId:
@@ -222,11 +227,6 @@ class SnapshotManifest(CommitRecord):
     # ``<node dir>/log/<segment>[segment_offset: segment_offset + data_bytes]``, not ``data_file``.
     segment: str | None = None
     segment_offset: int = Field(default=0, ge=0)
-    # The job's app state of this step (elastic_emb.state.app), written by the node's first rank
-    # beside its own shard: always ``app.pt`` in the commit's directory; None: none written here.
-    app_file: Literal["app.pt"] | None = None
-    app_bytes: int = Field(default=0, ge=0)
-    app_crc: int = Field(default=0, ge=0, le=0xFFFFFFFF)
 
 
 class DurableManifest(CommitRecord):
