@@ -120,3 +120,18 @@ def test_bad_worlds_are_refused():
         s.indices(0, 1, steps_ahead=-1)
     with pytest.raises(ValueError):
         s.advance(0)
+
+
+def test_a_dataloader_reads_the_samples_the_sampler_names_and_is_rebuilt_after_a_resize():
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    data = torch.arange(40) * 10
+    s = ElasticSampler(40, 3, seed=1)
+    loader = DataLoader(data, batch_sampler=s.batches(1, 2))
+    for batch in itertools.islice(loader, 2):
+        assert torch.equal(batch, data[s.indices(1, 2)])
+        s.advance(2)
+    loader = DataLoader(data, batch_sampler=s.batches(0, 3))  # a world of three from here
+    assert torch.equal(next(iter(loader)), data[s.indices(0, 3)])

@@ -69,7 +69,10 @@ class ElasticSampler:
         _check_world(rank, world_size)
         if steps_ahead < 0:
             raise ValueError(f"steps_ahead={steps_ahead} must be >= 0")
-        start = self.cursor + (steps_ahead * world_size + rank) * self.batch_size
+        return self._at(self.cursor, rank, world_size, steps_ahead)
+
+    def _at(self, cursor: int, rank: int, world_size: int, steps_ahead: int) -> torch.Tensor:
+        start = cursor + (steps_ahead * world_size + rank) * self.batch_size
         positions = torch.arange(start, start + self.batch_size, dtype=torch.int64)
         epochs = positions // self.num_samples
         offsets = positions % self.num_samples
@@ -80,8 +83,10 @@ class ElasticSampler:
         return out
 
     def batches(self, rank: int, world_size: int) -> Iterator[list[int]]:
-        """The indices of this rank's steps from the cursor on, step after step, at a fixed world
-        size: a ``batch_sampler`` for a ``DataLoader``. Iterating does not move the cursor.
+        """The indices of this rank's steps from the cursor of now on, step after step, at a fixed
+        world size: a ``batch_sampler`` for a ``DataLoader``. Iterating does not move the cursor,
+        and :meth:`advance` does not move the iterator: advance once per step taken, and make a
+        new iterator after a restore or a resize.
 
         Args:
             rank: the reader's rank.
@@ -94,9 +99,12 @@ class ElasticSampler:
             ValueError: as :meth:`indices`.
         """
         _check_world(rank, world_size)
+        return self._batches_from(self.cursor, rank, world_size)
+
+    def _batches_from(self, cursor: int, rank: int, world_size: int) -> Iterator[list[int]]:
         k = 0
         while True:
-            yield self.indices(rank, world_size, steps_ahead=k).tolist()
+            yield self._at(cursor, rank, world_size, k).tolist()
             k += 1
 
     def advance(self, world_size: int, steps: int = 1) -> None:
