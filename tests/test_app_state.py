@@ -176,7 +176,10 @@ def test_the_first_start_keeps_the_objects_as_built(world):
 
 def test_the_disk_holds_the_app_state_of_the_newest_commits_only(world):
     # a chain keeps its base and deltas for their rows; their app state is never restored
+    from elastic_emb.lifecycle.committer import COMMIT_DEPTH
     from elastic_emb.state.snapshot import APP_SLACK
+
+    assert APP_SLACK >= COMMIT_DEPTH  # the commits in flight after the newest complete one keep theirs
 
     start, state_dir = world
     dense = Dense()

@@ -93,9 +93,10 @@ class NodeListing(BaseModel):
     parents: list[tuple[CommitId, CommitId]] = []  # (delta commit, the commit it changes)
 
 
-# Commits after the newest complete one that a rank may have written (in flight, or failed and
-# abandoned): the app state of this many commits beyond ``keep`` stays on disk.
-APP_SLACK = 4
+# Commits after the newest complete one that a rank may have written: at most the background
+# writer's depth (COMMIT_DEPTH of GPU captures, one of host captures) are in flight, and a failed
+# commit removes its own files. The app state of this many commits beyond ``keep`` stays on disk.
+APP_SLACK = 3
 
 
 @dataclass(frozen=True)
