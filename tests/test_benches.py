@@ -48,6 +48,10 @@ class Smoke:
 
 SMOKES: dict[str, Smoke] = {
     "agree": Smoke(("--ranks", "2", "4", "--runs", "1", "--out", OUT), ("results",)),
+    "app_state": Smoke(
+        ("--dense-mb", "1", "--steps", "4", "--rows", "4096", "--dim", "8", "--ids", "64", "--json", OUT),
+        ("tables+dense", "tables+dense_over_tables", "dense_added_mean_ms"),
+    ),
     "commit": Smoke(
         (
             "--sizes-mb",

@@ -1,0 +1,148 @@
+"""What the dense state adds to a commit every step, through the public API.
+
+One process, one rank (a TCPStore on loopback), as a user's loop runs it: ``Lifecycle.start`` with
+the default ``LifecycleConfig`` over an ``EmbContext`` (one fp32 table, row-wise Adagrad), and a
+dense part of ``--dense-mb`` MB of fp32 parameters (square ``nn.Linear`` layers) trained with Adam
+(its gradients set directly: the dense compute is not what is measured). A step: ``--ids`` random
+ids looked up and their gradients applied, the dense Adam step, then ``lc.commit(step)``. Three
+loops of ``--steps`` steps each, in the same process, each with a fresh state directory:
+
+* ``none``: the step, no commit (the baseline);
+* ``tables``: the step, then ``lc.commit(step)`` without app state;
+* ``tables+dense``: the same with ``app_state={"model", "optim"}``: Adam's state is twice the
+  parameters, so each commit writes three times ``--dense-mb``.
+
+Reported per loop: mean, median, p99 and max step (ms), and the ratios of the means and medians
+against ``none`` and ``tables``; then the restore (``Lifecycle.start`` of a new process's worth of
+objects from the last commit) with and without app state. JSON to ``--json``.
+
+  python bench/app_state.py --dense-mb 10 --steps 200
+  python bench/app_state.py --dense-mb 1024 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _report import write_json  # noqa: E402
+
+from elastic_emb import EmbContext, Lifecycle, LifecycleConfig, OptimizerSpec, TableSpec  # noqa: E402
+from elastic_emb.testing.ports import free_port  # noqa: E402
+from elastic_emb.testing.procs import torchrun_env  # noqa: E402
+
+
+def dense_part(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Square layers of width 1024 (4 MiB each) or 8192 (256 MiB each) making about ``mb`` MB."""
+    width = 1024 if mb < 256 else 8192
+    per_layer = width * width * 4 / 1e6
+    layers = max(1, round(mb / per_layer))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    return model, optim
+
+
+def run_loop(args, kind: str, port: int, store, root: Path, gen: int) -> tuple[list[float], dict]:
+    state_dir = root / kind.replace("+", "_")
+    env = torchrun_env(
+        0,
+        1,
+        port,
+        run_id="appbench",
+        generation=gen,
+        extra={"ELASTIC_EMB_STATE_DIR": str(state_dir), "ELASTIC_EMB_NODE_ID": "n0"},
+    )
+    table = TableSpec(name="t", num_rows=args.rows, dim=args.dim)
+
+    def factory(topology, st):
+        return EmbContext(topology, st, tables=[table], optimizer=OptimizerSpec(kind="adagrad", lr=0.01), seed=0)
+
+    model, optim = dense_part(args.dense_mb)
+    app = {"model": model, "optim": optim} if kind == "tables+dense" else None
+    lc = Lifecycle.start(factory, LifecycleConfig(), env=env, store=store, app_state=app)
+    gen_ids = torch.Generator().manual_seed(1)
+    times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        ids = torch.randint(0, args.rows, (args.ids,), generator=gen_ids)
+        lc.context.lookup("t", ids).wait(timeout=60)
+        lc.context.apply_gradients("t", ids, torch.full((args.ids, args.dim), 1e-3))
+        optim.step()
+        if kind != "none":
+            lc.commit(step)
+        times.append((time.perf_counter() - t0) * 1e3)
+    lc.wait_commit()
+    lc.close()
+    restore = {}
+    if kind != "none":
+        model2, optim2 = dense_part(args.dense_mb)
+        app2 = {"model": model2, "optim": optim2} if app is not None else None
+        t0 = time.perf_counter()
+        env2 = dict(env, ELASTIC_EMB_GENERATION=str(gen + 100))
+        lc2 = Lifecycle.start(factory, LifecycleConfig(), env=env2, store=store, app_state=app2)
+        restore = {"restore_s": round(time.perf_counter() - t0, 3), "restored_step": lc2.step}
+        if app2 is not None:
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+        lc2.close()
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return times, restore
+
+
+def stats(times: list[float]) -> dict:
+    s = sorted(times)
+    return {
+        "mean_ms": round(statistics.fmean(s), 2),
+        "median_ms": round(statistics.median(s), 2),
+        "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
+        "max_ms": round(s[-1], 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dense-mb", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rows", type=int, default=1 << 20)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--ids", type=int, default=16384)
+    ap.add_argument("--dir", default=None, help="where the state directories go (default: a temporary one)")
+    ap.add_argument("--json", default="bench/app_state.json")
+    args = ap.parse_args()
+    if args.steps < 1 or args.dense_mb < 1:
+        ap.error("--steps and --dense-mb must be >= 1")
+    root = Path(tempfile.mkdtemp(prefix="app-bench-", dir=args.dir))
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=120), use_libuv=True)
+    out = {}
+    try:
+        for gen, kind in enumerate(("none", "tables", "tables+dense")):
+            times, restore = run_loop(args, kind, port, store, root, gen * 1000)
+            out[kind] = {**stats(times), **restore}
+            print(kind, out[kind], flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for base in ("none", "tables"):
+        out[f"tables+dense_over_{base}"] = {
+            "mean": round(out["tables+dense"]["mean_ms"] / out[base]["mean_ms"], 3),
+            "median": round(out["tables+dense"]["median_ms"] / out[base]["median_ms"], 3),
+        }
+    out["dense_added_mean_ms"] = round(out["tables+dense"]["mean_ms"] - out["tables"]["mean_ms"], 2)
+    print({k: v for k, v in out.items() if "over" in k or "added" in k}, flush=True)
+    write_json(args.json, "app_state", {"args": vars(args), "pid": os.getpid(), **out})
+
+
+if __name__ == "__main__":
+    main()
