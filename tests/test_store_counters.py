@@ -218,3 +218,25 @@ def test_joiners_are_re_derived_from_signed_registrations_of_present_nodes(store
     store.set(root + KEY_JOINER + "e", signer.sign(root + KEY_JOINER + "e", "e"))  # registered, not present
     assert plan.ready(("a", "b"), ["a", "b", "c", "d"]) == ["c", "d"]  # the state's order
     assert plan.ready(("a", "b"), ["a", "b", "d"]) == ["d"] and _alive(store)
+
+
+def test_an_included_joiners_registration_is_spent(store):
+    """A joiner included and then lost (its agent still a participant until its heartbeat expires)
+    does not count as registered again when the world re-forms without it: the registration is
+    deleted at its inclusion. A new worker of that node registers anew."""
+    from types import SimpleNamespace
+
+    from elastic_emb.inprocess.joiners import JoinPlan
+    from elastic_emb.rdzv.keys import KEY_JOINER, inproc_root
+    from elastic_emb.rdzv.signing import Signer
+
+    signer = Signer(SECRET.encode())
+    plan = JoinPlan(SimpleNamespace(store=store, run_id="spent"), signer)
+    key = inproc_root("spent") + KEY_JOINER + "b"
+    store.set(key, signer.sign(key, "b"))
+    assert plan.ready(("a",), ["a", "b"]) == ["b"]
+    plan.included(("a", "b"))
+    assert not store.check([key])
+    assert plan.ready(("a",), ["a", "b"]) == []  # b lost, its agent not yet expired: not a joiner
+    store.set(key, signer.sign(key, "b"))  # b's next worker registers
+    assert plan.ready(("a",), ["a", "b"]) == ["b"]

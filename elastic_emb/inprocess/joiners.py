@@ -138,9 +138,21 @@ class JoinPlan:
     def included(self, nodes: tuple[str, ...]) -> None:
         """A new generation formed: its joiners are in, its plan is spent.
 
+        Their registrations are spent: deleted, or a joiner that was included and then died would
+        count as registered again once the world re-formed without it (its agent stays a
+        participant until its heartbeat expires), and the next world would wait for it. A worker of
+        that node started later registers anew.
+
         Args:
             nodes: the new generation's nodes.
         """
+        root = inproc_root(self._reader.run_id)
+        for node in nodes:
+            if node in self.joiners:
+                try:
+                    self._reader.store.delete_key(root + KEY_JOINER + node)
+                except Exception as exc:  # a store without deletes: the planner's list still drops it
+                    log.warning("resize.registration_not_deleted", node=node, error=str(exc)[:200])
         self.joiners = [n for n in self.joiners if n not in nodes]
         self._plan = None
 
