@@ -357,8 +357,14 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
             continue
         rows_checked += want.shape[0]
         # Bit for bit: compare the raw bits, so -0.0 vs 0.0 and NaN payloads count too.
-        bad = (got.view(torch.int32) != want.view(torch.int32)).any(1).nonzero().flatten().tolist()
-        for row in bad[:max_named]:
+        bad = (got.view(torch.int32) != want.view(torch.int32)).any(1).nonzero().flatten()
+        # Name the rows furthest from the replay first: a corrupted row, not the ripples its error
+        # sent through the tower into every row trained after it (Adam amplifies small differences).
+        far = (got[bad].double() - want[bad].double()).abs().amax(1).nan_to_num(float("inf"))
+        order = sorted(range(len(bad)), key=lambda k: (-float(far[k]), int(bad[k])))
+        named = [int(bad[k]) for k in order[:max_named]]
+        bad = bad.tolist()
+        for row in named:
             finding = _diagnose(name, row, got[row], initial[name][row], history[name], final.step)
             finding["max_abs_diff"] = float((got[row].double() - want[row].double()).abs().max())
             findings.append(finding)
