@@ -40,10 +40,12 @@ def test_gradients_are_independent_of_the_rank_slicing_and_match_torch_func():
     m = load_script()
     cfg = m.Config()
     gen = torch.Generator().manual_seed(3)
-    dense = torch.randn(cfg.dense_rows, 16, generator=gen) * 0.3
+    dense = torch.randn(cfg.dense_params, generator=gen) * 0.3
     table = torch.randn(4096, cfg.dim, generator=gen) * 0.3
+    data, sampler = m.generate_dataset(cfg), m.make_sampler(cfg)
     for step in range(5):
-        users, items, labels = m.global_batch(step, cfg)
+        users, items, labels = m.batch_of(data, sampler.indices(0, 1), cfg)
+        sampler.advance(1)
         u, i = table[users], table[items % 4096]
         _, gd, gu, gi = m.sample_gradients(cfg, dense, u, i, labels)
         for world in (2, 3, 5, 8):
@@ -60,6 +62,29 @@ def test_gradients_are_independent_of_the_rank_slicing_and_match_torch_func():
         fd, fu, fi = per_sample(dense.double(), u.double(), i.double(), labels)
         assert torch.equal(m.quantise(fd.reshape(len(labels), -1)[:, : cfg.dense_params]), gd)
         assert torch.equal(m.quantise(fu), gu) and torch.equal(m.quantise(fi), gi)
+
+
+def test_the_dataset_file_is_generated_once_deterministically_and_refused_when_it_does_not_fit(tmp_path):
+    """The example's dataset: the same bytes from the same seed (so ranks racing to write it agree),
+    written atomically (no temporary left), and a file of another shape or dtype refused in one line."""
+    m = load_script()
+    cfg = m.Config(samples=300)
+    path = m.default_data_path(tmp_path, cfg)
+    first = m.load_dataset(path, cfg)
+    assert first.shape == (300, 3) and first.dtype.name == "int64" and set(first[:, 2].tolist()) == {0, 1}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    path.unlink()
+    assert m.dataset_crc(m.load_dataset(path, cfg)) == m.dataset_crc(first) == m.dataset_crc(m.generate_dataset(cfg))
+    with pytest.raises(ValueError, match=r"holds int64 \(300, 3\), this run needs int64 \(400, 3\).*--samples 300"):
+        m.load_dataset(path, m.Config(samples=400))
+    import numpy as np
+
+    np.save(path, first.astype(np.int32))
+    with pytest.raises(ValueError, match="holds int32"):
+        m.load_dataset(path, cfg)
+    path.write_bytes(b"not numpy")
+    with pytest.raises(ValueError, match="not a NumPy array file"):
+        m.load_dataset(path, cfg)
 
 
 def test_quantised_sums_are_exact_in_any_order():
@@ -219,7 +244,8 @@ def _check_lossless(report: dict, out: Path, name: str, worlds: list[int], netwo
     assert report["ok"], _explain(report, out)
     v = report["verification"]
     assert v["ok"] and v["step"] == PRESETS[name].steps - 1
-    assert v["rows_checked"] == 4096 + 4096 + 35
+    assert v["rows_checked"] == 4096 + 4096
+    assert v["samples_accounted"] == PRESETS[name].steps * PRESETS[name].batch  # each step read its global batch
     assert v["step_checksums_checked"] >= PRESETS[name].steps  # every committed step was checked
     assert report["world_sizes"] == worlds, _explain(report, out)
     assert [r["steps_lost"] for r in report["resizes"]] == [0] * (len(worlds) - 1), report["resizes"]
@@ -354,9 +380,12 @@ def test_verify_detects_a_step_applied_twice(finished_run, tmp_path):
     cfg = m.Config()
     from elastic_emb.drill.replay import replay
 
-    tables, _, _ = replay(m, cfg, 11, keep_history=False)
-    users, items, labels = m.global_batch(11, cfg)
-    _, _, gu, _ = m.sample_gradients(cfg, tables["dense"], tables["user"][users], tables["item"][items], labels)
+    data = m.generate_dataset(cfg)
+    tables, _, _, dense = replay(m, cfg, 11, data=data, keep_history=False)
+    sampler = m.make_sampler(cfg)
+    sampler.advance(1, steps=11)  # step 11's samples
+    users, items, labels = m.batch_of(data, sampler.indices(0, 1), cfg)
+    _, _, gu, _ = m.sample_gradients(cfg, dense.model.flat(), tables["user"][users], tables["item"][items], labels)
     for path in sorted((run / "final").glob("*.pt")):
         payload = torch.load(path, weights_only=True)
         sh = payload["shards"]["user"]
@@ -367,6 +396,42 @@ def test_verify_detects_a_step_applied_twice(finished_run, tmp_path):
         verify(run)
     wrong = {f["row"] for f in err.value.findings if f.get("table") == "user" and "row" in f}
     assert wrong and wrong <= set(users.tolist())
+
+
+def test_verify_checks_the_replicated_state_bit_for_bit(finished_run, tmp_path):
+    """One ulp of one of Adam's moments on every rank is named; on one rank only, the ranks' disagreement is."""
+    run = _copy(finished_run, tmp_path)
+    paths = sorted((run / "final").glob("*.pt"))
+    for path in paths:
+        payload = torch.load(path, weights_only=True)
+        m2 = payload["app"]["optim"]["state"][0]["exp_avg_sq"]
+        m2.view(-1)[3] = torch.nextafter(m2.view(-1)[3], torch.tensor(9.0))
+        torch.save(payload, path)
+    with pytest.raises(LossDetected, match=r"app\.optim\.state\.0\.exp_avg_sq") as err:
+        verify(run)
+    assert any(f.get("problem") == "replicated state differs from the replay" for f in err.value.findings)
+    payload = torch.load(paths[0], weights_only=True)
+    payload["app"]["sampler"]["cursor"] += cfg_batch(run)  # a step's samples counted twice, on rank 0 only
+    torch.save(payload, paths[0])
+    with pytest.raises(LossDetected, match=r"app\.sampler\.cursor: ranks 0 and 1 hold different replicated state"):
+        verify(run)
+
+
+def cfg_batch(run: Path) -> int:
+    return torch.load(sorted((run / "final").glob("*.pt"))[0], weights_only=True)["config"]["batch"]
+
+
+def test_verify_names_a_rank_that_read_other_samples(finished_run, tmp_path):
+    """The sample accounting, step by step: a rank whose progress line says it read other samples is named."""
+    run = _copy(finished_run, tmp_path)
+    events = sorted((run / "events").glob("*.jsonl"))[0]
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    for e in lines:
+        if e.get("event") == "step" and e["step"] == 7:
+            e["samples_crc"] ^= 1
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    with pytest.raises(LossDetected, match=r"read samples other than the global order names at step 7"):
+        verify(run)
 
 
 def test_verify_without_final_tables_says_so(tmp_path):
@@ -616,8 +681,9 @@ def test_metrics_scraped_during_a_drill_match_its_report(tmp_path):
         assert _value(w, "elastic_emb_commit_bytes_total", tier="snapshot") > 0
         assert _value(w, "elastic_emb_commit_bytes_total", tier="replica") > 0  # two nodes: replicas
         assert final["first_step"] <= _value(w, "elastic_emb_step") <= final["last_step"]
-        dense = _value(w, "elastic_emb_lookups_total", table="dense")
-        assert 35 * commits <= dense <= 35 * (commits + 1)  # 35 dense rows looked up per step
+        users = _value(w, "elastic_emb_lookups_total", table="user")
+        # a rank's slice of the 256-sample global batch per step: all of it at world 1, half at 2
+        assert 128 * commits <= users <= 256 * (commits + 1)
     # The agents' backends: node0 started the job and saw node1 join; node1's first round is that join.
     agents = [scraper.latest.get(base), scraper.latest.get(base + 2)]
     assert all(a is not None for a in agents), f"scraped agent ports: {sorted(scraper.latest)}"

@@ -286,7 +286,12 @@ def summary_table(report: dict):
         head.add_row(
             "verification",
             f"{v['rows_checked']} rows of {len(v['tables'])} tables equal the replay after "
-            f"step {v['step']}, bit for bit; {v.get('step_checksums_checked', 0)} per-step shard checksums match",
+            f"step {v['step']}, bit for bit; {v.get('step_checksums_checked', 0)} per-step shard checksums match"
+            + (
+                f"; tower, Adam, schedule and sampler equal too ({v['samples_accounted']} samples read, each once per epoch)"
+                if v.get("samples_accounted")
+                else ""
+            ),
         )
     elif v:
         head.add_row("verification", Text(str(v.get("error", ""))[:600], style="red"))

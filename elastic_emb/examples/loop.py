@@ -72,13 +72,14 @@ def record(obj) -> dict:
     return dict(obj) if isinstance(obj, dict) else {"value": str(obj)}
 
 
-def write_final(lc, cfg, out: Path) -> Path:
+def write_final(lc, cfg, out: Path, extra: dict | None = None) -> Path:
     """Write this rank's rows of every table, with the committed step they reflect, atomically.
 
     Args:
         lc: the lifecycle (its context's shards and topology, its step).
         cfg: the workload's config dataclass, written alongside.
         out: the run's output directory; the file goes under ``final/``.
+        extra: more keys of the file (the recsys example: its replicated state and its dataset).
 
     Returns:
         The file written (``final/gen<G>-w<W>-r<R>-<pid>.pt``).
@@ -105,6 +106,7 @@ def write_final(lc, cfg, out: Path) -> Path:
             "config": asdict(cfg),
             "time": time.time(),
             "shards": shards,
+            **(extra or {}),
         },
         tmp,
     )
@@ -174,7 +176,7 @@ def loop_parser(description: str, cfg) -> argparse.ArgumentParser:
 
 
 # The workload options that are not sizes: their ranges (every other option is a size, >= 1).
-_CONFIG_RANGES = {"seed": (0, 2**63 - 1), "lr_log2": (-40, 0)}
+_CONFIG_RANGES = {"seed": (0, 2**63 - 1), "lr_log2": (-40, 0), "dense_lr_log2": (-40, 0)}
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -207,7 +209,7 @@ class DrillHooks(LoopHooks):
     """The drills' hooks: one progress line per event, pacing, checksums, and the final rows.
 
     The step function may add keys to the step's progress line through :attr:`fields` (the
-    recsys example adds ``lookup_crc``); they are written with the line and then cleared.
+    recsys example adds ``lookup_crc``, ``samples_crc`` and ``dense_crc``); they are written with the line and then cleared.
 
     Args:
         args: an ``argparse.Namespace`` of :func:`loop_parser`'s options (``out``,
@@ -215,13 +217,23 @@ class DrillHooks(LoopHooks):
         cfg: the workload's config dataclass, written into the final rows.
         on_first_start: called with the context when no commit exists yet (a fresh job), before
             the ``start`` line.
+        final_extra: called with the lifecycle at the end; its keys go into the final file
+            (:func:`write_final`).
     """
 
-    def __init__(self, args: argparse.Namespace, cfg, *, on_first_start: Callable[[object], None] | None = None):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        cfg,
+        *,
+        on_first_start: Callable[[object], None] | None = None,
+        final_extra: Callable[[object], dict] | None = None,
+    ):
         self.args = args
         self.cfg = cfg
         self.progress = Progress(args.out)
         self.on_first_start = on_first_start
+        self.final_extra = final_extra
         self.fields: dict = {}
         self.last_step_t = time.time()
 
@@ -355,7 +367,8 @@ class DrillHooks(LoopHooks):
             lc: the lifecycle, in the world that ran the last step.
         """
         t = lc.topology
-        path = write_final(lc, self.cfg, self.args.out)
+        extra = self.final_extra(lc) if self.final_extra is not None else None
+        path = write_final(lc, self.cfg, self.args.out, extra)
         self.progress.write(
             "final", step=lc.step, rank=t.rank, world=t.world_size, generation=t.generation, path=str(path)
         )
