@@ -14,7 +14,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "elastic_emb"
 LAYERS: list[tuple[str, ...]] = [
     ("elastic_emb.errors",),
     ("elastic_emb.config",),
-    ("elastic_emb.events", "elastic_emb.sharding", "elastic_emb.native_calls", "elastic_emb.data", "elastic_emb.state.points"),
+    (
+        "elastic_emb.events",
+        "elastic_emb.sharding",
+        "elastic_emb.native_calls",
+        "elastic_emb.data",
+        "elastic_emb.state.points",
+    ),
     ("elastic_emb.metrics", "elastic_emb.topology", "elastic_emb.progress"),
     ("elastic_emb.protocol", "elastic_emb.store", "elastic_emb.work_wait", "elastic_emb.context.changes"),
     # the wire contract between the agent and the workers, and what both sides share

@@ -212,7 +212,7 @@ def make_sampler(cfg: Config):
     Returns:
         The sampler, its cursor at 0.
     """
-    from elastic_emb.data import ElasticSampler
+    from elastic_emb import ElasticSampler
 
     return ElasticSampler(cfg.samples, cfg.batch, seed=cfg.seed, shuffle=True)
 
