@@ -1,8 +1,10 @@
 """A small DLRM-like TorchRec model, trained elastically with elastic_emb.
 
 Three tables sharded row-wise by ``DistributedModelParallel`` and a tower replicated by DDP, in a
-:class:`~elastic_emb.adapters.torchrec.TorchRecContext`; the workload of the drill preset
-``torchrec`` (its tables equal :func:`drill_replay` bit for bit). Run it on every node::
+:class:`~elastic_emb.adapters.torchrec.TorchRecContext`: the tower's values travel as the
+adapter's ``dense`` table, its Adam and schedule (:class:`DenseOptimizer`) as ``app_state``. The
+workload of the drill preset ``torchrec`` (its tables and the tower's Adam equal
+:func:`drill_replay` bit for bit). Run it on every node::
 
     torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=elastic_emb \\
         --rdzv-endpoint=HOST:PORT --rdzv-id=dlrm examples/train_torchrec.py --steps 1000 --out runs/dlrm
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,11 +40,22 @@ class Config:
     hidden: int = 16
     batch: int = 64
     seed: int = 0
-    lr_log2: int = -4  # both optimizers: SGD with lr 2**lr_log2
+    lr_log2: int = -4  # the tables: fbgemm's fused SGD with lr 2**lr_log2
+    dense_lr_log2: int = -6  # the tower's Adam learning rate 2**dense_lr_log2
+    lr_step: int = 10  # the schedule: the tower's learning rate halves every lr_step steps (StepLR)
 
     @property
     def lr(self) -> float:
         return 2.0**self.lr_log2
+
+    @property
+    def dense_lr(self) -> float:
+        return 2.0**self.dense_lr_log2
+
+    @property
+    def dense_params(self) -> int:
+        """Values of the tower: two linear layers' weights and biases."""
+        return (len(TABLES) * self.dim + 1) * self.hidden + self.hidden + 1
 
     def rows(self, table: str) -> int:
         """Rows of a table.
@@ -162,8 +176,7 @@ def init_rows(cfg: Config) -> dict[str, torch.Tensor]:
     """
     g = torch.Generator().manual_seed(cfg.seed)
     out = {t: quantise(torch.rand(cfg.rows(t), cfg.dim, generator=g) - 0.5, INIT_BITS) for t in TABLES}
-    tower = (len(TABLES) * cfg.dim + 1) * cfg.hidden + cfg.hidden + 1
-    out["dense"] = quantise((torch.rand(tower, generator=g, dtype=torch.float64) - 0.5) / 4, INIT_BITS)
+    out["dense"] = quantise((torch.rand(cfg.dense_params, generator=g, dtype=torch.float64) - 0.5) / 4, INIT_BITS)
     return out
 
 
@@ -187,6 +200,71 @@ def first_start(ctx, cfg: Config) -> None:
         flat[: init["dense"].numel()] = init["dense"]
         d.weight.copy_(flat.view(-1, DENSE_DIM)[d.rows.start : d.rows.stop])
     ctx.mark_restored()  # collective: every rank's dense rows into the tower
+
+
+# -- the tower's optimizer: app state, one object for the job -------------------------------------
+
+
+class DenseOptimizer:
+    """The tower's Adam and its step schedule: the example's ``app_state``.
+
+    The tower's parameters live in the DMP that ``build`` makes anew every generation (the adapter
+    carries their values as the ``dense`` table), while an ``app_state`` object is one object for
+    the whole job. So Adam does not hold the DMP's parameters: it steps a flat float64 vector of
+    its own (on the CPU whatever the device), which :meth:`apply` fills from the tower before the
+    step and copies back into it after. Adam's state (moments, step count) is keyed to that vector
+    and survives every rebuild; committed and restored with the tables, at their step. Built the
+    same way on every rank and in :func:`drill_replay`, it takes the same steps bit for bit.
+
+    Args:
+        cfg: the configuration (``dense_lr``, ``lr_step``).
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.flat = torch.nn.Parameter(torch.zeros(cfg.dense_params, dtype=torch.float64))
+        self.optim = torch.optim.Adam([self.flat], lr=cfg.dense_lr, foreach=False)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.optim, step_size=cfg.lr_step, gamma=0.5)
+
+    def objects(self) -> dict:
+        """The app state: ``optim`` (Adam's moments and step count) and ``sched``.
+
+        Returns:
+            name -> object with ``state_dict``/``load_state_dict``.
+        """
+        return {"optim": self.optim, "sched": self.sched}
+
+    def apply(self, params: list[torch.Tensor]) -> None:
+        """One Adam step on the tower with its quantised gradient, then the schedule.
+
+        Args:
+            params: the tower's parameters in this generation's DMP (``named_parameters()``
+                order), their ``.grad`` DDP's average over the ranks; cleared after.
+        """
+        with torch.no_grad():
+            self.flat.copy_(torch.cat([p.detach().reshape(-1).cpu() for p in params]))
+            self.flat.grad = torch.cat([quantise(p.grad).reshape(-1).cpu() for p in params])
+            self.optim.step()
+            self.sched.step()
+            self.flat.grad = None
+            offset = 0
+            for p in params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                p.grad = None
+                offset += p.numel()
+
+    def checksum(self) -> int:
+        """CRC32 of Adam's moments and step count (each step's progress line carries it).
+
+        Returns:
+            The CRC32 (0 before the first step).
+        """
+        crc = 0
+        state = self.optim.state.get(self.flat, {})
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            t = state.get(key)
+            if t is not None:
+                crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy(), crc)
+        return crc
 
 
 # -- data: a pure function of (seed, step) --------------------------------------------------------
@@ -248,13 +326,18 @@ def local_batch(step: int, cfg: Config, rank: int, world_size: int):
     return kjt, labels[lo:hi]
 
 
-def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
-    """One step: forward, backward (fbgemm's fused SGD updates the rows), then the tower's SGD.
+def train_step(ctx, step: int, cfg: Config, dense: DenseOptimizer, seen: dict | None = None) -> torch.Tensor:
+    """One step: forward, backward (fbgemm's fused SGD updates the rows), then the tower's Adam.
+
+    The collectives (the all-to-alls, DDP's all-reduce) all come before Adam's step: a step that
+    fails leaves Adam and its schedule as the last commit has them.
 
     Args:
         ctx: the ``TorchRecContext`` (its model is rebuilt at every resize).
         step: the training step.
         cfg: the configuration.
+        dense: the tower's optimizer (:class:`DenseOptimizer`).
+        seen: when given, receives ``dense_crc``: :meth:`DenseOptimizer.checksum` after the step.
 
     Returns:
         The loss as a tensor: the loop reads it after the commit (no sync before it).
@@ -267,10 +350,9 @@ def train_step(ctx, step: int, cfg: Config) -> torch.Tensor:
         logits = model(kjt.to(ctx.device))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(ctx.device))
         loss.backward()
-    with torch.no_grad():
-        for p in tower:
-            p -= cfg.lr * quantise(p.grad)  # DDP averaged the gradient over the ranks
-            p.grad = None
+    dense.apply(tower)  # DDP averaged the gradient over the ranks; Adam steps its quantised value
+    if seen is not None:
+        seen["dense_crc"] = dense.checksum()
     return loss.detach()
 
 
@@ -283,11 +365,13 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
     Args:
         cfg: the configuration the workers ran.
         last_step: the last step to apply.
-        on_step: called as ``on_step(step, tables)`` after each step, and with step -1 before the first.
+        on_step: called as ``on_step(step, tables, dense)`` after each step, and with step -1
+            before the first.
 
     Returns:
-        ``(tables, history, initial)``: the full tables, per table the rows each step changed with
-        their new values, and the initial tables (what :func:`elastic_emb.drill.replay.verify` needs).
+        ``(tables, history, initial, dense)``: the full tables, per table the rows each step
+        changed with their new values, the initial tables, and the tower's optimizer after
+        ``last_step`` (what :func:`elastic_emb.drill.replay.verify` needs).
 
     Raises:
         RuntimeError: if a default process group exists (the replay forms a world of one).
@@ -314,25 +398,26 @@ def drill_replay(cfg: Config, last_step: int, *, on_step=None):
         master_port=1,
     )
     ctx = TorchRecContext(topo, dist.HashStore(), build=functools.partial(build, cfg=cfg))
+    dense = DenseOptimizer(cfg)
     try:
         first_start(ctx, cfg)
         full = lambda: {n: s.weight.detach().clone() for n, s in ctx.export_shard().items()}  # noqa: E731
         initial = full()
         history: dict[str, list] = {n: [] for n in initial}
         if on_step is not None:
-            on_step(-1, initial)
+            on_step(-1, initial, dense)
         for step in range(last_step + 1):
-            train_step(ctx, step, cfg)
+            train_step(ctx, step, cfg, dense)
             now = full()
             if on_step is not None:
-                on_step(step, now)
+                on_step(step, now, dense)
             feats, _ = global_batch(step, cfg)
             for n in TABLES:
                 rows = torch.unique(feats[n][1])
                 history[n].append((step, rows, now[n][rows].clone()))
             rows = torch.arange(now["dense"].shape[0])
             history["dense"].append((step, rows, now["dense"].clone()))
-        return full(), history, initial
+        return full(), history, initial, dense
     finally:
         ctx.close()
 
@@ -368,13 +453,21 @@ def main(argv=None) -> int:
     args, cfg = parse_args(argv)
     configure_logging()
     factory = functools.partial(TorchRecContext, build=functools.partial(build, cfg=cfg))
-    hooks = DrillHooks(args, cfg, on_first_start=lambda ctx: first_start(ctx, cfg))
+    dense = DenseOptimizer(cfg)
+    hooks = DrillHooks(
+        args,
+        cfg,
+        on_first_start=lambda ctx: first_start(ctx, cfg),
+        # what the replay compares: the tower's Adam and schedule (the tower itself is the dense table)
+        final_extra=lambda lc: {"app": {name: obj.state_dict() for name, obj in dense.objects().items()}},
+    )
     return run_elastic(
         factory,
-        lambda ctx, step: train_step(ctx, step, cfg),
+        lambda ctx, step: train_step(ctx, step, cfg, dense, hooks.fields if args.checksums else None),
         steps=args.steps,
         hooks=hooks,
         drain_timeout=args.drain_timeout,
+        app_state=dense.objects(),
     )
 
 
