@@ -3,7 +3,9 @@
 
 :class:`TorchRecContext` forms the process groups of each generation, builds the user's DMP for
 that world, and moves its row-wise, fused-kernel tables (and their row-wise optimizer state)
-through fbgemm's own tensors; the replicated parameters travel as one more table (``dense``).
+through fbgemm's own tensors; the replicated parameters travel as one more table (``dense``), the
+dense optimizer as the lifecycle's ``app_state``, over parameters of its own that each step copies
+into and out of the DMP's (built anew every generation; ``examples/dlrm.py``'s ``DenseOptimizer``).
 Changed rows are tracked through TorchRec's post-lookup hook. Training code reads
 :attr:`TorchRecContext.model` at every step and runs it inside :meth:`TorchRecContext.guard`.
 
@@ -76,7 +78,8 @@ class TorchRecContext(ContextBase):
             (not the default group, which it forms too and leaves to the lifecycle's
             checkpoints); ``device`` is ``cuda:<local_rank>`` on NCCL, else the CPU.
         dense_table: the name of the table that carries the replicated parameters (None: they
-            are not carried).
+            are not carried). Their optimizer's state is not: pass it as ``app_state``
+            (docs/TORCHREC.md, "The dense optimizer").
         timeout: seconds for every collective of the process groups.
         track_changes: mark the rows each step looks up, so that commits are incremental;
             False: full snapshots.

@@ -254,7 +254,8 @@ def verify(out: Path | str, script_path: Path | str = EXAMPLE, *, max_named: int
     Args:
         out: the training run's output directory (``<drill out>/run``).
         script_path: the training script the workers ran; a script with ``drill_replay`` brings
-            its own reference.
+            its own reference (the tables and its replicated state: the TorchRec example's tower
+            optimizer).
         max_named: the most mismatching rows named per table (the rest are counted).
 
     Returns:

@@ -209,7 +209,8 @@ class DrillHooks(LoopHooks):
     """The drills' hooks: one progress line per event, pacing, checksums, and the final rows.
 
     The step function may add keys to the step's progress line through :attr:`fields` (the
-    recsys example adds ``lookup_crc``, ``samples_crc`` and ``dense_crc``); they are written with the line and then cleared.
+    recsys example adds ``lookup_crc``, ``samples_crc`` and ``dense_crc``, the TorchRec example
+    ``dense_crc``); they are written with the line and then cleared.
 
     Args:
         args: an ``argparse.Namespace`` of :func:`loop_parser`'s options (``out``,
