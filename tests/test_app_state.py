@@ -73,7 +73,7 @@ def world(tmp_path):
     store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30), use_libuv=True)
     gen = [0]
 
-    def start(objects, **config) -> Lifecycle:
+    def start(objects, rank_state=None, **config) -> Lifecycle:
         env = torchrun_env(
             0,
             1,
@@ -84,7 +84,7 @@ def world(tmp_path):
         )
         gen[0] += 1
         cfg = LifecycleConfig(transfer_timeout=30.0, agree_timeout=30.0, **config)
-        return Lifecycle.start(_factory, cfg, env=env, store=store, app_state=objects)
+        return Lifecycle.start(_factory, cfg, env=env, store=store, app_state=objects, rank_state=rank_state)
 
     yield start, tmp_path / "state"
 
@@ -217,3 +217,61 @@ def test_with_the_node_directory_lost_the_durable_tier_restores_the_app_state(wo
     lc2 = start(fresh.objects(), **durable)
     assert lc2.step == 2 and _equal(_state(fresh), states[2])
     lc2.close()
+
+
+class RankRng:
+    """A per-rank RNG stream, as a job keeps one for dropout or negative sampling."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["rng"])
+
+
+def test_rank_state_is_restored_to_its_rank_at_its_world_size(world):
+    start, state_dir = world
+    dense, rng = Dense(), RankRng(5)
+    with pytest.raises(ConfigError, match=r"names \['model'\] are in both app_state and rank_state"):
+        start(dense.objects(), rank_state={"model": rng})
+    lc = start(dense.objects(), rank_state={"rng": rng})
+    for step in range(3):
+        dense.step(step)
+        torch.rand(4, generator=rng.gen)  # the step draws from the rank's stream
+        lc.commit(step)
+    lc.wait_commit()
+    lc.close()
+    want = torch.rand(4, generator=RankRng(5).gen.set_state(rng.gen.get_state()))  # the draw after step 2
+    assert list(state_dir.rglob("rank0.state.pt"))
+    again = RankRng(99)
+    start(Dense().objects(), rank_state={"rng": again}).close()
+    assert torch.equal(torch.rand(4, generator=again.gen), want)
+
+
+def test_rank_state_of_another_world_size_is_kept_as_built_and_said(world):
+    import json
+
+    start, state_dir = world
+    lc = start(None, rank_state={"rng": RankRng(5)})
+    lc.commit(0)
+    lc.wait_commit()
+    lc.close()
+    for path in state_dir.rglob("rank0.json"):  # as if the commit had been taken by a world of two
+        m = json.loads(path.read_text())
+        m["world_size"] = 2
+        path.write_text(json.dumps(m))
+    built = RankRng(99)
+    with structlog_logs() as logs:
+        start(None, rank_state={"rng": built}).close()
+    assert torch.equal(built.gen.get_state(), RankRng(99).gen.get_state())
+    (event,) = [e for e in logs if e["event"] == "rank_state_not_restored"]
+    assert event["world_size"] == 1 and "world size 1" in event["reason"], event
+
+
+def structlog_logs():
+    import structlog
+
+    return structlog.testing.capture_logs()

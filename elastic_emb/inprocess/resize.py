@@ -136,6 +136,7 @@ class InProcessResize:
         timeout: float = 60.0,
         store_timeout: float = 30.0,
         app_state=None,
+        rank_state=None,
     ):
         """Start a worker whose node joined a running world (``ELASTIC_EMB_JOINER=1``).
 
@@ -152,6 +153,7 @@ class InProcessResize:
             store_timeout: the timeout of the new generation's store client.
             app_state: the job's app-state objects, as for :meth:`Lifecycle.start`: a joiner
                 receives their state from a running worker.
+            rank_state: this rank's own stateful objects, as for :meth:`Lifecycle.start`.
 
         Returns:
             ``(lifecycle, resize)``: the started lifecycle and this worker's
@@ -231,6 +233,7 @@ class InProcessResize:
             watcher=watcher,
             background_base=True,
             app_state=app_state,
+            rank_state=rank_state,
         )  # as the running workers' re-form (first_base.py)
         resize = cls(lc, watcher, env={**env, "ELASTIC_EMB_MEMBERSHIP": json.dumps(list(nodes))})
         resize._store = world_store

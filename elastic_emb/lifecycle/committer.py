@@ -64,6 +64,7 @@ class Committer:
         self._context = context
         self.step = -1  # the last step taken: committed, in flight, or coalesced in a first-base window
         self.app_state: dict = {}  # the job's app-state objects (state/app.py), committed with the tables
+        self.rank_state: dict = {}  # this rank's own stateful objects, committed by every rank
         self.first_base: FirstBase | None = None  # an in-process generation's first base window (first_base.py)
         self._comm: Comm | None = None
         self._writer: CommitWriter | None = None
@@ -230,6 +231,7 @@ class Committer:
         # The app state is replicated: one copy per node, by its first rank; copied here (the next
         # step changes it), serialized and written by the writer, before the commit's manifest.
         app = app_state.capture(self.app_state) if self.app_state and self.topology.local_rank == 0 else None
+        mine = app_state.capture(self.rank_state) if self.rank_state else None  # per rank: every rank's own
         if background:
             writer = self._writer_for()
             if not on_device:
@@ -250,8 +252,8 @@ class Committer:
                 device=self._device if on_device else None,
                 hold=ctx.hold_writes if on_device else None,
             )
-            if app is not None:
-                cap = dataclasses.replace(cap, app=app)
+            if app is not None or mine is not None:
+                cap = dataclasses.replace(cap, app=app, rank_state=mine)
             try:
                 writer.submit(cap)
             except BaseException:
@@ -259,7 +261,9 @@ class Committer:
                 raise
             written, replicated = int(cap.blob.numel()), 0  # the writer logs commit_complete with both
         else:
-            written, replicated = self.snapshot.commit(step, shards, comm, num_rows, changes=changes, app=app)
+            written, replicated = self.snapshot.commit(
+                step, shards, comm, num_rows, changes=changes, app=app, rank_state=mine
+            )
         tiers = ["snapshot"] + (["replica"] if self.config.replication and self.topology.num_nodes > 1 else [])
         durable_bytes = 0
         if durable_due:

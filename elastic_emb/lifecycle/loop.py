@@ -150,6 +150,7 @@ def run_elastic(
     hooks: LoopHooks | None = None,
     drain_timeout: float = 120.0,
     app_state=None,
+    rank_state=None,
 ) -> int:
     """Run ``step`` for steps ``lc.next_step .. steps - 1`` elastically, committing each one.
 
@@ -173,6 +174,8 @@ def run_elastic(
         app_state: the rest of the training state (a dense model, its optimizer, a scheduler, an
             :class:`~elastic_emb.data.ElasticSampler`), committed and restored with the tables;
             see :meth:`Lifecycle.start`.
+        rank_state: state that differs per rank (per-rank RNG streams), restored to the rank that
+            wrote it at the same world size; see :meth:`Lifecycle.start`.
 
     Returns:
         The process exit code: :data:`EXIT_OK` (0) when every step is done, when the worker
@@ -199,7 +202,9 @@ def run_elastic(
         in_process = watcher is not None and settings.load(None, "resize").resize == "in_process"
         if in_process and settings.load(None, "joiner").joiner:
             try:  # this node joins a running world: wait (bounded) to be included, then start with it
-                lc, resize = InProcessResize.join(factory, config, watcher, timeout=drain_timeout, app_state=app_state)
+                lc, resize = InProcessResize.join(
+                    factory, config, watcher, timeout=drain_timeout, app_state=app_state, rank_state=rank_state
+                )
             except JobComplete:  # the world finished first: nothing to join, nothing lost
                 hooks.on_stop(None, "job_complete", -1)
                 return EXIT_OK
@@ -210,7 +215,9 @@ def run_elastic(
             store = None
             if in_process:  # its waits end as soon as a member is gone
                 store = interruptible_store(worker_store(Topology.from_env(), timeout=config.agree_timeout), watcher)
-            lc = Lifecycle.start(factory, config, watcher=watcher, store=store, app_state=app_state)
+            lc = Lifecycle.start(
+                factory, config, watcher=watcher, store=store, app_state=app_state, rank_state=rank_state
+            )
             resize = InProcessResize(lc, watcher) if in_process else None
         try:
             return _Loop(lc, resize, watcher, hooks, drain_timeout).run(step, steps, t0)

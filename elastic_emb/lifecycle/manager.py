@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.errors import ElasticEmbError, StorageError
+from elastic_emb.errors import ConfigError, ElasticEmbError, StorageError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.lifecycle import first_base
 from elastic_emb.lifecycle.committer import Committer
@@ -69,6 +69,7 @@ class Lifecycle:
         env: the worker's environment (not read by the constructor).
         app_state: the rest of the training state, committed and restored with the tables (see
             :meth:`start`).
+        rank_state: this rank's own stateful objects (see :meth:`start`).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class Lifecycle:
         watcher=None,
         env: Mapping[str, str] | None = None,
         app_state: Mapping | None = None,
+        rank_state: Mapping | None = None,
     ) -> None:
         self.factory = factory
         self.config = config
@@ -99,7 +101,14 @@ class Lifecycle:
         self.snapshot = self._committer.snapshot
         self.durable = self._committer.durable
         self.app_state = app.check_app_state(app_state)
+        self.rank_state = app.check_app_state(rank_state, what="rank_state")
+        if set(self.app_state) & set(self.rank_state):
+            raise ConfigError(
+                f"names {sorted(set(self.app_state) & set(self.rank_state))} are in both app_state and rank_state: "
+                "a state is either replicated or per rank"
+            )
         self._committer.app_state = self.app_state
+        self._committer.rank_state = self.rank_state
 
     # -- start -------------------------------------------------------------------------------
 
@@ -114,6 +123,7 @@ class Lifecycle:
         watcher=None,
         background_base: bool = False,
         app_state: Mapping | None = None,
+        rank_state: Mapping | None = None,
     ) -> "Lifecycle":
         """Start a lifecycle: topology from the environment, agree, construct, restore.
 
@@ -136,6 +146,11 @@ class Lifecycle:
                 rank. Replicated state: every rank holds the same values. Each commit includes it
                 (one copy per node) and every restore loads it, from the node's commit or from a
                 peer (:mod:`elastic_emb.state.app`).
+            rank_state: state that differs per rank (per-rank RNG streams, a rank's own reader),
+                as name -> ``Stateful``. Every rank commits its own (``rank<r>.state.pt``); it is
+                restored to the rank that wrote it at the world size it was written at, from that
+                node's commit, and otherwise kept as built (a ``rank_state_not_restored``
+                warning): per-rank state has no meaning at another rank or world size.
 
         Returns:
             The started lifecycle; its ``start`` event is ``events[0]``.
@@ -152,6 +167,7 @@ class Lifecycle:
                 step is missing or refused by its object (the message names it).
         """
         app.check_app_state(app_state)  # before anything is built: a bad object is the caller's error
+        app.check_app_state(rank_state, what="rank_state")
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()
@@ -162,7 +178,7 @@ class Lifecycle:
 
             store = worker_store(topology, timeout=config.agree_timeout, env=env)
         store = signed_store(store, env)  # with a job secret, every value the workers exchange is signed
-        lc = cls(factory, config, topology, store, watcher=watcher, env=env, app_state=app_state)
+        lc = cls(factory, config, topology, store, watcher=watcher, env=env, app_state=app_state, rank_state=rank_state)
         t1 = time.perf_counter()
         try:
             agree(topology, store, timeout=config.agree_timeout)
@@ -492,14 +508,15 @@ class Lifecycle:
         t2 = time.perf_counter()
         self.context = check_context(self.factory(new, store))
         t3 = time.perf_counter()
-        report = self._restore(live=live, live_commit=live_commit)
+        same_rank = (new.rank, new.world_size) == (old.rank, old.world_size)  # the rank's own state is still its own
+        report = self._restore(live=live, live_commit=live_commit, same_rank=same_rank)
         t4 = time.perf_counter()
         self.step = report.step
         return self._event("rebuild", old, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, committed)
 
     # -- restore -----------------------------------------------------------------------------
 
-    def _restore(self, *, live, live_commit) -> RestoreReport:
+    def _restore(self, *, live, live_commit, same_rank: bool = False) -> RestoreReport:
         points.reached("lifecycle_restoring", self.topology.generation)  # drills: a node lost mid-restore
         ctx = self._require_context()
         comm = self._committer.comm_for(ctx)
@@ -531,6 +548,19 @@ class Lifecycle:
         )
         if self.app_state:
             log.info("lifecycle.app_state_restored", step=report.step, source=source, names=list(self.app_state))
+        # this rank's own state: only where it has a meaning (the same rank and world size)
+        topo = self.topology
+        source = app.restore_rank_state(
+            self.rank_state,
+            self.snapshot,
+            report.step,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            live=app_live and same_rank,
+            lineage=report.lineage,
+        )
+        if self.rank_state:
+            log.info("lifecycle.rank_state_restored", step=report.step, source=source, names=list(self.rank_state))
         # the commits from here on belong to the history restored (state/lineage.py)
         self.snapshot.lineage = report.lineage
         if self.durable is not None:

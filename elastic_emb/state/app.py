@@ -31,6 +31,19 @@ log = get_logger("elastic_emb.state")
 APP_FILE = "app.pt"
 """The app state's file in a commit directory (one per node: the node's first rank writes it)."""
 
+
+def rank_state_file(rank: int) -> str:
+    """The file of one rank's own state in a commit's directory (derived, never read from a manifest).
+
+    Args:
+        rank: the rank that wrote it.
+
+    Returns:
+        ``rank<rank>.state.pt``.
+    """
+    return f"rank{int(rank)}.state.pt"
+
+
 MAX_APP_BYTES = 64 << 30
 """The largest app state a manifest or a peer may announce (64 GiB): a larger size is refused
 before any memory is allocated for it."""
@@ -63,11 +76,12 @@ class Stateful(Protocol):
         ...
 
 
-def check_app_state(app_state: Mapping[str, Any] | None) -> dict[str, Stateful]:
+def check_app_state(app_state: Mapping[str, Any] | None, what: str = "app_state") -> dict[str, Stateful]:
     """Validate the app-state objects a lifecycle was given.
 
     Args:
         app_state: name -> object with ``state_dict`` and ``load_state_dict``; None for none.
+        what: the argument's name, for the errors (``app_state`` or ``rank_state``).
 
     Returns:
         The objects, as a new dict in the given order.
@@ -80,19 +94,19 @@ def check_app_state(app_state: Mapping[str, Any] | None) -> dict[str, Stateful]:
         return {}
     if not isinstance(app_state, Mapping):
         raise ConfigError(
-            f"app_state={type(app_state).__name__}: pass a dict of name -> object with state_dict() and "
+            f"{what}={type(app_state).__name__}: pass a dict of name -> object with state_dict() and "
             "load_state_dict(), e.g. {'model': model, 'optim': optimizer}"
         )
     out: dict[str, Stateful] = {}
     for name, obj in app_state.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(
-                f"app_state name {name!r}: use a plain name (letters, digits, '_', '.', '-'; 64 characters at most)"
+                f"{what} name {name!r}: use a plain name (letters, digits, '_', '.', '-'; 64 characters at most)"
             )
         for method in ("state_dict", "load_state_dict"):
             if not callable(getattr(obj, method, None)):
                 raise ConfigError(
-                    f"app_state[{name!r}] ({type(obj).__name__}) has no {method}(): pass an object that follows "
+                    f"{what}[{name!r}] ({type(obj).__name__}) has no {method}(): pass an object that follows "
                     "the Stateful convention (an nn.Module, an optimizer, a scheduler, an ElasticSampler), or "
                     "wrap it in one"
                 )
@@ -409,3 +423,69 @@ def restore(
         return "live"
     load(objects, from_bytes(data, names, f"step {step}"), step)
     return "file" if offer["file"] else "peer"
+
+
+def restore_rank_state(
+    objects: Mapping[str, Stateful],
+    snapshot,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    live: bool,
+    lineage: str | None,
+) -> str:
+    """Bring this rank's own state (``rank_state``) to the restored step, when it can be.
+
+    Per-rank state has no meaning at another rank or world size, so it is restored only to the
+    rank that wrote it, at the world size it was written at, from this node's commit of ``step``
+    (local: no collective). Otherwise the objects keep what they hold (as built, or live) and a
+    warning (``rank_state_not_restored``) says why.
+
+    Args:
+        objects: this rank's own stateful objects.
+        snapshot: this node's snapshot tier.
+        step: the restored step (-1: nothing to restore).
+        rank: this rank now.
+        world_size: the world size now.
+        live: the objects already hold ``step`` at this rank and world size.
+        lineage: the restored history.
+
+    Returns:
+        ``"none"``, ``"live"``, ``"file"`` or ``"not_restored"``.
+
+    Raises:
+        RestoreError: the file's names are not the objects' names, or an object refuses its state.
+    """
+    if not objects or step < 0:
+        return "none"
+    if live:
+        return "live"
+    reason = f"no commit of step {step} by rank {rank} at world size {world_size} on this node"
+    for _, m in snapshot.manifests():
+        if (
+            m.step != step
+            or m.replica
+            or not m.rank_state
+            or m.source_rank != rank
+            or m.world_size != world_size
+            or (lineage is not None and m.lineage not in (None, lineage))
+        ):
+            continue
+        path = snapshot.node_dir / commit_dirname(m.step, m.fingerprint) / rank_state_file(rank)
+        data = read_file(path, m.rank_state_bytes, m.rank_state_crc)
+        if data is None:
+            reason = f"{path} is missing or corrupt"
+            continue
+        load(objects, from_bytes(data, list(objects), str(path)), step)
+        return "file"
+    log.warning(
+        "rank_state_not_restored",
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        names=list(objects),
+        reason=reason,
+        outcome="the per-rank objects keep their state (as built after a start)",
+    )
+    return "not_restored"

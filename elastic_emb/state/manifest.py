@@ -227,6 +227,11 @@ class SnapshotManifest(CommitRecord):
     # ``<node dir>/log/<segment>[segment_offset: segment_offset + data_bytes]``, not ``data_file``.
     segment: str | None = None
     segment_offset: int = Field(default=0, ge=0)
+    # The rank's own state (elastic_emb.state.app, ``rank_state``): ``rank<source_rank>.state.pt``
+    # in the commit's directory (the name is derived, never read from here); False: none.
+    rank_state: bool = False
+    rank_state_bytes: int = Field(default=0, ge=0)
+    rank_state_crc: int = Field(default=0, ge=0, le=0xFFFFFFFF)
 
 
 class DurableManifest(CommitRecord):

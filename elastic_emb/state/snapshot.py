@@ -118,6 +118,7 @@ class Capture:
     speculative: bool = False  # the capture advanced the tier's chain itself (the write does not)
     fold: bool = False  # folding was on when it was captured (compact.py): it may be a fold point
     app: dict | None = None  # the job's app state of this step (state/app.py capture), written beside the shard
+    rank_state: dict | None = None  # this rank's own state of this step (state/app.py capture)
 
     def release(self) -> None:
         """The buffer of a GPU capture is no longer needed (written, or dropped): a log segment is
@@ -278,6 +279,7 @@ class SnapshotTier:
         num_rows: dict[str, int],
         changes: dict[str, torch.Tensor] | None = None,
         app: dict | None = None,
+        rank_state: dict | None = None,
     ) -> tuple[int, int]:
         """Capture and write a commit now (:meth:`write` of :meth:`capture`); collective.
 
@@ -291,6 +293,7 @@ class SnapshotTier:
                 at its bound or there is none yet (then a full base); None: a full base.
             app: the job's app state of this step (:func:`elastic_emb.state.app.capture`), written
                 beside this rank's shard; None: none.
+            rank_state: this rank's own state of this step (captured alike); None: none.
 
         Returns:
             ``(bytes written for this rank's own shard, bytes received as replicas)``.
@@ -301,7 +304,9 @@ class SnapshotTier:
                 stay the newest complete ones.
         """
         cap = self.capture(step, shards, comm.topology, num_rows, changes)
-        return self.write(cap if app is None else replace(cap, app=app), comm)
+        if app is not None or rank_state is not None:
+            cap = replace(cap, app=app, rank_state=rank_state)
+        return self.write(cap, comm)
 
     def capture(
         self,
@@ -434,6 +439,15 @@ class SnapshotTier:
         app_meta = {}
         if cap.app is not None and error is None:  # serialized here, off the training thread
             app_meta, error = self._write_app(cdir, cap.app, written, step)
+        if cap.rank_state is not None and error is None:
+            path = cdir / app_state.rank_state_file(topo.rank)
+            try:
+                make_dirs(self.root, cdir, self.dir_mode)
+                written.append(path)
+                size, crc = app_state.write_file(path, cap.rank_state, self.file_mode)
+                app_meta.update(rank_state=True, rank_state_bytes=size, rank_state_crc=crc)
+            except OSError as exc:
+                error = storage_message(path, 0, exc, step)
         points.reached("snapshot_data_written", step)
         info = {
             "rank": topo.rank,
@@ -724,6 +738,8 @@ class SnapshotTier:
         once per commit of every kept chain."""
         try:
             (cdir / app_state.APP_FILE).unlink(missing_ok=True)
+            for path in cdir.glob("rank*.state.pt"):
+                path.unlink(missing_ok=True)
         except OSError as exc:  # read-only storage: the file stays, nothing depends on its removal
             log.warning("snapshot_prune_failed", dir=str(cdir), error=str(exc))
 
