@@ -17,12 +17,11 @@ import time
 import pytest
 
 from elastic_emb.testing.ports import free_port
-from tests.helpers.agents import FAST_CONF, Agent, kill_all, start_agent, wait_for, worker_records
+from tests.helpers.agents import JOIN_CONF, Agent, kill_all, start_agent, wait_for, worker_records
 
 pytestmark = pytest.mark.slow
 
 WAIT = 90.0
-JOIN_CONF = FAST_CONF.replace("last_call_timeout=1", "last_call_timeout=3")
 
 
 @pytest.fixture

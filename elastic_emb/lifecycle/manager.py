@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from elastic_emb import metrics
-from elastic_emb.errors import ConfigError, ElasticEmbError, StorageError
+from elastic_emb.errors import ElasticEmbError, StorageError
 from elastic_emb.events import bind_topology, get_logger
 from elastic_emb.lifecycle import first_base
 from elastic_emb.lifecycle.committer import Committer
@@ -100,13 +100,7 @@ class Lifecycle:
         self._committer = Committer(config, topology, store, self._require_context)
         self.snapshot = self._committer.snapshot
         self.durable = self._committer.durable
-        self.app_state = app.check_app_state(app_state)
-        self.rank_state = app.check_app_state(rank_state, what="rank_state")
-        if set(self.app_state) & set(self.rank_state):
-            raise ConfigError(
-                f"names {sorted(set(self.app_state) & set(self.rank_state))} are in both app_state and rank_state: "
-                "a state is either replicated or per rank"
-            )
+        self.app_state, self.rank_state = app.check_states(app_state, rank_state)
         self._committer.app_state = self.app_state
         self._committer.rank_state = self.rank_state
 
@@ -166,8 +160,7 @@ class Lifecycle:
                 ``require_state`` is set and there is no state, or the app state of the restored
                 step is missing or refused by its object (the message names it).
         """
-        app.check_app_state(app_state)  # before anything is built: a bad object is the caller's error
-        app.check_app_state(rank_state, what="rank_state")
+        app.check_states(app_state, rank_state)  # before anything is built: a bad object is the caller's error
         env = os.environ if env is None else env
         config = (config or LifecycleConfig()).resolved(env)
         t0 = time.perf_counter()

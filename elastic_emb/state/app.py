@@ -114,18 +114,44 @@ def check_app_state(app_state: Mapping[str, Any] | None, what: str = "app_state"
     return out
 
 
-def _copied(value: Any) -> Any:
-    """A copy of a state dict's value that later steps cannot change: tensors cloned (on their
-    device), containers rebuilt, anything else (numbers, strings) as it is."""
+def check_states(app_state: Mapping[str, Any] | None, rank_state: Mapping[str, Any] | None):
+    """Validate a lifecycle's replicated and per-rank objects together (:func:`check_app_state`).
+
+    Args:
+        app_state: the replicated objects, or None.
+        rank_state: the per-rank objects, or None.
+
+    Returns:
+        ``(app_state, rank_state)`` as validated dicts.
+
+    Raises:
+        ConfigError: as :func:`check_app_state`, or a name is in both.
+    """
+    shared, own = check_app_state(app_state), check_app_state(rank_state, what="rank_state")
+    if set(shared) & set(own):
+        raise ConfigError(
+            f"names {sorted(set(shared) & set(own))} are in both app_state and rank_state: "
+            "a state is either replicated or per rank"
+        )
+    return shared, own
+
+
+def _map_tensors(fn, value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, containers rebuilt, anything else
+    (numbers, strings) as it is."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_copied(v) for v in value]
+        return [_map_tensors(fn, v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_copied(v) for v in value)
+        return tuple(_map_tensors(fn, v) for v in value)
     return value
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()  # on its device: a copy that later steps cannot change
 
 
 def capture(objects: Mapping[str, Stateful]) -> dict[str, Any]:
@@ -137,7 +163,7 @@ def capture(objects: Mapping[str, Stateful]) -> dict[str, Any]:
     Returns:
         name -> a copy of its state dict.
     """
-    return {name: _copied(obj.state_dict()) for name, obj in objects.items()}
+    return {name: _map_tensors(_clone, obj.state_dict()) for name, obj in objects.items()}
 
 
 def to_bytes(state: Mapping[str, Any]) -> bytes:
@@ -150,20 +176,8 @@ def to_bytes(state: Mapping[str, Any]) -> bytes:
         The bytes of ``app.pt``.
     """
     buf = io.BytesIO()
-    torch.save(_on_cpu(state), buf)
+    torch.save(_map_tensors(torch.Tensor.cpu, state), buf)
     return buf.getvalue()
-
-
-def _on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_on_cpu(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_on_cpu(v) for v in value)
-    return value
 
 
 class _Counting:
@@ -198,7 +212,7 @@ def write_file(path, state: Mapping[str, Any], mode: int) -> tuple[int, int]:
     """
     with open_new(path, mode) as f:
         out = _Counting(f)
-        torch.save(_on_cpu(state), out)
+        torch.save(_map_tensors(torch.Tensor.cpu, state), out)
         f.flush()
         os.fsync(f.fileno())
     return out.size, out.crc & 0xFFFFFFFF
@@ -295,6 +309,18 @@ def read_file(path, size: int, crc: int) -> bytes | None:
     return data
 
 
+def _first_intact(manifests, dir_of, step: int, lineage: str | None) -> bytes | None:
+    """The verified app bytes of ``step`` among ``manifests`` (of either tier), if any; a commit of
+    another history than ``lineage`` is never read. ``dir_of(manifest)`` is its directory."""
+    for m in manifests:
+        if m.step != step or m.app_file is None or (lineage is not None and m.lineage not in (None, lineage)):
+            continue
+        data = read_file(dir_of(m) / m.app_file, m.app_bytes, m.app_crc)
+        if data is not None:
+            return data
+    return None
+
+
 def committed_file(snapshot, step: int, lineage: str | None) -> bytes | None:
     """The verified app bytes of ``step`` in this node's directory, if any.
 
@@ -306,14 +332,13 @@ def committed_file(snapshot, step: int, lineage: str | None) -> bytes | None:
     Returns:
         The bytes of the first intact copy, or None.
     """
-    for _, m in snapshot.manifests():
-        if m.step != step or m.app_file is None or (lineage is not None and m.lineage not in (None, lineage)):
-            continue
-        # (the data of a GPU delta lies in a log segment: the app file is in the commit's directory)
-        data = read_file(snapshot.node_dir / commit_dirname(m.step, m.fingerprint) / m.app_file, m.app_bytes, m.app_crc)
-        if data is not None:
-            return data
-    return None
+    # (the data of a GPU delta lies in a log segment: the app file is in the commit's directory)
+    return _first_intact(
+        (m for _, m in snapshot.manifests()),
+        lambda m: snapshot.node_dir / commit_dirname(m.step, m.fingerprint),
+        step,
+        lineage,
+    )
 
 
 def durable_file(durable, step: int, lineage: str | None) -> bytes | None:
@@ -329,13 +354,7 @@ def durable_file(durable, step: int, lineage: str | None) -> bytes | None:
     """
     if durable is None:
         return None
-    for m in durable.manifests():
-        if m.step != step or m.app_file is None or (lineage is not None and m.lineage not in (None, lineage)):
-            continue
-        data = read_file(Path(m.checkpoint_dir) / m.app_file, m.app_bytes, m.app_crc)
-        if data is not None:
-            return data
-    return None
+    return _first_intact(durable.manifests(), lambda m: Path(m.checkpoint_dir), step, lineage)
 
 
 def restore(

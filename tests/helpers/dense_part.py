@@ -47,16 +47,21 @@ class DensePart:
         self.optim.step()
         self.sched.step()
 
+    def grads(self, step: int, slots: range) -> list[torch.Tensor]:
+        """Per parameter, the flat sum of the gradients of ``slots`` at ``step``."""
+        flat = []
+        for p in self.model.parameters():
+            g = torch.zeros(p.numel(), dtype=torch.float32)
+            for s in slots:
+                g += slot_grad(step, s, p.numel())
+            flat.append(g)
+        return flat
+
     def train(self, step: int, rank: int, world_size: int, group) -> list[int]:
         """One step on ``rank`` of ``world_size`` (collective over ``group``). Returns the samples
         this rank read."""
         samples = self.sampler.indices(rank, world_size).tolist()
-        flat = []
-        for p in self.model.parameters():
-            g = torch.zeros(p.numel(), dtype=torch.float32)
-            for s in range(rank, SLOTS, world_size):
-                g += slot_grad(step, s, p.numel())
-            flat.append(g)
+        flat = self.grads(step, range(rank, SLOTS, world_size))
         if world_size > 1:
             for work in [group.allreduce([g]) for g in flat]:  # the context's own gloo group
                 work.wait()
@@ -81,11 +86,5 @@ def replay(last_step: int) -> str:
     """The dense state's digest after steps 0..last_step in one process (every slot summed)."""
     dense = DensePart()
     for step in range(last_step + 1):
-        flat = []
-        for p in dense.model.parameters():
-            g = torch.zeros(p.numel(), dtype=torch.float32)
-            for s in range(SLOTS):
-                g += slot_grad(step, s, p.numel())
-            flat.append(g)
-        dense._apply(flat)
+        dense._apply(dense.grads(step, range(SLOTS)))
     return dense.digest()
