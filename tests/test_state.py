@@ -925,7 +925,7 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
     out = tmp_path / "out"
     out.mkdir()
     ref = reference(32)  # every start is compared with the tables after the step it restored
-    cfg = {"fold_max_deltas": 2, "fold_ratio": 1e6}
+    cfg = {"fold_max_deltas": 2, "fold_ratio": 1e6, "apply_in_place": False}  # (folding: not the default)
     nodes = {0: tmp_path / "nodes" / "A", 1: tmp_path / "nodes" / "B"}
     commit_kills = [
         {r: "snapshot_data_written" for r in (0, 1)},
@@ -984,7 +984,7 @@ def test_a_kill_at_every_point_of_compaction_restores_the_last_complete_commit(t
             restored = point - 1
     # Restore the last one, train a chain (fold_max_deltas 3: a base, 2 deltas, no fold point), then drop
     # node B's own middle delta.
-    cfg = {"fold_max_deltas": 3, "fold_ratio": 1e6}
+    cfg = {"fold_max_deltas": 3, "fold_ratio": 1e6, "apply_in_place": False}
     gen = len(commit_kills + fold_kills)
     last = restored + 3
     values = ok(_lifecycle_run(tmp_path, ["A", "B"], gen, out, last, config=cfg))

@@ -26,6 +26,7 @@ from elastic_emb.state import Comm, DurableTier, SnapshotTier
 from elastic_emb.state import app as app_state
 from elastic_emb.state.capture import DeviceCapture
 from elastic_emb.state.comm import thread_store
+from elastic_emb.state.snapshot import APPLY_PRUNE_EVERY
 from elastic_emb.state.writer import CommitWriter, finish_commit_on_sigterm, uninstall_sigterm
 from elastic_emb.topology import Topology
 
@@ -88,8 +89,9 @@ class Committer:
             fold_ratio=config.fold_ratio,
             fold_max_deltas=config.fold_max_deltas,
             fold_timeout=config.transfer_timeout,
+            apply=config.apply_in_place,
         )
-        self.snapshot.fold = self.snapshot.fold and config.fold
+        self.snapshot.fold = self.snapshot.fold and config.fold and not config.apply_in_place
         self.durable = (
             DurableTier(config.durable_dir, topology.run_id, file_mode=config.file_mode, dir_mode=config.dir_mode)
             if config.durable_dir
@@ -238,9 +240,13 @@ class Committer:
                 self.wait()  # a host capture names a parent that must be complete
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
-                self.snapshot.fold = False  # GPU deltas land in reused log segments: bases are captured
+                self.snapshot.fold = False  # GPU deltas land in reused log segments: never folded
                 self.snapshot.enable_spares(COMMIT_DEPTH + 1)
-                self.snapshot.enable_ring(min(self.config.max_chain, 8) + COMMIT_DEPTH + self.config.keep)
+                # A segment is held until its delta is written into its base and pruned (applying
+                # in place: keep + the prune spacing + the applier's backlog), or while its chain is
+                # kept (re-basing); with none free a delta takes the pinned path, never a wait.
+                chain = APPLY_PRUNE_EVERY + 2 if self.config.apply_in_place else min(self.config.max_chain, 8)
+                self.snapshot.enable_ring(chain + COMMIT_DEPTH + self.config.keep)
             if writer.in_flight is None:
                 self._before_in_flight = self.step
             cap = self.snapshot.capture(

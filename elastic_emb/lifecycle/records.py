@@ -45,7 +45,13 @@ class LifecycleConfig(BaseModel):
     # (the context tracks its changes), else synchronous full snapshots.
     async_commit: bool | None = None
     incremental: bool = True  # commits write the rows changed since the last one (contexts that track changes)
-    # Compaction (elastic_emb/state/compact.py). Each holder folds a chain of host-captured deltas
+    # Applying in place (elastic_emb/state/inplace.py), the default: after a chain's base every
+    # commit is a delta, on the host and the GPU path alike, and each holder writes the deltas it
+    # holds into the base in place in the background (no fold pass, no base captured again). A
+    # chain still starts at a base after every re-form and after a commit that failed. False: the
+    # older rules below (fold on the host, a captured base every max_chain + 1 commits on the GPU).
+    apply_in_place: bool = True
+    # Compaction (elastic_emb/state/compact.py), with apply_in_place=False. Each holder folds a chain of host-captured deltas
     # into a base in the background, at the commit where what a restore would read of some rank's
     # deltas since the last base or fold point (bytes, plus 2 MiB a file) reaches fold_ratio of its
     # shard's bytes, or after fold_max_deltas deltas, never sooner than max_chain deltas after the

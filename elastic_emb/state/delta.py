@@ -151,6 +151,10 @@ def resolve_chains(manifests: list[tuple[Path, SnapshotManifest]]):
         chain, gap = extend(path, m)
         if chain is None:
             gaps.append((m, gap))
+        elif chain[0][1].applying is not None and m.commit < chain[0][1].applying:
+            # Its base is being written through a newer delta (state/inplace.py): rows of that delta
+            # may already be in the base, so only commits from it on can be built from here.
+            continue
         else:
             chains[path] = chain
     return chains, gaps
@@ -182,9 +186,23 @@ def read_chain(
         ChecksumMismatch: if ``read`` finds a file corrupt.
     """
     (base_path, base_m), deltas = chain[0], chain[1:]
-    out = read(base_path, base_m, fill=fill)
-    for path, m in deltas:
-        d = read(path, m)
+    got = [read(path, m) for path, m in deltas]  # verified first: a mutable base needs their rows
+    if base_m.row_hashes is not None:  # written in place (state/inplace.py): checked row by row
+        from elastic_emb.state.inplace import read_base
+
+        skip = None
+        if base_m.applying is not None:  # an apply cut short: the rows it may have torn are replayed below
+            skip = {}
+            for d in got:
+                for table, tensors in d.items():
+                    skip.setdefault(table, []).append(tensors[INDEX].reshape(-1))
+            skip = {t: torch.cat(v) for t, v in skip.items()}
+            n_of = {rec.table: rec.stop - rec.start for rec in base_m.shards}
+            skip = {t: v[(v >= 0) & (v < n_of.get(t, 0))] for t, v in skip.items()}
+        out = read_base(base_path, base_m, fill=fill, skip=skip)
+    else:
+        out = read(base_path, base_m, fill=fill)
+    for (path, _), d in zip(deltas, got):
         for table, tensors in d.items():
             idx, n = tensors[INDEX].reshape(-1), out[table]["weight"].shape[0]
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > n):

@@ -232,6 +232,14 @@ class SnapshotManifest(CommitRecord):
     rank_state: bool = False
     rank_state_bytes: int = Field(default=0, ge=0)
     rank_state_crc: int = Field(default=0, ge=0, le=0xFFFFFFFF)
+    # A base whose file the applier writes deltas into in place (elastic_emb.state.inplace): its
+    # rows are checked by the per-row hashes in ``row_hashes`` (a file in the commit's directory),
+    # no longer by the tensors' checksums. ``applied``: the newest delta of its chain written into
+    # the file (the base then stands for that commit); ``applying``: a batch through that delta is
+    # being written, so rows of the deltas up to it may be either value until they are replayed.
+    row_hashes: str | None = None
+    applied: CommitId | None = None
+    applying: CommitId | None = None
 
 
 class DurableManifest(CommitRecord):

@@ -34,6 +34,7 @@ from elastic_emb.state.comm import Comm
 from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
 from elastic_emb.state.crc import write_and_checksum
 from elastic_emb.state.delta import pack_delta
+from elastic_emb.state.inplace import Applier, present
 from elastic_emb.state.manifest import (
     CommitId,
     ShardRecord,
@@ -65,6 +66,13 @@ RUN_MARKER = "run.json"
 # this many deltas: a bound the same on every rank, so that a node whose folds keep failing does
 # not keep a chain forever.
 FOLD_CHAIN_LIMIT = 1024
+# Applying in place (inplace.py), a chain has no length bound of its own (only its deltas after the
+# base's mark are read by a restore); this one only keeps a chain whose applier keeps failing
+# from growing without end.
+APPLY_CHAIN_LIMIT = 1 << 20
+# Applying in place, the full prune (which deletes the deltas written into their bases) runs every
+# this many deltas; the prunes between are skipped on every rank alike.
+APPLY_PRUNE_EVERY = 4
 
 
 class RunMarker(BaseModel):
@@ -145,6 +153,9 @@ class SnapshotTier:
         fold_ratio: a fold point once some rank's deltas reach this share of its shard's bytes.
         fold_max_deltas: a fold point after this many deltas anyway.
         fold_timeout: how long a fold point waits for the previous fold.
+        apply: write the deltas into their chain's base in place, in the background
+            (:mod:`elastic_emb.state.inplace`): every commit after a chain's base is a delta, on the
+            host and the GPU path alike, and no fold runs. False: fold (host) or re-base (GPU).
 
     Raises:
         ValueError: if a parameter is out of range or an id is not a plain name.
@@ -164,6 +175,7 @@ class SnapshotTier:
         fold_ratio: float = 0.25,
         fold_max_deltas: int = 32,
         fold_timeout: float = 300.0,
+        apply: bool = False,
     ) -> None:
         if replication < 0:
             raise ValueError(f"replication={replication} must be >= 0 (0: no replicas)")
@@ -203,6 +215,15 @@ class SnapshotTier:
         self.compactor = Compactor(self, fold_timeout)
         self.fold_lock = threading.Lock()  # a fold's manifest swap and prune's deletions, one at a time
         self._fold_due: tuple[int, list[Path]] | None = None  # the fold point just written: (step, its manifests)
+        # Applying in place (inplace.py): the complete delta commits of the current chain not yet
+        # handed to the applier. A commit goes to it once ``keep`` newer ones were written: by then
+        # it is complete on every rank (each rank finished it before the next commit's exchange),
+        # and the ``keep`` newest commits stay restorable (a base stands only for its mark on).
+        self.apply = apply
+        if apply:
+            self.fold = False
+        self.applier = Applier(self, fold_timeout)
+        self._unapplied: deque[tuple[CommitId, list[tuple[int, bool]]]] = deque()
 
     def enable_spares(self, count: int) -> None:
         """Keep data files allocated ahead for GPU-captured commits, in a directory of this
@@ -350,7 +371,7 @@ class SnapshotTier:
             if (
                 changes is not None
                 and chain is not None
-                and chain[2] < self.max_chain
+                and (self.apply or chain[2] < self.max_chain)
                 and all(changes.get(name) is not None for name in shards)
             ):
                 parent, length = chain[1], chain[2] + 1
@@ -368,7 +389,7 @@ class SnapshotTier:
         parent = None
         # Folding, the chain goes on (its holders fold it at the fold points); a hard bound, the
         # same on every rank, still ends one whose folds keep failing.
-        limit = FOLD_CHAIN_LIMIT if self.fold else self.max_chain
+        limit = APPLY_CHAIN_LIMIT if self.apply else FOLD_CHAIN_LIMIT if self.fold else self.max_chain
         if changes is not None and chain is not None and chain[2] < limit:
             parent = chain[1]
             records, blob, _ = pack_delta(shards, changes, num_rows)
@@ -539,6 +560,8 @@ class SnapshotTier:
             self._app_dirs.append(cdir)
             while len(self._app_dirs) > self.keep + APP_SLACK:
                 self._drop_app_state(self._app_dirs.popleft())
+        if self.apply:
+            self._hand_to_applier(CommitId(step, topo.generation, topo.fingerprint()), parent, topo.rank, senders)
         sizes = [int(e["bytes"]) for e in everyone]  # (every rank's, exchanged: the same window everywhere)
         if parent is None:
             self._window = FoldWindow.after_base(sizes)
@@ -549,6 +572,18 @@ class SnapshotTier:
                 self._window.restart()
                 self._fold_due = (step, fold_targets(cdir, topo.rank, senders))  # prune hands it on
         return int(blob.numel()), replicated
+
+    def _hand_to_applier(self, commit: CommitId, parent: CommitId | None, rank: int, senders: list[int]) -> None:
+        """Queue a commit just written; hand the applier the one ``keep`` commits older."""
+        if parent is None:  # a base starts a new chain: the old one's deltas are not applied any more
+            self._unapplied.clear()
+            return
+        if self._unapplied and self._unapplied[-1][0] != parent:
+            self._unapplied.clear()  # (a chain this tier did not write in full: apply from here on)
+        self._unapplied.append((commit, [(rank, False)] + [(r, True) for r in senders]))
+        while len(self._unapplied) > self.keep:
+            old, shards = self._unapplied.popleft()
+            self.applier.request(old.step, old, shards)
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
         """Write a GPU capture's data file and compute its CRC32s, both on several cores. Returns
@@ -655,7 +690,11 @@ class SnapshotTier:
         # always parsed again.
         parsed, seen = self._parsed, {}
         for cdir in cdirs:
-            for mpath in sorted(cdir.glob("rank*.json")):
+            try:
+                mpaths = sorted(cdir.glob("rank*.json"))
+            except FileNotFoundError:  # pruned meanwhile (by another rank of this node, or beside the applier)
+                continue
+            for mpath in mpaths:
                 try:
                     raw = mpath.read_bytes()
                     m = parsed.get(raw) or SnapshotManifest.model_validate_json(raw)
@@ -676,7 +715,7 @@ class SnapshotTier:
                 seen[raw] = m
                 out.append((data, m))
         self._parsed = seen  # only what is still there: bounded by the directory
-        return newest_per_segment(out)
+        return present(newest_per_segment(out))
 
     def listing(self) -> NodeListing:
         """This node directory's contents.
@@ -725,7 +764,7 @@ class SnapshotTier:
         deleted, newest = self._prune(comm, at_start)
         # Clean: the commit just written is the newest complete one, so the prune kept only it, the
         # keep - 1 commits before it and their chains (and what may still complete).
-        if written is not None and newest == written[0]:
+        if written is not None and (newest == written[0] or (self.apply and newest is not None)):
             self._pruned_at = newest
         if fold_due is not None:
             self.compactor.request(*fold_due)
@@ -755,7 +794,9 @@ class SnapshotTier:
             Whether no fold runs now.
         """
         self._fold_due = None  # a fold point an abandoned writer wrote but never pruned: not folded
-        return self.compactor.cancel(timeout)
+        self._unapplied.clear()  # what comes next restores (or exits): the chain is read as it is
+        applier_idle = self.applier.cancel(timeout)
+        return self.compactor.cancel(timeout) and applier_idle
 
     def _prune_frees_nothing(self, written: tuple[CommitId, CommitId | None, int] | None) -> bool:
         """Whether a full prune now would delete nothing: the newest commit written is a delta on
@@ -764,6 +805,15 @@ class SnapshotTier:
         it and ``keep - 1`` of its own ancestors: the kept set only grew by this commit, and the
         one commit that left the newest ``keep`` stays, as a link of its chain. (A kill between
         its write and here changes nothing: a new process prunes in full first.)"""
+        if self.apply:
+            # Deltas written into their base become deletable as the applier goes on, so the full
+            # prune comes every APPLY_PRUNE_EVERY deltas (a count every rank shares: it is collective).
+            return (
+                written is not None
+                and self._pruned_at is not None
+                and written[1] is not None
+                and written[2] % APPLY_PRUNE_EVERY != 0
+            )
         return (
             written is not None
             and self._pruned_at is not None
@@ -796,11 +846,20 @@ class SnapshotTier:
                 kept.add(c)
         newest = complete[0]
         commit_of = {f"{commit_dirname(c.step, c.fingerprint)}": c for c in by_commit}
+        # A base written in place (inplace.py) stands for its mark, not for its own directory's
+        # commit: its directory stays while that mark is kept.
+        bases: dict[str, list[CommitId]] = {}
+        for path, m in self.manifests():
+            if m.row_hashes is not None and m.parent is None and path.parent.parent == self.node_dir:
+                bases.setdefault(path.parent.name, []).append(m.commit)
         current = topo.fingerprint()
         deleted = []
         for name in listing.dirs:
             cid = commit_of.get(name)
-            if cid in kept:
+            if name in bases:
+                if any(c in kept for c in bases[name]):
+                    continue
+            elif cid in kept:
                 if cid not in restorable:  # kept for its rows (a chain's base or delta), not restored as itself
                     self._drop_app_state(self.node_dir / name)
                 continue
@@ -815,8 +874,10 @@ class SnapshotTier:
                 pass
             except OSError as exc:  # read-only storage: restore still works, commits will say why
                 log.warning("snapshot_prune_failed", dir=str(self.node_dir / name), error=str(exc))
-        if deleted:
-            log.info("snapshot_pruned", deleted=deleted, kept=[str(c) for c in sorted(kept)])
+        if deleted:  # (applying in place, every few commits: a debug event then)
+            (log.debug if self.apply else log.info)(
+                "snapshot_pruned", deleted=deleted, kept=[str(c) for c in sorted(kept)]
+            )
         if (self.node_dir / LOG_DIR).is_dir():  # segments of exited processes that no commit names
             sweep_segments(self.node_dir, {m.segment for _, m in self.manifests() if m.segment})
         return deleted, newest

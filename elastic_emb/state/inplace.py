@@ -1,0 +1,550 @@
+"""Deltas written into their chain's base in place, in the background: no fold, no new base.
+
+After a chain's base, every commit is a delta, for the whole life of the chain. Each holder's
+:class:`Applier` writes the deltas it holds (its own shard's and the replicas') into the base's
+data file in place, rows overwritten by the full new values the delta carries (never
+increments, so writing a delta twice is harmless), and then advances the base's mark
+(``applied``): the base now stands for that commit, and the deltas up to the mark are released
+(prune deletes them; a log segment comes free with its manifest). Restore reads the base once and
+replays the deltas after its mark.
+
+Checksums. A tensor-wide checksum would have to be recomputed over the whole shard after every
+apply. So a mutable base carries one 64-bit hash per row (:func:`row_hashes`, a file beside the
+data file), which the applier updates for the rows it writes. A kill in the middle of an apply
+leaves some rows of the deltas being written (and their hashes) at either value; the manifest then
+says ``applying``, and restore skips the hash check for exactly the rows it replays from those
+deltas (they are overwritten with verified bytes). Every other row is checked.
+
+Design: ``docs/COMMIT.md`` (section "Applying deltas in place").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from elastic_emb.errors import ChecksumMismatch
+from elastic_emb.events import get_logger
+from elastic_emb.native_calls import exiting, native_call
+from elastic_emb.state import points
+from elastic_emb.state.delta import INDEX
+from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, write_atomic
+from elastic_emb.state.paths import check_name, open_new
+
+log = get_logger("elastic_emb.state")
+
+HASHES_SUFFIX = ".rows"  # the per-row hash file of a mutable base: rank<r>[.replica].bin.rows
+HASH_CHUNK = 1 << 16  # rows hashed at a time: bounds the temporary (rows x words x 8 bytes)
+_MASK = (1 << 64) - 1
+
+
+def _constants(name: str, words: int) -> torch.Tensor:
+    """The odd 64-bit multipliers of one tensor's words, and a last one for the row number:
+    fixed by the tensor's name and its row width, the same in every process."""
+    seed = zlib.crc32(f"{name}/{words}".encode())
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(1 << 62), 1 << 62, (words + 1,), generator=gen, dtype=torch.int64) | 1
+
+
+def _word_dtype(rb: int) -> torch.dtype:
+    """The widest integer word that divides a row: the word size depends on the row width only, so
+    a row hashes the same wherever it lies."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if rb % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def tensor_row_hashes(name: str, rows: torch.Tensor, numbers: int | torch.Tensor = 0) -> torch.Tensor:
+    """One 64-bit hash per row of one tensor: the sum, modulo 2**64, of each word of the row times
+    an odd constant of its position, plus the row's number times another.
+
+    A change of any one word (any single bit) changes the hash, since the constant is odd; so does
+    a row moved to another number. Linear in the words, so a row's hash is cheap to compute for
+    the few rows a delta writes, and vectorized for a whole shard (memory speed).
+
+    Args:
+        name: the tensor's name (weight, a slot): it picks the constants.
+        rows: ``(n, ...)`` rows of any dtype (CPU).
+        numbers: the rows' numbers within their shard: an int (consecutive from it) or an int64
+            tensor of ``n`` numbers.
+
+    Returns:
+        An int64 tensor of ``n`` hashes.
+    """
+    n = rows.shape[0]
+    out = torch.empty(n, dtype=torch.int64)
+    if n == 0:
+        return out
+    flat = rows.reshape(n, -1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    byte_rows = flat.view(torch.uint8)
+    rb = byte_rows.shape[1]
+    wd = _word_dtype(rb)
+    size = torch.empty((), dtype=wd).element_size()
+    k = _constants(name, rb // size)
+    for lo in range(0, n, HASH_CHUNK):
+        hi = min(lo + HASH_CHUNK, n)
+        part = byte_rows[lo:hi]
+        if part.storage_offset() % size:
+            part = part.clone()  # a view of words needs an aligned start
+        words = part.view(wd)
+        if wd != torch.int64:
+            words = words.to(torch.int64)
+        torch.sum(words * k[:-1], 1, out=out[lo:hi])
+        nums = (
+            torch.arange(numbers + lo, numbers + hi, dtype=torch.int64)
+            if isinstance(numbers, int)
+            else numbers[lo:hi].to(torch.int64)
+        )
+        out[lo:hi] += (nums + 1) * k[-1]
+    return out
+
+
+def row_hashes(tensors: dict[str, torch.Tensor], numbers: int | torch.Tensor = 0) -> torch.Tensor:
+    """The hash of each row of one table's shard over all its row-wise tensors (the weight and
+    every optimizer slot): the sum of :func:`tensor_row_hashes`.
+
+    Args:
+        tensors: tensor name -> ``(n, ...)`` rows, the same ``n`` for every tensor.
+        numbers: the rows' numbers within the shard (see :func:`tensor_row_hashes`).
+
+    Returns:
+        An int64 tensor of ``n`` hashes.
+    """
+    total = None
+    for name in sorted(tensors):
+        h = tensor_row_hashes(name, tensors[name], numbers)
+        total = h if total is None else total.add_(h)
+    return total if total is not None else torch.empty(0, dtype=torch.int64)
+
+
+def hashes_file(data_file: str) -> str:
+    """The name of a mutable base's per-row hash file, from its data file's name."""
+    return data_file + HASHES_SUFFIX
+
+
+def manifest_name(m: SnapshotManifest) -> str:
+    """The file name of a manifest in its commit directory."""
+    return f"rank{m.source_rank}{'.replica' if m.replica else ''}.json"
+
+
+def mark_of(m: SnapshotManifest) -> CommitId:
+    """The commit a base stands for: its own, or the newest delta written into it."""
+    return m.applied if m.applied is not None else m.commit
+
+
+def present(manifests: list[tuple[Path, SnapshotManifest]]) -> list[tuple[Path, SnapshotManifest]]:
+    """A node directory's manifests as restore and prune must see them.
+
+    A mutable base is shown as a base of the commit it stands for (its mark), and the deltas of
+    its chain up to the mark (written into it) are left out: they are released, not commits a
+    restore could still build from this holder.
+
+    Args:
+        manifests: ``(data path, manifest)`` pairs of one node directory, as listed.
+
+    Returns:
+        The pairs to resolve chains from, in the same order.
+    """
+    marks = {}
+    for _, m in manifests:
+        if m.parent is None and m.applied is not None:
+            key = (m.source_rank, m.replica, m.fingerprint)
+            marks.setdefault(key, []).append((m.commit, m.applied))
+    if not marks:
+        return manifests
+    out = []
+    for path, m in manifests:
+        if m.parent is None and m.applied is not None:
+            a = m.applied
+            out.append(
+                (path, m.model_copy(update=dict(step=a.step, generation=a.generation, fingerprint=a.fingerprint)))
+            )
+            continue
+        spans = marks.get((m.source_rank, m.replica, m.fingerprint), ())
+        if m.parent is not None and any(base < m.commit <= applied for base, applied in spans):
+            continue  # written into its base: released
+        out.append((path, m))
+    return out
+
+
+def _records_layout(m: SnapshotManifest) -> list[tuple[str, int, list[tuple[str, int, int, str, list[int]]]]]:
+    """Per table of a base: (table, rows, [(tensor, offset, row bytes, dtype, row shape)])."""
+    out = []
+    for rec in m.shards:
+        n = rec.stop - rec.start
+        out.append(
+            (
+                rec.table,
+                n,
+                [
+                    (tr.name, tr.offset, row_bytes([tr.dtype, tr.row_shape]), tr.dtype, tr.row_shape)
+                    for tr in rec.tensors
+                ],
+            )
+        )
+    return out
+
+
+def _views(raw: torch.Tensor, m: SnapshotManifest) -> dict[str, dict[str, torch.Tensor]]:
+    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes (a clone where unaligned)."""
+    out = {}
+    for table, n, tensors in _records_layout(m):
+        views = {}
+        for name, off, rb, dtype, shape in tensors:
+            b = raw[off : off + n * rb]
+            dt = getattr(torch, dtype)
+            if b.storage_offset() % torch.empty((), dtype=dt).element_size():
+                raise ValueError(
+                    f"tensor {table}.{name} of {m.data_file} starts unaligned; it cannot be written in place"
+                )
+            views[name] = b.view(dt).reshape(n, *shape)
+        out[table] = views
+    return out
+
+
+def _aligned(m: SnapshotManifest) -> bool:
+    """Whether every tensor of a base starts at a multiple of its element size (it can be written
+    in place through typed views)."""
+    for rec in m.shards:
+        for tr in rec.tensors:
+            if tr.offset % torch.empty((), dtype=getattr(torch, tr.dtype)).element_size():
+                return False
+    return True
+
+
+def read_base(
+    path: Path,
+    manifest: SnapshotManifest,
+    fill: dict | None = None,
+    skip: dict[str, torch.Tensor] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Load a mutable base, mapped copy-on-write, every row checked against its hash.
+
+    Args:
+        path: the base's data file.
+        manifest: its manifest (``row_hashes`` set).
+        fill: as :func:`elastic_emb.state.shardfile.read_snapshot`'s: rows copied into
+            destinations (after the check).
+        skip: table -> local rows whose hash is not checked (the rows the caller replays from the
+            deltas of an interrupted apply, which overwrite them with verified bytes).
+
+    Returns:
+        table -> tensor name -> the shard's rows.
+
+    Raises:
+        ChecksumMismatch: if the file's or the hash file's size disagrees with the manifest, or a
+            row's hash does not match.
+    """
+    check_name(manifest.row_hashes or "", "row hash file")
+    size = path.stat().st_size if path.exists() else -1
+    if size != manifest.data_bytes:
+        raise ChecksumMismatch(
+            f"{path}: {size} bytes on disk, manifest says {manifest.data_bytes}; the base is damaged or "
+            f"was replaced: delete {path.parent} to drop it"
+        )
+    hpath = path.with_name(manifest.row_hashes)
+    rows = sum(rec.stop - rec.start for rec in manifest.shards)
+    hsize = hpath.stat().st_size if hpath.exists() else -1
+    if hsize != rows * 8:
+        raise ChecksumMismatch(
+            f"{hpath}: {hsize} bytes on disk, {rows * 8} expected ({rows} rows); the base's row hashes are "
+            f"damaged: delete {path.parent} to drop it"
+        )
+    raw = (
+        torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        if size
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    stored = (
+        torch.from_file(str(hpath), shared=False, size=rows, dtype=torch.int64)
+        if rows
+        else torch.empty(0, dtype=torch.int64)
+    )
+    out = _views(raw, manifest)
+    at = 0
+    for rec in manifest.shards:
+        n = rec.stop - rec.start
+        tensors = out[rec.table]
+        got = row_hashes(tensors)
+        bad = got != stored[at : at + n]
+        if skip and rec.table in skip and skip[rec.table].numel():
+            bad[skip[rec.table]] = False
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0])
+            raise ChecksumMismatch(
+                f"{path}: table {rec.table!r} row {rec.start + first} (and {int(bad.sum()) - 1} more) does not match "
+                f"its hash; the base is corrupt: delete {path.parent} to drop it"
+            )
+        for lo, hi, dsts in (fill or {}).get(rec.table, []):
+            for tname, dst in dsts.items():
+                dst.copy_(tensors[tname][lo:hi])
+        at += n
+    return out
+
+
+class _Mapped:
+    """A data file mapped shared and writable (writes reach the file), with its descriptor for
+    fsync. Closed by :meth:`close` (the tensors over it must be gone first)."""
+
+    def __init__(self, path: Path, size: int, dtype=torch.uint8) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR)
+        self.tensor = torch.from_file(
+            str(path), shared=True, size=size // torch.empty((), dtype=dtype).element_size(), dtype=dtype
+        )
+
+    def sync(self) -> None:
+        os.fsync(self.fd)  # writes back the pages dirtied through the shared mapping too
+
+    def close(self) -> None:
+        self.tensor = None
+        os.close(self.fd)
+
+
+def promote(tier, mpath: Path, raw: bytes, m: SnapshotManifest, data: Path) -> SnapshotManifest | None:
+    """Make a base mutable: read it verified (its tensors' checksums), write its per-row hashes,
+    then swap its manifest for one naming them (``applied``: its own commit).
+
+    Args:
+        tier: the node's snapshot tier (file mode, fold lock).
+        mpath: the base's manifest.
+        raw: the manifest's bytes as read (the swap happens only if they are unchanged).
+        m: the parsed manifest.
+        data: the base's data file.
+
+    Returns:
+        The new manifest, or None when the manifest changed or vanished meanwhile.
+
+    Raises:
+        ChecksumMismatch: if the base is corrupt (it is never promoted).
+        OSError: on storage errors.
+    """
+    from elastic_emb.state.shardfile import read_snapshot
+
+    tables = read_snapshot(data, m)  # verified: a corrupt base never gets fresh hashes
+    name = hashes_file(m.data_file)
+    hpath = mpath.with_name(name)
+    with open_new(hpath, tier.file_mode) as f:
+        for rec in m.shards:
+            f.write(memoryview(row_hashes(tables[rec.table]).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    new = m.model_copy(update=dict(row_hashes=name, applied=m.commit, applying=None))
+    return new if _swap(tier, mpath, raw, new) else None
+
+
+def _swap(tier, mpath: Path, raw: bytes, new: SnapshotManifest) -> bytes | None:
+    """Replace a manifest by atomic rename if it still holds ``raw``; its new bytes, or None."""
+    text = SnapshotManifest.model_validate(new.model_dump()).model_dump_json()
+    with tier.fold_lock:  # prune deletes no directory meanwhile
+        try:
+            if mpath.read_bytes() != raw:
+                return None
+        except FileNotFoundError:
+            return None
+        write_atomic(mpath, text, tier.file_mode)
+    return text.encode()
+
+
+def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lambda: False) -> int:
+    """Write the deltas of a chain into its base in place and advance the base's mark.
+
+    Args:
+        tier: the node's snapshot tier.
+        chain: ``(path, manifest)`` from the base (as :func:`present` shows it) to the newest delta
+            to apply (``resolve_chains``).
+        cancelled: checked between deltas; when it turns true the apply stops, leaving the manifest
+            at ``applying`` (restore replays those deltas).
+
+    Returns:
+        The deltas written.
+
+    Raises:
+        ChecksumMismatch: if the base or a delta is corrupt.
+        OSError: on storage errors.
+    """
+    from elastic_emb.state.shardfile import read_snapshot
+
+    (data, shown), deltas = chain[0], chain[1:]
+    if not deltas or shown.data_bytes == 0:
+        return 0
+    mpath = data.parent / manifest_name(shown)
+    try:
+        raw = mpath.read_bytes()
+    except FileNotFoundError:
+        return 0
+    m = SnapshotManifest.model_validate_json(raw)
+    if m.parent is not None or m.data_file != data.name or mark_of(m) != shown.commit:
+        return 0  # replaced or moved on meanwhile
+    if not _aligned(m):
+        log.warning("apply_unsupported", base=str(data), reason="tensors start unaligned: the chain stays as it is")
+        return 0
+    if m.row_hashes is None:
+        m = promote(tier, mpath, raw, m, data)
+        if m is None:
+            return 0
+        raw = SnapshotManifest.model_validate(m.model_dump()).model_dump_json().encode()
+        points.reached("apply_promoted", deltas[-1][1].step)
+    target = deltas[-1][1].commit
+    raw = _swap(tier, mpath, raw, m.model_copy(update=dict(applying=target)))
+    if raw is None:
+        return 0
+    rows = sum(rec.stop - rec.start for rec in m.shards)
+    base = _Mapped(data, m.data_bytes)
+    hashes = _Mapped(data.with_name(m.row_hashes), rows * 8, torch.int64)
+    done = 0
+    try:
+        views = _views(base.tensor, m)
+        starts, at = {}, 0
+        for rec in m.shards:
+            starts[rec.table] = at
+            at += rec.stop - rec.start
+        for path, dm in deltas:
+            if cancelled():
+                return done
+            d = read_snapshot(path, dm)  # verified before a byte of it is written
+            for table, tensors in d.items():
+                dst = views[table]
+                n = next(iter(dst.values())).shape[0]
+                idx = tensors[INDEX].reshape(-1)
+                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) > n):
+                    raise ValueError(f"{path}: delta of table {table!r} names rows outside its base")
+                keep = idx < n  # a GPU capture's skipped entries name row n
+                if not bool(keep.all()):
+                    idx, tensors = idx[keep], {k: v[keep] for k, v in tensors.items() if k != INDEX}
+                if not idx.numel():
+                    continue
+                for tname, v in dst.items():
+                    v[idx] = tensors[tname]
+                points.reached("apply_half", dm.step)
+                # (a row listed twice by a GPU capture carries the same bytes both times)
+                hashes.tensor[starts[table] + idx] = row_hashes({t: v[idx] for t, v in dst.items()}, idx)
+            done += 1
+        base.sync()
+        hashes.sync()
+        points.reached("apply_before_mark", target.step)
+        if _swap(tier, mpath, raw, m.model_copy(update=dict(applied=target, applying=None))) is not None:
+            points.reached("apply_mark_advanced", target.step)
+        return done
+    finally:
+        views = None
+        base.close()
+        hashes.close()
+
+
+class Applier:
+    """Writes the deltas it is handed into their bases, in a thread of its own, in order.
+
+    Requests queue up; each run takes every queued request and, per chain, writes all its deltas
+    after the base's mark up to the newest requested. An apply that fails is logged and changes
+    nothing a restore needs (the chain keeps its deltas; the next request tries again).
+
+    Args:
+        tier: the node's :class:`~elastic_emb.state.snapshot.SnapshotTier`.
+        timeout: how long :meth:`wait` and :meth:`cancel` wait by default.
+    """
+
+    def __init__(self, tier, timeout: float) -> None:
+        self.tier = tier
+        self.timeout = timeout
+        self.applied = 0  # deltas written into bases
+        self._cv = threading.Condition()
+        self._queue: list[tuple[int, list[Path]]] = []
+        self._busy = False
+        self._epoch = 0
+        self._thread: threading.Thread | None = None
+
+    def request(self, step: int, commit: CommitId, shards: list[tuple[int, bool]]) -> None:
+        """Queue a complete delta commit's shards held here (own and replicas) for applying.
+
+        Args:
+            step: the commit's step (for events).
+            commit: the commit.
+            shards: ``(source rank, replica)`` of each of its manifests this rank wrote.
+        """
+        with self._cv:
+            self._queue.append((commit, list(shards)))
+            if not self._busy:
+                self._busy = True
+                self._thread = threading.Thread(target=self._run, name="elastic_emb-applier", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        from elastic_emb.state.delta import resolve_chains
+
+        while True:
+            with self._cv:
+                batch, self._queue, epoch = self._queue, [], self._epoch
+                if not batch or exiting():
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+
+            def cancelled(epoch=epoch) -> bool:  # cancel() moves the epoch on: this batch stops
+                return self._epoch != epoch or exiting()
+
+            t0, step, done = time.perf_counter(), batch[-1][0].step, 0
+            try:
+                with native_call():  # tensor ops and file writes: the exit waits for them (or cancels)
+                    newest: dict[tuple[int, bool], CommitId] = {}
+                    for commit, shards in batch:
+                        for key in shards:
+                            newest[key] = max(newest.get(key, commit), commit)
+                    chains = resolve_chains(self.tier.manifests())[0]
+                    tips = {(c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit): c for c in chains.values()}
+                    for (source, replica), commit in sorted(newest.items()):
+                        if cancelled():
+                            break
+                        chain = tips.get((source, replica, commit))
+                        if chain is not None:  # (else pruned, or its chain broken, meanwhile)
+                            done += apply_chain(self.tier, chain, cancelled)
+                if done:
+                    self.applied += done
+                    log.debug("apply_complete", step=step, deltas=done, seconds=round(time.perf_counter() - t0, 6))
+            except Exception as exc:  # nothing lost: the chain keeps its deltas
+                log.warning(
+                    "apply_failed",
+                    step=step,
+                    error=f"{type(exc).__name__}: {exc}"[:400],
+                    remedy="nothing lost: the chain keeps its deltas, the next commit tries again",
+                )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued request is applied.
+
+        Args:
+            timeout: the most seconds to wait; None: the applier's timeout.
+
+        Returns:
+            Whether the applier is idle now.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._cv:
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return not self._busy
+
+    def cancel(self, timeout: float) -> bool:
+        """Drop the queued requests and stop the apply under way at its next delta.
+
+        Args:
+            timeout: the most seconds to wait for the thread.
+
+        Returns:
+            Whether no apply runs now.
+        """
+        with self._cv:
+            self._epoch += 1
+            self._queue = []
+        ended = self.wait(timeout)
+        if not ended:
+            log.warning("apply_still_running", seconds=timeout, remedy="it ends at its next delta; nothing is lost")
+        return ended
