@@ -373,3 +373,63 @@ def test_lifecycle_async_commits_on_the_gpu_restore_bit_for_bit(shm_path):
         assert _same(_state(lc2.context.export_shard()), final), "restored rows differ from the last step's"
     finally:
         lc2.close()
+
+
+def test_applying_in_place_on_the_gpu_path_never_captures_a_base_again(shm_path):
+    """The default rule on the device path (``apply=True``): 60 commits, a base only first, then
+    deltas that land in the log ring; the applier writes each into the base in place and its
+    segment comes free once the prune after the mark deleted it, so a ring of ``keep +
+    APPLY_PRUNE_EVERY + 2 + depth`` segments carries every delta. Every commit the directory
+    keeps is re-read bit for bit along the way, and a fresh context restores the newest one."""
+    from elastic_emb.state import Comm, SnapshotTier
+    from elastic_emb.state.capture import DeviceCapture
+    from elastic_emb.state.ring import Segment
+    from elastic_emb.state.snapshot import APPLY_PRUNE_EVERY
+    from elastic_emb.state.writer import CommitWriter
+
+    steps, keep, depth = 60, 2, 3
+    count = keep + APPLY_PRUNE_EVERY + 2 + depth
+    topo, store, ctx = _solo(free_port())
+    comm = Comm(topo, store, None, timeout=60)
+    num_rows = {t.name: t.num_rows for t in TABLES}
+    tier = SnapshotTier(shm_path, "cuda-commit", "A", replication=0, keep=keep, apply=True)
+    tier.enable_ring(count, size=16 << 20)
+    device = DeviceCapture(ctx.device, buffers=depth, timeout=60, piece_bytes=PIECE)
+    writer = CommitWriter(tier, comm, timeout=60, depth=depth)
+    gen = torch.Generator().manual_seed(29)
+    expect, used, checked, pinned = {}, [], set(), 0
+    try:
+        ctx.take_changed_rows()
+        for step in range(steps):
+            for spec in TABLES:
+                ctx.apply_gradients(spec.name, *_batch(gen, step, spec))
+            views = ctx.shard_views()
+            cap = tier.capture(
+                step, views, topo, num_rows, ctx.take_changed_rows(unique=False), device=device, hold=ctx.hold_writes
+            )
+            assert (cap.parent is None) == (step == 0), f"step {step}: a base only first (parent {cap.parent})"
+            if cap.parent is not None:
+                if isinstance(cap.buffer, Segment):
+                    used.append(cap.buffer.name)
+                else:
+                    pinned += 1  # (no segment free at that moment: the pinned path, never a wait)
+            expect[step] = _state(views)
+            writer.submit(cap)
+            if step % 10 == 9:
+                writer.wait()
+                assert tier.applier.wait(60)  # (a chain is read while no apply runs, as restore does)
+                checked.update(_materialise_all(tier, expect))
+        assert writer.wait() == steps - 1 and tier.applier.wait(60)
+        checked.update(_materialise_all(tier, expect))
+        assert steps - 1 in checked
+        bases = [m for _, m in tier.manifests() if m.parent is None]
+        assert len(bases) == 1 and bases[0].applied is not None and bases[0].applied.step >= steps - 1 - keep - depth, (
+            bases
+        )
+        assert len(set(used)) <= count and len(used) + pinned == steps - 1, (len(set(used)), count, pinned)
+        final = _state(ctx.export_shard())
+    finally:
+        writer.close()
+        tier.close_spares()
+        ctx.close()
+    _restore_matches(tier, comm, steps - 1, final, "from the base written in place and the deltas after its mark")
