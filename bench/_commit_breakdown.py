@@ -1,63 +1,47 @@
-"""Cost of a commit every step: full snapshots against incremental (base + deltas) commits.
+"""bench/commit.py's breakdown: the tier-level commit of one step, in windows. Not a run figure.
 
-Starts ``--world`` rank processes (gloo on CPU), each its own "node" (so every commit also sends a
-replica to the next node, ``replication=1``), each holding one fp32 table per size of
-``--sizes-mb`` (MB per rank) with a row-wise Adagrad accumulator, in plain tensors that track the
-rows they write as EmbContext does (``take_changed_rows``: the written rows, deduplicated at the
-commit). A step: ``--ids`` random ids among the rank's rows (duplicates allowed), a gradient per
-id, the Adagrad update of the distinct rows. In the same processes, ``--steps`` steps per mode:
+The figures a user pays are bench/commit.py's run (``Lifecycle`` with the default configuration,
+every step of a whole run). This module measures the pieces beside it, calling
+``SnapshotTier.commit`` directly (``python bench/commit.py --phases run,breakdown``):
 
-* ``none``: the step alone (the baseline);
-* ``full``: the step, then ``SnapshotTier.commit`` of the whole shard (today's snapshot);
-* ``incremental``: the step, then a delta commit of the rows written; every ``--max-chain``-th
-  delta is folded into a base by each holder in the background (``elastic_emb/state/compact.py``:
-  the commit at the next fold point waits for the fold, if it is still running); the mean over
-  every commit is reported too;
-* ``rebased``: as ``incremental``, with the GPU path's rule instead of folding: a new base
-  captured every ``--max-chain + 1`` commits (reported apart, as ``commit_base_ms``, and in the
-  mean): the baseline folding is measured against;
+Starts ``world`` rank processes (gloo on CPU), each its own "node" (so every commit also sends a
+replica to the next node, ``replication=1``), each holding one fp32 table per size of ``mb``
+(MB per rank) with a row-wise Adagrad accumulator, in plain tensors that track the rows they write
+as EmbContext does (``take_changed_rows``: the written rows, deduplicated at the commit). A step:
+``ids`` random ids among the rank's rows (duplicates allowed), a gradient per id, the Adagrad
+update of the distinct rows. In the same processes, ``steps`` steps per mode, synchronous
+commits (no background writer):
+
+* ``none``: the step alone;
+* ``full``: the step, then ``SnapshotTier.commit`` of the whole shard (a full snapshot);
+* ``incremental``: the step, then a delta commit of the rows written; every fold point's fold
+  runs in the background (``elastic_emb/state/compact.py``: the commit at the next fold point
+  waits for it); the mean over every commit is reported too;
+* ``rebased``: as ``incremental``, a new base captured every ``max_chain + 1`` commits instead of
+  folding (reported apart, as ``commit_base_ms``, and in the mean);
 * ``restore``: restoring from a base plus the longest chain a holder keeps while its folds keep
-  up (two fold windows: deltas holding ``2 * --fold-ratio`` of the shard, or ``2 *
-  --fold-max-deltas`` of them), and from a full base
-  of the same rows, alternately, ``--restore-reps`` times each, into fresh contexts.
+  up (two fold windows) and from a full base of the same rows, alternately, ``restore_reps``
+  times each, into fresh contexts, each checked row for row.
 
-* ``scaling``: the cost of a delta commit against the table size at fixed ids: ``--scaling-commits``
-  delta commits per size (no folding; a base every ``--scaling-max-chain + 1``, left out), the sizes
-  interleaved in ABBA order. Per commit the wall time (the slowest rank) and the CPU time of the
-  rank processes (all their threads: the work, which the machine's load hardly changes) are
-  recorded. Reported per measure: the ratio of the medians over all commits with a bootstrap
-  90% interval (pairs resampled), the median and quartiles of the per-pair ratios, and of the
-  ratios of medians over blocks of ``--block`` consecutive pairs.
-
-``--phases`` picks which of ``steps`` (none, full, incremental, rebased), ``restore`` and ``scaling`` run.
-
-This machine's load drifts, so the sizes are interleaved step by step (in ABBA order) and every
-ratio is taken per step, between measurements made moments apart: the incremental commit at each
-size over the first size's at the same step, and each chain restore over the full restore next to
-it. Reported: medians (the slowest rank of each step) and, for the ratios, the median with its
-quartiles. Every restore is checked row for row. JSON to ``--json``.
-
-  python bench/commit.py --sizes-mb 64,128 --ids 2000 --steps 40      # CPU, 2 ranks
-  python bench/commit.py --sizes-mb 64,128 --phases scaling --scaling-commits 240
+The sizes alternate step by step (ABBA order), so the machine's drift hits them alike. Reported:
+medians (the slowest rank of each step). A window of ``steps`` steps starts at a base and holds
+only the folds and bases that fall in it: its figures say where a commit's time goes, not what
+a run pays (the run's mean, p99 and max are bench/commit.py's). The scaling phase of earlier
+versions (delta commits with folding off and the bases left out) is gone: it measured exactly
+what a run does not do; the table-size check is now the run's (``--rows A,B``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from elastic_emb.testing.ports import free_port
 from elastic_emb.testing.procs import collect, start, torchrun_env
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
-from _report import write_json  # noqa: E402
 
 DIM = 64
 
@@ -229,8 +213,6 @@ def worker(args) -> None:
                     )
         results["restore"][str(mb)] = {**times, "deltas": longest}
         remove_tiers(comm, args.state_dir, [f"chain-{mb}", f"full-{mb}"], f"restore-{mb}")
-    if "scaling" in phases:
-        results["scaling"] = scaling(args, sizes, rows_of, Ctx, tier_for, comm)
     results["shard_bytes"] = {
         str(mb): len(owned_range(rows_of[mb], topo.ep_size, topo.rank)) * (DIM * 4 + 4) for mb in sizes
     }
@@ -247,79 +229,6 @@ def remove_tiers(comm, state_dir: str, names: list[str], phase: str) -> None:
         for name in names:
             shutil.rmtree(Path(state_dir) / name, ignore_errors=True)  # `none` writes no tier
     comm.barrier(f"{phase}-cleaned")
-
-
-def scaling(args, sizes, rows_of, Ctx, tier_for, comm) -> dict:
-    """Delta commits at every size, interleaved (ABBA); per commit: wall seconds, this process's
-    CPU seconds (every thread), whether it was a base. Runs in each rank process."""
-    import torch
-
-    ctxs = {mb: Ctx(rows_of[mb]) for mb in sizes}
-    tiers = {mb: tier_for(f"scaling-{mb}") for mb in sizes}
-    for tier in tiers.values():
-        tier.max_chain = args.scaling_max_chain
-        tier.fold = False  # the delta commits' own cost (folds would run beside them)
-    gens = {mb: torch.Generator().manual_seed(1000 + comm.rank) for mb in sizes}
-    rec = {mb: {"wall_s": [], "cpu_s": [], "base": []} for mb in sizes}
-    for step in range(args.scaling_commits + 1):
-        for mb in sizes if step % 2 == 0 else sizes[::-1]:
-            ctx, tier, nr = ctxs[mb], tiers[mb], {"emb": rows_of[mb]}
-            ctx.step(gens[mb])
-            shards = ctx.export_shard() if step == 0 else ctx.shard_views()
-            comm.barrier(f"scaling-{step}-{mb}")
-            c0, t0 = time.process_time(), time.perf_counter()
-            tier.commit(step, shards, comm, nr, changes=ctx.take_changed_rows())
-            tier.prune(comm)
-            t1, c1 = time.perf_counter(), time.process_time()
-            if step:  # step 0: the first base
-                rec[mb]["wall_s"].append(t1 - t0)
-                rec[mb]["cpu_s"].append(c1 - c0)
-                rec[mb]["base"].append(step % (args.scaling_max_chain + 1) == 0)
-    remove_tiers(comm, args.state_dir, [f"scaling-{mb}" for mb in sizes], "scaling")
-    return {str(mb): v for mb, v in rec.items()}
-
-
-def ratio_stats(a: list[float], b: list[float], block: int, reps: int = 2000) -> dict:
-    """How ``b`` compares with ``a`` (paired: a[i] and b[i] measured moments apart): the ratio of
-    the medians with a bootstrap 90% interval over resampled pairs, the per-pair ratios, and the
-    ratios of the medians of blocks of ``block`` consecutive pairs (median and quartiles each)."""
-    n = len(a)
-    rng = random.Random(0)
-    boot = []
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        boot.append(statistics.median(b[i] for i in idx) / statistics.median(a[i] for i in idx))
-    boot.sort()
-    blocks = [
-        statistics.median(b[i : i + block]) / statistics.median(a[i : i + block])
-        for i in range(0, n - block + 1, block)
-    ]
-    return {
-        "ratio_of_medians": statistics.median(b) / statistics.median(a),
-        "ci90": [boot[int(0.05 * reps)], boot[int(0.95 * reps) - 1]],
-        "pairs": spread([y / x for x, y in zip(a, b)]),
-        "blocks": spread(blocks) if blocks else None,
-        "median_a_ms": statistics.median(a) * 1e3,
-        "median_b_ms": statistics.median(b) * 1e3,
-    }
-
-
-def summarize_scaling(res: list[dict], sizes: list[int], block: int) -> dict:
-    """Per size over the first: wall (the slowest rank of each commit) and CPU (the ranks' sum)."""
-    first = str(sizes[0])
-    keep = [i for i, base in enumerate(res[0]["scaling"][first]["base"]) if not base]
-
-    def series(mb, key, combine):
-        return [combine(r["scaling"][mb][key][i] for r in res) for i in keep]
-
-    out = {}
-    for mb in map(str, sizes[1:]):
-        out[f"{mb}mb_over_{first}mb"] = {
-            "commits": len(keep),
-            "wall": ratio_stats(series(first, "wall_s", max), series(mb, "wall_s", max), block),
-            "cpu": ratio_stats(series(first, "cpu_s", sum), series(mb, "cpu_s", sum), block),
-        }
-    return out
 
 
 def launch(args) -> list[dict]:
@@ -349,15 +258,11 @@ def launch(args) -> list[dict]:
             "--fold-max-deltas",
             str(args.fold_max_deltas),
             "--full-steps",
-            str(args.full_steps if args.full_steps is not None else args.steps),
+            str(args.full_steps),
             "--state-dir",
             args.state_dir,
             "--phases",
             args.phases,
-            "--scaling-commits",
-            str(args.scaling_commits),
-            "--scaling-max-chain",
-            str(args.scaling_max_chain),
         ]
         procs.append(start(cmd, env))
     return collect(procs, args.timeout, f"sizes {args.sizes_mb} MB")
@@ -392,8 +297,6 @@ def summarize(per_rank: list[dict], args) -> dict:
     res = [r["results"] for r in per_rank]
     sizes = res[0]["sizes"]
     out: dict = {"rows": []}
-    if "scaling" in res[0]:
-        out["scaling"] = summarize_scaling(res, sizes, args.block)
     if "none" not in res[0]:  # restores only (or nothing)
         return {
             **out,
@@ -453,51 +356,82 @@ def summarize(per_rank: list[dict], args) -> dict:
     return {**out, "rows": rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mb", default="64,128", help="table MB per rank, comma-separated (all in one run)")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--ids", type=int, default=2000, help="ids per step per rank")
-    ap.add_argument("--steps", type=int, default=40, help="steps per mode and size")
-    ap.add_argument("--max-chain", type=int, default=8, help="deltas per captured base (mode rebased)")
-    ap.add_argument("--fold-ratio", type=float, default=0.25, help="LifecycleConfig.fold_ratio")
-    ap.add_argument("--fold-max-deltas", type=int, default=32, help="LifecycleConfig.fold_max_deltas")
-    ap.add_argument("--full-steps", type=int, default=None, help="steps of mode full (default --steps)")
-    ap.add_argument("--restore-reps", type=int, default=7, help="restores of each kind per size")
-    ap.add_argument("--phases", default="steps,restore,scaling", help="which of steps, restore, scaling to run")
-    ap.add_argument("--scaling-commits", type=int, default=240, help="delta commits per size in the scaling phase")
-    ap.add_argument("--scaling-max-chain", type=int, default=59, help="deltas per base in the scaling phase")
-    ap.add_argument("--block", type=int, default=10, help="pairs per block (scaling: ratios of block medians)")
-    ap.add_argument("--state-dir", default=None, help="default: a fresh directory under /dev/shm")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--json", default="bench/commit.json")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    own_dir = args.state_dir is None
-    args.state_dir = args.state_dir or tempfile.mkdtemp(prefix="elastic_emb-bench-commit-", dir="/dev/shm")
-    try:
-        summary = summarize(launch(args), args)
-    finally:
-        if own_dir:
-            shutil.rmtree(args.state_dir, ignore_errors=True)
-    for row in summary["rows"]:
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    for name, sc in summary.get("scaling", {}).items():
-        for measure in ("wall", "cpu"):
-            r = sc[measure]
-            print(
-                f"{name} delta commit, {measure}: medians {r['median_a_ms']:.2f} -> {r['median_b_ms']:.2f} ms, "
-                f"ratio of medians {r['ratio_of_medians']:.3f} (90% CI {r['ci90'][0]:.3f}-{r['ci90'][1]:.3f}); "
-                f"per pair {r['pairs']['median']:.3f} ({r['pairs']['q1']:.3f}-{r['pairs']['q3']:.3f}); "
-                f"blocks of {args.block} {r['blocks']['median']:.3f} ({r['blocks']['q1']:.3f}-{r['blocks']['q3']:.3f}); "
-                f"{sc['commits']} pairs",
-                flush=True,
-            )
-    write_json(args.json, "commit", {"args": {k: v for k, v in vars(args).items() if k != "worker"}, **summary})
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The breakdown's options, each ``--breakdown-*`` (the run's own are bench/commit.py's)."""
+    g = ap.add_argument_group("breakdown (--phases breakdown: tier-level windows, not a run figure)")
+    g.add_argument("--breakdown-mb", default="64,128", help="table MB per rank, comma-separated")
+    g.add_argument("--breakdown-world", type=int, default=2, help="rank processes, each its own node")
+    g.add_argument("--breakdown-ids", type=int, default=2000, help="ids per step per rank")
+    g.add_argument("--breakdown-steps", type=int, default=40, help="steps per mode and size")
+    g.add_argument("--breakdown-full-steps", type=int, default=None, help="steps of mode full (default: steps)")
+    g.add_argument("--breakdown-max-chain", type=int, default=8, help="deltas per captured base (mode rebased)")
+    g.add_argument("--breakdown-fold-ratio", type=float, default=0.25, help="the tier's fold_ratio")
+    g.add_argument("--breakdown-fold-max-deltas", type=int, default=32, help="the tier's fold_max_deltas")
+    g.add_argument("--breakdown-restore-reps", type=int, default=7, help="restores of each kind per size")
+    g.add_argument("--breakdown-parts", default="steps,restore", help="which of steps (the modes) and restore run")
+    g.add_argument("--breakdown-timeout", type=float, default=1800, help="seconds for the rank processes")
+
+
+def run(args, state_dir: str) -> dict:
+    """The breakdown in fresh rank processes (``args``: :func:`add_arguments`' options), its
+    state under ``state_dir``; its summary."""
+    parts = args.breakdown_parts
+    if not parts or not set(parts.split(",")) <= {"steps", "restore"}:
+        raise SystemExit(f"--breakdown-parts={parts!r}: a comma-separated list of steps, restore")
+    for name in ("world", "ids", "steps", "restore_reps"):
+        if getattr(args, f"breakdown_{name}") < 1:
+            raise SystemExit(f"--breakdown-{name.replace('_', '-')}={getattr(args, f'breakdown_{name}')} must be >= 1")
+    wargs = argparse.Namespace(
+        sizes_mb=args.breakdown_mb,
+        world=args.breakdown_world,
+        ids=args.breakdown_ids,
+        steps=args.breakdown_steps,
+        full_steps=args.breakdown_steps if args.breakdown_full_steps is None else args.breakdown_full_steps,
+        max_chain=args.breakdown_max_chain,
+        fold_ratio=args.breakdown_fold_ratio,
+        fold_max_deltas=args.breakdown_fold_max_deltas,
+        restore_reps=args.breakdown_restore_reps,
+        phases=parts,
+        timeout=args.breakdown_timeout,
+        state_dir=state_dir,
+    )
+    return summarize(launch(wargs), wargs)
+
+
+NOTE = (
+    "tier-level windows: SnapshotTier.commit called directly (synchronous), each mode's window starting "
+    "at a base and holding only the folds and bases that fall in it: where a commit's time goes, not a run figure"
+)
+COLUMNS = [
+    ("size_mb_per_rank", "MB per rank"),
+    ("step_none_ms", "step, no commit (ms)"),
+    ("commit_full_ms", "full commit (ms)"),
+    ("commit_incremental_ms", "delta commit, folded (ms)"),
+    ("commit_incremental_mean_ms", "mean, folded (ms)"),
+    ("commit_rebased_ms", "delta commit, re-based (ms)"),
+    ("commit_base_ms", "base (ms)"),
+    ("commit_rebased_mean_ms", "mean, re-based (ms)"),
+    ("restore_chain_deltas", "restore: deltas"),
+    ("restore_chain_s", "restore chain (s)"),
+    ("restore_full_s", "restore full (s)"),
+]
+
+
+def worker_main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--sizes-mb", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--ids", type=int, required=True)
+    ap.add_argument("--max-chain", type=int, required=True)
+    ap.add_argument("--restore-reps", type=int, required=True)
+    ap.add_argument("--fold-ratio", type=float, required=True)
+    ap.add_argument("--fold-max-deltas", type=int, required=True)
+    ap.add_argument("--full-steps", type=int, required=True)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--phases", required=True)
+    worker(ap.parse_args())
 
 
 if __name__ == "__main__":
-    main()
+    worker_main()

@@ -52,32 +52,37 @@ SMOKES: dict[str, Smoke] = {
         ("--dense-mb", "1", "--steps", "4", "--rows", "4096", "--dim", "8", "--ids", "64", "--json", OUT),
         ("tables+dense", "tables+dense_over_tables", "dense_added_mean_ms"),
     ),
+    # the run at two sizes (the doubling comparison), and the tier-level breakdown beside it
     "commit": Smoke(
         (
-            "--sizes-mb",
-            "1,2",
+            "--rows",
+            "4096,8192",
+            "--dim",
+            "8",
             "--ids",
             "64",
             "--steps",
-            "3",
-            "--full-steps",
-            "2",
-            "--max-chain",
-            "2",
-            "--fold-max-deltas",
-            "2",
-            "--restore-reps",
-            "1",
-            "--scaling-commits",
             "4",
-            "--scaling-max-chain",
+            "--phases",
+            "run,breakdown",
+            "--breakdown-mb",
+            "1,2",
+            "--breakdown-ids",
+            "64",
+            "--breakdown-steps",
+            "3",
+            "--breakdown-full-steps",
             "2",
-            "--block",
+            "--breakdown-max-chain",
             "2",
+            "--breakdown-fold-max-deltas",
+            "2",
+            "--breakdown-restore-reps",
+            "1",
             "--json",
             OUT,
         ),
-        ("args", "rows", "scaling"),
+        ("args", "warm", "sizes", "doubling", "targets", "breakdown"),
     ),
     "commit_gpu": Smoke(
         (
@@ -396,6 +401,17 @@ def _lookup_one_gpu(doc: dict) -> None:
     assert len(doc["prefetch"]) == 2 and doc["device"] == "cpu"
 
 
+def _commit(doc: dict) -> None:
+    """The run's figures are there for both sizes (never their values: timings are not asserted)."""
+    assert [s["rows"] for s in doc["sizes"]] == [4096, 8192], doc["sizes"]
+    for s in doc["sizes"]:
+        assert s["baseline"]["steps"] == s["commit"]["steps"] == 4, s
+        assert {"mean_ms", "median_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(s["commit"]), s["commit"]
+        assert s["restore"]["restored_step"] == 3 and s["restore"]["read_chain_s"] is not None, s["restore"]
+    assert [(d["rows_a"], d["rows_b"]) for d in doc["doubling"]] == [(4096, 8192)], doc["doubling"]
+    assert [r["size_mb_per_rank"] for r in doc["breakdown"]["rows"]] == [1, 2], doc["breakdown"]
+
+
 def _commit_gpu(doc: dict) -> None:
     assert doc["capture_path"] == "host" and doc["device"] == "cpu"
     windows = doc["dense_windows"]
@@ -438,6 +454,7 @@ def _teardown(doc: dict) -> None:
 
 
 VERDICTS = {
+    "commit": _commit,
     "drill_matrix": _drill_matrix,
     "drill_recovery": _drill_recovery,
     "lookup": _lookup,
