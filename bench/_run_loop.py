@@ -13,7 +13,9 @@ window). This module is their common loop, so that they measure the same thing t
 * the rows warmed before the clock starts: the bench's ``warm`` touches every row once (an
   ``EmbContext``: every row looked up, which also fills its lazily seeded rows), so that no loop
   pays the first touch of its arena's pages inside its steps (a job that trains has long paid
-  it); the process's resident memory after the warm-up is recorded beside the arena's size;
+  it); then :data:`WARM_STEPS` steps without a commit, so that the process's one-off costs (the
+  first backward, a kernel's first call, the allocator's growth) fall in neither loop (the first
+  loop would pay them alone); the process's resident memory after the warm-up is recorded;
 * ``steps`` steps, each timed from its start to the return of ``lc.commit(step)`` (the baseline:
   the same steps, no commit) with nothing left out: the first base, every base or fold, every wait
   for the background writer falls in the step it delays; after the last step, the wait for the
@@ -31,6 +33,7 @@ window). This module is their common loop, so that they measure the same thing t
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +52,7 @@ from elastic_emb.testing.procs import torchrun_env
 
 NODE = "n0"
 TABLE = "t"
+WARM_STEPS = 2  # untimed steps before the clock, no commit: the process's one-off costs out of both loops
 SUM_ROWS = 1 << 16  # rows per piece of the checksums (float64 pieces, not a copy of the table)
 
 StepFn = Callable[[Lifecycle, int], None]
@@ -158,20 +162,30 @@ def emb_factory(rows: int, dim: int, device: str | torch.device | None = None, t
 
 
 class EmbStep:
-    """One step of the library's loop: ``ids`` random ids (duplicates allowed) looked up, then a
-    gradient of 1e-3 per id applied (row-wise Adagrad). The same seed in every loop: the loops
+    """One step of the library's loop: ``ids`` random ids (duplicates allowed) looked up, then
+    ``middle`` (the rest of the model: called with the looked-up rows, its result returned), then
+    a gradient of 1e-3 per id applied (row-wise Adagrad). The same seed in every loop: the loops
     see the same ids."""
 
-    def __init__(self, rows: int, ids: int, dim: int, device: str | torch.device = "cpu", seed: int = 1) -> None:
-        self.rows, self.ids, self.device = rows, ids, torch.device(device)
+    def __init__(
+        self,
+        rows: int,
+        ids: int,
+        dim: int,
+        device: str | torch.device = "cpu",
+        seed: int = 1,
+        middle: Callable[[torch.Tensor], Any] | None = None,
+    ) -> None:
+        self.rows, self.ids, self.device, self.middle = rows, ids, torch.device(device), middle
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.grads = torch.full((ids, dim), 1e-3, device=self.device)
 
-    def __call__(self, lc: Lifecycle, step: int) -> torch.Tensor:
+    def __call__(self, lc: Lifecycle, step: int) -> Any:
         ids = torch.randint(0, self.rows, (self.ids,), generator=self.gen, device=self.device)
         looked = lc.context.lookup(TABLE, ids).wait(timeout=60)
+        out = looked if self.middle is None else self.middle(looked)
         lc.context.apply_gradients(TABLE, ids, self.grads)
-        return looked
+        return out
 
 
 def look_up_every_row(chunk: int, table: str = TABLE) -> WarmFn:
@@ -230,11 +244,13 @@ def run_loop(
     steps: int,
     commit: bool,
     warm: WarmFn | None = None,
+    warm_steps: int = WARM_STEPS,
     app_state: Mapping | None = None,
     sync: Callable[[], None] = lambda: None,
 ) -> Loop:
-    """Start a lifecycle over ``state_dir``, warm it, run ``steps`` steps (each ended by
-    ``lc.commit(step)`` when ``commit``), wait for the commits in flight, close it.
+    """Start a lifecycle over ``state_dir``, warm it (``warm``, then ``warm_steps`` steps without
+    a commit), run ``steps`` timed steps (each ended by ``lc.commit(step)`` when ``commit``), wait
+    for the commits in flight, close it.
 
     ``sync`` is called after the warm-up and after the drain (``torch.cuda.synchronize`` for a
     context on the GPU: the warm-up's work is not charged to the first step).
@@ -246,11 +262,13 @@ def run_loop(
         t0 = time.perf_counter()
         if warm is not None:
             warm(lc)
+        for s in range(warm_steps):
+            step(lc, s)
         sync()
         warm_s = time.perf_counter() - t0
         rss = rss_bytes()
         times = []
-        for s in range(steps):
+        for s in range(warm_steps, warm_steps + steps):
             t0 = time.perf_counter()
             step(lc, s)
             if commit:
@@ -263,7 +281,7 @@ def run_loop(
         sums = row_sums(lc.context) if commit else None
     finally:
         lc.close()
-    return Loop(name, commit, times, drain_ms, warm_s, rss, steps - 1, sums)
+    return Loop(name, commit, times, drain_ms, warm_s, rss, warm_steps + steps - 1, sums, {"warm_steps": warm_steps})
 
 
 def stats(times_ms: list[float]) -> dict[str, float | int]:
@@ -410,6 +428,109 @@ def restore(
     out.update(read_node_dir_s=node["s"], node_dir_bytes=node["bytes"], node_dir_files=node["pieces"])
     out["restore_over_read_node_dir"] = start_s / node["s"] if node["s"] > 0 else None
     return out
+
+
+def baseline_and_commit(
+    world: OneRank,
+    root: Path,
+    label: str,
+    factory,
+    make_step: Callable[[], StepFn],
+    *,
+    steps: int,
+    warm: WarmFn | None = None,
+    warm_steps: int = WARM_STEPS,
+    sync: Callable[[], None] = lambda: None,
+    progress: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> dict[str, Any]:
+    """The pair every commit bench reports, for one table: the baseline loop, then the commit
+    loop (each with a fresh state directory under ``root`` and a fresh step from ``make_step``),
+    then the restore from the commit loop's state; the state directories removed after.
+
+    Returns:
+        ``baseline`` and ``commit`` (:func:`loop_report`, the commit loop against the baseline)
+        and ``restore`` (:func:`restore`).
+    """
+    dirs = {name: root / f"{name}-{label}" for name in ("baseline", "commit")}
+    try:
+        loops = {}
+        for name in ("baseline", "commit"):
+            loops[name] = run_loop(
+                world,
+                dirs[name],
+                name,
+                factory,
+                make_step(),
+                steps=steps,
+                commit=name == "commit",
+                warm=warm,
+                warm_steps=warm_steps,
+                sync=sync,
+            )
+            t = loops[name].times_ms
+            progress(f"{label}: {name} loop done, mean {statistics.fmean(t):.1f} ms, max {max(t):.1f} ms")
+        rest = restore(world, dirs["commit"], factory, loops["commit"], sync=sync)
+    finally:
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+    return {
+        "baseline": loop_report(loops["baseline"]),
+        "commit": loop_report(loops["commit"], loops["baseline"]),
+        "restore": rest,
+    }
+
+
+STEP_COLUMNS = [
+    ("loop", "loop"),
+    ("mean_ms", "mean (ms)"),
+    ("median_ms", "median (ms)"),
+    ("p99_ms", "p99 (ms)"),
+    ("max_ms", "max (ms)"),
+    ("first_ms", "first (ms)"),
+    ("max_over_median", "max / median"),
+    ("mean_over_baseline", "mean / baseline"),
+    ("drain_ms", "drain (ms)"),
+]
+RESTORE_COLUMNS = [
+    ("restore_s", "restore (s)"),
+    ("restore_phase_s", "of it the restore phase (s)"),
+    ("read_chain_s", "read the chain once (s)"),
+    ("chain_mib", "chain (MiB)"),
+    ("restore_over_read_chain", "restore / chain read"),
+    ("read_node_dir_s", "read the node dir once (s)"),
+    ("node_dir_mib", "node dir (MiB)"),
+    ("restore_over_read_node_dir", "restore / node dir read"),
+]
+
+
+def print_run(results: list[dict], key: tuple[str, str]) -> None:
+    """Print the run's two tables: step times per loop, and the restore with its floors; one
+    row per result (``key``: the result's field that tells them apart, and its heading)."""
+    from _report import table
+
+    print("\nThe run: step times over every step of each loop (the commit loop's first commit is a base)")
+    rows = [{key[0]: r[key[0]], "loop": loop, **r[loop]} for r in results for loop in ("baseline", "commit")]
+    print(table(rows, [key, *STEP_COLUMNS]))
+    print("\nThe restore: Lifecycle.start of fresh objects from the commit loop's last commit, and its floors")
+    rows = [
+        {
+            key[0]: r[key[0]],
+            **r["restore"],
+            "chain_mib": mib(r["restore"]["chain_bytes"]),
+            "node_dir_mib": mib(r["restore"]["node_dir_bytes"]),
+        }
+        for r in results
+    ]
+    print(table(rows, [key, *RESTORE_COLUMNS]))
+
+
+def warm_note(rows_touched: str, warm_steps: int = WARM_STEPS) -> str:
+    """What the output says of the warm-up: ``rows_touched`` (how every row was touched), then
+    the untimed steps."""
+    return (
+        f"before each loop's clock starts: {rows_touched}; then {warm_steps} steps without a commit (the "
+        f"process's one-off costs); so no timed step pays a first touch of the rows"
+    )
 
 
 def mib(nbytes: int | None) -> float | None:

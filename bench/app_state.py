@@ -5,8 +5,9 @@ the default ``LifecycleConfig`` over an ``EmbContext`` (one fp32 table, row-wise
 dense part of ``--dense-mb`` MB of fp32 parameters (square ``nn.Linear`` layers) trained with Adam
 (its gradients set directly: the dense compute is not what is measured). A step: ``--ids`` random
 ids looked up and their gradients applied, the dense Adam step, then ``lc.commit(step)``. Three
-loops of ``--steps`` steps each, in the same process, each with a fresh state directory and every
-row looked up once before its clock starts (bench/_run_loop.py, the loop the commit benches share):
+loops of ``--steps`` steps each, in the same process, each with a fresh state directory, every row
+looked up once and two steps run without a commit before its clock starts (bench/_run_loop.py,
+the loop the commit benches share):
 
 * ``none``: the step, no commit (the baseline);
 * ``tables``: the step, then ``lc.commit(step)`` without app state;

@@ -13,8 +13,8 @@ commit benches share). Per table size, in this process, in this order:
    and deltas) and every file of the node directory, each read once into fresh memory.
 
 Each loop has a fresh state directory under ``--state-dir`` (default /dev/shm) and looks every
-row up once before its clock starts, so neither loop pays the first touch of its arena's pages
-inside its steps. Every step counts: the first commit (a base of the whole table), every fold or
+row up once before its clock starts, then runs two steps without a commit, so neither loop pays
+the first touch of its arena's pages or the process's one-off costs inside its timed steps. Every step counts: the first commit (a base of the whole table), every fold or
 base, every wait for the background writer; the wait for the commits still in flight after the
 last step is reported apart (drain) and in the loop's total.
 
@@ -49,75 +49,37 @@ from _report import table, write_json  # noqa: E402
 from _run_loop import (  # noqa: E402
     EmbStep,
     OneRank,
+    baseline_and_commit,
     check_memory,
     emb_factory,
     env_summary,
     in_memory_fs,
     look_up_every_row,
-    loop_report,
     mib,
-    restore,
-    run_loop,
+    print_run,
     table_bytes,
+    warm_note,
 )
 
 ISSUE_STEPS = 200  # issue 34: a run of at least this many steps
-WARM = (
-    "before each loop's clock starts, every row is looked up once (the step's id count at a time): "
-    "the lazily seeded rows are filled and every page of the arena touched, so no step pays a first touch"
+WARM = warm_note(
+    "every row looked up once, the step's id count at a time (the first lookup fills the lazily seeded "
+    "rows, so every page of the arena is written)"
 )
-
-STEP_COLUMNS = [
-    ("rows", "rows"),
-    ("loop", "loop"),
-    ("mean_ms", "mean (ms)"),
-    ("median_ms", "median (ms)"),
-    ("p99_ms", "p99 (ms)"),
-    ("max_ms", "max (ms)"),
-    ("first_ms", "first (ms)"),
-    ("max_over_median", "max / median"),
-    ("mean_over_baseline", "mean / baseline"),
-    ("drain_ms", "drain (ms)"),
-]
-RESTORE_COLUMNS = [
-    ("rows", "rows"),
-    ("restore_s", "restore (s)"),
-    ("restore_phase_s", "of it the restore phase (s)"),
-    ("read_chain_s", "read the chain once (s)"),
-    ("chain_mib", "chain (MiB)"),
-    ("restore_over_read_chain", "restore / chain read"),
-    ("read_node_dir_s", "read the node dir once (s)"),
-    ("node_dir_mib", "node dir (MiB)"),
-    ("restore_over_read_node_dir", "restore / node dir read"),
-]
 
 
 def measure(args, world: OneRank, root: Path, rows: int) -> dict:
-    """One size: the baseline loop, the commit loop, the restore; each loop's state removed after."""
-    factory = emb_factory(rows, args.dim)
-    warm = look_up_every_row(args.ids)
-    dirs = {name: root / f"{name}-{rows}" for name in ("baseline", "commit")}
-    try:
-        loop = dict(factory=factory, steps=args.steps, warm=warm)
-        base = run_loop(
-            world, dirs["baseline"], "baseline", step=EmbStep(rows, args.ids, args.dim), commit=False, **loop
-        )
-        print(f"rows {rows}: baseline done, mean {sum(base.times_ms) / len(base.times_ms):.1f} ms", flush=True)
-        com = run_loop(world, dirs["commit"], "commit", step=EmbStep(rows, args.ids, args.dim), commit=True, **loop)
-        print(f"rows {rows}: commit loop done, mean {sum(com.times_ms) / len(com.times_ms):.1f} ms", flush=True)
-        rest = restore(world, dirs["commit"], factory, com)
-    finally:
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
-    return {
-        "rows": rows,
-        "dim": args.dim,
-        "ids": args.ids,
-        "table_bytes": table_bytes(rows, args.dim),
-        "baseline": loop_report(base),
-        "commit": loop_report(com, base),
-        "restore": rest,
-    }
+    """One size: the baseline loop, the commit loop, the restore."""
+    pair = baseline_and_commit(
+        world,
+        root,
+        f"rows {rows}",
+        emb_factory(rows, args.dim),
+        lambda: EmbStep(rows, args.ids, args.dim),
+        steps=args.steps,
+        warm=look_up_every_row(args.ids),
+    )
+    return {"rows": rows, "dim": args.dim, "ids": args.ids, "table_bytes": table_bytes(rows, args.dim), **pair}
 
 
 def compare_sizes(sizes: list[dict]) -> list[dict]:
@@ -222,28 +184,7 @@ def main() -> None:
     doubling = compare_sizes(results)
     checks = targets(results, doubling, args.steps)
 
-    print("\nThe run: step times over every step of each loop (the commit loop's first commit is a base)")
-    print(
-        table(
-            [{"rows": r["rows"], "loop": loop, **r[loop]} for r in results for loop in ("baseline", "commit")],
-            STEP_COLUMNS,
-        )
-    )
-    print("\nThe restore: Lifecycle.start of fresh objects from the commit loop's last commit, and its floor")
-    print(
-        table(
-            [
-                {
-                    "rows": r["rows"],
-                    **r["restore"],
-                    "chain_mib": mib(r["restore"]["chain_bytes"]),
-                    "node_dir_mib": mib(r["restore"]["node_dir_bytes"]),
-                }
-                for r in results
-            ],
-            RESTORE_COLUMNS,
-        )
-    )
+    print_run(results, ("rows", "rows"))
     if doubling:
         print("\nBetween sizes (the later over the earlier)")
         print(

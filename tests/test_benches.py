@@ -407,7 +407,8 @@ def _commit(doc: dict) -> None:
     for s in doc["sizes"]:
         assert s["baseline"]["steps"] == s["commit"]["steps"] == 4, s
         assert {"mean_ms", "median_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(s["commit"]), s["commit"]
-        assert s["restore"]["restored_step"] == 3 and s["restore"]["read_chain_s"] is not None, s["restore"]
+        # the last step: two untimed warm-up steps, then the four timed ones
+        assert s["restore"]["restored_step"] == 5 and s["restore"]["read_chain_s"] is not None, s["restore"]
     assert [(d["rows_a"], d["rows_b"]) for d in doc["doubling"]] == [(4096, 8192)], doc["doubling"]
     assert [r["size_mb_per_rank"] for r in doc["breakdown"]["rows"]] == [1, 2], doc["breakdown"]
 
