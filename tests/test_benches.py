@@ -95,34 +95,17 @@ SMOKES: dict[str, Smoke] = {
             "--ids",
             "64",
             "--steps",
-            "3",
-            "--rounds",
-            "1",
-            "--window",
-            "2",
+            "4",
+            "--dense-ms",
+            "0",
+            "--phases",
+            "run,breakdown",
             "--d2h-mib",
             "1",
-            "--min-step-ms",
-            "0",
-            "--latency-commits",
-            "1",
-            "--modes",
-            "none,commit,si,commit@issue,commit@lib,commit@lib+early",
             "--json",
             OUT,
         ),
-        (
-            "dense_windows",
-            "step_none_dense_ms",
-            "commit_full_s",
-            "overhead_device_dense_pct",
-            "overhead_device_dense_lib_pct",
-            "sustained_device_emb_only_gbs",
-            "commit_incremental_dense_ms",
-            "async_latency_ms",
-            "dcp_async_save_blocking_ms",
-            "pinned_d2h_gbs",
-        ),
+        ("args", "baseline", "commit", "restore", "breakdown"),
     ),
     "commit_torchrec": Smoke(
         (
@@ -415,24 +398,10 @@ def _commit(doc: dict) -> None:
 
 def _commit_gpu(doc: dict) -> None:
     assert doc["capture_path"] == "host" and doc["device"] == "cpu"
-    windows = doc["dense_windows"]
-    assert set(windows["modes"]) == {
-        "none",
-        "commit",
-        "si",
-        "none@issue",
-        "commit@issue",
-        "none@lib",
-        "commit@lib",
-        "none@lib+early",
-        "commit@lib+early",
-    }, windows["modes"]
-    assert windows["commit"]["commit_call_parts_ms"].keys() == {
-        "call_views",
-        "call_take",
-        "call_tier_capture",
-        "call_submit",
-    }
+    assert doc["baseline"]["steps"] == doc["commit"]["steps"] == 4, doc
+    assert {"mean_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(doc["commit"]), doc["commit"]
+    assert doc["restore"]["restored_step"] == 5, doc["restore"]  # two warm-up steps, four timed
+    assert {"d2h_gbs", "dcp_async_save_complete_s"} <= set(doc["breakdown"]), doc["breakdown"]
 
 
 def _resize(doc: dict) -> None:
