@@ -108,27 +108,8 @@ SMOKES: dict[str, Smoke] = {
         ("args", "baseline", "commit", "restore", "breakdown"),
     ),
     "commit_torchrec": Smoke(
-        (
-            "--table-mb",
-            "1",
-            "--dim",
-            "8",
-            "--ids",
-            "32",
-            "--steps",
-            "3",
-            "--full-steps",
-            "2",
-            "--warmup",
-            "1",
-            "--reps",
-            "1",
-            "--max-chain",
-            "2",
-            "--json",
-            OUT,
-        ),
-        ("args", "rows", "runs"),
+        ("--table-mb", "1", "--dim", "8", "--ids", "32", "--steps", "4", "--json", OUT),
+        ("args", "baseline", "commit", "restore"),
         needs=("torchrec",),
     ),
     "d2h_overlap": Smoke(
@@ -404,6 +385,12 @@ def _commit_gpu(doc: dict) -> None:
     assert {"d2h_gbs", "dcp_async_save_complete_s"} <= set(doc["breakdown"]), doc["breakdown"]
 
 
+def _commit_torchrec(doc: dict) -> None:
+    assert doc["baseline"]["steps"] == doc["commit"]["steps"] == 4, doc
+    assert {"mean_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(doc["commit"]), doc["commit"]
+    assert doc["restore"]["restored_step"] == 5, doc["restore"]  # two warm-up steps, four timed
+
+
 def _resize(doc: dict) -> None:
     assert set(doc["raw_s"]["elastic_emb"]) == {"scale_up", "scale_down_sigterm", "scale_down_sigkill"}
 
@@ -430,6 +417,7 @@ VERDICTS = {
     "lookup": _lookup,
     "lookup_one_gpu": _lookup_one_gpu,
     "commit_gpu": _commit_gpu,
+    "commit_torchrec": _commit_torchrec,
     "resize": _resize,
     "resize_gpu": _resize_gpu,
     "reshard": _reshard,
