@@ -27,14 +27,20 @@ window). This module is their common loop, so that they measure the same thing t
 * its references (:func:`read_pieces`): the restored commit's chain (its base and deltas, the
   byte ranges a restore must read at least) and every file of the node directory, each read
   once into fresh memory (the first touch of that memory included, as a restore into a fresh
-  arena pays it).
+  arena pays it: the ratio's reference), and the chain once more into memory already touched
+  (the read alone: how much of the floor is the first touch, which on a VM can be most of it);
+* memory: the process's peak resident memory, and the peak of the used bytes of the state
+  directory's filesystem during each loop (sampled once a second by a thread), for planning a
+  larger run.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -94,6 +100,37 @@ def in_memory_fs(path: Path) -> bool:
         default=None,
     )
     return best is not None and best[1] in ("tmpfs", "ramfs")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class FsPeak:
+    """The peak of the used bytes of the filesystem holding ``path`` (its nearest existing
+    folder), sampled every ``every`` seconds by a daemon thread while the ``with`` block runs:
+    on a tmpfs, the memory the state takes (plus whatever else uses that filesystem)."""
+
+    def __init__(self, path: Path, every: float = 1.0) -> None:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        self.path, self.every, self.peak = path, every, shutil.disk_usage(path).used
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-fs-peak", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used)
+
+    def __enter__(self) -> "FsPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.peak = max(self.peak, shutil.disk_usage(self.path).used)
 
 
 class OneRank:
@@ -257,6 +294,13 @@ def run_loop(
     """
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
+    with FsPeak(state_dir) as fs:
+        loop = _run_loop(world, state_dir, name, factory, step, steps, commit, warm, warm_steps, app_state, sync)
+    loop.extra.update(state_fs_used_peak_bytes=fs.peak, peak_rss_bytes=peak_rss_bytes())
+    return loop
+
+
+def _run_loop(world, state_dir, name, factory, step, steps, commit, warm, warm_steps, app_state, sync) -> Loop:
     lc = world.start(state_dir, factory, app_state)
     try:
         t0 = time.perf_counter()
@@ -349,12 +393,15 @@ def chain_pieces(tier, step: int) -> tuple[list[tuple[Path, int, int]], str | No
     return pieces, None
 
 
-def read_pieces(pieces: list[tuple[Path, int, int]]) -> dict[str, float | int]:
-    """Read each ``(file, offset, bytes)`` once into fresh memory; the seconds, bytes, pieces."""
+def read_pieces(pieces: list[tuple[Path, int, int]], into: np.ndarray | None = None) -> dict[str, float | int]:
+    """Read each ``(file, offset, bytes)`` once: into fresh memory (``into`` None: the first touch
+    of that memory included, as a restore into a fresh arena pays it), or into ``into``, a buffer
+    already touched and at least as large as the largest piece (the read alone). The seconds,
+    bytes, pieces."""
     t0 = time.perf_counter()
     total = 0
     for path, offset, nbytes in pieces:
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = np.empty(nbytes, dtype=np.uint8) if into is None else into[:nbytes]
         view = memoryview(buf)
         with open(path, "rb", buffering=0) as fh:
             fh.seek(offset)
@@ -421,12 +468,16 @@ def restore(
         chain = read_pieces(pieces)
         out.update(read_chain_s=chain["s"], chain_bytes=chain["bytes"], chain_pieces=chain["pieces"])
         out["restore_over_read_chain"] = start_s / chain["s"] if chain["s"] > 0 else None
+        touched = np.zeros(max(n for _, _, n in pieces), dtype=np.uint8)  # written: every page resident
+        out["read_chain_touched_s"] = read_pieces(pieces, into=touched)["s"]
+        del touched
     else:
         out.update(read_chain_s=None, chain_bytes=None, chain_pieces=None, restore_over_read_chain=None)
-        out["chain_not_read"] = why
+        out.update(read_chain_touched_s=None, chain_not_read=why)
     node = read_pieces(dir_pieces(world.node_dir(state_dir)))
     out.update(read_node_dir_s=node["s"], node_dir_bytes=node["bytes"], node_dir_files=node["pieces"])
     out["restore_over_read_node_dir"] = start_s / node["s"] if node["s"] > 0 else None
+    out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
@@ -467,8 +518,12 @@ def baseline_and_commit(
                 warm_steps=warm_steps,
                 sync=sync,
             )
-            t = loops[name].times_ms
-            progress(f"{label}: {name} loop done, mean {statistics.fmean(t):.1f} ms, max {max(t):.1f} ms")
+            t, x = loops[name].times_ms, loops[name].extra
+            progress(
+                f"{label}: {name} loop done, mean {statistics.fmean(t):.1f} ms, max {max(t):.1f} ms; peak RSS "
+                f"{x['peak_rss_bytes'] / 2**30:.1f} GiB, state filesystem used at most "
+                f"{x['state_fs_used_peak_bytes'] / 2**30:.1f} GiB"
+            )
         rest = restore(world, dirs["commit"], factory, loops["commit"], sync=sync)
     finally:
         for d in dirs.values():
@@ -495,6 +550,7 @@ RESTORE_COLUMNS = [
     ("restore_s", "restore (s)"),
     ("restore_phase_s", "of it the restore phase (s)"),
     ("read_chain_s", "read the chain once (s)"),
+    ("read_chain_touched_s", "the same into touched memory (s)"),
     ("chain_mib", "chain (MiB)"),
     ("restore_over_read_chain", "restore / chain read"),
     ("read_node_dir_s", "read the node dir once (s)"),
