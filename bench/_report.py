@@ -10,6 +10,9 @@ GPU name when CUDA is available) and the versions (Python, torch, CUDA, NCCL, el
 whatever the bench adds, e.g. etcd's). The bench's own fields are its measurements and
 arguments; it records none of these facts itself.
 
+A bench that prints its figures as a table uses :func:`table` (a Markdown table, the form
+BENCHMARKS.md quotes), so the printed figures and the JSON hold the same numbers.
+
 A bench imports it as ``_report`` after putting its own folder first on ``sys.path``, so it works
 run as a script (``python bench/x.py``) and as a module (``-m bench.x``). Rank processes are
 started and collected with :mod:`elastic_emb.testing.procs`, shared with the tests.
@@ -26,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "write_json"]
+__all__ = ["environment", "table", "write_json"]
 
 
 def _torch_facts() -> dict[str, Any]:
@@ -57,6 +60,36 @@ def _elastic_emb_version() -> str | None:
         return version("elastic-emb")
     except PackageNotFoundError:
         return None
+
+
+def _cell(value: Any, digits: int) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(rows: list[Mapping[str, Any]], columns: list[tuple[str, str]], *, digits: int = 2) -> str:
+    """A Markdown table of ``rows``: one line per row, one column per ``(key, heading)`` of
+    ``columns`` (a missing key or None prints ``-``; floats with ``digits`` decimals; text
+    left-aligned, numbers right-aligned)."""
+    cells = [[_cell(r.get(key), digits) for key, _ in columns] for r in rows]
+    numeric = [
+        all(isinstance(r.get(key), (int, float)) or r.get(key) is None for r in rows) and bool(rows)
+        for key, _ in columns
+    ]
+    widths = [max([3, len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
+
+    def line(values: list[str]) -> str:
+        return "| " + " | ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric)) + " |"
+
+    rule = "| " + " | ".join(("-" * (w - 1) + ":") if n else "-" * w for w, n in zip(widths, numeric)) + " |"
+    return "\n".join([line([h for _, h in columns]), rule, *(line(c) for c in cells)])
 
 
 def environment(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

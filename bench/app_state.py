@@ -5,7 +5,9 @@ the default ``LifecycleConfig`` over an ``EmbContext`` (one fp32 table, row-wise
 dense part of ``--dense-mb`` MB of fp32 parameters (square ``nn.Linear`` layers) trained with Adam
 (its gradients set directly: the dense compute is not what is measured). A step: ``--ids`` random
 ids looked up and their gradients applied, the dense Adam step, then ``lc.commit(step)``. Three
-loops of ``--steps`` steps each, in the same process, each with a fresh state directory:
+loops of ``--steps`` steps each, in the same process, each with a fresh state directory, every row
+looked up once and two steps run without a commit before its clock starts (bench/_run_loop.py,
+the loop the commit benches share):
 
 * ``none``: the step, no commit (the baseline);
 * ``tables``: the step, then ``lc.commit(step)`` without app state;
@@ -25,22 +27,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from _report import write_json  # noqa: E402
-
-from elastic_emb import EmbContext, Lifecycle, LifecycleConfig, OptimizerSpec, TableSpec  # noqa: E402
-from elastic_emb.testing.ports import free_port  # noqa: E402
-from elastic_emb.testing.procs import torchrun_env  # noqa: E402
+from _run_loop import EmbStep, OneRank, emb_factory, look_up_every_row, loop_report, restore, run_loop  # noqa: E402
 
 
 def dense_part(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -55,60 +50,37 @@ def dense_part(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optim
 
 
-def run_loop(args, kind: str, port: int, store, root: Path, gen: int) -> tuple[list[float], dict]:
+def measure(args, kind: str, world: OneRank, root: Path) -> dict:
     state_dir = root / kind.replace("+", "_")
-    env = torchrun_env(
-        0,
-        1,
-        port,
-        run_id="appbench",
-        generation=gen,
-        extra={"ELASTIC_EMB_STATE_DIR": str(state_dir), "ELASTIC_EMB_NODE_ID": "n0"},
-    )
-    table = TableSpec(name="t", num_rows=args.rows, dim=args.dim)
-
-    def factory(topology, st):
-        return EmbContext(topology, st, tables=[table], optimizer=OptimizerSpec(kind="adagrad", lr=0.01), seed=0)
-
+    factory = emb_factory(args.rows, args.dim)
     model, optim = dense_part(args.dense_mb)
     app = {"model": model, "optim": optim} if kind == "tables+dense" else None
-    lc = Lifecycle.start(factory, LifecycleConfig(), env=env, store=store, app_state=app)
-    gen_ids = torch.Generator().manual_seed(1)
-    times = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        ids = torch.randint(0, args.rows, (args.ids,), generator=gen_ids)
-        lc.context.lookup("t", ids).wait(timeout=60)
-        lc.context.apply_gradients("t", ids, torch.full((args.ids, args.dim), 1e-3))
+    emb = EmbStep(args.rows, args.ids, args.dim)
+
+    def step(lc, s):
+        emb(lc, s)
         optim.step()
-        if kind != "none":
-            lc.commit(step)
-        times.append((time.perf_counter() - t0) * 1e3)
-    lc.wait_commit()
-    lc.close()
-    restore = {}
+
+    loop = run_loop(
+        world,
+        state_dir,
+        kind,
+        factory,
+        step,
+        steps=args.steps,
+        commit=kind != "none",
+        warm=look_up_every_row(args.ids),
+        app_state=app,
+    )
+    out = loop_report(loop)
     if kind != "none":
         model2, optim2 = dense_part(args.dense_mb)
         app2 = {"model": model2, "optim": optim2} if app is not None else None
-        t0 = time.perf_counter()
-        env2 = dict(env, ELASTIC_EMB_GENERATION=str(gen + 100))
-        lc2 = Lifecycle.start(factory, LifecycleConfig(), env=env2, store=store, app_state=app2)
-        restore = {"restore_s": round(time.perf_counter() - t0, 3), "restored_step": lc2.step}
+        out.update(restore(world, state_dir, factory, loop, app_state=app2))
         if app2 is not None:
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
-        lc2.close()
     shutil.rmtree(state_dir, ignore_errors=True)
-    return times, restore
-
-
-def stats(times: list[float]) -> dict:
-    s = sorted(times)
-    return {
-        "mean_ms": round(statistics.fmean(s), 2),
-        "median_ms": round(statistics.median(s), 2),
-        "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
-        "max_ms": round(s[-1], 2),
-    }
+    return out
 
 
 def main() -> None:
@@ -124,14 +96,12 @@ def main() -> None:
     if args.steps < 1 or args.dense_mb < 1:
         ap.error("--steps and --dense-mb must be >= 1")
     root = Path(tempfile.mkdtemp(prefix="app-bench-", dir=args.dir))
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=120), use_libuv=True)
+    world = OneRank("appbench")
     out = {}
     try:
-        for gen, kind in enumerate(("none", "tables", "tables+dense")):
-            times, restore = run_loop(args, kind, port, store, root, gen * 1000)
-            out[kind] = {**stats(times), **restore}
-            print(kind, out[kind], flush=True)
+        for kind in ("none", "tables", "tables+dense"):
+            out[kind] = measure(args, kind, world, root)
+            print(kind, {k: round(v, 3) if isinstance(v, float) else v for k, v in out[kind].items()}, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for base in ("none", "tables"):

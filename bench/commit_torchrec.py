@@ -1,59 +1,49 @@
-"""Cost of a commit every step for a TorchRec model: full snapshots against incremental commits.
+"""Commit every step of a TorchRec model through the public API: a whole run against the same run without commits.
 
-Two rank processes (gloo on CPU, each its own "node", so every commit also sends a replica to the
-other), each running a ``Lifecycle`` over :class:`~elastic_emb.adapters.torchrec.TorchRecContext`:
-one ``EmbeddingBagCollection`` table of ``--table-mb`` MB per rank (fp32, ``--dim`` columns),
-row-wise sharded with fbgemm's fused row-wise Adagrad, and a step of ``--ids`` random ids per rank
-(one per sample, the loss the sum of the pooled rows). Modes, each in fresh processes:
+One process, one rank (gloo on the CPU; ``--device cuda``: NCCL on one GPU), as the TorchRec
+example (``elastic_emb/examples/dlrm.py``) runs: ``Lifecycle.start`` with the default
+``LifecycleConfig`` over a :class:`~elastic_emb.adapters.torchrec.TorchRecContext` whose build
+function makes a ``DistributedModelParallel`` of one ``EmbeddingBagCollection`` table of
+``--table-mb`` MB (fp32, ``--dim`` columns), row-wise sharded with fbgemm's fused row-wise
+Adagrad; the adapter's default change tracking (commits are incremental). A step: ``--ids``
+random ids (one per sample), the forward, the loss (the sum of the pooled rows) and its backward,
+which updates the looked-up rows (the fused optimizer).
 
-* ``none``: the step alone (the baseline);
-* ``full``: the step and ``lc.commit(step)`` with ``track_changes=False`` (a full snapshot of the
-  shard, synchronous: what the adapter did before it tracked changes);
-* ``incremental``: the step and ``lc.commit(step)`` with the adapter's change tracking (the
-  default: the rows looked up, committed asynchronously; every ``--max-chain``-th delta folded
-  into a base by its holders in the background);
-* ``rebased``: as ``incremental`` with ``LifecycleConfig(fold=False)``: a full base captured
-  every ``--max-chain + 1``-th commit instead of the folds (what the library did before it folded).
+In this process, as bench/commit.py (bench/_run_loop.py, the loop the commit benches share):
+``baseline`` (``--steps`` steps, default 200, no commit), ``commit`` (the same steps, each ended
+by ``lc.commit(step)``), each with a fresh state directory under ``--state-dir`` (default
+/dev/shm), every row looked up once (a forward without gradients, ``--ids`` rows at a time) and
+two steps run without a commit before its clock starts; then the restore (``Lifecycle.start`` of fresh objects from the last
+commit, checked against the committed rows) beside its floors (the restored chain and the node
+directory, each read once). Reported: mean, median, p99, max and first step, max / median, the
+commit loop's mean over the baseline's, the drain after the last step, the restore. JSON to
+``--json``.
 
-Per mode, ``--steps`` steps (``--full-steps`` for ``full``) after ``--warmup``; the modes run in rotated order ``--reps`` times,
-so the machine's drift hits all of them. Reported per mode: the median step time (the slower
-rank of each step) over all repetitions, the time the commit adds to a step and the overhead
-against ``none``, each the median over the repetitions of the difference (ratio) to that
-repetition's ``none``, the same for the mean step (which holds the steps whose commit is a new
-base, every ``--max-chain + 1``-th, or waits for one), and the median time inside ``commit()``. JSON to ``--json``
-(``--summarize`` prints the summary of a JSON again).
+Earlier versions compared full, incremental and re-based modes in separate processes, by the
+median step of short runs; the run's figures replace them (git history keeps them).
 
-  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --reps 3 --steps 180 --full-steps 36
+  python bench/commit_torchrec.py --table-mb 256 --ids 4096 --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import functools
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from elastic_emb.testing.ports import free_port
-from elastic_emb.testing.procs import collect, start, torchrun_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
 from _report import write_json  # noqa: E402
 
-MODES = ("none", "full", "incremental", "rebased")
-
-
-def measured(args, mode: str) -> int:
-    """Steps measured in ``mode``: the full snapshot's cost is the same every step, so it needs
-    fewer than the incremental modes, whose mean must hold several fold points or bases."""
-    return min(args.steps, args.full_steps) if mode == "full" else args.steps
+TABLE = "t"
+WARM = "every row looked up once (a forward without gradients, the step's id count at a time)"
 
 
 def build(topology, env, device, rows: int, dim: int):
+    """The ``DistributedModelParallel`` of one table, row-wise, fbgemm's fused row-wise Adagrad."""
+    import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -62,15 +52,16 @@ def build(topology, env, device, rows: int, dim: int):
     from torchrec.distributed.types import ShardingPlan
 
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"])],
+        tables=[EmbeddingBagConfig(name=TABLE, embedding_dim=dim, num_embeddings=rows, feature_names=["f"])],
         device=torch.device("meta"),
     )
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
     )
+    # On the CPU the stock planner offers no row-wise plan: ask for it (as the example does).
     plan = construct_module_sharding_plan(
         ebc,
-        {"t": row_wise(compute_kernel="fused")},
+        {TABLE: row_wise(compute_kernel="fused")},
         world_size=topology.world_size,
         device_type=device.type,
         sharder=sharder,
@@ -78,199 +69,84 @@ def build(topology, env, device, rows: int, dim: int):
     return DistributedModelParallel(ebc, env=env, device=device, plan=ShardingPlan({"": plan}), sharders=[sharder])
 
 
-def worker(args) -> None:
-    import functools
-
+def batch(ids):
+    """A KeyedJaggedTensor of one id per sample."""
+    import torch
     from torchrec import KeyedJaggedTensor
 
-    from elastic_emb import Lifecycle, LifecycleConfig
-    from elastic_emb.adapters.torchrec import TorchRecContext
-
-    rows = args.table_mb * 2**20 // (args.dim * 4) * args.world
-    factory = functools.partial(
-        TorchRecContext,
-        build=functools.partial(build, rows=rows, dim=args.dim),
-        dense_table=None,
-        track_changes=args.mode in ("incremental", "rebased"),
-        timeout=120.0,
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=ids, lengths=torch.ones(len(ids), dtype=torch.int64, device=ids.device)
     )
-    lc = Lifecycle.start(factory, LifecycleConfig(max_chain=args.max_chain, fold=args.mode != "rebased"))
-    gen = torch.Generator().manual_seed(lc.topology.rank)
-    steps, commits = [], []
-    for step in range(args.warmup + measured(args, args.mode)):
-        ids = torch.randint(0, rows, (args.ids,), generator=gen)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=["f"], values=ids, lengths=torch.ones(args.ids, dtype=torch.int64)
-        )
-        t0 = time.perf_counter()
-        lc.context.model(kjt).values().sum().backward()
-        t1 = time.perf_counter()
-        if args.mode != "none":
-            lc.commit(step)
-        t2 = time.perf_counter()
-        if step >= args.warmup:
-            steps.append(t2 - t0)
-            commits.append(t2 - t1)
-    lc.close()  # (waits for the commits in flight)
-    print(json.dumps({"steps": steps, "commits": commits, "rows": rows}), flush=True)
-
-
-def launch(args, mode: str, state_dir: str) -> list[dict]:
-    port = free_port()
-    procs = []
-    for rank in range(args.world):
-        # each rank its own node (so every commit also sends a replica)
-        env = torchrun_env(
-            rank,
-            args.world,
-            port,
-            local_world_size=1,
-            run_id=f"bench-{mode}",
-            extra={
-                "ELASTIC_EMB_LOG_LEVEL": "warning",
-                "ELASTIC_EMB_STATE_DIR": os.path.join(state_dir, mode, f"node{rank}"),
-            },
-        )
-        cmd = [
-            "python",
-            __file__,
-            "--worker",
-            "--mode",
-            mode,
-            "--table-mb",
-            str(args.table_mb),
-            "--dim",
-            str(args.dim),
-            "--ids",
-            str(args.ids),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--world",
-            str(args.world),
-            "--max-chain",
-            str(args.max_chain),
-            "--full-steps",
-            str(args.full_steps),
-        ]
-        procs.append(start(cmd, env))
-    try:
-        return collect(procs, args.timeout, f"mode {mode}")
-    finally:
-        shutil.rmtree(os.path.join(state_dir, mode), ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table-mb", type=int, default=256, help="table MB per rank (weights; Adagrad adds 1/dim)")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--ids", type=int, default=4096, help="ids per step per rank")
-    ap.add_argument(
-        "--steps",
-        type=int,
-        default=180,
-        help="measured steps per mode and repetition (a multiple of "
-        "--max-chain + 1: the mean holds bases in their share; "
-        "long enough for several fold points)",
-    )
-    ap.add_argument(
-        "--full-steps",
-        type=int,
-        default=36,
-        help="measured steps of the full mode (each costs a full snapshot: fewer suffice)",
-    )
-    ap.add_argument("--warmup", type=int, default=9)
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of the modes, in rotated order")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--max-chain", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--table-mb", type=int, default=256, help="table MB (weights; the Adagrad slot adds 1/dim)")
+    ap.add_argument("--dim", type=int, default=64, help="columns (fbgemm needs a multiple of 4)")
+    ap.add_argument("--ids", type=int, default=4096, help="random ids per step")
+    ap.add_argument("--steps", type=int, default=200, help="steps per loop (issue 34: at least 200)")
+    ap.add_argument("--state-dir", default="/dev/shm", help="where each loop's fresh state directory is made")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL on one GPU")
     ap.add_argument("--json", default="bench/commit_torchrec.json")
-    ap.add_argument("--summarize", metavar="JSON", help="print the summary of an earlier run's JSON, run nothing")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    if args.summarize:
-        summarize(json.loads(Path(args.summarize).read_text())["runs"])
-        return
-    state_dir = tempfile.mkdtemp(prefix="elastic_emb-bench-commit-torchrec-", dir="/dev/shm")
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for name in ("table_mb", "dim", "ids", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.dim % 4:
+        ap.error(f"--dim={args.dim}: fbgemm's kernels need a multiple of 4")
+    if not Path(args.state_dir).is_dir():
+        ap.error(f"--state-dir={args.state_dir!r} is not a directory: make it, or pass another")
+
+    import torch
+    from _run_loop import OneRank, baseline_and_commit, env_summary, print_run, table_bytes, warm_note
+
+    from elastic_emb.adapters.torchrec import TorchRecContext
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench/commit_torchrec.py --device cuda: no CUDA device; leave --device at cpu")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = args.table_mb * 2**20 // (args.dim * 4)
+    factory = functools.partial(
+        TorchRecContext, build=functools.partial(build, rows=rows, dim=args.dim), dense_table=None, timeout=120.0
+    )
+
+    def make_step():
+        gen = torch.Generator(device=dev).manual_seed(1)  # the same ids in every loop
+
+        def step(lc, s: int) -> None:
+            ids = torch.randint(0, rows, (args.ids,), generator=gen, device=dev)
+            lc.context.model(batch(ids)).values().sum().backward()
+
+        return step
+
+    def warm(lc) -> None:
+        with torch.no_grad():
+            for lo in range(0, rows, args.ids):
+                lc.context.model(batch(torch.arange(lo, min(rows, lo + args.ids), device=dev))).values().sum().item()
+
+    root = Path(tempfile.mkdtemp(prefix="elastic_emb-bench-commit-torchrec-", dir=args.state_dir))
+    world = OneRank("bench", backend="nccl" if cuda else "gloo")
+    out: dict = {
+        "device": str(dev),
+        "rows": rows,
+        "dim": args.dim,
+        "ids": args.ids,
+        "table_bytes": table_bytes(rows, args.dim),
+        "warm": warm_note(WARM),
+        "process": env_summary(),
+        "table": f"{args.table_mb} MB x {args.dim}",
+    }
     try:
-        for rep in range(args.reps):
-            for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
-                ranks = launch(args, mode, state_dir)
-                slowest = [max(r["steps"][i] for r in ranks) for i in range(measured(args, mode))]
-                runs[mode].append(
-                    {
-                        "step_ms": statistics.median(slowest) * 1e3,
-                        "mean_step_ms": statistics.fmean(slowest) * 1e3,
-                        "commit_ms": statistics.median(c for r in ranks for c in r["commits"]) * 1e3,
-                    }
-                )
-                print(
-                    f"rep {rep} {mode}: step {runs[mode][-1]['step_ms']:.2f} ms (mean {runs[mode][-1]['mean_step_ms']:.2f}), "
-                    f"commit call {runs[mode][-1]['commit_ms']:.2f} ms",
-                    flush=True,
-                )
-    finally:
-        shutil.rmtree(state_dir, ignore_errors=True)
-    rows = summarize(runs)
-    write_json(
-        args.json,
-        "commit_torchrec",
-        {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode")}, "rows": rows, "runs": runs},
-    )
-
-
-def summarize(runs: dict[str, list[dict]]) -> list[dict]:
-    """Per mode: the median step, the median commit call, and per repetition the time the
-    commit adds to the step (against that repetition's ``none``) and that as a percentage, as
-    medians over the repetitions. Prints them, and the two modes' ratio of added time."""
-    rows = []
-    for mode in [m for m in MODES if runs.get(m)]:
-        pairs = list(zip(runs[mode], runs["none"]))
-        rows.append(
-            {
-                "mode": mode,
-                "step_ms": statistics.median(r["step_ms"] for r in runs[mode]),
-                "commit_call_ms": statistics.median(r["commit_ms"] for r in runs[mode]),
-                "added_ms": statistics.median(r["step_ms"] - b["step_ms"] for r, b in pairs),
-                "mean_step_ms": statistics.median(r["mean_step_ms"] for r in runs[mode]),
-                "mean_added_ms": statistics.median(r["mean_step_ms"] - b["mean_step_ms"] for r, b in pairs),
-                "overhead_pct": 100 * statistics.median(r["step_ms"] / b["step_ms"] - 1 for r, b in pairs),
-            }
+        out.update(
+            baseline_and_commit(world, root, out["table"], factory, make_step, steps=args.steps, warm=warm, sync=sync)
         )
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
-    full, inc = (next(r for r in rows if r["mode"] == m) for m in ("full", "incremental"))
-
-    def one_in(whole: float, part: float) -> str:  # "1/N", or "-" when the part is lost in the noise
-        return f"1/{whole / part:.0f}" if part > 0 else "-"
-
-    print(
-        f"time a commit adds to a step, incremental / full: {one_in(full['added_ms'], inc['added_ms'])} at the "
-        f"median step, {one_in(full['mean_added_ms'], inc['mean_added_ms'])} in the mean (the folds included)",
-        flush=True,
-    )
-    rebased = next((r for r in rows if r["mode"] == "rebased"), None)
-    if rebased is not None:  # (an earlier run's JSON may lack it)
-        per_rep = [
-            (r["mean_step_ms"] - b["mean_step_ms"]) / (q["mean_step_ms"] - b["mean_step_ms"])
-            for r, q, b in zip(runs["incremental"], runs["rebased"], runs["none"])
-            if q["mean_step_ms"] != b["mean_step_ms"]
-        ]
-        if per_rep:
-            print(
-                f"mean time added, folded / rebased (a base every --max-chain + 1 commits): median per repetition "
-                f"{statistics.median(per_rep):.3f} ({', '.join(f'{x:.3f}' for x in per_rep)})",
-                flush=True,
-            )
-    return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_run([out], ("table", "table"))
+    write_json(args.json, "commit_torchrec", {"args": vars(args), **out})
 
 
 if __name__ == "__main__":
-    import torch
-
     main()

@@ -52,32 +52,37 @@ SMOKES: dict[str, Smoke] = {
         ("--dense-mb", "1", "--steps", "4", "--rows", "4096", "--dim", "8", "--ids", "64", "--json", OUT),
         ("tables+dense", "tables+dense_over_tables", "dense_added_mean_ms"),
     ),
+    # the run at two sizes (the doubling comparison), and the tier-level breakdown beside it
     "commit": Smoke(
         (
-            "--sizes-mb",
-            "1,2",
+            "--rows",
+            "4096,8192",
+            "--dim",
+            "8",
             "--ids",
             "64",
             "--steps",
-            "3",
-            "--full-steps",
-            "2",
-            "--max-chain",
-            "2",
-            "--fold-max-deltas",
-            "2",
-            "--restore-reps",
-            "1",
-            "--scaling-commits",
             "4",
-            "--scaling-max-chain",
+            "--phases",
+            "run,breakdown",
+            "--breakdown-mb",
+            "1,2",
+            "--breakdown-ids",
+            "64",
+            "--breakdown-steps",
+            "3",
+            "--breakdown-full-steps",
             "2",
-            "--block",
+            "--breakdown-max-chain",
             "2",
+            "--breakdown-fold-max-deltas",
+            "2",
+            "--breakdown-restore-reps",
+            "1",
             "--json",
             OUT,
         ),
-        ("args", "rows", "scaling"),
+        ("args", "warm", "sizes", "doubling", "targets", "breakdown"),
     ),
     "commit_gpu": Smoke(
         (
@@ -90,57 +95,21 @@ SMOKES: dict[str, Smoke] = {
             "--ids",
             "64",
             "--steps",
-            "3",
-            "--rounds",
-            "1",
-            "--window",
-            "2",
+            "4",
+            "--dense-ms",
+            "0",
+            "--phases",
+            "run,breakdown",
             "--d2h-mib",
             "1",
-            "--min-step-ms",
-            "0",
-            "--latency-commits",
-            "1",
-            "--modes",
-            "none,commit,si,commit@issue,commit@lib,commit@lib+early",
             "--json",
             OUT,
         ),
-        (
-            "dense_windows",
-            "step_none_dense_ms",
-            "commit_full_s",
-            "overhead_device_dense_pct",
-            "overhead_device_dense_lib_pct",
-            "sustained_device_emb_only_gbs",
-            "commit_incremental_dense_ms",
-            "async_latency_ms",
-            "dcp_async_save_blocking_ms",
-            "pinned_d2h_gbs",
-        ),
+        ("args", "baseline", "commit", "restore", "breakdown"),
     ),
     "commit_torchrec": Smoke(
-        (
-            "--table-mb",
-            "1",
-            "--dim",
-            "8",
-            "--ids",
-            "32",
-            "--steps",
-            "3",
-            "--full-steps",
-            "2",
-            "--warmup",
-            "1",
-            "--reps",
-            "1",
-            "--max-chain",
-            "2",
-            "--json",
-            OUT,
-        ),
-        ("args", "rows", "runs"),
+        ("--table-mb", "1", "--dim", "8", "--ids", "32", "--steps", "4", "--json", OUT),
+        ("args", "baseline", "commit", "restore"),
         needs=("torchrec",),
     ),
     "d2h_overlap": Smoke(
@@ -396,26 +365,30 @@ def _lookup_one_gpu(doc: dict) -> None:
     assert len(doc["prefetch"]) == 2 and doc["device"] == "cpu"
 
 
+def _commit(doc: dict) -> None:
+    """The run's figures are there for both sizes (never their values: timings are not asserted)."""
+    assert [s["rows"] for s in doc["sizes"]] == [4096, 8192], doc["sizes"]
+    for s in doc["sizes"]:
+        assert s["baseline"]["steps"] == s["commit"]["steps"] == 4, s
+        assert {"mean_ms", "median_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(s["commit"]), s["commit"]
+        # the last step: two untimed warm-up steps, then the four timed ones
+        assert s["restore"]["restored_step"] == 5 and s["restore"]["read_chain_s"] is not None, s["restore"]
+    assert [(d["rows_a"], d["rows_b"]) for d in doc["doubling"]] == [(4096, 8192)], doc["doubling"]
+    assert [r["size_mb_per_rank"] for r in doc["breakdown"]["rows"]] == [1, 2], doc["breakdown"]
+
+
 def _commit_gpu(doc: dict) -> None:
     assert doc["capture_path"] == "host" and doc["device"] == "cpu"
-    windows = doc["dense_windows"]
-    assert set(windows["modes"]) == {
-        "none",
-        "commit",
-        "si",
-        "none@issue",
-        "commit@issue",
-        "none@lib",
-        "commit@lib",
-        "none@lib+early",
-        "commit@lib+early",
-    }, windows["modes"]
-    assert windows["commit"]["commit_call_parts_ms"].keys() == {
-        "call_views",
-        "call_take",
-        "call_tier_capture",
-        "call_submit",
-    }
+    assert doc["baseline"]["steps"] == doc["commit"]["steps"] == 4, doc
+    assert {"mean_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(doc["commit"]), doc["commit"]
+    assert doc["restore"]["restored_step"] == 5, doc["restore"]  # two warm-up steps, four timed
+    assert {"d2h_gbs", "dcp_async_save_complete_s"} <= set(doc["breakdown"]), doc["breakdown"]
+
+
+def _commit_torchrec(doc: dict) -> None:
+    assert doc["baseline"]["steps"] == doc["commit"]["steps"] == 4, doc
+    assert {"mean_ms", "p99_ms", "max_ms", "mean_over_baseline"} <= set(doc["commit"]), doc["commit"]
+    assert doc["restore"]["restored_step"] == 5, doc["restore"]  # two warm-up steps, four timed
 
 
 def _resize(doc: dict) -> None:
@@ -438,11 +411,13 @@ def _teardown(doc: dict) -> None:
 
 
 VERDICTS = {
+    "commit": _commit,
     "drill_matrix": _drill_matrix,
     "drill_recovery": _drill_recovery,
     "lookup": _lookup,
     "lookup_one_gpu": _lookup_one_gpu,
     "commit_gpu": _commit_gpu,
+    "commit_torchrec": _commit_torchrec,
     "resize": _resize,
     "resize_gpu": _resize_gpu,
     "reshard": _reshard,
