@@ -297,6 +297,7 @@ class _Mapped:
     def __init__(self, path: Path, size: int, dtype=torch.uint8) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR)
+        self.ident = (os.fstat(self.fd).st_ino, size)  # the file it maps: a file replaced is mapped afresh
         self.tensor = torch.from_file(
             str(path), shared=True, size=size // torch.empty((), dtype=dtype).element_size(), dtype=dtype
         )
@@ -307,6 +308,46 @@ class _Mapped:
     def close(self) -> None:
         self.tensor = None
         os.close(self.fd)
+
+
+def read_delta(path: Path, m: SnapshotManifest) -> dict[str, dict[str, torch.Tensor]]:
+    """A delta's tensors (mapped copy-on-write), every checksum verified first on the checksum
+    threads (a large GPU delta: one thread would bound the applier).
+
+    Args:
+        path: the delta's data file or log segment.
+        m: its manifest.
+
+    Returns:
+        table -> tensor name -> rows (the index included).
+
+    Raises:
+        ChecksumMismatch: if the file or segment range disagrees with the manifest, or a tensor's
+            checksum does not match.
+    """
+    from elastic_emb.state.digest import digest_ranges
+    from elastic_emb.state.shardfile import read_snapshot
+
+    views = read_snapshot(path, m, verify=False)  # (checks the sizes and the segment range)
+    raw = (
+        torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+        if m.data_bytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    at = m.segment_offset if m.segment is not None else 0
+    by_alg: dict[str, list] = {}
+    for rec in m.shards:
+        for tr in rec.tensors:
+            by_alg.setdefault(tr.algorithm, []).append((rec, tr))
+    for alg, items in by_alg.items():
+        got = digest_ranges(raw.numpy(), [(at + tr.offset, tr.nbytes) for _, tr in items], alg)
+        for (rec, tr), value in zip(items, got):
+            if value != tr.crc32:
+                raise ChecksumMismatch(
+                    f"{path}: table {rec.table!r} tensor {tr.name!r} of the delta of step {m.step} does not match its "
+                    f"checksum; the delta is corrupt: it is not applied, delete {path.parent} to drop the commit"
+                )
+    return views
 
 
 def promote(tier, mpath: Path, raw: bytes, m: SnapshotManifest, data: Path) -> SnapshotManifest | None:
@@ -354,7 +395,7 @@ def _swap(tier, mpath: Path, raw: bytes, new: SnapshotManifest) -> bytes | None:
     return text.encode()
 
 
-def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lambda: False) -> int:
+def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lambda: False, maps=None) -> int:
     """Write the deltas of a chain into its base in place and advance the base's mark.
 
     Args:
@@ -363,6 +404,9 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
             to apply (``resolve_chains``).
         cancelled: checked between deltas; when it turns true the apply stops, leaving the manifest
             at ``applying`` (restore replays those deltas).
+        maps: a dict the caller keeps across calls: the base's mappings stay open in it (mapping a
+            large file afresh would fault every page in again at each apply); None: mapped here
+            and closed after.
 
     Returns:
         The deltas written.
@@ -371,8 +415,6 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
         ChecksumMismatch: if the base or a delta is corrupt.
         OSError: on storage errors.
     """
-    from elastic_emb.state.shardfile import read_snapshot
-
     (data, shown), deltas = chain[0], chain[1:]
     if not deltas or shown.data_bytes == 0:
         return 0
@@ -398,8 +440,9 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
     if raw is None:
         return 0
     rows = sum(rec.stop - rec.start for rec in m.shards)
-    base = _Mapped(data, m.data_bytes)
-    hashes = _Mapped(data.with_name(m.row_hashes), rows * 8, torch.int64)
+    own = maps is None
+    maps = {} if own else maps
+    base, hashes = _mapped(maps, data, m.data_bytes), _mapped(maps, data.with_name(m.row_hashes), rows * 8, torch.int64)
     done = 0
     try:
         views = _views(base.tensor, m)
@@ -410,7 +453,7 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
         for path, dm in deltas:
             if cancelled():
                 return done
-            d = read_snapshot(path, dm)  # verified before a byte of it is written
+            d = read_delta(path, dm)  # verified before a byte of it is written
             for table, tensors in d.items():
                 dst = views[table]
                 n = next(iter(dst.values())).shape[0]
@@ -423,7 +466,7 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
                 if not idx.numel():
                     continue
                 for tname, v in dst.items():
-                    v[idx] = tensors[tname]
+                    v.index_copy_(0, idx, tensors[tname])
                 points.reached("apply_half", dm.step)
                 # (a row listed twice by a GPU capture carries the same bytes both times)
                 hashes.tensor[starts[table] + idx] = row_hashes({t: v[idx] for t, v in dst.items()}, idx)
@@ -436,8 +479,28 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
         return done
     finally:
         views = None
-        base.close()
-        hashes.close()
+        if own:
+            close_maps(maps)
+
+
+def _mapped(maps: dict, path: Path, size: int, dtype=torch.uint8) -> _Mapped:
+    """``path`` mapped shared and writable, from ``maps`` while it still maps that very file."""
+    got = maps.get(path)
+    if got is not None:
+        try:
+            if (os.stat(path).st_ino, size) == got.ident:
+                return got
+        except FileNotFoundError:
+            pass
+        maps.pop(path).close()
+    maps[path] = _Mapped(path, size, dtype)
+    return maps[path]
+
+
+def close_maps(maps: dict, keep=()) -> None:
+    """Close the mappings of ``maps`` but those of the paths in ``keep``."""
+    for path in [p for p in maps if p not in keep]:
+        maps.pop(path).close()
 
 
 class Applier:
@@ -445,7 +508,8 @@ class Applier:
 
     Requests queue up; each run takes every queued request and, per chain, writes all its deltas
     after the base's mark up to the newest requested. An apply that fails is logged and changes
-    nothing a restore needs (the chain keeps its deltas; the next request tries again).
+    nothing a restore needs (the chain keeps its deltas; the next request tries again). The bases'
+    mappings stay open between runs (closed once a base is gone, and by :meth:`cancel`).
 
     Args:
         tier: the node's :class:`~elastic_emb.state.snapshot.SnapshotTier`.
@@ -457,10 +521,17 @@ class Applier:
         self.timeout = timeout
         self.applied = 0  # deltas written into bases
         self._cv = threading.Condition()
-        self._queue: list[tuple[int, list[Path]]] = []
+        self._queue: list[tuple[CommitId, list[tuple[int, bool]]]] = []
+        self._running = 0  # commits of the batch under way
         self._busy = False
         self._epoch = 0
+        self._maps: dict[Path, _Mapped] = {}  # the bases' mappings, kept open between runs
         self._thread: threading.Thread | None = None
+
+    def backlog(self) -> int:
+        """The commits handed over and not applied yet (queued, or in the batch under way)."""
+        with self._cv:
+            return len(self._queue) + self._running
 
     def request(self, step: int, commit: CommitId, shards: list[tuple[int, bool]]) -> None:
         """Queue a complete delta commit's shards held here (own and replicas) for applying.
@@ -477,16 +548,37 @@ class Applier:
                 self._thread = threading.Thread(target=self._run, name="elastic_emb-applier", daemon=True)
                 self._thread.start()
 
+    def wait_below(self, count: int, timeout: float) -> bool:
+        """Wait until at most ``count`` commits are not applied yet (back-pressure: what the
+        deltas not applied hold is bounded).
+
+        Args:
+            count: the backlog to wait for.
+            timeout: the most seconds to wait.
+
+        Returns:
+            Whether the backlog came down to ``count``.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(self._queue) + self._running > count and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return len(self._queue) + self._running <= count
+
     def _run(self) -> None:
         from elastic_emb.state.delta import resolve_chains
 
         while True:
             with self._cv:
+                self._running = 0
+                self._cv.notify_all()
                 batch, self._queue, epoch = self._queue, [], self._epoch
                 if not batch or exiting():
+                    self._queue = []
                     self._busy = False
                     self._cv.notify_all()
                     return
+                self._running = len(batch)
 
             def cancelled(epoch=epoch) -> bool:  # cancel() moves the epoch on: this batch stops
                 return self._epoch != epoch or exiting()
@@ -500,16 +592,19 @@ class Applier:
                             newest[key] = max(newest.get(key, commit), commit)
                     chains = resolve_chains(self.tier.manifests())[0]
                     tips = {(c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit): c for c in chains.values()}
+                    bases = {c[0][0] for c in chains.values()}
+                    close_maps(self._maps, keep={p for b in bases for p in (b, b.with_name(hashes_file(b.name)))})
                     for (source, replica), commit in sorted(newest.items()):
                         if cancelled():
                             break
                         chain = tips.get((source, replica, commit))
                         if chain is not None:  # (else pruned, or its chain broken, meanwhile)
-                            done += apply_chain(self.tier, chain, cancelled)
+                            done += apply_chain(self.tier, chain, cancelled, self._maps)
                 if done:
                     self.applied += done
                     log.debug("apply_complete", step=step, deltas=done, seconds=round(time.perf_counter() - t0, 6))
             except Exception as exc:  # nothing lost: the chain keeps its deltas
+                close_maps(self._maps)
                 log.warning(
                     "apply_failed",
                     step=step,
@@ -533,7 +628,8 @@ class Applier:
             return not self._busy
 
     def cancel(self, timeout: float) -> bool:
-        """Drop the queued requests and stop the apply under way at its next delta.
+        """Drop the queued requests, stop the apply under way at its next delta and close the
+        mappings.
 
         Args:
             timeout: the most seconds to wait for the thread.
@@ -545,6 +641,8 @@ class Applier:
             self._epoch += 1
             self._queue = []
         ended = self.wait(timeout)
-        if not ended:
+        if ended:
+            close_maps(self._maps)
+        else:
             log.warning("apply_still_running", seconds=timeout, remedy="it ends at its next delta; nothing is lost")
         return ended

@@ -73,6 +73,8 @@ APPLY_CHAIN_LIMIT = 1 << 20
 # Applying in place, the full prune (which deletes the deltas written into their bases) runs every
 # this many deltas; the prunes between are skipped on every rank alike.
 APPLY_PRUNE_EVERY = 4
+# Applying in place, the most commits the applier may be behind before the writer waits for it.
+APPLY_BACKLOG = 4
 
 
 class RunMarker(BaseModel):
@@ -584,6 +586,16 @@ class SnapshotTier:
         while len(self._unapplied) > self.keep:
             old, shards = self._unapplied.popleft()
             self.applier.request(old.step, old, shards)
+        # Back-pressure: the deltas not applied yet stay on the node (and in the log ring), so
+        # this writer waits (bounded) while the applier is more than APPLY_BACKLOG commits behind.
+        if not self.applier.wait_below(APPLY_BACKLOG, self.applier.timeout):
+            log.warning(
+                "apply_behind",
+                step=commit.step,
+                backlog=self.applier.backlog(),
+                waited_s=self.applier.timeout,
+                remedy="the applier cannot keep up with the commits: commit less often (commit_every) or check the state directory's storage",
+            )
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
         """Write a GPU capture's data file and compute its CRC32s, both on several cores. Returns
