@@ -20,6 +20,7 @@ Design: ``docs/COMMIT.md`` (section "Applying deltas in place").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -395,7 +396,9 @@ def _swap(tier, mpath: Path, raw: bytes, new: SnapshotManifest) -> bytes | None:
     return text.encode()
 
 
-def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lambda: False, maps=None) -> int:
+def apply_chain(
+    tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lambda: False, maps=None, writing=None
+) -> int:
     """Write the deltas of a chain into its base in place and advance the base's mark.
 
     Args:
@@ -407,6 +410,9 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
         maps: a dict the caller keeps across calls: the base's mappings stay open in it (mapping a
             large file afresh would fault every page in again at each apply); None: mapped here
             and closed after.
+        writing: a lock held while the base is written (from the ``applying`` mark to the
+            ``applied`` one): :meth:`Applier.cancel` takes it, so no byte is written into a base
+            once a cancel returned (a restore may read it next).
 
     Returns:
         The deltas written.
@@ -436,6 +442,14 @@ def apply_chain(tier, chain: list[tuple[Path, SnapshotManifest]], cancelled=lamb
         raw = SnapshotManifest.model_validate(m.model_dump()).model_dump_json().encode()
         points.reached("apply_promoted", deltas[-1][1].step)
     target = deltas[-1][1].commit
+    with writing if writing is not None else contextlib.nullcontext():
+        if cancelled():  # (checked under the lock: a cancel that returned is seen here)
+            return 0
+        return _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps)
+
+
+def _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps) -> int:
+    """The writing part of :func:`apply_chain`: the ``applying`` mark, the rows, the ``applied`` mark."""
     raw = _swap(tier, mpath, raw, m.model_copy(update=dict(applying=target)))
     if raw is None:
         return 0
@@ -526,6 +540,7 @@ class Applier:
         self._busy = False
         self._epoch = 0
         self._maps: dict[Path, _Mapped] = {}  # the bases' mappings, kept open between runs
+        self._writing = threading.Lock()  # held while a base is written (apply_chain)
         self._thread: threading.Thread | None = None
 
     def backlog(self) -> int:
@@ -599,7 +614,9 @@ class Applier:
                             break
                         chain = tips.get((source, replica, commit))
                         if chain is not None:  # (else pruned, or its chain broken, meanwhile)
-                            done += apply_chain(self.tier, chain, cancelled, self._maps)
+                            done += apply_chain(self.tier, chain, cancelled, self._maps, self._writing)
+                    if cancelled():
+                        close_maps(self._maps)
                 if done:
                     self.applied += done
                     log.debug("apply_complete", step=step, deltas=done, seconds=round(time.perf_counter() - t0, 6))
@@ -628,21 +645,21 @@ class Applier:
             return not self._busy
 
     def cancel(self, timeout: float) -> bool:
-        """Drop the queued requests, stop the apply under way at its next delta and close the
-        mappings.
+        """Drop the queued requests and stop the apply under way: once this returns, no byte is
+        written into a base any more (a restore may read them next). A run still reading (a base
+        being promoted, which writes no base) ends on its own at its next check.
 
         Args:
-            timeout: the most seconds to wait for the thread.
+            timeout: the most seconds to wait for the write under way (one delta at most).
 
         Returns:
-            Whether no apply runs now.
+            Whether no base is being written now.
         """
         with self._cv:
             self._epoch += 1
             self._queue = []
-        ended = self.wait(timeout)
-        if ended:
-            close_maps(self._maps)
-        else:
-            log.warning("apply_still_running", seconds=timeout, remedy="it ends at its next delta; nothing is lost")
-        return ended
+        if self._writing.acquire(timeout=timeout):
+            self._writing.release()
+            return True
+        log.warning("apply_still_running", seconds=timeout, remedy="it ends at its next delta; nothing is lost")
+        return False
