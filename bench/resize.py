@@ -305,11 +305,13 @@ def _settled(records: list[dict], nodes: tuple[str, ...], ws: int, after: float)
     return True
 
 
-def _reform(records: list[dict], after: float, first: float) -> dict:
+def _reform(records: list[dict], after: float, first: float, last: float | None) -> dict:
     """The survivor's re-form between ``after`` (the fault or the joiner's start) and ``first`` (its
-    first step at the new size): the phases of its ``resized`` line, ``first_step_s`` (that line to
-    the first step's line: the step, and its commit capturing the new world's first base),
-    ``first_commit_s`` (the first step's time in ``commit()``) and the restore's tiers."""
+    first step at the new size; ``last``: its last step at the old size): the phases of its
+    ``resized`` line, ``first_step_s`` (that line to the first step's line: the step, and its
+    commit capturing the new world's first base), ``first_commit_s`` (the first step's time in
+    ``commit()``), ``rest_s`` (the pause less those: for a kill the step that failed and the time
+    to notice, for a join about 0) and the restore's tiers."""
     reformed = [r for r in records if r["ev"] == "reformed" and after < r["t"] <= first]
     if not reformed:
         return {}
@@ -317,6 +319,9 @@ def _reform(records: list[dict], after: float, first: float) -> dict:
     event = line.get("restore") or {}
     out = {k: event.get(k) for k in REFORM_PHASES}
     out["first_step_s"] = first - line["t"]
+    timed = [event.get(k) for k in ("detect_s", "drain_s", "decide_s", "total_s")]
+    if last is not None and None not in timed:
+        out["rest_s"] = (first - last) - sum(timed) - out["first_step_s"]
     step = [r for r in records if r["ev"] == "commit" and r["t"] == first]
     out["first_commit_s"] = ((step[0].get("commit") or {}).get("seconds")) if step else None
     out["source_tiers"] = event.get("source_tiers")
@@ -391,7 +396,7 @@ def readme_sequence(cap: float, conf: str, user_rows: int, kill: str = "node") -
         raw[f"{label}_to_step"] = t - t0
         last = _last_commit_before(mine, 1, t)
         raw[f"{label}_pause"] = None if last is None else t - last
-        phases[label] = _reform(mine, t0, t)
+        phases[label] = _reform(mine, t0, t, last)
         if not settle((SURVIVOR, f"node{n}"), 2, t, label):
             return f"{label}: no complete commit of both ranks at world size 2 within --cap {cap:g} s"
         return None
@@ -420,7 +425,7 @@ def readme_sequence(cap: float, conf: str, user_rows: int, kill: str = "node") -
         raw["kill_to_step"] = t - t0
         last = _last_commit_before(mine, 2, t)
         raw["kill_pause"] = None if last is None else t - last
-        phases["kill"] = _reform(mine, t0, t)
+        phases["kill"] = _reform(mine, t0, t, last)
         if not settle((SURVIVOR,), 1, t, "kill"):
             note = f"kill: no complete commit at world size 1 within --cap {cap:g} s"
         else:
@@ -500,18 +505,36 @@ def main_readme(args) -> None:
         print(
             f"| {labels[m]} | {fmt(st['median'])} | {fmt(st['mean'])} | {fmt(st['p99'])} | {fmt(st['max'])} | {st['n']} |"
         )
-    shown = ("detect_s", "drain_s", "decide_s", "teardown_s", "agreement_s", "construct_s", "restore_s", "first_step_s")
+    shown = (
+        "rest_s",
+        "detect_s",
+        "drain_s",
+        "decide_s",
+        "teardown_s",
+        "agreement_s",
+        "construct_s",
+        "restore_s",
+        "transfer_s",
+        "first_step_s",
+        "first_commit_s",
+    )
     phase_med = {
-        r: {k: med_of([p.get(k) for p in ps if p]) for k in (*REFORM_PHASES, "first_step_s", "first_commit_s")}
+        r: {
+            k: med_of([p.get(k) for p in ps if p]) for k in (*REFORM_PHASES, "rest_s", "first_step_s", "first_commit_s")
+        }
         for r, ps in phases.items()
     }
+    pause_of = {"join": "join_pause", "kill": "kill_pause", "rejoin": "rejoin_pause"}
     print(
-        "\nthe survivor's re-form, median (s): its phases, then its first step at the new size (the first base's capture)"
+        "\nwhere the survivor's pause goes, median (s): rest (the pause less the columns after it: a kill's failed step and "
+        "its detection), the re-form's phases (transfer: inside restore), the first step at the new size "
+        "(first commit: inside it, the new world's first base captured)"
     )
-    print("| resize | " + " | ".join(k[:-2] for k in shown) + " |")
-    print("| --- |" + " ---: |" * len(shown))
+    print("| resize | pause | " + " | ".join(k[:-2] for k in shown) + " |")
+    print("| --- | ---: |" + " ---: |" * len(shown))
     for r in README_RESIZES:
-        print(f"| {r} | " + " | ".join(fmt(phase_med[r][k]) for k in shown) + " |")
+        cells = " | ".join(fmt(phase_med[r][k]) for k in shown)
+        print(f"| {r} | {fmt(summary[pause_of[r]]['median'])} | {cells} |")
     gap_stats = {r: stats(v) for r, v in gaps.items()}
     print(
         "\nlongest step in the 1.5 s after the first at the new size (s), median / max: "
