@@ -72,7 +72,7 @@ from pathlib import Path
 # bench/ (for _report) and the repository root (for tests.helpers), as a script or as -m bench.*
 _BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_BENCH, os.path.dirname(_BENCH)]
-from _report import write_json  # noqa: E402
+from _report import table, write_json  # noqa: E402
 
 from elastic_emb.examples import RECSYS  # noqa: E402
 from elastic_emb.testing.ports import free_port  # noqa: E402
@@ -498,13 +498,10 @@ def main_readme(args) -> None:
         f"\nthe README's example (user table {args.user_rows:,} x {README_DIM} fp32), two agents, in process: "
         f"{done} of {args.runs} runs (s); target <= {README_TARGET_S:g} s"
     )
-    print("| measure | median | mean | p99 | max | runs |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     labels = {**README_MEASURES, "any_join_pause": "either join 1 -> 2: the survivor's pause"}
-    for m, st in summary.items():
-        print(
-            f"| {labels[m]} | {fmt(st['median'])} | {fmt(st['mean'])} | {fmt(st['p99'])} | {fmt(st['max'])} | {st['n']} |"
-        )
+    rows = [{"measure": labels[m], **st} for m, st in summary.items()]
+    cols = [("measure", "measure"), ("median", "median"), ("mean", "mean"), ("p99", "p99"), ("max", "max")]
+    print(table(rows, [*cols, ("n", "runs")], digits=3))
     shown = (
         "rest_s",
         "detect_s",
@@ -530,11 +527,8 @@ def main_readme(args) -> None:
         "its detection), the re-form's phases (transfer: inside restore), the first step at the new size "
         "(first commit: inside it, the new world's first base captured)"
     )
-    print("| resize | pause | " + " | ".join(k[:-2] for k in shown) + " |")
-    print("| --- | ---: |" + " ---: |" * len(shown))
-    for r in README_RESIZES:
-        cells = " | ".join(fmt(phase_med[r][k]) for k in shown)
-        print(f"| {r} | {fmt(summary[pause_of[r]]['median'])} | {cells} |")
+    rows = [{"resize": r, "pause": summary[pause_of[r]]["median"], **phase_med[r]} for r in README_RESIZES]
+    print(table(rows, [("resize", "resize"), ("pause", "pause"), *((k, k[:-2]) for k in shown)], digits=3))
     gap_stats = {r: stats(v) for r, v in gaps.items()}
     print(
         "\nlongest step in the 1.5 s after the first at the new size (s), median / max: "
