@@ -34,14 +34,32 @@ sequence ends there. For the elastic_emb backend each fault is split at the agen
 ``rendezvous_round`` event: agent side (fault to new round) and worker side (round to first
 step: torchrun starting Python, importing torch, agreeing, gloo init).
 
+``--scenario readme`` runs the README's example instead (what ``make demo`` trains:
+``elastic_emb/examples/recsys.py`` under ``run_elastic``, its ``user`` table ``--user-rows`` x 64
+fp32, default 1,048,576 x 64 = 256 MiB, the ``item`` table 4096 x 64, the tower with Adam and the
+sampler as app state; 50 ms steps, ``--step-delay 0.05``) on at most TWO torchrun agents in
+process (``resize=in_process``), each node with its own node id and snapshot directory on
+/dev/shm. Per run: node0 trains alone; node1's agent starts (**join** 1 -> 2); node1 is
+SIGKILLed mid-run, its agent and worker at once (``--kill agent``: the agent alone), once both
+ranks' commits of that world are complete (**kill** 2 -> 1); node2's agent starts (**rejoin**
+1 -> 2 after the kill). Measured on the survivor, node0, from the example's own progress lines
+(``<out>/events/*.jsonl``, read with the drills' ``EventReader`` and mapped onto this bench's
+records): the kill to its next completed step, and for every resize its pause (its last step at
+the old size to its first at the new), with the phases of its re-form (the ``resized`` line:
+detect, drain, decide, teardown, agree, construct, restore) and the first step after it (which
+captures the new world's first base). Median, mean, p99 (= max below 100 runs) and max over the
+runs; targets: kill to next step and join pause <= 0.3 s.
+
     .venv/bin/python -m bench.resize --runs 3 --out out/resize.json
     .venv/bin/python bench/resize.py --runs 1 --backends elastic_emb --cap 30 --out out/resize_smoke.json
+    .venv/bin/python -m bench.resize --scenario readme --runs 3 --out out/resize-readme.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,12 +67,14 @@ import sys
 import tempfile
 import time
 from datetime import datetime
+from pathlib import Path
 
 # bench/ (for _report) and the repository root (for tests.helpers), as a script or as -m bench.*
 _BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_BENCH, os.path.dirname(_BENCH)]
-from _report import write_json  # noqa: E402
+from _report import table, write_json  # noqa: E402
 
+from elastic_emb.examples import RECSYS  # noqa: E402
 from elastic_emb.testing.ports import free_port  # noqa: E402
 from tests.helpers.agents import (  # noqa: E402
     FAST_CONF,
@@ -82,10 +102,11 @@ def _round_after(tmp: str, t: float) -> float | None:
     return None
 
 
-def _until(tmp: str, agents, ws: int, after: float, cap: float) -> float | None:
+def _until(find, cap: float) -> float | None:
+    """Poll ``find()`` every 20 ms until it returns a time, or None after ``cap`` seconds."""
     deadline = time.monotonic() + cap
     while time.monotonic() < deadline:
-        t = first_commit_at(tmp, world_size=ws, after=after)
+        t = find()
         if t is not None:
             return t
         time.sleep(0.02)
@@ -108,17 +129,17 @@ def import_floor() -> float:
     return time.perf_counter() - t
 
 
-def _last_commit_before(tmp: str, ws: int, before: float) -> float | None:
-    times = [r["t"] for r in worker_records(tmp) if r["ev"] == "commit" and r["ws"] == ws and r["t"] <= before]
+def _last_commit_before(records: list[dict], ws: int, before: float) -> float | None:
+    times = [r["t"] for r in records if r["ev"] == "commit" and r["ws"] == ws and r["t"] <= before]
     return max(times) if times else None
 
 
-def _longest_gap(tmp: str, ws: int, t: float, window: float) -> float | None:
+def _longest_gap(records: list[dict], ws: int, t: float, window: float) -> float | None:
     """The longest time between consecutive commits of one rank at world size ``ws`` within
     ``window`` seconds after ``t`` (the first step at the new size): a commit that goes to the
     background after a re-form must not just move the pause to the next steps."""
     per: dict = {}
-    for r in worker_records(tmp):
+    for r in records:
         if r["ev"] == "commit" and r["ws"] == ws and t <= r["t"] <= t + window:
             per.setdefault(r["rank"], []).append(r["t"])
     gaps = [b - a for ts in per.values() for a, b in zip(ts, ts[1:])]
@@ -166,16 +187,16 @@ def sequence(
         time.sleep(1.0)
         t0 = time.time()
         agents.append(start_agent("c", tmp, port, **kw))
-        t = _until(tmp, agents, 3, t0, cap)
+        t = _until(lambda: first_commit_at(tmp, world_size=3, after=t0), cap)
         if t is None:
             return {"results": out, "split": split, "pause": pause, "gap": gap}
         out["scale_up"] = t - t0
-        last = _last_commit_before(tmp, 2, t)
+        last = _last_commit_before(worker_records(tmp), 2, t)
         if last is not None:
             pause["scale_up"] = t - last  # the running workers' pause (a restart: every worker's)
         time.sleep(1.5)
         if mode == "busy":
-            gap["scale_up"] = _longest_gap(tmp, 3, t, 1.5)
+            gap["scale_up"] = _longest_gap(worker_records(tmp), 3, t, 1.5)
         for scenario, victim, sig, ws in (
             ("scale_down_sigterm", agents[2], signal.SIGTERM, 2),
             ("scale_down_sigkill", agents[1], signal.SIGKILL, 1),
@@ -184,11 +205,11 @@ def sequence(
             t0 = victim.signal(sig)
             if worker_pid is not None:
                 os.kill(worker_pid, signal.SIGKILL)  # the whole node: agent and worker
-            t = _until(tmp, agents, ws, t0, cap)
+            t = _until(lambda: first_commit_at(tmp, world_size=ws, after=t0), cap)
             if t is None:
                 break
             out[scenario] = t - t0
-            last = _last_commit_before(tmp, ws + 1, t0)
+            last = _last_commit_before(worker_records(tmp), ws + 1, t0)
             if last is not None:
                 pause[scenario] = t - last
             if backend == "elastic_emb":
@@ -197,18 +218,371 @@ def sequence(
                     split[scenario] = {"agent_s": r - t0, "worker_s": t - r}
             time.sleep(1.5)
             if mode == "busy":
-                gap[scenario] = _longest_gap(tmp, ws, t, 1.5)
+                gap[scenario] = _longest_gap(worker_records(tmp), ws, t, 1.5)
         return {"results": out, "split": split, "pause": pause, "gap": gap}
     finally:
         kill_all(agents, tmp)
         if extra.get("ELASTIC_EMB_STATE_DIR"):
-            import shutil
-
             shutil.rmtree(extra["ELASTIC_EMB_STATE_DIR"], ignore_errors=True)
+
+
+# -- --scenario readme: the README's example on two agents, in process ------------------------------
+
+README_DIM = 64  # columns of the example's tables (fp32): the user table is --user-rows x 64
+README_STEP_S = 0.05  # the example's --step-delay: the 50 ms steps of this bench's other workers
+README_STEPS = 10**6  # the job's steps: more than any run takes (the run ends by killing the agents)
+README_TARGET_S = 0.3  # issue 34: kill to the survivor's next step, and a join's pause
+SURVIVOR = "node0"  # trains from the first step to the last, in one process
+# The figures per run: name -> what it is (the summary's rows, in this order).
+README_MEASURES = {
+    "kill_to_step": "SIGKILL of node1 (2 -> 1) to the survivor's next step",
+    "kill_pause": "SIGKILL: the survivor's last step at 2 to its first at 1",
+    "join_pause": "join 1 -> 2 (node1 starts): the survivor's pause",
+    "rejoin_pause": "join 1 -> 2 after the kill (node2 starts): the survivor's pause",
+    "join_to_step": "join: node1's agent start to the first step at 2",
+    "rejoin_to_step": "rejoin: node2's agent start to the first step at 2",
+}
+README_RESIZES = ("join", "kill", "rejoin")
+# The survivor's re-form, from its ``resized`` line (ResizeEvent, seconds): the caller's phases,
+# then the lifecycle's.
+REFORM_PHASES = (
+    "detect_s",
+    "drain_s",
+    "decide_s",
+    "teardown_s",
+    "agreement_s",
+    "construct_s",
+    "restore_s",
+    "transfer_s",
+    "total_s",
+)
+
+
+class ExampleRecords:
+    """The example's progress lines (``<run>/events/*.jsonl``, ``elastic_emb.examples.loop.Progress``)
+    as this bench's worker records: read as they are written by the drills' ``EventReader``, each
+    line gets ``ev`` (``commit`` for a ``step`` line, ``reformed`` for ``resized``, else its event)
+    and ``ws`` (its world size), so ``_last_commit_before`` and ``_longest_gap`` read them as they
+    read tests/helpers/rdzv_worker.py's.
+
+    Args:
+        run: the example's ``--out`` directory.
+    """
+
+    RENAME = {"step": "commit", "resized": "reformed"}
+
+    def __init__(self, run: Path) -> None:
+        from elastic_emb.drill.orchestrator import EventReader  # imports torch: only this scenario pays
+
+        self.reader = EventReader(run / "events")
+        self.records: list[dict] = []
+
+    def __call__(self, node: str | None = None) -> list[dict]:
+        """Every record so far, in time order; ``node``: only that node's."""
+        new = self.reader.poll()
+        if new:
+            self.records.extend({**e, "ev": self.RENAME.get(e["event"], e["event"]), "ws": e.get("world")} for e in new)
+            self.records.sort(key=lambda r: r["t"])
+        return [r for r in self.records if node is None or r.get("node") == node]
+
+
+def _first_step_at(records: list[dict], ws: int, after: float) -> float | None:
+    times = [r["t"] for r in records if r["ev"] == "commit" and r["ws"] == ws and r["t"] > after]
+    return min(times) if times else None
+
+
+def _settled(records: list[dict], nodes: tuple[str, ...], ws: int, after: float) -> bool:
+    """Whether every node in ``nodes`` has stepped at world size ``ws`` since ``after`` with a
+    complete commit there (its ``committed`` step reaches its first step of that world): the
+    first base of a new world is written in the background, and a kill before it is complete
+    would also measure a restore from the previous world's commit."""
+    for node in nodes:
+        mine = [
+            r for r in records if r.get("node") == node and r["ev"] == "commit" and r["ws"] == ws and r["t"] > after
+        ]
+        if not mine or max(r.get("committed", -1) for r in mine) < min(r["step"] for r in mine):
+            return False
+    return True
+
+
+def _reform(records: list[dict], after: float, first: float, last: float | None) -> dict:
+    """The survivor's re-form between ``after`` (the fault or the joiner's start) and ``first`` (its
+    first step at the new size; ``last``: its last step at the old size): the phases of its
+    ``resized`` line, ``first_step_s`` (that line to the first step's line: the step, and its
+    commit capturing the new world's first base), ``first_commit_s`` (the first step's time in
+    ``commit()``), ``rest_s`` (the pause less those: for a kill the step that failed and the time
+    to notice, for a join about 0) and the restore's tiers."""
+    reformed = [r for r in records if r["ev"] == "reformed" and after < r["t"] <= first]
+    if not reformed:
+        return {}
+    line = reformed[-1]
+    event = line.get("restore") or {}
+    out = {k: event.get(k) for k in REFORM_PHASES}
+    out["first_step_s"] = first - line["t"]
+    timed = [event.get(k) for k in ("detect_s", "drain_s", "decide_s", "total_s")]
+    if last is not None and None not in timed:
+        out["rest_s"] = (first - last) - sum(timed) - out["first_step_s"]
+    step = [r for r in records if r["ev"] == "commit" and r["t"] == first]
+    out["first_commit_s"] = ((step[0].get("commit") or {}).get("seconds")) if step else None
+    out["source_tiers"] = event.get("source_tiers")
+    out["failed_step"] = line.get("failed")
+    return out
+
+
+def readme_sequence(cap: float, conf: str, user_rows: int, kill: str = "node") -> dict:
+    """One run of ``--scenario readme``: join, kill, rejoin (module docstring); returns the
+    figures of :data:`README_MEASURES` (None for any not reached within ``cap`` s), the survivor's
+    re-form phases and the longest step after each resize."""
+    from elastic_emb.drill import procs  # psutil: the drill extra, which the example's runs need anyway
+
+    tmp = tempfile.mkdtemp(prefix="resize-readme-")
+    shm = tempfile.mkdtemp(prefix="resize-readme-", dir="/dev/shm")
+    run = Path(tmp) / "run"
+    records = ExampleRecords(run)
+    port = free_port()
+    agents: list = []
+    raw: dict = {m: None for m in README_MEASURES}
+    phases: dict = {}
+    gap: dict = {}
+    note = None
+
+    def start(n: int):
+        node = f"node{n}"
+        state = os.path.join(shm, node)  # a node's own /dev/shm: no node reads another's snapshots
+        os.makedirs(state)
+        agents.append(
+            start_agent(
+                node,
+                tmp,
+                port,
+                backend="elastic_emb",
+                nnodes="1:2",
+                conf=conf + ",resize=in_process",
+                drain_timeout=10.0,
+                script=str(RECSYS),
+                worker_args=(
+                    "--steps",
+                    str(README_STEPS),
+                    "--out",
+                    str(run),
+                    "--user-rows",
+                    str(user_rows),
+                    "--dim",
+                    str(README_DIM),
+                    "--step-delay",
+                    str(README_STEP_S),
+                ),
+                extra_env={"ELASTIC_EMB_NODE_ID": node, "ELASTIC_EMB_STATE_DIR": state},
+            )
+        )
+
+    def settle(nodes: tuple[str, ...], ws: int, t: float, label: str) -> bool:
+        """Wait (``cap`` s at most) for complete commits of the new world, then for 1.5 s after its
+        first step; record the longest step in those 1.5 s."""
+        if not _until(lambda: True if _settled(records(), nodes, ws, t) else None, cap):
+            return False
+        time.sleep(max(0.0, t + 1.5 - time.time()))
+        gap[label] = _longest_gap([r for r in records() if r.get("node") in nodes], ws, t, 1.5)
+        return True
+
+    def join(label: str, n: int) -> str | None:
+        """Start node ``n`` while the survivor trains alone; None, or what did not happen in time."""
+        t0 = time.time()
+        start(n)
+        t = _until(lambda: _first_step_at(records(SURVIVOR), 2, t0), cap)
+        if t is None:
+            return f"{label}: the survivor took no step at world size 2 within --cap {cap:g} s"
+        mine = records(SURVIVOR)
+        raw[f"{label}_to_step"] = t - t0
+        last = _last_commit_before(mine, 1, t)
+        raw[f"{label}_pause"] = None if last is None else t - last
+        phases[label] = _reform(mine, t0, t, last)
+        if not settle((SURVIVOR, f"node{n}"), 2, t, label):
+            return f"{label}: no complete commit of both ranks at world size 2 within --cap {cap:g} s"
+        return None
+
+    try:
+        start(0)
+        first = wait_for(lambda: _first_step_at(records(SURVIVOR), 1, 0.0), START_WAIT, "node0's first step", agents)
+        wait_for(lambda: _settled(records(), (SURVIVOR,), 1, 0.0), START_WAIT, "node0's first commit", agents)
+        time.sleep(max(0.0, first + 1.0 - time.time()))
+        note = join("join", 1)
+        if note:
+            return {"raw": raw, "phases": phases, "gap": gap, "note": note, "dir": tmp}
+        victim = agents[1]
+        if kill == "node":
+            # collected first: its worker runs in a session of its own, not in the agent's group
+            pids = [victim.pid, *procs.descendants(victim.pid)]
+            t0 = time.time()
+            procs.signal_all(pids, signal.SIGKILL)  # the whole node: agent and worker at once
+        else:
+            t0 = victim.signal(signal.SIGKILL)  # the agent alone: its orphaned worker reports the node dead
+        t = _until(lambda: _first_step_at(records(SURVIVOR), 1, t0), cap)
+        if t is None:
+            note = f"kill: the survivor took no step at world size 1 within --cap {cap:g} s"
+            return {"raw": raw, "phases": phases, "gap": gap, "note": note, "dir": tmp}
+        mine = records(SURVIVOR)
+        raw["kill_to_step"] = t - t0
+        last = _last_commit_before(mine, 2, t)
+        raw["kill_pause"] = None if last is None else t - last
+        phases["kill"] = _reform(mine, t0, t, last)
+        if not settle((SURVIVOR,), 1, t, "kill"):
+            note = f"kill: no complete commit at world size 1 within --cap {cap:g} s"
+        else:
+            note = join("rejoin", 2)
+        return {"raw": raw, "phases": phases, "gap": gap, "note": note, "dir": tmp}
+    finally:
+        workers = {r["pid"] for r in records()}  # a SIGKILLed agent's orphan too (--kill agent)
+        for a in agents:
+            workers.update(procs.descendants(a.pid))
+        procs.signal_all(sorted(workers), signal.SIGKILL)
+        kill_all(agents)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def stats(values: list) -> dict:
+    """Median, mean, p99 (nearest rank: the max below 100 values), max and count of the non-null values."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {"median": None, "mean": None, "p99": None, "max": None, "n": 0}
+    p99 = vals[max(0, -(-99 * len(vals) // 100) - 1)]
+    return {
+        "median": statistics.median(vals),
+        "mean": statistics.fmean(vals),
+        "p99": p99,
+        "max": vals[-1],
+        "n": len(vals),
+    }
+
+
+def med_of(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def main_readme(args) -> None:
+    """``--scenario readme``: run, print the tables, write the JSON."""
+    raw: dict = {m: [] for m in README_MEASURES}
+    phases: dict = {r: [] for r in README_RESIZES}
+    gaps: dict = {r: [] for r in README_RESIZES}
+    notes: list = []
+    loads: list[float] = []
+    dirs: list[str] = []
+    for run in range(args.runs):
+        loads.append(os.getloadavg()[0])
+        try:
+            res = readme_sequence(args.cap, args.conf, args.user_rows, args.kill)
+        except AssertionError as exc:  # a set-up that did not finish: nothing was measured
+            print(f"run {run + 1}/{args.runs} readme: set-up failed, left out ({str(exc).splitlines()[0]})", flush=True)
+            notes.append(f"run {run + 1}: set-up failed: {str(exc).splitlines()[0]}")
+            continue
+        dirs.append(res["dir"])
+        for m in README_MEASURES:
+            raw[m].append(res["raw"][m])
+        for r in README_RESIZES:
+            phases[r].append(res["phases"].get(r))
+            gaps[r].append(res["gap"].get(r))
+        if res["note"]:
+            notes.append(f"run {run + 1}: {res['note']}")
+        print(
+            f"run {run + 1}/{args.runs} readme: "
+            + ", ".join(f"{m}={'-' if v is None else f'{v:.3f}s'}" for m, v in res["raw"].items())
+            + (f" ({res['note']})" if res["note"] else ""),
+            flush=True,
+        )
+    raw["any_join_pause"] = raw["join_pause"] + raw["rejoin_pause"]
+    summary = {m: stats(v) for m, v in raw.items()}
+    done = len(raw["join_pause"])
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print(
+        f"\nthe README's example (user table {args.user_rows:,} x {README_DIM} fp32), two agents, in process: "
+        f"{done} of {args.runs} runs (s); target <= {README_TARGET_S:g} s"
+    )
+    labels = {**README_MEASURES, "any_join_pause": "either join 1 -> 2: the survivor's pause"}
+    rows = [{"measure": labels[m], **st} for m, st in summary.items()]
+    cols = [("measure", "measure"), ("median", "median"), ("mean", "mean"), ("p99", "p99"), ("max", "max")]
+    print(table(rows, [*cols, ("n", "runs")], digits=3))
+    shown = (
+        "rest_s",
+        "detect_s",
+        "drain_s",
+        "decide_s",
+        "teardown_s",
+        "agreement_s",
+        "construct_s",
+        "restore_s",
+        "transfer_s",
+        "first_step_s",
+        "first_commit_s",
+    )
+    phase_med = {
+        r: {
+            k: med_of([p.get(k) for p in ps if p]) for k in (*REFORM_PHASES, "rest_s", "first_step_s", "first_commit_s")
+        }
+        for r, ps in phases.items()
+    }
+    pause_of = {"join": "join_pause", "kill": "kill_pause", "rejoin": "rejoin_pause"}
+    print(
+        "\nwhere the survivor's pause goes, median (s): rest (the pause less the columns after it: a kill's failed step and "
+        "its detection), the re-form's phases (transfer: inside restore), the first step at the new size "
+        "(first commit: inside it, the new world's first base captured)"
+    )
+    rows = [{"resize": r, "pause": summary[pause_of[r]]["median"], **phase_med[r]} for r in README_RESIZES]
+    print(table(rows, [("resize", "resize"), ("pause", "pause"), *((k, k[:-2]) for k in shown)], digits=3))
+    gap_stats = {r: stats(v) for r, v in gaps.items()}
+    print(
+        "\nlongest step in the 1.5 s after the first at the new size (s), median / max: "
+        + ", ".join(f"{r} {fmt(g['median'])} / {fmt(g['max'])}" for r, g in gap_stats.items())
+    )
+    print(f"load average (1 min) at each run's start: {min(loads):.1f}-{max(loads):.1f}")
+    for n in notes:
+        print(f"note: {n}")
+    write_json(
+        args.out,
+        "resize",
+        {
+            "scenario": "readme",
+            "runs": args.runs,
+            "runs_done": done,
+            "example": {
+                "script": os.path.relpath(RECSYS, os.path.dirname(_BENCH)),
+                "user_rows": args.user_rows,
+                "dim": README_DIM,
+                "step_delay_s": README_STEP_S,
+            },
+            "cap_s": args.cap,
+            "kill": args.kill,
+            "conf": args.conf + ",resize=in_process",
+            "target_s": README_TARGET_S,
+            "measures": labels,
+            "raw_s": raw,
+            "summary_s": summary,
+            "reform_phases_raw_s": phases,
+            "reform_phases_median_s": phase_med,
+            "longest_step_after_raw_s": gaps,
+            "longest_step_after_s": gap_stats,
+            "notes": notes,
+            "run_dirs": dirs,
+            "load_avg_1min": loads,
+        },
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--scenario",
+        choices=["sequence", "readme"],
+        default="sequence",
+        help="sequence: scale-up 2 -> 3, SIGTERM, SIGKILL per backend; readme: the README's example on two "
+        "agents in process (join, SIGKILL of a node, rejoin; --backends, --worker, --mode and --table-mb do not apply)",
+    )
+    ap.add_argument(
+        "--user-rows",
+        type=int,
+        default=2**20,
+        help="readme: rows of the example's user table (64 fp32 columns; 1,048,576 = 256 MiB)",
+    )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mode", choices=["busy", "idle"], default="busy", help="workers during the scale-downs")
     ap.add_argument(
@@ -242,6 +616,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.runs < 1:
         ap.error(f"--runs={args.runs} must be >= 1")
+    if args.scenario == "readme":
+        if args.user_rows < 64:
+            ap.error(f"--user-rows={args.user_rows} is too small for a table sharded over two ranks; give >= 64")
+        if args.mode != "busy":
+            ap.error(
+                f"--mode {args.mode} does not apply to --scenario readme (the example steps continuously); drop it"
+            )
+        main_readme(args)
+        return
     backends = args.backends.split(",")
     raw: dict = {b: {s: [] for s in SCENARIOS} for b in backends}
     splits: dict = {s: {"agent_s": [], "worker_s": []} for s in SCENARIOS}

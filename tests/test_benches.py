@@ -7,7 +7,8 @@ and the torchrun benches one short scenario), under a hard timeout, with CUDA hi
 needs CUDA runs its ``--device cpu`` mode (the same loops as far as the CPU allows), and one that
 can do nothing without it (bench/nccl_setup.py) must say so and exit 0. Checked: exit status 0, and
 the JSON report it wrote parses, names the bench, and holds the keys it promises (with the bench's
-own verdicts, where it has one, true).
+own verdicts, where it has one, true). A bench with a second code path of its own gets a second
+smoke run, named after it (``resize-readme``: bench/resize.py ``--scenario readme``).
 
 The scripts run side by side, a few at a time (most of their time is waiting: process starts,
 imports, torchrun agents), so the whole module takes about a minute or two on two cores.
@@ -44,6 +45,7 @@ class Smoke:
     stdout: str | None = None  # text its output must hold
     timeout: float = 150.0
     needs: tuple[str, ...] = field(default=())  # "torchrec", "etcd"
+    script: str | None = None  # the bench/<script>.py it runs; None: the smoke run's own name
 
 
 SMOKES: dict[str, Smoke] = {
@@ -199,6 +201,13 @@ SMOKES: dict[str, Smoke] = {
         ("raw_s", "median_s", "pause_median_s", "import_floor_s"),
         timeout=240.0,
     ),
+    # the README's example on two agents in process (join, SIGKILL of a node, rejoin), a 4096-row table
+    "resize-readme": Smoke(
+        ("--scenario", "readme", "--runs", "1", "--user-rows", "4096", "--cap", "60", "--out", OUT),
+        ("raw_s", "summary_s", "reform_phases_median_s"),
+        timeout=240.0,
+        script="resize",
+    ),
     "resize_gpu": Smoke(
         (
             "--device",
@@ -236,9 +245,14 @@ def bench_scripts() -> list[str]:
     return sorted(p.stem for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 
 
+def script_of(name: str) -> str:
+    """The bench script smoke run ``name`` runs (a bench may have more than one smoke run)."""
+    return SMOKES[name].script or name
+
+
 def test_every_bench_script_has_a_smoke_run():
     """A new bench joins the smoke runs below, or this fails (and a removed one leaves them)."""
-    assert sorted(SMOKES) == bench_scripts()
+    assert sorted({script_of(n) for n in SMOKES}) == bench_scripts()
 
 
 @dataclass
@@ -263,7 +277,7 @@ def run_bench(name: str, out_dir: Path) -> Ran:
     session gets SIGTERM (a drill stops what it started), then SIGKILL."""
     smoke = SMOKES[name]
     report = out_dir / f"{name}.json"
-    argv = [sys.executable, str(BENCH / f"{name}.py"), *(str(report) if a == OUT else a for a in smoke.argv)]
+    argv = [sys.executable, str(BENCH / f"{script_of(name)}.py"), *(str(report) if a == OUT else a for a in smoke.argv)]
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",
@@ -326,21 +340,22 @@ def runs(request, tmp_path_factory) -> dict[str, Future]:
 def test_bench_runs_and_reports(name, runs, tmp_path):
     smoke = SMOKES[name]
     reason = _missing(smoke)
+    script = f"bench/{script_of(name)}.py" + (f" ({name})" if smoke.script else "")
     if reason:
-        pytest.skip(f"bench/{name}.py {reason}")
+        pytest.skip(f"{script} {reason}")
     ran = runs[name].result() if name in runs else run_bench(name, tmp_path)
     tail = ran.output[-6000:]
-    assert ran.returncode is not None, f"bench/{name}.py did not finish within {smoke.timeout:g} s:\n{tail}"
-    assert ran.returncode == 0, f"bench/{name}.py exited {ran.returncode} after {ran.seconds:.0f} s:\n{tail}"
+    assert ran.returncode is not None, f"{script} did not finish within {smoke.timeout:g} s:\n{tail}"
+    assert ran.returncode == 0, f"{script} exited {ran.returncode} after {ran.seconds:.0f} s:\n{tail}"
     if smoke.stdout is not None:
-        assert smoke.stdout in ran.output, f"bench/{name}.py did not say {smoke.stdout!r}:\n{tail}"
+        assert smoke.stdout in ran.output, f"{script} did not say {smoke.stdout!r}:\n{tail}"
     if not smoke.keys:
         return
-    assert ran.report.is_file(), f"bench/{name}.py wrote no report at {ran.report}:\n{tail}"
+    assert ran.report.is_file(), f"{script} wrote no report at {ran.report}:\n{tail}"
     doc = json.loads(ran.report.read_text())
-    assert doc["bench"] == name and {"date", "python", "torch"} <= set(doc["meta"]), doc.get("meta")
+    assert doc["bench"] == script_of(name) and {"date", "python", "torch"} <= set(doc["meta"]), doc.get("meta")
     missing = [k for k in smoke.keys if k not in doc]
-    assert not missing, f"bench/{name}.py's report lacks {missing}; it has {sorted(doc)}"
+    assert not missing, f"{script}'s report lacks {missing}; it has {sorted(doc)}"
     check = VERDICTS.get(name)
     if check is not None:
         check(doc)
@@ -395,6 +410,15 @@ def _resize(doc: dict) -> None:
     assert set(doc["raw_s"]["elastic_emb"]) == {"scale_up", "scale_down_sigterm", "scale_down_sigkill"}
 
 
+def _resize_readme(doc: dict) -> None:
+    # every resize of the run happened (a figure is null when it did not within --cap); no timing is checked
+    assert doc["scenario"] == "readme" and doc["runs_done"] == 1, doc.get("notes")
+    per_run = {m: v for m, v in doc["raw_s"].items() if m != "any_join_pause"}  # that one pools both joins
+    missing = [m for m, v in per_run.items() if len(v) != 1 or v[0] is None]
+    assert not missing, f"no figure for {missing}: {doc['notes']}"
+    assert set(doc["reform_phases_median_s"]) == {"join", "kill", "rejoin"}
+
+
 def _resize_gpu(doc: dict) -> None:
     assert len(doc["runs"]) == 2 and all(r["path_s"] > 0 for r in doc["runs"])
 
@@ -419,6 +443,7 @@ VERDICTS = {
     "commit_gpu": _commit_gpu,
     "commit_torchrec": _commit_torchrec,
     "resize": _resize,
+    "resize-readme": _resize_readme,
     "resize_gpu": _resize_gpu,
     "reshard": _reshard,
     "teardown": _teardown,

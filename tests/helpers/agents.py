@@ -80,13 +80,16 @@ def start_agent(
     worker: str = "plain",
     extra_env: dict | None = None,
     worker_args: tuple[str, ...] = (),
+    script: str = WORKER,
 ) -> Agent:
     """Start one torchrun agent (one worker per node) as a real subprocess.
 
     ``worker``: ``plain`` (an all_reduce per step) or ``lifecycle`` (elastic_emb's Lifecycle over
     an EmbContext, rows verified at every start); see tests/helpers/rdzv_worker.py.
     ``worker_args``: appended to the worker's command line (the worker ignores them; they are
-    part of the job's fingerprint)."""
+    part of the job's fingerprint).
+    ``script``: the training script torchrun runs; default tests/helpers/rdzv_worker.py
+    (bench/resize.py ``--scenario readme`` runs the packaged example with its own arguments)."""
     log_dir = os.path.join(tmp, "workers")
     os.makedirs(log_dir, exist_ok=True)
     rdzv_conf = conf
@@ -126,7 +129,7 @@ def start_agent(
         "--max-restarts=3",
         "--monitor-interval=0.1",
         "--local-addr=127.0.0.1",
-        WORKER,
+        script,
         *worker_args,
     ]
     log_path = os.path.join(tmp, f"agent-{name}.log")
