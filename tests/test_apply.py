@@ -105,6 +105,32 @@ def test_every_commit_after_the_base_is_a_delta_written_into_it_and_restores_exa
     assert raw["step"] == 0 and raw["applied"][0] == 57  # on disk it is still the commit of step 0
 
 
+def test_a_base_written_without_row_hashes_is_promoted_before_its_first_apply(tmp_path, world1):  # noqa: F811
+    """A base written by the older rules (no row hashes: a chain begun with apply off) is read back
+    verified, given its hashes and a mark before the applier writes into it; a kill right after
+    the promotion leaves it restorable, and so does the apply that follows."""
+    topo, comm = world1()
+    tier = SnapshotTier(tmp_path, "unit", "nodeA", replication=0, keep=2, apply=False)
+    tier.fold = False
+    ctx = TrackingContext(topo)
+    ctx.write(list(range(40)), 0.0)
+    _delta_commit(tier, ctx, comm, 0)
+    [(_, base)] = [(p, m) for p, m in tier.manifests() if m.parent is None]
+    assert base.row_hashes is None and base.applied is None
+    tier.apply = True
+    for step in range(1, 6):
+        ctx.write([step, step + 20], float(step + 1))
+        _delta_commit(tier, ctx, comm, step)
+        tier.prune(comm)
+        assert tier.applier.wait(60)
+    [(path, base)] = [(p, m) for p, m in tier.manifests() if m.parent is None]
+    assert base.row_hashes == "rank0.bin.rows" and base.applied.step == 3, base
+    topo2, comm2 = world1()
+    ctx2 = TrackingContext(topo2)
+    assert restore(ctx2, comm2, snapshot=tier, durable=None).step == 5
+    assert torch.equal(ctx2.w, ctx.w) and torch.equal(ctx2.acc, ctx.acc)
+
+
 def test_a_corrupt_row_of_a_mutable_base_is_found_by_its_hash(tmp_path, world1):  # noqa: F811
     """One bit of one row of the base flipped after the applier wrote deltas into it: restore
     names the row and, with no replica, refuses (never reads it silently)."""
@@ -189,8 +215,8 @@ def _base_manifests(node_root, rank):
 def test_a_kill_at_every_point_of_an_apply_restores_the_newest_complete_commit(tmp_path):
     """Two nodes, a replica each, the default config (apply in place, keep 2). Each start trains
     from what the last one left and SIGKILLs both ranks at one point of their appliers, which run
-    beside training: the base promoted (row hashes written, manifest swapped), a delta half
-    written (rank 1 is then writing the replica of rank 0's shard: it applies that one first),
+    beside training: a delta half written (rank 1 is then writing the replica of rank 0's shard:
+    it applies that one first),
     written but the mark not advanced, the mark advanced, and each node at another point. The next
     start restores the newest complete commit, bit for bit against the reference (rows and
     optimizer slots), whatever the kill left. Last, one row of node B's own base is corrupted:
@@ -202,7 +228,6 @@ def test_a_kill_at_every_point_of_an_apply_restores_the_newest_complete_commit(t
     ref = reference(40)
     nodes = {0: tmp_path / "nodes" / "A", 1: tmp_path / "nodes" / "B"}
     kills = [
-        {r: "apply_promoted" for r in (0, 1)},
         {r: "apply_half" for r in (0, 1)},
         {r: "apply_before_mark" for r in (0, 1)},
         {r: "apply_mark_advanced" for r in (0, 1)},
@@ -224,9 +249,8 @@ def test_a_kill_at_every_point_of_an_apply_restores_the_newest_complete_commit(t
                 continue
             bases = _base_manifests(nodes[r], r)  # its own shard's and the replica's
             assert {b["step"] for b in bases} == {restored + 1}, (kill, bases)
-            if where == "apply_promoted":  # (rank 1 applies the replica first: sorted by source rank)
-                assert any(b["row_hashes"] for b in bases), (kill, bases)
-            elif where in ("apply_half", "apply_before_mark"):
+            assert all(b["row_hashes"] for b in bases), (kill, bases)  # born mutable: hashed by the writer
+            if where in ("apply_half", "apply_before_mark"):  # (rank 1 applies the replica first)
                 assert any(b["applying"] and b["applying"][0] >= point for b in bases), (kill, bases)
             else:  # the mark advanced to at least the point
                 assert any(b["applied"] and b["applied"][0] >= point for b in bases), (kill, bases)

@@ -237,7 +237,8 @@ class Committer:
         if background:
             writer = self._writer_for()
             if not on_device:
-                self.wait()  # a host capture names a parent that must be complete
+                if not self.config.apply_in_place:  # (applying in place, a host capture is speculative)
+                    self.wait()  # a host capture names a parent that must be complete
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
                 self.snapshot.fold = False  # GPU deltas land in reused log segments: never folded

@@ -194,8 +194,9 @@ def _records_layout(m: SnapshotManifest) -> list[tuple[str, int, list[tuple[str,
     return out
 
 
-def _views(raw: torch.Tensor, m: SnapshotManifest) -> dict[str, dict[str, torch.Tensor]]:
-    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes (a clone where unaligned)."""
+def _views(raw: torch.Tensor, m) -> dict[str, dict[str, torch.Tensor]]:
+    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes (``m``: its manifest, or
+    anything with its ``shards`` records)."""
     out = {}
     for table, n, tensors in _records_layout(m):
         views = {}
@@ -211,7 +212,38 @@ def _views(raw: torch.Tensor, m: SnapshotManifest) -> dict[str, dict[str, torch.
     return out
 
 
-def _aligned(m: SnapshotManifest) -> bool:
+def base_hashes(blob: torch.Tensor, records, check_only: bool = False) -> torch.Tensor | None:
+    """The per-row hashes of a base packed in ``blob`` (one int64 per row, tables in record
+    order), as the hash file holds them; None when a tensor starts unaligned (such a base is not
+    written in place).
+
+    Args:
+        blob: the base's bytes (uint8, CPU).
+        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list.
+        check_only: only tell whether it can be written in place (an empty tensor, or None).
+    """
+
+    class _M:
+        shards = records
+
+    if not _aligned(_M):
+        return None
+    if check_only:
+        return torch.empty(0, dtype=torch.int64)
+    views = _views(blob, _M)
+    parts = [row_hashes(views[rec.table]) for rec in records]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def write_hashes(path: Path, hashes: torch.Tensor, mode: int) -> None:
+    """Write a hash file and fsync it."""
+    with open_new(path, mode) as f:
+        f.write(memoryview(hashes.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _aligned(m) -> bool:
     """Whether every tensor of a base starts at a multiple of its element size (it can be written
     in place through typed views)."""
     for rec in m.shards:
@@ -226,6 +258,7 @@ def read_base(
     manifest: SnapshotManifest,
     fill: dict | None = None,
     skip: dict[str, torch.Tensor] | None = None,
+    verify: bool = True,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Load a mutable base, mapped copy-on-write, every row checked against its hash.
 
@@ -236,6 +269,7 @@ def read_base(
             destinations (after the check).
         skip: table -> local rows whose hash is not checked (the rows the caller replays from the
             deltas of an interrupted apply, which overwrite them with verified bytes).
+        verify: check the hashes (False: only map and copy).
 
     Returns:
         table -> tensor name -> the shard's rows.
@@ -274,8 +308,7 @@ def read_base(
     for rec in manifest.shards:
         n = rec.stop - rec.start
         tensors = out[rec.table]
-        got = row_hashes(tensors)
-        bad = got != stored[at : at + n]
+        bad = row_hashes(tensors) != stored[at : at + n] if verify else torch.zeros(n, dtype=torch.bool)
         if skip and rec.table in skip and skip[rec.table].numel():
             bad[skip[rec.table]] = False
         if bool(bad.any()):

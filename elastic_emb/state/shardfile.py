@@ -32,13 +32,17 @@ from elastic_emb.state.manifest import (
 from elastic_emb.state.paths import FILE_MODE, open_new
 
 
-def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[list[ShardRecord], torch.Tensor]:
+def pack_shard(
+    shards: dict[str, ShardData], num_rows: dict[str, int], checksums: bool = True
+) -> tuple[list[ShardRecord], torch.Tensor]:
     """Every table's row-wise tensors back to back in one byte buffer, with their records.
 
     Args:
         shards: table -> this rank's shard (tables in name order, tensors in
             :func:`~elastic_emb.state.manifest.tensor_items` order).
         num_rows: table -> rows in the whole table.
+        checksums: compute each tensor's CRC32; False: -1 (a base checked by its per-row hashes
+            instead, :mod:`elastic_emb.state.inplace`, computed by the writer).
 
     Returns:
         ``(records, buffer)``: one :class:`ShardRecord` per table with each tensor's offset,
@@ -57,7 +61,7 @@ def pack_shard(shards: dict[str, ShardData], num_rows: dict[str, int]) -> tuple[
                     row_shape=row_spec(t)[1],
                     offset=off,
                     nbytes=int(b.numel()),
-                    crc32=crc32_of(b.numpy()),
+                    crc32=crc32_of(b.numpy()) if checksums else -1,
                 )
             )
             parts.append(b)
@@ -117,6 +121,10 @@ def read_snapshot(
         ChecksumMismatch: if the file's size or the segment range disagrees with the manifest, or a
             tensor's checksum does not match.
     """
+    if manifest.row_hashes is not None:  # a base written in place: checked row by row (state/inplace.py)
+        from elastic_emb.state.inplace import read_base
+
+        return read_base(path, manifest, fill=fill, verify=verify)
     size = path.stat().st_size if path.exists() else -1
     at = manifest.segment_offset if manifest.segment is not None else 0
     if manifest.segment is not None:  # a log segment holds more than this commit: the range must lie in it

@@ -32,9 +32,9 @@ from elastic_emb.state import points
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
-from elastic_emb.state.crc import write_and_checksum
+from elastic_emb.state.crc import crc32_of, write_and_checksum
 from elastic_emb.state.delta import pack_delta
-from elastic_emb.state.inplace import Applier, present
+from elastic_emb.state.inplace import Applier, base_hashes, hashes_file, present, write_hashes
 from elastic_emb.state.manifest import (
     CommitId,
     ShardRecord,
@@ -329,7 +329,12 @@ class SnapshotTier:
         cap = self.capture(step, shards, comm.topology, num_rows, changes)
         if app is not None or rank_state is not None:
             cap = replace(cap, app=app, rank_state=rank_state)
-        return self.write(cap, comm)
+        try:
+            return self.write(cap, comm)
+        except BaseException:
+            if cap.speculative:
+                self.break_chain()  # the next commit must not name a commit never written
+            raise
 
     def capture(
         self,
@@ -383,8 +388,8 @@ class SnapshotTier:
                 if self.spares is not None and not isinstance(buf, Segment):
                     self.spares.want(int(blob.numel()))
                 cap = Capture(step, topology, records, blob, parent, length, copied, device, buf, True)
-            else:  # a base: the whole shard, copied on the host (first commit, and every max_chain + 1)
-                records, blob = pack_shard(shards, num_rows)
+            else:  # a base: the whole shard, copied on the host (a chain's first commit; re-basing, every max_chain + 1)
+                records, blob = self._pack_base(shards, num_rows)
                 cap = Capture(step, topology, records, blob, None, 0, speculative=True)
             self._chain = (fp, CommitId(step, topology.generation, fp), length)
             return cap
@@ -396,10 +401,35 @@ class SnapshotTier:
             parent = chain[1]
             records, blob, _ = pack_delta(shards, changes, num_rows)
         else:
-            records, blob = pack_shard(shards, num_rows)
-        self._chain = None  # until this commit completes: a failed commit makes the next one a base
+            records, blob = self._pack_base(shards, num_rows)
         length = 0 if parent is None else chain[2] + 1
+        if self.apply:
+            # Speculative, as on the GPU path: the next capture extends this one before it is
+            # written, so the training thread never waits for a base's write; a failed write
+            # breaks the chain (the writer, or commit(), calls break_chain).
+            self._chain = (topology.fingerprint(), CommitId(step, topology.generation, topology.fingerprint()), length)
+            return Capture(step, topology, records, blob, parent, length, speculative=True)
+        self._chain = None  # until this commit completes: a failed commit makes the next one a base
         return Capture(step, topology, records, blob, parent, length, fold=self.fold)
+
+    def _pack_base(self, shards, num_rows):
+        """A base packed on the training thread. Applying in place, its rows are checked by the
+        per-row hashes the writer computes (no CRC32 here), unless a tensor starts unaligned (such
+        a base is not written in place: it keeps its CRC32s)."""
+        records, blob = pack_shard(shards, num_rows, checksums=not self.apply)
+        if self.apply and base_hashes(torch.empty(0, dtype=torch.uint8), records, check_only=True) is None:
+            records = [
+                r.model_copy(
+                    update={
+                        "tensors": [
+                            t.model_copy(update={"crc32": crc32_of(blob[t.offset : t.offset + t.nbytes].numpy())})
+                            for t in r.tensors
+                        ]
+                    }
+                )
+                for r in records
+            ]
+        return records, blob
 
     def break_chain(self) -> None:
         """A commit failed: make the next one a base (it must not name a parent never written)."""
@@ -459,6 +489,9 @@ class SnapshotTier:
                 records, error = self._write_checksummed(cdir, data_name, cap, written)
         else:
             error = self._write(cdir, data_name, blob, written, step)
+        hashed: dict[str, str] = {}  # data file -> its hash file (a base born mutable: inplace.py)
+        if self.apply and parent is None and seg is None and error is None:
+            error = self._write_hashes(cdir, data_name, blob, records, written, step, hashed)
         app_meta = {}
         if cap.app is not None and error is None:  # serialized here, off the training thread
             app_meta, error = self._write_app(cdir, cap.app, written, step)
@@ -500,7 +533,11 @@ class SnapshotTier:
         got = comm.all_to_all(send, recv_sizes) if any(holders.values()) else [None] * comm.size
         replicated = 0
         for r in senders:
-            error = error or self._write(cdir, f"rank{r}.replica.bin", got[r].cpu(), written, step)
+            rname = f"rank{r}.replica.bin"
+            error = error or self._write(cdir, rname, got[r].cpu(), written, step)
+            if self.apply and parent is None and error is None:
+                recs = [ShardRecord(**x) for x in everyone[r]["shards"]]
+                error = self._write_hashes(cdir, rname, got[r].cpu(), recs, written, step, hashed)
             replicated += everyone[r]["bytes"]
         # Data is written on this node; manifests go last (a crash before them leaves no commit).
         if any(holders.values()):  # ... and only once every node has its data
@@ -528,6 +565,7 @@ class SnapshotTier:
             written_at=time.time(),
             segment=seg.name if seg is not None else None,
             **app_meta,
+            **self._mutable(data_name, hashed, step, topo),
         )
         try:
             if seg is not None:
@@ -546,6 +584,7 @@ class SnapshotTier:
                     data_bytes=everyone[r]["bytes"],
                     shards=[ShardRecord(**s) for s in everyone[r]["shards"]],
                     written_at=time.time(),
+                    **self._mutable(f"rank{r}.replica.bin", hashed, step, topo),
                 )
                 self._write_text(cdir / f"rank{r}.replica.json", rep.model_dump_json(), written)
             self._mark_run(step, topo.generation)
@@ -596,6 +635,28 @@ class SnapshotTier:
                 waited_s=self.applier.timeout,
                 remedy="the applier cannot keep up with the commits: commit less often (commit_every) or check the state directory's storage",
             )
+
+    def _write_hashes(self, cdir, data_name, blob, records, written, step, hashed) -> str | None:
+        """Write a base's per-row hashes beside its data file (applying in place, a base is born
+        mutable: no later pass reads it to make it so); None, or why it could not be written."""
+        hashes = base_hashes(blob, records)
+        if hashes is None:  # a tensor starts unaligned: this base is not written in place
+            return None
+        path = cdir / hashes_file(data_name)
+        try:
+            written.append(path)
+            write_hashes(path, hashes, self.file_mode)
+        except OSError as exc:
+            return storage_message(path, int(hashes.numel()) * 8, exc, step)
+        hashed[data_name] = path.name
+        return None
+
+    @staticmethod
+    def _mutable(data_name: str, hashed: dict[str, str], step: int, topo) -> dict:
+        """The manifest fields of a base born mutable (its hash file, its mark: itself)."""
+        if data_name not in hashed:
+            return {}
+        return dict(row_hashes=hashed[data_name], applied=CommitId(step, topo.generation, topo.fingerprint()))
 
     def _write_checksummed(self, cdir: Path, name: str, cap: "Capture", written: list[Path]):
         """Write a GPU capture's data file and compute its CRC32s, both on several cores. Returns
