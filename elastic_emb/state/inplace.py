@@ -345,8 +345,11 @@ class _Mapped:
 
 
 def read_delta(path: Path, m: SnapshotManifest) -> dict[str, dict[str, torch.Tensor]]:
-    """A delta's tensors (mapped copy-on-write), every checksum verified first on the checksum
-    threads (a large GPU delta: one thread would bound the applier).
+    """A delta's tensors, read into memory of its own, every checksum verified first on the
+    checksum threads (a large GPU delta: one thread would bound the applier).
+
+    Read, not mapped: mapping a small file privately costs more than reading it, and the applier
+    reads every delta once.
 
     Args:
         path: the delta's data file or log segment.
@@ -360,28 +363,50 @@ def read_delta(path: Path, m: SnapshotManifest) -> dict[str, dict[str, torch.Ten
             checksum does not match.
     """
     from elastic_emb.state.digest import digest_ranges
-    from elastic_emb.state.shardfile import read_snapshot
 
-    views = read_snapshot(path, m, verify=False)  # (checks the sizes and the segment range)
-    raw = (
-        torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
-        if m.data_bytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
     at = m.segment_offset if m.segment is not None else 0
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if (m.segment is not None and at + m.data_bytes > size) or (m.segment is None and size != m.data_bytes):
+            raise ChecksumMismatch(
+                f"{path}: {size} bytes on disk do not hold the delta of step {m.step} ({m.data_bytes} bytes at "
+                f"{at}); the commit is damaged or foreign: delete {path.parent}"
+            )
+        buf = bytearray(m.data_bytes)
+        f.seek(at)
+        view, got = memoryview(buf), 0
+        while got < m.data_bytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ChecksumMismatch(f"{path}: ended after {got} of {m.data_bytes} bytes; the delta is damaged")
+            got += n
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if m.data_bytes else torch.empty(0, dtype=torch.uint8)
     by_alg: dict[str, list] = {}
     for rec in m.shards:
         for tr in rec.tensors:
+            if tr.offset + tr.nbytes > m.data_bytes:
+                raise ChecksumMismatch(f"{path}: tensor {tr.name!r} lies outside the delta of step {m.step}")
             by_alg.setdefault(tr.algorithm, []).append((rec, tr))
     for alg, items in by_alg.items():
-        got = digest_ranges(raw.numpy(), [(at + tr.offset, tr.nbytes) for _, tr in items], alg)
-        for (rec, tr), value in zip(items, got):
+        values = digest_ranges(raw.numpy(), [(tr.offset, tr.nbytes) for _, tr in items], alg)
+        for (rec, tr), value in zip(items, values):
             if value != tr.crc32:
                 raise ChecksumMismatch(
                     f"{path}: table {rec.table!r} tensor {tr.name!r} of the delta of step {m.step} does not match its "
                     f"checksum; the delta is corrupt: it is not applied, delete {path.parent} to drop the commit"
                 )
-    return views
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for rec in m.shards:
+        tensors = {}
+        for tr in rec.tensors:
+            rb = row_bytes([tr.dtype, tr.row_shape])
+            b = raw[tr.offset : tr.offset + tr.nbytes]
+            dtype = getattr(torch, tr.dtype)
+            if tr.offset % torch.empty((), dtype=dtype).element_size():
+                b = b.clone()  # a view needs an aligned offset (tensors of mixed element sizes)
+            tensors[tr.name] = b.view(dtype).reshape(tr.nbytes // rb if rb else 0, *tr.row_shape)
+        out[rec.table] = tensors
+    return out
 
 
 def promote(tier, mpath: Path, raw: bytes, m: SnapshotManifest, data: Path) -> SnapshotManifest | None:
@@ -515,8 +540,9 @@ def _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps) ->
                 for tname, v in dst.items():
                     v.index_copy_(0, idx, tensors[tname])
                 points.reached("apply_half", dm.step)
-                # (a row listed twice by a GPU capture carries the same bytes both times)
-                hashes.tensor[starts[table] + idx] = row_hashes({t: v[idx] for t, v in dst.items()}, idx)
+                # The hashes of the rows as written: the delta's own bytes (a row listed twice by a
+                # GPU capture carries the same bytes both times).
+                hashes.tensor[starts[table] + idx] = row_hashes({t: tensors[t] for t in dst}, idx)
             done += 1
         base.sync()
         hashes.sync()
