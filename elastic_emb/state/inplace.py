@@ -1,19 +1,10 @@
 """Deltas written into their chain's base in place, in the background: no fold, no new base.
 
-After a chain's base, every commit is a delta, for the whole life of the chain. Each holder's
-:class:`Applier` writes the deltas it holds (its own shard's and the replicas') into the base's
-data file in place, rows overwritten by the full new values the delta carries (never
-increments, so writing a delta twice is harmless), and then advances the base's mark
-(``applied``): the base now stands for that commit, and the deltas up to the mark are released
-(prune deletes them; a log segment comes free with its manifest). Restore reads the base once and
-replays the deltas after its mark.
-
-Checksums. A tensor-wide checksum would have to be recomputed over the whole shard after every
-apply. So a mutable base carries one 64-bit hash per row (:func:`row_hashes`, a file beside the
-data file), which the applier updates for the rows it writes. A kill in the middle of an apply
-leaves some rows of the deltas being written (and their hashes) at either value; the manifest then
-says ``applying``, and restore skips the hash check for exactly the rows it replays from those
-deltas (they are overwritten with verified bytes). Every other row is checked.
+Each holder's :class:`Applier` writes the deltas it holds into the base's data file in place (the
+full new rows: writing one twice is harmless) and advances the base's mark (``applied``): the
+base then stands for that commit and the deltas up to it are released. A mutable base is checked
+by one 64-bit hash per row (:func:`row_hashes`, a file beside it), which the applier updates for
+the rows it writes; ``applying`` tells restore which rows a kill may have torn (it replays those).
 
 Design: ``docs/COMMIT.md`` (section "Applying deltas in place").
 """
@@ -127,17 +118,38 @@ def row_hashes(tensors: dict[str, torch.Tensor], numbers: int | torch.Tensor = 0
 
 
 def hashes_file(data_file: str) -> str:
-    """The name of a mutable base's per-row hash file, from its data file's name."""
+    """The name of a mutable base's per-row hash file.
+
+    Args:
+        data_file: the base's data file name.
+
+    Returns:
+        ``<data_file>.rows``.
+    """
     return data_file + HASHES_SUFFIX
 
 
 def manifest_name(m: SnapshotManifest) -> str:
-    """The file name of a manifest in its commit directory."""
+    """The file name of a manifest in its commit directory.
+
+    Args:
+        m: the manifest.
+
+    Returns:
+        ``rank<r>.json`` or ``rank<r>.replica.json``.
+    """
     return f"rank{m.source_rank}{'.replica' if m.replica else ''}.json"
 
 
 def mark_of(m: SnapshotManifest) -> CommitId:
-    """The commit a base stands for: its own, or the newest delta written into it."""
+    """The commit a base stands for.
+
+    Args:
+        m: the base's manifest as written.
+
+    Returns:
+        Its own commit, or the newest delta written into it.
+    """
     return m.applied if m.applied is not None else m.commit
 
 
@@ -221,6 +233,9 @@ def base_hashes(blob: torch.Tensor, records, check_only: bool = False) -> torch.
         blob: the base's bytes (uint8, CPU).
         records: its :class:`~elastic_emb.state.manifest.ShardRecord` list.
         check_only: only tell whether it can be written in place (an empty tensor, or None).
+
+    Returns:
+        The hashes (int64), an empty tensor (``check_only``), or None.
     """
 
     class _M:
@@ -236,7 +251,13 @@ def base_hashes(blob: torch.Tensor, records, check_only: bool = False) -> torch.
 
 
 def write_hashes(path: Path, hashes: torch.Tensor, mode: int) -> None:
-    """Write a hash file and fsync it."""
+    """Write a hash file and fsync it.
+
+    Args:
+        path: the file (created or truncated).
+        hashes: the int64 hashes.
+        mode: its permissions.
+    """
     with open_new(path, mode) as f:
         f.write(memoryview(hashes.numpy()))
         f.flush()
@@ -571,7 +592,12 @@ def _mapped(maps: dict, path: Path, size: int, dtype=torch.uint8) -> _Mapped:
 
 
 def close_maps(maps: dict, keep=()) -> None:
-    """Close the mappings of ``maps`` but those of the paths in ``keep``."""
+    """Close mappings.
+
+    Args:
+        maps: path -> mapping (:func:`apply_chain`'s cache); the closed ones are removed.
+        keep: the paths whose mappings stay open.
+    """
     for path in [p for p in maps if p not in keep]:
         maps.pop(path).close()
 
@@ -603,7 +629,11 @@ class Applier:
         self._thread: threading.Thread | None = None
 
     def backlog(self) -> int:
-        """The commits handed over and not applied yet (queued, or in the batch under way)."""
+        """The commits handed over and not applied yet.
+
+        Returns:
+            The commits queued, plus those of the batch under way.
+        """
         with self._cv:
             return len(self._queue) + self._running
 
