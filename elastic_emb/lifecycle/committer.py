@@ -139,15 +139,6 @@ class Committer:
                 raise
         return self.step
 
-    def _raise_failed(self, writer) -> None:
-        """Raise the error of a background write that failed, as :meth:`wait` does, without
-        waiting for the commits still in flight."""
-        try:
-            writer.raise_failed()
-        except BaseException:
-            self.step = max(self._before_in_flight, writer.committed_step)
-            raise
-
     # -- commits -----------------------------------------------------------------------------
 
     def due(self, step: int, *, forced: bool) -> CommitReport | None:
@@ -246,12 +237,7 @@ class Committer:
         if background:
             writer = self._writer_for()
             if not on_device:
-                if self.config.apply_in_place:
-                    # A host capture is speculative (it names a parent still being written): only a
-                    # write already failed is raised first, so this capture is a base then.
-                    self._raise_failed(writer)
-                else:
-                    self.wait()  # a host capture names a parent that must be complete
+                self.wait()  # a host capture names a parent that must be complete
             elif self._device is None:
                 self._device = DeviceCapture(ctx.device, buffers=COMMIT_DEPTH, timeout=self.config.transfer_timeout)
                 self.snapshot.fold = False  # GPU deltas land in reused log segments: never folded

@@ -403,12 +403,6 @@ class SnapshotTier:
         else:
             records, blob = self._pack_base(shards, num_rows)
         length = 0 if parent is None else chain[2] + 1
-        if self.apply:
-            # Speculative, as on the GPU path: the next capture extends this one before it is
-            # written, so the training thread never waits for a base's write; a failed write
-            # breaks the chain (the writer, or commit(), calls break_chain).
-            self._chain = (topology.fingerprint(), CommitId(step, topology.generation, topology.fingerprint()), length)
-            return Capture(step, topology, records, blob, parent, length, speculative=True)
         self._chain = None  # until this commit completes: a failed commit makes the next one a base
         return Capture(step, topology, records, blob, parent, length, fold=self.fold)
 

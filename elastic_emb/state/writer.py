@@ -233,15 +233,6 @@ class CommitWriter:
             )
         return oldest
 
-    def raise_failed(self) -> None:
-        """Raise the error of a write that failed, if any, without waiting for anything (the tier's
-        chain is then broken, so a capture made next is a base).
-
-        Raises:
-            Exception: that error.
-        """
-        self._wait_until(lambda: True, "nothing")
-
     def wait(self, timeout: float | None = None) -> int:
         """Block until no commit is in flight.
 
