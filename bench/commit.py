@@ -9,8 +9,9 @@ commit benches share). Per table size, in this process, in this order:
 1. ``baseline``: ``--steps`` steps, no commit;
 2. ``commit``: the same steps (the same ids), each ended by ``lc.commit(step)``;
 3. the restore: ``Lifecycle.start`` of fresh objects from the commit loop's last commit, checked
-   against the rows that loop left; beside it, its floor: the restored commit's chain (its base
-   and deltas) and every file of the node directory, each read once into fresh memory.
+   against the rows that loop left; after each, its floors: the restored commit's chain (its base
+   and deltas) and every file of the node directory, each read once into fresh memory, and the
+   chain again into memory already touched (the read alone); ``--restore-reps`` times (medians).
 
 Each loop has a fresh state directory under ``--state-dir`` (default /dev/shm) and looks every
 row up once before its clock starts, then runs two steps without a commit, so neither loop pays
@@ -78,6 +79,7 @@ def measure(args, world: OneRank, root: Path, rows: int) -> dict:
         lambda: EmbStep(rows, args.ids, args.dim),
         steps=args.steps,
         warm=look_up_every_row(args.ids),
+        restore_reps=args.restore_reps,
     )
     return {"rows": rows, "dim": args.dim, "ids": args.ids, "table_bytes": table_bytes(rows, args.dim), **pair}
 
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=16384, help="random ids per step")
     ap.add_argument("--steps", type=int, default=ISSUE_STEPS, help="steps per loop (issue 34: at least 200)")
+    ap.add_argument("--restore-reps", type=int, default=3, help="restores (each followed by its floors' reads)")
     ap.add_argument("--state-dir", default="/dev/shm", help="where each loop's fresh state directory is made")
     ap.add_argument("--phases", default="run", help="run, and optionally breakdown (tier-level, not a run figure)")
     _commit_breakdown.add_arguments(ap)
@@ -146,7 +149,13 @@ def main() -> None:
         sizes = [int(x) for x in args.rows.split(",")]
     except ValueError:
         ap.error(f"--rows={args.rows!r}: comma-separated whole numbers of rows, e.g. 8388608,16777216")
-    for name, value in (("rows", min(sizes)), ("dim", args.dim), ("ids", args.ids), ("steps", args.steps)):
+    for name, value in (
+        ("rows", min(sizes)),
+        ("dim", args.dim),
+        ("ids", args.ids),
+        ("steps", args.steps),
+        ("restore-reps", args.restore_reps),
+    ):
         if value < 1:
             ap.error(f"--{name}={value} must be >= 1")
     phases = args.phases.split(",")
