@@ -24,7 +24,10 @@ window). This module is their common loop, so that they measure the same thing t
 * the restore (:func:`restore`): ``Lifecycle.start`` of fresh objects (a new context) from the
   commit loop's last commit, checked against the rows that loop left (float64 sums of every row
   and slot, taken in the same order), :data:`RESTORE_REPS` times, each followed by its floors'
-  reads (medians reported, and every value);
+  reads (medians reported, and every value); before each of the restore and the reads into
+  fresh memory, as much memory as the node directory holds is touched and freed, untimed
+  (:func:`touch_and_free`: on a VM that hands idle memory back to its host, a first touch
+  otherwise costs whatever the host's state makes it, 0.2 to 8 s for 2 GiB here);
 * its references (:func:`read_pieces`): the restored commit's chain (its base and deltas, the
   byte ranges a restore must read at least) and every file of the node directory, each read
   once into fresh memory (the first touch of that memory included, as a restore into a fresh
@@ -426,6 +429,35 @@ def dir_pieces(root: Path) -> list[tuple[Path, int, int]]:
 RESTORE_REPS = 3  # restores (each followed by the reads of its floors): medians, on a machine whose load drifts
 
 
+def touch_and_free(nbytes: int) -> None:
+    """Write ``nbytes`` of fresh memory, then free it: the next allocation of that size finds its
+    pages in this machine's free lists. A VM that hands idle free memory back to its host (free
+    page reporting) makes a later first touch cost far more than a bare-metal host's page zeroing
+    (:func:`first_touch_probe`); touching and freeing just before a timed allocation takes that
+    back out, for the restore and its floors alike."""
+    if nbytes > 0:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf.fill(0)
+        del buf
+
+
+def first_touch_probe(nbytes: int, idle_s: float = 5.0) -> dict[str, float]:
+    """What a first touch of ``nbytes`` costs on this machine: into memory freed ``idle_s``
+    seconds before (a VM may have handed it back to its host meanwhile) and into memory freed
+    just before. Seconds each, and their ratio."""
+
+    def fill() -> float:
+        t0 = time.perf_counter()
+        touch_and_free(nbytes)
+        return time.perf_counter() - t0
+
+    fill()
+    time.sleep(idle_s)
+    after_idle = fill()
+    reused = fill()
+    return {"bytes": nbytes, "idle_s": idle_s, "after_idle_s": after_idle, "reused_s": reused}
+
+
 def restore_once(world: OneRank, state_dir: Path, factory, loop: Loop, app_state, sync) -> tuple[float, Any, list]:
     """One timed ``Lifecycle.start`` of fresh objects over ``loop``'s state, checked; its seconds,
     start event and the restored chain's pieces (or the reason they are not known)."""
@@ -459,7 +491,8 @@ def restore(
     """``reps`` times: ``Lifecycle.start`` of fresh objects over the state ``loop`` committed,
     timed and checked against the rows ``loop`` left (SystemExit naming what differs), then its
     floors read: the chain into fresh memory, the chain into touched memory, the node directory
-    into fresh memory. ``app_state`` is loaded by every restore.
+    into fresh memory; memory touched and freed, untimed, before the restore and each read into
+    fresh memory (:func:`touch_and_free`). ``app_state`` is loaded by every restore.
 
     Returns:
         Medians over the repetitions (every value in ``reps``): ``restore_s`` (the whole
@@ -474,7 +507,10 @@ def restore(
     }
     runs.update(read_chain_touched_s=[], read_node_dir_s=[])
     out: dict[str, Any] = {}
+    node_dir = world.node_dir(state_dir)
     for _ in range(reps):
+        prime = sum(n for _, _, n in dir_pieces(node_dir))  # at least the arena and the chain
+        touch_and_free(prime)
         start_s, ev, (pieces, why) = restore_once(world, state_dir, factory, loop, app_state, sync)
         for key, value in (
             ("restore_s", start_s),
@@ -485,6 +521,7 @@ def restore(
             runs[key].append(value)
         out.update(restored_step=ev.restored_step, bytes_local=ev.bytes_local, source_tiers=ev.source_tiers)
         if pieces:
+            touch_and_free(prime)
             chain = read_pieces(pieces)
             runs["read_chain_s"].append(chain["s"])
             out.update(chain_bytes=chain["bytes"], chain_pieces=chain["pieces"])
@@ -493,7 +530,8 @@ def restore(
             del touched
         else:
             out.update(chain_bytes=None, chain_pieces=None, chain_not_read=why)
-        node = read_pieces(dir_pieces(world.node_dir(state_dir)))
+        touch_and_free(prime)
+        node = read_pieces(dir_pieces(node_dir))
         runs["read_node_dir_s"].append(node["s"])
         out.update(node_dir_bytes=node["bytes"], node_dir_files=node["pieces"])
     for key, values in runs.items():

@@ -54,6 +54,7 @@ from _run_loop import (  # noqa: E402
     check_memory,
     emb_factory,
     env_summary,
+    first_touch_probe,
     in_memory_fs,
     look_up_every_row,
     mib,
@@ -179,6 +180,13 @@ def main() -> None:
                 f"needs about {3 * tb / 2**30:.1f} GiB there (three bases): pass another --state-dir or fewer rows"
             )
     print(WARM, flush=True)
+    probe = first_touch_probe(table_bytes(max(sizes), args.dim))
+    print(
+        f"first touch of {mib(probe['bytes']):.0f} MiB on this machine: {probe['after_idle_s']:.2f} s into memory "
+        f"freed {probe['idle_s']:g} s before, {probe['reused_s']:.2f} s into memory freed just before (a VM may hand "
+        f"idle memory back to its host: the commits' large buffers pay that; the restore's comparison does not)",
+        flush=True,
+    )
     root = Path(tempfile.mkdtemp(prefix="elastic_emb-bench-commit-", dir=state_root))
     world = OneRank("bench")
     results: list[dict] = []
@@ -222,6 +230,7 @@ def main() -> None:
             "args": vars(args),
             "warm": WARM,
             "process": env_summary(),
+            "first_touch": probe,
             "sizes": results,
             "doubling": doubling,
             "targets": checks,
