@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -89,6 +90,18 @@ def available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (a timeout's, a smoke test's) raises SystemExit in the main thread, so the bench's
+    ``finally`` blocks close the lifecycle and remove its state directories: a killed run would
+    otherwise leave gigabytes in /dev/shm. The lifecycle then installs no SIGTERM handler of its
+    own (it never replaces one it did not install), which changes nothing a run measures."""
+
+    def stop(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def in_memory_fs(path: Path) -> bool:

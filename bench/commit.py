@@ -54,6 +54,7 @@ from _run_loop import (  # noqa: E402
     check_memory,
     emb_factory,
     env_summary,
+    exit_on_sigterm,
     first_touch_probe,
     in_memory_fs,
     look_up_every_row,
@@ -146,6 +147,7 @@ def main() -> None:
     _commit_breakdown.add_arguments(ap)
     ap.add_argument("--json", default="bench/commit.json")
     args = ap.parse_args()
+    exit_on_sigterm()
     try:
         sizes = [int(x) for x in args.rows.split(",")]
     except ValueError:

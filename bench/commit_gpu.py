@@ -122,12 +122,14 @@ def main() -> None:
         baseline_and_commit,
         emb_factory,
         env_summary,
+        exit_on_sigterm,
         look_up_every_row,
         print_run,
         table_bytes,
         warm_note,
     )
 
+    exit_on_sigterm()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench/commit_gpu.py: no CUDA device; --device cpu runs the smoke run on the CPU")
