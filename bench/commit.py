@@ -12,12 +12,21 @@ commit benches share). Per table size, in this process, in this order:
    against the rows that loop left; after each, its floors: the restored commit's chain (its base
    and deltas) and every file of the node directory, each read once into fresh memory, and the
    chain again into memory already touched (the read alone); ``--restore-reps`` times (medians).
+   Before the restore and each read into fresh memory, as much memory is touched and freed,
+   untimed, so that neither pays what this machine charges for memory left idle (below).
 
 Each loop has a fresh state directory under ``--state-dir`` (default /dev/shm) and looks every
 row up once before its clock starts, then runs two steps without a commit, so neither loop pays
-the first touch of its arena's pages or the process's one-off costs inside its timed steps. Every step counts: the first commit (a base of the whole table), every fold or
-base, every wait for the background writer; the wait for the commits still in flight after the
-last step is reported apart (drain) and in the loop's total.
+the first touch of its arena's pages or the process's one-off costs inside its timed steps.
+Every step counts: the first commit (a base of the whole table), every fold or base, every wait
+for the background writer; the wait for the commits still in flight after the last step is
+reported apart (drain) and in the loop's total.
+
+Before the runs, a probe: the first touch of as much memory as the largest table, into memory
+freed 5 s before and into memory freed just before. A VM that hands idle memory back to its host
+(this project's CPU VM does) charges the first for seconds where a bare-metal host zeroes pages;
+the commit loop's own large buffers (a base's copy, a fold's) pay that as a job's would here, so
+the probe is reported beside the run to read its spikes by.
 
 Reported per size and loop: mean, median, p99, max and first step (ms), max / median, and the
 commit loop's mean, median and p99 over the baseline's; the restore (the whole
