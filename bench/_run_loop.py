@@ -387,27 +387,29 @@ def loop_report(loop: Loop, baseline: Loop | None = None) -> dict[str, Any]:
 
 
 def chain_pieces(tier, step: int) -> tuple[list[tuple[Path, int, int]], str | None]:
-    """The byte ranges ``(file, offset, bytes)`` of this node's own copy of commit ``step`` and
-    its ancestors (base and deltas), plus its app state file: what a restore of it must read at
-    least. ``([], reason)`` when the node does not hold that chain whole."""
+    """The byte ranges ``(file, offset, bytes)`` a restore of this node's own copy of commit
+    ``step`` reads, by the library's own rules: its chain as restore resolves it (a base written
+    in place stands for the newest delta in it, whose predecessors it no longer needs), each
+    commit's data, a mutable base's per-row hash file, and the commit's app state file.
+    ``([], reason)`` when the node does not hold that chain whole."""
+    from elastic_emb.state.delta import resolve_chains
+    from elastic_emb.state.inplace import present
     from elastic_emb.state.manifest import commit_dirname
 
-    held = {m.commit: (path, m) for path, m in tier.manifests() if not m.replica}
-    tops = [c for c in held if c.step == step]
+    chains, _ = resolve_chains(present([(p, m) for p, m in tier.manifests() if not m.replica]))
+    tops = [chain for chain in chains.values() if chain[-1][1].step == step]
     if len(tops) != 1:
-        return [], f"{len(tops)} commits of step {step} held in {tier.node_dir}"
-    top = held[tops[0]][1]
+        return [], f"{len(tops)} chains for step {step} in {tier.node_dir}"
     pieces = []
-    if top.app_file:
-        cdir = tier.node_dir / commit_dirname(top.step, top.fingerprint)
-        pieces.append((cdir / top.app_file, 0, top.app_bytes))
-    cur = tops[0]
-    while cur is not None:
-        if cur not in held:
-            return [], f"commit {cur} of the chain of step {step} is not held in {tier.node_dir}"
-        path, m = held[cur]
+    for path, m in tops[0]:
         pieces.append((path, m.segment_offset if m.segment else 0, m.data_bytes))
-        cur = m.parent
+        if m.row_hashes:
+            hashes = path.parent / m.row_hashes
+            pieces.append((hashes, 0, hashes.stat().st_size))
+    top = tops[0][-1][1]
+    app = tier.node_dir / commit_dirname(top.step, top.fingerprint) / (top.app_file or "")
+    if top.app_file and app.is_file():
+        pieces.append((app, 0, app.stat().st_size))
     return pieces, None
 
 
