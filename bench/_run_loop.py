@@ -17,8 +17,9 @@ window). This module is their common loop, so that they measure the same thing t
   first backward, a kernel's first call, the allocator's growth) fall in neither loop (the first
   loop would pay them alone); the process's resident memory after the warm-up is recorded;
 * ``steps`` steps, each timed from its start to the return of ``lc.commit(step)`` (the baseline:
-  the same steps, no commit) with nothing left out: the first base, every base or fold, every wait
-  for the background writer falls in the step it delays; after the last step, the wait for the
+  the same steps, no commit) with nothing left out: the first base and whatever periodic work the
+  commit path does (a base, a fold, a write of deltas into their base), every wait for the
+  background writer, falls in the step it delays; after the last step, the wait for the
   commits still in flight (``lc.wait_commit()``) is timed apart (``drain_ms``) and counted in
   ``total_s``;
 * the restore (:func:`restore`): ``Lifecycle.start`` of fresh objects (a new context) from the

@@ -18,14 +18,15 @@ commit benches share). Per table size, in this process, in this order:
 Each loop has a fresh state directory under ``--state-dir`` (default /dev/shm) and looks every
 row up once before its clock starts, then runs two steps without a commit, so neither loop pays
 the first touch of its arena's pages or the process's one-off costs inside its timed steps.
-Every step counts: the first commit (a base of the whole table), every fold or base, every wait
-for the background writer; the wait for the commits still in flight after the last step is
-reported apart (drain) and in the loop's total.
+Every step counts: the first commit (a base of the whole table), whatever periodic work the commit
+path does (a base, a fold, a write of deltas into their base: ``docs/COMMIT.md``) and every wait
+for the background writer fall in the steps they delay; the wait for the commits still in flight
+after the last step is reported apart (drain) and in the loop's total.
 
 Before the runs, a probe: the first touch of as much memory as the largest table, into memory
 freed 5 s before and into memory freed just before. A VM that hands idle memory back to its host
 (this project's CPU VM does) charges the first for seconds where a bare-metal host zeroes pages;
-the commit loop's own large buffers (a base's copy, a fold's) pay that as a job's would here, so
+the commit loop's own large buffers (a base's copy, say) pay that as a job's would here, so
 the probe is reported beside the run to read its spikes by.
 
 Reported per size and loop: mean, median, p99, max and first step (ms), max / median, and the
