@@ -17,13 +17,18 @@ window). This module is their common loop, so that they measure the same thing t
   first backward, a kernel's first call, the allocator's growth) fall in neither loop (the first
   loop would pay them alone); the process's resident memory after the warm-up is recorded;
 * ``steps`` steps, each timed from its start to the return of ``lc.commit(step)`` (the baseline:
-  the same steps, no commit) with nothing left out: the first base, every base or fold, every wait
-  for the background writer falls in the step it delays; after the last step, the wait for the
+  the same steps, no commit) with nothing left out: the first base and whatever periodic work the
+  commit path does (a base, a fold, a write of deltas into their base), every wait for the
+  background writer, falls in the step it delays; after the last step, the wait for the
   commits still in flight (``lc.wait_commit()``) is timed apart (``drain_ms``) and counted in
   ``total_s``;
 * the restore (:func:`restore`): ``Lifecycle.start`` of fresh objects (a new context) from the
   commit loop's last commit, checked against the rows that loop left (float64 sums of every row
-  and slot, taken in the same order);
+  and slot, taken in the same order), :data:`RESTORE_REPS` times, each followed by its floors'
+  reads (medians reported, and every value); before each of the restore and the reads into
+  fresh memory, as much memory as the node directory holds is touched and freed, untimed
+  (:func:`touch_and_free`: on a VM that hands idle memory back to its host, a first touch
+  otherwise costs whatever the host's state makes it, 0.2 to 8 s for 2 GiB here);
 * its references (:func:`read_pieces`): the restored commit's chain (its base and deltas, the
   byte ranges a restore must read at least) and every file of the node directory, each read
   once into fresh memory (the first touch of that memory included, as a restore into a fresh
@@ -39,6 +44,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -85,6 +91,18 @@ def available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (a timeout's, a smoke test's) raises SystemExit in the main thread, so the bench's
+    ``finally`` blocks close the lifecycle and remove its state directories: a killed run would
+    otherwise leave gigabytes in /dev/shm. The lifecycle then installs no SIGTERM handler of its
+    own (it never replaces one it did not install), which changes nothing a run measures."""
+
+    def stop(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def in_memory_fs(path: Path) -> bool:
@@ -355,6 +373,7 @@ def loop_report(loop: Loop, baseline: Loop | None = None) -> dict[str, Any]:
         "warm_s": loop.warm_s,
         "rss_after_warm_bytes": loop.rss_after_warm,
         **loop.extra,
+        "times_ms": [round(t, 3) for t in loop.times_ms],  # every timed step, in order
     }
     if baseline is not None:
         b = stats(baseline.times_ms)
@@ -369,27 +388,29 @@ def loop_report(loop: Loop, baseline: Loop | None = None) -> dict[str, Any]:
 
 
 def chain_pieces(tier, step: int) -> tuple[list[tuple[Path, int, int]], str | None]:
-    """The byte ranges ``(file, offset, bytes)`` of this node's own copy of commit ``step`` and
-    its ancestors (base and deltas), plus its app state file: what a restore of it must read at
-    least. ``([], reason)`` when the node does not hold that chain whole."""
+    """The byte ranges ``(file, offset, bytes)`` a restore of this node's own copy of commit
+    ``step`` reads, by the library's own rules: its chain as restore resolves it (a base written
+    in place stands for the newest delta in it, whose predecessors it no longer needs), each
+    commit's data, a mutable base's per-row hash file, and the commit's app state file.
+    ``([], reason)`` when the node does not hold that chain whole."""
+    from elastic_emb.state.delta import resolve_chains
+    from elastic_emb.state.inplace import present
     from elastic_emb.state.manifest import commit_dirname
 
-    held = {m.commit: (path, m) for path, m in tier.manifests() if not m.replica}
-    tops = [c for c in held if c.step == step]
+    chains, _ = resolve_chains(present([(p, m) for p, m in tier.manifests() if not m.replica]))
+    tops = [chain for chain in chains.values() if chain[-1][1].step == step]
     if len(tops) != 1:
-        return [], f"{len(tops)} commits of step {step} held in {tier.node_dir}"
-    top = held[tops[0]][1]
+        return [], f"{len(tops)} chains for step {step} in {tier.node_dir}"
     pieces = []
-    if top.app_file:
-        cdir = tier.node_dir / commit_dirname(top.step, top.fingerprint)
-        pieces.append((cdir / top.app_file, 0, top.app_bytes))
-    cur = tops[0]
-    while cur is not None:
-        if cur not in held:
-            return [], f"commit {cur} of the chain of step {step} is not held in {tier.node_dir}"
-        path, m = held[cur]
+    for path, m in tops[0]:
         pieces.append((path, m.segment_offset if m.segment else 0, m.data_bytes))
-        cur = m.parent
+        if m.row_hashes:
+            hashes = path.parent / m.row_hashes
+            pieces.append((hashes, 0, hashes.stat().st_size))
+    top = tops[0][-1][1]
+    app = tier.node_dir / commit_dirname(top.step, top.fingerprint) / (top.app_file or "")
+    if top.app_file and app.is_file():
+        pieces.append((app, 0, app.stat().st_size))
     return pieces, None
 
 
@@ -421,6 +442,58 @@ def dir_pieces(root: Path) -> list[tuple[Path, int, int]]:
     return [(p, 0, p.stat().st_size) for p in sorted(root.rglob("*")) if p.is_file()]
 
 
+RESTORE_REPS = 3  # restores (each followed by the reads of its floors): medians, on a machine whose load drifts
+
+
+def touch_and_free(nbytes: int) -> None:
+    """Write ``nbytes`` of fresh memory, then free it: the next allocation of that size finds its
+    pages in this machine's free lists. A VM that hands idle free memory back to its host (free
+    page reporting) makes a later first touch cost far more than a bare-metal host's page zeroing
+    (:func:`first_touch_probe`); touching and freeing just before a timed allocation takes that
+    back out, for the restore and its floors alike."""
+    if nbytes > 0:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf.fill(0)
+        del buf
+
+
+def first_touch_probe(nbytes: int, idle_s: float = 5.0) -> dict[str, float]:
+    """What a first touch of ``nbytes`` costs on this machine: into memory freed ``idle_s``
+    seconds before (a VM may have handed it back to its host meanwhile) and into memory freed
+    just before. Seconds each, and their ratio."""
+
+    def fill() -> float:
+        t0 = time.perf_counter()
+        touch_and_free(nbytes)
+        return time.perf_counter() - t0
+
+    fill()
+    time.sleep(idle_s)
+    after_idle = fill()
+    reused = fill()
+    return {"bytes": nbytes, "idle_s": idle_s, "after_idle_s": after_idle, "reused_s": reused}
+
+
+def restore_once(world: OneRank, state_dir: Path, factory, loop: Loop, app_state, sync) -> tuple[float, Any, list]:
+    """One timed ``Lifecycle.start`` of fresh objects over ``loop``'s state, checked; its seconds,
+    start event and the restored chain's pieces (or the reason they are not known)."""
+    t0 = time.perf_counter()
+    lc = world.start(state_dir, factory, app_state)
+    try:
+        sync()
+        start_s = time.perf_counter() - t0
+        got = row_sums(lc.context)
+        if lc.step != loop.last_step or got != loop.sums:
+            raise SystemExit(
+                f"the restore from {state_dir} gave step {lc.step} and row sums {got}; the commit "
+                f"loop {loop.name!r} ended at step {loop.last_step} with row sums {loop.sums}: the "
+                f"restored rows are not the committed ones (a bug of the commit or restore path)"
+            )
+        return start_s, lc.events[0], chain_pieces(lc.snapshot, lc.step)
+    finally:
+        lc.close()
+
+
 def restore(
     world: OneRank,
     state_dir: Path,
@@ -429,54 +502,59 @@ def restore(
     *,
     app_state: Mapping | None = None,
     sync: Callable[[], None] = lambda: None,
+    reps: int = RESTORE_REPS,
 ) -> dict[str, Any]:
-    """``Lifecycle.start`` of fresh objects over the state ``loop`` committed, timed; checked
-    against the rows ``loop`` left (SystemExit naming what differs); then its references read.
+    """``reps`` times: ``Lifecycle.start`` of fresh objects over the state ``loop`` committed,
+    timed and checked against the rows ``loop`` left (SystemExit naming what differs), then its
+    floors read: the chain into fresh memory, the chain into touched memory, the node directory
+    into fresh memory; memory touched and freed, untimed, before the restore and each read into
+    fresh memory (:func:`touch_and_free`). ``app_state`` is loaded by every restore.
 
     Returns:
-        ``restore_s`` (the whole ``Lifecycle.start``: agreement, the context built, the
-        restore), the start event's phases (``restore_phase_s``: its restore alone), the
-        restored step and bytes, and the reads of the chain and of the node directory with
-        ``restore_s``'s ratio to each.
+        Medians over the repetitions (every value in ``reps``): ``restore_s`` (the whole
+        ``Lifecycle.start``: agreement, the context built, the restore), the start event's
+        phases (``restore_phase_s``: its restore alone), the reads, and ``restore_s``'s ratio to
+        the reads' medians; the restored step and bytes.
     """
-    t0 = time.perf_counter()
-    lc = world.start(state_dir, factory, app_state)
-    try:
-        sync()
-        start_s = time.perf_counter() - t0
-        ev = lc.events[0]
-        got = row_sums(lc.context)
-        if lc.step != loop.last_step or got != loop.sums:
-            raise SystemExit(
-                f"the restore from {state_dir} gave step {lc.step} and row sums {got}; the commit "
-                f"loop {loop.name!r} ended at step {loop.last_step} with row sums {loop.sums}: the "
-                f"restored rows are not the committed ones (a bug of the commit or restore path)"
-            )
-        pieces, why = chain_pieces(lc.snapshot, lc.step)
-    finally:
-        lc.close()
-    out: dict[str, Any] = {
-        "restore_s": start_s,
-        "agreement_s": ev.agreement_s,
-        "construct_s": ev.construct_s,
-        "restore_phase_s": ev.restore_s,
-        "restored_step": ev.restored_step,
-        "bytes_local": ev.bytes_local,
-        "source_tiers": ev.source_tiers,
+    if reps < 1:
+        raise ValueError(f"reps={reps} must be >= 1")
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("restore_s", "agreement_s", "construct_s", "restore_phase_s", "read_chain_s")
     }
-    if pieces:
-        chain = read_pieces(pieces)
-        out.update(read_chain_s=chain["s"], chain_bytes=chain["bytes"], chain_pieces=chain["pieces"])
-        out["restore_over_read_chain"] = start_s / chain["s"] if chain["s"] > 0 else None
-        touched = np.zeros(max(n for _, _, n in pieces), dtype=np.uint8)  # written: every page resident
-        out["read_chain_touched_s"] = read_pieces(pieces, into=touched)["s"]
-        del touched
-    else:
-        out.update(read_chain_s=None, chain_bytes=None, chain_pieces=None, restore_over_read_chain=None)
-        out.update(read_chain_touched_s=None, chain_not_read=why)
-    node = read_pieces(dir_pieces(world.node_dir(state_dir)))
-    out.update(read_node_dir_s=node["s"], node_dir_bytes=node["bytes"], node_dir_files=node["pieces"])
-    out["restore_over_read_node_dir"] = start_s / node["s"] if node["s"] > 0 else None
+    runs.update(read_chain_touched_s=[], read_node_dir_s=[])
+    out: dict[str, Any] = {}
+    node_dir = world.node_dir(state_dir)
+    for _ in range(reps):
+        prime = sum(n for _, _, n in dir_pieces(node_dir))  # at least the arena and the chain
+        touch_and_free(prime)
+        start_s, ev, (pieces, why) = restore_once(world, state_dir, factory, loop, app_state, sync)
+        for key, value in (
+            ("restore_s", start_s),
+            ("agreement_s", ev.agreement_s),
+            ("construct_s", ev.construct_s),
+            ("restore_phase_s", ev.restore_s),
+        ):
+            runs[key].append(value)
+        out.update(restored_step=ev.restored_step, bytes_local=ev.bytes_local, source_tiers=ev.source_tiers)
+        if pieces:
+            touch_and_free(prime)
+            chain = read_pieces(pieces)
+            runs["read_chain_s"].append(chain["s"])
+            out.update(chain_bytes=chain["bytes"], chain_pieces=chain["pieces"])
+            touched = np.zeros(max(n for _, _, n in pieces), dtype=np.uint8)  # written: every page resident
+            runs["read_chain_touched_s"].append(read_pieces(pieces, into=touched)["s"])
+            del touched
+        else:
+            out.update(chain_bytes=None, chain_pieces=None, chain_not_read=why)
+        touch_and_free(prime)
+        node = read_pieces(dir_pieces(node_dir))
+        runs["read_node_dir_s"].append(node["s"])
+        out.update(node_dir_bytes=node["bytes"], node_dir_files=node["pieces"])
+    for key, values in runs.items():
+        out[key] = statistics.median(values) if values else None
+    for ref, key in (("read_chain_s", "restore_over_read_chain"), ("read_node_dir_s", "restore_over_read_node_dir")):
+        out[key] = out["restore_s"] / out[ref] if out[ref] else None
+    out["reps"] = {k: v for k, v in runs.items() if v}
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
@@ -491,6 +569,7 @@ def baseline_and_commit(
     steps: int,
     warm: WarmFn | None = None,
     warm_steps: int = WARM_STEPS,
+    restore_reps: int = RESTORE_REPS,
     sync: Callable[[], None] = lambda: None,
     progress: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> dict[str, Any]:
@@ -524,7 +603,7 @@ def baseline_and_commit(
                 f"{x['peak_rss_bytes'] / 2**30:.1f} GiB, state filesystem used at most "
                 f"{x['state_fs_used_peak_bytes'] / 2**30:.1f} GiB"
             )
-        rest = restore(world, dirs["commit"], factory, loops["commit"], sync=sync)
+        rest = restore(world, dirs["commit"], factory, loops["commit"], sync=sync, reps=restore_reps)
     finally:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
@@ -567,7 +646,10 @@ def print_run(results: list[dict], key: tuple[str, str]) -> None:
     print("\nThe run: step times over every step of each loop (the commit loop's first commit is a base)")
     rows = [{key[0]: r[key[0]], "loop": loop, **r[loop]} for r in results for loop in ("baseline", "commit")]
     print(table(rows, [key, *STEP_COLUMNS]))
-    print("\nThe restore: Lifecycle.start of fresh objects from the commit loop's last commit, and its floors")
+    print(
+        "\nThe restore: Lifecycle.start of fresh objects from the commit loop's last commit, and its floors "
+        "(medians of the repetitions, each restore followed by its reads)"
+    )
     rows = [
         {
             key[0]: r[key[0]],

@@ -35,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _report import write_json  # noqa: E402
-from _run_loop import EmbStep, OneRank, emb_factory, look_up_every_row, loop_report, restore, run_loop  # noqa: E402
+from _run_loop import (  # noqa: E402
+    EmbStep,
+    OneRank,
+    emb_factory,
+    exit_on_sigterm,
+    look_up_every_row,
+    loop_report,
+    restore,
+    run_loop,
+)
 
 
 def dense_part(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -93,6 +102,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the state directories go (default: a temporary one)")
     ap.add_argument("--json", default="bench/app_state.json")
     args = ap.parse_args()
+    exit_on_sigterm()
     if args.steps < 1 or args.dense_mb < 1:
         ap.error("--steps and --dense-mb must be >= 1")
     root = Path(tempfile.mkdtemp(prefix="app-bench-", dir=args.dir))

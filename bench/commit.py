@@ -9,14 +9,25 @@ commit benches share). Per table size, in this process, in this order:
 1. ``baseline``: ``--steps`` steps, no commit;
 2. ``commit``: the same steps (the same ids), each ended by ``lc.commit(step)``;
 3. the restore: ``Lifecycle.start`` of fresh objects from the commit loop's last commit, checked
-   against the rows that loop left; beside it, its floor: the restored commit's chain (its base
-   and deltas) and every file of the node directory, each read once into fresh memory.
+   against the rows that loop left; after each, its floors: the restored commit's chain (its base
+   and deltas) and every file of the node directory, each read once into fresh memory, and the
+   chain again into memory already touched (the read alone); ``--restore-reps`` times (medians).
+   Before the restore and each read into fresh memory, as much memory is touched and freed,
+   untimed, so that neither pays what this machine charges for memory left idle (below).
 
 Each loop has a fresh state directory under ``--state-dir`` (default /dev/shm) and looks every
 row up once before its clock starts, then runs two steps without a commit, so neither loop pays
-the first touch of its arena's pages or the process's one-off costs inside its timed steps. Every step counts: the first commit (a base of the whole table), every fold or
-base, every wait for the background writer; the wait for the commits still in flight after the
-last step is reported apart (drain) and in the loop's total.
+the first touch of its arena's pages or the process's one-off costs inside its timed steps.
+Every step counts: the first commit (a base of the whole table), whatever periodic work the commit
+path does (a base, a fold, a write of deltas into their base: ``docs/COMMIT.md``) and every wait
+for the background writer fall in the steps they delay; the wait for the commits still in flight
+after the last step is reported apart (drain) and in the loop's total.
+
+Before the runs, a probe: the first touch of as much memory as the largest table, into memory
+freed 5 s before and into memory freed just before. A VM that hands idle memory back to its host
+(this project's CPU VM does) charges the first for seconds where a bare-metal host zeroes pages;
+the commit loop's own large buffers (a base's copy, say) pay that as a job's would here, so
+the probe is reported beside the run to read its spikes by.
 
 Reported per size and loop: mean, median, p99, max and first step (ms), max / median, and the
 commit loop's mean, median and p99 over the baseline's; the restore (the whole
@@ -53,6 +64,8 @@ from _run_loop import (  # noqa: E402
     check_memory,
     emb_factory,
     env_summary,
+    exit_on_sigterm,
+    first_touch_probe,
     in_memory_fs,
     look_up_every_row,
     mib,
@@ -78,6 +91,7 @@ def measure(args, world: OneRank, root: Path, rows: int) -> dict:
         lambda: EmbStep(rows, args.ids, args.dim),
         steps=args.steps,
         warm=look_up_every_row(args.ids),
+        restore_reps=args.restore_reps,
     )
     return {"rows": rows, "dim": args.dim, "ids": args.ids, "table_bytes": table_bytes(rows, args.dim), **pair}
 
@@ -137,16 +151,24 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--ids", type=int, default=16384, help="random ids per step")
     ap.add_argument("--steps", type=int, default=ISSUE_STEPS, help="steps per loop (issue 34: at least 200)")
+    ap.add_argument("--restore-reps", type=int, default=3, help="restores (each followed by its floors' reads)")
     ap.add_argument("--state-dir", default="/dev/shm", help="where each loop's fresh state directory is made")
     ap.add_argument("--phases", default="run", help="run, and optionally breakdown (tier-level, not a run figure)")
     _commit_breakdown.add_arguments(ap)
     ap.add_argument("--json", default="bench/commit.json")
     args = ap.parse_args()
+    exit_on_sigterm()
     try:
         sizes = [int(x) for x in args.rows.split(",")]
     except ValueError:
         ap.error(f"--rows={args.rows!r}: comma-separated whole numbers of rows, e.g. 8388608,16777216")
-    for name, value in (("rows", min(sizes)), ("dim", args.dim), ("ids", args.ids), ("steps", args.steps)):
+    for name, value in (
+        ("rows", min(sizes)),
+        ("dim", args.dim),
+        ("ids", args.ids),
+        ("steps", args.steps),
+        ("restore-reps", args.restore_reps),
+    ):
         if value < 1:
             ap.error(f"--{name}={value} must be >= 1")
     phases = args.phases.split(",")
@@ -170,6 +192,13 @@ def main() -> None:
                 f"needs about {3 * tb / 2**30:.1f} GiB there (three bases): pass another --state-dir or fewer rows"
             )
     print(WARM, flush=True)
+    probe = first_touch_probe(table_bytes(max(sizes), args.dim))
+    print(
+        f"first touch of {mib(probe['bytes']):.0f} MiB on this machine: {probe['after_idle_s']:.2f} s into memory "
+        f"freed {probe['idle_s']:g} s before, {probe['reused_s']:.2f} s into memory freed just before (a VM may hand "
+        f"idle memory back to its host: the commits' large buffers pay that; the restore's comparison does not)",
+        flush=True,
+    )
     root = Path(tempfile.mkdtemp(prefix="elastic_emb-bench-commit-", dir=state_root))
     world = OneRank("bench")
     results: list[dict] = []
@@ -213,6 +242,7 @@ def main() -> None:
             "args": vars(args),
             "warm": WARM,
             "process": env_summary(),
+            "first_touch": probe,
             "sizes": results,
             "doubling": doubling,
             "targets": checks,

@@ -10,7 +10,7 @@ device looked up (``lookup(...).wait()``), the dense part (bf16 matmuls, as many
 the whole device, as a training step does, so a commit's copy on its side stream may run on into
 the next step). The lifecycle picks the GPU capture path by itself (the context is on CUDA):
 deltas gathered on a side stream, copied to pinned memory and written by the background writer,
-a full base every ``max_chain + 1`` commits (its copy through the host inside ``commit()``).
+with whatever periodic work the commit path does (``docs/COMMIT.md``) inside the run's steps.
 
 In this process, as bench/commit.py: ``baseline`` (``--steps`` steps, default 200, no commit),
 ``commit`` (the same steps, each ended by ``lc.commit(step)``), each with a fresh state directory
@@ -122,12 +122,14 @@ def main() -> None:
         baseline_and_commit,
         emb_factory,
         env_summary,
+        exit_on_sigterm,
         look_up_every_row,
         print_run,
         table_bytes,
         warm_note,
     )
 
+    exit_on_sigterm()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench/commit_gpu.py: no CUDA device; --device cpu runs the smoke run on the CPU")

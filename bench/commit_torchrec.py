@@ -36,6 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, as a script or as -m bench.*
 from _report import write_json  # noqa: E402
+from _run_loop import (  # noqa: E402
+    OneRank,
+    baseline_and_commit,
+    env_summary,
+    exit_on_sigterm,
+    print_run,
+    table_bytes,
+    warm_note,
+)
 
 TABLE = "t"
 WARM = "every row looked up once (a forward without gradients, the step's id count at a time)"
@@ -89,6 +98,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL on one GPU")
     ap.add_argument("--json", default="bench/commit_torchrec.json")
     args = ap.parse_args()
+    exit_on_sigterm()
     for name in ("table_mb", "dim", "ids", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -98,7 +108,6 @@ def main() -> None:
         ap.error(f"--state-dir={args.state_dir!r} is not a directory: make it, or pass another")
 
     import torch
-    from _run_loop import OneRank, baseline_and_commit, env_summary, print_run, table_bytes, warm_note
 
     from elastic_emb.adapters.torchrec import TorchRecContext
 
