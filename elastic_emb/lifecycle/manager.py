@@ -184,10 +184,7 @@ class Lifecycle:
             raise
         t4 = time.perf_counter()
         lc.step = report.step
-        # The generation's first base goes to the background writer while the due commits are
-        # coalesced: for a joiner of an in-process generation, and applying in place for every start
-        # (the chain's only base: training never waits for its write).
-        if (background_base or config.apply_in_place) and first_base.wanted(lc.context.tables, topology.world_size):
+        if background_base and first_base.wanted(lc.context.tables, topology.world_size):
             lc._committer.first_base = FirstBase(store, topology)
         event = lc._event("start", None, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, report, False)
         lc.events.append(event)
@@ -413,9 +410,7 @@ class Lifecycle:
             event = self._reform_same_size(new_topology, store)
         else:
             event = self._rebuild(new_topology, store)
-        if (background_base or self.config.apply_in_place) and first_base.wanted(
-            self._require_context().tables, new_topology.world_size
-        ):
+        if background_base and first_base.wanted(self._require_context().tables, new_topology.world_size):
             self._committer.first_base = FirstBase(store, new_topology)
         event = completed_by_caller(event, aborted, mode, phases)
         self.events.append(event)
