@@ -502,19 +502,7 @@ def main_readme(args) -> None:
     rows = [{"measure": labels[m], **st} for m, st in summary.items()]
     cols = [("measure", "measure"), ("median", "median"), ("mean", "mean"), ("p99", "p99"), ("max", "max")]
     print(table(rows, [*cols, ("n", "runs")], digits=3))
-    shown = (
-        "rest_s",
-        "detect_s",
-        "drain_s",
-        "decide_s",
-        "teardown_s",
-        "agreement_s",
-        "construct_s",
-        "restore_s",
-        "transfer_s",
-        "first_step_s",
-        "first_commit_s",
-    )
+    shown = ("rest_s", *(p for p in REFORM_PHASES if p != "total_s"), "first_step_s", "first_commit_s")
     phase_med = {
         r: {
             k: med_of([p.get(k) for p in ps if p]) for k in (*REFORM_PHASES, "rest_s", "first_step_s", "first_commit_s")

@@ -188,64 +188,38 @@ def present(manifests: list[tuple[Path, SnapshotManifest]]) -> list[tuple[Path, 
     return out
 
 
-def _records_layout(m: SnapshotManifest) -> list[tuple[str, int, list[tuple[str, int, int, str, list[int]]]]]:
-    """Per table of a base: (table, rows, [(tensor, offset, row bytes, dtype, row shape)])."""
-    out = []
-    for rec in m.shards:
-        n = rec.stop - rec.start
-        out.append(
-            (
-                rec.table,
-                n,
-                [
-                    (tr.name, tr.offset, row_bytes([tr.dtype, tr.row_shape]), tr.dtype, tr.row_shape)
-                    for tr in rec.tensors
-                ],
-            )
-        )
-    return out
+def _views(raw: torch.Tensor, records) -> dict[str, dict[str, torch.Tensor]]:
+    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes.
 
-
-def _views(raw: torch.Tensor, m) -> dict[str, dict[str, torch.Tensor]]:
-    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes (``m``: its manifest, or
-    anything with its ``shards`` records)."""
+    Raises:
+        ValueError: if a tensor starts unaligned (see :func:`aligned`).
+    """
     out = {}
-    for table, n, tensors in _records_layout(m):
+    for rec in records:
+        n = rec.stop - rec.start
         views = {}
-        for name, off, rb, dtype, shape in tensors:
-            b = raw[off : off + n * rb]
-            dt = getattr(torch, dtype)
+        for tr in rec.tensors:
+            b = raw[tr.offset : tr.offset + n * row_bytes([tr.dtype, tr.row_shape])]
+            dt = getattr(torch, tr.dtype)
             if b.storage_offset() % torch.empty((), dtype=dt).element_size():
-                raise ValueError(
-                    f"tensor {table}.{name} of {m.data_file} starts unaligned; it cannot be written in place"
-                )
-            views[name] = b.view(dt).reshape(n, *shape)
-        out[table] = views
+                raise ValueError(f"tensor {rec.table}.{tr.name} starts unaligned; it cannot be written in place")
+            views[tr.name] = b.view(dt).reshape(n, *tr.row_shape)
+        out[rec.table] = views
     return out
 
 
-def base_hashes(blob: torch.Tensor, records, check_only: bool = False) -> torch.Tensor | None:
+def base_hashes(blob: torch.Tensor, records) -> torch.Tensor:
     """The per-row hashes of a base packed in ``blob`` (one int64 per row, tables in record
-    order), as the hash file holds them; None when a tensor starts unaligned (such a base is not
-    written in place).
+    order), as the hash file holds them.
 
     Args:
         blob: the base's bytes (uint8, CPU).
-        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list.
-        check_only: only tell whether it can be written in place (an empty tensor, or None).
+        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list, :func:`aligned`.
 
     Returns:
-        The hashes (int64), an empty tensor (``check_only``), or None.
+        The hashes (int64).
     """
-
-    class _M:
-        shards = records
-
-    if not _aligned(_M):
-        return None
-    if check_only:
-        return torch.empty(0, dtype=torch.int64)
-    views = _views(blob, _M)
+    views = _views(blob, records)
     parts = [row_hashes(views[rec.table]) for rec in records]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
@@ -264,10 +238,16 @@ def write_hashes(path: Path, hashes: torch.Tensor, mode: int) -> None:
         os.fsync(f.fileno())
 
 
-def _aligned(m) -> bool:
-    """Whether every tensor of a base starts at a multiple of its element size (it can be written
-    in place through typed views)."""
-    for rec in m.shards:
+def aligned(records) -> bool:
+    """Whether a base can be written in place through typed views.
+
+    Args:
+        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list.
+
+    Returns:
+        Whether every tensor starts at a multiple of its element size.
+    """
+    for rec in records:
         for tr in rec.tensors:
             if tr.offset % torch.empty((), dtype=getattr(torch, tr.dtype)).element_size():
                 return False
@@ -324,7 +304,7 @@ def read_base(
         if rows
         else torch.empty(0, dtype=torch.int64)
     )
-    out = _views(raw, manifest)
+    out = _views(raw, manifest.shards)
     at = 0
     for rec in manifest.shards:
         n = rec.stop - rec.start
@@ -453,11 +433,7 @@ def promote(tier, mpath: Path, raw: bytes, m: SnapshotManifest, data: Path) -> S
     tables = read_snapshot(data, m)  # verified: a corrupt base never gets fresh hashes
     name = hashes_file(m.data_file)
     hpath = mpath.with_name(name)
-    with open_new(hpath, tier.file_mode) as f:
-        for rec in m.shards:
-            f.write(memoryview(row_hashes(tables[rec.table]).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    write_hashes(hpath, torch.cat([row_hashes(tables[rec.table]) for rec in m.shards]), tier.file_mode)
     new = m.model_copy(update=dict(row_hashes=name, applied=m.commit, applying=None))
     return new if _swap(tier, mpath, raw, new) else None
 
@@ -511,7 +487,7 @@ def apply_chain(
     m = SnapshotManifest.model_validate_json(raw)
     if m.parent is not None or m.data_file != data.name or mark_of(m) != shown.commit:
         return 0  # replaced or moved on meanwhile
-    if not _aligned(m):
+    if not aligned(m.shards):
         log.warning("apply_unsupported", base=str(data), reason="tensors start unaligned: the chain stays as it is")
         return 0
     if m.row_hashes is None:
@@ -538,7 +514,7 @@ def _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps) ->
     base, hashes = _mapped(maps, data, m.data_bytes), _mapped(maps, data.with_name(m.row_hashes), rows * 8, torch.int64)
     done = 0
     try:
-        views = _views(base.tensor, m)
+        views = _views(base.tensor, m.shards)
         starts, at = {}, 0
         for rec in m.shards:
             starts[rec.table] = at

@@ -34,7 +34,7 @@ from elastic_emb.state.comm import Comm
 from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
 from elastic_emb.state.crc import crc32_of, write_and_checksum
 from elastic_emb.state.delta import pack_delta
-from elastic_emb.state.inplace import Applier, base_hashes, hashes_file, present, write_hashes
+from elastic_emb.state.inplace import Applier, aligned, base_hashes, hashes_file, present, write_hashes
 from elastic_emb.state.manifest import (
     CommitId,
     ShardRecord,
@@ -411,7 +411,7 @@ class SnapshotTier:
         per-row hashes the writer computes (no CRC32 here), unless a tensor starts unaligned (such
         a base is not written in place: it keeps its CRC32s)."""
         records, blob = pack_shard(shards, num_rows, checksums=not self.apply)
-        if self.apply and base_hashes(torch.empty(0, dtype=torch.uint8), records, check_only=True) is None:
+        if self.apply and not aligned(records):
             records = [
                 r.model_copy(
                     update={
@@ -633,9 +633,9 @@ class SnapshotTier:
     def _write_hashes(self, cdir, data_name, blob, records, written, step, hashed) -> str | None:
         """Write a base's per-row hashes beside its data file (applying in place, a base is born
         mutable: no later pass reads it to make it so); None, or why it could not be written."""
-        hashes = base_hashes(blob, records)
-        if hashes is None:  # a tensor starts unaligned: this base is not written in place
+        if not aligned(records):  # a tensor starts unaligned: this base is not written in place
             return None
+        hashes = base_hashes(blob, records)
         path = cdir / hashes_file(data_name)
         try:
             written.append(path)
@@ -784,8 +784,11 @@ class SnapshotTier:
         self._parsed = seen  # only what is still there: bounded by the directory
         return present(newest_per_segment(out))
 
-    def listing(self) -> NodeListing:
+    def listing(self, manifests: list[tuple[Path, SnapshotManifest]] | None = None) -> NodeListing:
         """This node directory's contents.
+
+        Args:
+            manifests: :meth:`manifests` as just listed; None: listed here.
 
         Returns:
             The :class:`NodeListing` every rank exchanges to judge completeness alike.
@@ -795,7 +798,7 @@ class SnapshotTier:
             marker = (self.node_dir / RUN_MARKER).exists()
         except OSError:
             dirs, marker = [], False
-        manifests = self.manifests()
+        manifests = self.manifests() if manifests is None else manifests
         pieces = [(m.commit, r.table, r.start, r.stop, r.num_rows) for _, m in manifests for r in m.shards]
         parents = sorted({(m.commit, m.parent) for _, m in manifests if m.parent is not None})
         return NodeListing(node=self.node_id, marker=marker, dirs=dirs, pieces=pieces, parents=parents)
@@ -892,7 +895,8 @@ class SnapshotTier:
         """The full prune: (the directory names deleted, the newest complete commit or None)."""
         topo = comm.topology
         lead = topo.local_rank == 0
-        listing = self.listing() if lead else None  # listed before the exchange: never a newer commit
+        shown = self.manifests() if lead else []  # listed before the exchange: never a newer commit
+        listing = self.listing(shown) if lead else None
         everyone = [
             NodeListing.model_validate(x) if x else None
             for x in comm.exchange("prune", listing.model_dump(mode="json") if listing else None)
@@ -916,7 +920,7 @@ class SnapshotTier:
         # A base written in place (inplace.py) stands for its mark, not for its own directory's
         # commit: its directory stays while that mark is kept.
         bases: dict[str, list[CommitId]] = {}
-        for path, m in self.manifests():
+        for path, m in shown:  # (the listing's own: its marks are the ones the kept set was judged by)
             if m.row_hashes is not None and m.parent is None and path.parent.parent == self.node_dir:
                 bases.setdefault(path.parent.name, []).append(m.commit)
         current = topo.fingerprint()
