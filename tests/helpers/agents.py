@@ -229,8 +229,34 @@ def wait_for(pred, timeout: float, what: str, agents: list[Agent] = (), pause: f
         if value:
             return value
         time.sleep(pause)
-    logs = "\n".join(f"--- agent {a.name} (pid {a.pid}, rc {a.proc.poll()}):\n{a.output()[-4000:]}" for a in agents)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{failure_report(agents)}")
+
+
+# A step's own log lines: every step writes them, so a report of the last lines would show only them.
+_PER_STEP = ('"event": "commit_complete"', '"event": "lifecycle.commit"', '"event": "snapshot_pruned"')
+
+
+def failure_report(agents: list[Agent], lines: int = 40) -> str:
+    """What a timed-out wait shows: per agent, its state and the last ``lines`` lines of its log that
+    are not per-step lines (the events of a re-form, a signal, a restart, a traceback), then the last
+    lines of its event file and the workers' records other than their steps."""
+    parts = []
+    for a in agents:
+        kept = [ln for ln in a.output().splitlines() if not any(m in ln for m in _PER_STEP)]
+        parts.append(f"--- agent {a.name} (pid {a.pid}, rc {a.proc.poll()}), log without per-step lines:")
+        parts.extend(ln[:400] for ln in kept[-lines:])
+        tmp = os.path.dirname(a.log_path)
+        path = os.path.join(tmp, f"events-{a.name}.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f"--- events of agent {a.name}:")
+                parts.extend(ln.rstrip()[:400] for ln in f.readlines()[-lines // 2 :])
+    if agents:
+        tmp = os.path.dirname(agents[0].log_path)
+        recs = [r for r in worker_records(tmp) if r.get("ev") not in ("commit", "start")]
+        parts.append("--- worker records other than steps:")
+        parts.extend(json.dumps(r)[:400] for r in recs[-lines:])
+    return "\n".join(parts)
 
 
 def first_commit_at(tmp: str, *, world_size: int, after: float) -> float | None:
