@@ -365,8 +365,15 @@ class ReadBuffer:
         self._buf = torch.empty(0, dtype=torch.uint8)
 
     def get(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` bytes of the buffer (their contents undefined); views of an earlier call's
-        bytes are overwritten by the next read."""
+        """The first ``nbytes`` bytes of the buffer, grown first if it is smaller.
+
+        Args:
+            nbytes: the bytes wanted.
+
+        Returns:
+            A uint8 view of them, contents undefined; what an earlier call returned is overwritten
+            by the next read into this one.
+        """
         if self._buf.numel() < nbytes:
             self._buf = torch.empty(0, dtype=torch.uint8)  # the old one goes first: never both at once
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
