@@ -381,8 +381,9 @@ class ReadBuffer:
 
 
 def read_delta(path: Path, m: SnapshotManifest, buffer: ReadBuffer | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """A delta's tensors, read into memory of its own, every checksum verified first on the
-    checksum threads (a large GPU delta: one thread would bound the applier).
+    """A delta's tensors, read into memory (the applier's reused buffer, or memory of their own),
+    every checksum verified first on the checksum threads (a large GPU delta: one thread would
+    bound the applier).
 
     Read, not mapped: mapping a small file privately costs more than reading it, and the applier
     reads every delta once.
