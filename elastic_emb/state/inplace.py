@@ -33,10 +33,9 @@ log = get_logger("elastic_emb.state")
 
 HASHES_SUFFIX = ".rows"  # the per-row hash file of a mutable base: rank<r>[.replica].bin.rows
 # Bytes of the int64 temporary a hash works through at a time: a few MiB stays in the caches and
-# is allocated once per call (64 MiB chunks, freshly allocated each, hashed 10x slower: their
-# pages were faulted in anew every time).
+# is allocated once per call (chunks of 65,536 rows, 32 MiB at 512-byte rows, allocated afresh
+# each, hashed 10x slower: their pages were faulted in anew every time).
 HASH_CHUNK_BYTES = 4 << 20
-_MASK = (1 << 64) - 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,10 +85,10 @@ def tensor_row_hashes(name: str, rows: torch.Tensor, numbers: int | torch.Tensor
     rb = byte_rows.shape[1]
     wd = _word_dtype(rb)
     size = torch.empty((), dtype=wd).element_size()
-    k = _constants(name, rb // size)
-    words_per_row = rb // size
-    chunk = max(1, HASH_CHUNK_BYTES // (8 * max(1, words_per_row)))
-    tmp = torch.empty((min(chunk, n), words_per_row), dtype=torch.int64)
+    words = rb // size
+    k = _constants(name, words)
+    chunk = max(1, HASH_CHUNK_BYTES // (8 * max(1, words)))
+    tmp = torch.empty((min(chunk, n), words), dtype=torch.int64)
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
         part = byte_rows[lo:hi]
