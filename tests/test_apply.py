@@ -17,7 +17,7 @@ import torch
 
 from elastic_emb.errors import ChecksumMismatch, RestoreError
 from elastic_emb.state import SnapshotTier, restore
-from elastic_emb.state.inplace import row_hashes, tensor_row_hashes
+from elastic_emb.state.rowhash import row_hashes, tensor_row_hashes
 from elastic_emb.state.snapshot import APPLY_PRUNE_EVERY
 from tests.test_state import TrackingContext, _lifecycle_run, world1  # noqa: F401 (a fixture)
 

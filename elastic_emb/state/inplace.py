@@ -1,10 +1,11 @@
-"""Deltas written into their chain's base in place, in the background: no fold, no new base.
+"""Deltas written into their chain's base in place: no fold, no new base.
 
-Each holder's :class:`Applier` writes the deltas it holds into the base's data file in place (the
-full new rows: writing one twice is harmless) and advances the base's mark (``applied``): the
-base then stands for that commit and the deltas up to it are released. A mutable base is checked
-by one 64-bit hash per row (:func:`row_hashes`, a file beside it), which the applier updates for
-the rows it writes; ``applying`` tells restore which rows a kill may have torn (it replays those).
+:func:`apply_chain` writes a chain's deltas into its base's data file in place (the full new rows:
+writing one twice is harmless), updates the rows' hashes (:mod:`~elastic_emb.state.rowhash`) and
+advances the base's mark (``applied``): the base then stands for that commit and the deltas up to
+it are released. ``applying`` tells restore which rows a kill may have torn (it replays those).
+:func:`read_base` reads such a base back, every row checked. The thread that runs the applies is
+:class:`~elastic_emb.state.applier.Applier`.
 
 Design: ``docs/COMMIT.md`` (section "Applying deltas in place").
 """
@@ -12,131 +13,20 @@ Design: ``docs/COMMIT.md`` (section "Applying deltas in place").
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import threading
-import time
-import zlib
 from pathlib import Path
 
 import torch
 
 from elastic_emb.errors import ChecksumMismatch
 from elastic_emb.events import get_logger
-from elastic_emb.native_calls import exiting, native_call
 from elastic_emb.state import points
 from elastic_emb.state.delta import INDEX
 from elastic_emb.state.manifest import CommitId, SnapshotManifest, row_bytes, write_atomic
-from elastic_emb.state.paths import check_name, open_new
+from elastic_emb.state.paths import check_name
+from elastic_emb.state.rowhash import aligned, base_views, hashes_file, row_hashes, write_hashes
 
 log = get_logger("elastic_emb.state")
-
-HASHES_SUFFIX = ".rows"  # the per-row hash file of a mutable base: rank<r>[.replica].bin.rows
-# Bytes of the int64 temporary a hash works through at a time: a few MiB stays in the caches and
-# is allocated once per call (chunks of 65,536 rows, 32 MiB at 512-byte rows, allocated afresh
-# each, hashed 10x slower: their pages were faulted in anew every time).
-HASH_CHUNK_BYTES = 4 << 20
-
-
-@functools.lru_cache(maxsize=256)
-def _constants(name: str, words: int) -> torch.Tensor:
-    """The odd 64-bit multipliers of one tensor's words, and a last one for the row number:
-    fixed by the tensor's name and its row width, the same in every process (cached: never
-    written to)."""
-    seed = zlib.crc32(f"{name}/{words}".encode())
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-(1 << 62), 1 << 62, (words + 1,), generator=gen, dtype=torch.int64) | 1
-
-
-def _word_dtype(rb: int) -> torch.dtype:
-    """The widest integer word that divides a row: the word size depends on the row width only, so
-    a row hashes the same wherever it lies."""
-    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if rb % size == 0:
-            return dtype
-    return torch.uint8
-
-
-def tensor_row_hashes(name: str, rows: torch.Tensor, numbers: int | torch.Tensor = 0) -> torch.Tensor:
-    """One 64-bit hash per row of one tensor: the sum, modulo 2**64, of each word of the row times
-    an odd constant of its position, plus the row's number times another.
-
-    A change of any one word (any single bit) changes the hash, since the constant is odd; so does
-    a row moved to another number. Linear in the words, so a row's hash is cheap to compute for
-    the few rows a delta writes, and vectorized for a whole shard (memory speed).
-
-    Args:
-        name: the tensor's name (weight, a slot): it picks the constants.
-        rows: ``(n, ...)`` rows of any dtype (CPU).
-        numbers: the rows' numbers within their shard: an int (consecutive from it) or an int64
-            tensor of ``n`` numbers.
-
-    Returns:
-        An int64 tensor of ``n`` hashes.
-    """
-    n = rows.shape[0]
-    out = torch.empty(n, dtype=torch.int64)
-    if n == 0:
-        return out
-    flat = rows.reshape(n, -1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    byte_rows = flat.view(torch.uint8)
-    rb = byte_rows.shape[1]
-    wd = _word_dtype(rb)
-    size = torch.empty((), dtype=wd).element_size()
-    words = rb // size
-    k = _constants(name, words)
-    chunk = max(1, HASH_CHUNK_BYTES // (8 * max(1, words)))
-    tmp = torch.empty((min(chunk, n), words), dtype=torch.int64)
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        part = byte_rows[lo:hi]
-        if part.storage_offset() % size:
-            part = part.clone()  # a view of words needs an aligned start
-        prod = tmp[: hi - lo]
-        if wd == torch.int64:
-            torch.mul(part.view(wd), k[:-1], out=prod)
-        else:
-            prod.copy_(part.view(wd)).mul_(k[:-1])
-        torch.sum(prod, 1, out=out[lo:hi])
-        nums = (
-            torch.arange(numbers + lo, numbers + hi, dtype=torch.int64)
-            if isinstance(numbers, int)
-            else numbers[lo:hi].to(torch.int64)
-        )
-        out[lo:hi] += (nums + 1) * k[-1]
-    return out
-
-
-def row_hashes(tensors: dict[str, torch.Tensor], numbers: int | torch.Tensor = 0) -> torch.Tensor:
-    """The hash of each row of one table's shard over all its row-wise tensors (the weight and
-    every optimizer slot): the sum of :func:`tensor_row_hashes`.
-
-    Args:
-        tensors: tensor name -> ``(n, ...)`` rows, the same ``n`` for every tensor.
-        numbers: the rows' numbers within the shard (see :func:`tensor_row_hashes`).
-
-    Returns:
-        An int64 tensor of ``n`` hashes.
-    """
-    total = None
-    for name in sorted(tensors):
-        h = tensor_row_hashes(name, tensors[name], numbers)
-        total = h if total is None else total.add_(h)
-    return total if total is not None else torch.empty(0, dtype=torch.int64)
-
-
-def hashes_file(data_file: str) -> str:
-    """The name of a mutable base's per-row hash file.
-
-    Args:
-        data_file: the base's data file name.
-
-    Returns:
-        ``<data_file>.rows``.
-    """
-    return data_file + HASHES_SUFFIX
 
 
 def manifest_name(m: SnapshotManifest) -> str:
@@ -198,72 +88,6 @@ def present(manifests: list[tuple[Path, SnapshotManifest]]) -> list[tuple[Path, 
     return out
 
 
-def _views(raw: torch.Tensor, records) -> dict[str, dict[str, torch.Tensor]]:
-    """table -> tensor -> ``(n, *row_shape)`` view of a base's bytes.
-
-    Raises:
-        ValueError: if a tensor starts unaligned (see :func:`aligned`).
-    """
-    out = {}
-    for rec in records:
-        n = rec.stop - rec.start
-        views = {}
-        for tr in rec.tensors:
-            b = raw[tr.offset : tr.offset + n * row_bytes([tr.dtype, tr.row_shape])]
-            dt = getattr(torch, tr.dtype)
-            if b.storage_offset() % torch.empty((), dtype=dt).element_size():
-                raise ValueError(f"tensor {rec.table}.{tr.name} starts unaligned; it cannot be written in place")
-            views[tr.name] = b.view(dt).reshape(n, *tr.row_shape)
-        out[rec.table] = views
-    return out
-
-
-def base_hashes(blob: torch.Tensor, records) -> torch.Tensor:
-    """The per-row hashes of a base packed in ``blob`` (one int64 per row, tables in record
-    order), as the hash file holds them.
-
-    Args:
-        blob: the base's bytes (uint8, CPU).
-        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list, :func:`aligned`.
-
-    Returns:
-        The hashes (int64).
-    """
-    views = _views(blob, records)
-    parts = [row_hashes(views[rec.table]) for rec in records]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-
-
-def write_hashes(path: Path, hashes: torch.Tensor, mode: int) -> None:
-    """Write a hash file and fsync it.
-
-    Args:
-        path: the file (created or truncated).
-        hashes: the int64 hashes.
-        mode: its permissions.
-    """
-    with open_new(path, mode) as f:
-        f.write(memoryview(hashes.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def aligned(records) -> bool:
-    """Whether a base can be written in place through typed views.
-
-    Args:
-        records: its :class:`~elastic_emb.state.manifest.ShardRecord` list.
-
-    Returns:
-        Whether every tensor starts at a multiple of its element size.
-    """
-    for rec in records:
-        for tr in rec.tensors:
-            if tr.offset % torch.empty((), dtype=getattr(torch, tr.dtype)).element_size():
-                return False
-    return True
-
-
 def read_base(
     path: Path,
     manifest: SnapshotManifest,
@@ -314,7 +138,7 @@ def read_base(
         if rows
         else torch.empty(0, dtype=torch.int64)
     )
-    out = _views(raw, manifest.shards)
+    out = base_views(raw, manifest.shards)
     at = 0
     for rec in manifest.shards:
         n = rec.stop - rec.start
@@ -335,9 +159,18 @@ def read_base(
     return out
 
 
-class _Mapped:
+class MappedFile:
     """A data file mapped shared and writable (writes reach the file), with its descriptor for
-    fsync. Closed by :meth:`close` (the tensors over it must be gone first)."""
+    fsync. Closed by :meth:`close` (the tensors over it must be gone first).
+
+    Args:
+        path: the file.
+        size: its size in bytes.
+        dtype: the element type of :attr:`tensor`, the mapping.
+
+    Raises:
+        OSError: if the file cannot be opened.
+    """
 
     def __init__(self, path: Path, size: int, dtype=torch.uint8) -> None:
         self.path = path
@@ -348,9 +181,11 @@ class _Mapped:
         )
 
     def sync(self) -> None:
-        os.fsync(self.fd)  # writes back the pages dirtied through the shared mapping too
+        """fsync the file: it writes back the pages dirtied through the shared mapping too."""
+        os.fsync(self.fd)
 
     def close(self) -> None:
+        """Drop the mapping and close the descriptor."""
         self.tensor = None
         os.close(self.fd)
 
@@ -556,7 +391,7 @@ def _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps, bu
     base, hashes = _mapped(maps, data, m.data_bytes), _mapped(maps, data.with_name(m.row_hashes), rows * 8, torch.int64)
     done = 0
     try:
-        views = _views(base.tensor, m.shards)
+        views = base_views(base.tensor, m.shards)
         starts, at = {}, 0
         for rec in m.shards:
             starts[rec.table] = at
@@ -595,7 +430,7 @@ def _write_deltas(tier, data, mpath, raw, m, deltas, target, cancelled, maps, bu
             close_maps(maps)
 
 
-def _mapped(maps: dict, path: Path, size: int, dtype=torch.uint8) -> _Mapped:
+def _mapped(maps: dict, path: Path, size: int, dtype=torch.uint8) -> MappedFile:
     """``path`` mapped shared and writable, from ``maps`` while it still maps that very file."""
     got = maps.get(path)
     if got is not None:
@@ -605,7 +440,7 @@ def _mapped(maps: dict, path: Path, size: int, dtype=torch.uint8) -> _Mapped:
         except FileNotFoundError:
             pass
         maps.pop(path).close()
-    maps[path] = _Mapped(path, size, dtype)
+    maps[path] = MappedFile(path, size, dtype)
     return maps[path]
 
 
@@ -618,156 +453,3 @@ def close_maps(maps: dict, keep=()) -> None:
     """
     for path in [p for p in maps if p not in keep]:
         maps.pop(path).close()
-
-
-class Applier:
-    """Writes the deltas it is handed into their bases, in a thread of its own, in order.
-
-    Requests queue up; each run takes every queued request and, per chain, writes all its deltas
-    after the base's mark up to the newest requested. An apply that fails is logged and changes
-    nothing a restore needs (the chain keeps its deltas; the next request tries again). The bases'
-    mappings stay open between runs (closed once a base is gone, and by :meth:`cancel`).
-
-    Args:
-        tier: the node's :class:`~elastic_emb.state.snapshot.SnapshotTier`.
-        timeout: how long :meth:`wait` and :meth:`cancel` wait by default.
-    """
-
-    def __init__(self, tier, timeout: float) -> None:
-        self.tier = tier
-        self.timeout = timeout
-        self.applied = 0  # deltas written into bases
-        self._cv = threading.Condition()
-        self._queue: list[tuple[CommitId, list[tuple[int, bool]]]] = []
-        self._running = 0  # commits of the batch under way
-        self._busy = False
-        self._epoch = 0
-        self._maps: dict[Path, _Mapped] = {}  # the bases' mappings, kept open between runs
-        self._writing = threading.Lock()  # held while a base is written (apply_chain)
-        self._buffer = ReadBuffer()  # each delta is read into it (the applier thread only)
-        self._thread: threading.Thread | None = None
-
-    def backlog(self) -> int:
-        """The commits handed over and not applied yet.
-
-        Returns:
-            The commits queued, plus those of the batch under way.
-        """
-        with self._cv:
-            return len(self._queue) + self._running
-
-    def request(self, step: int, commit: CommitId, shards: list[tuple[int, bool]]) -> None:
-        """Queue a complete delta commit's shards held here (own and replicas) for applying.
-
-        Args:
-            step: the commit's step (for events).
-            commit: the commit.
-            shards: ``(source rank, replica)`` of each of its manifests this rank wrote.
-        """
-        with self._cv:
-            self._queue.append((commit, list(shards)))
-            if not self._busy:
-                self._busy = True
-                self._thread = threading.Thread(target=self._run, name="elastic_emb-applier", daemon=True)
-                self._thread.start()
-
-    def wait_below(self, count: int, timeout: float) -> bool:
-        """Wait until at most ``count`` commits are not applied yet (back-pressure: what the
-        deltas not applied hold is bounded).
-
-        Args:
-            count: the backlog to wait for.
-            timeout: the most seconds to wait.
-
-        Returns:
-            Whether the backlog came down to ``count``.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while len(self._queue) + self._running > count and (left := deadline - time.monotonic()) > 0:
-                self._cv.wait(left)
-            return len(self._queue) + self._running <= count
-
-    def _run(self) -> None:
-        from elastic_emb.state.delta import resolve_chains
-
-        while True:
-            with self._cv:
-                self._running = 0
-                self._cv.notify_all()
-                batch, self._queue, epoch = self._queue, [], self._epoch
-                if not batch or exiting():
-                    self._queue = []
-                    self._busy = False
-                    self._cv.notify_all()
-                    return
-                self._running = len(batch)
-
-            def cancelled(epoch=epoch) -> bool:  # cancel() moves the epoch on: this batch stops
-                return self._epoch != epoch or exiting()
-
-            t0, step, done = time.perf_counter(), batch[-1][0].step, 0
-            try:
-                with native_call():  # tensor ops and file writes: the exit waits for them (or cancels)
-                    newest: dict[tuple[int, bool], CommitId] = {}
-                    for commit, shards in batch:
-                        for key in shards:
-                            newest[key] = max(newest.get(key, commit), commit)
-                    chains = resolve_chains(self.tier.manifests())[0]
-                    tips = {(c[-1][1].source_rank, c[-1][1].replica, c[-1][1].commit): c for c in chains.values()}
-                    bases = {c[0][0] for c in chains.values()}
-                    close_maps(self._maps, keep={p for b in bases for p in (b, b.with_name(hashes_file(b.name)))})
-                    for (source, replica), commit in sorted(newest.items()):
-                        if cancelled():
-                            break
-                        chain = tips.get((source, replica, commit))
-                        if chain is not None:  # (else pruned, or its chain broken, meanwhile)
-                            done += apply_chain(self.tier, chain, cancelled, self._maps, self._writing, self._buffer)
-                    if cancelled():
-                        close_maps(self._maps)
-                if done:
-                    self.applied += done
-                    log.debug("apply_complete", step=step, deltas=done, seconds=round(time.perf_counter() - t0, 6))
-            except Exception as exc:  # nothing lost: the chain keeps its deltas
-                close_maps(self._maps)
-                log.warning(
-                    "apply_failed",
-                    step=step,
-                    error=f"{type(exc).__name__}: {exc}"[:400],
-                    remedy="nothing lost: the chain keeps its deltas, the next commit tries again",
-                )
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every queued request is applied.
-
-        Args:
-            timeout: the most seconds to wait; None: the applier's timeout.
-
-        Returns:
-            Whether the applier is idle now.
-        """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._cv:
-            while self._busy and (left := deadline - time.monotonic()) > 0:
-                self._cv.wait(left)
-            return not self._busy
-
-    def cancel(self, timeout: float) -> bool:
-        """Drop the queued requests and stop the apply under way: once this returns, no byte is
-        written into a base any more (a restore may read them next). A run still reading (a base
-        being promoted, which writes no base) ends on its own at its next check.
-
-        Args:
-            timeout: the most seconds to wait for the write under way (one delta at most).
-
-        Returns:
-            Whether no base is being written now.
-        """
-        with self._cv:
-            self._epoch += 1
-            self._queue = []
-        if self._writing.acquire(timeout=timeout):
-            self._writing.release()
-            return True
-        log.warning("apply_still_running", seconds=timeout, remedy="it ends at its next delta; nothing is lost")
-        return False

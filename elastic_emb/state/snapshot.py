@@ -29,12 +29,13 @@ from elastic_emb.events import get_logger
 from elastic_emb.protocol import ShardData
 from elastic_emb.state import app as app_state
 from elastic_emb.state import points
+from elastic_emb.state.applier import Applier
 from elastic_emb.state.capture import DELTA_CHECKSUM, finished_records, record_ranges
 from elastic_emb.state.comm import Comm
 from elastic_emb.state.compact import Compactor, FoldWindow, fold_targets
 from elastic_emb.state.crc import crc32_of, write_and_checksum
 from elastic_emb.state.delta import pack_delta
-from elastic_emb.state.inplace import Applier, aligned, base_hashes, hashes_file, present, write_hashes
+from elastic_emb.state.inplace import present
 from elastic_emb.state.manifest import (
     CommitId,
     ShardRecord,
@@ -54,6 +55,7 @@ from elastic_emb.state.ring import (
     segment_path,
     sweep_segments,
 )
+from elastic_emb.state.rowhash import aligned, base_hashes, hashes_file, write_hashes
 from elastic_emb.state.shardfile import pack_shard, write_blob
 from elastic_emb.state.spares import SpareFiles, remove_dead_spares
 
